@@ -1,0 +1,9 @@
+//! The gateway ties specrag together: today the default-model management and the target-engine
+//! commands behind the `specrag` binary; the RAG pipeline, HTTP API (axum, utoipa) and
+//! ingestion arrive with issues 5 and 6.
+//!
+//! The one design choice a reader must know: model math lives in `target-engine`; this crate
+//! only finds files, validates what users type and reports results.
+
+pub mod bench;
+pub mod models;

@@ -1,0 +1,17 @@
+//! The few hot tensor ops of specrag, kept apart from any model or request logic.
+//!
+//! Each op works on plain `f32` row-major slices laid out as `(rows, heads, head_dim)` with rows
+//! indexed by *absolute position*, and has a reference built from candle primitives next to it
+//! that the tests compare against. The design choice a reader must know: positions are always
+//! explicit, so the same attention kernel serves full prefill, decode, and forward over an
+//! arbitrary subset of positions against a cache that already holds the others.
+//!
+//! CUDA versions will live behind the `cuda` feature; the default build needs no GPU.
+
+pub mod attention;
+pub mod error;
+pub mod rope;
+
+pub use attention::{causal_attention, causal_attention_reference, AttentionShape};
+pub use error::{KernelError, Result};
+pub use rope::{Rope, RopeTable, RopeVariant};

@@ -1,0 +1,53 @@
+//! Errors of the target engine, sorted into what the caller got wrong and what broke inside.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model file is missing; the message names the command that fetches the defaults.
+    #[error("model file {path} not found; run `specrag models fetch` to download the default models, or pass another GGUF file")]
+    ModelNotFound { path: PathBuf },
+    /// The GGUF file could not be read or parsed.
+    #[error("cannot read GGUF file {path}: {reason}")]
+    BadGguf { path: PathBuf, reason: String },
+    /// The file is valid GGUF but describes a model this engine does not run.
+    #[error("unsupported model in {path}: {reason}")]
+    Unsupported { path: PathBuf, reason: String },
+    /// A metadata key the engine needs is missing or has the wrong type.
+    #[error("GGUF metadata key `{key}` is missing or malformed: {reason}")]
+    Metadata { key: String, reason: String },
+    /// The tokenizer data in the GGUF file cannot build a tokenizer.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The caller passed arguments that do not fit (token ids, positions, cache rows).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] kernels::KernelError),
+    /// A candle op failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// I/O while reading the model file.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl EngineError {
+    /// True when the error was caused by what the caller supplied (a request, a file), as
+    /// opposed to a failure inside the engine.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            Self::ModelNotFound { .. }
+                | Self::BadGguf { .. }
+                | Self::Unsupported { .. }
+                | Self::Metadata { .. }
+                | Self::InvalidInput(_)
+        )
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, EngineError>;

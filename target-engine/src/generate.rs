@@ -1,0 +1,158 @@
+//! Generation on top of the forward pass: full prefill, incremental decode, sampling,
+//! end-of-generation tokens and stop strings, and the ChatML template of the instruct models.
+
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+use std::time::Instant;
+
+/// Default system message of the chat template (the one llama.cpp's fixtures use).
+pub const DEFAULT_SYSTEM: &str = "You are a helpful assistant.";
+
+/// Generation settings.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation stops when the text contains any of these; the stop string is cut off.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-generation token was produced.
+    Eos,
+    /// A stop string appeared.
+    Stop,
+    /// `max_tokens` were produced.
+    Length,
+}
+
+/// The result of one generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated ids (an end-of-generation token included when one ended it).
+    pub ids: Vec<u32>,
+    /// Generated text without control tokens, cut before a stop string.
+    pub text: String,
+    pub prefill_ms: f64,
+    /// Mean time of one decode step (0 when nothing was decoded).
+    pub decode_ms_per_token: f64,
+    pub finish: FinishReason,
+}
+
+/// ChatML prompt ids for one user turn: role headers and control tokens are parsed as
+/// special tokens, message contents never are (a document containing `<|im_start|>` stays text).
+pub fn chat_prompt(tok: &Tokenizer, system: Option<&str>, user: &str) -> Vec<u32> {
+    let mut ids = Vec::new();
+    if tok.add_bos() {
+        ids.extend(tok.bos());
+    }
+    let mut turn = |role: &str, content: &str| {
+        ids.extend(tok.encode(&format!("<|im_start|>{role}\n"), true).ids);
+        ids.extend(tok.encode(content, false).ids);
+        ids.extend(tok.encode("<|im_end|>\n", true).ids);
+    };
+    if let Some(s) = system {
+        turn("system", s);
+    }
+    turn("user", user);
+    ids.extend(tok.encode("<|im_start|>assistant\n", true).ids);
+    ids
+}
+
+/// Ids of a raw prompt: special tokens parsed, BOS added when the model asks for it.
+pub fn raw_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
+    let mut ids = Vec::new();
+    if tok.add_bos() {
+        ids.extend(tok.bos());
+    }
+    ids.extend(tok.encode(text, true).ids);
+    ids
+}
+
+impl Model {
+    /// Prefills `prompt` and decodes up to `params.max_tokens` tokens.
+    pub fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidInput("prompt is empty".into()));
+        }
+        let t0 = Instant::now();
+        let (mut cache, logits) = self.prefill(prompt)?;
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.decode_from(&mut cache, logits, prefill_ms, params)
+    }
+
+    /// Continues generation from a filled cache and the logits of its last position.
+    pub fn decode_from(
+        &self,
+        cache: &mut KvCache,
+        mut logits: Vec<f32>,
+        prefill_ms: f64,
+        params: &GenerateParams,
+    ) -> Result<Generation> {
+        let tok = self.tokenizer();
+        let mut sampler = Sampler::new(params.sampling);
+        let mut ids = Vec::new();
+        let mut finish = FinishReason::Length;
+        let mut text = String::new();
+        let t0 = Instant::now();
+        let mut steps = 0usize;
+        while ids.len() < params.max_tokens {
+            let next = sampler.sample(&logits);
+            ids.push(next);
+            if tok.is_end_of_generation(next) {
+                finish = FinishReason::Eos;
+                break;
+            }
+            text = tok.decode(&ids, false);
+            if let Some(at) = params
+                .stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+            {
+                text.truncate(at);
+                finish = FinishReason::Stop;
+                break;
+            }
+            if ids.len() == params.max_tokens {
+                break;
+            }
+            let pos = cache.len();
+            let out = self.forward(&[next], &[pos], cache, false)?;
+            logits = self.last_logits(&out)?;
+            steps += 1;
+        }
+        if finish == FinishReason::Eos {
+            text = tok.decode(&ids, false);
+        }
+        let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(Generation {
+            ids,
+            text,
+            prefill_ms,
+            decode_ms_per_token: if steps > 0 {
+                decode_ms / steps as f64
+            } else {
+                0.0
+            },
+            finish,
+        })
+    }
+}

@@ -1,0 +1,177 @@
+//! The external KV cache: per layer K (after RoPE) and V, one row per absolute position.
+//!
+//! The model holds no cache; the engine owns these so they can be loaded, rotated, fused and
+//! stored. Row `p` of every layer holds the token at position `p`, so a forward over any subset
+//! of positions writes exactly its rows and attends to whatever the others hold.
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+
+/// K and V rows of every layer, indexed by position.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    n_layer: usize,
+    row: usize,
+    rows: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    filled: Vec<bool>,
+}
+
+impl KvCache {
+    /// An empty cache shaped for `config`.
+    pub fn new(config: &ModelConfig) -> Self {
+        Self::with_shape(config.n_layer, config.kv_row())
+    }
+
+    /// An empty cache of `n_layer` layers with `row` values (kv heads x head dim) per position.
+    pub fn with_shape(n_layer: usize, row: usize) -> Self {
+        Self {
+            n_layer,
+            row,
+            rows: 0,
+            k: vec![Vec::new(); n_layer],
+            v: vec![Vec::new(); n_layer],
+            filled: Vec::new(),
+        }
+    }
+
+    /// Number of layers.
+    pub fn n_layer(&self) -> usize {
+        self.n_layer
+    }
+
+    /// Values per row (kv heads x head dim).
+    pub fn row_len(&self) -> usize {
+        self.row
+    }
+
+    /// Rows held: one past the highest position ever written.
+    pub fn len(&self) -> usize {
+        self.rows
+    }
+
+    /// True when no position has been written.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// True when every row below `len()` holds a computed token.
+    pub fn is_complete(&self) -> bool {
+        self.filled.iter().all(|&f| f)
+    }
+
+    /// True when row `pos` holds a computed token.
+    pub fn is_filled(&self, pos: usize) -> bool {
+        self.filled.get(pos).copied().unwrap_or(false)
+    }
+
+    /// K rows `0..len()` of `layer`, `(len, kv heads, head dim)` row-major.
+    pub fn k(&self, layer: usize) -> &[f32] {
+        &self.k[layer][..self.rows * self.row]
+    }
+
+    /// V rows `0..len()` of `layer`.
+    pub fn v(&self, layer: usize) -> &[f32] {
+        &self.v[layer][..self.rows * self.row]
+    }
+
+    /// K rows `0..rows` of `layer` (which must be `<= len()`).
+    pub(crate) fn k_prefix(&self, layer: usize, rows: usize) -> &[f32] {
+        &self.k[layer][..rows * self.row]
+    }
+
+    /// V rows `0..rows` of `layer`.
+    pub(crate) fn v_prefix(&self, layer: usize, rows: usize) -> &[f32] {
+        &self.v[layer][..rows * self.row]
+    }
+
+    /// Drops every row at or after `len` (e.g. to roll back rejected draft tokens).
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.rows {
+            self.rows = len;
+            self.filled.truncate(len);
+            for l in 0..self.n_layer {
+                self.k[l].truncate(len * self.row);
+                self.v[l].truncate(len * self.row);
+            }
+        }
+    }
+
+    /// Makes room for the rows of a forward at `positions` and checks that, once they are
+    /// written, every row up to the highest of them holds a token (no query may attend to a
+    /// hole).
+    pub(crate) fn prepare(&mut self, positions: &[usize]) -> Result<()> {
+        let Some(&max) = positions.iter().max() else {
+            return Ok(());
+        };
+        let needed = max + 1;
+        if needed > self.rows {
+            for l in 0..self.n_layer {
+                self.k[l].resize(needed * self.row, 0.0);
+                self.v[l].resize(needed * self.row, 0.0);
+            }
+            self.filled.resize(needed, false);
+            self.rows = needed;
+        }
+        let mut incoming = vec![false; needed];
+        for &p in positions {
+            if incoming[p] {
+                return Err(EngineError::InvalidInput(format!(
+                    "position {p} appears twice in one forward"
+                )));
+            }
+            incoming[p] = true;
+        }
+        if let Some(hole) = (0..needed).find(|&r| !self.filled[r] && !incoming[r]) {
+            return Err(EngineError::InvalidInput(format!(
+                "cache has no token at position {hole}, below position {max} being computed"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes K and V rows (`(positions.len(), row)` each) of one layer at their positions.
+    pub(crate) fn write(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
+        let row = self.row;
+        for (i, &p) in positions.iter().enumerate() {
+            self.k[layer][p * row..(p + 1) * row].copy_from_slice(&k[i * row..(i + 1) * row]);
+            self.v[layer][p * row..(p + 1) * row].copy_from_slice(&v[i * row..(i + 1) * row]);
+        }
+    }
+
+    /// Marks rows as holding computed tokens.
+    pub(crate) fn mark_filled(&mut self, positions: &[usize]) {
+        for &p in positions {
+            self.filled[p] = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holes_below_a_query_are_rejected() {
+        let mut c = KvCache::with_shape(1, 2);
+        assert!(c.prepare(&[0, 1, 2]).is_ok());
+        c.mark_filled(&[0, 1, 2]);
+        assert!(c.prepare(&[5]).is_err(), "rows 3 and 4 are empty");
+        assert!(c.prepare(&[3, 3]).is_err(), "duplicate position");
+        assert!(c.prepare(&[4, 3]).is_ok(), "order does not matter");
+    }
+
+    #[test]
+    fn truncate_drops_rows() {
+        let mut c = KvCache::with_shape(2, 3);
+        c.prepare(&[0, 1, 2, 3]).expect("contiguous");
+        c.write(1, &[2], &[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]);
+        c.mark_filled(&[0, 1, 2, 3]);
+        assert_eq!(&c.k(1)[6..9], &[1.0, 2.0, 3.0]);
+        c.truncate(2);
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.k(1).len(), 6);
+        assert!(c.is_complete());
+    }
+}

@@ -1,0 +1,27 @@
+//! The target engine: GGUF loading (qwen2, llama), a tokenizer built from the file's own
+//! metadata, and a transformer forward pass written over candle ops.
+//!
+//! The one design choice a reader must know: the model holds no cache. [`Model::forward`] takes
+//! token ids, their explicit positions and an external [`KvCache`] whose row `p` is the token
+//! at position `p`; it writes the rows it computes and reads the others. Full prefill, decode,
+//! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
+//! the same call. The LM head is a separate step ([`Model::logits`]).
+
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::{EngineError, Result};
+pub use generate::{
+    chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,
+};
+pub use kv::KvCache;
+pub use model::{ForwardOutput, LoadOptions, Model};
+pub use sampling::{argmax, Sampler, SamplingParams};
+pub use tokenizer::{Encoding, TokenType, Tokenizer};

@@ -1,0 +1,366 @@
+//! The transformer forward pass (qwen2 and llama), written over candle ops with an external
+//! KV cache, explicit positions, optional per-layer hidden states and a separate LM head.
+//!
+//! Every linear layer keeps its quantized weights (read once per token: decode is memory
+//! bound) and, unless disabled, a dense f32 copy used when many rows are computed at once
+//! (prefill is compute bound and dense GEMM beats the generic quantized kernels here; see
+//! `shared/PERFORMANCE.md`).
+
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use crate::kv::KvCache;
+use crate::tokenizer::Tokenizer;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+use kernels::{AttentionShape, Rope};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// How a model is loaded.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Keep dense f32 copies of the weights for many-row forwards (≈4x the file size in RAM).
+    pub dense: bool,
+    /// Forwards over at least this many rows use the dense weights.
+    pub dense_min_rows: usize,
+    /// Run a short forward at load so weight repacking does not land on the first request.
+    pub warmup: bool,
+    /// Re-quantize decode weights stored as Q4_1 / Q5_0 / Q5_1 to Q8_0. candle has no SIMD
+    /// kernel for those types (a scalar loop at ~15 GFLOP/s) but an AVX2 one for Q8_0; the
+    /// rounding this adds is below 7% of the original quantization step.
+    pub decode_q8: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dense: true,
+            dense_min_rows: 8,
+            warmup: true,
+            decode_q8: true,
+        }
+    }
+}
+
+/// A linear layer `y = x Wᵀ (+ b)` with quantized and optional dense weights.
+#[derive(Debug)]
+struct Linear {
+    quant: QMatMul,
+    dense_t: Option<Tensor>,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(f: &mut GgufFile, name: &str, bias: bool, opts: &LoadOptions) -> Result<Self> {
+        let q = f.tensor(&format!("{name}.weight"))?;
+        let slow = matches!(
+            q.dtype(),
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+        );
+        let dense = if opts.dense || (opts.decode_q8 && slow) {
+            Some(q.dequantize(&Device::Cpu)?)
+        } else {
+            None
+        };
+        let quant = match &dense {
+            Some(w) if opts.decode_q8 && slow => QTensor::quantize(w, GgmlDType::Q8_0)?,
+            _ => q,
+        };
+        let dense_t = match dense {
+            Some(w) if opts.dense => Some(w.t()?),
+            _ => None,
+        };
+        let bias = if bias {
+            Some(
+                f.tensor(&format!("{name}.bias"))?
+                    .dequantize(&Device::Cpu)?,
+            )
+        } else {
+            None
+        };
+        Ok(Self {
+            quant: QMatMul::from_qtensor(quant)?,
+            dense_t,
+            bias,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor> {
+        let y = match (&self.dense_t, dense) {
+            (Some(w), true) => x.matmul(w)?,
+            _ => self.quant.forward(x)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// What a forward returns.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// Final-normed hidden states `(n, n_embd)`, ready for [`Model::logits`].
+    pub hidden: Tensor,
+    /// Residual stream after each layer `(n, n_embd)`, when requested.
+    pub layers: Vec<Tensor>,
+}
+
+/// A loaded model: weights, tokenizer and identity. Holds no per-request state.
+#[derive(Debug)]
+pub struct Model {
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    fingerprint: String,
+    path: PathBuf,
+    rope: Rope,
+    embed: Arc<QTensor>,
+    layers: Vec<Layer>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+    dense_min_rows: usize,
+    has_dense: bool,
+}
+
+impl Model {
+    /// Loads a qwen2 or llama GGUF file.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        let mut f = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&f)?;
+        let tokenizer = Tokenizer::from_gguf(&f)?;
+        let fingerprint = f.fingerprint();
+        let rope = Rope::new(
+            config.arch.rope_variant(),
+            config.head_dim,
+            config.rope_theta,
+        )?;
+        let bias = config.arch == Architecture::Qwen2;
+        let norm = |f: &mut GgufFile, name: &str| -> Result<Tensor> {
+            Ok(f.tensor(name)?
+                .dequantize(&Device::Cpu)?
+                .to_dtype(DType::F32)?)
+        };
+        let mut layers = Vec::with_capacity(config.n_layer);
+        for i in 0..config.n_layer {
+            let p = format!("blk.{i}");
+            layers.push(Layer {
+                attn_norm: norm(&mut f, &format!("{p}.attn_norm.weight"))?,
+                wq: Linear::load(&mut f, &format!("{p}.attn_q"), bias, opts)?,
+                wk: Linear::load(&mut f, &format!("{p}.attn_k"), bias, opts)?,
+                wv: Linear::load(&mut f, &format!("{p}.attn_v"), bias, opts)?,
+                wo: Linear::load(&mut f, &format!("{p}.attn_output"), false, opts)?,
+                ffn_norm: norm(&mut f, &format!("{p}.ffn_norm.weight"))?,
+                gate: Linear::load(&mut f, &format!("{p}.ffn_gate"), false, opts)?,
+                up: Linear::load(&mut f, &format!("{p}.ffn_up"), false, opts)?,
+                down: Linear::load(&mut f, &format!("{p}.ffn_down"), false, opts)?,
+            });
+        }
+        let embed = Arc::new(f.tensor("token_embd.weight")?);
+        let lm_head = if f.has_tensor("output.weight") {
+            QMatMul::from_qtensor(f.tensor("output.weight")?)?
+        } else {
+            QMatMul::from_arc(embed.clone())?
+        };
+        let output_norm = norm(&mut f, "output_norm.weight")?;
+        let (vocab, dim) = embed.shape().dims2()?;
+        if dim != config.n_embd || vocab < tokenizer.vocab_size() {
+            return Err(EngineError::BadGguf {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "token_embd is {vocab}x{dim}, expected {}x{}",
+                    tokenizer.vocab_size(),
+                    config.n_embd
+                ),
+            });
+        }
+        let model = Self {
+            config,
+            tokenizer,
+            fingerprint,
+            path: path.to_path_buf(),
+            rope,
+            embed,
+            layers,
+            output_norm,
+            lm_head,
+            dense_min_rows: opts.dense_min_rows.max(1),
+            has_dense: opts.dense,
+        };
+        if opts.warmup {
+            model.warmup()?;
+        }
+        Ok(model)
+    }
+
+    /// Runs both weight paths once so one-time repacking happens now.
+    fn warmup(&self) -> Result<()> {
+        let n = self.dense_min_rows.max(2);
+        let ids = vec![0u32; n];
+        let pos: Vec<usize> = (0..n).collect();
+        let mut cache = KvCache::new(&self.config);
+        let out = self.forward(&ids, &pos, &mut cache, false)?;
+        self.logits(&out.hidden.narrow(0, n - 1, 1)?)?;
+        let out = self.forward(&[0], &[n], &mut cache, false)?;
+        self.logits(&out.hidden)?;
+        Ok(())
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The tokenizer built from this file.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Hash of the file's metadata and tensor table; binds caches to this exact model.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Path the model was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The model's rotary embedding.
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// A fresh, empty cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(&self.config)
+    }
+
+    /// Runs every layer for `ids` at `positions`, writing their K/V rows into `cache` and
+    /// attending causally (by position) over everything the cache holds below each query.
+    /// Rows already in the cache at other positions are read, never changed.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        collect_layers: bool,
+    ) -> Result<ForwardOutput> {
+        let c = &self.config;
+        let n = ids.len();
+        if n == 0 || positions.len() != n {
+            return Err(EngineError::InvalidInput(format!(
+                "{n} ids for {} positions",
+                positions.len()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} >= vocabulary size {}",
+                c.vocab_size
+            )));
+        }
+        if cache.n_layer() != c.n_layer || cache.row_len() != c.kv_row() {
+            return Err(EngineError::InvalidInput(
+                "cache was made for another model".into(),
+            ));
+        }
+        cache.prepare(positions)?;
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        let dense = self.has_dense && n >= self.dense_min_rows;
+        let table = self
+            .rope
+            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        let shape = AttentionShape {
+            n_head: c.n_head,
+            n_kv_head: c.n_kv_head,
+            head_dim: c.head_dim,
+        };
+        let ids_t = Tensor::new(ids, &Device::Cpu)?;
+        let mut x = self.embed.embedding(&ids_t)?;
+        let mut layers = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
+            let mut q = layer
+                .wq
+                .forward(&h, dense)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let mut k = layer
+                .wk
+                .forward(&h, dense)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v = layer
+                .wv
+                .forward(&h, dense)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            self.rope.apply(&table, &mut q, c.n_head)?;
+            self.rope.apply(&table, &mut k, c.n_kv_head)?;
+            cache.write(l, positions, &k, &v);
+            let attn = kernels::causal_attention(
+                &q,
+                positions,
+                cache.k_prefix(l, rows),
+                cache.v_prefix(l, rows),
+                shape,
+            )?;
+            let attn = Tensor::from_vec(attn, (n, c.n_embd), &Device::Cpu)?;
+            x = (x + layer.wo.forward(&attn, dense)?)?;
+            let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
+            let g = layer.gate.forward(&h, dense)?.silu()?;
+            let u = layer.up.forward(&h, dense)?;
+            x = (&x + layer.down.forward(&(g * u)?, dense)?)?;
+            if collect_layers {
+                layers.push(x.clone());
+            }
+        }
+        cache.mark_filled(positions);
+        let hidden = rms_norm(&x, &self.output_norm, c.rms_eps)?;
+        Ok(ForwardOutput { hidden, layers })
+    }
+
+    /// The LM head: logits `(m, vocab)` for final-normed hidden rows `(m, n_embd)`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?)
+    }
+
+    /// Logits of the last row of a forward, as a plain vector.
+    pub fn last_logits(&self, out: &ForwardOutput) -> Result<Vec<f32>> {
+        let (n, _) = out.hidden.dims2()?;
+        let logits = self.logits(&out.hidden.narrow(0, n - 1, 1)?)?;
+        let mut v = logits.flatten_all()?.to_vec1::<f32>()?;
+        v.truncate(self.tokenizer.vocab_size());
+        Ok(v)
+    }
+
+    /// Full prefill of `ids` at positions `0..n` into a fresh cache; returns the cache and
+    /// the logits of the last position.
+    pub fn prefill(&self, ids: &[u32]) -> Result<(KvCache, Vec<f32>)> {
+        let mut cache = self.new_cache();
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let out = self.forward(ids, &positions, &mut cache, false)?;
+        Ok((cache, self.last_logits(&out)?))
+    }
+}
+
+/// `x / sqrt(mean(x²) + eps) * w` over the last dimension.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (ms + eps)?.sqrt()?.recip()?;
+    Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)
+}

@@ -1,0 +1,565 @@
+//! Byte-level BPE tokenizer built from a GGUF file's own metadata, matching llama.cpp.
+//!
+//! The pipeline is llama.cpp's: split the text on special tokens (user-defined tokens always,
+//! control tokens such as `<|im_start|>` only when asked), split each plain fragment with the
+//! pre-tokenizer regexes that `tokenizer.ggml.pre` names, map bytes to the GPT-2 byte alphabet,
+//! and apply merges by rank (leftmost first on ties). Every token carries the byte range of the
+//! input it came from, so callers can map between tokenizations by shared text.
+
+use crate::error::{EngineError, Result};
+use crate::gguf::{value_as_u64, GgufFile};
+use candle_core::quantized::gguf_file::Value;
+use fancy_regex::Regex;
+use std::collections::{HashMap, HashSet};
+
+/// What a vocabulary entry is, from `tokenizer.ggml.token_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenType {
+    Normal,
+    Unknown,
+    /// Chat-control tokens (`<|im_start|>`): parsed from text only on request, never printed.
+    Control,
+    /// Added tokens that llama.cpp always parses from text and prints as-is.
+    UserDefined,
+    Unused,
+    Byte,
+}
+
+impl TokenType {
+    fn from_code(code: u64) -> Self {
+        match code {
+            2 => Self::Unknown,
+            3 => Self::Control,
+            4 => Self::UserDefined,
+            5 => Self::Unused,
+            6 => Self::Byte,
+            _ => Self::Normal,
+        }
+    }
+}
+
+/// Marks a byte the vocabulary has no symbol for.
+const NO_TOKEN: u32 = u32::MAX;
+
+/// Token ids with the byte range of the input text each one covers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Encoding {
+    pub ids: Vec<u32>,
+    /// `[start, end)` byte offsets into the UTF-8 input. A token holding part of a multi-byte
+    /// character covers just the bytes it holds.
+    pub offsets: Vec<(usize, usize)>,
+}
+
+impl Encoding {
+    /// Offsets converted to character (Unicode scalar) indices of `text`; a token that covers
+    /// part of a character is widened to the whole character.
+    pub fn char_offsets(&self, text: &str) -> Vec<(usize, usize)> {
+        // char_at[b] = index of the character that byte b belongs to.
+        let mut char_at = Vec::with_capacity(text.len() + 1);
+        for (ci, c) in text.chars().enumerate() {
+            char_at.extend(std::iter::repeat_n(ci, c.len_utf8()));
+        }
+        let n_chars = char_at.last().map_or(0, |&c| c + 1);
+        char_at.push(n_chars);
+        self.offsets
+            .iter()
+            .map(|&(s, e)| {
+                if e > s {
+                    (char_at[s], char_at[e - 1] + 1)
+                } else {
+                    (char_at[s], char_at[s])
+                }
+            })
+            .collect()
+    }
+}
+
+/// Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
+fn pre_tokenizer(pre: &str) -> Option<Vec<&'static str>> {
+    const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // llama.cpp runs GPT-2's pattern through a hand-written matcher that also takes a
+    // whitespace run no other branch took, which is what the trailing `|\s+` says.
+    const GPT2: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+    match pre {
+        "qwen2" => Some(vec![QWEN2]),
+        "smollm" | "starcoder" | "refact" => Some(vec![r"\p{N}", GPT2]),
+        "gpt2" | "gpt-2" | "default" => Some(vec![GPT2]),
+        _ => None,
+    }
+}
+
+/// GPT-2's reversible map from bytes to printable characters.
+fn byte_alphabet() -> [char; 256] {
+    let mut map = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        map[b as usize] = if printable {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap_or('\0')
+        };
+    }
+    map
+}
+
+/// A byte-level BPE tokenizer (the GGUF `gpt2` tokenizer model).
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    pre_name: String,
+    pre: Vec<Regex>,
+    token_text: Vec<String>,
+    token_bytes: Vec<Vec<u8>>,
+    types: Vec<TokenType>,
+    /// (left id, right id) -> (rank, merged id)
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    byte_token: [u32; 256],
+    /// Special tokens to split on, longest text first.
+    specials: Vec<u32>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    eog: HashSet<u32>,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer described by the file's `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(f: &GgufFile) -> Result<Self> {
+        let model = f.string("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(EngineError::Unsupported {
+                path: f.path().to_path_buf(),
+                reason: format!("tokenizer model `{model}` (supported: gpt2 byte-level BPE)"),
+            });
+        }
+        let pre_name = f
+            .string("tokenizer.ggml.pre")
+            .unwrap_or("default")
+            .to_string();
+        let patterns = pre_tokenizer(&pre_name).ok_or_else(|| EngineError::Unsupported {
+            path: f.path().to_path_buf(),
+            reason: format!("pre-tokenizer `{pre_name}` (supported: qwen2, smollm, gpt2)"),
+        })?;
+        let pre = patterns
+            .iter()
+            .map(|p| Regex::new(p).map_err(|e| EngineError::Tokenizer(format!("regex {p}: {e}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let tokens: Vec<String> = f
+            .array("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                other => Err(EngineError::Tokenizer(format!(
+                    "token entry is not a string: {other:?}"
+                ))),
+            })
+            .collect::<Result<_>>()?;
+        let types: Vec<TokenType> = match f.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| TokenType::from_code(value_as_u64(v).unwrap_or(1)))
+                .collect(),
+            _ => vec![TokenType::Normal; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(EngineError::Tokenizer(format!(
+                "{} token types for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+        let merge_list: Vec<&str> = match f.get("tokenizer.ggml.merges") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.as_str()),
+                    other => Err(EngineError::Tokenizer(format!(
+                        "merge entry is not a string: {other:?}"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            _ => {
+                return Err(EngineError::Tokenizer(
+                    "tokenizer.ggml.merges is missing".into(),
+                ))
+            }
+        };
+        let opt_id = |key: &str| f.get(key).and_then(value_as_u64).map(|x| x as u32);
+        let add_bos = matches!(
+            f.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        Self::build(
+            pre_name,
+            pre,
+            tokens,
+            types,
+            &merge_list,
+            opt_id("tokenizer.ggml.bos_token_id"),
+            opt_id("tokenizer.ggml.eos_token_id"),
+            add_bos,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        pre_name: String,
+        pre: Vec<Regex>,
+        tokens: Vec<String>,
+        types: Vec<TokenType>,
+        merge_list: &[&str],
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+    ) -> Result<Self> {
+        let alphabet = byte_alphabet();
+        let inverse: HashMap<char, u8> = alphabet
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+        let vocab: HashMap<&str, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.as_str(), i as u32))
+            .collect();
+        // Some vocabularies (SmolLM2) lack a few control bytes; like llama.cpp, such bytes are
+        // dropped from the output.
+        let mut byte_token = [NO_TOKEN; 256];
+        for (b, c) in alphabet.iter().enumerate() {
+            if let Some(&id) = vocab.get(c.to_string().as_str()) {
+                byte_token[b] = id;
+            }
+        }
+        if byte_token.iter().filter(|&&t| t == NO_TOKEN).count() > 32 {
+            return Err(EngineError::Tokenizer(
+                "vocabulary is not byte-level: most byte symbols are missing".into(),
+            ));
+        }
+        let mut merges = HashMap::with_capacity(merge_list.len());
+        for (rank, m) in merge_list.iter().enumerate() {
+            let Some((l, r)) = m.split_once(' ') else {
+                return Err(EngineError::Tokenizer(format!(
+                    "merge {rank} `{m}` has no space"
+                )));
+            };
+            if let (Some(&li), Some(&ri), Some(&mi)) = (
+                vocab.get(l),
+                vocab.get(r),
+                vocab.get(format!("{l}{r}").as_str()),
+            ) {
+                merges.entry((li, ri)).or_insert((rank as u32, mi));
+            }
+        }
+        let token_bytes = tokens
+            .iter()
+            .zip(&types)
+            .map(|(t, ty)| match ty {
+                TokenType::Normal | TokenType::Byte | TokenType::Unknown => t
+                    .chars()
+                    .flat_map(|c| match inverse.get(&c) {
+                        Some(&b) => vec![b],
+                        None => c.to_string().into_bytes(),
+                    })
+                    .collect(),
+                _ => t.as_bytes().to_vec(),
+            })
+            .collect();
+        let mut specials: Vec<u32> = (0..tokens.len() as u32)
+            .filter(|&i| {
+                matches!(
+                    types[i as usize],
+                    TokenType::Control | TokenType::UserDefined
+                ) && !tokens[i as usize].is_empty()
+            })
+            .collect();
+        specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
+        const END_OF_GENERATION: [&str; 6] = [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "<|end|>",
+            "<end_of_turn>",
+            "<|end_of_text|>",
+        ];
+        let mut eog: HashSet<u32> = eos.into_iter().collect();
+        for (i, t) in tokens.iter().enumerate() {
+            if END_OF_GENERATION.contains(&t.as_str()) && types[i] == TokenType::Control {
+                eog.insert(i as u32);
+            }
+        }
+        Ok(Self {
+            pre_name,
+            pre,
+            token_text: tokens,
+            token_bytes,
+            types,
+            merges,
+            byte_token,
+            specials,
+            bos,
+            eos,
+            add_bos,
+            eog,
+        })
+    }
+
+    /// Number of entries in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        self.token_text.len()
+    }
+
+    /// The `tokenizer.ggml.pre` name this tokenizer splits text with.
+    pub fn pre_tokenizer(&self) -> &str {
+        &self.pre_name
+    }
+
+    /// Beginning-of-sequence token, when the model defines one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// End-of-sequence token, when the model defines one.
+    pub fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Whether llama.cpp prepends BOS to a prompt for this model.
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// True for tokens that end generation (EOS, `<|im_end|>`, `<|endoftext|>`...).
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    /// The id of a token by its exact vocabulary text.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.token_text
+            .iter()
+            .position(|t| t == text)
+            .map(|i| i as u32)
+    }
+
+    /// Encodes `text`; control tokens written in the text are parsed as such only when
+    /// `parse_special` is true (user-defined added tokens always are, as in llama.cpp).
+    pub fn encode(&self, text: &str, parse_special: bool) -> Encoding {
+        let mut out = Encoding::default();
+        for frag in self.split_special(text, parse_special) {
+            match frag {
+                Fragment::Special(id, s, e) => {
+                    out.ids.push(id);
+                    out.offsets.push((s, e));
+                }
+                Fragment::Text(s, e) => self.encode_plain(text, s, e, &mut out),
+            }
+        }
+        out
+    }
+
+    fn split_special(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
+        let mut frags = vec![Fragment::Text(0, text.len())];
+        if text.is_empty() {
+            return Vec::new();
+        }
+        for &id in &self.specials {
+            if self.types[id as usize] == TokenType::Control && !parse_special {
+                continue;
+            }
+            let needle = self.token_text[id as usize].as_str();
+            if !text.contains(needle) {
+                continue;
+            }
+            let mut next = Vec::with_capacity(frags.len());
+            for f in frags {
+                let Fragment::Text(s, e) = f else {
+                    next.push(f);
+                    continue;
+                };
+                let mut cur = s;
+                for (i, _) in text[s..e].match_indices(needle) {
+                    let at = s + i;
+                    if at > cur {
+                        next.push(Fragment::Text(cur, at));
+                    }
+                    next.push(Fragment::Special(id, at, at + needle.len()));
+                    cur = at + needle.len();
+                }
+                if cur < e {
+                    next.push(Fragment::Text(cur, e));
+                }
+            }
+            frags = next;
+        }
+        frags
+    }
+
+    /// Splits `text[s..e]` with the pre-tokenizer regexes, in turn, keeping unmatched gaps.
+    fn pieces(&self, text: &str, s: usize, e: usize) -> Vec<(usize, usize)> {
+        let mut ranges = vec![(s, e)];
+        for re in &self.pre {
+            let mut next = Vec::with_capacity(ranges.len() * 2);
+            for (rs, re_end) in ranges {
+                let hay = &text[rs..re_end];
+                let mut cur = 0;
+                for m in re.find_iter(hay) {
+                    // fancy-regex only fails on backtrack limits, which these patterns cannot hit;
+                    // the text is then kept as one piece rather than lost.
+                    let Ok(m) = m else { break };
+                    if m.start() > cur {
+                        next.push((rs + cur, rs + m.start()));
+                    }
+                    if m.end() > m.start() {
+                        next.push((rs + m.start(), rs + m.end()));
+                    }
+                    cur = m.end();
+                }
+                if cur < hay.len() {
+                    next.push((rs + cur, re_end));
+                }
+            }
+            ranges = next;
+        }
+        ranges
+    }
+
+    fn encode_plain(&self, text: &str, s: usize, e: usize, out: &mut Encoding) {
+        let bytes = text.as_bytes();
+        for (ps, pe) in self.pieces(text, s, e) {
+            // Symbols: (token id, start byte, end byte).
+            let mut syms: Vec<(u32, usize, usize)> = (ps..pe)
+                .map(|i| (self.byte_token[bytes[i] as usize], i, i + 1))
+                .collect();
+            loop {
+                let best = syms
+                    .windows(2)
+                    .enumerate()
+                    .filter_map(|(i, w)| {
+                        self.merges
+                            .get(&(w[0].0, w[1].0))
+                            .map(|&(rank, id)| (rank, i, id))
+                    })
+                    .min_by_key(|&(rank, i, _)| (rank, i));
+                let Some((_, i, id)) = best else { break };
+                syms[i] = (id, syms[i].1, syms[i + 1].2);
+                syms.remove(i + 1);
+            }
+            for (id, a, b) in syms.into_iter().filter(|s| s.0 != NO_TOKEN) {
+                out.ids.push(id);
+                out.offsets.push((a, b));
+            }
+        }
+    }
+
+    /// The bytes a token stands for (its text for special tokens).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes
+            .get(id as usize)
+            .map_or(&[], |b| b.as_slice())
+    }
+
+    /// Decodes ids to text; control tokens are dropped unless `with_special`. Invalid UTF-8
+    /// (a sequence cut inside a character) is replaced by U+FFFD.
+    pub fn decode(&self, ids: &[u32], with_special: bool) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            let ty = self
+                .types
+                .get(id as usize)
+                .copied()
+                .unwrap_or(TokenType::Unused);
+            if ty == TokenType::Control && !with_special {
+                continue;
+            }
+            bytes.extend_from_slice(self.token_bytes(id));
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+enum Fragment {
+    Text(usize, usize),
+    Special(u32, usize, usize),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny vocabulary: the 256 byte symbols, a few merges and two specials.
+    pub(crate) fn tiny() -> Tokenizer {
+        let alphabet = byte_alphabet();
+        let mut tokens: Vec<String> = alphabet.iter().map(|c| c.to_string()).collect();
+        let mut types = vec![TokenType::Normal; 256];
+        let space = alphabet[b' ' as usize];
+        for t in [
+            "he",
+            "ll",
+            "llo",
+            "hello",
+            &format!("{space}w"),
+            "<|im_start|>",
+            "<tool>",
+        ] {
+            tokens.push(t.to_string());
+        }
+        types.extend([TokenType::Normal; 5]);
+        types.push(TokenType::Control);
+        types.push(TokenType::UserDefined);
+        let merges = ["h e", "l l", "ll o", "he llo", &format!("{space} w")];
+        let pre = vec![Regex::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
+        Tokenizer::build(
+            "qwen2".into(),
+            pre,
+            tokens,
+            types,
+            &merges,
+            None,
+            None,
+            false,
+        )
+        .expect("tiny tokenizer builds")
+    }
+
+    #[test]
+    fn merges_apply_by_rank_and_offsets_cover_the_text() {
+        let t = tiny();
+        let enc = t.encode("hello wo", false);
+        let hello = t.token_id("hello").expect("in vocab");
+        assert_eq!(enc.ids[0], hello);
+        assert_eq!(enc.offsets, vec![(0, 5), (5, 7), (7, 8)]);
+        assert_eq!(t.decode(&enc.ids, false), "hello wo");
+    }
+
+    #[test]
+    fn control_tokens_are_parsed_only_on_request_user_defined_always() {
+        let t = tiny();
+        let start = t.token_id("<|im_start|>").expect("in vocab");
+        let tool = t.token_id("<tool>").expect("in vocab");
+        let plain = t.encode("<|im_start|>x<tool>", false);
+        assert!(!plain.ids.contains(&start));
+        assert!(plain.ids.contains(&tool));
+        let special = t.encode("<|im_start|>x<tool>", true);
+        assert_eq!(special.ids[0], start);
+        assert_eq!(special.offsets[0], (0, 12));
+        assert_eq!(t.decode(&special.ids, false), "x<tool>");
+        assert_eq!(t.decode(&special.ids, true), "<|im_start|>x<tool>");
+    }
+
+    #[test]
+    fn multibyte_characters_round_trip_and_char_offsets_widen() {
+        let t = tiny();
+        let text = "é東";
+        let enc = t.encode(text, false);
+        assert_eq!(enc.ids.len(), 5, "no merges: one token per byte");
+        assert_eq!(t.decode(&enc.ids, false), text);
+        assert_eq!(
+            enc.char_offsets(text),
+            vec![(0, 1), (0, 1), (1, 2), (1, 2), (1, 2)]
+        );
+        assert!(t.encode("", true).ids.is_empty());
+    }
+}

@@ -1,0 +1,443 @@
+//! The forward pass against three oracles: llama.cpp's fixtures, candle-transformers' own
+//! quantized models on the same files, and the prefill/decode consistency invariant.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use std::sync::{Arc, Mutex, OnceLock};
+use target_engine::{argmax, GenerateParams, LoadOptions, Model};
+
+/// Models are loaded once per test binary and shared by the tests that run in it.
+fn model(file: &'static str) -> Arc<Model> {
+    static MODELS: OnceLock<Mutex<std::collections::HashMap<&'static str, Arc<Model>>>> =
+        OnceLock::new();
+    let map = MODELS.get_or_init(Default::default);
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    map.entry(file)
+        .or_insert_with(|| {
+            Arc::new(
+                Model::load(&common::model_path(file), &LoadOptions::default())
+                    .expect("load model"),
+            )
+        })
+        .clone()
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Logits of every position of one forward over `ids`.
+fn all_logits(m: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = m.new_cache();
+    let pos: Vec<usize> = (0..ids.len()).collect();
+    let out = m.forward(ids, &pos, &mut cache, false).expect("forward");
+    let logits = m.logits(&out.hidden).expect("lm head");
+    let vocab = m.tokenizer().vocab_size();
+    logits
+        .to_vec2::<f32>()
+        .expect("2d")
+        .into_iter()
+        .map(|mut r| {
+            r.truncate(vocab);
+            r
+        })
+        .collect()
+}
+
+/// Largest top-2 gap (in our logits) at which a greedy divergence from llama.cpp is accepted as
+/// a near-tie. Quantized activations in llama.cpp vs f32 activations here move logits by up to
+/// ~0.1 (see `first_token_logits_match_llama_cpp`), so a gap below 0.15 is numerics.
+const NEAR_TIE: f32 = 0.15;
+
+/// The decode path multiplies quantized weights by 8-bit-quantized activations, which moves
+/// logits by up to ~0.5 on these models (measured against candle and llama.cpp, see
+/// `logits_match_candle_transformers_*`); a generated token may differ from llama.cpp's only
+/// where the two were within this gap in our full-precision logits.
+const DECODE_NEAR_TIE: f32 = 0.5;
+
+fn check_fixture_model(name: &str) {
+    let lines: Vec<_> = common::fixture_lines("generate.jsonl")
+        .into_iter()
+        .filter(|l| l["model"] == name)
+        .collect();
+    assert!(!lines.is_empty());
+    let m = model(common::file_for(name));
+    let mut report = Vec::new();
+    for line in &lines {
+        let prompt = line["prompt"].as_str().expect("prompt");
+        let prompt_ids = ids_of(&line["prompt_ids"]);
+        assert_eq!(
+            target_engine::raw_prompt(m.tokenizer(), prompt),
+            prompt_ids,
+            "prompt tokens of {prompt:?}"
+        );
+        let greedy = ids_of(&line["greedy_ids"]);
+        // Teacher-forced: one forward over prompt + llama.cpp's continuation gives our next-token
+        // distribution at every step of llama.cpp's greedy path.
+        let mut seq = prompt_ids.clone();
+        seq.extend(&greedy[..greedy.len() - 1]);
+        let logits = all_logits(&m, &seq);
+        let first = &logits[prompt_ids.len() - 1];
+        let top5: Vec<(u32, f32)> = line["top5_first"]
+            .as_array()
+            .expect("top5")
+            .iter()
+            .map(|p| {
+                (
+                    p[0].as_u64().expect("id") as u32,
+                    p[1].as_f64().expect("logit") as f32,
+                )
+            })
+            .collect();
+        for &(id, l) in &top5 {
+            let d = (first[id as usize] - l).abs();
+            assert!(
+                d < 0.5,
+                "{name} {prompt:?}: logit of {id} is {} vs llama.cpp {l}",
+                first[id as usize]
+            );
+        }
+        for (step, &want) in greedy.iter().enumerate() {
+            let row = &logits[prompt_ids.len() - 1 + step];
+            let got = argmax(row);
+            if got != want {
+                let gap = row[got as usize] - row[want as usize];
+                assert!(
+                    gap < NEAR_TIE,
+                    "{name} {prompt:?} step {step}: we pick {got} ({}) over llama.cpp's {want} ({}) by {gap}",
+                    row[got as usize],
+                    row[want as usize]
+                );
+                report.push(format!(
+                    "{name} {prompt:?} step {step}: near-tie {got} vs {want}, gap {gap:.4}"
+                ));
+            }
+        }
+        // Our own greedy generation (dense prefill, then the quantized decode path) follows
+        // llama.cpp's continuation until a step where the two tokens are a near-tie.
+        let gen = m
+            .generate(
+                &prompt_ids,
+                &GenerateParams {
+                    max_tokens: greedy.len(),
+                    ..Default::default()
+                },
+            )
+            .expect("generate");
+        if let Some(step) = gen.ids.iter().zip(&greedy).position(|(a, b)| a != b) {
+            let row = &logits[prompt_ids.len() - 1 + step];
+            let (ours, theirs) = (gen.ids[step] as usize, greedy[step] as usize);
+            let gap = (row[ours] - row[theirs]).abs();
+            assert!(
+                gap < DECODE_NEAR_TIE,
+                "{name} {prompt:?}: generation diverges at step {step} ({ours} vs llama.cpp {theirs}) with gap {gap}"
+            );
+            report.push(format!(
+                "{name} {prompt:?} generate step {step}: near-tie {ours} vs {theirs}, gap {gap:.4}"
+            ));
+        } else {
+            assert_eq!(
+                gen.ids.len(),
+                greedy.len(),
+                "{name} {prompt:?}: same length"
+            );
+        }
+    }
+    for r in report {
+        eprintln!("{r}");
+    }
+}
+
+#[test]
+fn llama_cpp_fixtures_qwen_05b() {
+    check_fixture_model("qwen2.5-coder-0.5b-instruct");
+}
+
+#[test]
+fn llama_cpp_fixtures_smollm2() {
+    check_fixture_model("smollm2-135m-instruct");
+}
+
+#[test]
+fn llama_cpp_fixtures_qwen_15b() {
+    check_fixture_model("qwen2.5-coder-1.5b-instruct");
+}
+
+/// candle-transformers' quantized model: last-position logits of the same file and ids.
+fn candle_reference(file: &str, ids: &[u32]) -> Vec<f32> {
+    let path = common::model_path(file);
+    let mut reader = std::fs::File::open(&path).expect("open");
+    let content = candle_core::quantized::gguf_file::Content::read(&mut reader).expect("gguf");
+    let arch = match content.metadata.get("general.architecture") {
+        Some(candle_core::quantized::gguf_file::Value::String(s)) => s.clone(),
+        _ => panic!("no architecture"),
+    };
+    let x = Tensor::new(ids, &Device::Cpu)
+        .expect("ids")
+        .unsqueeze(0)
+        .expect("batch");
+    let logits = match arch.as_str() {
+        "qwen2" => {
+            let mut m = candle_transformers::models::quantized_qwen2::ModelWeights::from_gguf(
+                content,
+                &mut reader,
+                &Device::Cpu,
+            )
+            .expect("candle qwen2");
+            m.forward(&x, 0).expect("forward")
+        }
+        "llama" => {
+            let mut m = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+                content,
+                &mut reader,
+                &Device::Cpu,
+            )
+            .expect("candle llama");
+            m.forward(&x, 0).expect("forward")
+        }
+        other => panic!("{other}"),
+    };
+    logits
+        .flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("vec")
+}
+
+/// Summary of how two logit vectors differ.
+struct Diff {
+    max: f32,
+    mean: f32,
+    cosine: f32,
+}
+
+fn diff(a: &[f32], b: &[f32]) -> Diff {
+    let max = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let mean = a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    Diff {
+        max,
+        mean,
+        cosine: dot / (norm(a) * norm(b)),
+    }
+}
+
+/// Both weight paths against candle-transformers on the same file and ids.
+///
+/// Tolerance: candle's quantized matmuls (and our quantized path, which calls them) quantize
+/// activations to 8 bits per 32-value block. A float-rounding difference upstream (attention
+/// summation order) flips a rounding step somewhere, an error of 1/254 of a block maximum that
+/// later layers amplify: on the fixture prompts candle, our quantized path and our dense path
+/// each land within 0.55 of llama.cpp's logits (measured, see the closing note of issue 2). So
+/// the comparison asserts the distribution, not bits: the same argmax, cosine > 0.999, mean
+/// |diff| over the vocabulary < 0.1 and max |diff| < 1.0. A real bug (a wrong RoPE layout, a
+/// missing bias, an off-by-one position) moves logits by whole units and fails all four.
+fn check_against_candle(file: &'static str) {
+    let prompt =
+        "<|im_start|>user\nName three uses of a paperclip.<|im_end|>\n<|im_start|>assistant\n";
+    let quant = Model::load(
+        &common::model_path(file),
+        &LoadOptions {
+            dense: false,
+            warmup: false,
+            decode_q8: false,
+            ..Default::default()
+        },
+    )
+    .expect("load quantized-only");
+    let ids = target_engine::raw_prompt(quant.tokenizer(), prompt);
+    let want = candle_reference(file, &ids);
+    let (_, got_q) = quant.prefill(&ids).expect("prefill");
+    let (_, got_d) = model(file).prefill(&ids).expect("prefill");
+    for (path, got) in [("quantized", &got_q), ("dense", &got_d)] {
+        let d = diff(got, &want);
+        eprintln!(
+            "{file} {path} path vs candle: max {:.4} mean {:.4} cosine {:.6}",
+            d.max, d.mean, d.cosine
+        );
+        assert_eq!(argmax(got), argmax(&want), "{path}");
+        assert!(
+            d.cosine > 0.999 && d.mean < 0.1 && d.max < 1.0,
+            "{path} path too far from candle"
+        );
+    }
+}
+
+#[test]
+fn logits_match_candle_transformers_qwen2() {
+    check_against_candle(common::QWEN_05B);
+}
+
+#[test]
+fn logits_match_candle_transformers_llama() {
+    check_against_candle(common::SMOLLM2);
+}
+
+/// Prefill of N tokens then one decode step equals prefill of N+1 at the last position. With
+/// one weight path for both (all dense, or all quantized) this is exact up to float rounding;
+/// with the default split (dense prefill, quantized decode) it holds to the activation
+/// quantization noise described at `check_against_candle`.
+#[test]
+fn prefill_then_decode_equals_longer_prefill() {
+    for file in [common::QWEN_05B, common::SMOLLM2] {
+        let path = common::model_path(file);
+        let all_dense = LoadOptions {
+            dense_min_rows: 1,
+            warmup: false,
+            ..Default::default()
+        };
+        let all_quant = LoadOptions {
+            dense: false,
+            warmup: false,
+            ..Default::default()
+        };
+        let split = LoadOptions {
+            warmup: false,
+            ..Default::default()
+        };
+        for (label, opts, max_tol) in [
+            ("dense", all_dense, 1e-3),
+            ("quantized", all_quant, 1e-3),
+            ("split", split, 1.0),
+        ] {
+            let m = Model::load(&path, &opts).expect("load");
+            let ids = target_engine::raw_prompt(
+                m.tokenizer(),
+                "The history of the printing press begins in",
+            );
+            let n = ids.len();
+            let (mut cache, _) = m.prefill(&ids[..n - 1]).expect("prefill");
+            let out = m
+                .forward(&ids[n - 1..], &[n - 1], &mut cache, false)
+                .expect("decode");
+            let stepped = m.last_logits(&out).expect("logits");
+            let (full_cache, full) = m.prefill(&ids).expect("prefill");
+            let d = diff(&stepped, &full);
+            eprintln!(
+                "{file} {label}: decode vs prefill max {:.6} mean {:.6}",
+                d.max, d.mean
+            );
+            assert!(
+                d.max < max_tol && d.cosine > 0.999,
+                "{file} {label}: {}",
+                d.max
+            );
+            assert_eq!(argmax(&stepped), argmax(&full));
+            // On one weight path the K rows of the first N tokens are the same whichever way
+            // they were computed (in the split mode 7 tokens take the quantized path, 8 the dense).
+            let row = m.config().kv_row();
+            let layers = if label == "split" {
+                vec![]
+            } else {
+                vec![0, m.config().n_layer - 1]
+            };
+            for l in layers {
+                let a = &cache.k(l)[..(n - 1) * row];
+                let b = &full_cache.k(l)[..(n - 1) * row];
+                let dk = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(dk < 1e-3, "layer {l} K rows differ by {dk}");
+            }
+        }
+    }
+}
+
+/// Forward over a subset of positions against a cache that holds the others gives the same
+/// result as computing everything at once (what blended prefill will build on).
+#[test]
+fn subset_forward_against_filled_cache_equals_full_forward() {
+    let opts = LoadOptions {
+        dense_min_rows: 1,
+        warmup: false,
+        ..Default::default()
+    };
+    let m = Model::load(&common::model_path(common::SMOLLM2), &opts).expect("load");
+    let ids = target_engine::raw_prompt(
+        m.tokenizer(),
+        "Asian Man Records is a DIY record label run by Mike Park.",
+    );
+    let n = ids.len();
+    let (full_cache, full_logits) = m.prefill(&ids).expect("prefill");
+    // Compute the even positions first, then the odd ones: every query still sees a full
+    // causal context once both passes are done, but the first pass cannot (holes), so it must
+    // be refused.
+    let mut cache = m.new_cache();
+    let even: Vec<usize> = (0..n).step_by(2).collect();
+    let even_ids: Vec<u32> = even.iter().map(|&p| ids[p]).collect();
+    assert!(
+        m.forward(&even_ids, &even, &mut cache, false).is_err(),
+        "holes below a query are an error"
+    );
+    // Prefix then suffix split at an arbitrary point (not a block boundary).
+    let mut cache = m.new_cache();
+    let split = n / 3;
+    let p1: Vec<usize> = (0..split).collect();
+    let p2: Vec<usize> = (split..n).collect();
+    m.forward(&ids[..split], &p1, &mut cache, false)
+        .expect("first part");
+    let out = m
+        .forward(&ids[split..], &p2, &mut cache, false)
+        .expect("second part");
+    let logits = m.last_logits(&out).expect("logits");
+    let d = diff(&logits, &full_logits);
+    assert!(d.max < 1e-3, "{}", d.max);
+    assert_eq!(argmax(&logits), argmax(&full_logits));
+    let l = m.config().n_layer - 1;
+    let dv = cache
+        .v(l)
+        .iter()
+        .zip(full_cache.v(l))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(dv < 1e-3, "last-layer V differs by {dv}");
+    // Overwriting a row with the same token at the same position changes nothing.
+    let before = cache.k(0).to_vec();
+    m.forward(&ids[2..3], &[2], &mut cache, false)
+        .expect("recompute one row");
+    let dk = cache
+        .k(0)
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(dk < 1e-3, "{dk}");
+}
+
+#[test]
+fn hidden_states_of_every_layer_are_returned() {
+    let m = model(common::SMOLLM2);
+    let ids = target_engine::raw_prompt(m.tokenizer(), "Hello, world!");
+    let mut cache = m.new_cache();
+    let pos: Vec<usize> = (0..ids.len()).collect();
+    let out = m.forward(&ids, &pos, &mut cache, true).expect("forward");
+    assert_eq!(out.layers.len(), m.config().n_layer);
+    for t in &out.layers {
+        assert_eq!(t.dims2().expect("2d"), (ids.len(), m.config().n_embd));
+    }
+    let norms: Vec<f32> = out
+        .layers
+        .iter()
+        .map(|t| {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .collect();
+    assert!(norms.windows(2).any(|w| w[0] != w[1]), "layers differ");
+}
