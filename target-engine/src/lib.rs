@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod testing;
 pub mod tokenizer;
 
 pub use config::{Architecture, ModelConfig};

@@ -90,7 +90,7 @@ fn pre_tokenizer(pre: &str) -> Option<Vec<&'static str>> {
 }
 
 /// GPT-2's reversible map from bytes to printable characters.
-fn byte_alphabet() -> [char; 256] {
+pub(crate) fn byte_alphabet() -> [char; 256] {
     let mut map = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..=255u8 {

@@ -1,0 +1,173 @@
+//! Tiny random-weight models written as real GGUF files, for fast tests of everything that
+//! loads a model (this crate's and, later, the speculator's and the gateway's).
+//!
+//! The files go through the same loader as the default models, so a tiny model exercises GGUF
+//! parsing, the tokenizer metadata and both weight paths in milliseconds.
+
+use crate::config::Architecture;
+use crate::error::Result;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use std::path::Path;
+
+/// Shape of a tiny model.
+#[derive(Debug, Clone)]
+pub struct TinySpec {
+    pub arch: Architecture,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub n_ff: usize,
+    pub seed: u64,
+    /// Extra metadata entries (to test rejection of unsupported files).
+    pub extra: Vec<(String, Value)>,
+}
+
+impl TinySpec {
+    /// Two layers, 64-wide, grouped-query attention.
+    pub fn new(arch: Architecture) -> Self {
+        Self {
+            arch,
+            n_layer: 2,
+            n_embd: 64,
+            n_head: 4,
+            n_kv_head: 2,
+            n_ff: 128,
+            seed: 1,
+            extra: Vec::new(),
+        }
+    }
+}
+
+/// Special tokens of the tiny vocabulary, after the 256 byte symbols and the merges.
+pub const TINY_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Writes a tiny random model with a byte-level vocabulary (256 bytes, a few merges, ChatML
+/// specials) to `path`.
+pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
+    let dev = Device::Cpu;
+    let a = spec.arch.as_str();
+    let mut tokens: Vec<String> = crate::tokenizer::byte_alphabet()
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let merges = ["t h", "th e", "Ġ t", "Ġt he", "i n", "a n", "Ġ a"];
+    for m in &merges {
+        tokens.push(m.replace(' ', ""));
+    }
+    let mut types = vec![1i32; tokens.len()];
+    for s in TINY_SPECIALS {
+        tokens.push(s.to_string());
+        types.push(3);
+    }
+    let vocab = tokens.len();
+    let eos = (vocab - 1) as u32; // <|im_end|>
+    let s = |x: &str| Value::String(x.to_string());
+    let u = |x: usize| Value::U32(x as u32);
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), s(a)),
+        ("general.name".into(), s(&format!("tiny-{a}"))),
+        (format!("{a}.block_count"), u(spec.n_layer)),
+        (format!("{a}.context_length"), u(4096)),
+        (format!("{a}.embedding_length"), u(spec.n_embd)),
+        (format!("{a}.feed_forward_length"), u(spec.n_ff)),
+        (format!("{a}.attention.head_count"), u(spec.n_head)),
+        (format!("{a}.attention.head_count_kv"), u(spec.n_kv_head)),
+        (format!("{a}.rope.freq_base"), Value::F32(10_000.0)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        ),
+        ("tokenizer.ggml.model".into(), s("gpt2")),
+        (
+            "tokenizer.ggml.pre".into(),
+            s(if spec.arch == Architecture::Qwen2 {
+                "qwen2"
+            } else {
+                "smollm"
+            }),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(merges.iter().map(|m| s(m)).collect()),
+        ),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ];
+    meta.extend(spec.extra.iter().cloned());
+
+    let mut seed = spec.seed;
+    let mut rand = |shape: (usize, usize), scale: f32| -> Result<Tensor> {
+        // SplitMix64: deterministic without depending on a random-number crate's stream.
+        let n = shape.0 * shape.1;
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = seed;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            v.push(((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale);
+        }
+        Ok(Tensor::from_vec(v, shape, &dev)?)
+    };
+    let (e, f, hd) = (spec.n_embd, spec.n_ff, spec.n_embd / spec.n_head);
+    let kv = spec.n_kv_head * hd;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0);
+    let f32q = |t: Tensor| QTensor::quantize(&t, GgmlDType::F32);
+    tensors.push(("token_embd.weight".into(), q8(rand((vocab, e), 1.0)?)?));
+    tensors.push((
+        "output_norm.weight".into(),
+        f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+    ));
+    let ws = 1.0 / (e as f32).sqrt();
+    for l in 0..spec.n_layer {
+        let p = format!("blk.{l}");
+        tensors.push((
+            format!("{p}.attn_norm.weight"),
+            f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+        ));
+        tensors.push((
+            format!("{p}.ffn_norm.weight"),
+            f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+        ));
+        for (name, out, inp) in [
+            ("attn_q", e, e),
+            ("attn_k", kv, e),
+            ("attn_v", kv, e),
+            ("attn_output", e, e),
+        ] {
+            tensors.push((format!("{p}.{name}.weight"), q8(rand((out, inp), ws)?)?));
+        }
+        if spec.arch == Architecture::Qwen2 {
+            for (name, out) in [("attn_q", e), ("attn_k", kv), ("attn_v", kv)] {
+                tensors.push((
+                    format!("{p}.{name}.bias"),
+                    f32q(rand((1, out), 0.1)?.squeeze(0)?)?,
+                ));
+            }
+        }
+        tensors.push((format!("{p}.ffn_gate.weight"), q8(rand((f, e), ws)?)?));
+        tensors.push((format!("{p}.ffn_up.weight"), q8(rand((f, e), ws)?)?));
+        tensors.push((
+            format!("{p}.ffn_down.weight"),
+            q8(rand((e, f), 1.0 / (f as f32).sqrt())?)?,
+        ));
+    }
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let mut file = std::fs::File::create(path)?;
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
+    Ok(())
+}

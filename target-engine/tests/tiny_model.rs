@@ -1,0 +1,270 @@
+//! Fast invariants on tiny random-weight models written as GGUF files (no downloads).
+
+use candle_core::quantized::gguf_file::Value;
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    Architecture, EngineError, FinishReason, GenerateParams, LoadOptions, Model, SamplingParams,
+};
+
+fn tiny(arch: Architecture, opts: &LoadOptions) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(arch)).expect("write tiny model");
+    let m = Model::load(&path, opts).expect("load tiny model");
+    (dir, m)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+const ARCHS: [Architecture; 2] = [Architecture::Qwen2, Architecture::Llama];
+
+#[test]
+fn prefill_then_decode_equals_longer_prefill_on_each_weight_path() {
+    for arch in ARCHS {
+        for opts in [
+            LoadOptions {
+                dense_min_rows: 1,
+                ..Default::default()
+            },
+            LoadOptions {
+                dense: false,
+                ..Default::default()
+            },
+        ] {
+            let (_d, m) = tiny(arch, &opts);
+            let ids: Vec<u32> = (0..40).map(|i| (i * 7 % 250) as u32).collect();
+            let (mut cache, _) = m.prefill(&ids[..39]).expect("prefill");
+            let out = m
+                .forward(&ids[39..], &[39], &mut cache, false)
+                .expect("decode");
+            let stepped = m.last_logits(&out).expect("logits");
+            let (full_cache, full) = m.prefill(&ids).expect("prefill");
+            assert!(
+                max_diff(&stepped, &full) < 1e-4,
+                "{arch:?} dense={}",
+                opts.dense
+            );
+            for l in 0..m.config().n_layer {
+                assert!(max_diff(cache.k(l), full_cache.k(l)) < 1e-4);
+                assert!(max_diff(cache.v(l), full_cache.v(l)) < 1e-4);
+            }
+        }
+    }
+}
+
+#[test]
+fn recomputing_a_subset_against_a_filled_cache_changes_nothing() {
+    for arch in ARCHS {
+        let (_d, m) = tiny(
+            arch,
+            &LoadOptions {
+                dense_min_rows: 1,
+                ..Default::default()
+            },
+        );
+        let ids: Vec<u32> = (0..50).map(|i| (i * 13 % 256) as u32).collect();
+        let (mut cache, full) = m.prefill(&ids).expect("prefill");
+        let before = cache.clone();
+        // Scattered positions, last one included: logits of the last row are the full ones.
+        let pos = vec![3, 17, 18, 30, 49];
+        let sub: Vec<u32> = pos.iter().map(|&p| ids[p]).collect();
+        let out = m
+            .forward(&sub, &pos, &mut cache, false)
+            .expect("subset forward");
+        assert!(max_diff(&m.last_logits(&out).expect("logits"), &full) < 1e-4);
+        for l in 0..m.config().n_layer {
+            assert!(max_diff(cache.k(l), before.k(l)) < 1e-4);
+        }
+    }
+}
+
+#[test]
+fn a_different_token_at_one_position_changes_later_rows_only() {
+    let (_d, m) = tiny(
+        Architecture::Qwen2,
+        &LoadOptions {
+            dense_min_rows: 1,
+            ..Default::default()
+        },
+    );
+    let ids: Vec<u32> = (0..20).map(|i| (i * 5 % 256) as u32).collect();
+    let (a, _) = m.prefill(&ids).expect("prefill");
+    let mut other = ids.clone();
+    other[10] = 200;
+    let (b, _) = m.prefill(&other).expect("prefill");
+    let row = m.config().kv_row();
+    let l = m.config().n_layer - 1;
+    assert!(
+        max_diff(&a.k(l)[..10 * row], &b.k(l)[..10 * row]) < 1e-6,
+        "causal: rows before 10 unchanged"
+    );
+    assert!(
+        max_diff(&a.k(l)[10 * row..], &b.k(l)[10 * row..]) > 1e-3,
+        "rows from 10 on change"
+    );
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let (_d, m) = tiny(Architecture::Llama, &LoadOptions::default());
+    let vocab = m.config().vocab_size as u32;
+    let mut cache = m.new_cache();
+    assert!(matches!(
+        m.forward(&[vocab], &[0], &mut cache, false),
+        Err(EngineError::InvalidInput(_))
+    ));
+    assert!(
+        m.forward(&[1, 2], &[0], &mut cache, false).is_err(),
+        "ids and positions differ in length"
+    );
+    assert!(m.forward(&[], &[], &mut cache, false).is_err());
+    assert!(
+        m.forward(&[1], &[5], &mut cache, false).is_err(),
+        "hole below position 5"
+    );
+    assert!(m.generate(&[], &GenerateParams::default()).is_err());
+}
+
+#[test]
+fn unsupported_files_are_clear_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases: Vec<(Vec<(String, Value)>, &str)> = vec![
+        (
+            vec![(
+                "qwen2.rope.scaling.type".into(),
+                Value::String("yarn".into()),
+            )],
+            "rope scaling",
+        ),
+        (
+            vec![("qwen2.rope.dimension_count".into(), Value::U32(8))],
+            "partial rotary",
+        ),
+        (
+            vec![(
+                "tokenizer.ggml.pre".into(),
+                Value::String("deepseek-llm".into()),
+            )],
+            "pre-tokenizer",
+        ),
+    ];
+    for (extra, what) in cases {
+        let path = dir.path().join("bad.gguf");
+        let mut spec = TinySpec::new(Architecture::Qwen2);
+        // Later entries win in the metadata map, so these override the defaults.
+        spec.extra = extra;
+        write_tiny_gguf(&path, &spec).expect("write");
+        let err = Model::load(&path, &LoadOptions::default()).expect_err(what);
+        assert!(err.is_bad_input(), "{what}: {err}");
+        assert!(err.to_string().contains(what), "{what}: {err}");
+    }
+    let path = dir.path().join("missing.gguf");
+    let err = Model::load(&path, &LoadOptions::default()).expect_err("missing");
+    assert!(err.to_string().contains("specrag models fetch"), "{err}");
+    std::fs::write(&path, b"not a gguf file").expect("write");
+    assert!(matches!(
+        Model::load(&path, &LoadOptions::default()),
+        Err(EngineError::BadGguf { .. })
+    ));
+}
+
+#[test]
+fn generation_stops_at_max_tokens_stop_strings_and_is_seeded() {
+    let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
+    let prompt = target_engine::chat_prompt(m.tokenizer(), Some("sys"), "the thin ant");
+    let g = m
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 5,
+                ..Default::default()
+            },
+        )
+        .expect("generate");
+    assert!(g.ids.len() <= 5);
+    if g.finish == FinishReason::Length {
+        assert_eq!(g.ids.len(), 5);
+    }
+    let sampled = |seed| {
+        let p = GenerateParams {
+            max_tokens: 12,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                seed,
+            },
+            ..Default::default()
+        };
+        m.generate(&prompt, &p).expect("generate").ids
+    };
+    assert_eq!(sampled(3), sampled(3), "same seed, same tokens");
+    // A stop string taken from an unconstrained run cuts the text before it.
+    let free = m
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 12,
+                ..Default::default()
+            },
+        )
+        .expect("generate");
+    if let Some(c) = free.text.chars().nth(2) {
+        let stop = c.to_string();
+        let g = m
+            .generate(
+                &prompt,
+                &GenerateParams {
+                    max_tokens: 12,
+                    stop: vec![stop.clone()],
+                    ..Default::default()
+                },
+            )
+            .expect("generate");
+        assert_eq!(g.finish, FinishReason::Stop);
+        assert!(!g.text.contains(&stop));
+        assert!(free.text.starts_with(&g.text));
+    }
+}
+
+#[test]
+fn chat_template_keeps_special_tokens_in_content_as_text() {
+    let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
+    let tok = m.tokenizer();
+    let start = tok.token_id("<|im_start|>").expect("special");
+    let ids = target_engine::chat_prompt(tok, None, "a <|im_start|> b");
+    assert_eq!(
+        ids.iter().filter(|&&i| i == start).count(),
+        2,
+        "user header + assistant header only"
+    );
+    assert_eq!(ids[0], start);
+    let raw = target_engine::raw_prompt(tok, "a <|im_start|> b");
+    assert!(raw.contains(&start), "--raw parses special tokens");
+}
+
+#[test]
+fn fingerprint_depends_on_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut prints = Vec::new();
+    for seed in [1, 1, 2] {
+        let path = dir.path().join(format!("m{seed}-{}.gguf", prints.len()));
+        let mut spec = TinySpec::new(Architecture::Llama);
+        spec.seed = seed;
+        spec.n_ff = 128 + 32 * (seed as usize - 1);
+        write_tiny_gguf(&path, &spec).expect("write");
+        prints.push(
+            Model::load(&path, &LoadOptions::default())
+                .expect("load")
+                .fingerprint()
+                .to_string(),
+        );
+    }
+    assert_eq!(prints[0], prints[1]);
+    assert_ne!(prints[0], prints[2]);
+    assert_eq!(prints[0].len(), 64);
+}
