@@ -44,7 +44,7 @@ impl AttentionShape {
             ));
         }
         let row = n_kv_head * head_dim;
-        if k.len() != v.len() || k.len() % row != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
             return Err(shape_err(
                 "attention",
                 "k and v must hold whole rows of equal count",
@@ -84,80 +84,84 @@ pub fn causal_attention(
     let tasks: Vec<(usize, usize)> = (0..n_head)
         .flat_map(|h| (0..n_tiles).map(move |t| (h, t)))
         .collect();
-    let blocks: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(h, t)| {
-            let start = t * TILE;
-            let rows = TILE.min(n_q - start);
-            let tile_pos = &pos[start..start + rows];
-            let kmax = tile_pos.iter().max().map_or(0, |&p| p + 1);
-            let g = h / group;
-            let mut scores = vec![0f32; rows * kmax];
-            // SAFETY: every pointer/stride pair below stays inside its slice: q rows
-            // start..start+rows of head h, cache rows 0..kmax (< n_ctx, checked) of head g.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    kmax,
-                    d,
-                    scores.as_mut_ptr(),
-                    1,
-                    kmax as isize,
-                    false,
-                    q.as_ptr().add((start * n_head + h) * d),
-                    1,
-                    (n_head * d) as isize,
-                    k.as_ptr().add(g * d),
-                    (n_kv_head * d) as isize,
-                    1,
-                    0.0,
-                    scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+    let run = |&(h, t): &(usize, usize)| -> Vec<f32> {
+        let start = t * TILE;
+        let rows = TILE.min(n_q - start);
+        let tile_pos = &pos[start..start + rows];
+        let kmax = tile_pos.iter().max().map_or(0, |&p| p + 1);
+        let g = h / group;
+        let mut scores = vec![0f32; rows * kmax];
+        // SAFETY: every pointer/stride pair below stays inside its slice: q rows
+        // start..start+rows of head h, cache rows 0..kmax (< n_ctx, checked) of head g.
+        unsafe {
+            gemm::gemm(
+                rows,
+                kmax,
+                d,
+                scores.as_mut_ptr(),
+                1,
+                kmax as isize,
+                false,
+                q.as_ptr().add((start * n_head + h) * d),
+                1,
+                (n_head * d) as isize,
+                k.as_ptr().add(g * d),
+                (n_kv_head * d) as isize,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        for (row, &p) in scores.chunks_exact_mut(kmax).zip(tile_pos) {
+            let (live, masked) = row.split_at_mut(p + 1);
+            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in live.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
             }
-            for (row, &p) in scores.chunks_exact_mut(kmax).zip(tile_pos) {
-                let (live, masked) = row.split_at_mut(p + 1);
-                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for s in live.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let inv = 1.0 / sum;
-                live.iter_mut().for_each(|s| *s *= inv);
-                masked.fill(0.0);
-            }
-            let mut out = vec![0f32; rows * d];
-            // SAFETY: as above; `out` is rows x d, scores rows x kmax, v rows 0..kmax of head g.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    d,
-                    kmax,
-                    out.as_mut_ptr(),
-                    1,
-                    d as isize,
-                    false,
-                    scores.as_ptr(),
-                    1,
-                    kmax as isize,
-                    v.as_ptr().add(g * d),
-                    1,
-                    (n_kv_head * d) as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            out
-        })
-        .collect();
+            let inv = 1.0 / sum;
+            live.iter_mut().for_each(|s| *s *= inv);
+            masked.fill(0.0);
+        }
+        let mut out = vec![0f32; rows * d];
+        // SAFETY: as above; `out` is rows x d, scores rows x kmax, v rows 0..kmax of head g.
+        unsafe {
+            gemm::gemm(
+                rows,
+                d,
+                kmax,
+                out.as_mut_ptr(),
+                1,
+                d as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                kmax as isize,
+                v.as_ptr().add(g * d),
+                1,
+                (n_kv_head * d) as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        out
+    };
+    // A decode step is a few microseconds of work per head: handing it to the thread pool
+    // costs more than it saves and wakes threads that compete with candle's own matmul pool.
+    let blocks: Vec<Vec<f32>> = if n_q >= TILE {
+        tasks.par_iter().map(run).collect()
+    } else {
+        tasks.iter().map(run).collect()
+    };
     let mut out = vec![0f32; n_q * n_head * d];
     for (&(h, t), block) in tasks.iter().zip(&blocks) {
         for (r, src) in block.chunks_exact(d).enumerate() {

@@ -48,7 +48,7 @@ impl RopeTable {
 impl Rope {
     /// Frequencies `base^(-2i/d)` for a head of `head_dim` (which must be even).
     pub fn new(variant: RopeVariant, head_dim: usize, base: f64) -> Result<Self> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(shape_err(
                 "rope",
                 format!("head_dim {head_dim} must be even and > 0"),

@@ -71,7 +71,11 @@ impl ModelConfig {
             Some(_) => f.uint(&key("attention.head_count_kv"))? as usize,
             None => n_head,
         };
-        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || n_embd % n_head != 0 {
+        if n_head == 0
+            || n_kv_head == 0
+            || !n_head.is_multiple_of(n_kv_head)
+            || !n_embd.is_multiple_of(n_head)
+        {
             return Err(EngineError::Unsupported {
                 path: f.path().to_path_buf(),
                 reason: format!("{n_head} heads, {n_kv_head} kv heads, embedding {n_embd}"),

@@ -432,11 +432,9 @@ fn hidden_states_of_every_layer_are_returned() {
         .iter()
         .map(|t| {
             t.sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
+                .and_then(|s| s.sum_all())
+                .and_then(|s| s.to_scalar::<f32>())
+                .expect("norm")
         })
         .collect();
     assert!(norms.windows(2).any(|w| w[0] != w[1]), "layers differ");
