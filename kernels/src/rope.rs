@@ -136,6 +136,16 @@ impl Rope {
         Ok(())
     }
 
+    /// Positional recovery: rotates row `r` of `x` (`(rows, n_heads, head_dim)`, keys computed
+    /// at some position) by `deltas[r]` positions, so a key cached at `p` becomes the key at
+    /// `p + delta` (rotations compose).
+    pub fn rotate_by(&self, x: &mut [f32], n_heads: usize, deltas: &[i64]) -> Result<()> {
+        if deltas.iter().all(|&d| d == 0) {
+            return Ok(());
+        }
+        self.apply(&self.table(deltas), x, n_heads)
+    }
+
     /// Reference built from candle primitives: returns the rotated copy of `x`
     /// (`(rows, n_heads, head_dim)`).
     pub fn apply_reference(&self, x: &Tensor, positions: &[i64]) -> Result<Tensor> {

@@ -131,6 +131,21 @@ impl KvCache {
         Ok(())
     }
 
+    /// Writes reused rows of one layer at `positions`, growing the cache as needed (the caller
+    /// marks them computed once every layer is in place).
+    pub(crate) fn place_rows(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
+        let needed = positions.iter().max().map_or(0, |&p| p + 1);
+        if needed > self.rows {
+            for l in 0..self.n_layer {
+                self.k[l].resize(needed * self.row, 0.0);
+                self.v[l].resize(needed * self.row, 0.0);
+            }
+            self.filled.resize(needed, false);
+            self.rows = needed;
+        }
+        self.write(layer, positions, k, v);
+    }
+
     /// Writes K and V rows (`(positions.len(), row)` each) of one layer at their positions.
     pub(crate) fn write(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
         let row = self.row;

@@ -7,8 +7,12 @@
 //! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
 //! the same call. The LM head is a separate step ([`Model::logits`]).
 
+pub mod assembly;
+pub mod blend;
+pub mod chunk;
 pub mod config;
 pub mod error;
+pub mod fidelity;
 pub mod generate;
 pub mod gguf;
 pub mod kv;
@@ -17,6 +21,12 @@ pub mod sampling;
 pub mod testing;
 pub mod tokenizer;
 
+pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
+pub use blend::{
+    budget, BlendOutput, Epic, FullRecompute, FullReuse, Method, PrefixCaching, SelectInput,
+    Selector,
+};
+pub use chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use config::{Architecture, ModelConfig};
 pub use error::{EngineError, Result};
 pub use generate::{

@@ -134,6 +134,7 @@ pub struct Model {
     lm_head: QMatMul,
     dense_min_rows: usize,
     has_dense: bool,
+    rope_ok: bool,
 }
 
 impl Model {
@@ -199,11 +200,67 @@ impl Model {
             lm_head,
             dense_min_rows: opts.dense_min_rows.max(1),
             has_dense: opts.dense,
+            rope_ok: false,
         };
+        let mut model = model;
+        model.rope_ok = model.rope_self_test()?;
+        if !model.rope_ok {
+            tracing::warn!(
+                "positional recovery failed its self-test for {}: blended prefill will recompute every chunk token",
+                path.display()
+            );
+        }
         if opts.warmup {
             model.warmup()?;
         }
         Ok(model)
+    }
+
+    /// Layer-0 keys (after RoPE) of `ids` at `positions`: they depend on nothing but the token
+    /// and its position, which makes them the ground truth for positional recovery.
+    pub fn layer0_keys(&self, ids: &[u32], positions: &[usize]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let x = self.embed(ids)?;
+        let layer = &self.layers[0];
+        let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
+        let dense = self.has_dense && ids.len() >= self.dense_min_rows;
+        let mut k = layer
+            .wk
+            .forward(&h, dense)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let table = self
+            .rope
+            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        self.rope.apply(&table, &mut k, c.n_kv_head)?;
+        Ok(k)
+    }
+
+    /// LMCache-style check at load: layer-0 keys computed at offset 0 and rotated by 1000
+    /// positions (through f16, as stored) must equal the keys computed at offset 1000.
+    fn rope_self_test(&self) -> Result<bool> {
+        let ids: Vec<u32> = (0..4u32)
+            .map(|i| (i * 37 + 11) % self.config.vocab_size as u32)
+            .collect();
+        let at0 = self.layer0_keys(&ids, &[0, 1, 2, 3])?;
+        let want = self.layer0_keys(&ids, &[1000, 1001, 1002, 1003])?;
+        let mut got: Vec<f32> = at0
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_f32())
+            .collect();
+        self.rope
+            .rotate_by(&mut got, self.config.n_kv_head, &[1000; 4])?;
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        Ok(err <= 2e-3 * scale)
+    }
+
+    /// Whether positional recovery passed its self-test at load (blending is refused if not).
+    pub fn rope_recovery_ok(&self) -> bool {
+        self.rope_ok
     }
 
     /// Runs both weight paths once so one-time repacking happens now.
@@ -259,18 +316,51 @@ impl Model {
         cache: &mut KvCache,
         collect_layers: bool,
     ) -> Result<ForwardOutput> {
-        let c = &self.config;
-        let n = ids.len();
-        if n == 0 || positions.len() != n {
+        let x = self.embed(ids)?;
+        let (x, layers) =
+            self.forward_layers(x, positions, cache, 0..self.config.n_layer, collect_layers)?;
+        let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        Ok(ForwardOutput { hidden, layers })
+    }
+
+    /// Token embeddings `(n, n_embd)`: the input of layer 0.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(EngineError::InvalidInput(format!(
-                "{n} ids for {} positions",
+                "token id {bad} >= vocabulary size {vocab}"
+            )));
+        }
+        if ids.is_empty() {
+            return Err(EngineError::InvalidInput("no token ids".into()));
+        }
+        Ok(self.embed.embedding(&Tensor::new(ids, &Device::Cpu)?)?)
+    }
+
+    /// Runs `layers` (a sub-range of the model's layers) for residual-stream rows `x`
+    /// `(n, n_embd)` at `positions`, writing their K/V rows at those layers; returns the
+    /// residual stream after the last layer run (not normed) and, on request, after each one.
+    /// Rows count as computed in the cache once the last layer has run for them.
+    pub fn forward_layers(
+        &self,
+        mut x: Tensor,
+        positions: &[usize],
+        cache: &mut KvCache,
+        layers: std::ops::Range<usize>,
+        collect_layers: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let c = &self.config;
+        let (n, width) = x.dims2()?;
+        if n == 0 || positions.len() != n || width != c.n_embd {
+            return Err(EngineError::InvalidInput(format!(
+                "{n} rows of width {width} for {} positions",
                 positions.len()
             )));
         }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+        if layers.start > layers.end || layers.end > c.n_layer {
             return Err(EngineError::InvalidInput(format!(
-                "token id {bad} >= vocabulary size {}",
-                c.vocab_size
+                "layers {layers:?} of {}",
+                c.n_layer
             )));
         }
         if cache.n_layer() != c.n_layer || cache.row_len() != c.kv_row() {
@@ -289,10 +379,10 @@ impl Model {
             n_kv_head: c.n_kv_head,
             head_dim: c.head_dim,
         };
-        let ids_t = Tensor::new(ids, &Device::Cpu)?;
-        let mut x = self.embed.embedding(&ids_t)?;
-        let mut layers = Vec::new();
-        for (l, layer) in self.layers.iter().enumerate() {
+        let mut collected = Vec::new();
+        let finishes = layers.end == c.n_layer;
+        for l in layers {
+            let layer = &self.layers[l];
             let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
             let mut q = layer
                 .wq
@@ -326,12 +416,18 @@ impl Model {
             let u = layer.up.forward(&h, dense)?;
             x = (&x + layer.down.forward(&(g * u)?, dense)?)?;
             if collect_layers {
-                layers.push(x.clone());
+                collected.push(x.clone());
             }
         }
-        cache.mark_filled(positions);
-        let hidden = rms_norm(&x, &self.output_norm, c.rms_eps)?;
-        Ok(ForwardOutput { hidden, layers })
+        if finishes {
+            cache.mark_filled(positions);
+        }
+        Ok((x, collected))
+    }
+
+    /// Final RMSNorm of residual-stream rows (what [`Model::logits`] expects).
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.output_norm, self.config.rms_eps)
     }
 
     /// The LM head: logits `(m, vocab)` for final-normed hidden rows `(m, n_embd)`.

@@ -1,0 +1,138 @@
+//! The assembled RAG prompt: template prefix + chunks + question, tracked as segments with
+//! token and character boundaries. A chunk's ids are exactly the ids it was precomputed with;
+//! nothing is re-tokenized across a segment boundary.
+
+use crate::tokenizer::Tokenizer;
+use std::ops::Range;
+
+/// What a segment of the prompt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// The template prefix, identical for every request (exact, cached once).
+    Prefix,
+    /// Retrieved chunk `i` (reused KV).
+    Chunk(usize),
+    /// The question and the answer prefix (always computed).
+    Question,
+}
+
+/// One segment: its token range in `Assembly::ids` and character range in `Assembly::text`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub kind: SegmentKind,
+    pub ids: Range<usize>,
+    pub chars: Range<usize>,
+}
+
+/// A prompt built from segments.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assembly {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub segments: Vec<Segment>,
+}
+
+impl Assembly {
+    /// Appends a segment of `text` tokenized as `ids`.
+    pub fn push(&mut self, kind: SegmentKind, text: &str, ids: &[u32]) {
+        let (i0, c0) = (self.ids.len(), self.text.chars().count());
+        self.ids.extend_from_slice(ids);
+        self.text.push_str(text);
+        self.segments.push(Segment {
+            kind,
+            ids: i0..self.ids.len(),
+            chars: c0..c0 + text.chars().count(),
+        });
+    }
+
+    /// Token positions of every chunk token, in order.
+    pub fn chunk_positions(&self) -> Vec<usize> {
+        self.positions(|k| matches!(k, SegmentKind::Chunk(_)))
+    }
+
+    /// Token positions of the question segment.
+    pub fn question_positions(&self) -> Vec<usize> {
+        self.positions(|k| k == SegmentKind::Question)
+    }
+
+    /// The token range of the prefix (empty when there is none).
+    pub fn prefix_range(&self) -> Range<usize> {
+        self.segments
+            .iter()
+            .find(|s| s.kind == SegmentKind::Prefix)
+            .map_or(0..0, |s| s.ids.clone())
+    }
+
+    /// Chunk segments in order.
+    pub fn chunks(&self) -> impl Iterator<Item = &Segment> {
+        self.segments
+            .iter()
+            .filter(|s| matches!(s.kind, SegmentKind::Chunk(_)))
+    }
+
+    fn positions(&self, keep: impl Fn(SegmentKind) -> bool) -> Vec<usize> {
+        self.segments
+            .iter()
+            .filter(|s| keep(s.kind))
+            .flat_map(|s| s.ids.clone())
+            .collect()
+    }
+}
+
+/// The ChatML RAG template: a system turn and the start of the user turn as the prefix, each
+/// chunk as a document, then the question and the assistant header.
+#[derive(Debug, Clone)]
+pub struct RagTemplate {
+    pub system: String,
+}
+
+impl Default for RagTemplate {
+    fn default() -> Self {
+        Self {
+            system: "Answer the question using the documents.".into(),
+        }
+    }
+}
+
+impl RagTemplate {
+    /// Prefix text and ids (control tokens parsed, system message as plain text).
+    pub fn prefix(&self, tok: &Tokenizer) -> (String, Vec<u32>) {
+        let head = "<|im_start|>system\n";
+        let tail = "<|im_end|>\n<|im_start|>user\n";
+        let mut ids = tok.encode(head, true).ids;
+        ids.extend(tok.encode(&self.system, false).ids);
+        ids.extend(tok.encode(tail, true).ids);
+        (format!("{head}{}{tail}", self.system), ids)
+    }
+
+    /// A chunk as it appears in the prompt (the unit that is precomputed).
+    pub fn chunk(&self, tok: &Tokenizer, text: &str) -> (String, Vec<u32>) {
+        let t = format!("Document: {}\n\n", text.trim());
+        let ids = tok.encode(&t, false).ids;
+        (t, ids)
+    }
+
+    /// The question segment: the question as plain text, then the assistant header.
+    pub fn question(&self, tok: &Tokenizer, question: &str) -> (String, Vec<u32>) {
+        let tail = "<|im_end|>\n<|im_start|>assistant\n";
+        let mut ids = tok
+            .encode(&format!("Question: {}", question.trim()), false)
+            .ids;
+        ids.extend(tok.encode(tail, true).ids);
+        (format!("Question: {}{tail}", question.trim()), ids)
+    }
+
+    /// Assembles prefix, chunk texts and question.
+    pub fn assemble(&self, tok: &Tokenizer, chunks: &[&str], question: &str) -> Assembly {
+        let mut a = Assembly::default();
+        let (t, ids) = self.prefix(tok);
+        a.push(SegmentKind::Prefix, &t, &ids);
+        for (i, c) in chunks.iter().enumerate() {
+            let (t, ids) = self.chunk(tok, c);
+            a.push(SegmentKind::Chunk(i), &t, &ids);
+        }
+        let (t, ids) = self.question(tok, question);
+        a.push(SegmentKind::Question, &t, &ids);
+        a
+    }
+}

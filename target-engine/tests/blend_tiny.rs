@@ -1,0 +1,247 @@
+//! Invariants of chunk precompute, positional recovery and blended prefill on tiny models.
+
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    budget, Architecture, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions, Model,
+    PrefixCaching, RagTemplate, SelectInput, Selector,
+};
+
+fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(arch)).expect("write");
+    let m = Model::load(
+        &path,
+        &LoadOptions {
+            dense_min_rows: 1,
+            ..Default::default()
+        },
+    )
+    .expect("load");
+    (dir, m)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+const DOCS: [&str; 3] = [
+    "the thin ant ran in the sand and then the ant sat",
+    "an ant and the other ant than the thing in a tin",
+    "a hint: the antenna is in the attic near the tent",
+];
+
+struct Setup {
+    asm: target_engine::Assembly,
+    prefix: target_engine::PrefixKv,
+    standalone: Vec<ChunkKv>,
+    after_prefix: Vec<ChunkKv>,
+}
+
+fn setup(m: &Model) -> Setup {
+    let t = RagTemplate::default();
+    let asm = t.assemble(m.tokenizer(), &DOCS, "where is the antenna?");
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let chunk_ids: Vec<Vec<u32>> = asm
+        .chunks()
+        .map(|s| asm.ids[s.ids.clone()].to_vec())
+        .collect();
+    let standalone = chunk_ids
+        .iter()
+        .map(|ids| m.precompute(ids, None).expect("precompute"))
+        .collect();
+    let after_prefix = chunk_ids
+        .iter()
+        .map(|ids| m.precompute(ids, Some(&prefix)).expect("precompute"))
+        .collect();
+    Setup {
+        asm,
+        prefix,
+        standalone,
+        after_prefix,
+    }
+}
+
+#[test]
+fn recompute_everything_equals_full_prefill() {
+    for arch in [Architecture::Qwen2, Architecture::Llama] {
+        let (_d, m) = tiny(arch);
+        let s = setup(&m);
+        let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+        for chunks in [&s.standalone, &s.after_prefix] {
+            let refs: Vec<&ChunkKv> = chunks.iter().collect();
+            let all = s.asm.chunk_positions();
+            let out = m
+                .blend_prefill(&s.asm, &s.prefix, &refs, &all)
+                .expect("blend");
+            assert!((out.ratio() - 1.0).abs() < 1e-12);
+            assert!(max_diff(&out.logits, &full) < 1e-4, "{arch:?}");
+            for l in 0..m.config().n_layer {
+                assert!(max_diff(out.cache.k(l), full_cache.k(l)) < 1e-4);
+                assert!(max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4);
+            }
+            let cb = m
+                .blend_prefill_cacheblend(&s.asm, &s.prefix, &refs, 1.0, 0, false)
+                .expect("cacheblend");
+            assert!(
+                max_diff(&cb.logits, &full) < 1e-4,
+                "cacheblend at ratio 1 is full prefill"
+            );
+        }
+    }
+}
+
+#[test]
+fn one_chunk_precomputed_after_the_prefix_reused_as_is_equals_full_prefill() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let t = RagTemplate::default();
+    let asm = t.assemble(m.tokenizer(), &DOCS[..1], "where is the antenna?");
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let seg = asm.chunks().next().expect("one chunk").ids.clone();
+    let kv = m
+        .precompute(&asm.ids[seg], Some(&prefix))
+        .expect("precompute");
+    let out = m.blend_prefill(&asm, &prefix, &[&kv], &[]).expect("blend");
+    assert_eq!(out.recomputed.len(), 0);
+    let (full_cache, full) = m.prefill(&asm.ids).expect("prefill");
+    // The reused rows went through f16; nothing else differs.
+    assert!(
+        max_diff(&out.logits, &full) < 2e-2,
+        "{}",
+        max_diff(&out.logits, &full)
+    );
+    for l in 0..m.config().n_layer {
+        assert!(max_diff(out.cache.k(l), full_cache.k(l)) < 2e-2);
+    }
+}
+
+#[test]
+fn every_reused_row_sits_at_its_position() {
+    let (_d, m) = tiny(Architecture::Llama);
+    let s = setup(&m);
+    assert!(m.rope_recovery_ok());
+    for chunks in [&s.standalone, &s.after_prefix] {
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+        let n = s.asm.chunk_positions().last().expect("chunks") + 1;
+        assert_eq!(fused.len(), n);
+        assert!(fused.is_complete());
+        // Layer-0 keys depend only on token and position: the ground truth for every row.
+        let pos: Vec<usize> = (0..n).collect();
+        let want = m.layer0_keys(&s.asm.ids[..n], &pos).expect("keys");
+        assert!(
+            max_diff(fused.k(0), &want) < 1e-2,
+            "{}",
+            max_diff(fused.k(0), &want)
+        );
+        // A chunk placed one position off is detectably wrong (the check above can fail).
+        let mut shifted = s.prefix.cache.clone();
+        let first = s.asm.chunks().next().expect("chunk").ids.clone();
+        m.place_chunk(&mut shifted, &refs[0], first.start + 1)
+            .expect("place");
+        let row = m.config().kv_row();
+        let got = &shifted.k(0)[(first.start + 1) * row..(first.start + 2) * row];
+        assert!(max_diff(got, &want[first.start * row..(first.start + 1) * row]) > 1e-2);
+    }
+}
+
+#[test]
+fn rotated_standalone_chunk_equals_chunk_computed_in_place_at_layer_0() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let ids: Vec<u32> = (0..12).map(|i| (i * 17 % 250) as u32).collect();
+    let kv = m.precompute(&ids, None).expect("precompute");
+    for offset in [1usize, 7, 300] {
+        let lead: Vec<u32> = (0..offset).map(|i| (i % 200) as u32 + 3).collect();
+        let mut cache = m.prefill(&lead).expect("lead").0;
+        m.place_chunk(&mut cache, &kv, offset).expect("place");
+        let mut all = lead.clone();
+        all.extend(&ids);
+        let (full, _) = m.prefill(&all).expect("prefill");
+        let row = m.config().kv_row();
+        let r = offset * row..(offset + ids.len()) * row;
+        assert!(
+            max_diff(&cache.k(0)[r.clone()], &full.k(0)[r.clone()]) < 1e-2,
+            "K at offset {offset}"
+        );
+        assert!(
+            max_diff(&cache.v(0)[r.clone()], &full.v(0)[r]) < 1e-2,
+            "V at offset {offset}"
+        );
+    }
+}
+
+#[test]
+fn selectors_pick_what_their_method_says() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let input = SelectInput {
+        assembly: &s.asm,
+        first_chunk_exact: true,
+        ratio: 0.15,
+    };
+    let chunks: Vec<_> = s.asm.chunks().map(|c| c.ids.clone()).collect();
+    assert_eq!(FullRecompute.select(&input), s.asm.chunk_positions());
+    assert!(FullReuse.select(&input).is_empty());
+    let prefix = PrefixCaching.select(&input);
+    assert_eq!(
+        prefix.first(),
+        Some(&chunks[1].start),
+        "first chunk is exact and kept"
+    );
+    let not_exact = SelectInput {
+        first_chunk_exact: false,
+        ..input
+    };
+    assert_eq!(PrefixCaching.select(&not_exact), s.asm.chunk_positions());
+    let epic = Epic { k: 4 }.select(&input);
+    assert_eq!(epic.len(), 4 * chunks.len());
+    assert!(chunks
+        .iter()
+        .all(|c| epic.contains(&c.start) && epic.contains(&(c.start + 3))));
+    assert_eq!(budget(0.15, 100), 15);
+    assert_eq!(budget(0.151, 100), 16, "ceil");
+    assert_eq!(budget(0.0, 100), 0);
+    assert_eq!(budget(1.0, 7), 7);
+    // CacheBlend spends exactly its budget and only on chunk tokens.
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let cb = m
+        .blend_prefill_cacheblend(&s.asm, &s.prefix, &refs, 0.25, 0, false)
+        .expect("cacheblend");
+    assert_eq!(cb.recomputed.len(), budget(0.25, cb.chunk_tokens));
+    let chunk_pos = s.asm.chunk_positions();
+    assert!(cb.recomputed.iter().all(|p| chunk_pos.contains(p)));
+}
+
+#[test]
+fn mismatched_inputs_are_errors() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let q = s.asm.question_positions()[0];
+    assert!(
+        m.blend_prefill(&s.asm, &s.prefix, &refs, &[q]).is_err(),
+        "question is not a chunk token"
+    );
+    assert!(
+        m.blend_prefill(&s.asm, &s.prefix, &refs[..2], &[]).is_err(),
+        "missing chunk KV"
+    );
+    let swapped = vec![refs[1], refs[0], refs[2]];
+    assert!(
+        m.blend_prefill(&s.asm, &s.prefix, &swapped, &[]).is_err(),
+        "ids differ"
+    );
+    let mut foreign = s.standalone[0].clone();
+    foreign.fingerprint = "other".into();
+    let foreign_refs = vec![&foreign, refs[1], refs[2]];
+    assert!(
+        m.blend_prefill(&s.asm, &s.prefix, &foreign_refs, &[])
+            .is_err(),
+        "other model"
+    );
+    assert!(m.precompute(&[], None).is_err());
+}
