@@ -87,3 +87,238 @@ pub fn prefill_report(
         decode_ms_per_token: median(steps),
     })
 }
+
+/// One measured variant of blended prefill.
+type BlendRun<'a> = Box<dyn Fn() -> target_engine::Result<target_engine::BlendOutput> + 'a>;
+
+/// One row of `specrag bench blend`.
+#[derive(Debug, Clone, Serialize)]
+pub struct BlendRow {
+    pub method: String,
+    /// Recomputed chunk tokens over all chunk tokens (actual, not requested).
+    pub ratio: f64,
+    pub ms: f64,
+    /// `ms / full_ms`, same run.
+    pub rel: f64,
+    /// How the reused chunk KV was precomputed: `after_prefix` or `standalone`.
+    pub mode: String,
+    /// KL divergence (nats) of the next-token distribution from full prefill's.
+    pub kl: f64,
+}
+
+/// The report of `specrag bench blend` (the JSON shape of the contract, plus mode and kl).
+#[derive(Debug, Clone, Serialize)]
+pub struct BlendReport {
+    pub tokens: usize,
+    pub full_ms: f64,
+    pub rows: Vec<BlendRow>,
+}
+
+/// Settings of the blend benchmark.
+#[derive(Debug, Clone)]
+pub struct BlendBenchConfig {
+    pub chunks: usize,
+    pub chunk_tokens: usize,
+    pub ratios: Vec<f64>,
+    pub reps: usize,
+}
+
+/// Deterministic, varied English-like text (seeded), so chunks differ from each other.
+fn synthetic_text(seed: u64, words: usize) -> String {
+    const SUBJECTS: [&str; 8] = [
+        "The archive",
+        "A ferry captain",
+        "The council",
+        "Our chemist",
+        "The orchard",
+        "A courier",
+        "The observatory",
+        "Every miller",
+    ];
+    const VERBS: [&str; 8] = [
+        "recorded",
+        "questioned",
+        "repaired",
+        "measured",
+        "traded",
+        "described",
+        "rebuilt",
+        "catalogued",
+    ];
+    const OBJECTS: [&str; 8] = [
+        "the northern canal",
+        "seventeen copper bells",
+        "a forgotten treaty",
+        "the winter harvest",
+        "two silver compasses",
+        "the river toll",
+        "an unusual comet",
+        "the salt ledger",
+    ];
+    const TAILS: [&str; 8] = [
+        "in 1847.",
+        "before the flood.",
+        "with great care.",
+        "for the guild of Varn.",
+        "near Oskel bridge.",
+        "during the fair.",
+        "at the request of Lady Imra.",
+        "without telling anyone.",
+    ];
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = |n: usize| {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((s >> 33) as usize) % n
+    };
+    let mut out = String::new();
+    while out.split_whitespace().count() < words {
+        out.push_str(&format!(
+            "{} {} {} {} ",
+            SUBJECTS[next(8)],
+            VERBS[next(8)],
+            OBJECTS[next(8)],
+            TAILS[next(8)]
+        ));
+    }
+    out
+}
+
+/// Blended prefill against full prefill on `chunks x chunk_tokens` tokens and a question, for
+/// every baseline selector at each ratio and both precompute modes, in one run.
+pub fn blend_report(
+    model: &Model,
+    cfg: &BlendBenchConfig,
+    mut progress: impl FnMut(&str),
+) -> target_engine::Result<BlendReport> {
+    use target_engine::{
+        fidelity, Assembly, ChunkKv, Epic, FullRecompute, FullReuse, PrefixCaching, RagTemplate,
+        SegmentKind, SelectInput, Selector,
+    };
+    let tok = model.tokenizer();
+    let template = RagTemplate::default();
+    let mut asm = Assembly::default();
+    let (t, ids) = template.prefix(tok);
+    asm.push(SegmentKind::Prefix, &t, &ids);
+    for i in 0..cfg.chunks {
+        let text = synthetic_text(i as u64 + 1, cfg.chunk_tokens);
+        let (text, mut ids) = template.chunk(tok, &text);
+        ids.truncate(cfg.chunk_tokens);
+        let text = if ids.len() < cfg.chunk_tokens {
+            text
+        } else {
+            tok.decode(&ids, true)
+        };
+        asm.push(SegmentKind::Chunk(i), &text, &ids);
+    }
+    let (t, ids) = template.question(
+        tok,
+        "Which document mentions the salt ledger, and who catalogued it?",
+    );
+    asm.push(SegmentKind::Question, &t, &ids);
+    progress("prefix and chunk precompute");
+    let prefix = model.prefix_kv(&asm.ids[asm.prefix_range()])?;
+    let chunk_ids: Vec<Vec<u32>> = asm
+        .chunks()
+        .map(|s| asm.ids[s.ids.clone()].to_vec())
+        .collect();
+    let after: Vec<ChunkKv> = chunk_ids
+        .iter()
+        .map(|ids| model.precompute(ids, Some(&prefix)))
+        .collect::<Result<_, _>>()?;
+    let alone: Vec<ChunkKv> = chunk_ids
+        .iter()
+        .map(|ids| model.precompute(ids, None))
+        .collect::<Result<_, _>>()?;
+    let reps = cfg.reps.max(1);
+    let mut full_logits = Vec::new();
+    let mut times = Vec::new();
+    for r in 0..reps {
+        progress(&format!("full prefill {}/{reps}", r + 1));
+        let t = Instant::now();
+        full_logits = model.prefill(&asm.ids)?.1;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let full_ms = median(times);
+    let n_chunk = asm.chunk_positions().len();
+    let mut rows = Vec::new();
+    for (mode, chunks) in [("after_prefix", &after), ("standalone", &alone)] {
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let input = |ratio| SelectInput {
+            assembly: &asm,
+            first_chunk_exact: mode == "after_prefix",
+            ratio,
+        };
+        let mut runs: Vec<(String, BlendRun<'_>)> = vec![
+            (
+                "full_recompute".into(),
+                Box::new(|| {
+                    model.blend_prefill(&asm, &prefix, &refs, &FullRecompute.select(&input(1.0)))
+                }),
+            ),
+            (
+                "full_reuse".into(),
+                Box::new(|| {
+                    model.blend_prefill(&asm, &prefix, &refs, &FullReuse.select(&input(0.0)))
+                }),
+            ),
+            (
+                "prefix".into(),
+                Box::new(|| {
+                    model.blend_prefill(&asm, &prefix, &refs, &PrefixCaching.select(&input(0.0)))
+                }),
+            ),
+        ];
+        for &ratio in &cfg.ratios {
+            let k = target_engine::budget(ratio, n_chunk).div_ceil(cfg.chunks.max(1));
+            let refs = &refs;
+            let asm = &asm;
+            let prefix = &prefix;
+            runs.push((
+                format!("epic@{ratio}"),
+                Box::new(move || {
+                    model.blend_prefill(asm, prefix, refs, &Epic { k }.select(&input(ratio)))
+                }),
+            ));
+            runs.push((
+                format!("cacheblend@{ratio}"),
+                Box::new(move || {
+                    model.blend_prefill_cacheblend(asm, prefix, refs, ratio, 1, false)
+                }),
+            ));
+            // The same selector scoring V instead of K deviation, to see which picks better.
+            runs.push((
+                format!("cacheblend_v@{ratio}"),
+                Box::new(move || model.blend_prefill_cacheblend(asm, prefix, refs, ratio, 1, true)),
+            ));
+        }
+        for (name, run) in &runs {
+            let mut times = Vec::new();
+            let mut last = None;
+            for r in 0..reps {
+                progress(&format!("{mode} {name} {}/{reps}", r + 1));
+                let t = Instant::now();
+                last = Some(run()?);
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let Some(out) = last else { continue };
+            let ms = median(times);
+            rows.push(BlendRow {
+                method: name.split('@').next().unwrap_or(name).to_string(),
+                ratio: out.ratio(),
+                ms,
+                rel: ms / full_ms,
+                mode: mode.to_string(),
+                kl: fidelity::kl_divergence(&full_logits, &out.logits),
+            });
+        }
+    }
+    Ok(BlendReport {
+        tokens: asm.ids.len(),
+        full_ms,
+        rows,
+    })
+}

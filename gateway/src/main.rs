@@ -127,6 +127,26 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Blended prefill vs full prefill on the target: 4 chunks x 512 tokens and a question,
+    /// every baseline selector at each ratio, chunk KV precomputed after the prefix and
+    /// standalone; times relative to full prefill in the same run, plus KL from full prefill.
+    Blend {
+        /// Number of chunks.
+        #[arg(long, default_value_t = 4)]
+        chunks: usize,
+        /// Tokens per chunk.
+        #[arg(long, default_value_t = 512)]
+        chunk_tokens: usize,
+        /// Recompute ratios for the budgeted selectors.
+        #[arg(long, value_delimiter = ',', default_value = "0.10,0.15,0.25")]
+        ratios: Vec<f64>,
+        /// Runs per measurement (median reported).
+        #[arg(long, default_value_t = 1)]
+        reps: usize,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {
@@ -276,6 +296,54 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 for (id, (s, e)) in enc.ids.iter().zip(&offsets) {
                     let piece: String = chars[*s..*e].iter().collect();
                     println!("{id:>8}  [{s}, {e})  {piece:?}");
+                }
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Blend {
+            chunks,
+            chunk_tokens,
+            ratios,
+            reps,
+            json,
+        }) => {
+            if chunks == 0 || chunk_tokens == 0 {
+                anyhow::bail!("--chunks and --chunk-tokens must be positive");
+            }
+            if let Some(r) = ratios.iter().find(|r| !(0.0..=1.0).contains(*r)) {
+                anyhow::bail!("--ratios must lie in 0..=1, got {r}");
+            }
+            let model = load(&models::resolve(
+                cli.models.target.as_deref(),
+                Role::Target,
+            )?)?;
+            let bar = ProgressBar::new_spinner();
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            let cfg = gateway::bench::BlendBenchConfig {
+                chunks,
+                chunk_tokens,
+                ratios,
+                reps,
+            };
+            let report =
+                gateway::bench::blend_report(&model, &cfg, |m| bar.set_message(m.to_string()))?;
+            bar.finish_and_clear();
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "{} tokens, full prefill {:.0} ms",
+                    report.tokens, report.full_ms
+                );
+                println!(
+                    "{:<13} {:<15} {:>6} {:>9} {:>6} {:>9}",
+                    "mode", "method", "ratio", "ms", "rel", "KL"
+                );
+                for r in &report.rows {
+                    println!(
+                        "{:<13} {:<15} {:>6.3} {:>9.0} {:>6.3} {:>9.4}",
+                        r.mode, r.method, r.ratio, r.ms, r.rel, r.kl
+                    );
                 }
             }
             Ok(())

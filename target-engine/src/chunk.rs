@@ -6,7 +6,8 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use half::f16;
 
-/// Where a chunk's KV was computed.
+/// Where a chunk's KV was computed. `AfterPrefix` reuses better (measured in `docs/blend.md`:
+/// KL from full prefill 0.017 vs 0.145 with nothing recomputed) and is the mode to ingest with.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "mode")]
 pub enum PrecomputeMode {

@@ -141,7 +141,7 @@ fn every_reused_row_sits_at_its_position() {
         // A chunk placed one position off is detectably wrong (the check above can fail).
         let mut shifted = s.prefix.cache.clone();
         let first = s.asm.chunks().next().expect("chunk").ids.clone();
-        m.place_chunk(&mut shifted, &refs[0], first.start + 1)
+        m.place_chunk(&mut shifted, refs[0], first.start + 1)
             .expect("place");
         let row = m.config().kv_row();
         let got = &shifted.k(0)[(first.start + 1) * row..(first.start + 2) * row];

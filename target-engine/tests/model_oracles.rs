@@ -439,3 +439,60 @@ fn hidden_states_of_every_layer_are_returned() {
         .collect();
     assert!(norms.windows(2).any(|w| w[0] != w[1]), "layers differ");
 }
+
+/// On the default target: recompute-everything blend == full prefill, and a single chunk
+/// precomputed after the prefix and reused with nothing recomputed == full prefill.
+#[test]
+fn blended_prefill_invariants_on_the_default_target() {
+    use target_engine::{ChunkKv, RagTemplate};
+    let m = model(common::QWEN_05B);
+    assert!(m.rope_recovery_ok(), "positional recovery self-test");
+    let t = RagTemplate::default();
+    let docs = [
+        "Asian Man Records is a DIY record label run by Mike Park.",
+        "The Bruce Lee Band is a ska punk band; its releases feature Mike Park.",
+    ];
+    let q = "What record label did the person who is part of The Bruce Lee Band start?";
+    let asm = t.assemble(m.tokenizer(), &docs, q);
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let kvs: Vec<ChunkKv> = asm
+        .chunks()
+        .map(|s| {
+            m.precompute(&asm.ids[s.ids.clone()], None)
+                .expect("precompute")
+        })
+        .collect();
+    let refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let (full_cache, full) = m.prefill(&asm.ids).expect("prefill");
+    let out = m
+        .blend_prefill(&asm, &prefix, &refs, &asm.chunk_positions())
+        .expect("blend");
+    let d = diff(&out.logits, &full);
+    assert!(d.max < 1e-3, "ratio 1 vs full prefill: {}", d.max);
+    let l = m.config().n_layer - 1;
+    let dk = out
+        .cache
+        .k(l)
+        .iter()
+        .zip(full_cache.k(l))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(dk < 1e-3, "last-layer K differs by {dk}");
+
+    let one = t.assemble(m.tokenizer(), &docs[..1], q);
+    let prefix = m.prefix_kv(&one.ids[one.prefix_range()]).expect("prefix");
+    let seg = one.chunks().next().expect("chunk").ids.clone();
+    let kv = m
+        .precompute(&one.ids[seg], Some(&prefix))
+        .expect("precompute");
+    let out = m.blend_prefill(&one, &prefix, &[&kv], &[]).expect("blend");
+    let (_, full) = m.prefill(&one.ids).expect("prefill");
+    let d = diff(&out.logits, &full);
+    eprintln!(
+        "one chunk reused as is vs full prefill: max {:.4} mean {:.5}",
+        d.max, d.mean
+    );
+    // Only the f16 storage of the reused rows differs from a full prefill.
+    assert!(d.max < 0.1 && d.cosine > 0.9999, "{}", d.max);
+    assert_eq!(argmax(&out.logits), argmax(&full));
+}
