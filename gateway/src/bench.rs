@@ -195,8 +195,8 @@ pub fn blend_report(
     mut progress: impl FnMut(&str),
 ) -> target_engine::Result<BlendReport> {
     use target_engine::{
-        fidelity, Assembly, ChunkKv, Epic, FullRecompute, FullReuse, PrefixCaching, RagTemplate,
-        SegmentKind, SelectInput, Selector,
+        fidelity, Assembly, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, PrefixCaching,
+        RagTemplate, SegmentKind, SelectInput, Selector,
     };
     let tok = model.tokenizer();
     let template = RagTemplate::default();
@@ -247,52 +247,41 @@ pub fn blend_report(
     let mut rows = Vec::new();
     for (mode, chunks) in [("after_prefix", &after), ("standalone", &alone)] {
         let refs: Vec<&ChunkKv> = chunks.iter().collect();
-        let input = |ratio| SelectInput {
-            assembly: &asm,
-            first_chunk_exact: mode == "after_prefix",
-            ratio,
-        };
+        let input = |ratio| SelectInput::new(model, &asm, &prefix, &refs, ratio);
         let mut runs: Vec<(String, BlendRun<'_>)> = vec![
             (
                 "full_recompute".into(),
-                Box::new(|| {
-                    model.blend_prefill(&asm, &prefix, &refs, &FullRecompute.select(&input(1.0)))
-                }),
+                Box::new(|| FullRecompute.prefill(&input(1.0))),
             ),
             (
                 "full_reuse".into(),
-                Box::new(|| {
-                    model.blend_prefill(&asm, &prefix, &refs, &FullReuse.select(&input(0.0)))
-                }),
+                Box::new(|| FullReuse.prefill(&input(0.0))),
             ),
             (
                 "prefix".into(),
-                Box::new(|| {
-                    model.blend_prefill(&asm, &prefix, &refs, &PrefixCaching.select(&input(0.0)))
-                }),
+                Box::new(|| PrefixCaching.prefill(&input(0.0))),
             ),
         ];
         for &ratio in &cfg.ratios {
+            // EPIC at the same budget as the others: k tokens per chunk.
             let k = target_engine::budget(ratio, n_chunk).div_ceil(cfg.chunks.max(1));
-            let refs = &refs;
-            let asm = &asm;
-            let prefix = &prefix;
+            let input = &input;
             runs.push((
                 format!("epic@{ratio}"),
-                Box::new(move || {
-                    model.blend_prefill(asm, prefix, refs, &Epic { k }.select(&input(ratio)))
-                }),
+                Box::new(move || Epic { k }.prefill(&input(ratio))),
             ));
             runs.push((
                 format!("cacheblend@{ratio}"),
-                Box::new(move || {
-                    model.blend_prefill_cacheblend(asm, prefix, refs, ratio, 1, false)
-                }),
+                Box::new(move || CacheBlend::default().prefill(&input(ratio))),
             ));
             // The same selector scoring V instead of K deviation, to see which picks better.
+            let by_v = CacheBlend {
+                by_value: true,
+                ..CacheBlend::default()
+            };
             runs.push((
                 format!("cacheblend_v@{ratio}"),
-                Box::new(move || model.blend_prefill_cacheblend(asm, prefix, refs, ratio, 1, true)),
+                Box::new(move || by_v.prefill(&input(ratio))),
             ));
         }
         for (name, run) in &runs {

@@ -240,21 +240,63 @@ impl Method {
     }
 }
 
-/// What a selector sees.
+/// What a selector sees: the model, the assembled prompt and the KV it will reuse.
 #[derive(Debug)]
 pub struct SelectInput<'a> {
+    pub model: &'a Model,
     pub assembly: &'a Assembly,
-    /// True when the first chunk was precomputed after this prefix (its KV is then exact).
+    pub prefix: &'a PrefixKv,
+    pub chunks: &'a [&'a ChunkKv],
+    /// True when the first chunk was precomputed after this very prefix (its KV is then exact).
     pub first_chunk_exact: bool,
+    /// Budget: recompute at most `ceil(ratio * chunk tokens)` (ignored by the fixed methods).
     pub ratio: f64,
 }
 
-/// Picks the chunk positions to recompute.
+impl<'a> SelectInput<'a> {
+    /// Bundles the inputs; `first_chunk_exact` is derived from the first chunk's precompute mode.
+    pub fn new(
+        model: &'a Model,
+        assembly: &'a Assembly,
+        prefix: &'a PrefixKv,
+        chunks: &'a [&'a ChunkKv],
+        ratio: f64,
+    ) -> Self {
+        let first_chunk_exact = chunks.first().is_some_and(|c| {
+            c.mode
+                == crate::chunk::PrecomputeMode::AfterPrefix {
+                    prefix_hash: prefix.hash.clone(),
+                }
+                && assembly
+                    .chunks()
+                    .next()
+                    .is_some_and(|s| s.ids.start == c.base_pos)
+        });
+        Self {
+            model,
+            assembly,
+            prefix,
+            chunks,
+            first_chunk_exact,
+            ratio,
+        }
+    }
+}
+
+/// A reuse method: picks the chunk positions to recompute, and runs the blended prefill.
 pub trait Selector {
-    /// Method name.
+    /// Method name as in the API.
     fn name(&self) -> &'static str;
     /// Absolute positions of chunk tokens to recompute.
-    fn select(&self, input: &SelectInput) -> Vec<usize>;
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>>;
+    /// The blended prefill of this method (by default: select, then recompute those tokens
+    /// through every layer).
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let positions = self.select(input)?;
+        input
+            .model
+            .blend_prefill(input.assembly, input.prefix, input.chunks, &positions)
+    }
 }
 
 /// Recompute every chunk token (the reference).
@@ -271,13 +313,35 @@ pub struct PrefixCaching;
 pub struct Epic {
     pub k: usize,
 }
+/// CacheBlend: every token through layers `0..=check_layer`, then the tokens whose fresh K (or
+/// V, with `by_value`) deviates most from the reused one continue through the later layers.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheBlend {
+    pub check_layer: usize,
+    pub by_value: bool,
+}
+
+impl Default for Epic {
+    fn default() -> Self {
+        Self { k: 16 }
+    }
+}
+
+impl Default for CacheBlend {
+    fn default() -> Self {
+        Self {
+            check_layer: 1,
+            by_value: false,
+        }
+    }
+}
 
 impl Selector for FullRecompute {
     fn name(&self) -> &'static str {
         Method::FullRecompute.name()
     }
-    fn select(&self, input: &SelectInput) -> Vec<usize> {
-        input.assembly.chunk_positions()
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(input.assembly.chunk_positions())
     }
 }
 
@@ -285,8 +349,8 @@ impl Selector for FullReuse {
     fn name(&self) -> &'static str {
         Method::FullReuse.name()
     }
-    fn select(&self, _: &SelectInput) -> Vec<usize> {
-        Vec::new()
+    fn select(&self, _: &SelectInput) -> Result<Vec<usize>> {
+        Ok(Vec::new())
     }
 }
 
@@ -294,12 +358,12 @@ impl Selector for PrefixCaching {
     fn name(&self) -> &'static str {
         Method::Prefix.name()
     }
-    fn select(&self, input: &SelectInput) -> Vec<usize> {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
         let mut segs = input.assembly.chunks();
         if input.first_chunk_exact {
             segs.next();
         }
-        segs.flat_map(|s| s.ids.clone()).collect()
+        Ok(segs.flat_map(|s| s.ids.clone()).collect())
     }
 }
 
@@ -307,12 +371,43 @@ impl Selector for Epic {
     fn name(&self) -> &'static str {
         Method::Epic.name()
     }
-    fn select(&self, input: &SelectInput) -> Vec<usize> {
-        input
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(input
             .assembly
             .chunks()
             .flat_map(|s| s.ids.start..s.ids.end.min(s.ids.start + self.k))
-            .collect()
+            .collect())
+    }
+}
+
+impl Selector for CacheBlend {
+    fn name(&self) -> &'static str {
+        Method::CacheBlend.name()
+    }
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.prefill(input)?.recomputed)
+    }
+    /// Overridden: the tokens chosen continue from the check layer instead of starting over.
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        input.model.blend_prefill_cacheblend(
+            input.assembly,
+            input.prefix,
+            input.chunks,
+            input.ratio,
+            self.check_layer,
+            self.by_value,
+        )
+    }
+}
+
+/// The selector of a method (`epic_k` for EPIC; CacheBlend with its defaults).
+pub fn selector(method: Method, epic_k: usize) -> Box<dyn Selector + Send + Sync> {
+    match method {
+        Method::FullRecompute => Box::new(FullRecompute),
+        Method::FullReuse => Box::new(FullReuse),
+        Method::Prefix => Box::new(PrefixCaching),
+        Method::Epic => Box::new(Epic { k: epic_k }),
+        Method::CacheBlend => Box::new(CacheBlend::default()),
     }
 }
 

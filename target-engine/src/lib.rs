@@ -23,8 +23,8 @@ pub mod tokenizer;
 
 pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
 pub use blend::{
-    budget, BlendOutput, Epic, FullRecompute, FullReuse, Method, PrefixCaching, SelectInput,
-    Selector,
+    budget, selector, BlendOutput, CacheBlend, Epic, FullRecompute, FullReuse, Method,
+    PrefixCaching, SelectInput, Selector,
 };
 pub use chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use config::{Architecture, ModelConfig};

@@ -2,7 +2,7 @@
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    budget, Architecture, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions, Model,
+    budget, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions, Model,
     PrefixCaching, RagTemplate, SelectInput, Selector,
 };
 
@@ -178,26 +178,27 @@ fn rotated_standalone_chunk_equals_chunk_computed_in_place_at_layer_0() {
 fn selectors_pick_what_their_method_says() {
     let (_d, m) = tiny(Architecture::Qwen2);
     let s = setup(&m);
-    let input = SelectInput {
-        assembly: &s.asm,
-        first_chunk_exact: true,
-        ratio: 0.15,
-    };
+    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let alone: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.15);
+    assert!(
+        input.first_chunk_exact,
+        "precomputed after this prefix, at its place"
+    );
     let chunks: Vec<_> = s.asm.chunks().map(|c| c.ids.clone()).collect();
-    assert_eq!(FullRecompute.select(&input), s.asm.chunk_positions());
-    assert!(FullReuse.select(&input).is_empty());
-    let prefix = PrefixCaching.select(&input);
+    let sel = |x: &dyn Selector, i: &SelectInput| x.select(i).expect("select");
+    assert_eq!(sel(&FullRecompute, &input), s.asm.chunk_positions());
+    assert!(sel(&FullReuse, &input).is_empty());
+    let prefix = sel(&PrefixCaching, &input);
     assert_eq!(
         prefix.first(),
         Some(&chunks[1].start),
         "first chunk is exact and kept"
     );
-    let not_exact = SelectInput {
-        first_chunk_exact: false,
-        ..input
-    };
-    assert_eq!(PrefixCaching.select(&not_exact), s.asm.chunk_positions());
-    let epic = Epic { k: 4 }.select(&input);
+    let not_exact = SelectInput::new(&m, &s.asm, &s.prefix, &alone, 0.15);
+    assert!(!not_exact.first_chunk_exact);
+    assert_eq!(sel(&PrefixCaching, &not_exact), s.asm.chunk_positions());
+    let epic = sel(&Epic { k: 4 }, &input);
     assert_eq!(epic.len(), 4 * chunks.len());
     assert!(chunks
         .iter()
@@ -206,12 +207,31 @@ fn selectors_pick_what_their_method_says() {
     assert_eq!(budget(0.151, 100), 16, "ceil");
     assert_eq!(budget(0.0, 100), 0);
     assert_eq!(budget(1.0, 7), 7);
-    // CacheBlend spends exactly its budget and only on chunk tokens.
-    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
-    let cb = m
-        .blend_prefill_cacheblend(&s.asm, &s.prefix, &refs, 0.25, 0, false)
-        .expect("cacheblend");
+    // CacheBlend spends exactly its budget and only on chunk tokens; its trait prefill is the
+    // check-layer procedure.
+    let cb_sel = CacheBlend {
+        check_layer: 0,
+        by_value: false,
+    };
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &alone, 0.25);
+    let cb = cb_sel.prefill(&input).expect("cacheblend");
     assert_eq!(cb.recomputed.len(), budget(0.25, cb.chunk_tokens));
+    assert_eq!(sel(&cb_sel, &input), cb.recomputed);
+    // Every method's trait prefill at ratio 1 / full recompute agrees with full prefill.
+    let (_, full) = m.prefill(&s.asm.ids).expect("prefill");
+    let all = SelectInput::new(&m, &s.asm, &s.prefix, &alone, 1.0);
+    // (The tiny model has 2 layers, so CacheBlend checks layer 0 instead of the default 1.)
+    let methods: Vec<Box<dyn Selector>> = vec![
+        target_engine::selector(target_engine::Method::FullRecompute, 16),
+        Box::new(CacheBlend {
+            check_layer: 0,
+            by_value: true,
+        }),
+    ];
+    for method in methods {
+        let out = method.prefill(&all).expect("prefill");
+        assert!(max_diff(&out.logits, &full) < 1e-4, "{}", method.name());
+    }
     let chunk_pos = s.asm.chunk_positions();
     assert!(cb.recomputed.iter().all(|p| chunk_pos.contains(p)));
 }
