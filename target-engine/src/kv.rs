@@ -106,14 +106,7 @@ impl KvCache {
             return Ok(());
         };
         let needed = max + 1;
-        if needed > self.rows {
-            for l in 0..self.n_layer {
-                self.k[l].resize(needed * self.row, 0.0);
-                self.v[l].resize(needed * self.row, 0.0);
-            }
-            self.filled.resize(needed, false);
-            self.rows = needed;
-        }
+        self.grow(needed);
         let mut incoming = vec![false; needed];
         for &p in positions {
             if incoming[p] {
@@ -131,18 +124,22 @@ impl KvCache {
         Ok(())
     }
 
+    /// Extends every layer to `rows` rows (new rows empty, not yet computed).
+    fn grow(&mut self, rows: usize) {
+        if rows > self.rows {
+            for l in 0..self.n_layer {
+                self.k[l].resize(rows * self.row, 0.0);
+                self.v[l].resize(rows * self.row, 0.0);
+            }
+            self.filled.resize(rows, false);
+            self.rows = rows;
+        }
+    }
+
     /// Writes reused rows of one layer at `positions`, growing the cache as needed (the caller
     /// marks them computed once every layer is in place).
     pub(crate) fn place_rows(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
-        let needed = positions.iter().max().map_or(0, |&p| p + 1);
-        if needed > self.rows {
-            for l in 0..self.n_layer {
-                self.k[l].resize(needed * self.row, 0.0);
-                self.v[l].resize(needed * self.row, 0.0);
-            }
-            self.filled.resize(needed, false);
-            self.rows = needed;
-        }
+        self.grow(positions.iter().max().map_or(0, |&p| p + 1));
         self.write(layer, positions, k, v);
     }
 
