@@ -479,6 +479,20 @@ fn blended_prefill_invariants_on_the_default_target() {
         .fold(0f32, f32::max);
     assert!(dk < 1e-3, "last-layer K differs by {dk}");
 
+    // Positional recovery on the real model: every reused row's layer-0 key (standalone chunks
+    // rotated into place) equals the key computed at its position.
+    let fused = m.fused_cache(&asm, &prefix, &refs).expect("fused");
+    let n = fused.len();
+    let want = m
+        .layer0_keys(&asm.ids[..n], &(0..n).collect::<Vec<_>>())
+        .expect("keys");
+    let d0 = diff(fused.k(0), &want);
+    assert!(
+        d0.cosine > 0.99999 && d0.max < 0.05 * want.iter().fold(0f32, |a, x| a.max(x.abs())),
+        "{}",
+        d0.max
+    );
+
     let one = t.assemble(m.tokenizer(), &docs[..1], q);
     let prefix = m.prefix_kv(&one.ids[one.prefix_range()]).expect("prefix");
     let seg = one.chunks().next().expect("chunk").ids.clone();
