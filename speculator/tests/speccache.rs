@@ -1,0 +1,136 @@
+//! SpecCache end to end on tiny models, and alignment between the two real tokenizers.
+
+use speculator::{align, SpanParams, SpecCache};
+use std::sync::Arc;
+use target_engine::gguf::GgufFile;
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    Architecture, ChunkKv, LoadOptions, Model, RagTemplate, SelectInput, Selector, Tokenizer,
+};
+
+fn tiny(dir: &std::path::Path, arch: Architecture, seed: u64) -> Model {
+    let path = dir.join(format!("{arch:?}-{seed}.gguf"));
+    let mut spec = TinySpec::new(arch);
+    spec.seed = seed;
+    write_tiny_gguf(&path, &spec).expect("write");
+    Model::load(
+        &path,
+        &LoadOptions {
+            dense_min_rows: 1,
+            ..Default::default()
+        },
+    )
+    .expect("load")
+}
+
+const DOCS: [&str; 3] = [
+    "the thin ant ran in the sand and then the ant sat 12345 times",
+    "an ant and the other ant than the thing in a tin, naïve café",
+    "a hint: the antenna is in the attic near the tent\n\n  fn main() {}",
+];
+
+#[test]
+fn speccache_at_ratio_one_equals_full_prefill_and_respects_the_budget() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = tiny(dir.path(), Architecture::Qwen2, 1);
+    let spec = Arc::new(tiny(dir.path(), Architecture::Llama, 2));
+    let asm = RagTemplate::default().assemble(target.tokenizer(), &DOCS, "where is the antenna?");
+    let prefix = target
+        .prefix_kv(&asm.ids[asm.prefix_range()])
+        .expect("prefix");
+    let kvs: Vec<ChunkKv> = asm
+        .chunks()
+        .map(|s| {
+            target
+                .precompute(&asm.ids[s.ids.clone()], Some(&prefix))
+                .expect("kv")
+        })
+        .collect();
+    let refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let (_, full) = target.prefill(&asm.ids).expect("prefill");
+    for complete_spans in [true, false] {
+        let sel = SpecCache {
+            params: SpanParams {
+                complete_spans,
+                ..Default::default()
+            },
+            ..SpecCache::new(spec.clone())
+        };
+        let all = SelectInput::new(&target, &asm, &prefix, &refs, 1.0);
+        assert_eq!(
+            sel.select(&all).expect("select"),
+            asm.chunk_positions(),
+            "ratio 1 selects every chunk token"
+        );
+        let out = sel.prefill(&all).expect("prefill");
+        let d = out
+            .logits
+            .iter()
+            .zip(&full)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d < 1e-4, "{d}");
+        for ratio in [0.0, 0.1, 0.15, 0.5] {
+            let input = SelectInput::new(&target, &asm, &prefix, &refs, ratio);
+            let picked = sel.select(&input).expect("select");
+            let n = asm.chunk_positions().len();
+            assert!(
+                picked.len() <= target_engine::budget(ratio, n),
+                "{ratio}: {} > budget",
+                picked.len()
+            );
+            assert!(picked.iter().all(|p| asm.chunk_positions().contains(p)));
+            assert_eq!(picked, sel.select(&input).expect("select"), "deterministic");
+            if ratio > 0.0 {
+                assert!(!picked.is_empty());
+            }
+        }
+    }
+}
+
+fn real_tokenizer(file: &str) -> Option<Tokenizer> {
+    let mut dirs: Vec<std::path::PathBuf> = Vec::new();
+    if let Ok(d) = std::env::var("SPECRAG_MODELS") {
+        dirs.push(d.into());
+    }
+    dirs.push(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    if let Ok(h) = std::env::var("HOME") {
+        dirs.push(std::path::PathBuf::from(h).join(".cache/specrag/models"));
+    }
+    let path = dirs.iter().map(|d| d.join(file)).find(|p| p.is_file())?;
+    Some(Tokenizer::from_gguf(&GgufFile::open(&path).expect("open")).expect("tokenizer"))
+}
+
+/// SmolLM2 -> Qwen alignment on hard text: every target token is reached from the speculator
+/// tokens that overlap it, and a single selected token maps exactly to the overlapping ones.
+#[test]
+fn alignment_between_the_real_tokenizers_on_hard_text() {
+    let (Some(qwen), Some(smol)) = (
+        real_tokenizer("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        real_tokenizer("smollm2-135m-instruct-q4_1.gguf"),
+    ) else {
+        panic!("default models missing: run `specrag models fetch`");
+    };
+    let text = "Zürich 東京 Привет 🙂👍🏽 ß ﬁ\n\n\t  x = 3.14159e-9; // 1234567890\r\n    return f(n-1)  +  f(n-2)";
+    let q = qwen.encode(text, false);
+    let s = smol.encode(text, false);
+    let spans =
+        |e: &target_engine::Encoding| e.offsets.iter().map(|&(a, b)| a..b).collect::<Vec<_>>();
+    let (qs, ss) = (spans(&q), spans(&s));
+    assert_ne!(qs, ss, "the two tokenizers differ on this text");
+    assert_eq!(
+        align(&ss, &ss, &qs),
+        (0..qs.len()).collect::<Vec<_>>(),
+        "all speculator tokens cover all target tokens"
+    );
+    for one in &ss {
+        let got = align(std::slice::from_ref(one), &ss, &qs);
+        let want: Vec<usize> = (0..qs.len())
+            .filter(|&i| qs[i].start < one.end && one.start < qs[i].end)
+            .collect();
+        assert_eq!(got, want);
+        assert!(!got.is_empty());
+    }
+    // Identity fast path when both sides are the same tokenizer.
+    assert_eq!(align(&qs[3..5], &qs, &qs), vec![3, 4]);
+}
