@@ -104,6 +104,12 @@ pub struct BlendRow {
     pub mode: String,
     /// KL divergence (nats) of the next-token distribution from full prefill's.
     pub kl: f64,
+    /// SpecCache only: time in the speculator (tokenize, forward, spans).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate_ms: Option<f64>,
+    /// SpecCache only: time mapping the selection to target tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub align_ms: Option<f64>,
 }
 
 /// The report of `specrag bench blend` (the JSON shape of the contract, plus mode and kl).
@@ -191,6 +197,7 @@ fn synthetic_text(seed: u64, words: usize) -> String {
 /// every baseline selector at each ratio and both precompute modes, in one run.
 pub fn blend_report(
     model: &Model,
+    speculator: Option<std::sync::Arc<Model>>,
     cfg: &BlendBenchConfig,
     mut progress: impl FnMut(&str),
 ) -> target_engine::Result<BlendReport> {
@@ -302,7 +309,47 @@ pub fn blend_report(
                 rel: ms / full_ms,
                 mode: mode.to_string(),
                 kl: fidelity::kl_divergence(&full_logits, &out.logits),
+                speculate_ms: None,
+                align_ms: None,
             });
+        }
+        // SpecCache (after-prefix KV only: it is the mode to ingest with), time split into
+        // speculate / align / blended prefill.
+        if let (Some(spec), "after_prefix") = (&speculator, mode) {
+            for &ratio in &cfg.ratios {
+                for complete_spans in [true, false] {
+                    let sel = speculator::SpecCache {
+                        params: speculator::SpanParams {
+                            complete_spans,
+                            ..Default::default()
+                        },
+                        ..speculator::SpecCache::new(spec.clone())
+                    };
+                    let mut samples = Vec::new();
+                    let mut last = None;
+                    for r in 0..reps {
+                        progress(&format!("{mode} {} {ratio} {}/{reps}", sel.name(), r + 1));
+                        let t = Instant::now();
+                        let (picked, timings) = sel.select_timed(&input(ratio))?;
+                        let out = model.blend_prefill(&asm, &prefix, &refs, &picked)?;
+                        samples.push((t.elapsed().as_secs_f64() * 1e3, timings));
+                        last = Some(out);
+                    }
+                    let Some(out) = last else { continue };
+                    samples.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    let (ms, timings) = samples[samples.len() / 2];
+                    rows.push(BlendRow {
+                        method: sel.name().to_string(),
+                        ratio: out.ratio(),
+                        ms,
+                        rel: ms / full_ms,
+                        mode: mode.to_string(),
+                        kl: fidelity::kl_divergence(&full_logits, &out.logits),
+                        speculate_ms: Some(timings.speculate_ms),
+                        align_ms: Some(timings.align_ms),
+                    });
+                }
+            }
         }
     }
     Ok(BlendReport {

@@ -317,6 +317,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.models.target.as_deref(),
                 Role::Target,
             )?)?;
+            let spec_path = models::resolve(cli.models.speculator.as_deref(), Role::Speculator)?;
+            let spec = std::sync::Arc::new(load(&spec_path)?);
             let bar = ProgressBar::new_spinner();
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
             let cfg = gateway::bench::BlendBenchConfig {
@@ -325,8 +327,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ratios,
                 reps,
             };
-            let report =
-                gateway::bench::blend_report(&model, &cfg, |m| bar.set_message(m.to_string()))?;
+            let report = gateway::bench::blend_report(&model, Some(spec), &cfg, |m| {
+                bar.set_message(m.to_string())
+            })?;
             bar.finish_and_clear();
             if json {
                 println!("{}", serde_json::to_string(&report)?);
@@ -336,13 +339,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     report.tokens, report.full_ms
                 );
                 println!(
-                    "{:<13} {:<15} {:>6} {:>9} {:>6} {:>9}",
-                    "mode", "method", "ratio", "ms", "rel", "KL"
+                    "{:<13} {:<17} {:>6} {:>9} {:>6} {:>9} {:>10} {:>8}",
+                    "mode", "method", "ratio", "ms", "rel", "KL", "speculate", "align"
                 );
+                let opt = |x: Option<f64>| x.map_or(String::from("-"), |v| format!("{v:.0}"));
                 for r in &report.rows {
                     println!(
-                        "{:<13} {:<15} {:>6.3} {:>9.0} {:>6.3} {:>9.4}",
-                        r.mode, r.method, r.ratio, r.ms, r.rel, r.kl
+                        "{:<13} {:<17} {:>6.3} {:>9.0} {:>6.3} {:>9.4} {:>10} {:>8}",
+                        r.mode,
+                        r.method,
+                        r.ratio,
+                        r.ms,
+                        r.rel,
+                        r.kl,
+                        opt(r.speculate_ms),
+                        opt(r.align_ms)
                     );
                 }
             }

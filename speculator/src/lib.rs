@@ -64,16 +64,19 @@ pub fn target_spans(asm: &Assembly, tok: &Tokenizer) -> Vec<Range<usize>> {
     spans
 }
 
-impl Selector for SpecCache {
-    fn name(&self) -> &'static str {
-        if self.params.complete_spans {
-            "speccache"
-        } else {
-            "speccache_nospan"
-        }
-    }
+/// Where a SpecCache selection spent its time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SelectTimings {
+    /// Speculator tokenization, forward and span selection.
+    pub speculate_ms: f64,
+    /// Target token spans, overlap mapping and the target-side budget.
+    pub align_ms: f64,
+}
 
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+impl SpecCache {
+    /// `select`, also reporting where the time went.
+    pub fn select_timed(&self, input: &SelectInput) -> Result<(Vec<usize>, SelectTimings)> {
+        let t0 = std::time::Instant::now();
         let asm = input.assembly;
         let spec_tok = self.speculator.tokenizer();
         // The speculator's tokenization, segment by segment, so no token crosses a boundary.
@@ -97,7 +100,7 @@ impl Selector for SpecCache {
         let chunk_pos = asm.chunk_positions();
         let target_budget = budget(input.ratio, chunk_pos.len());
         if ids.is_empty() || target_budget == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), SelectTimings::default()));
         }
         let scores = importance(&self.speculator, &ids, self.layers)?;
         let chunk_tokens: Vec<usize> = (0..ids.len()).filter(|&i| chunk_of[i].is_some()).collect();
@@ -108,6 +111,8 @@ impl Selector for SpecCache {
             .collect();
         let spec_budget = budget(input.ratio, chunk_tokens.len());
         let sel = select(&chunk_scores, &segment, spec_budget, &self.params);
+        let speculate_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = std::time::Instant::now();
         let selected: Vec<Range<usize>> = sel
             .tokens
             .iter()
@@ -137,6 +142,27 @@ impl Selector for SpecCache {
             mapped.truncate(target_budget);
             mapped.sort_unstable();
         }
-        Ok(mapped)
+        let align_ms = t1.elapsed().as_secs_f64() * 1e3;
+        Ok((
+            mapped,
+            SelectTimings {
+                speculate_ms,
+                align_ms,
+            },
+        ))
+    }
+}
+
+impl Selector for SpecCache {
+    fn name(&self) -> &'static str {
+        if self.params.complete_spans {
+            "speccache"
+        } else {
+            "speccache_nospan"
+        }
+    }
+
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.select_timed(input)?.0)
     }
 }
