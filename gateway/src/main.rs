@@ -147,6 +147,27 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Jaccard overlap of the top chunk tokens chosen by the speculator's deep layers, the
+    /// target's deep layers and the target's first layer (SpecCache Fig. 3), per prompt and on
+    /// average. Run it once per pairing, e.g. `--target models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    /// --speculator models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` for the in-family pairing.
+    Overlap {
+        /// Number of prompts (each: chunks of the project's documentation and a question).
+        #[arg(long, default_value_t = 5)]
+        prompts: usize,
+        /// Chunks per prompt.
+        #[arg(long, default_value_t = 4)]
+        chunks: usize,
+        /// Maximum tokens per chunk.
+        #[arg(long, default_value_t = 512)]
+        chunk_tokens: usize,
+        /// Fraction of chunk tokens in each top set (0 < f <= 1).
+        #[arg(long, default_value_t = 0.2)]
+        top: f64,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {
@@ -354,6 +375,64 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         r.kl,
                         opt(r.speculate_ms),
                         opt(r.align_ms)
+                    );
+                }
+            }
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Overlap {
+            prompts,
+            chunks,
+            chunk_tokens,
+            top,
+            json,
+        }) => {
+            if prompts == 0 || chunks == 0 || chunk_tokens == 0 {
+                anyhow::bail!("--prompts, --chunks and --chunk-tokens must be positive");
+            }
+            if !(top > 0.0 && top <= 1.0) {
+                anyhow::bail!("--top must lie in (0, 1], got {top}");
+            }
+            let model = load(&models::resolve(
+                cli.models.target.as_deref(),
+                Role::Target,
+            )?)?;
+            let spec_path = models::resolve(cli.models.speculator.as_deref(), Role::Speculator)?;
+            let spec = std::sync::Arc::new(load(&spec_path)?);
+            let bar = ProgressBar::new_spinner();
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            let cfg = gateway::overlap::OverlapConfig {
+                prompts,
+                chunks,
+                chunk_tokens,
+                top,
+            };
+            let report = gateway::overlap::overlap_report(&model, spec, &cfg, |m| {
+                bar.set_message(m.to_string())
+            })?;
+            bar.finish_and_clear();
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "speculator {} -> target {}: Jaccard of the top {:.0}% chunk tokens (random sets: {:.3})",
+                    report.speculator,
+                    report.target,
+                    report.top * 100.0,
+                    report.random
+                );
+                println!(
+                    "{:<60} {:>7} {:>10} {:>10} {:>10}",
+                    "prompt", "tokens", "spec/deep", "L0/deep", "spec/L0"
+                );
+                for r in report.rows.iter().chain(std::iter::once(&report.mean)) {
+                    println!(
+                        "{:<60} {:>7} {:>10.3} {:>10.3} {:>10.3}",
+                        r.prompt.chars().take(60).collect::<String>(),
+                        r.chunk_tokens,
+                        r.spec_deep_vs_target_deep,
+                        r.target_first_vs_target_deep,
+                        r.spec_deep_vs_target_first
                     );
                 }
             }

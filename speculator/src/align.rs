@@ -38,6 +38,27 @@ pub fn align(
     out
 }
 
+/// Scores carried onto `target` spans (sorted, non-overlapping): each target token gets the
+/// highest score among the `source` tokens overlapping it (NEG_INFINITY when none does).
+pub fn project_scores(
+    source: &[Range<usize>],
+    scores: &[f32],
+    target: &[Range<usize>],
+) -> Vec<f32> {
+    let mut out = vec![f32::NEG_INFINITY; target.len()];
+    for (s, &v) in source.iter().zip(scores) {
+        if s.is_empty() {
+            continue;
+        }
+        let mut i = target.partition_point(|t| t.end <= s.start);
+        while i < target.len() && target[i].start < s.end {
+            out[i] = out[i].max(v);
+            i += 1;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,5 +77,14 @@ mod tests {
         assert_eq!(align(&[3..3], &spec, &target), Vec::<usize>::new());
         // Identity fast path.
         assert_eq!(align(&[3..5, 0..3], &target, &target), vec![0, 1]);
+    }
+
+    #[test]
+    fn projection_takes_the_best_overlapping_score() {
+        let target = vec![0..3, 3..5, 5..9, 9..10];
+        let spec = vec![0..2, 2..6, 6..9];
+        let p = project_scores(&spec, &[1.0, 2.0, 0.5], &target);
+        assert_eq!(&p[..3], &[2.0, 2.0, 2.0]);
+        assert_eq!(p[3], f32::NEG_INFINITY);
     }
 }

@@ -11,14 +11,14 @@ pub mod align;
 pub mod importance;
 pub mod span;
 
-pub use align::align;
-pub use importance::{importance, LayerRange};
+pub use align::{align, project_scores};
+pub use importance::{importance, importance_after, mean_norms, LayerRange};
 pub use span::{select, Selection, SpanParams};
 
 use std::ops::Range;
 use std::sync::Arc;
 use target_engine::{
-    budget, Assembly, Model, Result, SegmentKind, SelectInput, Selector, Tokenizer,
+    budget, Assembly, Model, PrefixKv, Result, SegmentKind, SelectInput, Selector, Tokenizer,
 };
 
 /// The `speccache` (and, without span completion, `speccache_nospan`) selector.
@@ -67,19 +67,67 @@ pub fn target_spans(asm: &Assembly, tok: &Tokenizer) -> Vec<Range<usize>> {
 /// Where a SpecCache selection spent its time.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SelectTimings {
-    /// Speculator tokenization, forward and span selection.
+    /// Speculator tokenization and forward (zero with ingestion-time scores).
     pub speculate_ms: f64,
-    /// Target token spans, overlap mapping and the target-side budget.
+    /// Top-K, spans and budget, then target token spans, overlap mapping and the target-side
+    /// budget.
     pub align_ms: f64,
 }
 
+/// A chunk's speculator scores computed at ingestion, after the template prefix: valid for any
+/// prompt in which the chunk directly follows that prefix, an approximation elsewhere (the
+/// chunk then misses the documents before it, as its reused KV does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkScores {
+    /// Fingerprint of the speculator that computed them.
+    pub fingerprint: String,
+    pub layers: LayerRange,
+    /// Byte range of each speculator token within the chunk's segment text.
+    pub offsets: Vec<Range<usize>>,
+    /// Importance of each token (Eq. 1).
+    pub values: Vec<f32>,
+}
+
+/// Speculator chunk tokens of an assembly: byte spans in the assembled text, scores, and the
+/// chunk each belongs to.
+#[derive(Debug, Clone, Default)]
+pub struct ScoredTokens {
+    pub spans: Vec<Range<usize>>,
+    pub scores: Vec<f32>,
+    pub chunk: Vec<usize>,
+}
+
+fn invalid(msg: String) -> target_engine::EngineError {
+    target_engine::EngineError::InvalidInput(msg)
+}
+
 impl SpecCache {
-    /// `select`, also reporting where the time went.
-    pub fn select_timed(&self, input: &SelectInput) -> Result<(Vec<usize>, SelectTimings)> {
-        let t0 = std::time::Instant::now();
-        let asm = input.assembly;
+    /// The speculator's KV of the template prefix (the context chunks are scored after at
+    /// ingestion). `text` is the prefix text; control tokens in it are parsed.
+    pub fn prefix_state(&self, text: &str) -> Result<PrefixKv> {
+        let ids = self.speculator.tokenizer().encode(text, true).ids;
+        self.speculator.prefix_kv(&ids)
+    }
+
+    /// Scores one chunk segment (`text` as it appears in the prompt) after `prefix`.
+    pub fn score_chunk(&self, prefix: &PrefixKv, text: &str) -> Result<ChunkScores> {
+        let enc = self.speculator.tokenizer().encode(text, false);
+        if enc.ids.is_empty() {
+            return Err(invalid("cannot score an empty chunk".into()));
+        }
+        let values = importance_after(&self.speculator, Some(prefix), &enc.ids, self.layers)?;
+        Ok(ChunkScores {
+            fingerprint: self.speculator.fingerprint().to_string(),
+            layers: self.layers,
+            offsets: enc.offsets.into_iter().map(|(s, e)| s..e).collect(),
+            values,
+        })
+    }
+
+    /// Scores every chunk token of `asm` with one speculator pass over the whole prompt, in the
+    /// speculator's tokenization segment by segment (no token crosses a boundary).
+    pub fn query_scores(&self, asm: &Assembly) -> Result<ScoredTokens> {
         let spec_tok = self.speculator.tokenizer();
-        // The speculator's tokenization, segment by segment, so no token crosses a boundary.
         let mut ids = Vec::new();
         let mut spans = Vec::new();
         let mut chunk_of = Vec::new();
@@ -96,44 +144,94 @@ impl SpecCache {
                 });
             }
         }
-        let target = target_spans(asm, input.model.tokenizer());
-        let chunk_pos = asm.chunk_positions();
-        let target_budget = budget(input.ratio, chunk_pos.len());
-        if ids.is_empty() || target_budget == 0 {
-            return Ok((Vec::new(), SelectTimings::default()));
+        let mut out = ScoredTokens::default();
+        if ids.is_empty() {
+            return Ok(out);
         }
         let scores = importance(&self.speculator, &ids, self.layers)?;
-        let chunk_tokens: Vec<usize> = (0..ids.len()).filter(|&i| chunk_of[i].is_some()).collect();
-        let chunk_scores: Vec<f32> = chunk_tokens.iter().map(|&i| scores[i]).collect();
-        let segment: Vec<usize> = chunk_tokens
+        for (i, c) in chunk_of.into_iter().enumerate() {
+            if let Some(c) = c {
+                out.spans.push(spans[i].clone());
+                out.scores.push(scores[i]);
+                out.chunk.push(c);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Lays ingestion-time scores (one per chunk segment, in prompt order) onto `asm`.
+    pub fn ingested_scores(&self, asm: &Assembly, scores: &[&ChunkScores]) -> Result<ScoredTokens> {
+        let chunks: Vec<(usize, Range<usize>)> = asm
+            .segments
             .iter()
-            .map(|&i| chunk_of[i].unwrap_or(0))
+            .zip(segment_bytes(asm))
+            .filter_map(|(seg, bytes)| match seg.kind {
+                SegmentKind::Chunk(i) => Some((i, bytes)),
+                _ => None,
+            })
             .collect();
-        let spec_budget = budget(input.ratio, chunk_tokens.len());
-        let sel = select(&chunk_scores, &segment, spec_budget, &self.params);
-        let speculate_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = std::time::Instant::now();
-        let selected: Vec<Range<usize>> = sel
-            .tokens
-            .iter()
-            .map(|&j| spans[chunk_tokens[j]].clone())
-            .collect();
+        if chunks.len() != scores.len() {
+            return Err(invalid(format!(
+                "{} chunk score sets for {} chunks",
+                scores.len(),
+                chunks.len()
+            )));
+        }
+        let mut out = ScoredTokens::default();
+        for ((i, bytes), sc) in chunks.into_iter().zip(scores) {
+            if sc.fingerprint != self.speculator.fingerprint() || sc.layers != self.layers {
+                return Err(invalid(format!(
+                    "scores of chunk {i} were computed by another speculator or layer range"
+                )));
+            }
+            if sc.offsets.len() != sc.values.len()
+                || sc
+                    .offsets
+                    .iter()
+                    .any(|o| o.end > bytes.len() || o.start > o.end)
+            {
+                return Err(invalid(format!(
+                    "scores of chunk {i} do not fit its text ({} bytes)",
+                    bytes.len()
+                )));
+            }
+            for (o, &v) in sc.offsets.iter().zip(&sc.values) {
+                out.spans.push(bytes.start + o.start..bytes.start + o.end);
+                out.scores.push(v);
+                out.chunk.push(i);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Top-K, spans and budget over scored speculator tokens, then the mapping onto the
+    /// target's chunk tokens under the target budget. Returns assembled-prompt positions.
+    pub fn select_scored(&self, input: &SelectInput, toks: &ScoredTokens) -> Vec<usize> {
+        let asm = input.assembly;
+        let chunk_pos = asm.chunk_positions();
+        let target_budget = budget(input.ratio, chunk_pos.len());
+        if toks.scores.is_empty() || target_budget == 0 {
+            return Vec::new();
+        }
+        let spec_budget = budget(input.ratio, toks.scores.len());
+        let sel = select(&toks.scores, &toks.chunk, spec_budget, &self.params);
+        let target = target_spans(asm, input.model.tokenizer());
+        let selected: Vec<Range<usize>> =
+            sel.tokens.iter().map(|&j| toks.spans[j].clone()).collect();
         // Only chunk tokens of the target are candidates.
         let chunk_spans: Vec<Range<usize>> = chunk_pos.iter().map(|&p| target[p].clone()).collect();
-        let spec_chunk_spans: Vec<Range<usize>> =
-            chunk_tokens.iter().map(|&i| spans[i].clone()).collect();
-        let mut mapped: Vec<usize> = align(&selected, &spec_chunk_spans, &chunk_spans)
+        let mut mapped: Vec<usize> = align(&selected, &toks.spans, &chunk_spans)
             .into_iter()
             .map(|k| chunk_pos[k])
             .collect();
         if mapped.len() > target_budget {
             // Token boundaries differ, so the mapped set can exceed the budget: keep the target
-            // tokens whose best overlapping speculator token scores highest.
+            // tokens whose best overlapping selected speculator token scores highest.
             let score_of = |p: usize| {
                 let t = &target[p];
                 sel.tokens
                     .iter()
-                    .map(|&j| (&spans[chunk_tokens[j]], chunk_scores[j]))
+                    .map(|&j| (&toks.spans[j], toks.scores[j]))
                     .filter(|(s, _)| s.start < t.end && t.start < s.end)
                     .map(|(_, v)| v)
                     .fold(f32::NEG_INFINITY, f32::max)
@@ -142,12 +240,42 @@ impl SpecCache {
             mapped.truncate(target_budget);
             mapped.sort_unstable();
         }
-        let align_ms = t1.elapsed().as_secs_f64() * 1e3;
+        mapped
+    }
+
+    /// `select`, also reporting where the time went.
+    pub fn select_timed(&self, input: &SelectInput) -> Result<(Vec<usize>, SelectTimings)> {
+        if budget(input.ratio, input.assembly.chunk_positions().len()) == 0 {
+            return Ok((Vec::new(), SelectTimings::default()));
+        }
+        let t0 = std::time::Instant::now();
+        let toks = self.query_scores(input.assembly)?;
+        let speculate_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = std::time::Instant::now();
+        let picked = self.select_scored(input, &toks);
         Ok((
-            mapped,
+            picked,
             SelectTimings {
                 speculate_ms,
-                align_ms,
+                align_ms: t1.elapsed().as_secs_f64() * 1e3,
+            },
+        ))
+    }
+
+    /// Selection from ingestion-time scores (no speculator pass at query time).
+    pub fn select_ingested(
+        &self,
+        input: &SelectInput,
+        scores: &[&ChunkScores],
+    ) -> Result<(Vec<usize>, SelectTimings)> {
+        let t0 = std::time::Instant::now();
+        let toks = self.ingested_scores(input.assembly, scores)?;
+        let picked = self.select_scored(input, &toks);
+        Ok((
+            picked,
+            SelectTimings {
+                speculate_ms: 0.0,
+                align_ms: t0.elapsed().as_secs_f64() * 1e3,
             },
         ))
     }
@@ -164,5 +292,22 @@ impl Selector for SpecCache {
 
     fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
         Ok(self.select_timed(input)?.0)
+    }
+}
+
+/// SpecCache over scores stored at ingestion, one set per chunk of the prompt in order.
+#[derive(Debug, Clone)]
+pub struct IngestedSpecCache<'a> {
+    pub spec: &'a SpecCache,
+    pub scores: Vec<&'a ChunkScores>,
+}
+
+impl Selector for IngestedSpecCache<'_> {
+    fn name(&self) -> &'static str {
+        "speccache_ingest"
+    }
+
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.spec.select_ingested(input, &self.scores)?.0)
     }
 }

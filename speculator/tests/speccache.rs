@@ -1,6 +1,6 @@
 //! SpecCache end to end on tiny models, and alignment between the two real tokenizers.
 
-use speculator::{align, SpanParams, SpecCache};
+use speculator::{align, ChunkScores, IngestedSpecCache, SpanParams, SpecCache};
 use std::sync::Arc;
 use target_engine::gguf::GgufFile;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
@@ -133,4 +133,68 @@ fn alignment_between_the_real_tokenizers_on_hard_text() {
     }
     // Identity fast path when both sides are the same tokenizer.
     assert_eq!(align(&qs[3..5], &qs, &qs), vec![3, 4]);
+}
+
+/// Causality makes ingestion-time scoring exact for the first chunk: scoring it after the
+/// prefix gives the scores a full query-time pass gives it. Later chunks differ (they miss the
+/// chunks before them) but keep their tokens.
+#[test]
+fn ingestion_scores_match_query_scores_for_the_first_chunk() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = tiny(dir.path(), Architecture::Qwen2, 1);
+    let spec = SpecCache::new(Arc::new(tiny(dir.path(), Architecture::Llama, 3)));
+    let asm = RagTemplate::default().assemble(target.tokenizer(), &DOCS, "where is the antenna?");
+    let query = spec.query_scores(&asm).expect("query scores");
+    let prefix = spec
+        .prefix_state(asm.segment_text(&asm.segments[0]))
+        .expect("prefix");
+    let stored: Vec<ChunkScores> = asm
+        .chunks()
+        .map(|s| {
+            spec.score_chunk(&prefix, asm.segment_text(s))
+                .expect("score")
+        })
+        .collect();
+    let refs: Vec<&ChunkScores> = stored.iter().collect();
+    let laid = spec.ingested_scores(&asm, &refs).expect("lay");
+    assert_eq!(laid.spans, query.spans, "same tokens in the same places");
+    assert_eq!(laid.chunk, query.chunk);
+    let first = query.chunk.iter().filter(|&&c| c == 0).count();
+    for (a, b) in laid.scores[..first].iter().zip(&query.scores[..first]) {
+        assert!((a - b).abs() <= 1e-3 * b.abs().max(1.0), "{a} vs {b}");
+    }
+    let later_differs = laid.scores[first..]
+        .iter()
+        .zip(&query.scores[first..])
+        .any(|(a, b)| (a - b).abs() > 1e-3 * b.abs().max(1.0));
+    assert!(later_differs, "later chunks miss their preceding context");
+
+    // Through the selector: ratio 1 is still full prefill, and bad inputs are errors.
+    let tprefix = target
+        .prefix_kv(&asm.ids[asm.prefix_range()])
+        .expect("prefix");
+    let kvs: Vec<ChunkKv> = asm
+        .chunks()
+        .map(|s| {
+            target
+                .precompute(&asm.ids[s.ids.clone()], Some(&tprefix))
+                .expect("kv")
+        })
+        .collect();
+    let kv_refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let sel = IngestedSpecCache {
+        spec: &spec,
+        scores: refs.clone(),
+    };
+    let all = SelectInput::new(&target, &asm, &tprefix, &kv_refs, 1.0);
+    assert_eq!(sel.select(&all).expect("select"), asm.chunk_positions());
+    let some = SelectInput::new(&target, &asm, &tprefix, &kv_refs, 0.15);
+    let picked = sel.select(&some).expect("select");
+    assert!(!picked.is_empty());
+    assert!(picked.len() <= target_engine::budget(0.15, asm.chunk_positions().len()));
+    assert!(spec.ingested_scores(&asm, &refs[..2]).is_err(), "count");
+    let mut foreign = stored[0].clone();
+    foreign.fingerprint = "another model".into();
+    let bad = vec![&foreign, refs[1], refs[2]];
+    assert!(spec.ingested_scores(&asm, &bad).is_err(), "fingerprint");
 }

@@ -45,6 +45,17 @@ impl Assembly {
         });
     }
 
+    /// The text of `seg` (one of this assembly's segments).
+    pub fn segment_text(&self, seg: &Segment) -> &str {
+        let byte = |c: usize| {
+            self.text
+                .char_indices()
+                .nth(c)
+                .map_or(self.text.len(), |(b, _)| b)
+        };
+        &self.text[byte(seg.chars.start)..byte(seg.chars.end)]
+    }
+
     /// Token positions of every chunk token, in order.
     pub fn chunk_positions(&self) -> Vec<usize> {
         self.positions(|k| matches!(k, SegmentKind::Chunk(_)))
