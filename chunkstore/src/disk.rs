@@ -1,0 +1,288 @@
+//! The disk tier: encoded blobs in a sled database.
+//!
+//! Two trees change together in one sled transaction: `kv` maps a key to its encoded blob and
+//! `kv_sizes` maps it to the blob's length. The second exists because sled can only count or
+//! list a tree by reading it whole, and reading `kv` would read every multi-megabyte blob:
+//! opening, `keys`, `contains` and the statistics read `kv_sizes` only.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+use sled::{IVec, Transactional};
+
+use crate::blob::KvBlob;
+use crate::error::{Result, StoreError};
+use crate::format::{decode, encode};
+use crate::key::ChunkKey;
+use crate::stats::{Counter, StoreStats};
+use crate::store::ChunkStore;
+
+/// Name of the sled tree that holds the encoded blobs.
+pub const BLOB_TREE: &str = "kv";
+/// Name of the sled tree that holds each blob's encoded length (u64, little-endian).
+pub const SIZE_TREE: &str = "kv_sizes";
+/// Files sled 0.34 keeps in its directory; a non-empty directory without them is not ours.
+const SLED_FILES: [&str; 2] = ["conf", "db"];
+/// sled's page cache. Small, because the memory tier above already holds hot blobs decoded;
+/// a large page cache would keep a second, encoded copy of the same chunks.
+const SLED_CACHE_BYTES: u64 = 64 << 20;
+
+/// Chunk KV caches stored on disk. A blob that fails to decode is deleted and reported absent.
+pub struct DiskStore {
+    /// Kept for flushing; the trees are handles into it.
+    db: sled::Db,
+    blobs: sled::Tree,
+    sizes: sled::Tree,
+    path: PathBuf,
+    hits: Counter,
+    misses: Counter,
+    corrupt: Counter,
+    /// Gauges, maintained by every committed put and remove.
+    entries: Counter,
+    bytes: Counter,
+}
+
+impl DiskStore {
+    /// Opens the store in directory `path`, creating it if needed.
+    ///
+    /// A path that is a file, or a non-empty directory that holds no sled database, is refused
+    /// rather than filled with sled's files.
+    pub fn open(path: &Path) -> Result<Self> {
+        check_store_dir(path)?;
+        let open_err = |source| StoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let db = sled::Config::new()
+            .path(path)
+            .cache_capacity(SLED_CACHE_BYTES)
+            .open()
+            .map_err(open_err)?;
+        let blobs = db.open_tree(BLOB_TREE).map_err(open_err)?;
+        let sizes = db.open_tree(SIZE_TREE).map_err(open_err)?;
+        let (mut entries, mut bytes) = (0u64, 0u64);
+        for item in sizes.iter() {
+            let (_key, size) = item.map_err(open_err)?;
+            entries += 1;
+            bytes += read_size(&size);
+        }
+        let store = Self {
+            db,
+            blobs,
+            sizes,
+            path: path.to_path_buf(),
+            hits: Counter::default(),
+            misses: Counter::default(),
+            corrupt: Counter::default(),
+            entries: Counter::default(),
+            bytes: Counter::default(),
+        };
+        store.entries.add(entries);
+        store.bytes.add(bytes);
+        Ok(store)
+    }
+
+    /// The directory of the database.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stores bytes as they are, without checking that they decode (for tests and tools that
+    /// need to place damaged or foreign data; a later `get` drops them if they do not decode).
+    pub fn put_raw(&self, key: &ChunkKey, bytes: &[u8]) -> Result<()> {
+        self.insert(key, IVec::from(bytes))
+    }
+
+    /// The stored bytes under `key`, undecoded.
+    pub fn get_raw(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>> {
+        let raw = self
+            .blobs
+            .get(key.as_bytes())
+            .map_err(disk_err("get", key))?;
+        Ok(raw.map(|v| v.to_vec()))
+    }
+
+    fn insert(&self, key: &ChunkKey, value: IVec) -> Result<()> {
+        let size = IVec::from(&(value.len() as u64).to_le_bytes());
+        let old = (&self.blobs, &self.sizes)
+            .transaction(|(blobs, sizes)| {
+                blobs.insert(key.as_bytes(), value.clone())?;
+                Ok::<_, ConflictableTransactionError<()>>(
+                    sizes.insert(key.as_bytes(), size.clone())?,
+                )
+            })
+            .map_err(tx_err("put", key))?;
+        match old {
+            Some(old_size) => self.bytes.sub(read_size(&old_size)),
+            None => self.entries.add(1),
+        }
+        self.bytes.add(value.len() as u64);
+        Ok(())
+    }
+
+    /// Deletes the entry under `key` if it still holds `expected` (any value when `None`), so
+    /// that dropping a corrupt blob never deletes a good one written meanwhile.
+    fn delete(&self, key: &ChunkKey, expected: Option<&IVec>) -> Result<()> {
+        let removed = (&self.blobs, &self.sizes)
+            .transaction(|(blobs, sizes)| {
+                if let Some(expected) = expected {
+                    if blobs.get(key.as_bytes())?.as_ref() != Some(expected) {
+                        return Ok(None);
+                    }
+                }
+                blobs.remove(key.as_bytes())?;
+                Ok::<_, ConflictableTransactionError<()>>(sizes.remove(key.as_bytes())?)
+            })
+            .map_err(tx_err("remove", key))?;
+        if let Some(size) = removed {
+            self.entries.sub(1);
+            self.bytes.sub(read_size(&size));
+        }
+        Ok(())
+    }
+}
+
+impl ChunkStore for DiskStore {
+    fn get(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
+        let Some(raw) = self
+            .blobs
+            .get(key.as_bytes())
+            .map_err(disk_err("get", key))?
+        else {
+            self.misses.add(1);
+            return Ok(None);
+        };
+        match decode(&raw) {
+            Ok(blob) => {
+                self.hits.add(1);
+                Ok(Some(Arc::new(blob)))
+            }
+            Err(reason) => {
+                tracing::warn!(
+                    key = %key,
+                    path = %self.path.display(),
+                    %reason,
+                    "dropping unreadable KV blob from the disk store; it will be recomputed"
+                );
+                self.delete(key, Some(&raw))?;
+                self.corrupt.add(1);
+                self.misses.add(1);
+                Ok(None)
+            }
+        }
+    }
+
+    fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        self.insert(key, IVec::from(encode(&blob)))
+    }
+
+    fn remove(&self, key: &ChunkKey) -> Result<()> {
+        self.delete(key, None)
+    }
+
+    fn contains(&self, key: &ChunkKey) -> Result<bool> {
+        self.sizes
+            .contains_key(key.as_bytes())
+            .map_err(disk_err("contains", key))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.db.flush().map_err(|source| StoreError::Disk {
+            op: "flush",
+            key: None,
+            source,
+        })?;
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            disk_hits: self.hits.get(),
+            disk_misses: self.misses.get(),
+            corrupt: self.corrupt.get(),
+            disk_bytes: self.bytes.get(),
+            entries: self.entries.get(),
+            ..StoreStats::default()
+        }
+    }
+
+    fn keys(&self) -> Result<Vec<ChunkKey>> {
+        self.sizes
+            .iter()
+            .keys()
+            .map(|key| {
+                let key = key.map_err(|source| StoreError::Disk {
+                    op: "keys",
+                    key: None,
+                    source,
+                })?;
+                ChunkKey::from_bytes(&key)
+            })
+            .collect()
+    }
+}
+
+/// Refuses a path that is a file or a non-empty directory without sled's files.
+fn check_store_dir(path: &Path) -> Result<()> {
+    let not_a_store = |reason: String| StoreError::NotAStore {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !path.exists() {
+        return Ok(());
+    }
+    if !path.is_dir() {
+        return Err(not_a_store("it is not a directory".into()));
+    }
+    let names: Vec<String> = std::fs::read_dir(path)
+        .map_err(|e| not_a_store(format!("cannot list it: {e}")))?
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .collect();
+    if names.is_empty() || SLED_FILES.iter().all(|f| names.iter().any(|n| n == f)) {
+        return Ok(());
+    }
+    let mut shown: Vec<&str> = names.iter().map(String::as_str).collect();
+    shown.sort_unstable();
+    shown.truncate(5);
+    Err(not_a_store(format!(
+        "the directory holds {shown:?}{} but no sled database (expected files {SLED_FILES:?}); \
+         pass an empty or new directory",
+        if names.len() > shown.len() {
+            ", ..."
+        } else {
+            ""
+        },
+    )))
+}
+
+/// A stored length; an unreadable one (sled checksums its pages, so never expected) counts as
+/// zero, which only skews the byte statistics.
+fn read_size(bytes: &[u8]) -> u64 {
+    bytes.try_into().map(u64::from_le_bytes).unwrap_or(0)
+}
+
+fn disk_err(op: &'static str, key: &ChunkKey) -> impl FnOnce(sled::Error) -> StoreError {
+    let key = *key;
+    move |source| StoreError::Disk {
+        op,
+        key: Some(key),
+        source,
+    }
+}
+
+fn tx_err(op: &'static str, key: &ChunkKey) -> impl FnOnce(TransactionError<()>) -> StoreError {
+    let key = *key;
+    move |e| StoreError::Disk {
+        op,
+        key: Some(key),
+        source: match e {
+            TransactionError::Storage(source) => source,
+            // The closures above never abort.
+            TransactionError::Abort(()) => sled::Error::Unsupported("aborted transaction".into()),
+        },
+    }
+}

@@ -1,0 +1,87 @@
+//! Errors of the chunk store: bytes that are not a valid KV blob ([`FormatError`]), and failures
+//! of the store itself ([`StoreError`]).
+
+use std::path::PathBuf;
+
+use crate::key::ChunkKey;
+
+/// Why bytes could not be decoded as a KV blob, or why a blob is not self-consistent.
+///
+/// This is its own enum because the disk tier treats every variant the same way: the entry is
+/// deleted and the chunk recomputed.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// The bytes do not start with the blob magic: something else was stored here.
+    #[error("not a KV blob: magic bytes {found:02x?}, expected {expected:02x?} (\"SRKV\")")]
+    ForeignMagic { found: [u8; 4], expected: [u8; 4] },
+    /// Written by a newer (or unknown) version of this format.
+    #[error(
+        "KV blob format version {found} is not supported; this build reads version {supported}"
+    )]
+    UnsupportedVersion { found: u16, supported: u16 },
+    /// The element type tag is not one this build can read.
+    #[error("KV blob dtype tag {found} is not supported; expected {expected} (f16)")]
+    UnsupportedDtype { found: u16, expected: u16 },
+    /// Fewer bytes than the header announces.
+    #[error("KV blob truncated: {what} needs {needed} bytes, only {available} present")]
+    Truncated {
+        what: &'static str,
+        needed: u64,
+        available: usize,
+    },
+    /// More bytes than the header announces.
+    #[error("KV blob has trailing bytes: header announces {expected} bytes, found {actual}")]
+    TrailingBytes { expected: u64, actual: usize },
+    /// The stored CRC32 does not match the bytes.
+    #[error("KV blob checksum mismatch: stored crc32 {stored:#010x}, computed {computed:#010x}")]
+    ChecksumMismatch { stored: u32, computed: u32 },
+    /// Dimensions that must agree do not (layer count, row width, token count, scores).
+    #[error("KV blob shape is inconsistent: {0}")]
+    Shape(String),
+    /// The metadata section is not the JSON this format expects.
+    #[error("KV blob metadata is not valid: {0}")]
+    Metadata(#[from] serde_json::Error),
+}
+
+/// An error of a [`ChunkStore`](crate::ChunkStore) operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A blob handed to `put` is not self-consistent; nothing was stored.
+    #[error("refusing to store chunk {key}: {source}")]
+    InvalidBlob {
+        key: ChunkKey,
+        #[source]
+        source: FormatError,
+    },
+    /// Bytes could not be decoded as a KV blob (from [`decode`](crate::decode)).
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// The store directory exists but holds something other than a chunk store.
+    #[error("{path} is not a chunk store: {reason}")]
+    NotAStore { path: PathBuf, reason: String },
+    /// sled could not open the database.
+    #[error("cannot open chunk store at {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: sled::Error,
+    },
+    /// A disk operation failed on an open store.
+    #[error("disk chunk store {op} failed{}: {source}", key_suffix(.key))]
+    Disk {
+        op: &'static str,
+        key: Option<ChunkKey>,
+        #[source]
+        source: sled::Error,
+    },
+    /// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
+    #[error("invalid chunk key {input:?}: {reason}")]
+    InvalidKey { input: String, reason: &'static str },
+}
+
+fn key_suffix(key: &Option<ChunkKey>) -> String {
+    key.map(|k| format!(" for chunk {k}")).unwrap_or_default()
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, StoreError>;

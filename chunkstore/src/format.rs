@@ -1,0 +1,301 @@
+//! The on-disk form of a [`KvBlob`]: versioned, checksummed, little-endian.
+//!
+//! Layout of version 1 (all integers little-endian):
+//!
+//! | offset | size | field |
+//! |-------:|-----:|-------|
+//! | 0  | 4 | magic `SRKV` |
+//! | 4  | 2 | format version (1) |
+//! | 6  | 4 | CRC32 of every byte from offset 10 to the end |
+//! | 10 | 2 | dtype tag (1 = f16) |
+//! | 12 | 4 | layers |
+//! | 16 | 4 | row (values per token per layer) |
+//! | 20 | 4 | tokens |
+//! | 24 | 4 | base position |
+//! | 28 | 4 | metadata JSON length |
+//! | 32 | 4 | score offsets count |
+//! | 36 | 4 | score values count |
+//! | 40 | 8 | payload length in bytes |
+//! | 48 | … | metadata JSON (`fingerprint`, `mode`, `scores`: `fingerprint`, `layers` or null) |
+//! |    |   | token ids (u32 each), score offsets (u32 start, u32 end), score values (f32) |
+//! |    |   | payload: K of every layer, then V of every layer, f16 |
+//!
+//! Magic and version come before the checksum so that a foreign or newer blob is reported as
+//! such rather than as corruption.
+
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+use crate::blob::{KvBlob, SpecScores};
+use crate::error::FormatError;
+
+/// First four bytes of every blob.
+pub const MAGIC: [u8; 4] = *b"SRKV";
+/// Version written by [`encode`] and the only one [`decode`] reads.
+pub const FORMAT_VERSION: u16 = 1;
+/// Dtype tag of IEEE half precision values.
+pub const DTYPE_F16: u16 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 48;
+/// The checksum covers everything after its own field.
+const CRC_END: usize = 10;
+/// More layers than any model has; guards against allocating for a nonsensical header.
+const MAX_LAYERS: u32 = 1 << 16;
+
+/// String metadata, kept as JSON so that a blob is readable with `strings`.
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    fingerprint: String,
+    mode: String,
+    scores: Option<ScoresMeta>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ScoresMeta {
+    fingerprint: String,
+    layers: String,
+}
+
+/// Serializes a blob.
+///
+/// The blob should pass [`KvBlob::validate`] (the stores check before they encode): the layer
+/// count is taken from `k` and the layer size from `ids.len() * row`, so [`decode`] rejects
+/// an inconsistent blob or, when the sizes happen to add up, reads it back differently.
+pub fn encode(blob: &KvBlob) -> Vec<u8> {
+    let meta = Meta {
+        fingerprint: blob.fingerprint.clone(),
+        mode: blob.mode.clone(),
+        scores: blob.scores.as_ref().map(|s| ScoresMeta {
+            fingerprint: s.fingerprint.clone(),
+            layers: s.layers.clone(),
+        }),
+    };
+    // Serializing plain strings into a Vec cannot fail.
+    let meta = serde_json::to_vec(&meta).expect("string metadata always serializes");
+    let (offsets, values): (&[(u32, u32)], &[f32]) = match &blob.scores {
+        Some(s) => (&s.offsets, &s.values),
+        None => (&[], &[]),
+    };
+    let payload = blob.payload_bytes();
+    let total = HEADER_LEN
+        + meta.len()
+        + blob.ids.len() * 4
+        + offsets.len() * 8
+        + values.len() * 4
+        + payload;
+
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes()); // checksum, filled in below
+    out.extend_from_slice(&DTYPE_F16.to_le_bytes());
+    for n in [
+        blob.k.len() as u32,
+        blob.row,
+        blob.ids.len() as u32,
+        blob.base_pos,
+        meta.len() as u32,
+        offsets.len() as u32,
+        values.len() as u32,
+    ] {
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+    out.extend_from_slice(&(payload as u64).to_le_bytes());
+    out.extend_from_slice(&meta);
+    for id in &blob.ids {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    for (s, e) in offsets {
+        out.extend_from_slice(&s.to_le_bytes());
+        out.extend_from_slice(&e.to_le_bytes());
+    }
+    for x in values {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    for layer in blob.k.iter().chain(&blob.v) {
+        put_f16s(&mut out, layer);
+    }
+    let crc = crc32fast::hash(&out[CRC_END..]);
+    out[6..CRC_END].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Appends little-endian f16 values. Measured on 6 MiB: this form vectorizes (0.7 ms), a
+/// per-value `extend_from_slice` does not (5.8 ms).
+fn put_f16s(out: &mut Vec<u8>, values: &[f16]) {
+    out.extend(values.iter().flat_map(|x| x.to_le_bytes()));
+}
+
+fn get_f16s(bytes: &[u8]) -> Vec<f16> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
+/// Reads a blob written by [`encode`], checking magic, version, length, checksum, dtype and
+/// shapes, in that order.
+pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
+    let mut c = Cursor { bytes, pos: 0 };
+    let magic: [u8; 4] = c.array("magic")?;
+    if magic != MAGIC {
+        return Err(FormatError::ForeignMagic {
+            found: magic,
+            expected: MAGIC,
+        });
+    }
+    let version = u16::from_le_bytes(c.array("format version")?);
+    if version != FORMAT_VERSION {
+        return Err(FormatError::UnsupportedVersion {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let stored_crc = c.u32("header")?;
+    let dtype = u16::from_le_bytes(c.array("header")?);
+    let n_layer = c.u32("header")?;
+    let row = c.u32("header")?;
+    let n_tokens = c.u32("header")?;
+    let base_pos = c.u32("header")?;
+    let meta_len = c.u32("header")?;
+    let n_offsets = c.u32("header")?;
+    let n_values = c.u32("header")?;
+    let payload_len = u64::from_le_bytes(c.array("header")?);
+
+    // All in u64: the sum of u32 products and one u64 cannot overflow except via payload_len.
+    let total = (HEADER_LEN as u64
+        + u64::from(meta_len)
+        + u64::from(n_tokens) * 4
+        + u64::from(n_offsets) * 8
+        + u64::from(n_values) * 4)
+        .checked_add(payload_len)
+        .ok_or_else(|| FormatError::Shape(format!("payload length {payload_len} overflows")))?;
+    if (bytes.len() as u64) < total {
+        return Err(FormatError::Truncated {
+            what: "blob",
+            needed: total,
+            available: bytes.len(),
+        });
+    }
+    if bytes.len() as u64 > total {
+        return Err(FormatError::TrailingBytes {
+            expected: total,
+            actual: bytes.len(),
+        });
+    }
+    let computed = crc32fast::hash(&bytes[CRC_END..]);
+    if computed != stored_crc {
+        return Err(FormatError::ChecksumMismatch {
+            stored: stored_crc,
+            computed,
+        });
+    }
+    if dtype != DTYPE_F16 {
+        return Err(FormatError::UnsupportedDtype {
+            found: dtype,
+            expected: DTYPE_F16,
+        });
+    }
+    if n_layer > MAX_LAYERS {
+        return Err(FormatError::Shape(format!(
+            "{n_layer} layers, at most {MAX_LAYERS} supported"
+        )));
+    }
+    // Cannot overflow: each factor is at most 2^32 and n_layer at most 2^16.
+    let layer_bytes = u64::from(n_tokens) * u64::from(row) * 2;
+    let expected_payload = 2 * u64::from(n_layer) * layer_bytes;
+    if payload_len != expected_payload {
+        return Err(FormatError::Shape(format!(
+            "payload holds {payload_len} bytes, expected 2 x {n_layer} layers x {n_tokens} tokens \
+             x row {row} x 2 bytes = {expected_payload}"
+        )));
+    }
+
+    // Past the length check every section is in bounds and fits in usize.
+    let meta: Meta = serde_json::from_slice(c.take(meta_len as usize, "metadata")?)?;
+    let ids = c
+        .take(n_tokens as usize * 4, "token ids")?
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let offsets: Vec<(u32, u32)> = c
+        .take(n_offsets as usize * 8, "score offsets")?
+        .chunks_exact(8)
+        .map(|b| {
+            (
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            )
+        })
+        .collect();
+    let values: Vec<f32> = c
+        .take(n_values as usize * 4, "score values")?
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let scores = match meta.scores {
+        Some(s) => Some(SpecScores {
+            fingerprint: s.fingerprint,
+            layers: s.layers,
+            offsets,
+            values,
+        }),
+        None if offsets.is_empty() && values.is_empty() => None,
+        None => {
+            return Err(FormatError::Shape(format!(
+                "{} score offsets and {} score values but no scores metadata",
+                offsets.len(),
+                values.len()
+            )))
+        }
+    };
+    let mut layers = |name| -> Result<Vec<Vec<f16>>, FormatError> {
+        (0..n_layer)
+            .map(|_| Ok(get_f16s(c.take(layer_bytes as usize, name)?)))
+            .collect()
+    };
+    let k = layers("K payload")?;
+    let v = layers("V payload")?;
+    let blob = KvBlob {
+        fingerprint: meta.fingerprint,
+        ids,
+        base_pos,
+        mode: meta.mode,
+        row,
+        k,
+        v,
+        scores,
+    };
+    blob.validate()?;
+    Ok(blob)
+}
+
+/// Reads fields front to back; running out of bytes is a truncation naming the field.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], FormatError> {
+        let truncated = || FormatError::Truncated {
+            what,
+            needed: self.pos as u64 + n as u64,
+            available: self.bytes.len(),
+        };
+        let end = self.pos.checked_add(n).ok_or_else(truncated)?;
+        let slice = self.bytes.get(self.pos..end).ok_or_else(truncated)?;
+        self.pos = end;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], FormatError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N, what)?);
+        Ok(out)
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, FormatError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+}

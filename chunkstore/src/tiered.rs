@@ -1,0 +1,98 @@
+//! Memory over disk: the store the gateway uses.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::blob::KvBlob;
+use crate::disk::DiskStore;
+use crate::error::{Result, StoreError};
+use crate::key::ChunkKey;
+use crate::memory::MemoryStore;
+use crate::stats::StoreStats;
+use crate::store::ChunkStore;
+
+/// A [`MemoryStore`] in front of a [`DiskStore`]. Every entry is on disk; memory holds the hot
+/// subset, filled by puts and by disk hits.
+///
+/// The tiers are not updated atomically together. That is harmless because keys are content
+/// addresses: a get racing a put of the same key can only leave an equal blob in memory.
+pub struct TieredStore {
+    memory: MemoryStore,
+    disk: DiskStore,
+}
+
+impl TieredStore {
+    /// Combines two tiers.
+    pub fn new(memory: MemoryStore, disk: DiskStore) -> Self {
+        Self { memory, disk }
+    }
+
+    /// Opens (or creates) the disk tier in `dir` under a memory tier of
+    /// `memory_capacity_bytes` payload bytes.
+    pub fn open(dir: &Path, memory_capacity_bytes: u64) -> Result<Self> {
+        Ok(Self::new(
+            MemoryStore::new(memory_capacity_bytes),
+            DiskStore::open(dir)?,
+        ))
+    }
+
+    /// The memory tier.
+    pub fn memory(&self) -> &MemoryStore {
+        &self.memory
+    }
+
+    /// The disk tier.
+    pub fn disk(&self) -> &DiskStore {
+        &self.disk
+    }
+}
+
+impl ChunkStore for TieredStore {
+    fn get(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
+        if let Some(blob) = self.memory.get(key)? {
+            return Ok(Some(blob));
+        }
+        let found = self.disk.get(key)?;
+        if let Some(blob) = &found {
+            self.memory.insert_valid(*key, Arc::clone(blob));
+        }
+        Ok(found)
+    }
+
+    fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        // Disk first: if it fails, memory does not hold an entry the disk lacks.
+        self.disk.put(key, Arc::clone(&blob))?;
+        self.memory.insert_valid(*key, blob);
+        Ok(())
+    }
+
+    fn remove(&self, key: &ChunkKey) -> Result<()> {
+        self.disk.remove(key)?;
+        self.memory.remove(key)
+    }
+
+    fn contains(&self, key: &ChunkKey) -> Result<bool> {
+        Ok(self.memory.contains(key)? || self.disk.contains(key)?)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.disk.flush()
+    }
+
+    fn stats(&self) -> StoreStats {
+        let memory = self.memory.stats();
+        let disk = self.disk.stats();
+        StoreStats {
+            memory_hits: memory.memory_hits,
+            memory_misses: memory.memory_misses,
+            memory_bytes: memory.memory_bytes,
+            ..disk
+        }
+    }
+
+    fn keys(&self) -> Result<Vec<ChunkKey>> {
+        self.disk.keys()
+    }
+}
