@@ -367,6 +367,26 @@ impl Selector for PrefixCaching {
     }
 }
 
+impl Epic {
+    /// EPIC at a budget: the smallest `k` whose first-`k`-tokens-of-every-chunk selection
+    /// reaches `budget` tokens (short chunks contribute all they have). It can exceed the
+    /// budget by less than one token per chunk; ratio 1 recomputes every chunk token.
+    pub fn for_budget(chunk_lens: &[usize], budget: usize) -> Self {
+        let spent = |k: usize| chunk_lens.iter().map(|&n| n.min(k)).sum::<usize>();
+        let max = chunk_lens.iter().copied().max().unwrap_or(0);
+        let (mut lo, mut hi) = (0usize, max);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if spent(mid) >= budget {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        Self { k: lo }
+    }
+}
+
 impl Selector for Epic {
     fn name(&self) -> &'static str {
         Method::Epic.name()
@@ -388,13 +408,15 @@ impl Selector for CacheBlend {
         Ok(self.prefill(input)?.recomputed)
     }
     /// Overridden: the tokens chosen continue from the check layer instead of starting over.
+    /// The check layer is clamped below the last layer, so shallow models (2 layers) work.
     fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let n_layer = input.model.config().n_layer;
         input.model.blend_prefill_cacheblend(
             input.assembly,
             input.prefix,
             input.chunks,
             input.ratio,
-            self.check_layer,
+            self.check_layer.min(n_layer.saturating_sub(2)),
             self.by_value,
         )
     }

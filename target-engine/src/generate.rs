@@ -31,7 +31,7 @@ impl Default for GenerateParams {
 }
 
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// An end-of-generation token was produced.
@@ -40,6 +40,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` were produced.
     Length,
+    /// The consumer of the stream stopped it.
+    Cancelled,
 }
 
 /// The result of one generation.
@@ -101,15 +103,34 @@ impl Model {
     pub fn decode_from(
         &self,
         cache: &mut KvCache,
+        logits: Vec<f32>,
+        prefill_ms: f64,
+        params: &GenerateParams,
+    ) -> Result<Generation> {
+        self.decode_stream(cache, logits, prefill_ms, params, &mut |_| true)
+    }
+
+    /// [`Model::decode_from`], calling `on_text` with each new piece of text as soon as it is
+    /// complete (a token that ends inside a multi-byte character waits for the next one).
+    /// Returning `false` from `on_text` stops generation (a client that went away); the
+    /// generation then ends with [`FinishReason::Cancelled`].
+    pub fn decode_stream(
+        &self,
+        cache: &mut KvCache,
         mut logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
         let tok = self.tokenizer();
         let mut sampler = Sampler::new(params.sampling);
         let mut ids = Vec::new();
         let mut finish = FinishReason::Length;
         let mut text = String::new();
+        // Bytes of `text` already handed to `on_text`.
+        let mut sent = 0usize;
+        // Longest stop string: text within that distance of the end may still become one.
+        let hold = params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
         let t0 = Instant::now();
         let mut steps = 0usize;
         while ids.len() < params.max_tokens {
@@ -131,6 +152,19 @@ impl Model {
                 finish = FinishReason::Stop;
                 break;
             }
+            if !text.ends_with('\u{FFFD}') {
+                let mut upto = text.len().saturating_sub(hold);
+                while !text.is_char_boundary(upto) {
+                    upto -= 1;
+                }
+                if upto > sent {
+                    if !on_text(&text[sent..upto]) {
+                        finish = FinishReason::Cancelled;
+                        break;
+                    }
+                    sent = upto;
+                }
+            }
             if ids.len() == params.max_tokens {
                 break;
             }
@@ -141,6 +175,9 @@ impl Model {
         }
         if finish == FinishReason::Eos {
             text = tok.decode(&ids, false);
+        }
+        if finish != FinishReason::Cancelled && text.len() > sent && text.is_char_boundary(sent) {
+            on_text(&text[sent..]);
         }
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok(Generation {

@@ -265,3 +265,13 @@ fn mismatched_inputs_are_errors() {
     );
     assert!(m.precompute(&[], None).is_err());
 }
+
+#[test]
+fn epic_for_budget_spends_at_least_the_budget_and_reaches_every_token_at_ratio_one() {
+    use target_engine::Epic;
+    assert_eq!(Epic::for_budget(&[10, 3, 7], 20).k, 10);
+    assert_eq!(Epic::for_budget(&[10, 3, 7], 9).k, 3);
+    assert_eq!(Epic::for_budget(&[10, 3, 7], 10).k, 4); // 4 + 3 + 4 = 11 >= 10
+    assert_eq!(Epic::for_budget(&[10, 3, 7], 0).k, 0);
+    assert_eq!(Epic::for_budget(&[], 5).k, 0);
+}

@@ -232,6 +232,40 @@ fn generation_stops_at_max_tokens_stop_strings_and_is_seeded() {
 }
 
 #[test]
+fn streamed_pieces_add_up_to_the_text_and_a_false_return_cancels() {
+    let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
+    let prompt = target_engine::chat_prompt(m.tokenizer(), None, "the thin ant");
+    let params = GenerateParams {
+        max_tokens: 16,
+        ..Default::default()
+    };
+    let whole = m.generate(&prompt, &params).expect("generate");
+    let (mut cache, logits) = m.prefill(&prompt).expect("prefill");
+    let mut pieces = Vec::new();
+    let g = m
+        .decode_stream(&mut cache, logits, 0.0, &params, &mut |p| {
+            pieces.push(p.to_string());
+            true
+        })
+        .expect("stream");
+    assert_eq!(g.ids, whole.ids);
+    assert_eq!(pieces.concat(), whole.text);
+    assert!(pieces.iter().all(|p| !p.is_empty()));
+    if pieces.len() >= 2 {
+        let (mut cache, logits) = m.prefill(&prompt).expect("prefill");
+        let mut n = 0;
+        let g = m
+            .decode_stream(&mut cache, logits, 0.0, &params, &mut |_| {
+                n += 1;
+                n < 2
+            })
+            .expect("stream");
+        assert_eq!(g.finish, FinishReason::Cancelled);
+        assert_eq!(n, 2, "nothing is sent after a cancel");
+    }
+}
+
+#[test]
 fn chat_template_keeps_special_tokens_in_content_as_text() {
     let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
     let tok = m.tokenizer();
