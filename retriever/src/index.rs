@@ -413,6 +413,24 @@ impl Index {
         Ok(out)
     }
 
+    /// Chunk-store keys of every committed chunk, in one pass over the stored records.
+    pub fn all_keys(&self) -> Result<std::collections::HashSet<String>> {
+        Ok(self
+            .records_matching(&AllQuery)?
+            .into_iter()
+            .map(|r| r.key)
+            .collect())
+    }
+
+    /// Drops every add and delete since the last commit (after a failed batch), so a later
+    /// commit cannot publish half of it.
+    pub fn rollback(&self) -> Result<()> {
+        let mut w = self.writer();
+        w.inner.rollback().map_err(tantivy_err("rollback"))?;
+        w.pending.clear();
+        Ok(())
+    }
+
     /// Number of committed chunks over all collections.
     pub fn num_chunks(&self) -> usize {
         usize::try_from(self.reader.searcher().num_docs()).unwrap_or(usize::MAX)

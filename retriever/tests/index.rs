@@ -517,3 +517,44 @@ fn directory_holding_another_schema_is_an_error_naming_it() {
     assert!(matches!(err, RetrieverError::Directory { .. }), "{err}");
     assert!(err.to_string().contains("different schema"), "{err}");
 }
+
+#[test]
+fn rollback_drops_uncommitted_changes_and_all_keys_lists_committed_ones() {
+    let index = Index::in_memory().unwrap();
+    let tok = common::words;
+    let chunks = |doc: &str, text: &str, key: &str| -> Vec<IndexedChunk> {
+        chunk_document(doc, text, &tok, &ChunkParams::default())
+            .unwrap()
+            .into_iter()
+            .map(|chunk| IndexedChunk {
+                chunk,
+                key: key.to_string(),
+            })
+            .collect()
+    };
+    let meta = |id: &str| DocumentMeta {
+        id: id.to_string(),
+        title: None,
+    };
+    index
+        .add_document("c", &meta("a"), &chunks("a", "alpha text", "k1"))
+        .unwrap();
+    index.commit().unwrap();
+    index
+        .add_document("c", &meta("b"), &chunks("b", "beta text", "k2"))
+        .unwrap();
+    index.delete_document("c", "a").unwrap();
+    index.rollback().unwrap();
+    index.commit().unwrap();
+    assert_eq!(
+        index.chunks_of("c", "a").unwrap().len(),
+        1,
+        "delete rolled back"
+    );
+    assert!(
+        index.chunks_of("c", "b").unwrap().is_empty(),
+        "add rolled back"
+    );
+    let keys = index.all_keys().unwrap();
+    assert_eq!(keys.into_iter().collect::<Vec<_>>(), vec!["k1".to_string()]);
+}
