@@ -1,0 +1,306 @@
+//! A data directory (tantivy index + chunk KV store) and the models that fill and read it.
+//!
+//! Layout of `--data DIR`: `DIR/index/` (tantivy), `DIR/kv/` (sled). Chunk KV is addressed by
+//! content ([`chunkstore::ChunkKey`] over the target's fingerprint, the collection, the
+//! precompute mode with the template prefix hash, and the chunk's token ids), so a cache is never
+//! reused across models, collections, texts or templates, and a chunk whose cache is missing or
+//! was damaged is recomputed from the text the index holds and stored back.
+
+use crate::error::{GatewayError, Result};
+
+use chunkstore::{ChunkKey, ChunkStore, KvBlob, SpecScores, TieredStore};
+use half::f16;
+use speculator::{ChunkScores, LayerRange, SpecCache};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use target_engine::{ChunkKv, Model, PrecomputeMode, PrefixKv, RagTemplate};
+
+/// The target model, the optional speculator and what every request shares: the template and
+/// the exact KV of its prefix for both models.
+pub struct Engines {
+    pub target: Arc<Model>,
+    pub spec: Option<SpecCache>,
+    pub template: RagTemplate,
+    /// The target's template prefix KV (exact, shared by every request).
+    pub prefix: PrefixKv,
+    /// The speculator's template prefix KV (chunks are scored after it at ingestion).
+    pub spec_prefix: Option<PrefixKv>,
+    prefix_text: String,
+}
+
+impl std::fmt::Debug for Engines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engines")
+            .field("target", &self.target.fingerprint())
+            .field(
+                "speculator",
+                &self.spec.as_ref().map(|s| s.speculator.fingerprint()),
+            )
+            .finish()
+    }
+}
+
+/// Where a chunk's KV came from when it was loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    Memory,
+    Disk,
+    /// Missing or damaged in the store: computed now and stored back.
+    Recomputed,
+}
+
+/// A chunk's KV and stored speculator scores, ready for assembly.
+#[derive(Debug, Clone)]
+pub struct LoadedChunk {
+    pub kv: ChunkKv,
+    pub scores: Option<ChunkScores>,
+    pub tier: Tier,
+    pub key: ChunkKey,
+}
+
+impl Engines {
+    /// Builds the shared state: computes both template prefixes once.
+    pub fn new(target: Arc<Model>, speculator: Option<Arc<Model>>) -> Result<Self> {
+        let template = RagTemplate::default();
+        let (prefix_text, prefix_ids) = template.prefix(target.tokenizer());
+        let prefix = target.prefix_kv(&prefix_ids)?;
+        let spec = speculator.map(SpecCache::new);
+        let spec_prefix = match &spec {
+            Some(s) => Some(s.prefix_state(&prefix_text)?),
+            None => None,
+        };
+        Ok(Self {
+            target,
+            spec,
+            template,
+            prefix,
+            spec_prefix,
+            prefix_text,
+        })
+    }
+
+    /// The template prefix text.
+    pub fn prefix_text(&self) -> &str {
+        &self.prefix_text
+    }
+
+    /// The precompute mode every stored chunk uses: after this template prefix.
+    pub fn mode(&self) -> PrecomputeMode {
+        PrecomputeMode::AfterPrefix {
+            prefix_hash: self.prefix.hash.clone(),
+        }
+    }
+
+    /// A chunk's text as it appears in the prompt, and its ids (the unit that is precomputed).
+    pub fn segment(&self, chunk_text: &str) -> (String, Vec<u32>) {
+        self.template.chunk(self.target.tokenizer(), chunk_text)
+    }
+
+    /// The store key of a chunk segment in `collection`.
+    pub fn key(&self, collection: &str, segment_ids: &[u32]) -> ChunkKey {
+        ChunkKey::new(
+            self.target.fingerprint(),
+            collection,
+            &mode_string(&self.mode()),
+            segment_ids,
+        )
+    }
+
+    /// Precomputes a chunk segment's KV after the prefix and, with a speculator, its scores.
+    pub fn compute(&self, segment_text: &str, segment_ids: &[u32]) -> Result<KvBlob> {
+        let kv = self.target.precompute(segment_ids, Some(&self.prefix))?;
+        let scores = match (&self.spec, &self.spec_prefix) {
+            (Some(s), Some(p)) => Some(s.score_chunk(p, segment_text)?),
+            _ => None,
+        };
+        Ok(to_blob(kv, scores))
+    }
+
+    /// Loads the KV of a chunk with text `chunk_text` in `collection`: from memory, from disk,
+    /// or recomputed and stored back (a miss or a damaged blob).
+    pub fn load(
+        &self,
+        store: &TieredStore,
+        collection: &str,
+        chunk_text: &str,
+    ) -> Result<LoadedChunk> {
+        let (text, ids) = self.segment(chunk_text);
+        let key = self.key(collection, &ids);
+        let (blob, tier) = if let Some(b) = store.memory().get(&key)? {
+            (b, Tier::Memory)
+        } else if let Some(b) = store.disk().get(&key)? {
+            store.memory().put(&key, b.clone())?;
+            (b, Tier::Disk)
+        } else {
+            let b = Arc::new(self.compute(&text, &ids)?);
+            store.put(&key, b.clone())?;
+            (b, Tier::Recomputed)
+        };
+        let (mut kv, mut scores) = from_blob(&blob);
+        let mut tier = tier;
+        if kv.ids != ids || kv.fingerprint != self.target.fingerprint() {
+            // A blob stored under the wrong key: never serve it; recompute and replace it.
+            tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
+            let fresh = Arc::new(self.compute(&text, &ids)?);
+            store.put(&key, fresh.clone())?;
+            (kv, scores) = from_blob(&fresh);
+            tier = Tier::Recomputed;
+        }
+        let scores = scores.filter(|s| {
+            self.spec.as_ref().is_some_and(|spec| {
+                s.fingerprint == spec.speculator.fingerprint() && s.layers == spec.layers
+            })
+        });
+        Ok(LoadedChunk {
+            kv,
+            scores,
+            tier,
+            key,
+        })
+    }
+}
+
+/// How a precompute mode is named in store keys and blobs.
+pub fn mode_string(mode: &PrecomputeMode) -> String {
+    match mode {
+        PrecomputeMode::Standalone => "standalone".into(),
+        PrecomputeMode::AfterPrefix { prefix_hash } => format!("after_prefix:{prefix_hash}"),
+    }
+}
+
+fn parse_mode(s: &str) -> PrecomputeMode {
+    match s.strip_prefix("after_prefix:") {
+        Some(h) => PrecomputeMode::AfterPrefix {
+            prefix_hash: h.to_string(),
+        },
+        None => PrecomputeMode::Standalone,
+    }
+}
+
+/// The engine's chunk KV (and speculator scores) as a store blob.
+pub fn to_blob(kv: ChunkKv, scores: Option<ChunkScores>) -> KvBlob {
+    KvBlob {
+        fingerprint: kv.fingerprint,
+        mode: mode_string(&kv.mode),
+        ids: kv.ids,
+        base_pos: kv.base_pos as u32,
+        row: kv.row as u32,
+        k: kv.k,
+        v: kv.v,
+        scores: scores.map(|s| SpecScores {
+            fingerprint: s.fingerprint,
+            layers: s.layers.name().to_string(),
+            offsets: s
+                .offsets
+                .iter()
+                .map(|r| (r.start as u32, r.end as u32))
+                .collect(),
+            values: s.values,
+        }),
+    }
+}
+
+/// A store blob as the engine's chunk KV and scores (scores with an unknown layer range are
+/// dropped: they are recomputed at query time instead).
+pub fn from_blob(blob: &KvBlob) -> (ChunkKv, Option<ChunkScores>) {
+    let copy = |layers: &[Vec<f16>]| layers.to_vec();
+    let kv = ChunkKv {
+        fingerprint: blob.fingerprint.clone(),
+        ids: blob.ids.clone(),
+        base_pos: blob.base_pos as usize,
+        mode: parse_mode(&blob.mode),
+        row: blob.row as usize,
+        k: copy(&blob.k),
+        v: copy(&blob.v),
+    };
+    let scores = blob.scores.as_ref().and_then(|s| {
+        Some(ChunkScores {
+            fingerprint: s.fingerprint.clone(),
+            layers: LayerRange::parse(&s.layers)?,
+            offsets: s
+                .offsets
+                .iter()
+                .map(|&(a, b)| a as usize..b as usize)
+                .collect(),
+            values: s.values.clone(),
+        })
+    });
+    (kv, scores)
+}
+
+/// An open data directory.
+pub struct Corpus {
+    pub dir: PathBuf,
+    pub index: retriever::Index,
+    pub store: TieredStore,
+}
+
+impl std::fmt::Debug for Corpus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Corpus").field("dir", &self.dir).finish()
+    }
+}
+
+/// Default size of the in-memory chunk tier (payload bytes).
+pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
+
+impl Corpus {
+    /// Opens (or creates) `dir`. Only one process can hold a data directory at a time.
+    pub fn open(dir: &Path, memory_bytes: u64) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|source| GatewayError::Io {
+            context: format!("creating data directory {}", dir.display()),
+            source,
+        })?;
+        let index = retriever::Index::open(dir.join("index"))?;
+        let store = TieredStore::open(&dir.join("kv"), memory_bytes)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            index,
+            store,
+        })
+    }
+
+    /// Every store key some indexed chunk refers to.
+    pub fn referenced_keys(&self) -> Result<HashSet<String>> {
+        Ok(self.index.all_keys()?)
+    }
+
+    /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
+    /// committing the index, by replaced or deleted documents, or by another model or
+    /// template), then flushes. Returns how many were removed.
+    pub fn collect_garbage(&self) -> Result<usize> {
+        let referenced = self.referenced_keys()?;
+        let mut removed = 0;
+        for key in self.store.keys()? {
+            if !referenced.contains(&key.to_string()) {
+                self.store.remove(&key)?;
+                removed += 1;
+            }
+        }
+        self.store.flush()?;
+        Ok(removed)
+    }
+}
+
+/// Times to read one stored chunk back, from each tier (for the ingest summary).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct LoadTimes {
+    pub memory_ms: f64,
+    pub disk_ms: f64,
+}
+
+/// Measures reading `key` from the memory and the disk tier (decode and checksum included).
+pub fn load_times(store: &TieredStore, key: &ChunkKey) -> Result<Option<LoadTimes>> {
+    let t = Instant::now();
+    if store.disk().get(key)?.is_none() {
+        return Ok(None);
+    }
+    let disk_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    let in_memory = store.memory().get(key)?.is_some();
+    let memory_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(in_memory.then_some(LoadTimes { memory_ms, disk_ms }))
+}

@@ -1,0 +1,224 @@
+//! Ingestion: documents -> chunks (target tokens) -> KV precompute (+ speculator scores) ->
+//! chunk store, then the index. One path for the CLI and `POST /documents`.
+//!
+//! Durability order, per batch: every chunk blob is written and the store flushed *before* the
+//! index commit that makes the document searchable, and a document is reported done only after
+//! that commit. A crash can therefore leave blobs the index does not know (removed by the
+//! garbage collection that starts the next run, or reused as is when the same text comes back,
+//! since keys are content addresses) but never an indexed chunk without its KV.
+
+use crate::corpus::{Corpus, Engines};
+use crate::error::Result;
+use crate::input::{InputProblem, SourceDoc};
+use chunkstore::{ChunkStore, KvBlob};
+use retriever::{ChunkParams, DocumentMeta, IndexedChunk};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Settings of an ingestion run.
+#[derive(Debug, Clone)]
+pub struct IngestConfig {
+    pub collection: String,
+    /// Most target tokens per chunk.
+    pub chunk_tokens: usize,
+    /// Documents per index commit.
+    pub batch_docs: usize,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            collection: "default".into(),
+            chunk_tokens: 512,
+            batch_docs: 16,
+        }
+    }
+}
+
+/// What happened, as the run goes.
+#[derive(Debug, Clone)]
+pub enum IngestEvent {
+    /// All documents are chunked: this many chunks and tokens to precompute.
+    Planned { chunks: usize, tokens: usize },
+    /// One chunk is stored (computed now, or already in the store).
+    Chunk { cached: bool },
+    /// These documents are durable and searchable.
+    Committed { documents: Vec<String> },
+    /// A document was skipped.
+    Problem(InputProblem),
+}
+
+/// The summary of a run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct IngestReport {
+    pub collection: String,
+    pub documents: usize,
+    pub chunks: usize,
+    pub tokens: usize,
+    /// Chunks whose KV was already stored (same text, model and collection).
+    pub reused_chunks: usize,
+    /// KV payload bytes of the chunks of this run.
+    pub kv_bytes: u64,
+    /// KV payload bytes per 512 tokens (a full default chunk).
+    pub kv_bytes_per_512_tokens: u64,
+    pub seconds: f64,
+    pub chunks_per_s: f64,
+    pub tokens_per_s: f64,
+    /// Orphan blobs removed before the run.
+    pub garbage_removed: usize,
+    pub failed: usize,
+    /// Time to read the last chunk back from the memory and the disk tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load: Option<crate::corpus::LoadTimes>,
+}
+
+struct Planned {
+    doc: SourceDoc,
+    chunks: Vec<retriever::Chunk>,
+}
+
+/// Ingests `docs` into `corpus` with `engines`. Bad documents are reported through `on_event`
+/// and skipped; store or index failures end the run with an error (what was committed stays).
+pub fn ingest(
+    corpus: &Corpus,
+    engines: &Engines,
+    docs: Vec<SourceDoc>,
+    cfg: &IngestConfig,
+    on_event: impl FnMut(IngestEvent),
+) -> Result<IngestReport> {
+    let out = ingest_inner(corpus, engines, docs, cfg, on_event);
+    if out.is_err() {
+        // Uncommitted index changes of the failed batch must not ride along with a later
+        // commit (their blobs may be collected as garbage first).
+        if let Err(e) = corpus.index.rollback() {
+            tracing::error!("rolling back the index after a failed ingest: {e}");
+        }
+    }
+    out
+}
+
+fn ingest_inner(
+    corpus: &Corpus,
+    engines: &Engines,
+    docs: Vec<SourceDoc>,
+    cfg: &IngestConfig,
+    mut on_event: impl FnMut(IngestEvent),
+) -> Result<IngestReport> {
+    if cfg.chunk_tokens == 0 {
+        return Err(crate::GatewayError::bad(
+            "chunk_tokens",
+            "must be at least 1",
+        ));
+    }
+    let t0 = Instant::now();
+    let mut report = IngestReport {
+        collection: cfg.collection.clone(),
+        garbage_removed: corpus.collect_garbage()?,
+        ..Default::default()
+    };
+    let tok = engines.target.tokenizer();
+    let encode = |text: &str| {
+        let e = tok.encode(text, false);
+        (e.ids, e.offsets)
+    };
+    let params = ChunkParams {
+        max_tokens: cfg.chunk_tokens,
+    };
+    let mut planned = Vec::new();
+    for doc in docs {
+        match retriever::chunk_document(&doc.id, &doc.text, &encode, &params) {
+            Ok(chunks) => planned.push(Planned { doc, chunks }),
+            Err(e) => {
+                report.failed += 1;
+                on_event(IngestEvent::Problem(InputProblem {
+                    origin: doc.origin.clone(),
+                    message: e.to_string(),
+                }));
+            }
+        }
+    }
+    let total_chunks: usize = planned.iter().map(|p| p.chunks.len()).sum();
+    let total_tokens: usize = planned
+        .iter()
+        .flat_map(|p| &p.chunks)
+        .map(|c| c.ids.len())
+        .sum();
+    on_event(IngestEvent::Planned {
+        chunks: total_chunks,
+        tokens: total_tokens,
+    });
+    let mut last_key = None;
+    let mut replaced_any = false;
+    for batch in planned.chunks(cfg.batch_docs.max(1)) {
+        let mut done = Vec::new();
+        for p in batch {
+            let mut indexed = Vec::with_capacity(p.chunks.len());
+            for chunk in &p.chunks {
+                let (text, ids) = engines.segment(&chunk.text);
+                let key = engines.key(&cfg.collection, &ids);
+                let cached = corpus.store.contains(&key)?;
+                if cached {
+                    report.reused_chunks += 1;
+                } else {
+                    let blob: KvBlob = engines.compute(&text, &ids)?;
+                    report.kv_bytes += blob.payload_bytes() as u64;
+                    corpus.store.put(&key, Arc::new(blob))?;
+                }
+                report.chunks += 1;
+                report.tokens += chunk.ids.len();
+                on_event(IngestEvent::Chunk { cached });
+                indexed.push(IndexedChunk {
+                    chunk: chunk.clone(),
+                    key: key.to_string(),
+                });
+                last_key = Some(key);
+            }
+            let meta = DocumentMeta {
+                id: p.doc.id.clone(),
+                title: p.doc.title.clone(),
+            };
+            let replaced = corpus
+                .index
+                .add_document(&cfg.collection, &meta, &indexed)?;
+            replaced_any |= !replaced.is_empty();
+            done.push(p.doc.id.clone());
+        }
+        // Blobs first, then the index: an indexed chunk always has its KV on disk.
+        corpus.store.flush()?;
+        corpus.index.commit()?;
+        report.documents += done.len();
+        on_event(IngestEvent::Committed { documents: done });
+    }
+    if replaced_any {
+        // Chunks of replaced documents that no document uses any more.
+        report.garbage_removed += corpus.collect_garbage()?;
+    }
+    report.seconds = t0.elapsed().as_secs_f64();
+    report.chunks_per_s = report.chunks as f64 / report.seconds.max(1e-9);
+    report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
+    let c = engines.target.config();
+    // K and V, f16, every layer.
+    report.kv_bytes_per_512_tokens = (2 * 2 * c.n_layer * c.kv_row() * 512) as u64;
+    if let Some(key) = last_key {
+        report.load = crate::corpus::load_times(&corpus.store, &key)?;
+    }
+    Ok(report)
+}
+
+/// Removes a document: its chunks leave the index (committed), then blobs no other document
+/// uses leave the store. Returns how many chunks the document had.
+pub fn delete_document(corpus: &Corpus, collection: &str, doc_id: &str) -> Result<usize> {
+    let removed = corpus.index.delete_document(collection, doc_id)?;
+    if removed.is_empty() {
+        corpus.index.rollback()?;
+        return Err(crate::GatewayError::NotFound(format!(
+            "document `{doc_id}` is not in collection `{collection}`"
+        )));
+    }
+    if let Err(e) = corpus.index.commit() {
+        corpus.index.rollback()?;
+        return Err(e.into());
+    }
+    corpus.collect_garbage()?;
+    Ok(removed.len())
+}

@@ -1,0 +1,293 @@
+//! Reading documents to ingest: files and folders (recursive) of `.txt`, `.md` and `.jsonl`
+//! (`{"id","title"?,"text"}` per line). Every problem names its file (and line) and the rest of
+//! the input goes on.
+
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// One document to ingest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceDoc {
+    pub id: String,
+    pub title: Option<String>,
+    pub text: String,
+    /// Where it came from: `file` or `file:line`.
+    pub origin: String,
+}
+
+/// A document (or file) that could not be read, with the place and the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputProblem {
+    pub origin: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for InputProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.origin, self.message)
+    }
+}
+
+/// What reading the inputs produced.
+#[derive(Debug, Default)]
+pub struct Inputs {
+    pub docs: Vec<SourceDoc>,
+    pub problems: Vec<InputProblem>,
+    /// Files inside folders that were skipped for their extension.
+    pub skipped: usize,
+}
+
+/// A JSONL line. Unknown fields are ignored so files carrying metadata can be used as is.
+#[derive(Debug, Deserialize)]
+struct JsonDoc {
+    id: serde_json::Value,
+    #[serde(default)]
+    title: Option<String>,
+    text: String,
+}
+
+const EXTENSIONS: [&str; 3] = ["txt", "md", "jsonl"];
+
+fn extension(path: &Path) -> Option<String> {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase())
+}
+
+/// Every file under `paths`, folders walked recursively in name order.
+fn collect_files(paths: &[PathBuf], out: &mut Inputs) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut stack: Vec<(PathBuf, bool)> = paths.iter().rev().map(|p| (p.clone(), true)).collect();
+    while let Some((path, explicit)) = stack.pop() {
+        let origin = path.display().to_string();
+        // Inside folders, links are not followed (a link to a parent folder would loop).
+        let meta = if explicit {
+            std::fs::metadata(&path)
+        } else {
+            std::fs::symlink_metadata(&path)
+        };
+        let meta = match meta {
+            Ok(m) => m,
+            Err(e) => {
+                out.problems.push(InputProblem {
+                    origin,
+                    message: format!("cannot read: {e}"),
+                });
+                continue;
+            }
+        };
+        if meta.is_dir() {
+            let mut entries: Vec<PathBuf> = match std::fs::read_dir(&path) {
+                Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+                Err(e) => {
+                    out.problems.push(InputProblem {
+                        origin,
+                        message: format!("cannot list folder: {e}"),
+                    });
+                    continue;
+                }
+            };
+            entries.sort();
+            stack.extend(entries.into_iter().rev().map(|p| (p, false)));
+        } else if extension(&path).is_some_and(|e| EXTENSIONS.contains(&e.as_str())) {
+            files.push(path);
+        } else if explicit {
+            out.problems.push(InputProblem {
+                origin,
+                message: "unsupported file type (expected .txt, .md or .jsonl)".into(),
+            });
+        } else {
+            out.skipped += 1;
+        }
+    }
+    files
+}
+
+/// The first Markdown heading, if the text starts with one.
+fn markdown_title(text: &str) -> Option<String> {
+    let first = text.lines().find(|l| !l.trim().is_empty())?;
+    let t = first.trim_start().strip_prefix('#')?;
+    let t = t.trim_start_matches('#').trim();
+    (!t.is_empty()).then(|| t.to_string())
+}
+
+/// Reads every document under `paths`. Document ids of `.txt` / `.md` files are their paths
+/// relative to the folder given (or the file name for a file given directly).
+pub fn read_inputs(paths: &[PathBuf]) -> Inputs {
+    let mut out = Inputs::default();
+    let mut seen: HashMap<String, String> = HashMap::new();
+    let files = collect_files(paths, &mut out);
+    for file in files {
+        let origin = file.display().to_string();
+        let bytes = match std::fs::read(&file) {
+            Ok(b) => b,
+            Err(e) => {
+                out.problems.push(InputProblem {
+                    origin,
+                    message: format!("cannot read: {e}"),
+                });
+                continue;
+            }
+        };
+        let text = match String::from_utf8(bytes) {
+            Ok(t) => t,
+            Err(e) => {
+                let at = e.utf8_error().valid_up_to();
+                let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+                out.problems.push(InputProblem {
+                    origin: format!("{origin}:{line}"),
+                    message: format!("not valid UTF-8 (byte {at}); convert the file to UTF-8"),
+                });
+                continue;
+            }
+        };
+        let mut push = |doc: SourceDoc, out: &mut Inputs| {
+            if let Some(first) = seen.get(&doc.id) {
+                out.problems.push(InputProblem {
+                    origin: doc.origin.clone(),
+                    message: format!("duplicate document id `{}` (first seen at {first})", doc.id),
+                });
+            } else {
+                seen.insert(doc.id.clone(), doc.origin.clone());
+                out.docs.push(doc);
+            }
+        };
+        if extension(&file).as_deref() == Some("jsonl") {
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let origin = format!("{origin}:{}", i + 1);
+                match parse_json_line(line) {
+                    Ok((id, title, text)) => push(
+                        SourceDoc {
+                            id,
+                            title,
+                            text,
+                            origin,
+                        },
+                        &mut out,
+                    ),
+                    Err(message) => out.problems.push(InputProblem { origin, message }),
+                }
+            }
+        } else {
+            if text.trim().is_empty() {
+                out.problems.push(InputProblem {
+                    origin,
+                    message: "empty text".into(),
+                });
+                continue;
+            }
+            let id = doc_id_for(paths, &file);
+            let title = markdown_title(&text).or_else(|| {
+                file.file_stem()
+                    .and_then(|s| s.to_str())
+                    .map(|s| s.to_string())
+            });
+            push(
+                SourceDoc {
+                    id,
+                    title,
+                    text,
+                    origin,
+                },
+                &mut out,
+            );
+        }
+    }
+    out
+}
+
+/// `file` relative to the input folder that contains it, or its file name.
+fn doc_id_for(roots: &[PathBuf], file: &Path) -> String {
+    for root in roots {
+        if root.is_dir() {
+            if let Ok(rel) = file.strip_prefix(root) {
+                return rel.to_string_lossy().replace('\\', "/");
+            }
+        }
+    }
+    file.file_name().map_or_else(
+        || file.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    )
+}
+
+/// Validates one JSONL line into (id, title, text); the error names the field at fault.
+fn parse_json_line(line: &str) -> Result<(String, Option<String>, String), String> {
+    let doc: JsonDoc = serde_json::from_str(line).map_err(|e| {
+        format!("malformed JSON line ({e}); expected {{\"id\", \"title\"?, \"text\"}}")
+    })?;
+    let id = match doc.id {
+        serde_json::Value::String(s) => s,
+        serde_json::Value::Number(n) => n.to_string(),
+        other => return Err(format!("field `id` must be a string, got {other}")),
+    };
+    if id.trim().is_empty() {
+        return Err("field `id` is empty".into());
+    }
+    if id.len() > 512 {
+        return Err("field `id` is longer than 512 bytes".into());
+    }
+    if doc.text.trim().is_empty() {
+        return Err("field `text` is empty".into());
+    }
+    Ok((id, doc.title.filter(|t| !t.trim().is_empty()), doc.text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bad_input_is_named_and_the_rest_goes_on() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let root = dir.path().join("corpus");
+        std::fs::create_dir_all(root.join("sub"))?;
+        std::fs::write(root.join("a.md"), "# Alpha\n\nText of a.")?;
+        std::fs::write(root.join("sub/b.txt"), "Text of b.")?;
+        std::fs::write(root.join("empty.txt"), "  \n")?;
+        std::fs::write(root.join("bin.txt"), b"ok\n\xff\xfe")?;
+        std::fs::write(root.join("image.png"), b"\x89PNG")?;
+        std::fs::write(
+            root.join("docs.jsonl"),
+            concat!(
+                "{\"id\":\"j1\",\"title\":\"J\",\"text\":\"one\"}\n",
+                "\n",
+                "{\"id\":\"j2\",\"text\":\"two\",\"lang\":\"en\"}\n",
+                "{not json}\n",
+                "{\"id\":\"j3\",\"text\":\"\"}\n",
+                "{\"title\":\"no id\",\"text\":\"x\"}\n",
+                "{\"id\":\"j1\",\"text\":\"dup\"}\n",
+                "{\"id\":7,\"text\":\"numeric id\"}\n",
+            ),
+        )?;
+        let inputs = read_inputs(std::slice::from_ref(&root));
+        let ids: Vec<&str> = inputs.docs.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["a.md", "j1", "j2", "7", "sub/b.txt"]);
+        assert_eq!(inputs.docs[0].title.as_deref(), Some("Alpha"));
+        assert_eq!(inputs.skipped, 1, "the png");
+        let problems: Vec<String> = inputs.problems.iter().map(|p| p.to_string()).collect();
+        let has = |needle: &str| problems.iter().any(|p| p.contains(needle));
+        assert!(has("bin.txt:2: not valid UTF-8"), "{problems:?}");
+        assert!(has("empty.txt: empty text"), "{problems:?}");
+        assert!(has("docs.jsonl:4: malformed JSON line"), "{problems:?}");
+        assert!(has("docs.jsonl:5: field `text` is empty"), "{problems:?}");
+        assert!(
+            has("docs.jsonl:6: malformed JSON line (missing field `id`"),
+            "{problems:?}"
+        );
+        assert!(
+            has("docs.jsonl:7: duplicate document id `j1` (first seen at"),
+            "{problems:?}"
+        );
+        assert_eq!(problems.len(), 6, "{problems:?}");
+        // An explicit file of another type is a problem, a missing path too.
+        let inputs = read_inputs(&[root.join("image.png"), root.join("missing.txt")]);
+        assert!(inputs.docs.is_empty());
+        assert_eq!(inputs.problems.len(), 2);
+        Ok(())
+    }
+}
