@@ -127,6 +127,8 @@ pub struct BlendBenchConfig {
     pub chunk_tokens: usize,
     pub ratios: Vec<f64>,
     pub reps: usize,
+    /// Precompute modes to measure: `after_prefix`, `standalone`.
+    pub modes: Vec<String>,
 }
 
 /// Deterministic, varied English-like text (seeded), so chunks differ from each other.
@@ -241,6 +243,10 @@ pub fn blend_report(
         .map(|ids| model.precompute(ids, None))
         .collect::<Result<_, _>>()?;
     let reps = cfg.reps.max(1);
+    // The first forward of a freshly loaded model pays page faults on its weights (seconds on
+    // the 1.5B model), which would inflate the reference and flatter every ratio.
+    progress("warm-up");
+    model.prefill(&asm.ids[..asm.ids.len().min(256)])?;
     let mut full_logits = Vec::new();
     let mut times = Vec::new();
     for r in 0..reps {
@@ -253,6 +259,9 @@ pub fn blend_report(
     let n_chunk = asm.chunk_positions().len();
     let mut rows = Vec::new();
     for (mode, chunks) in [("after_prefix", &after), ("standalone", &alone)] {
+        if !cfg.modes.iter().any(|m| m == mode) {
+            continue;
+        }
         let refs: Vec<&ChunkKv> = chunks.iter().collect();
         let input = |ratio| SelectInput::new(model, &asm, &prefix, &refs, ratio);
         let mut runs: Vec<(String, BlendRun<'_>)> = vec![
@@ -271,7 +280,8 @@ pub fn blend_report(
         ];
         for &ratio in &cfg.ratios {
             // EPIC at the same budget as the others: k tokens per chunk.
-            let k = target_engine::budget(ratio, n_chunk).div_ceil(cfg.chunks.max(1));
+            let lens: Vec<usize> = asm.chunks().map(|s| s.ids.len()).collect();
+            let k = Epic::for_budget(&lens, target_engine::budget(ratio, n_chunk)).k;
             let input = &input;
             runs.push((
                 format!("epic@{ratio}"),

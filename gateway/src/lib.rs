@@ -5,5 +5,18 @@
 //! The one design choice a reader must know: model math lives in `target-engine`; this crate
 //! only finds files, validates what users type and reports results.
 
+pub mod api;
 pub mod bench;
+pub mod client;
+pub mod corpus;
+pub mod engine;
+pub mod error;
+pub mod ingest;
+pub mod input;
+pub mod metrics;
 pub mod models;
+pub mod overlap;
+pub mod pipeline;
+pub mod server;
+
+pub use error::{GatewayError, Result};

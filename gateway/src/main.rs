@@ -47,6 +47,152 @@ enum Cmd {
     /// Measure speed.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Ingest documents: chunk them by target tokens, precompute every chunk's KV cache (and
+    /// the speculator's scores), store them and index the text for retrieval.
+    ///
+    /// Files and folders (recursive) of .txt, .md and .jsonl ({"id","title"?,"text"} per
+    /// line). Re-ingesting a document id replaces its chunks. A bad document is reported with
+    /// file:line and skipped; the exit code is then 3 (partial). Documents are durable once
+    /// reported committed (KV flushed before the index commit).
+    Ingest(IngestArgs),
+    /// Answer a question over an ingested collection through the same pipeline as the server
+    /// (retrieve, load chunk KV, select, blended prefill, decode), without HTTP.
+    Query(QueryArgs),
+    /// Serve the HTTP API (POST /rag/query, /documents, /health, /metrics, /openapi.json,
+    /// Swagger UI at /docs).
+    Serve(ServeArgs),
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi,
+    /// The whole job on the default models: ingest the demo corpus (this repository's own
+    /// documentation), start the server, ask a question over HTTP and print the answer with
+    /// its timings and reuse statistics. Run it from the repository root.
+    Demo(DemoArgs),
+    /// Write tiny random-weight models (target.gguf, speculator.gguf) into DIR, for fast smoke
+    /// tests of the server (CI's API fuzzing runs against them).
+    #[command(hide = true)]
+    TinyModels { dir: PathBuf },
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// Documents to ingest [default: README.md ARCHITECTURE.md docs].
+    paths: Vec<PathBuf>,
+    /// Data directory of the demo.
+    #[arg(long, default_value = "data/demo")]
+    data: PathBuf,
+    /// The question asked over HTTP.
+    #[arg(
+        long,
+        default_value = "How does specrag decide which tokens of the retrieved chunks to recompute?"
+    )]
+    question: String,
+    /// Method of the demo query.
+    #[arg(long, default_value = "speccache")]
+    method: String,
+    /// Most tokens of the answer.
+    #[arg(long, default_value_t = 96)]
+    max_tokens: u32,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "SPECRAG_ADDR", default_value = "127.0.0.1:8080")]
+    addr: std::net::SocketAddr,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Accepted API key (repeatable, or comma-separated in SPECRAG_API_KEYS). With none, the
+    /// query and document routes are open; /health, /metrics and /docs always are.
+    #[arg(
+        long = "api-key",
+        env = "SPECRAG_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    api_keys: Vec<String>,
+    /// Requests that may wait for the engine before new ones get 429 (1..=1024).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    queue: u32,
+    /// Seconds a request may take (waiting included) before it is answered 504.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    timeout_secs: u64,
+    /// Memory tier of the chunk KV store, in MiB.
+    #[arg(long, default_value_t = 2048)]
+    memory_mb: u64,
+    /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
+    spec_scores: String,
+}
+
+#[derive(Args, Debug)]
+struct QueryArgs {
+    /// The question.
+    query: String,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Collection to retrieve from.
+    #[arg(long, default_value = "default")]
+    collection: String,
+    /// full_recompute, full_reuse, prefix, epic, cacheblend, speccache or speccache_nospan.
+    #[arg(long, default_value = "speccache")]
+    method: String,
+    /// Share of chunk tokens to recompute (0..=1).
+    #[arg(long, default_value_t = 0.15)]
+    ratio: f64,
+    /// Chunks to retrieve (1..=32).
+    #[arg(long, default_value_t = 4)]
+    top_k: u32,
+    /// Most tokens to generate (1..=1024).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: u32,
+    /// Sampling temperature (0 = greedy, up to 2).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Verify the answer equals full recompute's token for token.
+    #[arg(long)]
+    verify: bool,
+    /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
+    /// (scores stored with the chunks; falls back to `query` for chunks without them).
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
+    spec_scores: String,
+    /// Print the API's JSON answer object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct DataArgs {
+    /// Data directory (index and chunk KV store).
+    #[arg(long, env = "SPECRAG_DATA", default_value = "data", value_name = "DIR")]
+    data: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct IngestArgs {
+    /// Files or folders to ingest.
+    #[arg(required = true, value_name = "PATH")]
+    paths: Vec<PathBuf>,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Collection to add the documents to (retrieval and KV reuse never cross collections).
+    #[arg(long, default_value = "default")]
+    collection: String,
+    /// Most target tokens per chunk (1..=4096).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    chunk_tokens: u32,
+    /// Documents per index commit (a crash loses at most one batch).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_docs: u32,
+    /// Do not store speculator scores with the chunks (then the speculator is not loaded).
+    #[arg(long)]
+    no_spec_scores: bool,
+    /// Print JSON lines: {"event":"committed","documents":[...]} per batch, problems, and a
+    /// final {"event":"summary",...}.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -143,6 +289,9 @@ enum BenchCmd {
         /// Runs per measurement (median reported).
         #[arg(long, default_value_t = 1)]
         reps: usize,
+        /// Chunk KV precompute modes to measure.
+        #[arg(long, value_delimiter = ',', default_value = "after_prefix,standalone", value_parser = ["after_prefix", "standalone"])]
+        modes: Vec<String>,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -226,8 +375,345 @@ fn load(path: &Path) -> anyhow::Result<Model> {
     Ok(m)
 }
 
+/// Exit code of a run that skipped some inputs.
+const EXIT_PARTIAL: i32 = 3;
+
+fn ingest_cmd(models_args: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
+    use gateway::ingest::{IngestConfig, IngestEvent};
+    let inputs = gateway::input::read_inputs(&a.paths);
+    let target = load(&models::resolve(
+        models_args.target.as_deref(),
+        Role::Target,
+    )?)?;
+    let spec = if a.no_spec_scores {
+        None
+    } else {
+        let p = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
+        Some(std::sync::Arc::new(load(&p)?))
+    };
+    let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), spec)?;
+    let corpus = gateway::corpus::Corpus::open(&a.data.data, 256 << 20)
+        .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
+    let mut problems = inputs.problems.len();
+    for p in &inputs.problems {
+        if a.json {
+            println!(
+                "{}",
+                json!({"event": "problem", "origin": p.origin, "message": p.message})
+            );
+        } else {
+            eprintln!("skipped {p}");
+        }
+    }
+    let cfg = IngestConfig {
+        collection: a.collection.clone(),
+        chunk_tokens: a.chunk_tokens as usize,
+        batch_docs: a.batch_docs as usize,
+    };
+    let bar = ProgressBar::hidden();
+    let json_out = a.json;
+    let report = gateway::ingest::ingest(&corpus, &engines, inputs.docs, &cfg, |e| match e {
+        IngestEvent::Planned { chunks, .. } => {
+            if !json_out {
+                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            }
+            bar.set_length(chunks as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} chunks  {per_sec}  ETA {eta}  {msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+        }
+        IngestEvent::Chunk { .. } => bar.inc(1),
+        IngestEvent::Committed { documents } => {
+            if json_out {
+                println!("{}", json!({"event": "committed", "documents": documents}));
+            } else {
+                bar.set_message(format!("{} documents committed", documents.len()));
+            }
+        }
+        IngestEvent::Problem(p) => {
+            problems += 1;
+            if json_out {
+                println!(
+                    "{}",
+                    json!({"event": "problem", "origin": p.origin, "message": p.message})
+                );
+            } else {
+                bar.suspend(|| eprintln!("skipped {p}"));
+            }
+        }
+    })?;
+    bar.finish_and_clear();
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["event"] = json!("summary");
+        v["problems"] = json!(problems);
+        println!("{v}");
+    } else {
+        println!(
+            "ingested {} documents into `{}`: {} chunks, {} tokens ({} chunks already stored), {:.1} MB of KV in {:.1} s ({:.2} chunks/s, {:.0} tokens/s)",
+            report.documents,
+            report.collection,
+            report.chunks,
+            report.tokens,
+            report.reused_chunks,
+            report.kv_bytes as f64 / 1e6,
+            report.seconds,
+            report.chunks_per_s,
+            report.tokens_per_s
+        );
+        println!(
+            "KV per 512-token chunk: {:.1} MB; {} orphan blobs removed",
+            report.kv_bytes_per_512_tokens as f64 / 1e6,
+            report.garbage_removed
+        );
+        if let Some(l) = report.load {
+            println!(
+                "load one chunk: {:.3} ms from memory, {:.1} ms from disk (decode + checksum)",
+                l.memory_ms, l.disk_ms
+            );
+        }
+        if problems > 0 {
+            eprintln!("{problems} inputs skipped (see above)");
+        }
+    }
+    if problems > 0 {
+        std::process::exit(EXIT_PARTIAL);
+    }
+    Ok(())
+}
+
+fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
+    use gateway::pipeline::Pipeline;
+    let q = gateway::api::QueryRequest {
+        query: a.query.clone(),
+        collection: Some(a.collection.clone()),
+        top_k: Some(a.top_k),
+        method: Some(a.method.clone()),
+        recompute_ratio: Some(a.ratio),
+        max_tokens: Some(a.max_tokens),
+        temperature: Some(a.temperature),
+        seed: Some(a.seed),
+        verify: Some(a.verify),
+        stream: None,
+    }
+    .validate()?;
+    let target = load(&models::resolve(
+        models_args.target.as_deref(),
+        Role::Target,
+    )?)?;
+    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
+    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
+    let corpus = gateway::corpus::Corpus::open(&a.data.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
+        .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
+    let pipeline = Pipeline {
+        engines,
+        corpus,
+        score_source: score_source(&a.spec_scores),
+    };
+    use std::io::Write;
+    let json_out = a.json;
+    let answer = pipeline.query(&q, &mut |piece| {
+        if !json_out {
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+        }
+        true
+    })?;
+    if json_out {
+        println!("{}", serde_json::to_string(&answer)?);
+    } else {
+        println!();
+        let t = &answer.timings;
+        let r = &answer.reuse;
+        eprintln!(
+            "[{} chunks ({} memory, {} disk, {} recomputed); {} of {} chunk tokens recomputed ({:.3}); \
+             retrieve {:.0} ms, kv load {:.0} ms, speculate {:.0} ms, align {:.1} ms, prefill {:.0} ms, \
+             TTFT {:.0} ms, decode {:.0} ms ({} tokens), total {:.0} ms]",
+            answer.chunks.len(), r.chunks_from_memory, r.chunks_from_disk, r.chunks_recomputed,
+            r.recomputed_tokens, r.chunk_tokens, r.ratio, t.retrieve_ms, t.kv_load_ms,
+            t.speculate_ms, t.align_ms, t.prefill_ms, t.ttft_ms, t.decode_ms, answer.tokens, t.total_ms
+        );
+    }
+    Ok(())
+}
+
+fn score_source(s: &str) -> gateway::pipeline::ScoreSource {
+    if s == "ingest" {
+        gateway::pipeline::ScoreSource::Ingest
+    } else {
+        gateway::pipeline::ScoreSource::Query
+    }
+}
+
+fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
+    let target = load(&models::resolve(
+        models_args.target.as_deref(),
+        Role::Target,
+    )?)?;
+    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
+    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
+    let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
+        .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
+    let pipeline = std::sync::Arc::new(gateway::pipeline::Pipeline {
+        engines,
+        corpus,
+        score_source: score_source(&a.spec_scores),
+    });
+    let api_keys: Vec<String> = a.api_keys.into_iter().filter(|k| !k.is_empty()).collect();
+    let config = gateway::server::ServerConfig {
+        api_keys,
+        queue_capacity: a.queue as usize,
+        request_timeout: std::time::Duration::from_secs(a.timeout_secs),
+    };
+    let state = gateway::server::AppState::new(pipeline, config);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(a.addr)
+            .await
+            .with_context(|| format!("binding {}", a.addr))?;
+        eprintln!(
+            "specrag listening on http://{} (API docs at /docs)",
+            listener.local_addr()?
+        );
+        gateway::server::serve_on(state, listener).await?;
+        anyhow::Ok(())
+    })
+}
+
+fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
+    let paths = if a.paths.is_empty() {
+        vec![
+            PathBuf::from("README.md"),
+            PathBuf::from("ARCHITECTURE.md"),
+            PathBuf::from("docs"),
+        ]
+    } else {
+        a.paths.clone()
+    };
+    if let Some(missing) = paths.iter().find(|p| !p.exists()) {
+        anyhow::bail!(
+            "{} not found: run `specrag demo` from the repository root, or pass the documents to ingest",
+            missing.display()
+        );
+    }
+    let target = load(&models::resolve(
+        models_args.target.as_deref(),
+        Role::Target,
+    )?)?;
+    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
+    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
+    let corpus = gateway::corpus::Corpus::open(&a.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
+        .with_context(|| format!("opening data directory {}", a.data.display()))?;
+    let inputs = gateway::input::read_inputs(&paths);
+    for p in &inputs.problems {
+        eprintln!("skipped {p}");
+    }
+    let cfg = gateway::ingest::IngestConfig {
+        collection: "demo".into(),
+        ..Default::default()
+    };
+    eprintln!(
+        "[1/3] ingesting {} documents into {} (collection `demo`)",
+        inputs.docs.len(),
+        a.data.display()
+    );
+    let bar = ProgressBar::hidden();
+    let report = gateway::ingest::ingest(&corpus, &engines, inputs.docs, &cfg, |e| match e {
+        gateway::ingest::IngestEvent::Planned { chunks, .. } => {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.set_length(chunks as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks  ETA {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+        }
+        gateway::ingest::IngestEvent::Chunk { .. } => bar.inc(1),
+        gateway::ingest::IngestEvent::Problem(p) => bar.suspend(|| eprintln!("skipped {p}")),
+        gateway::ingest::IngestEvent::Committed { .. } => {}
+    })?;
+    bar.finish_and_clear();
+    eprintln!(
+        "      {} chunks, {} tokens ({} already stored) in {:.1} s",
+        report.chunks, report.tokens, report.reused_chunks, report.seconds
+    );
+    let pipeline = std::sync::Arc::new(gateway::pipeline::Pipeline {
+        engines,
+        corpus,
+        score_source: gateway::pipeline::ScoreSource::Query,
+    });
+    let state = gateway::server::AppState::new(pipeline, Default::default());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(gateway::server::serve_on(state, listener));
+        eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
+        let body = serde_json::json!({
+            "query": a.question, "collection": "demo", "method": a.method,
+            "recompute_ratio": 0.15, "max_tokens": a.max_tokens,
+        })
+        .to_string();
+        eprintln!(
+            "[3/3] curl -s http://{addr}/rag/query -H 'content-type: application/json' -d '{body}'"
+        );
+        let (status, text) =
+            gateway::client::request(addr, "POST", "/rag/query", Some(&body)).await?;
+        if status != 200 {
+            anyhow::bail!("the server answered {status}: {text}");
+        }
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        println!("Q: {}", a.question);
+        println!("A: {}", v["answer"].as_str().unwrap_or_default().trim());
+        println!("sources:");
+        for c in v["chunks"].as_array().into_iter().flatten() {
+            println!(
+                "  {} #{} (BM25 {:.2})",
+                c["doc_id"].as_str().unwrap_or_default(),
+                c["position"],
+                c["score"].as_f64().unwrap_or_default()
+            );
+        }
+        println!("timings: {}", v["timings"]);
+        println!("reuse:   {}", v["reuse"]);
+        anyhow::Ok(())
+    })
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Cmd::Demo(a) => demo_cmd(&cli.models, a),
+        Cmd::TinyModels { dir } => {
+            use target_engine::testing::{write_tiny_gguf, TinySpec};
+            std::fs::create_dir_all(&dir)?;
+            write_tiny_gguf(
+                &dir.join("target.gguf"),
+                &TinySpec::new(target_engine::Architecture::Qwen2),
+            )?;
+            let mut spec = TinySpec::new(target_engine::Architecture::Llama);
+            spec.seed = 5;
+            write_tiny_gguf(&dir.join("speculator.gguf"), &spec)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+        Cmd::Serve(a) => serve_cmd(&cli.models, a),
+        Cmd::Openapi => {
+            println!("{}", gateway::server::openapi_json_text());
+            Ok(())
+        }
+        Cmd::Query(a) => query_cmd(&cli.models, a),
+        Cmd::Ingest(a) => ingest_cmd(&cli.models, a),
         Cmd::Models(ModelsCmd::Fetch { skip_large }) => {
             let (dir, cache) = (models::models_dir(), models::cache_dir());
             for m in DEFAULT_MODELS
@@ -326,6 +812,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chunk_tokens,
             ratios,
             reps,
+            modes,
             json,
         }) => {
             if chunks == 0 || chunk_tokens == 0 {
@@ -347,6 +834,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chunk_tokens,
                 ratios,
                 reps,
+                modes,
             };
             let report = gateway::bench::blend_report(&model, Some(spec), &cfg, |m| {
                 bar.set_message(m.to_string())

@@ -1,0 +1,441 @@
+//! Wire types of the API (what clients send) and their validation into the pipeline's types.
+//! The CLI builds the same wire type, so a flag and a JSON field are checked by one function.
+
+use crate::error::{GatewayError, Result};
+use crate::pipeline::{Query, QueryMethod};
+use serde::{Deserialize, Serialize};
+
+/// Longest accepted question, in bytes.
+pub const MAX_QUERY_BYTES: usize = 8 * 1024;
+/// Most chunks one query may retrieve.
+pub const MAX_TOP_K: u32 = 32;
+/// Most tokens one answer may generate.
+pub const MAX_TOKENS: u32 = 1024;
+
+/// `POST /rag/query` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "speccache", "recompute_ratio": 0.15, "max_tokens": 64}))]
+pub struct QueryRequest {
+    /// The question (1 to 8192 bytes).
+    pub query: String,
+    /// Collection to retrieve from (default `default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collection: Option<String>,
+    /// Chunks to retrieve, 1 to 32 (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    /// `full_recompute`, `full_reuse`, `prefix`, `epic`, `cacheblend`, `speccache` (default)
+    /// or `speccache_nospan`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.15).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_ratio: Option<f64>,
+    /// Most tokens to generate, 1 to 1024 (default 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature, 0 (greedy, default) to 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// Seed of the sampler (same seed, same answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Verify the answer equals full recompute's, token for token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<bool>,
+    /// Answer with server-sent events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+}
+
+/// A collection name: 1 to 128 characters of letters, digits, `-`, `_` and `.`.
+pub fn validate_collection(field: &'static str, c: &str) -> Result<()> {
+    if c.is_empty() || c.chars().count() > 128 {
+        return Err(GatewayError::bad(field, "must be 1 to 128 characters"));
+    }
+    if !c
+        .chars()
+        .all(|ch| ch.is_alphanumeric() || matches!(ch, '-' | '_' | '.'))
+    {
+        return Err(GatewayError::bad(
+            field,
+            format!("`{c}` may only contain letters, digits, `-`, `_` and `.`"),
+        ));
+    }
+    Ok(())
+}
+
+impl QueryRequest {
+    /// Checks every field and fills in the defaults.
+    pub fn validate(&self) -> Result<Query> {
+        let d = Query::default();
+        let query = self.query.trim();
+        if query.is_empty() {
+            return Err(GatewayError::bad("query", "must not be empty"));
+        }
+        if self.query.len() > MAX_QUERY_BYTES {
+            return Err(GatewayError::bad(
+                "query",
+                format!(
+                    "is {} bytes; at most {MAX_QUERY_BYTES} are accepted",
+                    self.query.len()
+                ),
+            ));
+        }
+        let collection = self.collection.clone().unwrap_or(d.collection);
+        validate_collection("collection", &collection)?;
+        let top_k = self.top_k.unwrap_or(d.top_k as u32);
+        if !(1..=MAX_TOP_K).contains(&top_k) {
+            return Err(GatewayError::bad(
+                "top_k",
+                format!("must be 1 to {MAX_TOP_K}, got {top_k}"),
+            ));
+        }
+        let method = match &self.method {
+            None => d.method,
+            Some(m) => QueryMethod::parse(m).ok_or_else(|| {
+                let names: Vec<&str> = QueryMethod::ALL.iter().map(|m| m.name()).collect();
+                GatewayError::bad(
+                    "method",
+                    format!("unknown method `{m}`; expected one of {}", names.join(", ")),
+                )
+            })?,
+        };
+        let ratio = self.recompute_ratio.unwrap_or(d.ratio);
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(GatewayError::bad(
+                "recompute_ratio",
+                format!("must be 0 to 1, got {ratio}"),
+            ));
+        }
+        let max_tokens = self.max_tokens.unwrap_or(d.max_tokens as u32);
+        if !(1..=MAX_TOKENS).contains(&max_tokens) {
+            return Err(GatewayError::bad(
+                "max_tokens",
+                format!("must be 1 to {MAX_TOKENS}, got {max_tokens}"),
+            ));
+        }
+        let temperature = self.temperature.unwrap_or(d.temperature);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(GatewayError::bad(
+                "temperature",
+                format!("must be 0 to 2, got {temperature}"),
+            ));
+        }
+        Ok(Query {
+            query: query.to_string(),
+            collection,
+            top_k: top_k as usize,
+            method,
+            ratio,
+            max_tokens: max_tokens as usize,
+            temperature,
+            seed: self.seed.unwrap_or(0),
+            verify: self.verify.unwrap_or(false),
+        })
+    }
+}
+
+/// One document of `POST /documents`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentIn {
+    /// Document id, unique in its collection (1 to 512 bytes); re-sending it replaces the
+    /// document.
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    /// The text (not empty).
+    pub text: String,
+}
+
+/// `POST /documents` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"collection": "default", "documents": [{"id": "kv-caches", "title": "KV caches", "text": "A KV cache stores the keys and values of every token a transformer has read."}]}))]
+pub struct DocumentsRequest {
+    /// Collection to add to (default `default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collection: Option<String>,
+    /// Most target tokens per chunk, 16 to 4096 (default 512).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_tokens: Option<u32>,
+    /// 1 to 1000 documents.
+    pub documents: Vec<DocumentIn>,
+}
+
+/// Most documents in one `POST /documents`.
+pub const MAX_DOCUMENTS: usize = 1000;
+
+impl DocumentsRequest {
+    /// Validates the request into documents and an ingestion config.
+    pub fn validate(&self) -> Result<(Vec<crate::input::SourceDoc>, crate::ingest::IngestConfig)> {
+        let collection = self.collection.clone().unwrap_or_else(|| "default".into());
+        validate_collection("collection", &collection)?;
+        let chunk_tokens = self.chunk_tokens.unwrap_or(512);
+        if !(16..=4096).contains(&chunk_tokens) {
+            return Err(GatewayError::bad(
+                "chunk_tokens",
+                format!("must be 16 to 4096, got {chunk_tokens}"),
+            ));
+        }
+        if self.documents.is_empty() || self.documents.len() > MAX_DOCUMENTS {
+            return Err(GatewayError::bad(
+                "documents",
+                format!(
+                    "must hold 1 to {MAX_DOCUMENTS} documents, got {}",
+                    self.documents.len()
+                ),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut docs = Vec::with_capacity(self.documents.len());
+        for (i, d) in self.documents.iter().enumerate() {
+            if d.id.trim().is_empty() || d.id.len() > 512 {
+                return Err(GatewayError::bad(
+                    "documents[].id",
+                    format!("document {i}: id must be 1 to 512 bytes"),
+                ));
+            }
+            if d.text.trim().is_empty() {
+                return Err(GatewayError::bad(
+                    "documents[].text",
+                    format!("document {i} (`{}`): text is empty", d.id),
+                ));
+            }
+            if !seen.insert(d.id.as_str()) {
+                return Err(GatewayError::bad(
+                    "documents[].id",
+                    format!("document {i}: duplicate id `{}`", d.id),
+                ));
+            }
+            docs.push(crate::input::SourceDoc {
+                id: d.id.clone(),
+                title: d.title.clone().filter(|t| !t.trim().is_empty()),
+                text: d.text.clone(),
+                origin: format!("documents[{i}]"),
+            });
+        }
+        Ok((
+            docs,
+            crate::ingest::IngestConfig {
+                collection,
+                chunk_tokens: chunk_tokens as usize,
+                ..Default::default()
+            },
+        ))
+    }
+}
+
+/// What `POST /documents` did.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct IngestResponse {
+    pub collection: String,
+    pub documents: usize,
+    pub chunks: usize,
+    pub tokens: usize,
+    /// Chunks whose KV was already stored.
+    pub reused_chunks: usize,
+    pub kv_bytes: u64,
+    pub seconds: f64,
+    /// Documents that could not be ingested, each with the reason.
+    pub problems: Vec<String>,
+}
+
+/// One document as listed by `GET /documents`.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DocumentInfo {
+    pub collection: String,
+    pub id: String,
+    pub title: Option<String>,
+    pub chunks: usize,
+    pub tokens: usize,
+}
+
+/// `GET /documents` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DocumentList {
+    pub documents: Vec<DocumentInfo>,
+}
+
+/// `DELETE /documents/{id}` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Deleted {
+    pub collection: String,
+    pub id: String,
+    /// Chunks removed from the index (their KV is dropped unless another document uses it).
+    pub chunks: usize,
+}
+
+/// A model as `/health` reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ModelInfo {
+    pub name: String,
+    pub path: String,
+    /// sha256 of the GGUF metadata and tensor table.
+    pub fingerprint: String,
+}
+
+/// A collection as `/health` reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CollectionInfo {
+    pub name: String,
+    pub chunks: usize,
+}
+
+/// `GET /health` answer.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: String,
+    pub target: ModelInfo,
+    pub speculator: Option<ModelInfo>,
+    pub collections: Vec<CollectionInfo>,
+    /// Requests waiting for the engine.
+    pub queue_depth: usize,
+    pub queue_capacity: usize,
+}
+
+/// An error, as `application/problem+json` (RFC 9457).
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 32, got 0", "field": "top_k"}))]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// The request field at fault, when one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(r: &QueryRequest) -> Option<&'static str> {
+        match r.validate() {
+            Err(GatewayError::BadInput { field, .. }) => Some(field),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn every_limit_names_its_field() {
+        let ok = QueryRequest {
+            query: "what?".into(),
+            ..Default::default()
+        };
+        let q = ok.validate().expect("valid");
+        assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.15));
+        assert_eq!(q.method, QueryMethod::Speccache);
+        let cases: Vec<(QueryRequest, &str)> = vec![
+            (
+                QueryRequest {
+                    query: "  ".into(),
+                    ..Default::default()
+                },
+                "query",
+            ),
+            (
+                QueryRequest {
+                    query: "x".repeat(8193),
+                    ..Default::default()
+                },
+                "query",
+            ),
+            (
+                QueryRequest {
+                    top_k: Some(0),
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                QueryRequest {
+                    top_k: Some(33),
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                QueryRequest {
+                    method: Some("magic".into()),
+                    ..ok.clone()
+                },
+                "method",
+            ),
+            (
+                QueryRequest {
+                    recompute_ratio: Some(1.5),
+                    ..ok.clone()
+                },
+                "recompute_ratio",
+            ),
+            (
+                QueryRequest {
+                    recompute_ratio: Some(f64::NAN),
+                    ..ok.clone()
+                },
+                "recompute_ratio",
+            ),
+            (
+                QueryRequest {
+                    max_tokens: Some(0),
+                    ..ok.clone()
+                },
+                "max_tokens",
+            ),
+            (
+                QueryRequest {
+                    max_tokens: Some(1025),
+                    ..ok.clone()
+                },
+                "max_tokens",
+            ),
+            (
+                QueryRequest {
+                    temperature: Some(2.5),
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                QueryRequest {
+                    collection: Some("a b".into()),
+                    ..ok.clone()
+                },
+                "collection",
+            ),
+            (
+                QueryRequest {
+                    collection: Some(String::new()),
+                    ..ok.clone()
+                },
+                "collection",
+            ),
+        ];
+        for (r, field) in cases {
+            assert_eq!(field_of(&r), Some(field), "{r:?}");
+        }
+        assert_eq!(
+            QueryRequest {
+                query: "x".repeat(8192),
+                ..Default::default()
+            }
+            .validate()
+            .map(|q| q.query.len())
+            .ok(),
+            Some(8192)
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let e = serde_json::from_str::<QueryRequest>(r#"{"query":"q","topk":3}"#)
+            .expect_err("unknown field");
+        assert!(e.to_string().contains("unknown field `topk`"), "{e}");
+    }
+}

@@ -1,0 +1,194 @@
+//! The engine thread: the one place model work runs, behind a bounded queue. Handlers submit
+//! jobs and wait on a channel; a full queue is refused at once (429), a job found past its
+//! deadline is not started (504), and a query whose client went away or whose deadline passed
+//! stops at its next token.
+
+use crate::error::GatewayError;
+use crate::ingest::{IngestConfig, IngestReport};
+use crate::input::{InputProblem, SourceDoc};
+use crate::metrics::Metrics;
+use crate::pipeline::{Answer, Pipeline, Query};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+
+/// What a running query reports.
+#[derive(Debug)]
+pub enum QueryEvent {
+    /// A piece of the answer.
+    Text(String),
+    /// The finished answer.
+    Done(Box<Answer>),
+    /// The query failed or ran past its deadline.
+    Failed(JobError),
+}
+
+/// Why a job did not produce a result.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error(transparent)]
+    Gateway(#[from] GatewayError),
+    /// The request's deadline passed (in the queue or while running).
+    #[error("the request did not finish within its deadline")]
+    Deadline,
+}
+
+/// Work for the engine thread.
+#[derive(Debug)]
+pub enum Job {
+    Query {
+        query: Query,
+        deadline: Instant,
+        events: mpsc::Sender<QueryEvent>,
+    },
+    /// Runs to the end once started, even if the client leaves (it commits per batch).
+    Ingest {
+        docs: Vec<SourceDoc>,
+        cfg: IngestConfig,
+        reply: oneshot::Sender<Result<(IngestReport, Vec<InputProblem>), JobError>>,
+    },
+    Delete {
+        collection: String,
+        id: String,
+        reply: oneshot::Sender<Result<usize, JobError>>,
+    },
+}
+
+/// Why a job was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The queue is full (429).
+    Busy,
+    /// The engine thread is gone (500).
+    Stopped,
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    depth: Arc<AtomicUsize>,
+    capacity: usize,
+}
+
+impl EngineHandle {
+    /// Queues `job`, or says the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.depth.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.depth.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::Busy,
+                    TrySendError::Disconnected(_) => SubmitError::Stopped,
+                })
+            }
+        }
+    }
+
+    /// Jobs waiting (not yet started).
+    pub fn depth(&self) -> usize {
+        self.depth.load(Ordering::SeqCst)
+    }
+
+    /// Most jobs that can wait.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs.
+pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) -> EngineHandle {
+    let (tx, rx) = sync_channel::<Job>(capacity.max(1));
+    let depth = Arc::new(AtomicUsize::new(0));
+    let d = depth.clone();
+    std::thread::Builder::new()
+        .name("specrag-engine".into())
+        .spawn(move || {
+            while let Ok(job) = rx.recv() {
+                d.fetch_sub(1, Ordering::SeqCst);
+                // A panic in one job must not take the engine down for every later request;
+                // the job's channels are dropped, which its handler reports as a 500.
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run(&pipeline, &metrics, job)
+                }));
+                if outcome.is_err() {
+                    tracing::error!("a job panicked on the engine thread; continuing");
+                }
+            }
+        })
+        .map_or_else(
+            |e| tracing::error!("cannot start the engine thread: {e}"),
+            |_| (),
+        );
+    EngineHandle {
+        tx,
+        depth,
+        capacity: capacity.max(1),
+    }
+}
+
+fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
+    match job {
+        Job::Query {
+            query,
+            deadline,
+            events,
+        } => {
+            if events.is_closed() {
+                return;
+            }
+            if Instant::now() > deadline {
+                metrics.timeout();
+                let _ = events.blocking_send(QueryEvent::Failed(JobError::Deadline));
+                return;
+            }
+            let mut late = false;
+            let result = pipeline.query(&query, &mut |piece| {
+                if Instant::now() > deadline {
+                    late = true;
+                    return false;
+                }
+                events
+                    .blocking_send(QueryEvent::Text(piece.to_string()))
+                    .is_ok()
+            });
+            let event = match result {
+                Ok(_) if late || Instant::now() > deadline => {
+                    metrics.timeout();
+                    QueryEvent::Failed(JobError::Deadline)
+                }
+                Ok(answer) => {
+                    metrics.answer(&answer);
+                    QueryEvent::Done(Box::new(answer))
+                }
+                Err(e) => QueryEvent::Failed(e.into()),
+            };
+            let _ = events.blocking_send(event);
+        }
+        Job::Ingest { docs, cfg, reply } => {
+            if reply.is_closed() {
+                return;
+            }
+            let mut problems = Vec::new();
+            let out = crate::ingest::ingest(&pipeline.corpus, &pipeline.engines, docs, &cfg, |e| {
+                if let crate::ingest::IngestEvent::Problem(p) = e {
+                    problems.push(p);
+                }
+            });
+            let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
+        }
+        Job::Delete {
+            collection,
+            id,
+            reply,
+        } => {
+            let out = crate::ingest::delete_document(&pipeline.corpus, &collection, &id)
+                .map_err(JobError::from);
+            let _ = reply.send(out);
+        }
+    }
+}

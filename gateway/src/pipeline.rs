@@ -1,0 +1,395 @@
+//! The query pipeline shared by `specrag query`, the HTTP server and the evaluation:
+//! retrieve -> load chunk KV (memory, disk or recompute) while the speculator scores the prompt
+//! -> select -> align -> blended prefill -> decode. Every answer carries its timings and reuse
+//! statistics.
+
+use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
+use crate::error::{GatewayError, Result};
+use serde::{Deserialize, Serialize};
+use speculator::{ChunkScores, ScoredTokens};
+use std::time::Instant;
+use target_engine::{
+    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, Method, SamplingParams,
+    SelectInput,
+};
+
+/// How the prompt's tokens to recompute are chosen (the API's `method`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum QueryMethod {
+    /// Recompute everything (the reference; no stored KV is used).
+    FullRecompute,
+    /// Reuse every chunk's KV as is.
+    FullReuse,
+    /// Reuse only the template prefix (ordinary prefix caching; chunks are computed).
+    Prefix,
+    /// Recompute the first tokens of every chunk (EPIC), at the same budget.
+    Epic,
+    /// Recompute the tokens whose early-layer KV deviates most (CacheBlend).
+    Cacheblend,
+    /// The speculator picks the tokens (SpecCache), with span completion.
+    Speccache,
+    /// SpecCache without span completion (ablation).
+    SpeccacheNospan,
+}
+
+impl QueryMethod {
+    /// Every method, in the order reports list them.
+    pub const ALL: [QueryMethod; 7] = [
+        QueryMethod::FullRecompute,
+        QueryMethod::FullReuse,
+        QueryMethod::Prefix,
+        QueryMethod::Epic,
+        QueryMethod::Cacheblend,
+        QueryMethod::Speccache,
+        QueryMethod::SpeccacheNospan,
+    ];
+
+    /// The name in the API and on the command line.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::FullRecompute => "full_recompute",
+            Self::FullReuse => "full_reuse",
+            Self::Prefix => "prefix",
+            Self::Epic => "epic",
+            Self::Cacheblend => "cacheblend",
+            Self::Speccache => "speccache",
+            Self::SpeccacheNospan => "speccache_nospan",
+        }
+    }
+
+    /// Parses a name of [`QueryMethod::name`].
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == s)
+    }
+
+    /// True for the SpecCache methods.
+    pub fn uses_speculator(&self) -> bool {
+        matches!(self, Self::Speccache | Self::SpeccacheNospan)
+    }
+
+    fn engine_method(&self) -> Option<Method> {
+        match self {
+            Self::FullRecompute => Some(Method::FullRecompute),
+            Self::FullReuse => Some(Method::FullReuse),
+            Self::Prefix => Some(Method::Prefix),
+            Self::Epic => Some(Method::Epic),
+            Self::Cacheblend => Some(Method::CacheBlend),
+            Self::Speccache | Self::SpeccacheNospan => None,
+        }
+    }
+}
+
+/// Where SpecCache's scores come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoreSource {
+    /// One speculator pass over the whole prompt per query (the paper's method).
+    Query,
+    /// Scores stored with each chunk at ingestion (no speculator pass at query time; chunks
+    /// after the first miss their cross-chunk context). Falls back to `Query` when a chunk has
+    /// no stored scores.
+    Ingest,
+}
+
+/// A validated query.
+#[derive(Debug, Clone)]
+pub struct Query {
+    pub query: String,
+    pub collection: String,
+    pub top_k: usize,
+    pub method: QueryMethod,
+    /// ρ: recomputed chunk tokens over all chunk tokens (budget of the budgeted methods).
+    pub ratio: f64,
+    pub max_tokens: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    pub verify: bool,
+}
+
+impl Default for Query {
+    fn default() -> Self {
+        Self {
+            query: String::new(),
+            collection: "default".into(),
+            top_k: 4,
+            method: QueryMethod::Speccache,
+            ratio: 0.15,
+            max_tokens: 128,
+            temperature: 0.0,
+            seed: 0,
+            verify: false,
+        }
+    }
+}
+
+/// Where the time of one query went (milliseconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Timings {
+    pub retrieve_ms: f64,
+    /// Loading chunk KV (memory, disk, or recompute on a miss).
+    pub kv_load_ms: f64,
+    /// The speculator's pass (runs in parallel with the KV load).
+    pub speculate_ms: f64,
+    /// Selection (top-K, spans, budget) and mapping onto target tokens.
+    pub align_ms: f64,
+    /// Blended (or full) prefill, including a baseline's own selection.
+    pub prefill_ms: f64,
+    /// From the start of the request until the first token's logits are ready.
+    pub ttft_ms: f64,
+    pub decode_ms: f64,
+    pub total_ms: f64,
+}
+
+/// How much of the prompt was reused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Reuse {
+    /// Chunk tokens in the prompt.
+    pub chunk_tokens: usize,
+    /// Chunk tokens the target recomputed.
+    pub recomputed_tokens: usize,
+    /// `recomputed_tokens / chunk_tokens` (0 with no chunks).
+    pub ratio: f64,
+    /// Chunks whose KV came from memory, from disk, or had to be computed now.
+    pub chunks_from_memory: usize,
+    pub chunks_from_disk: usize,
+    pub chunks_recomputed: usize,
+}
+
+/// A retrieved chunk as reported with the answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ChunkRef {
+    /// Chunk id (stable across re-ingestion of the same document).
+    pub id: String,
+    pub doc_id: String,
+    pub title: Option<String>,
+    /// BM25 score.
+    pub score: f32,
+    /// Position of the chunk within its document.
+    pub position: usize,
+    pub tokens: usize,
+    pub text: String,
+}
+
+/// The answer to a query.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Answer {
+    pub answer: String,
+    pub method: QueryMethod,
+    /// `eos`, `stop`, `length` or `cancelled`.
+    #[schema(value_type = String, example = "eos")]
+    pub finish_reason: FinishReason,
+    /// Generated tokens.
+    pub tokens: usize,
+    pub chunks: Vec<ChunkRef>,
+    pub timings: Timings,
+    pub reuse: Reuse,
+}
+
+/// The models and the data directory behind every query.
+#[derive(Debug)]
+pub struct Pipeline {
+    pub engines: Engines,
+    pub corpus: Corpus,
+    pub score_source: ScoreSource,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+impl Pipeline {
+    /// Checks what the loaded models decide about a query (run before queueing it).
+    pub fn check(&self, q: &Query) -> Result<()> {
+        if q.verify {
+            return Err(GatewayError::bad(
+                "verify",
+                "lossless verification is not available in this build yet; send \"verify\": false",
+            ));
+        }
+        if q.method.uses_speculator() && self.engines.spec.is_none() {
+            return Err(GatewayError::bad(
+                "method",
+                format!(
+                    "`{}` needs a speculator model and none is loaded",
+                    q.method.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Answers `q`, streaming text pieces to `on_text` (return `false` to cancel).
+    pub fn query(&self, q: &Query, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Answer> {
+        self.check(q)?;
+        let spec_method = q.method.uses_speculator();
+        let t0 = Instant::now();
+        let mut timings = Timings::default();
+        let hits = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
+        timings.retrieve_ms = ms(t0);
+        let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
+        let target = &self.engines.target;
+        let asm = self
+            .engines
+            .template
+            .assemble(target.tokenizer(), &texts, &q.query);
+        let context = target.config().context_length;
+        if asm.ids.len() + q.max_tokens > context {
+            return Err(GatewayError::bad(
+                "top_k",
+                format!(
+                    "the prompt ({} tokens with {} chunks) plus max_tokens ({}) exceeds the \
+                     target's context of {context} tokens; lower top_k or max_tokens",
+                    asm.ids.len(),
+                    hits.len(),
+                    q.max_tokens
+                ),
+            ));
+        }
+        // KV load and the speculator's pass run side by side.
+        let need_kv = q.method != QueryMethod::FullRecompute;
+        let query_time_scores = spec_method && self.score_source == ScoreSource::Query;
+        let (loaded, scored) = std::thread::scope(|s| {
+            let spec = query_time_scores.then(|| {
+                s.spawn(|| -> Result<(ScoredTokens, f64)> {
+                    let t = Instant::now();
+                    let spec = self.engines.spec.as_ref().ok_or_else(|| {
+                        GatewayError::bad("method", "no speculator model is loaded")
+                    })?;
+                    let toks = spec.query_scores(&asm)?;
+                    Ok((toks, ms(t)))
+                })
+            });
+            let t = Instant::now();
+            let loaded: Result<Vec<LoadedChunk>> = if need_kv {
+                texts
+                    .iter()
+                    .map(|text| self.engines.load(&self.corpus.store, &q.collection, text))
+                    .collect()
+            } else {
+                Ok(Vec::new())
+            };
+            let load_ms = ms(t);
+            let scored = spec.map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(GatewayError::Internal("the speculator panicked".into()))
+                })
+            });
+            (loaded.map(|l| (l, load_ms)), scored.transpose())
+        });
+        let (loaded, load_ms) = loaded?;
+        timings.kv_load_ms = load_ms;
+        let mut scored = scored?.map(|(toks, spec_ms)| {
+            timings.speculate_ms = spec_ms;
+            toks
+        });
+        let mut reuse = Reuse::default();
+        for l in &loaded {
+            match l.tier {
+                Tier::Memory => reuse.chunks_from_memory += 1,
+                Tier::Disk => reuse.chunks_from_disk += 1,
+                Tier::Recomputed => reuse.chunks_recomputed += 1,
+            }
+        }
+        let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
+        let input = SelectInput::new(target, &asm, &self.engines.prefix, &kvs, q.ratio);
+        let t = Instant::now();
+        let out: BlendOutput = if q.method == QueryMethod::FullRecompute {
+            let (cache, logits) = target.prefill(&asm.ids)?;
+            let chunk_pos = asm.chunk_positions();
+            BlendOutput {
+                cache,
+                logits,
+                chunk_tokens: chunk_pos.len(),
+                recomputed: chunk_pos,
+            }
+        } else if let Some(m) = q.method.engine_method() {
+            let lens: Vec<usize> = asm.chunks().map(|s| s.ids.len()).collect();
+            let budget = target_engine::budget(q.ratio, asm.chunk_positions().len());
+            let epic_k = target_engine::Epic::for_budget(&lens, budget).k;
+            target_engine::selector(m, epic_k).prefill(&input)?
+        } else {
+            let spec = self
+                .engines
+                .spec
+                .as_ref()
+                .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
+            let mut sel = spec.clone();
+            sel.params.complete_spans = q.method == QueryMethod::Speccache;
+            if scored.is_none() {
+                scored = Some(self.ingest_scores(&sel, &asm, &loaded, &mut timings)?);
+            }
+            let toks = scored.unwrap_or_default();
+            let ta = Instant::now();
+            let picked = sel.select_scored(&input, &toks);
+            timings.align_ms = ms(ta);
+            let tp = Instant::now();
+            let out = target.blend_prefill(&asm, &self.engines.prefix, &kvs, &picked)?;
+            timings.prefill_ms = ms(tp);
+            out
+        };
+        if !spec_method {
+            timings.prefill_ms = ms(t);
+        }
+        timings.ttft_ms = ms(t0);
+        reuse.chunk_tokens = out.chunk_tokens;
+        reuse.recomputed_tokens = out.recomputed.len();
+        reuse.ratio = out.ratio();
+        let params = GenerateParams {
+            max_tokens: q.max_tokens,
+            sampling: SamplingParams {
+                temperature: q.temperature,
+                top_p: 1.0,
+                seed: q.seed,
+            },
+            stop: Vec::new(),
+        };
+        let td = Instant::now();
+        let mut cache = out.cache;
+        let g =
+            target.decode_stream(&mut cache, out.logits, timings.prefill_ms, &params, on_text)?;
+        timings.decode_ms = ms(td);
+        timings.total_ms = ms(t0);
+        Ok(Answer {
+            answer: g.text,
+            method: q.method,
+            finish_reason: g.finish,
+            tokens: g.ids.len(),
+            chunks: hits
+                .into_iter()
+                .map(|h| ChunkRef {
+                    id: h.record.chunk_id,
+                    doc_id: h.record.doc_id,
+                    title: h.record.title,
+                    score: h.score,
+                    position: h.record.position,
+                    tokens: h.record.tokens,
+                    text: h.record.text,
+                })
+                .collect(),
+            timings,
+            reuse,
+        })
+    }
+
+    /// SpecCache scores from ingestion; chunks stored without scores (or by another
+    /// speculator) are scored now with a query-time pass instead.
+    fn ingest_scores(
+        &self,
+        sel: &speculator::SpecCache,
+        asm: &Assembly,
+        loaded: &[LoadedChunk],
+        timings: &mut Timings,
+    ) -> Result<ScoredTokens> {
+        let stored: Option<Vec<&ChunkScores>> = loaded.iter().map(|l| l.scores.as_ref()).collect();
+        match stored {
+            Some(s) => Ok(sel.ingested_scores(asm, &s)?),
+            None => {
+                let t = Instant::now();
+                let toks = sel.query_scores(asm)?;
+                timings.speculate_ms = ms(t);
+                Ok(toks)
+            }
+        }
+    }
+}

@@ -1,0 +1,725 @@
+//! The HTTP API: axum routes, problem+json errors, request ids, API keys, metrics, the OpenAPI
+//! document and a Swagger UI served from vendored assets.
+
+use crate::api::{
+    validate_collection, CollectionInfo, Deleted, DocumentInfo, DocumentList, DocumentsRequest,
+    Health, IngestResponse, ModelInfo, Problem, QueryRequest,
+};
+use crate::engine::{EngineHandle, Job, JobError, QueryEvent, SubmitError};
+use crate::error::GatewayError;
+use crate::metrics::Metrics;
+use crate::pipeline::{Answer, Pipeline};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+use utoipa::OpenApi;
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Accepted bearer tokens; empty means no authentication.
+    pub api_keys: Vec<String>,
+    /// Jobs that may wait for the engine before requests are refused with 429.
+    pub queue_capacity: usize,
+    /// A request not finished within this time is answered 504 (and its work stopped).
+    pub request_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: Vec::new(),
+            queue_capacity: 8,
+            request_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Shared state of every handler.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub pipeline: Arc<Pipeline>,
+    pub engine: EngineHandle,
+    pub metrics: Arc<Metrics>,
+    pub config: Arc<ServerConfig>,
+}
+
+impl AppState {
+    /// Starts the engine thread over `pipeline`.
+    pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Self {
+        let metrics = Arc::new(Metrics::default());
+        let engine = crate::engine::start(pipeline.clone(), config.queue_capacity, metrics.clone());
+        Self {
+            pipeline,
+            engine,
+            metrics,
+            config: Arc::new(config),
+        }
+    }
+}
+
+/// Largest `/rag/query` body (the question is at most 8 KiB).
+const QUERY_BODY_LIMIT: usize = 64 * 1024;
+/// Largest `/documents` body.
+const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;
+
+/// An error answered as `application/problem+json`.
+#[derive(Debug)]
+pub enum ApiError {
+    Gateway(GatewayError),
+    /// The body is not the JSON the route expects.
+    Body(StatusCode, String),
+    Unauthorized,
+    Busy,
+    Deadline,
+}
+
+impl From<GatewayError> for ApiError {
+    fn from(e: GatewayError) -> Self {
+        Self::Gateway(e)
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Busy => Self::Busy,
+            SubmitError::Stopped => Self::Gateway(GatewayError::Internal(
+                "the engine thread has stopped".into(),
+            )),
+        }
+    }
+}
+
+/// A worker (the engine thread or a blocking task) went away without answering: it panicked.
+fn engine_dropped() -> ApiError {
+    ApiError::Gateway(GatewayError::Internal(
+        "a worker failed while running this request".into(),
+    ))
+}
+
+impl From<JobError> for ApiError {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::Gateway(g) => Self::Gateway(g),
+            JobError::Deadline => Self::Deadline,
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Self::Body(status, r.body_text())
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        Self::Body(StatusCode::BAD_REQUEST, r.body_text())
+    }
+}
+
+impl ApiError {
+    fn problem(&self) -> (StatusCode, Problem) {
+        let (status, detail, field) = match self {
+            Self::Gateway(GatewayError::BadInput { field, .. }) => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                self.detail(),
+                Some(field.to_string()),
+            ),
+            Self::Gateway(GatewayError::NotFound(_)) => {
+                (StatusCode::NOT_FOUND, self.detail(), None)
+            }
+            Self::Gateway(e) if e.is_bad_input() => {
+                (StatusCode::UNPROCESSABLE_ENTITY, self.detail(), None)
+            }
+            Self::Gateway(_) => (StatusCode::INTERNAL_SERVER_ERROR, self.detail(), None),
+            Self::Body(s, m) => (*s, m.clone(), None),
+            Self::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
+                None,
+            ),
+            Self::Busy => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "the engine queue is full; retry after the time in Retry-After".into(),
+                None,
+            ),
+            Self::Deadline => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "the request did not finish within the server's deadline".into(),
+                None,
+            ),
+        };
+        (
+            status,
+            Problem {
+                kind: "about:blank".into(),
+                title: status.canonical_reason().unwrap_or("Error").into(),
+                status: status.as_u16(),
+                detail,
+                field,
+            },
+        )
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Self::Gateway(e) => {
+                let mut s = e.to_string();
+                let mut src = std::error::Error::source(e);
+                while let Some(inner) = src {
+                    let m = inner.to_string();
+                    if !s.contains(&m) {
+                        s = format!("{s}: {m}");
+                    }
+                    src = inner.source();
+                }
+                s
+            }
+            _ => String::new(),
+        }
+    }
+}
+
+fn problem_response(status: StatusCode, p: &Problem) -> Response {
+    let body = serde_json::to_string(p).unwrap_or_default();
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body,
+    )
+        .into_response()
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, p) = self.problem();
+        if status.is_server_error() {
+            tracing::error!(detail = %p.detail, "request failed");
+        }
+        let mut r = problem_response(status, &p);
+        match self {
+            Self::Busy => {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            }
+            Self::Unauthorized => {
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
+        }
+        r
+    }
+}
+
+/// The router (tests drive it with `oneshot`, no socket needed).
+pub fn app(state: AppState) -> Router {
+    let protected = Router::new()
+        .route(
+            "/rag/query",
+            post(rag_query).layer(DefaultBodyLimit::max(QUERY_BODY_LIMIT)),
+        )
+        .route(
+            "/documents",
+            post(post_documents)
+                .layer(DefaultBodyLimit::max(DOCUMENTS_BODY_LIMIT))
+                .get(list_documents),
+        )
+        .route("/documents/{id}", delete(delete_document))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .merge(protected)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi_json))
+        .route("/docs", get(docs_index))
+        .route("/docs/", get(docs_index))
+        .route("/docs/{file}", get(docs_asset))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::Gateway(GatewayError::NotFound(
+        "no such route; see /openapi.json or /docs".into(),
+    ))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::Body(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "this route does not accept that method; see /openapi.json".into(),
+    )
+}
+
+/// Request id (taken from `x-request-id` when sane, else made up), echoed in the response and
+/// logged with route, status and latency; counts requests by route and status.
+async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let t = Instant::now();
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.chars().all(|c| c.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = req.method().clone();
+    let mut resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    state.metrics.request(&route, status);
+    tracing::info!(request_id = %id, %method, route = %route, status, ms = t.elapsed().as_secs_f64() * 1e3, "request");
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// Bearer-token check on the query and document routes (when keys are configured).
+async fn require_key(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if state.config.api_keys.is_empty() {
+        return Ok(next.run(req).await);
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Compare every key in full so timing does not reveal a matching prefix.
+    let ok = state.config.api_keys.iter().fold(false, |acc, k| {
+        let same = k.len() == given.len()
+            && k.bytes()
+                .zip(given.bytes())
+                .fold(0u8, |d, (a, b)| d | (a ^ b))
+                == 0;
+        acc | same
+    });
+    if ok {
+        Ok(next.run(req).await)
+    } else {
+        Err(ApiError::Unauthorized)
+    }
+}
+
+fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
+    state.engine.submit(job).map_err(|e| {
+        if e == SubmitError::Busy {
+            state.metrics.busy();
+        }
+        ApiError::from(e)
+    })
+}
+
+/// Answer a question over a collection.
+#[utoipa::path(
+    post,
+    path = "/rag/query",
+    tag = "query",
+    request_body = QueryRequest,
+    responses(
+        (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem).",
+            content((Answer = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "The body is not JSON of this shape (an unknown field is named)", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 64 KiB", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
+            example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 32, got 0", "field": "top_k"})),
+        (status = 429, description = "The engine queue is full; see Retry-After", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = []))
+)]
+async fn rag_query(
+    State(state): State<AppState>,
+    body: Result<Json<QueryRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let query = req.validate()?;
+    state.pipeline.check(&query)?;
+    let deadline = Instant::now() + state.config.request_timeout;
+    // Room for every token of the longest answer, so a client that stops reading can never
+    // block the engine thread.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(crate::api::MAX_TOKENS as usize + 8);
+    submit(
+        &state,
+        Job::Query {
+            query,
+            deadline,
+            events: tx,
+        },
+    )?;
+    if req.stream.unwrap_or(false) {
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|e| {
+            Ok::<Event, Infallible>(match e {
+                QueryEvent::Text(t) => Event::default()
+                    .event("token")
+                    .data(serde_json::json!({ "text": t }).to_string()),
+                QueryEvent::Done(a) => Event::default()
+                    .event("done")
+                    .data(serde_json::to_string(&a).unwrap_or_default()),
+                QueryEvent::Failed(e) => {
+                    let (_, p) = ApiError::from(e).problem();
+                    Event::default()
+                        .event("error")
+                        .data(serde_json::to_string(&p).unwrap_or_default())
+                }
+            })
+        });
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let until = tokio::time::Instant::from_std(deadline + Duration::from_secs(1));
+    loop {
+        match tokio::time::timeout_at(until, rx.recv()).await {
+            Err(_) => return Err(ApiError::Deadline),
+            Ok(None) => return Err(engine_dropped()),
+            Ok(Some(QueryEvent::Text(_))) => {}
+            Ok(Some(QueryEvent::Done(a))) => return Ok(Json::<Answer>(*a).into_response()),
+            Ok(Some(QueryEvent::Failed(e))) => return Err(e.into()),
+        }
+    }
+}
+
+/// Ingest documents (same path as `specrag ingest`); re-sending an id replaces the document.
+#[utoipa::path(
+    post,
+    path = "/documents",
+    tag = "documents",
+    request_body = DocumentsRequest,
+    responses(
+        (status = 200, description = "Documents chunked, KV precomputed and stored, index committed", body = IngestResponse),
+        (status = 400, description = "The body is not JSON of this shape", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 32 MiB", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "A field is invalid; `field` names it", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = []))
+)]
+async fn post_documents(
+    State(state): State<AppState>,
+    body: Result<Json<DocumentsRequest>, JsonRejection>,
+) -> Result<Json<IngestResponse>, ApiError> {
+    let Json(req) = body?;
+    let (docs, cfg) = req.validate()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    submit(
+        &state,
+        Job::Ingest {
+            docs,
+            cfg,
+            reply: tx,
+        },
+    )?;
+    // No deadline: once started, ingestion runs to its end (it commits batch by batch), and
+    // answering 504 while it goes on committing would tell the client the opposite of what
+    // happened.
+    let (report, problems) = rx.await.map_err(|_| engine_dropped())??;
+    Ok(Json(IngestResponse {
+        collection: report.collection,
+        documents: report.documents,
+        chunks: report.chunks,
+        tokens: report.tokens,
+        reused_chunks: report.reused_chunks,
+        kv_bytes: report.kv_bytes,
+        seconds: report.seconds,
+        problems: problems.iter().map(|p| p.to_string()).collect(),
+    }))
+}
+
+/// Which collection a documents route acts on.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+struct CollectionParam {
+    /// Collection (default `default`; for listing, all collections when absent).
+    collection: Option<String>,
+}
+
+/// List documents.
+#[utoipa::path(
+    get,
+    path = "/documents",
+    tag = "documents",
+    params(CollectionParam),
+    responses(
+        (status = 200, description = "Documents with their chunk and token counts", body = DocumentList),
+        (status = 400, description = "Unknown query parameter", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid collection name", body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = []))
+)]
+async fn list_documents(
+    State(state): State<AppState>,
+    q: Result<Query<CollectionParam>, QueryRejection>,
+) -> Result<Json<DocumentList>, ApiError> {
+    let Query(q) = q?;
+    if let Some(c) = &q.collection {
+        validate_collection("collection", c)?;
+    }
+    let pipeline = state.pipeline.clone();
+    let docs = tokio::task::spawn_blocking(move || {
+        pipeline.corpus.index.documents(q.collection.as_deref())
+    })
+    .await
+    .map_err(|_| engine_dropped())?
+    .map_err(GatewayError::from)?;
+    Ok(Json(DocumentList {
+        documents: docs
+            .into_iter()
+            .map(|d| DocumentInfo {
+                collection: d.collection,
+                id: d.doc_id,
+                title: d.title,
+                chunks: d.chunks,
+                tokens: d.tokens,
+            })
+            .collect(),
+    }))
+}
+
+/// Delete a document: its chunks leave the index and, unless another document uses them, the
+/// KV store.
+#[utoipa::path(
+    delete,
+    path = "/documents/{id}",
+    tag = "documents",
+    params(("id" = String, Path, description = "Document id"), CollectionParam),
+    responses(
+        (status = 200, description = "Deleted", body = Deleted),
+        (status = 400, description = "Unknown query parameter", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such document in the collection", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid collection name", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
+    ),
+    security((), ("bearer" = []))
+)]
+async fn delete_document(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    q: Result<Query<CollectionParam>, QueryRejection>,
+) -> Result<Json<Deleted>, ApiError> {
+    let Query(q) = q?;
+    let collection = q.collection.unwrap_or_else(|| "default".into());
+    validate_collection("collection", &collection)?;
+    if id.trim().is_empty() || id.len() > 512 {
+        return Err(GatewayError::bad("id", "must be 1 to 512 bytes").into());
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    submit(
+        &state,
+        Job::Delete {
+            collection: collection.clone(),
+            id: id.clone(),
+            reply: tx,
+        },
+    )?;
+    let chunks = rx.await.map_err(|_| engine_dropped())??;
+    Ok(Json(Deleted {
+        collection,
+        id,
+        chunks,
+    }))
+}
+
+fn model_info(m: &target_engine::Model) -> ModelInfo {
+    ModelInfo {
+        name: m.config().name.clone(),
+        path: m.path().display().to_string(),
+        fingerprint: m.fingerprint().to_string(),
+    }
+}
+
+/// Liveness, models, collections and queue depth.
+#[utoipa::path(
+    get,
+    path = "/health",
+    tag = "operations",
+    responses((status = 200, description = "The server is up", body = Health))
+)]
+async fn health(State(state): State<AppState>) -> Result<Json<Health>, ApiError> {
+    let p = &state.pipeline;
+    let pipeline = state.pipeline.clone();
+    let collections = tokio::task::spawn_blocking(move || pipeline.corpus.index.collections())
+        .await
+        .map_err(|_| engine_dropped())?
+        .map_err(GatewayError::from)?
+        .into_iter()
+        .map(|(name, chunks)| CollectionInfo { name, chunks })
+        .collect();
+    Ok(Json(Health {
+        status: "ok".into(),
+        target: model_info(&p.engines.target),
+        speculator: p.engines.spec.as_ref().map(|s| model_info(&s.speculator)),
+        collections,
+        queue_depth: state.engine.depth(),
+        queue_capacity: state.engine.capacity(),
+    }))
+}
+
+/// Prometheus metrics.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
+)]
+async fn metrics(State(state): State<AppState>) -> Response {
+    use chunkstore::ChunkStore;
+    let stats = state.pipeline.corpus.store.stats();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(state.engine.depth(), &stats),
+    )
+        .into_response()
+}
+
+/// Adds the bearer security scheme.
+struct Security;
+
+impl utoipa::Modify for Security {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = api.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "Required on the query and document routes when the server runs with --api-key",
+                    ))
+                    .build(),
+            ),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "specrag",
+        description = "RAG serving gateway with selective KV-cache reuse: chunk KV is precomputed at ingestion and reused at query time; a small speculative model picks the tokens the target model recomputes.",
+        license(name = "Apache-2.0")
+    ),
+    paths(rag_query, post_documents, list_documents, delete_document, health, metrics),
+    modifiers(&Security),
+    tags(
+        (name = "query", description = "Answering questions"),
+        (name = "documents", description = "Filling and inspecting collections"),
+        (name = "operations", description = "Health and metrics")
+    )
+)]
+struct ApiDoc;
+
+/// The OpenAPI document.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+/// The OpenAPI document as pretty JSON (what `specrag openapi` prints and
+/// `docs/openapi.json` holds).
+pub fn openapi_json_text() -> String {
+    openapi().to_pretty_json().unwrap_or_default()
+}
+
+async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        openapi_json_text(),
+    )
+        .into_response()
+}
+
+const SWAGGER_JS: &[u8] = include_bytes!("../assets/swagger-ui/swagger-ui-bundle.js");
+const SWAGGER_CSS: &[u8] = include_bytes!("../assets/swagger-ui/swagger-ui.css");
+const SWAGGER_ICON: &[u8] = include_bytes!("../assets/swagger-ui/favicon-32x32.png");
+
+async fn docs_index() -> Html<&'static str> {
+    Html(
+        r##"<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>specrag API</title>
+<link rel="stylesheet" href="/docs/swagger-ui.css">
+<link rel="icon" type="image/png" href="/docs/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="/docs/swagger-ui-bundle.js"></script>
+<script>
+window.ui = SwaggerUIBundle({ url: "/openapi.json", dom_id: "#swagger-ui" });
+</script>
+</body>
+</html>
+"##,
+    )
+}
+
+async fn docs_asset(Path(file): Path<String>) -> Result<Response, ApiError> {
+    let (body, ty) = match file.as_str() {
+        "swagger-ui-bundle.js" => (SWAGGER_JS, "application/javascript"),
+        "swagger-ui.css" => (SWAGGER_CSS, "text/css"),
+        "favicon-32x32.png" => (SWAGGER_ICON, "image/png"),
+        _ => {
+            return Err(ApiError::Gateway(GatewayError::NotFound(format!(
+                "no such file /docs/{file}"
+            ))))
+        }
+    };
+    Ok((
+        [
+            (header::CONTENT_TYPE, ty),
+            (header::CACHE_CONTROL, "public, max-age=86400"),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// Serves `app(state)` on `addr` until Ctrl-C.
+pub async fn serve(state: AppState, addr: std::net::SocketAddr) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    serve_on(state, listener).await
+}
+
+/// Serves on an already bound listener (tests bind port 0).
+pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+}

@@ -1,0 +1,456 @@
+//! The HTTP API on tiny random models: routes through `oneshot`, one test over a real socket,
+//! and the committed OpenAPI document.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use gateway::corpus::{Corpus, Engines};
+use gateway::engine::{Job, QueryEvent};
+use gateway::input::SourceDoc;
+use gateway::pipeline::{Pipeline, Query, ScoreSource};
+use gateway::server::{app, AppState, ServerConfig};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{Architecture, LoadOptions, Model};
+use tower::ServiceExt;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const DOCS: [(&str, &str); 4] = [
+    (
+        "ants",
+        "The thin ant ran in the sand and then the ant sat in the tent.",
+    ),
+    (
+        "attic",
+        "A hint: the antenna is in the attic near the tent, behind the tin.",
+    ),
+    (
+        "anthem",
+        "The anthem of the ant hill is sung at dawn by the thin ants.",
+    ),
+    (
+        "tin",
+        "The tin can in the attic holds ten thin nails and an antenna.",
+    ),
+];
+
+fn pipeline(dir: &std::path::Path) -> Result<Arc<Pipeline>, Box<dyn std::error::Error>> {
+    let target = dir.join("target.gguf");
+    let spec = dir.join("spec.gguf");
+    write_tiny_gguf(&target, &TinySpec::new(Architecture::Qwen2))?;
+    let mut s = TinySpec::new(Architecture::Llama);
+    s.seed = 5;
+    write_tiny_gguf(&spec, &s)?;
+    let opts = LoadOptions::default();
+    let engines = Engines::new(
+        Arc::new(Model::load(&target, &opts)?),
+        Some(Arc::new(Model::load(&spec, &opts)?)),
+    )?;
+    let corpus = Corpus::open(&dir.join("data"), 1 << 30)?;
+    let docs = DOCS
+        .iter()
+        .map(|(id, text)| SourceDoc {
+            id: id.to_string(),
+            title: None,
+            text: text.to_string(),
+            origin: id.to_string(),
+        })
+        .collect();
+    gateway::ingest::ingest(
+        &corpus,
+        &engines,
+        docs,
+        &gateway::ingest::IngestConfig::default(),
+        |_| {},
+    )?;
+    Ok(Arc::new(Pipeline {
+        engines,
+        corpus,
+        score_source: ScoreSource::Query,
+    }))
+}
+
+fn state(p: Arc<Pipeline>, config: ServerConfig) -> AppState {
+    AppState::new(p, config)
+}
+
+fn post(path: &str, body: &Value) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap_or_default()
+}
+
+async fn send(s: &AppState, req: Request<Body>) -> (StatusCode, String, Vec<(String, String)>) {
+    let resp = app(s.clone())
+        .oneshot(req)
+        .await
+        .unwrap_or_else(|e| match e {});
+    let status = resp.status();
+    let headers = resp
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap_or_default();
+    (
+        status,
+        String::from_utf8_lossy(&bytes).into_owned(),
+        headers,
+    )
+}
+
+fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+
+    // A plain query: the answer with chunks, timings and reuse statistics; the id is echoed.
+    let req = Request::post("/rag/query")
+        .header("content-type", "application/json")
+        .header("x-request-id", "test-42")
+        .body(Body::from(
+            json!({"query": "where is the antenna?", "max_tokens": 8, "top_k": 2}).to_string(),
+        ))?;
+    let (status, body, headers) = send(&s, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(header(&headers, "x-request-id"), Some("test-42"));
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(v["chunks"].as_array().map(Vec::len), Some(2));
+    for k in [
+        "retrieve_ms",
+        "kv_load_ms",
+        "speculate_ms",
+        "align_ms",
+        "prefill_ms",
+        "ttft_ms",
+        "decode_ms",
+        "total_ms",
+    ] {
+        assert!(v["timings"][k].is_number(), "timings.{k} in {body}");
+    }
+    let chunk_tokens = v["reuse"]["chunk_tokens"].as_u64().ok_or("chunk_tokens")?;
+    let recomputed = v["reuse"]["recomputed_tokens"]
+        .as_u64()
+        .ok_or("recomputed")?;
+    assert!(chunk_tokens > 0 && recomputed <= (chunk_tokens as f64 * 0.15).ceil() as u64);
+    assert_eq!(v["method"], "speccache");
+
+    // ρ = 1 through the whole pipeline answers exactly as full recompute (greedy).
+    let answer = |method: &str, ratio: f64| {
+        post(
+            "/rag/query",
+            &json!({"query": "the thin ant?", "method": method, "recompute_ratio": ratio, "max_tokens": 12}),
+        )
+    };
+    let (_, full, _) = send(&s, answer("full_recompute", 1.0)).await;
+    for method in ["speccache", "cacheblend", "epic", "speccache_nospan"] {
+        let (status, got, _) = send(&s, answer(method, 1.0)).await;
+        assert_eq!(status, StatusCode::OK, "{got}");
+        let (a, b): (Value, Value) = (serde_json::from_str(&full)?, serde_json::from_str(&got)?);
+        assert_eq!(a["answer"], b["answer"], "{method} at ratio 1");
+        assert_eq!(b["reuse"]["ratio"], 1.0, "{method}: {got}");
+    }
+
+    // Validation: problem+json naming the field.
+    for (body, field) in [
+        (json!({"query": "q", "top_k": 0}), "top_k"),
+        (json!({"query": "q", "top_k": 33}), "top_k"),
+        (
+            json!({"query": "q", "recompute_ratio": -0.1}),
+            "recompute_ratio",
+        ),
+        (json!({"query": "q", "max_tokens": 2000}), "max_tokens"),
+        (json!({"query": "q", "temperature": 3}), "temperature"),
+        (json!({"query": "q", "method": "nope"}), "method"),
+        (json!({"query": ""}), "query"),
+        (json!({"query": "q", "collection": "../etc"}), "collection"),
+    ] {
+        let (status, text, headers) = send(&s, post("/rag/query", &body)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {text}");
+        assert_eq!(
+            header(&headers, "content-type"),
+            Some("application/problem+json")
+        );
+        let p: Value = serde_json::from_str(&text)?;
+        assert_eq!(p["field"], field, "{text}");
+        assert!(
+            p["detail"].as_str().is_some_and(|d| d.contains(field)),
+            "{text}"
+        );
+    }
+    let (status, text, _) = send(&s, post("/rag/query", &json!({"query": "q", "topk": 3}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(text.contains("unknown field `topk`"), "{text}");
+    let (status, _, _) = send(
+        &s,
+        post("/rag/query", &json!({"query": "q".repeat(70_000)})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let (status, _, _) = send(&s, Request::post("/rag/query").body(Body::from("{}"))?).await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+
+    // Streaming: token events, then one done event with the statistics.
+    let (status, text, headers) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the ant", "stream": true, "max_tokens": 6}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(header(&headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream")));
+    let done = text
+        .split("\n\n")
+        .find(|e| e.contains("event: done"))
+        .ok_or("no done event")?;
+    let data = done
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .ok_or("no data")?;
+    let answer: Value = serde_json::from_str(data)?;
+    let streamed: String = text
+        .split("\n\n")
+        .filter(|e| e.contains("event: token"))
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(|d| {
+            serde_json::from_str::<Value>(d).map(|v| v["text"].as_str().unwrap_or("").to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    assert_eq!(answer["answer"].as_str(), Some(streamed.as_str()));
+
+    // Documents: add, list, search through it, delete, delete again.
+    let (status, text, _) = send(
+        &s,
+        post(
+            "/documents",
+            &json!({"collection": "other", "documents": [{"id": "d1", "title": "T", "text": "the ant in the other collection"}]}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (_, text, _) = send(
+        &s,
+        Request::get("/documents?collection=other").body(Body::empty())?,
+    )
+    .await;
+    let list: Value = serde_json::from_str(&text)?;
+    assert_eq!(list["documents"][0]["id"], "d1");
+    let (_, text, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "ant", "collection": "other", "max_tokens": 1}),
+        ),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&text)?;
+    assert!(
+        v["chunks"]
+            .as_array()
+            .is_some_and(|c| c.iter().all(|c| c["doc_id"] == "d1")),
+        "collections isolate retrieval: {text}"
+    );
+    let (status, _, _) = send(
+        &s,
+        Request::delete("/documents/d1?collection=other").body(Body::empty())?,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, text, _) = send(
+        &s,
+        Request::delete("/documents/d1?collection=other").body(Body::empty())?,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{text}");
+    let (status, _, _) = send(
+        &s,
+        post(
+            "/documents",
+            &json!({"documents": [{"id": "x", "text": "  "}]}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+
+    // Operations.
+    let (status, text, _) = send(&s, Request::get("/health").body(Body::empty())?).await;
+    assert_eq!(status, StatusCode::OK);
+    let h: Value = serde_json::from_str(&text)?;
+    assert_eq!(h["queue_depth"], 0);
+    assert!(h["target"]["fingerprint"]
+        .as_str()
+        .is_some_and(|f| f.len() == 64));
+    let (_, text, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
+    assert!(
+        text.contains("specrag_requests_total{route=\"/rag/query\",status=\"200\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("specrag_ttft_seconds_count{method=\"speccache\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("specrag_chunk_loads_total{tier=\"memory\"}"),
+        "{text}"
+    );
+    let (status, text, _) = send(&s, Request::get("/docs").body(Body::empty())?).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(text.contains("/docs/swagger-ui-bundle.js") && !text.contains("http"));
+    let (status, text, _) = send(
+        &s,
+        Request::get("/docs/swagger-ui-bundle.js").body(Body::empty())?,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(text.len() > 100_000);
+    let (status, _, _) = send(&s, Request::get("/nope").body(Body::empty())?).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_full_queue_and_deadline() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let keyed = state(
+        p.clone(),
+        ServerConfig {
+            api_keys: vec!["sekrit".into()],
+            ..Default::default()
+        },
+    );
+    let body = json!({"query": "ant", "max_tokens": 1});
+    let (status, _, headers) = send(&keyed, post("/rag/query", &body)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(header(&headers, "www-authenticate"), Some("Bearer"));
+    let mut req = post("/rag/query", &body);
+    req.headers_mut()
+        .insert("authorization", "Bearer sekrit".parse()?);
+    assert_eq!(send(&keyed, req).await.0, StatusCode::OK);
+    let mut req = post("/rag/query", &body);
+    req.headers_mut()
+        .insert("authorization", "Bearer sekriT".parse()?);
+    assert_eq!(send(&keyed, req).await.0, StatusCode::UNAUTHORIZED);
+    let (status, _, _) = send(&keyed, Request::get("/health").body(Body::empty())?).await;
+    assert_eq!(status, StatusCode::OK, "health stays open");
+
+    // A full queue answers 429 with Retry-After: block the engine on a query whose events
+    // nobody reads, fill the one waiting slot, then ask.
+    let busy = state(
+        p.clone(),
+        ServerConfig {
+            queue_capacity: 1,
+            ..Default::default()
+        },
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel::<QueryEvent>(1);
+    // The one slot is taken up front, so the engine's first send blocks for certain.
+    tx.send(QueryEvent::Text(String::new())).await?;
+    let q = Query {
+        query: "ant".into(),
+        max_tokens: 64,
+        ..Default::default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    busy.engine
+        .submit(Job::Query {
+            query: q.clone(),
+            deadline,
+            events: tx,
+        })
+        .map_err(|_| "first job refused")?;
+    // Wait until the engine took it (the queue is empty again), then fill the slot.
+    let t = Instant::now();
+    while busy.engine.depth() > 0 && t.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (tx2, _rx2) = tokio::sync::mpsc::channel::<QueryEvent>(1);
+    busy.engine
+        .submit(Job::Query {
+            query: q,
+            deadline,
+            events: tx2,
+        })
+        .map_err(|_| "second job refused")?;
+    let (status, text, headers) = send(&busy, post("/rag/query", &body)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert!(header(&headers, "retry-after").is_some());
+    drop(rx); // the blocked query sees its client gone and stops
+
+    // A deadline that cannot be met answers 504.
+    let late = state(
+        p,
+        ServerConfig {
+            request_timeout: Duration::from_millis(1),
+            ..Default::default()
+        },
+    );
+    let (status, text, _) = send(
+        &late,
+        post("/rag/query", &json!({"query": "ant", "max_tokens": 64})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{text}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_socket_answers_http() -> TestResult {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(gateway::server::serve_on(s, listener));
+    let body = json!({"query": "where is the antenna?", "max_tokens": 4}).to_string();
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(
+        format!(
+            "POST /rag/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut out = String::new();
+    conn.read_to_string(&mut out).await?;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.contains("\"ttft_ms\""), "{out}");
+    Ok(())
+}
+
+/// The committed `docs/openapi.json` is what the server serves; regenerate it with
+/// `cargo specrag openapi > docs/openapi.json` after changing the API on purpose.
+#[test]
+fn committed_openapi_document_is_current() -> TestResult {
+    let committed = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json"),
+    )?;
+    let current = gateway::server::openapi_json_text();
+    assert!(
+        committed.trim_end() == current.trim_end(),
+        "docs/openapi.json is stale: run `cargo specrag openapi > docs/openapi.json`"
+    );
+    let v: Value = serde_json::from_str(&current)?;
+    for path in [
+        "/rag/query",
+        "/documents",
+        "/documents/{id}",
+        "/health",
+        "/metrics",
+    ] {
+        assert!(v["paths"][path].is_object(), "{path} missing");
+    }
+    Ok(())
+}
