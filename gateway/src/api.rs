@@ -3,45 +3,83 @@
 
 use crate::error::{GatewayError, Result};
 use crate::pipeline::{Query, QueryMethod};
+
 use serde::{Deserialize, Serialize};
 
-/// Longest accepted question, in bytes.
-pub const MAX_QUERY_BYTES: usize = 8 * 1024;
+/// Longest accepted question, in characters.
+pub const MAX_QUERY_CHARS: usize = 8 * 1024;
+/// What a collection name may hold (also the OpenAPI pattern).
+pub const COLLECTION_PATTERN: &str = r"^[A-Za-z0-9._-]{1,128}$";
 /// Most chunks one query may retrieve.
 pub const MAX_TOP_K: u32 = 32;
 /// Most tokens one answer may generate.
 pub const MAX_TOKENS: u32 = 1024;
+
+/// Largest accepted seed (2^53 - 1: exact in every JSON implementation).
+pub const MAX_SEED: u64 = (1 << 53) - 1;
+
+/// An optional integer that JSON may spell `32` or `32.0` (JSON Schema counts both as
+/// integers, so clients and generated clients send either).
+fn de_opt_int<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    let v: Option<serde_json::Number> = Option::deserialize(d)?;
+    let Some(n) = v else { return Ok(None) };
+    if let Some(u) = n.as_u64() {
+        return Ok(Some(u));
+    }
+    match n.as_f64() {
+        Some(f) if f >= 0.0 && f.fract() == 0.0 && f <= MAX_SEED as f64 => Ok(Some(f as u64)),
+        _ => Err(serde::de::Error::custom(format!(
+            "expected a non-negative integer, got {n}"
+        ))),
+    }
+}
 
 /// `POST /rag/query` body.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "speccache", "recompute_ratio": 0.15, "max_tokens": 64}))]
 pub struct QueryRequest {
-    /// The question (1 to 8192 bytes).
+    /// The question: 1 to 8192 characters, not only whitespace.
+    #[schema(min_length = 1, max_length = 8192, pattern = r"\S")]
     pub query: String,
     /// Collection to retrieve from (default `default`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub collection: Option<String>,
     /// Chunks to retrieve, 1 to 32 (default 4).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<u32>,
-    /// `full_recompute`, `full_reuse`, `prefix`, `epic`, `cacheblend`, `speccache` (default)
-    /// or `speccache_nospan`.
+    #[schema(minimum = 1, maximum = 32)]
+    #[serde(deserialize_with = "de_opt_int")]
+    pub top_k: Option<u64>,
+    /// How the tokens to recompute are chosen (default `speccache`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<QueryMethod>)]
     pub method: Option<String>,
     /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.15).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.0, maximum = 1.0)]
     pub recompute_ratio: Option<f64>,
     /// Most tokens to generate, 1 to 1024 (default 128).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<u32>,
+    #[schema(minimum = 1, maximum = 1024)]
+    #[serde(deserialize_with = "de_opt_int")]
+    pub max_tokens: Option<u64>,
     /// Sampling temperature, 0 (greedy, default) to 2.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.0, maximum = 2.0)]
     pub temperature: Option<f32>,
-    /// Seed of the sampler (same seed, same answer).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Seed of the sampler (same seed, same answer), 0 to 2^53 - 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_opt_int"
+    )]
+    #[schema(minimum = 0, maximum = 9007199254740991_u64)]
     pub seed: Option<u64>,
-    /// Verify the answer equals full recompute's, token for token.
+    /// Answer exactly as full recompute would, token for token. In this build the answer is
+    /// decoded from the full cache (no drafting yet), so it costs a full prefill.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<bool>,
     /// Answer with server-sent events.
@@ -49,18 +87,18 @@ pub struct QueryRequest {
     pub stream: Option<bool>,
 }
 
-/// A collection name: 1 to 128 characters of letters, digits, `-`, `_` and `.`.
+/// A collection name: 1 to 128 ASCII letters, digits, `-`, `_` and `.`.
 pub fn validate_collection(field: &'static str, c: &str) -> Result<()> {
-    if c.is_empty() || c.chars().count() > 128 {
+    if c.is_empty() || c.len() > 128 {
         return Err(GatewayError::bad(field, "must be 1 to 128 characters"));
     }
     if !c
         .chars()
-        .all(|ch| ch.is_alphanumeric() || matches!(ch, '-' | '_' | '.'))
+        .all(|ch| ch.is_ascii_alphanumeric() || matches!(ch, '-' | '_' | '.'))
     {
         return Err(GatewayError::bad(
             field,
-            format!("`{c}` may only contain letters, digits, `-`, `_` and `.`"),
+            format!("`{c}` may only contain ASCII letters, digits, `-`, `_` and `.`"),
         ));
     }
     Ok(())
@@ -74,19 +112,17 @@ impl QueryRequest {
         if query.is_empty() {
             return Err(GatewayError::bad("query", "must not be empty"));
         }
-        if self.query.len() > MAX_QUERY_BYTES {
+        let chars = self.query.chars().count();
+        if chars > MAX_QUERY_CHARS {
             return Err(GatewayError::bad(
                 "query",
-                format!(
-                    "is {} bytes; at most {MAX_QUERY_BYTES} are accepted",
-                    self.query.len()
-                ),
+                format!("is {chars} characters; at most {MAX_QUERY_CHARS} are accepted"),
             ));
         }
         let collection = self.collection.clone().unwrap_or(d.collection);
         validate_collection("collection", &collection)?;
-        let top_k = self.top_k.unwrap_or(d.top_k as u32);
-        if !(1..=MAX_TOP_K).contains(&top_k) {
+        let top_k = self.top_k.unwrap_or(d.top_k as u64);
+        if !(1..=MAX_TOP_K as u64).contains(&top_k) {
             return Err(GatewayError::bad(
                 "top_k",
                 format!("must be 1 to {MAX_TOP_K}, got {top_k}"),
@@ -109,8 +145,8 @@ impl QueryRequest {
                 format!("must be 0 to 1, got {ratio}"),
             ));
         }
-        let max_tokens = self.max_tokens.unwrap_or(d.max_tokens as u32);
-        if !(1..=MAX_TOKENS).contains(&max_tokens) {
+        let max_tokens = self.max_tokens.unwrap_or(d.max_tokens as u64);
+        if !(1..=MAX_TOKENS as u64).contains(&max_tokens) {
             return Err(GatewayError::bad(
                 "max_tokens",
                 format!("must be 1 to {MAX_TOKENS}, got {max_tokens}"),
@@ -123,6 +159,13 @@ impl QueryRequest {
                 format!("must be 0 to 2, got {temperature}"),
             ));
         }
+        let seed = self.seed.unwrap_or(0);
+        if seed > MAX_SEED {
+            return Err(GatewayError::bad(
+                "seed",
+                format!("must be 0 to {MAX_SEED}, got {seed}"),
+            ));
+        }
         Ok(Query {
             query: query.to_string(),
             collection,
@@ -131,7 +174,7 @@ impl QueryRequest {
             ratio,
             max_tokens: max_tokens as usize,
             temperature,
-            seed: self.seed.unwrap_or(0),
+            seed,
             verify: self.verify.unwrap_or(false),
         })
     }
@@ -141,12 +184,14 @@ impl QueryRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DocumentIn {
-    /// Document id, unique in its collection (1 to 512 bytes); re-sending it replaces the
-    /// document.
+    /// Document id, unique in its collection (1 to 512 characters, not only whitespace);
+    /// re-sending it replaces the document.
+    #[schema(min_length = 1, max_length = 512, pattern = r"\S")]
     pub id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
-    /// The text (not empty).
+    /// The text (not only whitespace).
+    #[schema(min_length = 1, pattern = r"\S")]
     pub text: String,
 }
 
@@ -157,11 +202,15 @@ pub struct DocumentIn {
 pub struct DocumentsRequest {
     /// Collection to add to (default `default`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub collection: Option<String>,
     /// Most target tokens per chunk, 16 to 4096 (default 512).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunk_tokens: Option<u32>,
-    /// 1 to 1000 documents.
+    #[schema(minimum = 16, maximum = 4096)]
+    #[serde(deserialize_with = "de_opt_int")]
+    pub chunk_tokens: Option<u64>,
+    /// 1 to 1000 documents with distinct ids.
+    #[schema(min_items = 1, max_items = 1000)]
     pub documents: Vec<DocumentIn>,
 }
 
@@ -170,7 +219,15 @@ pub const MAX_DOCUMENTS: usize = 1000;
 
 impl DocumentsRequest {
     /// Validates the request into documents and an ingestion config.
-    pub fn validate(&self) -> Result<(Vec<crate::input::SourceDoc>, crate::ingest::IngestConfig)> {
+    /// Duplicate ids are not an error: the first one is ingested and the others come back as
+    /// problems (the third element), as `specrag ingest` does.
+    pub fn validate(
+        &self,
+    ) -> Result<(
+        Vec<crate::input::SourceDoc>,
+        crate::ingest::IngestConfig,
+        Vec<crate::input::InputProblem>,
+    )> {
         let collection = self.collection.clone().unwrap_or_else(|| "default".into());
         validate_collection("collection", &collection)?;
         let chunk_tokens = self.chunk_tokens.unwrap_or(512);
@@ -190,9 +247,10 @@ impl DocumentsRequest {
             ));
         }
         let mut seen = std::collections::HashSet::new();
+        let mut problems = Vec::new();
         let mut docs = Vec::with_capacity(self.documents.len());
         for (i, d) in self.documents.iter().enumerate() {
-            if d.id.trim().is_empty() || d.id.len() > 512 {
+            if d.id.trim().is_empty() || d.id.chars().count() > 512 {
                 return Err(GatewayError::bad(
                     "documents[].id",
                     format!("document {i}: id must be 1 to 512 bytes"),
@@ -205,10 +263,11 @@ impl DocumentsRequest {
                 ));
             }
             if !seen.insert(d.id.as_str()) {
-                return Err(GatewayError::bad(
-                    "documents[].id",
-                    format!("document {i}: duplicate id `{}`", d.id),
-                ));
+                problems.push(crate::input::InputProblem {
+                    origin: format!("documents[{i}]"),
+                    message: format!("duplicate document id `{}` (the first one was kept)", d.id),
+                });
+                continue;
             }
             docs.push(crate::input::SourceDoc {
                 id: d.id.clone(),
@@ -224,6 +283,7 @@ impl DocumentsRequest {
                 chunk_tokens: chunk_tokens as usize,
                 ..Default::default()
             },
+            problems,
         ))
     }
 }

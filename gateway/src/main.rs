@@ -490,10 +490,10 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     let q = gateway::api::QueryRequest {
         query: a.query.clone(),
         collection: Some(a.collection.clone()),
-        top_k: Some(a.top_k),
+        top_k: Some(a.top_k.into()),
         method: Some(a.method.clone()),
         recompute_ratio: Some(a.ratio),
-        max_tokens: Some(a.max_tokens),
+        max_tokens: Some(a.max_tokens.into()),
         temperature: Some(a.temperature),
         seed: Some(a.seed),
         verify: Some(a.verify),

@@ -184,6 +184,18 @@ pub struct Answer {
     pub chunks: Vec<ChunkRef>,
     pub timings: Timings,
     pub reuse: Reuse,
+    /// With `verify: true`: the drafting statistics. In this build verification decodes from
+    /// the full cache, so nothing is drafted and the answer is the full-recompute answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<VerifyStats>,
+}
+
+/// Drafted, accepted and corrected tokens of a verified answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VerifyStats {
+    pub drafted: usize,
+    pub accepted: usize,
+    pub corrected: usize,
 }
 
 /// The models and the data directory behind every query.
@@ -201,12 +213,6 @@ fn ms(t: Instant) -> f64 {
 impl Pipeline {
     /// Checks what the loaded models decide about a query (run before queueing it).
     pub fn check(&self, q: &Query) -> Result<()> {
-        if q.verify {
-            return Err(GatewayError::bad(
-                "verify",
-                "lossless verification is not available in this build yet; send \"verify\": false",
-            ));
-        }
         if q.method.uses_speculator() && self.engines.spec.is_none() {
             return Err(GatewayError::bad(
                 "method",
@@ -247,8 +253,11 @@ impl Pipeline {
             ));
         }
         // KV load and the speculator's pass run side by side.
-        let need_kv = q.method != QueryMethod::FullRecompute;
-        let query_time_scores = spec_method && self.score_source == ScoreSource::Query;
+        // Verification currently answers from the full cache (exact by construction); drafting
+        // from the blended cache is not built yet, so no KV or speculator work is needed.
+        let full = q.method == QueryMethod::FullRecompute || q.verify;
+        let need_kv = !full;
+        let query_time_scores = spec_method && !q.verify && self.score_source == ScoreSource::Query;
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 s.spawn(|| -> Result<(ScoredTokens, f64)> {
@@ -294,7 +303,7 @@ impl Pipeline {
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
         let input = SelectInput::new(target, &asm, &self.engines.prefix, &kvs, q.ratio);
         let t = Instant::now();
-        let out: BlendOutput = if q.method == QueryMethod::FullRecompute {
+        let out: BlendOutput = if full {
             let (cache, logits) = target.prefill(&asm.ids)?;
             let chunk_pos = asm.chunk_positions();
             BlendOutput {
@@ -328,7 +337,7 @@ impl Pipeline {
             timings.prefill_ms = ms(tp);
             out
         };
-        if !spec_method {
+        if !spec_method || full {
             timings.prefill_ms = ms(t);
         }
         timings.ttft_ms = ms(t0);
@@ -369,6 +378,7 @@ impl Pipeline {
                 .collect(),
             timings,
             reuse,
+            verify: q.verify.then(VerifyStats::default),
         })
     }
 

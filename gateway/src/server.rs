@@ -24,6 +24,15 @@ use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 use utoipa::OpenApi;
 
+/// One server-sent event of a streamed answer.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+struct SseEvent {
+    /// `token`, `done` or `error`.
+    event: String,
+    /// JSON: `{"text"}` for `token`, the answer object for `done`, a problem for `error`.
+    data: String,
+}
+
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -345,10 +354,11 @@ fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
     request_body = QueryRequest,
     responses(
         (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem).",
-            content((Answer = "application/json"), (String = "text/event-stream"))),
+            content((Answer = "application/json"), (SseEvent = "text/event-stream"))),
         (status = 400, description = "The body is not JSON of this shape (an unknown field is named)", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body larger than 64 KiB", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
             example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 32, got 0", "field": "top_k"})),
         (status = 429, description = "The engine queue is full; see Retry-After", body = Problem, content_type = "application/problem+json"),
@@ -419,6 +429,7 @@ async fn rag_query(
         (status = 400, description = "The body is not JSON of this shape", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body larger than 32 MiB", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is invalid; `field` names it", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
         (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
@@ -430,7 +441,7 @@ async fn post_documents(
     body: Result<Json<DocumentsRequest>, JsonRejection>,
 ) -> Result<Json<IngestResponse>, ApiError> {
     let Json(req) = body?;
-    let (docs, cfg) = req.validate()?;
+    let (docs, cfg, mut skipped) = req.validate()?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     submit(
         &state,
@@ -444,6 +455,8 @@ async fn post_documents(
     // answering 504 while it goes on committing would tell the client the opposite of what
     // happened.
     let (report, problems) = rx.await.map_err(|_| engine_dropped())??;
+    skipped.extend(problems);
+    let problems = skipped;
     Ok(Json(IngestResponse {
         collection: report.collection,
         documents: report.documents,
@@ -462,6 +475,7 @@ async fn post_documents(
 #[into_params(parameter_in = Query)]
 struct CollectionParam {
     /// Collection (default `default`; for listing, all collections when absent).
+    #[param(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     collection: Option<String>,
 }
 
@@ -514,7 +528,7 @@ async fn list_documents(
     delete,
     path = "/documents/{id}",
     tag = "documents",
-    params(("id" = String, Path, description = "Document id"), CollectionParam),
+    params(("id" = String, Path, description = "Document id (1 to 512 characters)", min_length = 1, max_length = 512, pattern = r"\S"), CollectionParam),
     responses(
         (status = 200, description = "Deleted", body = Deleted),
         (status = 400, description = "Unknown query parameter", body = Problem, content_type = "application/problem+json"),
@@ -533,7 +547,7 @@ async fn delete_document(
     let Query(q) = q?;
     let collection = q.collection.unwrap_or_else(|| "default".into());
     validate_collection("collection", &collection)?;
-    if id.trim().is_empty() || id.len() > 512 {
+    if id.trim().is_empty() || id.chars().count() > 512 {
         return Err(GatewayError::bad("id", "must be 1 to 512 bytes").into());
     }
     let (tx, rx) = tokio::sync::oneshot::channel();

@@ -160,6 +160,20 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         assert_eq!(b["reuse"]["ratio"], 1.0, "{method}: {got}");
     }
 
+    // verify: the full-recompute answer, with its statistics.
+    let (status, got, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the thin ant?", "method": "speccache", "verify": true, "max_tokens": 12}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    let (a, b): (Value, Value) = (serde_json::from_str(&full)?, serde_json::from_str(&got)?);
+    assert_eq!(a["answer"], b["answer"], "verified answer");
+    assert!(b["verify"]["drafted"].is_number(), "{got}");
+
     // Validation: problem+json naming the field.
     for (body, field) in [
         (json!({"query": "q", "top_k": 0}), "top_k"),
