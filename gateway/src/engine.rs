@@ -7,7 +7,7 @@ use crate::error::GatewayError;
 use crate::ingest::{IngestConfig, IngestReport};
 use crate::input::{InputProblem, SourceDoc};
 use crate::metrics::Metrics;
-use crate::pipeline::{Answer, Pipeline, Query};
+use crate::pipeline::{Answer, Piece, Pipeline, Query};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -19,6 +19,10 @@ use tokio::sync::{mpsc, oneshot};
 pub enum QueryEvent {
     /// A piece of the answer.
     Text(String),
+    /// Verification: drafted text (not final), text now final, drafted tokens withdrawn.
+    Draft(String),
+    Commit(String),
+    Retract(usize),
     /// The finished answer.
     Done(Box<Answer>),
     /// The query failed or ran past its deadline.
@@ -152,9 +156,13 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                     late = true;
                     return false;
                 }
-                events
-                    .blocking_send(QueryEvent::Text(piece.to_string()))
-                    .is_ok()
+                let event = match piece {
+                    Piece::Token(t) => QueryEvent::Text(t.to_string()),
+                    Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
+                    Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
+                    Piece::Retract(n) => QueryEvent::Retract(n),
+                };
+                events.blocking_send(event).is_ok()
             });
             let event = match result {
                 Ok(_) if late || Instant::now() > deadline => {

@@ -122,6 +122,9 @@ struct ServeArgs {
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
     spec_scores: String,
+    /// How verified requests go on once the full cache is ready (see `specrag query --help`).
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
+    verify_mode: String,
 }
 
 #[derive(Args, Debug)]
@@ -158,6 +161,10 @@ struct QueryArgs {
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
     spec_scores: String,
+    /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
+    /// keeps drafting from the reused cache and verifies every N tokens in one pass.
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
+    verify_mode: String,
     /// Print the API's JSON answer object.
     #[arg(long)]
     json: bool,
@@ -509,16 +516,20 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
-    let pipeline = Pipeline {
-        engines,
-        corpus,
-        score_source: score_source(&a.spec_scores),
-    };
+    let mut pipeline = Pipeline::new(engines, corpus, score_source(&a.spec_scores));
+    pipeline.verify_mode = verify_mode(&a.verify_mode)?;
     use std::io::Write;
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
         if !json_out {
-            print!("{piece}");
+            // Verified answers print committed text only (drafts go to stderr, dimmed).
+            match piece {
+                gateway::pipeline::Piece::Token(t) | gateway::pipeline::Piece::Commit(t) => {
+                    print!("{t}");
+                }
+                gateway::pipeline::Piece::Draft(t) => eprint!("\x1b[2m{t}\x1b[0m"),
+                gateway::pipeline::Piece::Retract(n) => eprint!("\x1b[2m[-{n}]\x1b[0m"),
+            }
             let _ = std::io::stdout().flush();
         }
         true
@@ -541,6 +552,24 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn verify_mode(s: &str) -> anyhow::Result<target_engine::VerifyMode> {
+    match s {
+        "full" => Ok(target_engine::VerifyMode::FromFull),
+        other => {
+            let n: usize = other
+                .strip_prefix("draft-every-")
+                .and_then(|n| n.parse().ok())
+                .filter(|&n| (1..=15).contains(&n))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--verify-mode must be `full` or `draft-every-N` with N in 1..=15, got `{other}`"
+                    )
+                })?;
+            Ok(target_engine::VerifyMode::DraftEvery(n))
+        }
+    }
+}
+
 fn score_source(s: &str) -> gateway::pipeline::ScoreSource {
     if s == "ingest" {
         gateway::pipeline::ScoreSource::Ingest
@@ -559,11 +588,10 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
-    let pipeline = std::sync::Arc::new(gateway::pipeline::Pipeline {
-        engines,
-        corpus,
-        score_source: score_source(&a.spec_scores),
-    });
+    let mut pipeline =
+        gateway::pipeline::Pipeline::new(engines, corpus, score_source(&a.spec_scores));
+    pipeline.verify_mode = verify_mode(&a.verify_mode)?;
+    let pipeline = std::sync::Arc::new(pipeline);
     let api_keys: Vec<String> = a.api_keys.into_iter().filter(|k| !k.is_empty()).collect();
     let config = gateway::server::ServerConfig {
         api_keys,
@@ -645,11 +673,11 @@ fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         "      {} chunks, {} tokens ({} already stored) in {:.1} s",
         report.chunks, report.tokens, report.reused_chunks, report.seconds
     );
-    let pipeline = std::sync::Arc::new(gateway::pipeline::Pipeline {
+    let pipeline = std::sync::Arc::new(gateway::pipeline::Pipeline::new(
         engines,
         corpus,
-        score_source: gateway::pipeline::ScoreSource::Query,
-    });
+        gateway::pipeline::ScoreSource::Query,
+    ));
     let state = gateway::server::AppState::new(pipeline, Default::default());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -7,10 +7,11 @@ use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
 use crate::error::{GatewayError, Result};
 use serde::{Deserialize, Serialize};
 use speculator::{ChunkScores, ScoredTokens};
+use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
-    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, Method, SamplingParams,
-    SelectInput,
+    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, KvCache, Method, SamplingParams,
+    SelectInput, VerifyEvent, VerifyMode, VerifyParams,
 };
 
 /// How the prompt's tokens to recompute are chosen (the API's `method`).
@@ -184,18 +185,84 @@ pub struct Answer {
     pub chunks: Vec<ChunkRef>,
     pub timings: Timings,
     pub reuse: Reuse,
-    /// With `verify: true`: the drafting statistics. In this build verification decodes from
-    /// the full cache, so nothing is drafted and the answer is the full-recompute answer.
+    /// With `verify: true`: what drafting and verification did. The answer is the
+    /// full-recompute answer token for token (with `temperature > 0` it is decoded from the
+    /// full cache: the same samples full recompute draws with that seed, nothing drafted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<VerifyStats>,
 }
 
-/// Drafted, accepted and corrected tokens of a verified answer.
+/// What verification did: tokens drafted from the reused cache, accepted by the full cache,
+/// and corrected by it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VerifyStats {
     pub drafted: usize,
     pub accepted: usize,
     pub corrected: usize,
+    /// Verification passes over the full cache.
+    pub rounds: usize,
+    /// Mean drafted tokens accepted per pass.
+    pub mean_accepted: f64,
+    /// From the request's start to the first committed (final) token.
+    pub first_commit_ms: f64,
+    /// What the full prefill took (0 when the exact-context cache had it).
+    pub full_prefill_ms: f64,
+    /// The full cache of this exact context was already cached.
+    pub context_cache_hit: bool,
+}
+
+/// A piece of a streamed answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// Final text (no verification).
+    Token(&'a str),
+    /// Text drafted from the reused cache, not final yet (verification).
+    Draft(&'a str),
+    /// Text now final (verification).
+    Commit(&'a str),
+    /// The last `n` drafted tokens were wrong and are withdrawn (verification).
+    Retract(usize),
+}
+
+/// Full KV caches of exact contexts (template + the ordered chunk set + question), so a
+/// repeated query over the same chunks verifies without a full prefill. Bounded by bytes.
+#[derive(Clone)]
+pub struct ContextCache {
+    inner: moka::sync::Cache<[u8; 32], Arc<(KvCache, Vec<f32>)>>,
+}
+
+impl std::fmt::Debug for ContextCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextCache")
+            .field("entries", &self.inner.entry_count())
+            .finish()
+    }
+}
+
+impl ContextCache {
+    /// A cache holding at most `bytes` of KV (f32 K and V of every layer).
+    pub fn new(bytes: u64) -> Self {
+        Self {
+            inner: moka::sync::Cache::builder()
+                .max_capacity(bytes)
+                .weigher(|_, v: &Arc<(KvCache, Vec<f32>)>| {
+                    let c = &v.0;
+                    let b = 2 * 4 * c.n_layer() * c.row_len() * c.len() + 4 * v.1.len();
+                    u32::try_from(b).unwrap_or(u32::MAX)
+                })
+                .build(),
+        }
+    }
+
+    fn key(fingerprint: &str, ids: &[u32]) -> [u8; 32] {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(fingerprint.as_bytes());
+        for id in ids {
+            h.update(id.to_le_bytes());
+        }
+        h.finalize().into()
+    }
 }
 
 /// The models and the data directory behind every query.
@@ -204,13 +271,106 @@ pub struct Pipeline {
     pub engines: Engines,
     pub corpus: Corpus,
     pub score_source: ScoreSource,
+    /// How decoding continues once the full cache is ready (`verify: true`).
+    pub verify_mode: VerifyMode,
+    pub contexts: ContextCache,
 }
+
+/// Default budget of the exact-context cache.
+pub const DEFAULT_CONTEXT_CACHE_BYTES: u64 = 1 << 30;
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
 impl Pipeline {
+    /// A pipeline with the default verification settings.
+    pub fn new(engines: Engines, corpus: Corpus, score_source: ScoreSource) -> Self {
+        Self {
+            engines,
+            corpus,
+            score_source,
+            verify_mode: VerifyMode::FromFull,
+            contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
+        }
+    }
+
+    /// Greedy decoding from the blended output `draft`, verified against the full cache of the
+    /// same prompt (computed on another thread, or found in the exact-context cache).
+    fn verify(
+        &self,
+        asm: &Assembly,
+        draft: BlendOutput,
+        max_tokens: usize,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(target_engine::Generation, VerifyStats)> {
+        let target = &self.engines.target;
+        let tok = target.tokenizer();
+        let key = ContextCache::key(target.fingerprint(), &asm.ids);
+        let cached = self.contexts.inner.get(&key);
+        let hit = cached.is_some();
+        let full_ms = std::sync::Mutex::new(0.0);
+        let full = || -> target_engine::Result<(KvCache, Vec<f32>)> {
+            if let Some(c) = &cached {
+                return Ok((c.0.clone(), c.1.clone()));
+            }
+            let t = Instant::now();
+            let (cache, logits) = target.prefill(&asm.ids)?;
+            *full_ms.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
+            self.contexts
+                .inner
+                .insert(key, Arc::new((cache.clone(), logits.clone())));
+            Ok((cache, logits))
+        };
+        let params = VerifyParams {
+            max_tokens,
+            mode: if hit {
+                VerifyMode::FromFull
+            } else {
+                self.verify_mode
+            },
+            ..Default::default()
+        };
+        let g =
+            target.verified_generate(
+                (draft.cache, draft.logits),
+                full,
+                &params,
+                &mut |e| match e {
+                    VerifyEvent::Draft { id } => on_piece(Piece::Draft(&tok.decode(&[id], false))),
+                    VerifyEvent::Commit { ids } => {
+                        on_piece(Piece::Commit(&tok.decode(&ids, false)))
+                    }
+                    VerifyEvent::Retract { n } => on_piece(Piece::Retract(n)),
+                },
+            )?;
+        let finish = if g.cancelled {
+            FinishReason::Cancelled
+        } else if g.eos {
+            FinishReason::Eos
+        } else {
+            FinishReason::Length
+        };
+        let stats = VerifyStats {
+            drafted: g.drafted,
+            accepted: g.accepted,
+            corrected: g.corrected,
+            rounds: g.rounds,
+            mean_accepted: g.mean_accepted(),
+            first_commit_ms: g.first_commit_ms,
+            full_prefill_ms: *full_ms.lock().unwrap_or_else(|p| p.into_inner()),
+            context_cache_hit: hit,
+        };
+        let generation = target_engine::Generation {
+            text: tok.decode(&g.ids, false),
+            ids: g.ids,
+            prefill_ms: 0.0,
+            decode_ms_per_token: 0.0,
+            finish,
+        };
+        Ok((generation, stats))
+    }
+
     /// Checks what the loaded models decide about a query (run before queueing it).
     pub fn check(&self, q: &Query) -> Result<()> {
         if q.method.uses_speculator() && self.engines.spec.is_none() {
@@ -225,8 +385,8 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Answers `q`, streaming text pieces to `on_text` (return `false` to cancel).
-    pub fn query(&self, q: &Query, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Answer> {
+    /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
+    pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
         self.check(q)?;
         let spec_method = q.method.uses_speculator();
         let t0 = Instant::now();
@@ -252,12 +412,11 @@ impl Pipeline {
                 ),
             ));
         }
-        // KV load and the speculator's pass run side by side.
-        // Verification currently answers from the full cache (exact by construction); drafting
-        // from the blended cache is not built yet, so no KV or speculator work is needed.
-        let full = q.method == QueryMethod::FullRecompute || q.verify;
+        // KV load and the speculator's pass run side by side. Sampling with verification
+        // decodes from the full cache (exact samples), so it needs neither.
+        let full = q.method == QueryMethod::FullRecompute || (q.verify && q.temperature > 0.0);
         let need_kv = !full;
-        let query_time_scores = spec_method && !q.verify && self.score_source == ScoreSource::Query;
+        let query_time_scores = spec_method && !full && self.score_source == ScoreSource::Query;
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 s.spawn(|| -> Result<(ScoredTokens, f64)> {
@@ -354,9 +513,26 @@ impl Pipeline {
             stop: Vec::new(),
         };
         let td = Instant::now();
-        let mut cache = out.cache;
-        let g =
-            target.decode_stream(&mut cache, out.logits, timings.prefill_ms, &params, on_text)?;
+        let (g, verify) = if q.verify && q.temperature == 0.0 {
+            let (g, mut stats) = self.verify(&asm, out, q.max_tokens, on_piece)?;
+            stats.first_commit_ms += timings.ttft_ms;
+            (g, Some(stats))
+        } else {
+            let mut cache = out.cache;
+            let g = target.decode_stream(
+                &mut cache,
+                out.logits,
+                timings.prefill_ms,
+                &params,
+                &mut |t| on_piece(Piece::Token(t)),
+            )?;
+            let stats = q.verify.then(|| VerifyStats {
+                full_prefill_ms: timings.prefill_ms,
+                first_commit_ms: timings.ttft_ms,
+                ..Default::default()
+            });
+            (g, stats)
+        };
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
         Ok(Answer {
@@ -378,7 +554,7 @@ impl Pipeline {
                 .collect(),
             timings,
             reuse,
-            verify: q.verify.then(VerifyStats::default),
+            verify,
         })
     }
 

@@ -27,7 +27,7 @@ use utoipa::OpenApi;
 /// One server-sent event of a streamed answer.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 struct SseEvent {
-    /// `token`, `done` or `error`.
+    /// `token`, `draft`, `commit`, `retract`, `done` or `error`.
     event: String,
     /// JSON: `{"text"}` for `token`, the answer object for `done`, a problem for `error`.
     data: String,
@@ -353,7 +353,7 @@ fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
     tag = "query",
     request_body = QueryRequest,
     responses(
-        (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem).",
+        (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem). With `\"verify\": true` (greedy) the pieces come as `draft` (`{\"text\"}`, not final), `commit` (`{\"text\"}`, final) and `retract` (`{\"tokens\": n}`: the last n drafted tokens are withdrawn) events; the committed text is the full-recompute answer.",
             content((Answer = "application/json"), (SseEvent = "text/event-stream"))),
         (status = 400, description = "The body is not JSON of this shape (an unknown field is named)", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
@@ -391,6 +391,15 @@ async fn rag_query(
                 QueryEvent::Text(t) => Event::default()
                     .event("token")
                     .data(serde_json::json!({ "text": t }).to_string()),
+                QueryEvent::Draft(t) => Event::default()
+                    .event("draft")
+                    .data(serde_json::json!({ "text": t }).to_string()),
+                QueryEvent::Commit(t) => Event::default()
+                    .event("commit")
+                    .data(serde_json::json!({ "text": t }).to_string()),
+                QueryEvent::Retract(n) => Event::default()
+                    .event("retract")
+                    .data(serde_json::json!({ "tokens": n }).to_string()),
                 QueryEvent::Done(a) => Event::default()
                     .event("done")
                     .data(serde_json::to_string(&a).unwrap_or_default()),
@@ -411,7 +420,12 @@ async fn rag_query(
         match tokio::time::timeout_at(until, rx.recv()).await {
             Err(_) => return Err(ApiError::Deadline),
             Ok(None) => return Err(engine_dropped()),
-            Ok(Some(QueryEvent::Text(_))) => {}
+            Ok(Some(
+                QueryEvent::Text(_)
+                | QueryEvent::Draft(_)
+                | QueryEvent::Commit(_)
+                | QueryEvent::Retract(_),
+            )) => {}
             Ok(Some(QueryEvent::Done(a))) => return Ok(Json::<Answer>(*a).into_response()),
             Ok(Some(QueryEvent::Failed(e))) => return Err(e.into()),
         }

@@ -65,11 +65,7 @@ fn pipeline(dir: &std::path::Path) -> Result<Arc<Pipeline>, Box<dyn std::error::
         &gateway::ingest::IngestConfig::default(),
         |_| {},
     )?;
-    Ok(Arc::new(Pipeline {
-        engines,
-        corpus,
-        score_source: ScoreSource::Query,
-    }))
+    Ok(Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query)))
 }
 
 fn state(p: Arc<Pipeline>, config: ServerConfig) -> AppState {
@@ -173,6 +169,49 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
     let (a, b): (Value, Value) = (serde_json::from_str(&full)?, serde_json::from_str(&got)?);
     assert_eq!(a["answer"], b["answer"], "verified answer");
     assert!(b["verify"]["drafted"].is_number(), "{got}");
+
+    // Streamed verification: commit events carry exactly the final answer, and a repeated
+    // query over the same context verifies from the exact-context cache.
+    let (status, text, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the thin ant?", "method": "speccache", "verify": true, "stream": true, "max_tokens": 12}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let data_of = |kind: &str| -> Vec<Value> {
+        text.split("\n\n")
+            .filter(|e| e.contains(&format!("event: {kind}")))
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .filter_map(|d| serde_json::from_str(d).ok())
+            .collect()
+    };
+    let committed: String = data_of("commit")
+        .iter()
+        .map(|v| v["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    let done = data_of("done");
+    assert_eq!(done.len(), 1, "{text}");
+    assert_eq!(done[0]["answer"].as_str(), Some(committed.as_str()));
+    assert_eq!(done[0]["answer"], a["answer"], "streamed verified answer");
+    assert_eq!(done[0]["verify"]["context_cache_hit"], true, "{text}");
+
+    // Sampling with verify: the same samples as full recompute with that seed.
+    let sampled = |method: &str, verify: bool| {
+        post(
+            "/rag/query",
+            &json!({"query": "the thin ant?", "method": method, "verify": verify, "temperature": 0.9, "seed": 7, "max_tokens": 12}),
+        )
+    };
+    let (_, reference, _) = send(&s, sampled("full_recompute", false)).await;
+    let (_, got, _) = send(&s, sampled("cacheblend", true)).await;
+    let (a2, b2): (Value, Value) = (
+        serde_json::from_str(&reference)?,
+        serde_json::from_str(&got)?,
+    );
+    assert_eq!(a2["answer"], b2["answer"], "sampled verified answer");
 
     // Validation: problem+json naming the field.
     for (body, field) in [

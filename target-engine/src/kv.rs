@@ -138,6 +138,34 @@ impl KvCache {
 
     /// Writes reused rows of one layer at `positions`, growing the cache as needed (the caller
     /// marks them computed once every layer is in place).
+    /// Overwrites the K and V rows of `layer` at `positions` (all below `len()`), e.g. to
+    /// inject KV computed elsewhere or to test that a damaged cache cannot change a verified
+    /// answer.
+    pub fn set_rows(
+        &mut self,
+        layer: usize,
+        positions: &[usize],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        let n = positions.len() * self.row;
+        if layer >= self.n_layer
+            || positions.iter().any(|&p| p >= self.rows)
+            || k.len() != n
+            || v.len() != n
+        {
+            return Err(crate::error::EngineError::InvalidInput(format!(
+                "set_rows: layer {layer}, {} positions, {} / {} values for a cache of {} rows",
+                positions.len(),
+                k.len(),
+                v.len(),
+                self.rows
+            )));
+        }
+        self.write(layer, positions, k, v);
+        Ok(())
+    }
+
     pub(crate) fn place_rows(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
         self.grow(positions.iter().max().map_or(0, |&p| p + 1));
         self.write(layer, positions, k, v);

@@ -20,6 +20,7 @@ pub mod model;
 pub mod sampling;
 pub mod testing;
 pub mod tokenizer;
+pub mod verify;
 
 pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
 pub use blend::{
@@ -36,3 +37,4 @@ pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
+pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

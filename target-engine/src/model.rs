@@ -343,11 +343,40 @@ impl Model {
     /// Rows count as computed in the cache once the last layer has run for them.
     pub fn forward_layers(
         &self,
+        x: Tensor,
+        positions: &[usize],
+        cache: &mut KvCache,
+        layers: std::ops::Range<usize>,
+        collect_layers: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        self.forward_layers_with(x, positions, cache, layers, collect_layers, true)
+    }
+
+    /// [`Model::forward`] on the weights decode uses (quantized, never the dense copies),
+    /// whatever the number of rows. Rows do not interact on that path, so each row's logits are
+    /// bit-identical to a one-token decode step at its position: what lossless verification of
+    /// several drafted tokens in one pass needs.
+    pub fn forward_decode_path(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+    ) -> Result<ForwardOutput> {
+        let x = self.embed(ids)?;
+        let (x, layers) =
+            self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, false, false)?;
+        let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        Ok(ForwardOutput { hidden, layers })
+    }
+
+    fn forward_layers_with(
+        &self,
         mut x: Tensor,
         positions: &[usize],
         cache: &mut KvCache,
         layers: std::ops::Range<usize>,
         collect_layers: bool,
+        allow_dense: bool,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let c = &self.config;
         let (n, width) = x.dims2()?;
@@ -370,7 +399,7 @@ impl Model {
         }
         cache.prepare(positions)?;
         let rows = positions.iter().max().map_or(0, |&p| p + 1);
-        let dense = self.has_dense && n >= self.dense_min_rows;
+        let dense = allow_dense && self.has_dense && n >= self.dense_min_rows;
         let table = self
             .rope
             .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());

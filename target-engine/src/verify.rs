@@ -1,0 +1,312 @@
+//! Lossless decoding over a reused cache (VeriCache's draft-then-verify applied to selective
+//! reuse): tokens are drafted greedily from the approximate (blended) cache while the full
+//! prefill of the same prompt runs on another thread; once it is ready, the drafted tokens are
+//! checked in one pass over the full cache, the longest agreeing prefix is kept and the first
+//! disagreement is replaced by the full cache's own token. Every committed token is therefore
+//! the full-recompute greedy token, and the output equals full recompute token for token.
+//!
+//! Exactness rests on [`Model::forward_decode_path`]: a verification pass over several drafted
+//! tokens computes each row bit-identically to the one-token decode step full recompute would
+//! take there (batches are capped at [`MAX_VERIFY_ROWS`] to stay on that path).
+
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sampling::argmax;
+use std::sync::mpsc;
+use std::time::Instant;
+
+/// Most drafted tokens checked in one verification forward.
+pub const MAX_VERIFY_ROWS: usize = 16;
+
+/// How decoding goes on once the full cache is ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyMode {
+    /// Verify the drafts once, then decode from the full cache (one token per step).
+    FromFull,
+    /// Keep drafting from the fused cache and verify every `n` drafted tokens in one pass
+    /// (speculative decoding with the reused cache as the draft model).
+    DraftEvery(usize),
+}
+
+/// Settings of a verified generation (greedy only).
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyParams {
+    pub max_tokens: usize,
+    pub mode: VerifyMode,
+    /// Most tokens drafted while the full prefill runs (drafting shares the CPU with it).
+    pub max_early_drafts: usize,
+}
+
+impl Default for VerifyParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            mode: VerifyMode::DraftEvery(8),
+            max_early_drafts: 32,
+        }
+    }
+}
+
+/// What a verified generation reports as it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VerifyEvent {
+    /// A token drafted from the reused cache (not final).
+    Draft { id: u32 },
+    /// Tokens now final (accepted drafts and the correction, or full-cache decode steps).
+    Commit { ids: Vec<u32> },
+    /// The last `n` drafted tokens were wrong and are withdrawn.
+    Retract { n: usize },
+}
+
+/// The result of a verified generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct VerifiedGeneration {
+    /// Committed ids (the full-recompute greedy output).
+    pub ids: Vec<u32>,
+    /// Tokens drafted from the reused cache.
+    pub drafted: usize,
+    /// Drafted tokens the full cache agreed with.
+    pub accepted: usize,
+    /// Tokens the full cache put in place of a wrong draft.
+    pub corrected: usize,
+    /// Verification passes.
+    pub rounds: usize,
+    /// When the full prefill was ready (ms from the call).
+    pub full_ready_ms: f64,
+    /// When the first token was committed (ms from the call).
+    pub first_commit_ms: f64,
+    /// True when generation ended with an end-of-generation token.
+    pub eos: bool,
+    /// True when the consumer stopped it.
+    pub cancelled: bool,
+}
+
+impl VerifiedGeneration {
+    /// Mean number of drafted tokens accepted per verification pass.
+    pub fn mean_accepted(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.rounds as f64
+        }
+    }
+}
+
+/// The full cache during verification. Its rows are exact up to `cache.len()`; then either
+/// `next` is the full cache's greedy token for the next position, or `pending` is a committed
+/// token not yet fed (exactly one of them is set).
+struct Full {
+    cache: KvCache,
+    next: Option<u32>,
+    pending: Option<u32>,
+}
+
+impl Model {
+    /// Greedy generation whose output equals decoding from the full prefill of the same prompt,
+    /// drafting from `draft` (the blended cache and its last logits) until `full` (the full
+    /// prefill, run on its own thread) is ready. `on_event` returning `false` cancels.
+    pub fn verified_generate(
+        &self,
+        draft: (KvCache, Vec<f32>),
+        full: impl FnOnce() -> Result<(KvCache, Vec<f32>)> + Send,
+        params: &VerifyParams,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<VerifiedGeneration> {
+        std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel();
+            s.spawn(move || {
+                let _ = tx.send(full());
+            });
+            self.verify_loop(draft, rx, params, on_event)
+        })
+    }
+
+    fn verify_loop(
+        &self,
+        (mut dcache, mut dlogits): (KvCache, Vec<f32>),
+        rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
+        params: &VerifyParams,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<VerifiedGeneration> {
+        let t0 = Instant::now();
+        let tok = self.tokenizer();
+        let prompt_len = dcache.len();
+        let mut out = VerifiedGeneration::default();
+        let mut drafts: Vec<u32> = Vec::new();
+        // The last committed token, not yet fed to the draft cache.
+        let mut draft_pending: Option<u32> = None;
+        let mut full: Option<Full> = None;
+        let receive = |r: Option<Result<(KvCache, Vec<f32>)>>| -> Result<Full> {
+            let (cache, logits) = r.ok_or_else(|| {
+                EngineError::InvalidInput("the full prefill thread stopped".into())
+            })??;
+            if cache.len() != prompt_len {
+                return Err(EngineError::InvalidInput(format!(
+                    "full prefill has {} rows, the draft {prompt_len}",
+                    cache.len()
+                )));
+            }
+            Ok(Full {
+                cache,
+                next: Some(argmax(&logits)),
+                pending: None,
+            })
+        };
+        while !out.eos && out.ids.len() < params.max_tokens {
+            if full.is_none() {
+                if let Ok(r) = rx.try_recv() {
+                    full = Some(receive(Some(r))?);
+                    out.full_ready_ms = ms(t0);
+                }
+            }
+            let room = params.max_tokens - out.ids.len();
+            let draft_ended =
+                drafts.len() >= room || drafts.last().is_some_and(|&d| tok.is_end_of_generation(d));
+            let verify_now = draft_ended
+                || match (&full, params.mode) {
+                    (None, _) => drafts.len() >= params.max_early_drafts,
+                    (Some(_), VerifyMode::FromFull) => true,
+                    (Some(_), VerifyMode::DraftEvery(n)) => {
+                        drafts.len() >= n.clamp(1, MAX_VERIFY_ROWS - 1)
+                    }
+                };
+            if !verify_now {
+                if let Some(p) = draft_pending.take() {
+                    dlogits = self.step(&mut dcache, p)?;
+                } else if let Some(&last) = drafts.last() {
+                    dlogits = self.step(&mut dcache, last)?;
+                }
+                let d = argmax(&dlogits);
+                drafts.push(d);
+                out.drafted += 1;
+                if !on_event(VerifyEvent::Draft { id: d }) {
+                    out.cancelled = true;
+                    break;
+                }
+                continue;
+            }
+            let mut f = match full.take() {
+                Some(f) => f,
+                None => {
+                    let f = receive(rx.recv().ok())?;
+                    out.full_ready_ms = ms(t0);
+                    f
+                }
+            };
+            let (mut commit, agreed) = self.verify_drafts(&mut f, &drafts)?;
+            let wrong = drafts.len() - agreed;
+            out.rounds += usize::from(!drafts.is_empty());
+            out.accepted += agreed;
+            out.corrected += usize::from(wrong > 0);
+            if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
+                out.cancelled = true;
+                break;
+            }
+            commit.truncate(room);
+            if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+                commit.truncate(at + 1);
+                out.eos = true;
+            }
+            if out.ids.is_empty() && !commit.is_empty() {
+                out.first_commit_ms = ms(t0);
+            }
+            out.ids.extend(&commit);
+            if !on_event(VerifyEvent::Commit { ids: commit }) {
+                out.cancelled = true;
+                break;
+            }
+            // The draft cache keeps the prompt and every committed token but the last, which
+            // is fed at the next draft step. (Rows of accepted drafts were computed against
+            // the reused cache: fine for drafting, never for committing.)
+            let need = prompt_len + out.ids.len() - 1;
+            dcache.truncate(need);
+            while dcache.len() < need {
+                // The last draft had not been fed yet (all drafts agreed).
+                let j = dcache.len() - prompt_len;
+                self.step(&mut dcache, out.ids[j])?;
+            }
+            draft_pending = out.ids.last().copied();
+            drafts.clear();
+            if params.mode == VerifyMode::FromFull {
+                while !out.eos && out.ids.len() < params.max_tokens {
+                    let (next, _) = self.verify_drafts(&mut f, &[])?;
+                    let Some(&t) = next.first() else { break };
+                    out.ids.push(t);
+                    out.eos = tok.is_end_of_generation(t);
+                    if !on_event(VerifyEvent::Commit { ids: vec![t] }) {
+                        out.cancelled = true;
+                        break;
+                    }
+                }
+            }
+            full = Some(f);
+            if out.cancelled {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One decode step on `cache`: feeds `id` at the next position, returns the logits.
+    fn step(&self, cache: &mut KvCache, id: u32) -> Result<Vec<f32>> {
+        let pos = cache.len();
+        let out = self.forward(&[id], &[pos], cache, false)?;
+        self.last_logits(&out)
+    }
+
+    /// Checks `drafts` against the full cache: returns the committed tokens (the agreeing
+    /// drafts, then the full cache's own token at the first disagreement or after the last
+    /// draft) and how many drafts agreed. The last committed token is left pending.
+    fn verify_drafts(&self, f: &mut Full, drafts: &[u32]) -> Result<(Vec<u32>, usize)> {
+        let mut committed = Vec::new();
+        let mut i = 0;
+        loop {
+            let pending = f.pending.take();
+            let mut feed: Vec<u32> = pending.into_iter().collect();
+            let take = (drafts.len() - i).min(MAX_VERIFY_ROWS - feed.len());
+            feed.extend(&drafts[i..i + take]);
+            let base = f.cache.len();
+            // preds[j]: the full cache's greedy token where drafts[i + j] stands (j <= take).
+            let mut preds: Vec<u32> = f.next.take().into_iter().collect();
+            if !feed.is_empty() {
+                preds.extend(self.rows_argmax(&mut f.cache, &feed)?);
+            }
+            if preds.len() != take + 1 {
+                return Err(EngineError::InvalidInput(
+                    "verification lost track of the full cache".into(),
+                ));
+            }
+            let agree = (0..take).take_while(|&j| drafts[i + j] == preds[j]).count();
+            committed.extend(&drafts[i..i + agree]);
+            // Rows after a disagreement followed a wrong token: drop them.
+            f.cache
+                .truncate(base + usize::from(pending.is_some()) + agree);
+            let t = preds[agree];
+            i += agree;
+            if agree < take || i == drafts.len() {
+                committed.push(t);
+                f.pending = Some(t);
+                return Ok((committed, i));
+            }
+            f.next = Some(t);
+        }
+    }
+
+    /// Feeds `ids` to `cache` on the decode path; returns the greedy token after each.
+    fn rows_argmax(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<u32>> {
+        let vocab = self.tokenizer().vocab_size();
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + ids.len()).collect();
+        let out = self.forward_decode_path(ids, &positions, cache)?;
+        let logits = self.logits(&out.hidden)?.to_vec2::<f32>()?;
+        Ok(logits
+            .iter()
+            .map(|row| argmax(&row[..vocab.min(row.len())]))
+            .collect())
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}

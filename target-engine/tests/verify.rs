@@ -1,0 +1,241 @@
+//! Lossless verification: the verified output equals the full-recompute greedy output token for
+//! token, on tiny models (both modes, a corrupted draft cache) and on 20 real prompts with the
+//! default target at ρ = 0 and 0.15.
+
+mod common;
+
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    Architecture, ChunkKv, Epic, GenerateParams, KvCache, LoadOptions, Model, RagTemplate,
+    SelectInput, Selector, VerifyEvent, VerifyMode, VerifyParams,
+};
+
+/// Greedy output of full recompute: full prefill, then one-token decode steps.
+fn reference(m: &Model, ids: &[u32], max_tokens: usize) -> Vec<u32> {
+    m.generate(
+        ids,
+        &GenerateParams {
+            max_tokens,
+            ..Default::default()
+        },
+    )
+    .expect("generate")
+    .ids
+}
+
+struct Case {
+    asm: target_engine::Assembly,
+    prefix: target_engine::PrefixKv,
+    kvs: Vec<ChunkKv>,
+}
+
+fn case(m: &Model, docs: &[&str], question: &str) -> Case {
+    let asm = RagTemplate::default().assemble(m.tokenizer(), docs, question);
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let kvs = asm
+        .chunks()
+        .map(|s| {
+            m.precompute(&asm.ids[s.ids.clone()], Some(&prefix))
+                .expect("kv")
+        })
+        .collect();
+    Case { asm, prefix, kvs }
+}
+
+/// The blended cache at ratio `ratio` (EPIC at the budget: deterministic and cheap).
+fn draft(m: &Model, c: &Case, ratio: f64) -> (KvCache, Vec<f32>) {
+    let refs: Vec<&ChunkKv> = c.kvs.iter().collect();
+    let input = SelectInput::new(m, &c.asm, &c.prefix, &refs, ratio);
+    let lens: Vec<usize> = c.asm.chunks().map(|s| s.ids.len()).collect();
+    let k = Epic::for_budget(
+        &lens,
+        target_engine::budget(ratio, c.asm.chunk_positions().len()),
+    )
+    .k;
+    let out = Epic { k }.prefill(&input).expect("blend");
+    (out.cache, out.logits)
+}
+
+fn verified(
+    m: &Model,
+    c: &Case,
+    d: (KvCache, Vec<f32>),
+    params: &VerifyParams,
+) -> (target_engine::VerifiedGeneration, Vec<VerifyEvent>) {
+    let mut events = Vec::new();
+    let ids = c.asm.ids.clone();
+    let g = m
+        .verified_generate(d, || m.prefill(&ids), params, &mut |e| {
+            events.push(e);
+            true
+        })
+        .expect("verify");
+    (g, events)
+}
+
+/// The committed stream reconstructed from the events equals the returned ids.
+fn committed_from(events: &[VerifyEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            VerifyEvent::Commit { ids } => Some(ids.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+fn tiny() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Architecture::Qwen2)).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
+    (dir, m)
+}
+
+#[test]
+fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
+    let (_d, m) = tiny();
+    let c = case(
+        &m,
+        &[
+            "the thin ant ran in the sand",
+            "a hint: the antenna is in the attic",
+        ],
+        "where is the antenna?",
+    );
+    let want = reference(&m, &c.asm.ids, 40);
+    for mode in [
+        VerifyMode::FromFull,
+        VerifyMode::DraftEvery(4),
+        VerifyMode::DraftEvery(15),
+    ] {
+        for ratio in [0.0, 0.15, 1.0] {
+            let params = VerifyParams {
+                max_tokens: 40,
+                mode,
+                max_early_drafts: 6,
+            };
+            let (g, events) = verified(&m, &c, draft(&m, &c, ratio), &params);
+            assert_eq!(g.ids, want, "{mode:?} at ratio {ratio}");
+            assert_eq!(committed_from(&events), g.ids);
+            assert_eq!(
+                g.drafted,
+                g.accepted
+                    + events
+                        .iter()
+                        .map(|e| match e {
+                            VerifyEvent::Retract { n } => *n,
+                            _ => 0,
+                        })
+                        .sum::<usize>()
+                    + pending_drafts(&events),
+                "{mode:?}: every draft is accepted or retracted"
+            );
+        }
+    }
+}
+
+/// Drafts neither accepted nor retracted (cut by the end of generation).
+fn pending_drafts(events: &[VerifyEvent]) -> usize {
+    let last_verdict = events
+        .iter()
+        .rposition(|e| !matches!(e, VerifyEvent::Draft { .. }))
+        .map_or(0, |i| i + 1);
+    events[last_verdict..].len()
+}
+
+#[test]
+fn a_corrupted_draft_cache_still_yields_the_exact_output() {
+    let (_d, m) = tiny();
+    let c = case(&m, &["the thin ant ran in the sand"], "what ran?");
+    let want = reference(&m, &c.asm.ids, 24);
+    let (mut cache, mut logits) = draft(&m, &c, 0.0);
+    // Garbage in every reused row and in the logits the first draft comes from.
+    let positions: Vec<usize> = (0..cache.len()).collect();
+    let n = positions.len() * cache.row_len();
+    for l in 0..m.config().n_layer {
+        cache
+            .set_rows(l, &positions, &vec![3.0; n], &vec![-2.0; n])
+            .expect("corrupt");
+    }
+    logits
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, x)| *x = (i % 7) as f32);
+    for mode in [VerifyMode::FromFull, VerifyMode::DraftEvery(5)] {
+        let params = VerifyParams {
+            max_tokens: 24,
+            mode,
+            max_early_drafts: 8,
+        };
+        let (g, _) = verified(&m, &c, (cache.clone(), logits.clone()), &params);
+        assert_eq!(g.ids, want, "{mode:?}");
+        assert!(g.corrected >= 1, "the garbage drafts were corrected");
+    }
+}
+
+#[test]
+fn verified_output_equals_full_recompute_on_20_real_prompts() {
+    let m = Model::load(
+        &common::model_path(common::QWEN_05B),
+        &LoadOptions::default(),
+    )
+    .expect("load");
+    const FACTS: [&str; 10] = [
+        "The Oskel bridge was rebuilt in 1847 by the guild of Varn after the spring flood.",
+        "Lady Imra keeps the salt ledger in the northern archive, next to two silver compasses.",
+        "The observatory on Tarn hill recorded an unusual comet during the winter fair.",
+        "Every miller in Dunmere pays the river toll in copper bells, seventeen a season.",
+        "The ferry captain Odo Brask repaired the canal locks without telling the council.",
+        "Our chemist distilled a blue dye from the orchard's late plums in 1851.",
+        "A courier named Selka carried the forgotten treaty across the pass in four days.",
+        "The council of Varn meets on the first day of every month in the old mill.",
+        "Seventeen copper bells hang in the tower of Dunmere, the largest cast in 1790.",
+        "The northern canal freezes for six weeks each year, closing the ferry route.",
+    ];
+    const QUESTIONS: [&str; 10] = [
+        "Who rebuilt the Oskel bridge?",
+        "Where is the salt ledger kept?",
+        "What did the observatory record?",
+        "How do millers pay the river toll?",
+        "Who repaired the canal locks?",
+        "What did the chemist make?",
+        "Who carried the treaty?",
+        "When does the council meet?",
+        "How many bells hang in the tower?",
+        "Why does the ferry route close?",
+    ];
+    let mut accepted = 0;
+    let mut drafted = 0;
+    for p in 0..20 {
+        let docs: Vec<&str> = (0..3).map(|j| FACTS[(p + 3 * j) % 10]).collect();
+        let c = case(&m, &docs, QUESTIONS[p % 10]);
+        let want = reference(&m, &c.asm.ids, 16);
+        for ratio in [0.0, 0.15] {
+            let mode = if p % 2 == 0 {
+                VerifyMode::FromFull
+            } else {
+                VerifyMode::DraftEvery(6)
+            };
+            let params = VerifyParams {
+                max_tokens: 16,
+                mode,
+                max_early_drafts: 8,
+            };
+            let (g, events) = verified(&m, &c, draft(&m, &c, ratio), &params);
+            assert_eq!(
+                g.ids,
+                want,
+                "prompt {p} at ratio {ratio} ({mode:?}): {:?} vs {:?}",
+                m.tokenizer().decode(&g.ids, false),
+                m.tokenizer().decode(&want, false)
+            );
+            assert_eq!(committed_from(&events), g.ids);
+            accepted += g.accepted;
+            drafted += g.drafted;
+        }
+    }
+    eprintln!("real prompts: {accepted} of {drafted} drafted tokens accepted");
+    assert!(drafted > 0);
+}
