@@ -336,23 +336,30 @@ pub fn blend_report(
                 .map(|seg| ingest_sel.score_chunk(&spec_prefix, asm.segment_text(seg)))
                 .collect::<Result<_, _>>()?;
             let stored_refs: Vec<&speculator::ChunkScores> = stored.iter().collect();
-            for &ratio in &cfg.ratios {
+            // One SpecCache measurement: median total time over the reps, with the speculate /
+            // align split of that run.
+            let mut measure = |name: &str,
+                               ratio: f64,
+                               select: &dyn Fn() -> target_engine::Result<(
+                Vec<usize>,
+                speculator::SelectTimings,
+            )>|
+             -> target_engine::Result<()> {
                 let mut samples = Vec::new();
                 let mut last = None;
                 for r in 0..reps {
-                    progress(&format!("{mode} speccache_ingest {ratio} {}/{reps}", r + 1));
+                    progress(&format!("{mode} {name} {ratio} {}/{reps}", r + 1));
                     let t = Instant::now();
-                    let (picked, timings) =
-                        ingest_sel.select_ingested(&input(ratio), &stored_refs)?;
+                    let (picked, timings) = select()?;
                     let out = model.blend_prefill(&asm, &prefix, &refs, &picked)?;
                     samples.push((t.elapsed().as_secs_f64() * 1e3, timings));
                     last = Some(out);
                 }
-                let Some(out) = last else { continue };
+                let Some(out) = last else { return Ok(()) };
                 samples.sort_by(|a, b| a.0.total_cmp(&b.0));
                 let (ms, timings) = samples[samples.len() / 2];
                 rows.push(BlendRow {
-                    method: "speccache_ingest".into(),
+                    method: name.to_string(),
                     ratio: out.ratio(),
                     ms,
                     rel: ms / full_ms,
@@ -361,8 +368,12 @@ pub fn blend_report(
                     speculate_ms: Some(timings.speculate_ms),
                     align_ms: Some(timings.align_ms),
                 });
-            }
+                Ok(())
+            };
             for &ratio in &cfg.ratios {
+                measure("speccache_ingest", ratio, &|| {
+                    ingest_sel.select_ingested(&input(ratio), &stored_refs)
+                })?;
                 for complete_spans in [true, false] {
                     let sel = speculator::SpecCache {
                         params: speculator::SpanParams {
@@ -371,29 +382,7 @@ pub fn blend_report(
                         },
                         ..speculator::SpecCache::new(spec.clone())
                     };
-                    let mut samples = Vec::new();
-                    let mut last = None;
-                    for r in 0..reps {
-                        progress(&format!("{mode} {} {ratio} {}/{reps}", sel.name(), r + 1));
-                        let t = Instant::now();
-                        let (picked, timings) = sel.select_timed(&input(ratio))?;
-                        let out = model.blend_prefill(&asm, &prefix, &refs, &picked)?;
-                        samples.push((t.elapsed().as_secs_f64() * 1e3, timings));
-                        last = Some(out);
-                    }
-                    let Some(out) = last else { continue };
-                    samples.sort_by(|a, b| a.0.total_cmp(&b.0));
-                    let (ms, timings) = samples[samples.len() / 2];
-                    rows.push(BlendRow {
-                        method: sel.name().to_string(),
-                        ratio: out.ratio(),
-                        ms,
-                        rel: ms / full_ms,
-                        mode: mode.to_string(),
-                        kl: fidelity::kl_divergence(&full_logits, &out.logits),
-                        speculate_ms: Some(timings.speculate_ms),
-                        align_ms: Some(timings.align_ms),
-                    });
+                    measure(sel.name(), ratio, &|| sel.select_timed(&input(ratio)))?;
                 }
             }
         }

@@ -507,12 +507,7 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         stream: None,
     }
     .validate()?;
-    let target = load(&models::resolve(
-        models_args.target.as_deref(),
-        Role::Target,
-    )?)?;
-    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
-    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let (target, spec) = load_pair(models_args)?;
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
@@ -579,12 +574,7 @@ fn score_source(s: &str) -> gateway::pipeline::ScoreSource {
 }
 
 fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
-    let target = load(&models::resolve(
-        models_args.target.as_deref(),
-        Role::Target,
-    )?)?;
-    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
-    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let (target, spec) = load_pair(models_args)?;
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
@@ -632,12 +622,7 @@ fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
             missing.display()
         );
     }
-    let target = load(&models::resolve(
-        models_args.target.as_deref(),
-        Role::Target,
-    )?)?;
-    let spec_path = models::resolve(models_args.speculator.as_deref(), Role::Speculator)?;
-    let spec = std::sync::Arc::new(load(&spec_path)?);
+    let (target, spec) = load_pair(models_args)?;
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
         .with_context(|| format!("opening data directory {}", a.data.display()))?;
@@ -717,6 +702,13 @@ fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         println!("reuse:   {}", v["reuse"]);
         anyhow::Ok(())
     })
+}
+
+/// The target and the speculator the flags (or defaults) name.
+fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, std::sync::Arc<Model>)> {
+    let target = load(&models::resolve(m.target.as_deref(), Role::Target)?)?;
+    let spec = load(&models::resolve(m.speculator.as_deref(), Role::Speculator)?)?;
+    Ok((target, std::sync::Arc::new(spec)))
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -849,12 +841,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(r) = ratios.iter().find(|r| !(0.0..=1.0).contains(*r)) {
                 anyhow::bail!("--ratios must lie in 0..=1, got {r}");
             }
-            let model = load(&models::resolve(
-                cli.models.target.as_deref(),
-                Role::Target,
-            )?)?;
-            let spec_path = models::resolve(cli.models.speculator.as_deref(), Role::Speculator)?;
-            let spec = std::sync::Arc::new(load(&spec_path)?);
+            let (model, spec) = load_pair(&cli.models)?;
             let bar = ProgressBar::new_spinner();
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
             let cfg = gateway::bench::BlendBenchConfig {
@@ -909,12 +896,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if !(top > 0.0 && top <= 1.0) {
                 anyhow::bail!("--top must lie in (0, 1], got {top}");
             }
-            let model = load(&models::resolve(
-                cli.models.target.as_deref(),
-                Role::Target,
-            )?)?;
-            let spec_path = models::resolve(cli.models.speculator.as_deref(), Role::Speculator)?;
-            let spec = std::sync::Arc::new(load(&spec_path)?);
+            let (model, spec) = load_pair(&cli.models)?;
             let bar = ProgressBar::new_spinner();
             bar.enable_steady_tick(std::time::Duration::from_millis(200));
             let cfg = gateway::overlap::OverlapConfig {

@@ -265,6 +265,13 @@ impl ContextCache {
     }
 }
 
+/// The full prefill of a verified request, running since the request started.
+struct FullPrefill {
+    rx: std::sync::mpsc::Receiver<target_engine::Result<(KvCache, Vec<f32>)>>,
+    hit: bool,
+    ms: Arc<std::sync::Mutex<f64>>,
+}
+
 /// The models and the data directory behind every query.
 #[derive(Debug)]
 pub struct Pipeline {
@@ -296,32 +303,18 @@ impl Pipeline {
     }
 
     /// Greedy decoding from the blended output `draft`, verified against the full cache of the
-    /// same prompt (computed on another thread, or found in the exact-context cache).
+    /// same prompt, which `full` delivers (computed on another thread since the request
+    /// started, or taken from the exact-context cache).
     fn verify(
         &self,
-        asm: &Assembly,
         draft: BlendOutput,
+        full: FullPrefill,
         max_tokens: usize,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, VerifyStats)> {
         let target = &self.engines.target;
         let tok = target.tokenizer();
-        let key = ContextCache::key(target.fingerprint(), &asm.ids);
-        let cached = self.contexts.inner.get(&key);
-        let hit = cached.is_some();
-        let full_ms = std::sync::Mutex::new(0.0);
-        let full = || -> target_engine::Result<(KvCache, Vec<f32>)> {
-            if let Some(c) = &cached {
-                return Ok((c.0.clone(), c.1.clone()));
-            }
-            let t = Instant::now();
-            let (cache, logits) = target.prefill(&asm.ids)?;
-            *full_ms.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
-            self.contexts
-                .inner
-                .insert(key, Arc::new((cache.clone(), logits.clone())));
-            Ok((cache, logits))
-        };
+        let hit = full.hit;
         let params = VerifyParams {
             max_tokens,
             mode: if hit {
@@ -331,19 +324,16 @@ impl Pipeline {
             },
             ..Default::default()
         };
-        let g =
-            target.verified_generate(
-                (draft.cache, draft.logits),
-                full,
-                &params,
-                &mut |e| match e {
-                    VerifyEvent::Draft { id } => on_piece(Piece::Draft(&tok.decode(&[id], false))),
-                    VerifyEvent::Commit { ids } => {
-                        on_piece(Piece::Commit(&tok.decode(&ids, false)))
-                    }
-                    VerifyEvent::Retract { n } => on_piece(Piece::Retract(n)),
-                },
-            )?;
+        let g = target.verified_generate_from(
+            (draft.cache, draft.logits),
+            full.rx,
+            &params,
+            &mut |e| match e {
+                VerifyEvent::Draft { id } => on_piece(Piece::Draft(&tok.decode(&[id], false))),
+                VerifyEvent::Commit { ids } => on_piece(Piece::Commit(&tok.decode(&ids, false))),
+                VerifyEvent::Retract { n } => on_piece(Piece::Retract(n)),
+            },
+        )?;
         let finish = if g.cancelled {
             FinishReason::Cancelled
         } else if g.eos {
@@ -358,7 +348,7 @@ impl Pipeline {
             rounds: g.rounds,
             mean_accepted: g.mean_accepted(),
             first_commit_ms: g.first_commit_ms,
-            full_prefill_ms: *full_ms.lock().unwrap_or_else(|p| p.into_inner()),
+            full_prefill_ms: *full.ms.lock().unwrap_or_else(|p| p.into_inner()),
             context_cache_hit: hit,
         };
         let generation = target_engine::Generation {
@@ -388,7 +378,6 @@ impl Pipeline {
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
         self.check(q)?;
-        let spec_method = q.method.uses_speculator();
         let t0 = Instant::now();
         let mut timings = Timings::default();
         let hits = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
@@ -412,6 +401,59 @@ impl Pipeline {
                 ),
             ));
         }
+        if q.verify && q.temperature == 0.0 {
+            // The full prefill starts now, beside KV load, speculation and the blend.
+            let key = ContextCache::key(target.fingerprint(), &asm.ids);
+            let cached = self.contexts.inner.get(&key);
+            let hit = cached.is_some();
+            let full_ms = Arc::new(std::sync::Mutex::new(0.0));
+            return std::thread::scope(|s| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                match cached {
+                    Some(c) => {
+                        let _ = tx.send(Ok((c.0.clone(), c.1.clone())));
+                    }
+                    None => {
+                        let (ids, ms_out, contexts) = (&asm.ids, full_ms.clone(), &self.contexts);
+                        s.spawn(move || {
+                            let t = Instant::now();
+                            let r = target.prefill(ids);
+                            *ms_out.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
+                            if let Ok((cache, logits)) = &r {
+                                contexts
+                                    .inner
+                                    .insert(key, Arc::new((cache.clone(), logits.clone())));
+                            }
+                            let _ = tx.send(r);
+                        });
+                    }
+                }
+                let full = FullPrefill {
+                    rx,
+                    hit,
+                    ms: full_ms.clone(),
+                };
+                self.answer(q, hits, &asm, t0, timings, on_piece, Some(full))
+            });
+        }
+        self.answer(q, hits, &asm, t0, timings, on_piece, None)
+    }
+
+    /// Everything after retrieval and assembly.
+    #[allow(clippy::too_many_arguments)]
+    fn answer(
+        &self,
+        q: &Query,
+        hits: Vec<retriever::Hit>,
+        asm: &Assembly,
+        t0: Instant,
+        mut timings: Timings,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+        full_prefill: Option<FullPrefill>,
+    ) -> Result<Answer> {
+        let spec_method = q.method.uses_speculator();
+        let target = &self.engines.target;
+        let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         // KV load and the speculator's pass run side by side. Sampling with verification
         // decodes from the full cache (exact samples), so it needs neither.
         let full = q.method == QueryMethod::FullRecompute || (q.verify && q.temperature > 0.0);
@@ -424,7 +466,7 @@ impl Pipeline {
                     let spec = self.engines.spec.as_ref().ok_or_else(|| {
                         GatewayError::bad("method", "no speculator model is loaded")
                     })?;
-                    let toks = spec.query_scores(&asm)?;
+                    let toks = spec.query_scores(asm)?;
                     Ok((toks, ms(t)))
                 })
             });
@@ -460,7 +502,7 @@ impl Pipeline {
             }
         }
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
-        let input = SelectInput::new(target, &asm, &self.engines.prefix, &kvs, q.ratio);
+        let input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
         let t = Instant::now();
         let out: BlendOutput = if full {
             let (cache, logits) = target.prefill(&asm.ids)?;
@@ -485,14 +527,14 @@ impl Pipeline {
             let mut sel = spec.clone();
             sel.params.complete_spans = q.method == QueryMethod::Speccache;
             if scored.is_none() {
-                scored = Some(self.ingest_scores(&sel, &asm, &loaded, &mut timings)?);
+                scored = Some(self.ingest_scores(&sel, asm, &loaded, &mut timings)?);
             }
             let toks = scored.unwrap_or_default();
             let ta = Instant::now();
             let picked = sel.select_scored(&input, &toks);
             timings.align_ms = ms(ta);
             let tp = Instant::now();
-            let out = target.blend_prefill(&asm, &self.engines.prefix, &kvs, &picked)?;
+            let out = target.blend_prefill(asm, &self.engines.prefix, &kvs, &picked)?;
             timings.prefill_ms = ms(tp);
             out
         };
@@ -513,8 +555,8 @@ impl Pipeline {
             stop: Vec::new(),
         };
         let td = Instant::now();
-        let (g, verify) = if q.verify && q.temperature == 0.0 {
-            let (g, mut stats) = self.verify(&asm, out, q.max_tokens, on_piece)?;
+        let (g, verify) = if let Some(full) = full_prefill {
+            let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
             (g, Some(stats))
         } else {

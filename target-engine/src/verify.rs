@@ -118,11 +118,13 @@ impl Model {
             s.spawn(move || {
                 let _ = tx.send(full());
             });
-            self.verify_loop(draft, rx, params, on_event)
+            self.verified_generate_from(draft, rx, params, on_event)
         })
     }
 
-    fn verify_loop(
+    /// [`Model::verified_generate`] with the full prefill delivered on `rx` by the caller
+    /// (started as early as the caller can, e.g. before the chunk KV is even loaded).
+    pub fn verified_generate_from(
         &self,
         (mut dcache, mut dlogits): (KvCache, Vec<f32>),
         rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
