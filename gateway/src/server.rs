@@ -77,7 +77,7 @@ impl AppState {
     }
 }
 
-/// Largest `/rag/query` body (the question is at most 8 KiB).
+/// Largest `/rag/query` body (the question is at most 8192 characters).
 const QUERY_BODY_LIMIT: usize = 64 * 1024;
 /// Largest `/documents` body.
 const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;
