@@ -507,3 +507,34 @@ fn committed_openapi_document_is_current() -> TestResult {
     }
     Ok(())
 }
+
+/// A consumer that stops reading (a client that disconnected: the engine's send fails) ends
+/// generation at once, not after `max_tokens`.
+#[test]
+fn a_consumer_that_stops_reading_cancels_generation() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let q = Query {
+        query: "the thin ant".into(),
+        max_tokens: 200,
+        method: gateway::pipeline::QueryMethod::FullReuse,
+        ..Default::default()
+    };
+    let full = p.query(&q, &mut |_| true)?;
+    assert!(
+        full.tokens > 3,
+        "the uncancelled answer is long enough to cut"
+    );
+    let mut pieces = 0;
+    let cut = p.query(&q, &mut |_| {
+        pieces += 1;
+        pieces < 3
+    })?;
+    assert_eq!(cut.finish_reason, target_engine::FinishReason::Cancelled);
+    assert_eq!(
+        pieces, 3,
+        "nothing is produced after the consumer says stop"
+    );
+    assert!(cut.tokens < full.tokens);
+    Ok(())
+}
