@@ -5,5 +5,6 @@
 //! and plot results it loaded from anywhere, and the numbers can be checked against LongBench's
 //! Python scorer case by case.
 
+pub mod datasets;
 pub mod metrics;
 pub mod plot;
