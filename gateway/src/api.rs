@@ -176,6 +176,7 @@ impl QueryRequest {
             temperature,
             seed,
             verify: self.verify.unwrap_or(false),
+            options: Default::default(),
         })
     }
 }

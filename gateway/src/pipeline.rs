@@ -6,7 +6,7 @@
 use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
 use crate::error::{GatewayError, Result};
 use serde::{Deserialize, Serialize};
-use speculator::{ChunkScores, ScoredTokens};
+use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
@@ -93,6 +93,32 @@ pub enum ScoreSource {
     Ingest,
 }
 
+/// In which order retrieved chunks enter the prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChunkOrder {
+    /// Best BM25 score first (the API's behaviour).
+    #[default]
+    Rank,
+    /// By document id, then position in the document: a long document retrieved whole reads
+    /// in its own order (needle-in-a-haystack depth, LongBench contexts).
+    Document,
+}
+
+/// Settings the API does not expose, used by the evaluation and the benchmarks; the defaults
+/// are what a served query does.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct QueryOptions {
+    pub order: ChunkOrder,
+    /// EPIC with this many recomputed tokens at the start of every chunk, instead of the `k`
+    /// that spends the ρ budget.
+    pub epic_k: Option<usize>,
+    /// SpecCache's layer range for this query (the ablation); `None` keeps the speculator's.
+    pub layers: Option<LayerRange>,
+    /// Where SpecCache's scores come from; `None` keeps the pipeline's setting.
+    pub score_source: Option<ScoreSource>,
+}
+
 /// A validated query.
 #[derive(Debug, Clone)]
 pub struct Query {
@@ -106,6 +132,7 @@ pub struct Query {
     pub temperature: f32,
     pub seed: u64,
     pub verify: bool,
+    pub options: QueryOptions,
 }
 
 impl Default for Query {
@@ -120,6 +147,7 @@ impl Default for Query {
             temperature: 0.0,
             seed: 0,
             verify: false,
+            options: QueryOptions::default(),
         }
     }
 }
@@ -209,6 +237,14 @@ pub struct VerifyStats {
     pub full_prefill_ms: f64,
     /// The full cache of this exact context was already cached.
     pub context_cache_hit: bool,
+}
+
+/// An answer with what the evaluation compares beyond the text.
+#[derive(Debug, Clone)]
+pub struct Traced {
+    pub answer: Answer,
+    /// The target's logits for the first generated token (after the blended or full prefill).
+    pub first_logits: Vec<f32>,
 }
 
 /// A piece of a streamed answer.
@@ -377,10 +413,24 @@ impl Pipeline {
 
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
+        Ok(self.query_traced(q, on_piece)?.answer)
+    }
+
+    /// [`Pipeline::query`], also returning the first token's logits.
+    pub fn query_traced(
+        &self,
+        q: &Query,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<Traced> {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let hits = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
+        let mut hits = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
+        if q.options.order == ChunkOrder::Document {
+            hits.sort_by(|a, b| {
+                (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
+            });
+        }
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
@@ -450,7 +500,7 @@ impl Pipeline {
         mut timings: Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         full_prefill: Option<FullPrefill>,
-    ) -> Result<Answer> {
+    ) -> Result<Traced> {
         let spec_method = q.method.uses_speculator();
         let target = &self.engines.target;
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
@@ -458,14 +508,13 @@ impl Pipeline {
         // decodes from the full cache (exact samples), so it needs neither.
         let full = q.method == QueryMethod::FullRecompute || (q.verify && q.temperature > 0.0);
         let need_kv = !full;
-        let query_time_scores = spec_method && !full && self.score_source == ScoreSource::Query;
+        let score_source = q.options.score_source.unwrap_or(self.score_source);
+        let query_time_scores = spec_method && !full && score_source == ScoreSource::Query;
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 s.spawn(|| -> Result<(ScoredTokens, f64)> {
                     let t = Instant::now();
-                    let spec = self.engines.spec.as_ref().ok_or_else(|| {
-                        GatewayError::bad("method", "no speculator model is loaded")
-                    })?;
+                    let spec = self.speculator(q)?;
                     let toks = spec.query_scores(asm)?;
                     Ok((toks, ms(t)))
                 })
@@ -516,15 +565,13 @@ impl Pipeline {
         } else if let Some(m) = q.method.engine_method() {
             let lens: Vec<usize> = asm.chunks().map(|s| s.ids.len()).collect();
             let budget = target_engine::budget(q.ratio, asm.chunk_positions().len());
-            let epic_k = target_engine::Epic::for_budget(&lens, budget).k;
+            let epic_k = q
+                .options
+                .epic_k
+                .unwrap_or_else(|| target_engine::Epic::for_budget(&lens, budget).k);
             target_engine::selector(m, epic_k).prefill(&input)?
         } else {
-            let spec = self
-                .engines
-                .spec
-                .as_ref()
-                .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
-            let mut sel = spec.clone();
+            let mut sel = self.speculator(q)?;
             sel.params.complete_spans = q.method == QueryMethod::Speccache;
             if scored.is_none() {
                 scored = Some(self.ingest_scores(&sel, asm, &loaded, &mut timings)?);
@@ -554,6 +601,7 @@ impl Pipeline {
             },
             stop: Vec::new(),
         };
+        let first_logits = out.logits.clone();
         let td = Instant::now();
         let (g, verify) = if let Some(full) = full_prefill {
             let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
@@ -577,7 +625,7 @@ impl Pipeline {
         };
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
-        Ok(Answer {
+        let answer = Answer {
             answer: g.text,
             method: q.method,
             finish_reason: g.finish,
@@ -597,7 +645,24 @@ impl Pipeline {
             timings,
             reuse,
             verify,
+        };
+        Ok(Traced {
+            answer,
+            first_logits,
         })
+    }
+
+    /// The SpecCache selector for `q` (its layer range, if the query sets one).
+    fn speculator(&self, q: &Query) -> Result<speculator::SpecCache> {
+        let mut spec = self
+            .engines
+            .spec
+            .clone()
+            .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
+        if let Some(layers) = q.options.layers {
+            spec.layers = layers;
+        }
+        Ok(spec)
     }
 
     /// SpecCache scores from ingestion; chunks stored without scores (or by another
@@ -609,7 +674,10 @@ impl Pipeline {
         loaded: &[LoadedChunk],
         timings: &mut Timings,
     ) -> Result<ScoredTokens> {
-        let stored: Option<Vec<&ChunkScores>> = loaded.iter().map(|l| l.scores.as_ref()).collect();
+        let stored: Option<Vec<&ChunkScores>> = loaded
+            .iter()
+            .map(|l| l.scores.as_ref().filter(|s| s.layers == sel.layers))
+            .collect();
         match stored {
             Some(s) => Ok(sel.ingested_scores(asm, &s)?),
             None => {
