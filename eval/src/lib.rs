@@ -1,10 +1,19 @@
-//! Evaluation building blocks for `specrag-eval`: answer-quality metrics computed exactly as
-//! LongBench computes them, and dependency-free SVG charts for the report.
+//! The evaluation harness behind `specrag-eval` (issue 7): how much faster each KV-reuse method
+//! answers and how much worse, the way SpecCache and CacheBlend report it.
 //!
-//! Both modules are pure functions over plain data (no model, no I/O), so the binary can score
-//! and plot results it loaded from anywhere, and the numbers can be checked against LongBench's
-//! Python scorer case by case.
+//! - [`datasets`]: seeded bridge-entity and needle cases, LongBench and query JSONL loaders.
+//! - [`plan`]: the method configurations, pairings and the quick / default budgets.
+//! - [`run`]: ingestion of each case and its answers through `gateway::pipeline`, scored
+//!   against gold answers and full recompute.
+//! - [`load`]: Poisson arrivals through the real HTTP server; throughput and goodput.
+//! - [`report`]: summaries, the ρ = 1 identity check, the Markdown report and SVG charts.
+//! - [`metrics`], [`plot`]: LongBench's scoring and dependency-free charts (pure functions).
 
 pub mod datasets;
+pub mod load;
 pub mod metrics;
+pub mod plan;
 pub mod plot;
+pub mod report;
+pub mod run;
+pub mod sysinfo;

@@ -1,9 +1,519 @@
-//! `specrag-eval`: quality, fidelity and latency of every reuse method (issue 7).
-//!
-//! Status: not implemented yet. The binary says so and exits with an error rather than print
-//! numbers it did not measure.
+//! `specrag-eval`: quality, fidelity and latency of every reuse method, and goodput under
+//! Poisson load through the real server. Writes `results.json`, `report.md` and SVG charts to
+//! `--out`.
+
+use anyhow::Context as _;
+use clap::Parser;
+use eval::datasets::{self, BridgeParams, Case, NeedleParams};
+use eval::load::{self, LoadPlan};
+use eval::plan::{self, Budget, Config, Pairing};
+use eval::report::{self, Meta, Results};
+use eval::run::{self, Dataset, Record};
+use gateway::corpus::{Corpus, Engines};
+use gateway::models::{self, Role};
+use gateway::pipeline::{ChunkOrder, Pipeline, QueryMethod, ScoreSource};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use target_engine::{LoadOptions, Model};
+
+/// Evaluate every KV-reuse method: quality against gold answers, fidelity to full recompute,
+/// TTFT and its parts, and goodput under Poisson arrivals through the real server.
+///
+/// Cases: seeded multi-hop "bridge entity" questions (the answer needs a link across two
+/// chunks among distractors) and needle-in-a-haystack at several lengths and depths, generated
+/// here (nothing is downloaded); add LongBench-format JSONL with --longbench and your own
+/// `{"query","answers","collection"?}` JSONL against an ingested data directory with --queries.
+///
+/// Methods: full_recompute (the reference), full_reuse, prefix, EPIC (k = 16, 32 and at each
+/// ρ), CacheBlend, SpecCache and SpecCache without spans at ρ in {0.10, 0.15, 0.20, 0.25},
+/// SpecCache's layer-range ablation and ingestion-time scores; pairings SmolLM2 -> Qwen-0.5B
+/// (`small`) and Qwen-0.5B -> Qwen-1.5B (`large`, fewer cases and ρ = 0.15 only).
+///
+/// The default run takes ~40 minutes on 2 cores; --quick (~3 minutes) is the smoke run CI
+/// executes. The exit code is 1 when a ρ = 1 configuration did not answer exactly as full
+/// recompute (the report is written first).
+#[derive(Parser, Debug)]
+#[command(name = "specrag-eval", version)]
+struct Args {
+    /// Folder for results.json, report.md and the SVG charts (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "eval-results")]
+    out: PathBuf,
+    /// The smoke run: 3 synthetic cases, every method at ρ = 0.15, the ρ = 1 identity check, a
+    /// short load test; small pairing only.
+    #[arg(long)]
+    quick: bool,
+    /// Pairings to run: `small` (SmolLM2 -> Qwen-0.5B), `large` (Qwen-0.5B -> Qwen-1.5B).
+    /// [default: small,large; with --quick: small]
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    pairings: Vec<String>,
+    /// Seed of the synthetic cases and the arrival times.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Data directory the cases are ingested into [default: a temporary one, removed after].
+    #[arg(long, value_name = "DIR")]
+    data: Option<PathBuf>,
+    /// Leave out the generated bridge and needle cases (run only --longbench / --queries).
+    #[arg(long)]
+    no_synthetic: bool,
+    /// Skip the Poisson load test.
+    #[arg(long)]
+    no_load: bool,
+    /// LongBench-format JSONL (`input`, `context`, `answers`, `_id`?); repeatable. Each context
+    /// is ingested as one document, chunked by --chunk-tokens, and the top --top-k chunks are
+    /// read in document order.
+    #[arg(long, value_name = "FILE")]
+    longbench: Vec<PathBuf>,
+    /// `{"query","answers","collection"?}` JSONL, run against --queries-data.
+    #[arg(long, value_name = "FILE", requires = "queries_data")]
+    queries: Option<PathBuf>,
+    /// Data directory (from `specrag ingest`) the --queries run against.
+    #[arg(long, value_name = "DIR")]
+    queries_data: Option<PathBuf>,
+    /// Collection of --queries lines that name none.
+    #[arg(long, default_value = "default")]
+    collection: String,
+    /// At most this many cases of each --longbench / --queries file.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Chunks retrieved per question of --longbench / --queries.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
+    top_k: u16,
+    /// Most target tokens per chunk when ingesting --longbench contexts.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(16..=4096))]
+    chunk_tokens: u32,
+    /// Most generated tokens per answer of --longbench / --queries.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_tokens: u32,
+    /// Target of the small pairing [default: $SPECRAG_MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf]
+    #[arg(long, env = "SPECRAG_TARGET", value_name = "PATH")]
+    target: Option<PathBuf>,
+    /// Speculator of the small pairing [default: $SPECRAG_MODELS/smollm2-135m-instruct-q4_1.gguf]
+    #[arg(long, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
+    speculator: Option<PathBuf>,
+    /// Target of the large pairing (its speculator is the small pairing's target)
+    /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
+    #[arg(long, value_name = "PATH")]
+    large_target: Option<PathBuf>,
+}
+
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; it is called once, before any thread
+    // is started.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
 
 fn main() {
-    eprintln!("specrag-eval: the evaluation harness is not implemented yet (see issue 7)");
-    std::process::exit(2);
+    tune_allocator();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run_all(args) {
+        Ok(true) => {}
+        Ok(false) => std::process::exit(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn load_model(path: &Path) -> anyhow::Result<Arc<Model>> {
+    eprintln!("loading {}", path.display());
+    let m = Model::load(path, &LoadOptions::default())
+        .with_context(|| format!("loading {}", path.display()))?;
+    Ok(Arc::new(m))
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
+}
+
+/// The synthetic datasets of a budget.
+fn synthetic(b: &Budget, seed: u64) -> Vec<Dataset> {
+    vec![
+        Dataset {
+            name: "bridge".into(),
+            cases: datasets::bridge_cases(&BridgeParams {
+                cases: b.bridge_cases,
+                distractors: b.bridge_distractors,
+                filler_words: b.bridge_filler_words,
+                seed,
+            }),
+            top_k: 4,
+            order: ChunkOrder::Rank,
+            chunk_tokens: 256,
+            max_tokens: 24,
+        },
+        Dataset {
+            name: "needle".into(),
+            cases: datasets::needle_cases(&NeedleParams {
+                lengths: b.needle_lengths.clone(),
+                depths: b.needle_depths.clone(),
+                // One document per haystack; ingestion cuts it into chunks.
+                doc_words: 100_000,
+                seed,
+            }),
+            // Enough for the longest haystack: the whole of it is read, in order.
+            top_k: 16,
+            order: ChunkOrder::Document,
+            chunk_tokens: 128,
+            max_tokens: 16,
+        },
+    ]
+}
+
+fn bar(len: u64, prefix: &str) -> ProgressBar {
+    let b = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    b.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>16} [{bar:30}] {pos}/{len} {msg:32!} {elapsed_precise} ETA {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    b.set_prefix(prefix.to_string());
+    b
+}
+
+/// Ingests `sets` and answers each of their cases with `configs` (plus the ρ = 1 identity
+/// configurations on the first `identity_cases` cases of each set).
+fn evaluate(
+    pipeline: &Pipeline,
+    pairing: &str,
+    sets: &[Dataset],
+    configs: &[Config],
+    identity_cases: usize,
+    res: &mut Results,
+) -> anyhow::Result<()> {
+    for ds in sets {
+        let b = bar(ds.cases.len() as u64, &format!("ingest {}", ds.name));
+        let info = run::ingest(pipeline, pairing, ds, &mut || b.inc(1))?;
+        b.finish_and_clear();
+        eprintln!(
+            "{pairing}: ingested {} ({} documents, {} chunks, {} tokens) in {:.1} s",
+            ds.name, info.documents, info.chunks, info.tokens, info.seconds
+        );
+        res.ingest.push(info);
+    }
+    // Warm-up (not recorded): the first forward of a freshly loaded model pays page faults.
+    if let Some((ds, case)) = sets.iter().find_map(|d| d.cases.first().map(|c| (d, c))) {
+        let q = run::query(ds, case, &Config::full_recompute());
+        pipeline
+            .query(&q, &mut |_| true)
+            .map_err(|e| anyhow::anyhow!("warm-up query: {e}"))?;
+    }
+    let identity = plan::identity_configs();
+    let total: usize = sets
+        .iter()
+        .map(|d| d.cases.len() * configs.len() + d.cases.len().min(identity_cases) * identity.len())
+        .sum();
+    let b = bar(total as u64, &format!("{pairing} answers"));
+    for ds in sets {
+        for (i, case) in ds.cases.iter().enumerate() {
+            let mut cs = configs.to_vec();
+            if i < identity_cases {
+                cs.extend(identity.iter().cloned());
+            }
+            let recs: Vec<Record> =
+                run::run_case(pipeline, pairing, ds, case, &cs, &mut |label| {
+                    b.set_message(format!("{} {label}", case.id));
+                    b.inc(1);
+                })?;
+            res.records.extend(recs);
+        }
+    }
+    b.finish_and_clear();
+    Ok(())
+}
+
+/// The Poisson load of the small pairing over the bridge cases.
+fn load_test(
+    pipeline: Arc<Pipeline>,
+    pairing: &str,
+    bridge: &Dataset,
+    b: &Budget,
+    seed: u64,
+    res: &mut Results,
+) -> anyhow::Result<()> {
+    let full: Vec<&Record> = res
+        .records
+        .iter()
+        .filter(|r| {
+            r.pairing == pairing
+                && r.dataset == bridge.name
+                && r.config == "full_recompute"
+                && bridge.cases.iter().any(|c| c.id == r.case)
+        })
+        .collect();
+    if full.is_empty() {
+        return Ok(());
+    }
+    let gamma = 0.8 * eval::metrics::mean(&full.iter().map(|r| r.f1).collect::<Vec<_>>());
+    let service_ms =
+        eval::metrics::median(&full.iter().map(|r| r.timings.total_ms).collect::<Vec<_>>());
+    let rates = b
+        .load_factors
+        .iter()
+        .map(|f| (*f, f * 1000.0 / service_ms.max(1.0)))
+        .collect();
+    let lp = LoadPlan {
+        pairing: pairing.into(),
+        methods: b
+            .load_methods
+            .iter()
+            .map(|m| {
+                let ratio = if *m == QueryMethod::FullRecompute {
+                    1.0
+                } else {
+                    plan::MAIN_RATIO
+                };
+                (*m, ratio)
+            })
+            .collect(),
+        rates,
+        requests: b.load_requests,
+        gamma,
+        seed,
+    };
+    let pb = bar((lp.methods.len() * lp.rates.len()) as u64, "poisson load");
+    let points = load::run(pipeline, bridge, &lp, &mut |p| {
+        pb.set_message(format!("{} at {:.3}/s", p.method, p.rate_rps));
+        pb.inc(1);
+    })?;
+    pb.finish_and_clear();
+    res.load = points;
+    Ok(())
+}
+
+fn limited(mut cases: Vec<Case>, limit: Option<usize>) -> Vec<Case> {
+    if let Some(n) = limit {
+        cases.truncate(n);
+    }
+    cases
+}
+
+fn run_all(args: Args) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    let budget = if args.quick {
+        Budget::quick()
+    } else {
+        Budget::default_run()
+    };
+    let pairings: Vec<String> = if args.pairings.is_empty() {
+        if args.quick {
+            vec!["small".into()]
+        } else {
+            vec!["small".into(), "large".into()]
+        }
+    } else {
+        args.pairings.clone()
+    };
+    if let Some(p) = pairings
+        .iter()
+        .find(|p| !["small", "large"].contains(&p.as_str()))
+    {
+        anyhow::bail!("--pairings: unknown pairing `{p}` (expected small, large)");
+    }
+    // Every input is read before any model is loaded, so a bad file fails at once.
+    let mut sets = if args.no_synthetic {
+        Vec::new()
+    } else {
+        synthetic(&budget, args.seed)
+    };
+    for f in &args.longbench {
+        sets.push(Dataset {
+            name: format!("longbench:{}", file_name(f)),
+            cases: limited(datasets::load_longbench(f)?, args.limit),
+            top_k: args.top_k as usize,
+            order: ChunkOrder::Document,
+            chunk_tokens: args.chunk_tokens as usize,
+            max_tokens: args.max_tokens as usize,
+        });
+    }
+    let queries = match &args.queries {
+        Some(f) => Some(Dataset {
+            name: format!("queries:{}", file_name(f)),
+            cases: limited(datasets::load_queries(f, &args.collection)?, args.limit),
+            top_k: args.top_k as usize,
+            order: ChunkOrder::Rank,
+            chunk_tokens: args.chunk_tokens as usize,
+            max_tokens: args.max_tokens as usize,
+        }),
+        None => None,
+    };
+    if sets.is_empty() && queries.is_none() {
+        anyhow::bail!("nothing to evaluate: --no-synthetic without --longbench or --queries");
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let tmp = tempfile::tempdir()?;
+    let data_root = args
+        .data
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+
+    let small_target = models::resolve(args.target.as_deref(), Role::Target)?;
+    let small_spec = models::resolve(args.speculator.as_deref(), Role::Speculator)?;
+    let large_target = if pairings.iter().any(|p| p == "large") {
+        Some(models::resolve(
+            args.large_target.as_deref(),
+            Role::LargeTarget,
+        )?)
+    } else {
+        None
+    };
+
+    let mut res = Results {
+        meta: Meta {
+            quick: args.quick,
+            seed: args.seed,
+            command: std::iter::once("specrag-eval".to_string())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" "),
+            machine: eval::sysinfo::machine(),
+            date: eval::sysinfo::utc_now(),
+            seconds: 0.0,
+        },
+        ..Default::default()
+    };
+
+    for pairing in &pairings {
+        let (target_path, spec_path) = match pairing.as_str() {
+            "small" => (small_target.clone(), small_spec.clone()),
+            _ => (
+                large_target.clone().unwrap_or_else(|| small_target.clone()),
+                small_target.clone(),
+            ),
+        };
+        let target = load_model(&target_path)?;
+        let spec = load_model(&spec_path)?;
+        res.pairings.push(Pairing {
+            name: pairing.clone(),
+            speculator: file_name(&spec_path),
+            target: file_name(&target_path),
+        });
+        let engines = Engines::new(target.clone(), Some(spec.clone()))?;
+        let dir = data_root.join(pairing);
+        let corpus = Corpus::open(&dir, 1 << 30)
+            .with_context(|| format!("opening data directory {}", dir.display()))?;
+        let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
+        let (configs, my_sets, identity_cases) = if pairing == "small" {
+            let mut c = plan::configs(&budget.ratios, budget.extras);
+            if args.quick {
+                // Every method at the one ratio, nothing else.
+                c.retain(|c| c.group == plan::Group::Main);
+            }
+            (c, sets.clone(), if args.quick { 3 } else { 2 })
+        } else {
+            let c: Vec<Config> = plan::configs(&[plan::MAIN_RATIO], false)
+                .into_iter()
+                .filter(|c| c.method != QueryMethod::Prefix.name())
+                .collect();
+            // The large target is ~3x slower: its bridge cases only, fewer of them.
+            let s: Vec<Dataset> = sets
+                .iter()
+                .filter(|d| d.name != "needle")
+                .map(|d| Dataset {
+                    cases: if d.name == "bridge" {
+                        d.cases
+                            .iter()
+                            .take(budget.large_cases.max(1))
+                            .cloned()
+                            .collect()
+                    } else {
+                        d.cases.clone()
+                    },
+                    ..d.clone()
+                })
+                .collect();
+            (c, s, 1)
+        };
+        let mut listed = configs.clone();
+        listed.extend(plan::identity_configs());
+        res.configs.push((pairing.clone(), listed));
+        evaluate(
+            &pipeline,
+            pairing,
+            &my_sets,
+            &configs,
+            identity_cases,
+            &mut res,
+        )?;
+        if let Some(q) = &queries {
+            let qdir = args.queries_data.clone().unwrap_or_default();
+            let qp = Pipeline::new(
+                Engines::new(target.clone(), Some(spec.clone()))?,
+                Corpus::open(&qdir, 1 << 30)
+                    .with_context(|| format!("opening data directory {}", qdir.display()))?,
+                ScoreSource::Query,
+            );
+            evaluate(&qp, pairing, std::slice::from_ref(q), &configs, 0, &mut res)?;
+        }
+        let bridge = my_sets.iter().find(|d| d.name == "bridge");
+        if pairing == "small" && !args.no_load && budget.load_requests > 0 {
+            if let Some(bridge) = bridge {
+                let mut load_set = bridge.clone();
+                load_set.cases.truncate(budget.load_requests.max(1));
+                load_test(pipeline, pairing, &load_set, &budget, args.seed, &mut res)?;
+            }
+        }
+    }
+    if args.quick {
+        res.notes.push(
+            "Quick run: a smoke test of the harness (3 cases, one ratio, small pairing). Its \
+             numbers are too few to compare methods; see the default run."
+                .into(),
+        );
+    }
+    if !pairings.iter().any(|p| p == "large") {
+        res.notes
+            .push("The large pairing (Qwen-0.5B -> Qwen-1.5B) was not run.".into());
+    } else {
+        res.notes.push(format!(
+            "The large pairing runs {} bridge cases at ρ = {} only (the 1.5B target is ~3x \
+             slower on this machine).",
+            budget.large_cases.max(1),
+            plan::MAIN_RATIO
+        ));
+    }
+    res.summarize();
+    res.meta.seconds = started.elapsed().as_secs_f64();
+    write(&args.out, &res)?;
+    let ok = res.identity_holds();
+    eprintln!(
+        "wrote {} ({} answers, {:.0} s)",
+        args.out.join("report.md").display(),
+        res.records.len(),
+        res.meta.seconds
+    );
+    if !ok {
+        eprintln!("error: a ρ = 1 configuration did not answer exactly as full recompute (see the report's identity table)");
+    }
+    Ok(ok)
+}
+
+fn write(out: &Path, res: &Results) -> anyhow::Result<()> {
+    let put = |name: &str, text: &str| -> anyhow::Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    put("results.json", &serde_json::to_string_pretty(res)?)?;
+    put("report.md", &report::markdown(res))?;
+    for (name, svg) in report::charts(res) {
+        put(&name, &svg)?;
+    }
+    Ok(())
 }

@@ -1,0 +1,729 @@
+//! From scored answers to what users read: summary rows per configuration (means of quality,
+//! medians of latency, the TTFT ratio to full recompute in the same run), the ρ = 1 identity
+//! check, the Markdown report and the SVG charts.
+
+use crate::load::LoadPoint;
+use crate::metrics::{mean, median};
+use crate::plan::{Config, Group, Pairing};
+use crate::plot::{svg, Chart, Series};
+use crate::run::{IngestInfo, Record};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+
+/// Where and how the run happened.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    /// UTC, `YYYY-MM-DD HH:MM`.
+    pub date: String,
+    pub machine: String,
+    pub command: String,
+    pub quick: bool,
+    pub seconds: f64,
+    pub seed: u64,
+}
+
+/// One configuration over the cases of one dataset (or `all`) of one pairing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRow {
+    pub pairing: String,
+    pub dataset: String,
+    pub config: Config,
+    pub n: usize,
+    /// Mean recomputed share of chunk tokens actually used.
+    pub ratio: f64,
+    pub f1: f64,
+    pub em: f64,
+    pub rouge_l: f64,
+    /// Share of cases whose answer equals full recompute's.
+    pub match_full: f64,
+    pub rouge_l_full: f64,
+    pub kl_first: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gold_recall: Option<f64>,
+    /// Medians (ms).
+    pub ttft_ms: f64,
+    pub retrieve_ms: f64,
+    pub kv_load_ms: f64,
+    pub speculate_ms: f64,
+    pub align_ms: f64,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// Median TTFT over full recompute's median TTFT, same pairing and dataset, same run.
+    pub ttft_ratio: f64,
+}
+
+/// The ρ = 1 check of one configuration: every answer must equal full recompute's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IdentityRow {
+    pub pairing: String,
+    pub config: String,
+    pub cases: usize,
+    pub exact: usize,
+    pub max_kl: f64,
+    pub holds: bool,
+}
+
+/// First-token KL at ρ = 1 above this means the blend is not the full prefill.
+pub const IDENTITY_MAX_KL: f64 = 1e-4;
+
+/// Everything a run produced (`results.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Results {
+    pub meta: Meta,
+    pub pairings: Vec<Pairing>,
+    /// Configurations per pairing name.
+    pub configs: Vec<(String, Vec<Config>)>,
+    pub ingest: Vec<IngestInfo>,
+    pub records: Vec<Record>,
+    pub summary: Vec<SummaryRow>,
+    pub identity: Vec<IdentityRow>,
+    pub load: Vec<LoadPoint>,
+    /// Notes on what the run left out, shown in the report.
+    pub notes: Vec<String>,
+}
+
+fn summarize_group(
+    pairing: &str,
+    dataset: &str,
+    config: &Config,
+    rows: &[&Record],
+    reference_ttft: f64,
+) -> SummaryRow {
+    let f = |g: fn(&Record) -> f64| rows.iter().map(|r| g(r)).collect::<Vec<f64>>();
+    let recalls: Vec<f64> = rows.iter().filter_map(|r| r.gold_recall).collect();
+    let ttft = median(&f(|r| r.timings.ttft_ms));
+    SummaryRow {
+        pairing: pairing.into(),
+        dataset: dataset.into(),
+        config: config.clone(),
+        n: rows.len(),
+        ratio: mean(&f(|r| r.reuse.ratio)),
+        f1: mean(&f(|r| r.f1)),
+        em: mean(&f(|r| r.em)),
+        rouge_l: mean(&f(|r| r.rouge_l)),
+        match_full: mean(&f(|r| f64::from(u8::from(r.match_full)))),
+        rouge_l_full: mean(&f(|r| r.rouge_l_full)),
+        kl_first: mean(&f(|r| r.kl_first)),
+        gold_recall: (!recalls.is_empty()).then(|| mean(&recalls)),
+        ttft_ms: ttft,
+        retrieve_ms: median(&f(|r| r.timings.retrieve_ms)),
+        kv_load_ms: median(&f(|r| r.timings.kv_load_ms)),
+        speculate_ms: median(&f(|r| r.timings.speculate_ms)),
+        align_ms: median(&f(|r| r.timings.align_ms)),
+        prefill_ms: median(&f(|r| r.timings.prefill_ms)),
+        decode_ms: median(&f(|r| r.timings.decode_ms)),
+        ttft_ratio: if reference_ttft > 0.0 {
+            ttft / reference_ttft
+        } else {
+            0.0
+        },
+    }
+}
+
+impl Results {
+    /// Fills `summary` and `identity` from `records`: per pairing, one row per configuration
+    /// and dataset, and one over all datasets (`all`).
+    pub fn summarize(&mut self) {
+        let mut summary = Vec::new();
+        let mut identity = Vec::new();
+        for (pairing, configs) in &self.configs {
+            let mine: Vec<&Record> = self
+                .records
+                .iter()
+                .filter(|r| &r.pairing == pairing)
+                .collect();
+            let mut datasets: Vec<String> = Vec::new();
+            for r in &mine {
+                if !datasets.contains(&r.dataset) {
+                    datasets.push(r.dataset.clone());
+                }
+            }
+            let mut scopes = vec!["all".to_string()];
+            if datasets.len() > 1 {
+                scopes.extend(datasets);
+            }
+            for scope in &scopes {
+                let in_scope = |r: &&&Record| scope == "all" || &r.dataset == scope;
+                let of = |label: &str| -> Vec<&Record> {
+                    mine.iter()
+                        .filter(in_scope)
+                        .filter(|r| r.config == label)
+                        .copied()
+                        .collect()
+                };
+                let reference = configs.iter().find(|c| c.is_reference());
+                let ref_ttft = reference
+                    .map(|c| {
+                        median(
+                            &of(&c.label)
+                                .iter()
+                                .map(|r| r.timings.ttft_ms)
+                                .collect::<Vec<_>>(),
+                        )
+                    })
+                    .unwrap_or(0.0);
+                for c in configs {
+                    let rows = of(&c.label);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    summary.push(summarize_group(pairing, scope, c, &rows, ref_ttft));
+                    if scope == "all" && c.group == Group::Identity {
+                        let exact = rows.iter().filter(|r| r.match_full).count();
+                        let max_kl = rows.iter().map(|r| r.kl_first).fold(0.0, f64::max);
+                        identity.push(IdentityRow {
+                            pairing: pairing.clone(),
+                            config: c.label.clone(),
+                            cases: rows.len(),
+                            exact,
+                            max_kl,
+                            holds: exact == rows.len() && max_kl <= IDENTITY_MAX_KL,
+                        });
+                    }
+                }
+            }
+        }
+        self.summary = summary;
+        self.identity = identity;
+    }
+
+    /// The summary rows of `pairing` over `dataset`.
+    pub fn rows(&self, pairing: &str, dataset: &str) -> Vec<&SummaryRow> {
+        self.summary
+            .iter()
+            .filter(|r| r.pairing == pairing && r.dataset == dataset)
+            .collect()
+    }
+
+    /// True when every ρ = 1 configuration answered exactly as full recompute.
+    pub fn identity_holds(&self) -> bool {
+        self.identity.iter().all(|i| i.holds)
+    }
+}
+
+fn f2(x: f64) -> String {
+    format!("{x:.2}")
+}
+
+fn ms(x: f64) -> String {
+    if x >= 100.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
+fn main_table(out: &mut String, rows: &[&SummaryRow]) {
+    out.push_str(
+        "| config | n | ρ used | F1 | EM | ROUGE-L | = full | ROUGE-L to full | KL first | TTFT ms | TTFT / full | retrieve | KV load | speculate | align | prefill |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.4} | {} | {} | {} | {} | {} | {} | {} |",
+            r.config.label,
+            r.n,
+            f2(r.ratio),
+            f2(r.f1),
+            f2(r.em),
+            f2(r.rouge_l),
+            f2(r.match_full),
+            f2(r.rouge_l_full),
+            r.kl_first,
+            ms(r.ttft_ms),
+            f2(r.ttft_ratio),
+            ms(r.retrieve_ms),
+            ms(r.kv_load_ms),
+            ms(r.speculate_ms),
+            ms(r.align_ms),
+            ms(r.prefill_ms),
+        );
+    }
+}
+
+/// The chart files of a report: `(file name, SVG)`.
+pub fn charts(res: &Results) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for p in &res.pairings {
+        let rows = res.rows(&p.name, "all");
+        if rows.is_empty() {
+            continue;
+        }
+        // TTFT vs quality, one series per method (SpecCache Fig. 5).
+        let mut by_method: Vec<Series> = Vec::new();
+        let mut fidelity: Vec<Series> = Vec::new();
+        for r in rows
+            .iter()
+            .filter(|r| !matches!(r.config.group, Group::Identity | Group::Ablation))
+        {
+            // EPIC at a fixed k joins EPIC at a budget: one colour per method.
+            let name = match r.config.group {
+                Group::Main | Group::EpicK => r.config.method.clone(),
+                _ => r.config.label.clone(),
+            };
+            for (set, y) in [(&mut by_method, r.f1), (&mut fidelity, r.rouge_l_full)] {
+                match set.iter_mut().find(|s| s.name == name) {
+                    Some(s) => s.points.push((r.ttft_ms / 1e3, y)),
+                    None => set.push(Series {
+                        name: name.clone(),
+                        points: vec![(r.ttft_ms / 1e3, y)],
+                    }),
+                }
+            }
+        }
+        for (file, series, y_label, what) in [
+            (
+                "ttft_vs_f1",
+                by_method,
+                "F1 against gold answers",
+                "quality",
+            ),
+            (
+                "ttft_vs_fidelity",
+                fidelity,
+                "ROUGE-L to full recompute's answer",
+                "fidelity",
+            ),
+        ] {
+            out.push((
+                format!("{file}_{}.svg", p.name),
+                svg(&Chart {
+                    title: format!("TTFT vs {what}, {} -> {}", p.speculator, p.target),
+                    x_label: "median TTFT (s)".into(),
+                    y_label: y_label.into(),
+                    series,
+                    lines: false,
+                }),
+            ));
+        }
+        // Quality vs recompute ratio, lines per budgeted method.
+        for (file, pick, y_label) in [
+            (
+                "f1_vs_ratio",
+                (|r: &SummaryRow| r.f1) as fn(&SummaryRow) -> f64,
+                "F1 against gold answers",
+            ),
+            (
+                "fidelity_vs_ratio",
+                |r: &SummaryRow| r.rouge_l_full,
+                "ROUGE-L to full recompute's answer",
+            ),
+        ] {
+            let mut series: Vec<Series> = Vec::new();
+            for r in rows
+                .iter()
+                .filter(|r| r.config.group == Group::Main && r.config.budgeted())
+            {
+                let pt = (r.config.ratio, pick(r));
+                match series.iter_mut().find(|s| s.name == r.config.method) {
+                    Some(s) => s.points.push(pt),
+                    None => series.push(Series {
+                        name: r.config.method.clone(),
+                        points: vec![pt],
+                    }),
+                }
+            }
+            for s in &mut series {
+                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            out.push((
+                format!("{file}_{}.svg", p.name),
+                svg(&Chart {
+                    title: format!(
+                        "Quality vs recompute ratio, {} -> {}",
+                        p.speculator, p.target
+                    ),
+                    x_label: "recompute ratio ρ".into(),
+                    y_label: y_label.into(),
+                    series,
+                    lines: true,
+                }),
+            ));
+        }
+    }
+    if !res.load.is_empty() {
+        for (file, pick, y_label) in [
+            (
+                "goodput",
+                (|l: &LoadPoint| l.goodput_rps) as fn(&LoadPoint) -> f64,
+                "goodput (answers with F1 ≥ γ per s)",
+            ),
+            (
+                "throughput",
+                |l: &LoadPoint| l.throughput_rps,
+                "throughput (answers per s)",
+            ),
+        ] {
+            let mut series: Vec<Series> = Vec::new();
+            for l in &res.load {
+                let name = if l.method == "full_recompute" {
+                    l.method.clone()
+                } else {
+                    format!("{}@{:.2}", l.method, l.ratio)
+                };
+                match series.iter_mut().find(|s| s.name == name) {
+                    Some(s) => s.points.push((l.rate_rps, pick(l))),
+                    None => series.push(Series {
+                        name,
+                        points: vec![(l.rate_rps, pick(l))],
+                    }),
+                }
+            }
+            out.push((
+                format!("{file}.svg"),
+                svg(&Chart {
+                    title: format!(
+                        "{} vs arrival rate (Poisson, real server)",
+                        y_label.split(' ').next().unwrap_or(file)
+                    ),
+                    x_label: "arrival rate (requests per s)".into(),
+                    y_label: y_label.into(),
+                    series,
+                    lines: true,
+                }),
+            ));
+        }
+    }
+    out
+}
+
+/// The Markdown report. Chart files are linked by the names [`charts`] gives them.
+pub fn markdown(res: &Results) -> String {
+    let mut out = String::new();
+    let m = &res.meta;
+    let _ = writeln!(
+        out,
+        "# specrag evaluation{}\n",
+        if m.quick { " (quick)" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "{} UTC, {}. Command: `{}`. {:.0} s in all, seed {}.\n",
+        m.date, m.machine, m.command, m.seconds, m.seed
+    );
+    out.push_str(
+        "Quality against gold answers: F1, exact match (EM) and ROUGE-L with LongBench's \
+         normalization (best over the accepted answers). Against full recompute of the same \
+         model and case: share of answers identical to its answer (= full), ROUGE-L to its \
+         answer, and KL(full || method) of the first token's distribution. Latency: medians in \
+         ms of TTFT and its parts; TTFT / full is the median TTFT over full recompute's median \
+         TTFT in the same run. ρ used is the recomputed share of chunk tokens actually spent. \
+         Greedy decoding.\n\n",
+    );
+    if !res.notes.is_empty() {
+        for n in &res.notes {
+            let _ = writeln!(out, "- {n}");
+        }
+        out.push('\n');
+    }
+    out.push_str("## Datasets\n\n| pairing | dataset | documents | chunks | tokens | ingest s |\n|---|---|---|---|---|---|\n");
+    for i in &res.ingest {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {:.1} |",
+            i.pairing, i.dataset, i.documents, i.chunks, i.tokens, i.seconds
+        );
+    }
+    out.push('\n');
+    for p in &res.pairings {
+        let all = res.rows(&p.name, "all");
+        if all.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "## {} -> {} (`{}` pairing)\n",
+            p.speculator, p.target, p.name
+        );
+        let main: Vec<&SummaryRow> = all
+            .iter()
+            .filter(|r| matches!(r.config.group, Group::Main | Group::EpicK | Group::Ingest))
+            .copied()
+            .collect();
+        out.push_str("### Every method, all cases\n\n");
+        main_table(&mut out, &main);
+        out.push('\n');
+        let mut datasets: Vec<&str> = res
+            .summary
+            .iter()
+            .filter(|r| r.pairing == p.name && r.dataset != "all")
+            .map(|r| r.dataset.as_str())
+            .collect();
+        datasets.dedup();
+        if !datasets.is_empty() {
+            out.push_str("### Per dataset (F1 against gold / share identical to full recompute / median TTFT ms)\n\n| config |");
+            for d in &datasets {
+                let _ = write!(out, " {d} |");
+            }
+            out.push_str("\n|---|");
+            for _ in &datasets {
+                out.push_str("---|");
+            }
+            out.push('\n');
+            for r in &main {
+                let _ = write!(out, "| {} |", r.config.label);
+                for d in &datasets {
+                    match res
+                        .rows(&p.name, d)
+                        .into_iter()
+                        .find(|x| x.config.label == r.config.label)
+                    {
+                        Some(x) => {
+                            let _ = write!(
+                                out,
+                                " {} / {} / {} |",
+                                f2(x.f1),
+                                f2(x.match_full),
+                                ms(x.ttft_ms)
+                            );
+                        }
+                        None => out.push_str(" - |"),
+                    }
+                }
+                out.push('\n');
+            }
+            out.push('\n');
+        }
+        let ablation: Vec<&SummaryRow> = all
+            .iter()
+            .filter(|r| {
+                r.config.group == Group::Ablation
+                    || (r.config.group == Group::Main
+                        && r.config.method == "speccache"
+                        && (r.config.ratio - crate::plan::MAIN_RATIO).abs() < 1e-9)
+            })
+            .copied()
+            .collect();
+        if ablation.len() > 1 {
+            out.push_str("### Layer-range ablation (speccache at ρ = 0.15; the default is the last third)\n\n");
+            main_table(&mut out, &ablation);
+            out.push('\n');
+        }
+        let _ = writeln!(
+            out,
+            "Charts: ![TTFT vs F1](ttft_vs_f1_{0}.svg) ![TTFT vs fidelity](ttft_vs_fidelity_{0}.svg) \
+             ![F1 vs ratio](f1_vs_ratio_{0}.svg) ![fidelity vs ratio](fidelity_vs_ratio_{0}.svg)\n",
+            p.name
+        );
+    }
+    if !res.identity.is_empty() {
+        out.push_str("## ρ = 1 identity\n\nAt ρ = 1 every chunk token is recomputed, so the blended prefill must be the full prefill: the answer identical to full recompute's and the first-token KL ≈ 0.\n\n| pairing | config | cases | identical | max KL first | holds |\n|---|---|---|---|---|---|\n");
+        for i in &res.identity {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {:.2e} | {} |",
+                i.pairing,
+                i.config,
+                i.cases,
+                i.exact,
+                i.max_kl,
+                if i.holds { "yes" } else { "**no**" }
+            );
+        }
+        out.push('\n');
+    }
+    if !res.load.is_empty() {
+        let gamma = res.load[0].gamma;
+        let _ = writeln!(
+            out,
+            "## Throughput and goodput under Poisson arrivals\n\nThrough the real server \
+             (router, engine queue of 8, pipeline) on loopback; each request a bridge-case \
+             question. Rates are multiples of full recompute's service rate measured above. \
+             Goodput (SpecCache Eq. 8): answers with F1 ≥ γ per second of the whole run, γ = \
+             80% of full recompute's mean F1 = {gamma:.3}. Latency is the client's (queueing \
+             included); TTFT is the server's.\n"
+        );
+        out.push_str("| method | rate × | rate /s | requests | ok | 429 | failed | s | throughput /s | goodput /s | mean F1 | p50 latency s | p90 latency s | p50 TTFT ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for l in &res.load {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.3} | {} | {} | {} | {} | {:.1} | {:.3} | {:.3} | {} | {:.1} | {:.1} | {} |",
+                if l.method == "full_recompute" {
+                    l.method.clone()
+                } else {
+                    format!("{}@{:.2}", l.method, l.ratio)
+                },
+                l.factor,
+                l.rate_rps,
+                l.requests,
+                l.ok,
+                l.rejected,
+                l.failed,
+                l.duration_s,
+                l.throughput_rps,
+                l.goodput_rps,
+                f2(l.mean_score),
+                l.latency_p50_s,
+                l.latency_p90_s,
+                ms(l.ttft_p50_ms)
+            );
+        }
+        out.push_str("\nCharts: ![goodput](goodput.svg) ![throughput](throughput.svg)\n\n");
+    }
+    out.push_str("## Answers\n\nEvery answer with its scores is in `results.json` (`records`).\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{configs, identity_configs};
+    use gateway::pipeline::{Reuse, Timings};
+    use target_engine::FinishReason;
+
+    fn record(config: &Config, case: &str, dataset: &str, ttft: f64, f1: f64) -> Record {
+        Record {
+            pairing: "small".into(),
+            dataset: dataset.into(),
+            case: case.into(),
+            config: config.label.clone(),
+            answer: "x".into(),
+            tokens: 1,
+            finish_reason: FinishReason::Eos,
+            f1,
+            em: f1.floor(),
+            rouge_l: f1,
+            match_full: config.is_reference() || config.group == Group::Identity,
+            rouge_l_full: 1.0,
+            kl_first: if config.is_reference() || config.group == Group::Identity {
+                0.0
+            } else {
+                0.01
+            },
+            gold_recall: Some(1.0),
+            timings: Timings {
+                ttft_ms: ttft,
+                ..Default::default()
+            },
+            reuse: Reuse {
+                ratio: config.ratio,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn results() -> Results {
+        let mut cs = configs(&[0.15], false);
+        cs.extend(identity_configs());
+        let mut records = Vec::new();
+        for (i, c) in cs.iter().enumerate() {
+            let base = if c.is_reference() {
+                1000.0
+            } else {
+                100.0 + i as f64
+            };
+            records.push(record(c, "b1", "bridge", base, 1.0));
+            records.push(record(c, "b2", "bridge", base + 20.0, 0.0));
+            records.push(record(c, "n1", "needle", 3.0 * base, 0.5));
+        }
+        let mut r = Results {
+            pairings: vec![Pairing {
+                name: "small".into(),
+                speculator: "spec".into(),
+                target: "target".into(),
+            }],
+            configs: vec![("small".into(), cs)],
+            records,
+            ..Default::default()
+        };
+        r.summarize();
+        r
+    }
+
+    #[test]
+    fn summary_takes_means_medians_and_the_ratio_to_full() {
+        let r = results();
+        let all = r.rows("small", "all");
+        let full = all
+            .iter()
+            .find(|x| x.config.is_reference())
+            .expect("reference row");
+        assert_eq!(full.n, 3);
+        assert_eq!(full.ttft_ms, 1020.0, "median of 1000, 1020, 3000");
+        assert!((full.f1 - 0.5).abs() < 1e-12);
+        assert_eq!(full.ttft_ratio, 1.0);
+        let reuse = all
+            .iter()
+            .find(|x| x.config.label == "full_reuse")
+            .expect("full_reuse row");
+        // full_reuse is config 1: TTFTs 101, 121, 303 -> median 121.
+        assert!((reuse.ttft_ratio - 121.0 / 1020.0).abs() < 1e-12);
+        assert!((reuse.kl_first - 0.01).abs() < 1e-12);
+        assert_eq!(reuse.match_full, 0.0);
+        // Per-dataset rows exist because there are two datasets.
+        let needle = r.rows("small", "needle");
+        let n_full = needle
+            .iter()
+            .find(|x| x.config.is_reference())
+            .expect("needle reference");
+        assert_eq!((n_full.n, n_full.ttft_ms), (1, 3000.0));
+        assert_eq!(r.identity.len(), 3);
+        assert!(r.identity_holds());
+    }
+
+    #[test]
+    fn identity_fails_on_one_differing_answer() {
+        let mut r = results();
+        let label = r.identity[0].config.clone();
+        if let Some(x) = r.records.iter_mut().find(|x| x.config == label) {
+            x.match_full = false;
+        }
+        r.summarize();
+        assert!(!r.identity_holds());
+        assert!(markdown(&r).contains("**no**"));
+    }
+
+    #[test]
+    fn report_has_every_section_and_chart() {
+        let mut r = results();
+        r.load.push(LoadPoint {
+            pairing: "small".into(),
+            method: "speccache".into(),
+            ratio: 0.15,
+            factor: 1.0,
+            rate_rps: 0.2,
+            requests: 3,
+            ok: 3,
+            rejected: 0,
+            failed: 0,
+            duration_s: 10.0,
+            throughput_rps: 0.3,
+            goodput_rps: 0.2,
+            gamma: 0.4,
+            mean_score: 0.5,
+            latency_p50_s: 2.0,
+            latency_p90_s: 3.0,
+            ttft_p50_ms: 900.0,
+        });
+        let md = markdown(&r);
+        for needle in [
+            "## spec -> target",
+            "| speccache@0.15 |",
+            "### Per dataset",
+            "## ρ = 1 identity",
+            "## Throughput and goodput",
+            "goodput.svg",
+        ] {
+            assert!(md.contains(needle), "report lacks {needle}:\n{md}");
+        }
+        let files: Vec<String> = charts(&r)
+            .into_iter()
+            .map(|(f, s)| {
+                assert!(s.starts_with("<svg"), "{f}");
+                f
+            })
+            .collect();
+        for f in [
+            "ttft_vs_f1_small.svg",
+            "ttft_vs_fidelity_small.svg",
+            "f1_vs_ratio_small.svg",
+            "fidelity_vs_ratio_small.svg",
+            "goodput.svg",
+            "throughput.svg",
+        ] {
+            assert!(files.iter().any(|x| x == f), "{f} in {files:?}");
+            assert!(md.contains(f), "report links {f}");
+        }
+    }
+}
