@@ -13,6 +13,7 @@ use gateway::corpus::{Corpus, Engines};
 use gateway::models::{self, Role};
 use gateway::pipeline::{ChunkOrder, Pipeline, QueryMethod, ScoreSource};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -220,6 +221,9 @@ fn evaluate(
         .map(|d| d.cases.len() * configs.len() + d.cases.len().min(identity_cases) * identity.len())
         .sum();
     let b = bar(total as u64, &format!("{pairing} answers"));
+    // Without a terminal the bar is hidden: a line per case shows progress instead.
+    let lines = !std::io::stderr().is_terminal();
+    let started = Instant::now();
     for ds in sets {
         for (i, case) in ds.cases.iter().enumerate() {
             let mut cs = configs.to_vec();
@@ -232,6 +236,14 @@ fn evaluate(
                     b.inc(1);
                 })?;
             res.records.extend(recs);
+            if lines {
+                eprintln!(
+                    "{pairing}: {} answered ({}/{total} answers, {:.0} s)",
+                    case.id,
+                    b.position(),
+                    started.elapsed().as_secs_f64()
+                );
+            }
         }
     }
     b.finish_and_clear();
@@ -288,9 +300,16 @@ fn load_test(
         seed,
     };
     let pb = bar((lp.methods.len() * lp.rates.len()) as u64, "poisson load");
+    let lines = !std::io::stderr().is_terminal();
     let points = load::run(pipeline, bridge, &lp, &mut |p| {
         pb.set_message(format!("{} at {:.3}/s", p.method, p.rate_rps));
         pb.inc(1);
+        if lines {
+            eprintln!(
+                "{pairing}: load {} at {:.3}/s: {}/{} answered in {:.1} s",
+                p.method, p.rate_rps, p.ok, p.requests, p.duration_s
+            );
+        }
     })?;
     pb.finish_and_clear();
     res.load = points;
