@@ -244,7 +244,7 @@ impl Budget {
             ratios: RATIOS.to_vec(),
             extras: true,
             large_cases: 8,
-            load_requests: 8,
+            load_requests: 12,
             load_factors: vec![0.5, 1.0, 2.0],
             load_methods: vec![
                 QueryMethod::FullRecompute,

@@ -529,7 +529,8 @@ pub fn markdown(res: &Results) -> String {
             out,
             "## Throughput and goodput under Poisson arrivals\n\nThrough the real server \
              (router, engine queue of 8, pipeline) on loopback; each request a bridge-case \
-             question. Rates are multiples of full recompute's service rate measured above. \
+             question. Rates are multiples of full recompute's service rate measured above; every \
+             method gets the same seeded arrival times at a rate. \
              Goodput (SpecCache Eq. 8): answers with F1 ≥ γ per second of the whole run, γ = \
              80% of full recompute's mean F1 = {gamma:.3}. Latency is the client's (queueing \
              included); TTFT is the server's.\n"

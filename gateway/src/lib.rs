@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod models;
 pub mod overlap;
 pub mod pipeline;
+pub mod process;
 pub mod server;
 
 pub use error::{GatewayError, Result};

@@ -344,27 +344,8 @@ fn parse_top_p(s: &str) -> Result<f32, String> {
     }
 }
 
-/// Prefill allocates tens of megabytes per op; glibc serves each from a fresh mmap and returns
-/// it on free, so every op pays page faults (~18% of prefill, see shared/PERFORMANCE.md).
-/// Raising the mmap and trim thresholds keeps that memory in the heap for reuse.
-fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator parameters; it is called once, before any thread
-    // is started.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
 fn main() {
-    tune_allocator();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    gateway::process::init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
