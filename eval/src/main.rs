@@ -41,6 +41,10 @@ struct Args {
     /// Folder for results.json, report.md and the SVG charts (created if missing).
     #[arg(long, value_name = "DIR", default_value = "eval-results")]
     out: PathBuf,
+    /// Run nothing: rewrite report.md and the charts in --out from this results.json (of any
+    /// earlier run), e.g. after a change to the report's layout.
+    #[arg(long, value_name = "FILE")]
+    render: Option<PathBuf>,
     /// The smoke run: 3 synthetic cases, every method at ρ = 0.15, the ρ = 1 identity check, a
     /// short load test; small pairing only.
     #[arg(long)]
@@ -307,7 +311,23 @@ fn limited(mut cases: Vec<Case>, limit: Option<usize>) -> Vec<Case> {
     cases
 }
 
+/// `--render`: the report and charts of an earlier run, from its results.json.
+fn render(from: &Path, out: &Path) -> anyhow::Result<bool> {
+    let text =
+        std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+    let mut res: Results = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a specrag-eval results.json", from.display()))?;
+    res.summarize();
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    write_report(out, &res)?;
+    eprintln!("wrote {}", out.join("report.md").display());
+    Ok(res.identity_holds())
+}
+
 fn run_all(args: Args) -> anyhow::Result<bool> {
+    if let Some(from) = &args.render {
+        return render(from, &args.out);
+    }
     let started = Instant::now();
     let budget = if args.quick {
         Budget::quick()
@@ -509,11 +529,18 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
 }
 
 fn write(out: &Path, res: &Results) -> anyhow::Result<()> {
+    let p = out.join("results.json");
+    std::fs::write(&p, serde_json::to_string_pretty(res)?)
+        .with_context(|| format!("writing {}", p.display()))?;
+    write_report(out, res)
+}
+
+/// report.md and the charts.
+fn write_report(out: &Path, res: &Results) -> anyhow::Result<()> {
     let put = |name: &str, text: &str| -> anyhow::Result<()> {
         let p = out.join(name);
         std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
     };
-    put("results.json", &serde_json::to_string_pretty(res)?)?;
     put("report.md", &report::markdown(res))?;
     for (name, svg) in report::charts(res) {
         put(&name, &svg)?;

@@ -242,6 +242,13 @@ fn main_table(out: &mut String, rows: &[&SummaryRow]) {
     }
 }
 
+/// A model file name shortened for chart titles: no `.gguf`, nothing from `-instruct` on
+/// (`qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` -> `qwen2.5-coder-0.5b`).
+pub fn short_model(file: &str) -> &str {
+    let s = file.strip_suffix(".gguf").unwrap_or(file);
+    s.find("-instruct").map_or(s, |i| &s[..i])
+}
+
 /// The chart files of a report: `(file name, SVG)`.
 pub fn charts(res: &Results) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -250,6 +257,11 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
         if rows.is_empty() {
             continue;
         }
+        let pair = format!(
+            "{} -> {}",
+            short_model(&p.speculator),
+            short_model(&p.target)
+        );
         // TTFT vs quality, one series per method (SpecCache Fig. 5).
         let mut by_method: Vec<Series> = Vec::new();
         let mut fidelity: Vec<Series> = Vec::new();
@@ -289,7 +301,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
             out.push((
                 format!("{file}_{}.svg", p.name),
                 svg(&Chart {
-                    title: format!("TTFT vs {what}, {} -> {}", p.speculator, p.target),
+                    title: format!("TTFT vs {what}, {pair}"),
                     x_label: "median TTFT (s)".into(),
                     y_label: y_label.into(),
                     series,
@@ -298,16 +310,18 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
             ));
         }
         // Quality vs recompute ratio, lines per budgeted method.
-        for (file, pick, y_label) in [
+        for (file, pick, y_label, what) in [
             (
                 "f1_vs_ratio",
                 (|r: &SummaryRow| r.f1) as fn(&SummaryRow) -> f64,
                 "F1 against gold answers",
+                "Quality",
             ),
             (
                 "fidelity_vs_ratio",
                 |r: &SummaryRow| r.rouge_l_full,
                 "ROUGE-L to full recompute's answer",
+                "Fidelity",
             ),
         ] {
             let mut series: Vec<Series> = Vec::new();
@@ -330,10 +344,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
             out.push((
                 format!("{file}_{}.svg", p.name),
                 svg(&Chart {
-                    title: format!(
-                        "Quality vs recompute ratio, {} -> {}",
-                        p.speculator, p.target
-                    ),
+                    title: format!("{what} vs ρ, {pair}"),
                     x_label: "recompute ratio ρ".into(),
                     y_label: y_label.into(),
                     series,
@@ -630,6 +641,19 @@ mod tests {
         };
         r.summarize();
         r
+    }
+
+    #[test]
+    fn model_names_shorten_for_titles() {
+        assert_eq!(
+            short_model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+            "qwen2.5-coder-0.5b"
+        );
+        assert_eq!(
+            short_model("smollm2-135m-instruct-q4_1.gguf"),
+            "smollm2-135m"
+        );
+        assert_eq!(short_model("tiny.gguf"), "tiny");
     }
 
     #[test]
