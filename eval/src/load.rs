@@ -104,14 +104,8 @@ pub fn run(
         anyhow::bail!("the load test needs at least one case");
     }
     let state = AppState::new(pipeline, ServerConfig::default());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        tokio::spawn(gateway::server::serve_on(state, listener));
+    gateway::server::runtime()?.block_on(async move {
+        let addr = gateway::server::spawn_loopback(state).await?;
         let mut out = Vec::new();
         for &(method, ratio) in &plan.methods {
             for (ri, &(factor, rate)) in plan.rates.iter().enumerate() {

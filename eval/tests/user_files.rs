@@ -92,6 +92,20 @@ fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::
     assert_eq!(r.identity.len(), 3);
     assert!(r.identity_holds(), "{:?}", r.identity);
 
+    // --render rebuilds the same report from results.json, without models or a run.
+    let out3 = d.join("out3");
+    let o = Command::new(env!("CARGO_BIN_EXE_specrag-eval"))
+        .arg("--render")
+        .arg(out.join("results.json"))
+        .arg("--out")
+        .arg(&out3)
+        .output()?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(out3.join("report.md"))?,
+        std::fs::read_to_string(out.join("report.md"))?
+    );
+
     // The same chunks, asked through a query file against the data directory left behind.
     let q = d.join("q.jsonl");
     std::fs::write(

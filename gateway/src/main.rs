@@ -570,11 +570,7 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
     };
     let state = gateway::server::AppState::new(pipeline, config);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
+    gateway::server::runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(a.addr)
             .await
             .with_context(|| format!("binding {}", a.addr))?;
@@ -645,14 +641,8 @@ fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         gateway::pipeline::ScoreSource::Query,
     ));
     let state = gateway::server::AppState::new(pipeline, Default::default());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        tokio::spawn(gateway::server::serve_on(state, listener));
+    gateway::server::runtime()?.block_on(async move {
+        let addr = gateway::server::spawn_loopback(state).await?;
         eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
         let body = serde_json::json!({
             "query": a.question, "collection": "demo", "method": a.method,

@@ -751,3 +751,21 @@ pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std
         })
         .await
 }
+
+/// The runtime the binaries serve on: two workers are plenty, model work runs on the engine
+/// thread.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
+/// Serves `state` on a free loopback port in the background of the current runtime (the demo,
+/// the evaluation's load test) and returns the address.
+pub async fn spawn_loopback(state: AppState) -> std::io::Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(serve_on(state, listener));
+    Ok(addr)
+}
