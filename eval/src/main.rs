@@ -32,9 +32,9 @@ use target_engine::{LoadOptions, Model};
 /// SpecCache's layer-range ablation and ingestion-time scores; pairings SmolLM2 -> Qwen-0.5B
 /// (`small`) and Qwen-0.5B -> Qwen-1.5B (`large`, fewer cases and ρ = 0.15 only).
 ///
-/// The default run takes ~40 minutes on 2 cores; --quick (~3 minutes) is the smoke run CI
+/// The default run takes ~30 minutes on 2 cores; --quick (~1.5 minutes) is the smoke run CI
 /// executes. The exit code is 1 when a ρ = 1 configuration did not answer exactly as full
-/// recompute (the report is written first).
+/// recompute (the report is written first), 2 on an error.
 #[derive(Parser, Debug)]
 #[command(name = "specrag-eval", version)]
 struct Args {
@@ -56,7 +56,8 @@ struct Args {
     /// Seed of the synthetic cases and the arrival times.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Data directory the cases are ingested into [default: a temporary one, removed after].
+    /// Data directory the cases are ingested into, one subfolder per pairing (`small`,
+    /// `large`) [default: a temporary one, removed after].
     #[arg(long, value_name = "DIR")]
     data: Option<PathBuf>,
     /// Leave out the generated bridge and needle cases (run only --longbench / --queries).

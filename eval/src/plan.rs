@@ -215,7 +215,7 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// `--quick`: a smoke run (~3 minutes on 2 cores) that still covers every part of the
+    /// `--quick`: a smoke run (~1.5 minutes on 2 cores) that still covers every part of the
     /// report: both datasets, every method at one ratio, the ρ = 1 identity and the load test.
     pub fn quick() -> Self {
         Self {
