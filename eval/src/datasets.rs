@@ -301,6 +301,13 @@ pub fn load_longbench(path: &Path) -> Result<Vec<Case>, DatasetError> {
                 line: n,
                 message: format!("not a LongBench line ({e}); expected input, context, answers"),
             })?;
+            if line.answers.iter().all(|a| a.trim().is_empty()) {
+                return Err(DatasetError::Line {
+                    path: name.clone(),
+                    line: n,
+                    message: "`answers` holds no answer; every case needs one to be scored".into(),
+                });
+            }
             let id = line.id.unwrap_or_else(|| format!("line{n}"));
             Ok(Case {
                 documents: vec![CaseDoc {
@@ -336,6 +343,20 @@ pub fn load_queries(path: &Path, default_collection: &str) -> Result<Vec<Case>, 
                 line: n,
                 message: format!("{e}; expected {{\"query\", \"answers\", \"collection\"?}}"),
             })?;
+            if line.answers.iter().all(|a| a.trim().is_empty()) {
+                return Err(DatasetError::Line {
+                    path: name.clone(),
+                    line: n,
+                    message: "`answers` holds no answer; every case needs one to be scored".into(),
+                });
+            }
+            if line.query.trim().is_empty() {
+                return Err(DatasetError::Line {
+                    path: name.clone(),
+                    line: n,
+                    message: "`query` is empty".into(),
+                });
+            }
             Ok(Case {
                 id: format!("q{n}"),
                 question: line.query,
@@ -465,6 +486,15 @@ mod tests {
         )?;
         let err = load_queries(&q, "demo").expect_err("unknown field");
         assert!(err.to_string().contains("q.jsonl:2:"), "{err}");
+        std::fs::write(&q, "{\"query\":\"who?\",\"answers\":[]}\n")?;
+        let err = load_queries(&q, "demo").expect_err("no answer");
+        assert!(err.to_string().contains("q.jsonl:1: `answers`"), "{err}");
+        std::fs::write(
+            &lb,
+            "{\"input\":\"q\",\"context\":\"c\",\"answers\":[\" \"]}\n",
+        )?;
+        let err = load_longbench(&lb).expect_err("blank answer");
+        assert!(err.to_string().contains("lb.jsonl:1: `answers`"), "{err}");
         std::fs::write(
             &q,
             "{\"query\":\"who?\",\"answers\":[\"me\"],\"collection\":\"c\"}\n",

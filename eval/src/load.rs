@@ -37,7 +37,8 @@ pub struct LoadPoint {
     pub goodput_rps: f64,
     pub gamma: f64,
     pub mean_score: f64,
-    /// Client-side latency (queueing included) of answered requests.
+    /// Client-side latency of answered requests, from the scheduled arrival (queueing
+    /// included).
     pub latency_p50_s: f64,
     pub latency_p90_s: f64,
     /// Server-side time to first token of answered requests (queueing excluded).
@@ -129,7 +130,6 @@ pub fn run(
                     let when = start + Duration::from_secs_f64(at);
                     tasks.push(tokio::spawn(async move {
                         tokio::time::sleep_until(when.into()).await;
-                        let sent = Instant::now();
                         let r =
                             gateway::client::request(addr, "POST", "/rag/query", Some(&body)).await;
                         let end = Instant::now();
@@ -139,7 +139,8 @@ pub fn run(
                         };
                         Sent {
                             status,
-                            latency_s: (end - sent).as_secs_f64(),
+                            // From the scheduled arrival: a late timer wake-up counts as delay.
+                            latency_s: (end - when).as_secs_f64(),
                             end,
                             answer,
                             case: case_ix,

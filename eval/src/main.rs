@@ -81,8 +81,8 @@ struct Args {
     #[arg(long, default_value = "default")]
     collection: String,
     /// At most this many cases of each --longbench / --queries file.
-    #[arg(long, value_name = "N")]
-    limit: Option<usize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    limit: Option<u32>,
     /// Chunks retrieved per question of --longbench / --queries.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
     top_k: u16,
@@ -305,9 +305,9 @@ fn load_test(
     Ok(())
 }
 
-fn limited(mut cases: Vec<Case>, limit: Option<usize>) -> Vec<Case> {
+fn limited(mut cases: Vec<Case>, limit: Option<u32>) -> Vec<Case> {
     if let Some(n) = limit {
-        cases.truncate(n);
+        cases.truncate(n as usize);
     }
     cases
 }
@@ -379,6 +379,34 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
     };
     if sets.is_empty() && queries.is_none() {
         anyhow::bail!("nothing to evaluate: --no-synthetic without --longbench or --queries");
+    }
+    let all_sets = || sets.iter().chain(queries.as_ref());
+    if all_sets().all(|d| d.cases.is_empty()) {
+        anyhow::bail!("nothing to evaluate: the dataset files hold no case");
+    }
+    // Each case has its own collection (named after its id): two cases with one id would
+    // answer from each other's documents.
+    let mut seen = std::collections::HashMap::new();
+    for d in all_sets() {
+        for c in d.cases.iter().filter(|c| c.collection.is_none()) {
+            if let Some(other) = seen.insert(run::collection_of(c), &d.name) {
+                anyhow::bail!(
+                    "case id `{}` appears in {other} and in {} (or twice in one file); give \
+                     every LongBench line a distinct `_id`",
+                    c.id,
+                    d.name
+                );
+            }
+        }
+    }
+    if let Some(dir) = &args.queries_data {
+        if !dir.join("index").is_dir() {
+            anyhow::bail!(
+                "--queries-data {}: no index there; point it at a data directory filled by \
+                 `specrag ingest --data DIR`",
+                dir.display()
+            );
+        }
     }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -507,11 +535,18 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
             .push("The large pairing (Qwen-0.5B -> Qwen-1.5B) was not run.".into());
     } else {
         res.notes.push(format!(
-            "The large pairing runs {} bridge cases at ρ = {} only (the 1.5B target is ~3x \
-             slower on this machine).",
-            budget.large_cases.max(1),
-            plan::MAIN_RATIO
+            "The large pairing (the 1.5B target is ~3x slower on this machine) runs at ρ = {} \
+             only, without the needle cases and with at most {} bridge cases.",
+            plan::MAIN_RATIO,
+            budget.large_cases.max(1)
         ));
+    }
+    if res.load.is_empty() {
+        res.notes.push(
+            "No load test: it runs with the small pairing over the bridge cases, unless \
+             --no-load."
+                .into(),
+        );
     }
     res.summarize();
     res.meta.seconds = started.elapsed().as_secs_f64();

@@ -171,13 +171,14 @@ impl Results {
                     if scope == "all" && c.group == Group::Identity {
                         let exact = rows.iter().filter(|r| r.match_full).count();
                         let max_kl = rows.iter().map(|r| r.kl_first).fold(0.0, f64::max);
+                        let finite = rows.iter().all(|r| r.kl_first.is_finite());
                         identity.push(IdentityRow {
                             pairing: pairing.clone(),
                             config: c.label.clone(),
                             cases: rows.len(),
                             exact,
                             max_kl,
-                            holds: exact == rows.len() && max_kl <= IDENTITY_MAX_KL,
+                            holds: exact == rows.len() && finite && max_kl <= IDENTITY_MAX_KL,
                         });
                     }
                 }
@@ -544,8 +545,14 @@ pub fn markdown(res: &Results) -> String {
              method gets the same seeded arrival times at a rate. \
              Goodput (SpecCache Eq. 8): answers with F1 ≥ γ per second of the whole run, γ = \
              80% of full recompute's mean F1 = {gamma:.3}. Latency is the client's (queueing \
-             included); TTFT is the server's.\n"
+             included) from each request's scheduled arrival; TTFT is the server's.\n"
         );
+        if gamma <= 0.0 {
+            out.push_str(
+                "Full recompute scored 0 on these cases, so γ = 0 and goodput equals throughput: \
+                 the quality side of goodput says nothing here.\n\n",
+            );
+        }
         out.push_str("| method | rate × | rate /s | requests | ok | 429 | failed | s | throughput /s | goodput /s | mean F1 | p50 latency s | p90 latency s | p50 TTFT ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for l in &res.load {
             let _ = writeln!(

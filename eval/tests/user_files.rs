@@ -139,9 +139,26 @@ fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::
         "the query file retrieves the chunks the LongBench run ingested"
     );
     assert!(
-        r2.records.iter().any(|x| x.reuse.chunks_from_disk > 0),
-        "chunk KV comes from the stored data"
+        r2.records
+            .iter()
+            .all(|x| x.reuse.chunks_recomputed == 0 && x.reuse.chunks_from_disk == 0),
+        "chunk KV comes from the stored data, loaded before the first timed reuse"
     );
+    assert!(r2.records.iter().any(|x| x.reuse.chunks_from_memory > 0));
+
+    // A data directory without an index is refused before any model loads.
+    let o = eval_cmd(
+        d,
+        &[
+            "--queries",
+            q.to_str().ok_or("path")?,
+            "--queries-data",
+            d.join("nowhere").to_str().ok_or("path")?,
+        ],
+    )?;
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no index there"), "{err}");
 
     // A bad line is named with file:line, exit code 2, before any model is loaded.
     std::fs::write(
