@@ -281,6 +281,18 @@ fn read_lines(path: &Path) -> Result<Vec<(usize, String)>, DatasetError> {
         .collect())
 }
 
+/// A case needs an answer to be scored: without one every method would score 0.
+fn has_answer(path: &str, line: usize, answers: &[String]) -> Result<(), DatasetError> {
+    if answers.iter().all(|a| a.trim().is_empty()) {
+        return Err(DatasetError::Line {
+            path: path.into(),
+            line,
+            message: "`answers` holds no answer; every case needs one to be scored".into(),
+        });
+    }
+    Ok(())
+}
+
 /// LongBench's JSONL (`input`, `context`, `answers`, `_id`?): the context becomes one document
 /// (the runner chunks it by target tokens).
 pub fn load_longbench(path: &Path) -> Result<Vec<Case>, DatasetError> {
@@ -301,13 +313,7 @@ pub fn load_longbench(path: &Path) -> Result<Vec<Case>, DatasetError> {
                 line: n,
                 message: format!("not a LongBench line ({e}); expected input, context, answers"),
             })?;
-            if line.answers.iter().all(|a| a.trim().is_empty()) {
-                return Err(DatasetError::Line {
-                    path: name.clone(),
-                    line: n,
-                    message: "`answers` holds no answer; every case needs one to be scored".into(),
-                });
-            }
+            has_answer(&name, n, &line.answers)?;
             let id = line.id.unwrap_or_else(|| format!("line{n}"));
             Ok(Case {
                 documents: vec![CaseDoc {
@@ -343,13 +349,7 @@ pub fn load_queries(path: &Path, default_collection: &str) -> Result<Vec<Case>, 
                 line: n,
                 message: format!("{e}; expected {{\"query\", \"answers\", \"collection\"?}}"),
             })?;
-            if line.answers.iter().all(|a| a.trim().is_empty()) {
-                return Err(DatasetError::Line {
-                    path: name.clone(),
-                    line: n,
-                    message: "`answers` holds no answer; every case needs one to be scored".into(),
-                });
-            }
+            has_answer(&name, n, &line.answers)?;
             if line.query.trim().is_empty() {
                 return Err(DatasetError::Line {
                     path: name.clone(),
