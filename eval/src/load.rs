@@ -45,6 +45,17 @@ pub struct LoadPoint {
     pub ttft_p50_ms: f64,
 }
 
+impl LoadPoint {
+    /// The method as reports name it: `full_recompute`, or `method@ratio`.
+    pub fn label(&self) -> String {
+        if self.method == QueryMethod::FullRecompute.name() {
+            self.method.clone()
+        } else {
+            format!("{}@{:.2}", self.method, self.ratio)
+        }
+    }
+}
+
 /// `n` arrival times (seconds from the start) of a Poisson process of `rate` per second: the
 /// first at 0, then exponential gaps with mean `1 / rate`.
 pub fn poisson_arrivals(n: usize, rate: f64, seed: u64) -> Vec<f64> {

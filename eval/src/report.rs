@@ -250,6 +250,17 @@ pub fn short_model(file: &str) -> &str {
     s.find("-instruct").map_or(s, |i| &s[..i])
 }
 
+/// Adds `pt` to the series called `name`, starting it if it is new (legend order = first seen).
+fn add_point(series: &mut Vec<Series>, name: &str, pt: (f64, f64)) {
+    match series.iter_mut().find(|s| s.name == name) {
+        Some(s) => s.points.push(pt),
+        None => series.push(Series {
+            name: name.to_string(),
+            points: vec![pt],
+        }),
+    }
+}
+
 /// The chart files of a report: `(file name, SVG)`.
 pub fn charts(res: &Results) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -275,15 +286,8 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
                 Group::Main | Group::EpicK => r.config.method.clone(),
                 _ => r.config.label.clone(),
             };
-            for (set, y) in [(&mut by_method, r.f1), (&mut fidelity, r.rouge_l_full)] {
-                match set.iter_mut().find(|s| s.name == name) {
-                    Some(s) => s.points.push((r.ttft_ms / 1e3, y)),
-                    None => set.push(Series {
-                        name: name.clone(),
-                        points: vec![(r.ttft_ms / 1e3, y)],
-                    }),
-                }
-            }
+            add_point(&mut by_method, &name, (r.ttft_ms / 1e3, r.f1));
+            add_point(&mut fidelity, &name, (r.ttft_ms / 1e3, r.rouge_l_full));
         }
         for (file, series, y_label, what) in [
             (
@@ -330,14 +334,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
                 .iter()
                 .filter(|r| r.config.group == Group::Main && r.config.budgeted())
             {
-                let pt = (r.config.ratio, pick(r));
-                match series.iter_mut().find(|s| s.name == r.config.method) {
-                    Some(s) => s.points.push(pt),
-                    None => series.push(Series {
-                        name: r.config.method.clone(),
-                        points: vec![pt],
-                    }),
-                }
+                add_point(&mut series, &r.config.method, (r.config.ratio, pick(r)));
             }
             for s in &mut series {
                 s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -369,18 +366,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
         ] {
             let mut series: Vec<Series> = Vec::new();
             for l in &res.load {
-                let name = if l.method == "full_recompute" {
-                    l.method.clone()
-                } else {
-                    format!("{}@{:.2}", l.method, l.ratio)
-                };
-                match series.iter_mut().find(|s| s.name == name) {
-                    Some(s) => s.points.push((l.rate_rps, pick(l))),
-                    None => series.push(Series {
-                        name,
-                        points: vec![(l.rate_rps, pick(l))],
-                    }),
-                }
+                add_point(&mut series, &l.label(), (l.rate_rps, pick(l)));
             }
             out.push((
                 format!("{file}.svg"),
@@ -558,11 +544,7 @@ pub fn markdown(res: &Results) -> String {
             let _ = writeln!(
                 out,
                 "| {} | {} | {:.3} | {} | {} | {} | {} | {:.1} | {:.3} | {:.3} | {} | {:.1} | {:.1} | {} |",
-                if l.method == "full_recompute" {
-                    l.method.clone()
-                } else {
-                    format!("{}@{:.2}", l.method, l.ratio)
-                },
+                l.label(),
                 l.factor,
                 l.rate_rps,
                 l.requests,
