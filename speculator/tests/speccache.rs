@@ -94,6 +94,9 @@ fn real_tokenizer(file: &str) -> Option<Tokenizer> {
         dirs.push(d.into());
     }
     dirs.push(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    if let Ok(c) = std::env::var("SPECRAG_CACHE") {
+        dirs.push(std::path::PathBuf::from(c).join("models"));
+    }
     if let Ok(h) = std::env::var("HOME") {
         dirs.push(std::path::PathBuf::from(h).join(".cache/specrag/models"));
     }

@@ -1,4 +1,4 @@
-//! The tokenizer against llama.cpp on every line of `shared/fixtures/tokenize.jsonl`.
+//! The tokenizer against llama.cpp on every line of `tests/fixtures/tokenize.jsonl`.
 
 mod common;
 

