@@ -102,7 +102,14 @@ fn api_matches_its_openapi_document_under_fuzzing() {
     wait_healthy(port, &log);
     let out = Command::new(&exe)
         .args(["run", &format!("http://127.0.0.1:{port}/openapi.json")])
-        .args(["--checks", "all", "--max-examples", &examples, "--seed", "1"])
+        .args([
+            "--checks",
+            "all",
+            "--max-examples",
+            &examples,
+            "--seed",
+            "1",
+        ])
         .arg("--no-color")
         .output()
         .expect("schemathesis runs");
