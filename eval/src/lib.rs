@@ -2,18 +2,22 @@
 //! answers and how much worse, the way SpecCache and CacheBlend report it.
 //!
 //! - [`datasets`]: seeded bridge-entity and needle cases, LongBench and query JSONL loaders.
+//! - [`profiles`]: seeded multi-hop cases over long profiles, and lookups over alike records.
 //! - [`plan`]: the method configurations, pairings and the quick / default budgets.
 //! - [`run`]: ingestion of each case and its answers through `gateway::pipeline`, scored
 //!   against gold answers and full recompute.
 //! - [`load`]: Poisson arrivals through the real HTTP server; throughput and goodput.
 //! - [`report`]: summaries, the ρ = 1 identity check, the Markdown report and SVG charts.
 //! - [`metrics`], [`plot`]: LongBench's scoring and dependency-free charts (pure functions).
+//! - [`stats`]: paired bootstrap intervals, exact McNemar, Wilson intervals, logit KL / NLL.
 
 pub mod datasets;
 pub mod load;
 pub mod metrics;
 pub mod plan;
 pub mod plot;
+pub mod profiles;
 pub mod report;
 pub mod run;
+pub mod stats;
 pub mod sysinfo;

@@ -6,7 +6,7 @@
 use crate::datasets::Case;
 use crate::metrics::{self, RequestOutcome};
 use crate::run::{collection_of, Dataset};
-use gateway::pipeline::{Answer, Pipeline, QueryMethod};
+use gateway::pipeline::{Answer, Method, Pipeline};
 use gateway::server::{AppState, ServerConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadPoint {
     pub pairing: String,
-    pub method: String,
+    pub method: Method,
     pub ratio: f64,
     /// The rate as a multiple of full recompute's service rate.
     pub factor: f64,
@@ -48,8 +48,8 @@ pub struct LoadPoint {
 impl LoadPoint {
     /// The method as reports name it: `full_recompute`, or `method@ratio`.
     pub fn label(&self) -> String {
-        if self.method == QueryMethod::FullRecompute.name() {
-            self.method.clone()
+        if self.method == Method::FullRecompute {
+            self.method.name().to_string()
         } else {
             format!("{}@{:.2}", self.method, self.ratio)
         }
@@ -88,7 +88,7 @@ pub fn quantile(v: &[f64], p: f64) -> f64 {
 #[derive(Debug, Clone)]
 pub struct LoadPlan {
     pub pairing: String,
-    pub methods: Vec<(QueryMethod, f64)>,
+    pub methods: Vec<(Method, f64)>,
     /// (factor, rate in requests per second).
     pub rates: Vec<(f64, f64)>,
     pub requests: usize,
@@ -174,7 +174,7 @@ pub fn run(
 #[allow(clippy::too_many_arguments)]
 fn summarize(
     plan: &LoadPlan,
-    method: QueryMethod,
+    method: Method,
     ratio: f64,
     factor: f64,
     rate: f64,
@@ -200,7 +200,7 @@ fn summarize(
     let rejected = sent.iter().filter(|s| s.status == Some(429)).count();
     LoadPoint {
         pairing: plan.pairing.clone(),
-        method: method.name().into(),
+        method,
         ratio,
         factor,
         rate_rps: rate,

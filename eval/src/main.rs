@@ -11,7 +11,7 @@ use eval::report::{self, Meta, Results};
 use eval::run::{self, Dataset, Record};
 use gateway::corpus::{Corpus, Engines};
 use gateway::models::{self, Role};
-use gateway::pipeline::{ChunkOrder, Pipeline, QueryMethod, ScoreSource};
+use gateway::pipeline::{ChunkOrder, Method, Pipeline, ScoreSource};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
@@ -275,7 +275,7 @@ fn load_test(
             .load_methods
             .iter()
             .map(|m| {
-                let ratio = if *m == QueryMethod::FullRecompute {
+                let ratio = if *m == Method::FullRecompute {
                     1.0
                 } else {
                     plan::MAIN_RATIO
@@ -472,7 +472,7 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
         } else {
             let c: Vec<Config> = plan::configs(&[plan::MAIN_RATIO], false)
                 .into_iter()
-                .filter(|c| c.method != QueryMethod::Prefix.name())
+                .filter(|c| c.method != Method::Prefix)
                 .collect();
             // The large target is ~3x slower: its bridge cases only, fewer of them.
             let s: Vec<Dataset> = sets

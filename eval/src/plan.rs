@@ -2,7 +2,7 @@
 //! layer range and score source), the model pairings, and the two budgets (`--quick` and the
 //! default run).
 
-use gateway::pipeline::{QueryMethod, QueryOptions, ScoreSource};
+use gateway::pipeline::{Method, QueryOptions, ScoreSource};
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
 
@@ -32,28 +32,27 @@ pub enum Group {
 pub struct Config {
     /// Unique name in reports, e.g. `speccache@0.15`, `epic k=16`, `speccache@0.15 layers=all`.
     pub label: String,
-    pub method: String,
+    pub method: Method,
     pub ratio: f64,
     pub group: Group,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epic_k: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layers: Option<String>,
+    pub layers: Option<LayerRange>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub score_source: Option<String>,
+    pub score_source: Option<ScoreSource>,
 }
 
 impl Config {
-    fn new(method: QueryMethod, ratio: f64, group: Group) -> Self {
-        let label = match method {
-            QueryMethod::FullRecompute | QueryMethod::FullReuse | QueryMethod::Prefix => {
-                method.name().to_string()
-            }
-            _ => format!("{}@{ratio:.2}", method.name()),
+    fn new(method: Method, ratio: f64, group: Group) -> Self {
+        let label = if method.budgeted() {
+            format!("{}@{ratio:.2}", method.name())
+        } else {
+            method.name().to_string()
         };
         Self {
             label,
-            method: method.name().to_string(),
+            method,
             ratio,
             group,
             epic_k: None,
@@ -64,11 +63,11 @@ impl Config {
 
     /// The reference every other configuration is compared with.
     pub fn full_recompute() -> Self {
-        Self::new(QueryMethod::FullRecompute, 1.0, Group::Main)
+        Self::new(Method::FullRecompute, 1.0, Group::Main)
     }
 
     /// A method at ratio `ratio`.
-    pub fn at(method: QueryMethod, ratio: f64) -> Self {
+    pub fn at(method: Method, ratio: f64) -> Self {
         Self::new(method, ratio, Group::Main)
     }
 
@@ -77,65 +76,49 @@ impl Config {
         Self {
             label: format!("epic k={k}"),
             epic_k: Some(k),
-            ..Self::new(QueryMethod::Epic, 0.0, Group::EpicK)
+            ..Self::new(Method::Epic, 0.0, Group::EpicK)
         }
     }
 
     /// SpecCache at `ratio` with importance averaged over `layers`.
     pub fn layers(layers: LayerRange, ratio: f64) -> Self {
-        let mut c = Self::new(QueryMethod::Speccache, ratio, Group::Ablation);
+        let mut c = Self::new(Method::Speccache, ratio, Group::Ablation);
         c.label = format!("{} layers={}", c.label, layers.name());
-        c.layers = Some(layers.name().to_string());
+        c.layers = Some(layers);
         c
     }
 
     /// SpecCache at `ratio` with the speculator scores stored at ingestion.
     pub fn ingest_scores(ratio: f64) -> Self {
-        let mut c = Self::new(QueryMethod::Speccache, ratio, Group::Ingest);
+        let mut c = Self::new(Method::Speccache, ratio, Group::Ingest);
         c.label = format!("{} scores=ingest", c.label);
-        c.score_source = Some("ingest".into());
+        c.score_source = Some(ScoreSource::Ingest);
         c
     }
 
     /// `method` at ρ = 1 (must equal full recompute).
-    pub fn identity(method: QueryMethod) -> Self {
+    pub fn identity(method: Method) -> Self {
         Self::new(method, 1.0, Group::Identity)
-    }
-
-    /// The method as the pipeline knows it.
-    pub fn query_method(&self) -> QueryMethod {
-        QueryMethod::parse(&self.method).unwrap_or(QueryMethod::FullRecompute)
     }
 
     /// The pipeline options this configuration sets.
     pub fn options(&self) -> QueryOptions {
         QueryOptions {
             epic_k: self.epic_k,
-            layers: self.layers.as_deref().and_then(LayerRange::parse),
-            score_source: match self.score_source.as_deref() {
-                Some("ingest") => Some(ScoreSource::Ingest),
-                Some(_) => Some(ScoreSource::Query),
-                None => None,
-            },
+            layers: self.layers,
+            score_source: self.score_source,
             ..Default::default()
         }
     }
 
     /// True for the reference configuration.
     pub fn is_reference(&self) -> bool {
-        self.method == QueryMethod::FullRecompute.name()
+        self.method == Method::FullRecompute
     }
 
     /// True when the configuration takes a ratio budget (the ρ sweep applies).
     pub fn budgeted(&self) -> bool {
-        self.epic_k.is_none()
-            && matches!(
-                self.query_method(),
-                QueryMethod::Epic
-                    | QueryMethod::Cacheblend
-                    | QueryMethod::Speccache
-                    | QueryMethod::SpeccacheNospan
-            )
+        self.epic_k.is_none() && self.method.budgeted()
     }
 }
 
@@ -144,8 +127,8 @@ impl Config {
 pub fn configs(ratios: &[f64], extras: bool) -> Vec<Config> {
     let mut out = vec![
         Config::full_recompute(),
-        Config::at(QueryMethod::FullReuse, 0.0),
-        Config::at(QueryMethod::Prefix, 0.0),
+        Config::at(Method::FullReuse, 0.0),
+        Config::at(Method::Prefix, 0.0),
     ];
     if extras {
         out.push(Config::epic_k(16));
@@ -153,10 +136,10 @@ pub fn configs(ratios: &[f64], extras: bool) -> Vec<Config> {
     }
     for &r in ratios {
         for m in [
-            QueryMethod::Epic,
-            QueryMethod::Cacheblend,
-            QueryMethod::Speccache,
-            QueryMethod::SpeccacheNospan,
+            Method::Epic,
+            Method::Cacheblend,
+            Method::Speccache,
+            Method::SpeccacheNospan,
         ] {
             out.push(Config::at(m, r));
         }
@@ -174,14 +157,10 @@ pub fn configs(ratios: &[f64], extras: bool) -> Vec<Config> {
 
 /// The ρ = 1 configurations of the identity check.
 pub fn identity_configs() -> Vec<Config> {
-    [
-        QueryMethod::Speccache,
-        QueryMethod::Cacheblend,
-        QueryMethod::Epic,
-    ]
-    .into_iter()
-    .map(Config::identity)
-    .collect()
+    [Method::Speccache, Method::Cacheblend, Method::Epic]
+        .into_iter()
+        .map(Config::identity)
+        .collect()
 }
 
 /// A speculator -> target pairing.
@@ -211,7 +190,7 @@ pub struct Budget {
     /// service rate.
     pub load_requests: usize,
     pub load_factors: Vec<f64>,
-    pub load_methods: Vec<QueryMethod>,
+    pub load_methods: Vec<Method>,
 }
 
 impl Budget {
@@ -229,7 +208,7 @@ impl Budget {
             large_cases: 0,
             load_requests: 3,
             load_factors: vec![2.0],
-            load_methods: vec![QueryMethod::FullRecompute, QueryMethod::Speccache],
+            load_methods: vec![Method::FullRecompute, Method::Speccache],
         }
     }
 
@@ -247,10 +226,10 @@ impl Budget {
             load_requests: 12,
             load_factors: vec![0.5, 1.0, 2.0],
             load_methods: vec![
-                QueryMethod::FullRecompute,
-                QueryMethod::Epic,
-                QueryMethod::Cacheblend,
-                QueryMethod::Speccache,
+                Method::FullRecompute,
+                Method::Epic,
+                Method::Cacheblend,
+                Method::Speccache,
             ],
         }
     }
@@ -287,11 +266,8 @@ mod tests {
         assert!(!c.budgeted());
         let c = Config::ingest_scores(0.15);
         assert_eq!(c.options().score_source, Some(ScoreSource::Ingest));
-        assert!(Config::at(QueryMethod::Cacheblend, 0.1).budgeted());
-        assert!(!Config::at(QueryMethod::FullReuse, 0.0).budgeted());
-        assert_eq!(
-            Config::identity(QueryMethod::Epic).query_method(),
-            QueryMethod::Epic
-        );
+        assert!(Config::at(Method::Cacheblend, 0.1).budgeted());
+        assert!(!Config::at(Method::FullReuse, 0.0).budgeted());
+        assert_eq!(Config::identity(Method::Epic).method, Method::Epic);
     }
 }

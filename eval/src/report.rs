@@ -7,6 +7,7 @@ use crate::metrics::{mean, median};
 use crate::plan::{Config, Group, Pairing};
 use crate::plot::{svg, Chart, Series};
 use crate::run::{IngestInfo, Record};
+use gateway::pipeline::Method;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -283,7 +284,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
         {
             // EPIC at a fixed k joins EPIC at a budget: one colour per method.
             let name = match r.config.group {
-                Group::Main | Group::EpicK => r.config.method.clone(),
+                Group::Main | Group::EpicK => r.config.method.name().to_string(),
                 _ => r.config.label.clone(),
             };
             add_point(&mut by_method, &name, (r.ttft_ms / 1e3, r.f1));
@@ -334,7 +335,11 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
                 .iter()
                 .filter(|r| r.config.group == Group::Main && r.config.budgeted())
             {
-                add_point(&mut series, &r.config.method, (r.config.ratio, pick(r)));
+                add_point(
+                    &mut series,
+                    r.config.method.name(),
+                    (r.config.ratio, pick(r)),
+                );
             }
             for s in &mut series {
                 s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -488,7 +493,7 @@ pub fn markdown(res: &Results) -> String {
             .filter(|r| {
                 r.config.group == Group::Ablation
                     || (r.config.group == Group::Main
-                        && r.config.method == "speccache"
+                        && r.config.method == Method::Speccache
                         && (r.config.ratio - crate::plan::MAIN_RATIO).abs() < 1e-9)
             })
             .copied()
@@ -693,7 +698,7 @@ mod tests {
         let mut r = results();
         r.load.push(LoadPoint {
             pairing: "small".into(),
-            method: "speccache".into(),
+            method: Method::Speccache,
             ratio: 0.15,
             factor: 1.0,
             rate_rps: 0.2,

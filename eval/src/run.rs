@@ -143,7 +143,7 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
         query: case.question.clone(),
         collection: collection_of(case),
         top_k: ds.top_k,
-        method: config.query_method(),
+        method: config.method,
         ratio: config.ratio,
         max_tokens: ds.max_tokens,
         temperature: 0.0,

@@ -31,7 +31,7 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
     let (_, configs) = &res.configs[0];
     let main: Vec<_> = configs.iter().filter(|c| c.group == Group::Main).collect();
     assert_eq!(
-        main.iter().map(|c| c.method.as_str()).collect::<Vec<_>>(),
+        main.iter().map(|c| c.method.name()).collect::<Vec<_>>(),
         [
             "full_recompute",
             "full_reuse",

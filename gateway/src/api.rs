@@ -2,7 +2,7 @@
 //! The CLI builds the same wire type, so a flag and a JSON field are checked by one function.
 
 use crate::error::{GatewayError, Result};
-use crate::pipeline::{Query, QueryMethod};
+use crate::pipeline::{Method, Query};
 
 use serde::{Deserialize, Serialize};
 
@@ -55,7 +55,7 @@ pub struct QueryRequest {
     pub top_k: Option<u64>,
     /// How the tokens to recompute are chosen (default `speccache`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<QueryMethod>)]
+    #[schema(value_type = Option<Method>)]
     pub method: Option<String>,
     /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.15).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -130,11 +130,20 @@ impl QueryRequest {
         }
         let method = match &self.method {
             None => d.method,
-            Some(m) => QueryMethod::parse(m).ok_or_else(|| {
-                let names: Vec<&str> = QueryMethod::ALL.iter().map(|m| m.name()).collect();
+            Some(m) => Method::parse(m).filter(Method::servable).ok_or_else(|| {
+                let names: Vec<&str> = Method::ALL
+                    .iter()
+                    .filter(|m| m.servable())
+                    .map(|m| m.name())
+                    .collect();
+                let why = if Method::parse(m).is_some() {
+                    "is for measurement (bench, evaluation) and not served"
+                } else {
+                    "is unknown"
+                };
                 GatewayError::bad(
                     "method",
-                    format!("unknown method `{m}`; expected one of {}", names.join(", ")),
+                    format!("method `{m}` {why}; expected one of {}", names.join(", ")),
                 )
             })?,
         };
@@ -391,7 +400,7 @@ mod tests {
         };
         let q = ok.validate().expect("valid");
         assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.15));
-        assert_eq!(q.method, QueryMethod::Speccache);
+        assert_eq!(q.method, Method::Speccache);
         let cases: Vec<(QueryRequest, &str)> = vec![
             (
                 QueryRequest {

@@ -203,10 +203,8 @@ pub fn blend_report(
     cfg: &BlendBenchConfig,
     mut progress: impl FnMut(&str),
 ) -> target_engine::Result<BlendReport> {
-    use target_engine::{
-        fidelity, Assembly, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, PrefixCaching,
-        RagTemplate, SegmentKind, SelectInput, Selector,
-    };
+    use crate::method::{Method, SelectorInputs};
+    use target_engine::{fidelity, Assembly, ChunkKv, RagTemplate, SegmentKind, SelectInput};
     let tok = model.tokenizer();
     let template = RagTemplate::default();
     let mut asm = Assembly::default();
@@ -256,7 +254,6 @@ pub fn blend_report(
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let full_ms = median(times);
-    let n_chunk = asm.chunk_positions().len();
     let mut rows = Vec::new();
     for (mode, chunks) in [("after_prefix", &after), ("standalone", &alone)] {
         if !cfg.modes.iter().any(|m| m == mode) {
@@ -264,43 +261,34 @@ pub fn blend_report(
         }
         let refs: Vec<&ChunkKv> = chunks.iter().collect();
         let input = |ratio| SelectInput::new(model, &asm, &prefix, &refs, ratio);
-        let mut runs: Vec<(String, BlendRun<'_>)> = vec![
-            (
-                "full_recompute".into(),
-                Box::new(|| FullRecompute.prefill(&input(1.0))),
-            ),
-            (
-                "full_reuse".into(),
-                Box::new(|| FullReuse.prefill(&input(0.0))),
-            ),
-            (
-                "prefix".into(),
-                Box::new(|| PrefixCaching.prefill(&input(0.0))),
-            ),
+        // Every target-only method at each ratio through its one selector; the fixed methods
+        // once.
+        let mut runs: Vec<(Method, f64)> = vec![
+            (Method::FullRecompute, 1.0),
+            (Method::FullReuse, 0.0),
+            (Method::Prefix, 0.0),
         ];
         for &ratio in &cfg.ratios {
-            // EPIC at the same budget as the others: k tokens per chunk.
-            let lens: Vec<usize> = asm.chunks().map(|s| s.ids.len()).collect();
-            let k = Epic::for_budget(&lens, target_engine::budget(ratio, n_chunk)).k;
-            let input = &input;
-            runs.push((
-                format!("epic@{ratio}"),
-                Box::new(move || Epic { k }.prefill(&input(ratio))),
-            ));
-            runs.push((
-                format!("cacheblend@{ratio}"),
-                Box::new(move || CacheBlend::default().prefill(&input(ratio))),
-            ));
-            // The same selector scoring V instead of K deviation, to see which picks better.
-            let by_v = CacheBlend {
-                by_value: true,
-                ..CacheBlend::default()
-            };
-            runs.push((
-                format!("cacheblend_v@{ratio}"),
-                Box::new(move || by_v.prefill(&input(ratio))),
-            ));
+            for m in [
+                Method::Epic,
+                Method::Cacheblend,
+                Method::TargetProbe,
+                Method::TargetProbeSpan,
+                Method::Oracle,
+                Method::Random,
+            ] {
+                runs.push((m, ratio));
+            }
         }
+        let runs: Vec<(String, BlendRun<'_>)> = runs
+            .into_iter()
+            .map(|(m, ratio)| {
+                let input = &input;
+                let run: BlendRun<'_> =
+                    Box::new(move || m.selector(SelectorInputs::default()).prefill(&input(ratio)));
+                (format!("{}@{ratio}", m.name()), run)
+            })
+            .collect();
         for (name, run) in &runs {
             let mut times = Vec::new();
             let mut last = None;
@@ -382,7 +370,12 @@ pub fn blend_report(
                         },
                         ..speculator::SpecCache::new(spec.clone())
                     };
-                    measure(sel.name(), ratio, &|| sel.select_timed(&input(ratio)))?;
+                    let name = if complete_spans {
+                        Method::Speccache
+                    } else {
+                        Method::SpeccacheNospan
+                    };
+                    measure(name.name(), ratio, &|| sel.select_timed(&input(ratio)))?;
                 }
             }
         }

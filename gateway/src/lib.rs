@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod ingest;
 pub mod input;
+pub mod method;
 pub mod metrics;
 pub mod models;
 pub mod overlap;

@@ -2,7 +2,9 @@
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use gateway::method::Method;
 use gateway::models::{self, FetchOutcome, Role, DEFAULT_MODELS};
+use gateway::pipeline::ScoreSource;
 use indicatif::ProgressBar;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -87,8 +89,8 @@ struct DemoArgs {
     )]
     question: String,
     /// Method of the demo query.
-    #[arg(long, default_value = "speccache")]
-    method: String,
+    #[arg(long, value_enum, default_value_t = Method::Speccache)]
+    method: Method,
     /// Most tokens of the answer.
     #[arg(long, default_value_t = 96)]
     max_tokens: u32,
@@ -120,8 +122,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = 2048)]
     memory_mb: u64,
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
-    #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
-    spec_scores: String,
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
+    spec_scores: ScoreSource,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
     verify_mode: String,
@@ -136,9 +138,10 @@ struct QueryArgs {
     /// Collection to retrieve from.
     #[arg(long, default_value = "default")]
     collection: String,
-    /// full_recompute, full_reuse, prefix, epic, cacheblend, speccache or speccache_nospan.
-    #[arg(long, default_value = "speccache")]
-    method: String,
+    /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
+    /// refused here as by the API).
+    #[arg(long, value_enum, default_value_t = Method::Speccache)]
+    method: Method,
     /// Share of chunk tokens to recompute (0..=1).
     #[arg(long, default_value_t = 0.15)]
     ratio: f64,
@@ -159,8 +162,8 @@ struct QueryArgs {
     verify: bool,
     /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
-    #[arg(long, env = "SPECRAG_SPEC_SCORES", default_value = "query", value_parser = ["query", "ingest"])]
-    spec_scores: String,
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
+    spec_scores: ScoreSource,
     /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
     /// keeps drafting from the reused cache and verifies every N tokens in one pass.
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
@@ -479,7 +482,7 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         query: a.query.clone(),
         collection: Some(a.collection.clone()),
         top_k: Some(a.top_k.into()),
-        method: Some(a.method.clone()),
+        method: Some(a.method.name().into()),
         recompute_ratio: Some(a.ratio),
         max_tokens: Some(a.max_tokens.into()),
         temperature: Some(a.temperature),
@@ -492,7 +495,7 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
-    let mut pipeline = Pipeline::new(engines, corpus, score_source(&a.spec_scores));
+    let mut pipeline = Pipeline::new(engines, corpus, a.spec_scores);
     pipeline.verify_mode = verify_mode(&a.verify_mode)?;
     use std::io::Write;
     let json_out = a.json;
@@ -546,21 +549,12 @@ fn verify_mode(s: &str) -> anyhow::Result<target_engine::VerifyMode> {
     }
 }
 
-fn score_source(s: &str) -> gateway::pipeline::ScoreSource {
-    if s == "ingest" {
-        gateway::pipeline::ScoreSource::Ingest
-    } else {
-        gateway::pipeline::ScoreSource::Query
-    }
-}
-
 fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     let (target, spec) = load_pair(models_args)?;
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
-    let mut pipeline =
-        gateway::pipeline::Pipeline::new(engines, corpus, score_source(&a.spec_scores));
+    let mut pipeline = gateway::pipeline::Pipeline::new(engines, corpus, a.spec_scores);
     pipeline.verify_mode = verify_mode(&a.verify_mode)?;
     let pipeline = std::sync::Arc::new(pipeline);
     let api_keys: Vec<String> = a.api_keys.into_iter().filter(|k| !k.is_empty()).collect();
@@ -645,7 +639,7 @@ fn demo_cmd(models_args: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         let addr = gateway::server::spawn_loopback(state).await?;
         eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
         let body = serde_json::json!({
-            "query": a.question, "collection": "demo", "method": a.method,
+            "query": a.question, "collection": "demo", "method": a.method.name(),
             "recompute_ratio": 0.15, "max_tokens": a.max_tokens,
         })
         .to_string();

@@ -10,79 +10,14 @@ use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
-    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, KvCache, Method, SamplingParams,
+    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, KvCache, SamplingParams,
     SelectInput, VerifyEvent, VerifyMode, VerifyParams,
 };
 
-/// How the prompt's tokens to recompute are chosen (the API's `method`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum QueryMethod {
-    /// Recompute everything (the reference; no stored KV is used).
-    FullRecompute,
-    /// Reuse every chunk's KV as is.
-    FullReuse,
-    /// Reuse only the template prefix (ordinary prefix caching; chunks are computed).
-    Prefix,
-    /// Recompute the first tokens of every chunk (EPIC), at the same budget.
-    Epic,
-    /// Recompute the tokens whose early-layer KV deviates most (CacheBlend).
-    Cacheblend,
-    /// The speculator picks the tokens (SpecCache), with span completion.
-    Speccache,
-    /// SpecCache without span completion (ablation).
-    SpeccacheNospan,
-}
-
-impl QueryMethod {
-    /// Every method, in the order reports list them.
-    pub const ALL: [QueryMethod; 7] = [
-        QueryMethod::FullRecompute,
-        QueryMethod::FullReuse,
-        QueryMethod::Prefix,
-        QueryMethod::Epic,
-        QueryMethod::Cacheblend,
-        QueryMethod::Speccache,
-        QueryMethod::SpeccacheNospan,
-    ];
-
-    /// The name in the API and on the command line.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::FullRecompute => "full_recompute",
-            Self::FullReuse => "full_reuse",
-            Self::Prefix => "prefix",
-            Self::Epic => "epic",
-            Self::Cacheblend => "cacheblend",
-            Self::Speccache => "speccache",
-            Self::SpeccacheNospan => "speccache_nospan",
-        }
-    }
-
-    /// Parses a name of [`QueryMethod::name`].
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.name() == s)
-    }
-
-    /// True for the SpecCache methods.
-    pub fn uses_speculator(&self) -> bool {
-        matches!(self, Self::Speccache | Self::SpeccacheNospan)
-    }
-
-    fn engine_method(&self) -> Option<Method> {
-        match self {
-            Self::FullRecompute => Some(Method::FullRecompute),
-            Self::FullReuse => Some(Method::FullReuse),
-            Self::Prefix => Some(Method::Prefix),
-            Self::Epic => Some(Method::Epic),
-            Self::Cacheblend => Some(Method::CacheBlend),
-            Self::Speccache | Self::SpeccacheNospan => None,
-        }
-    }
-}
+pub use crate::method::{Method, SelectorInputs};
 
 /// Where SpecCache's scores come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ScoreSource {
     /// One speculator pass over the whole prompt per query (the paper's method).
@@ -125,7 +60,7 @@ pub struct Query {
     pub query: String,
     pub collection: String,
     pub top_k: usize,
-    pub method: QueryMethod,
+    pub method: Method,
     /// ρ: recomputed chunk tokens over all chunk tokens (budget of the budgeted methods).
     pub ratio: f64,
     pub max_tokens: usize,
@@ -141,7 +76,7 @@ impl Default for Query {
             query: String::new(),
             collection: "default".into(),
             top_k: 4,
-            method: QueryMethod::Speccache,
+            method: Method::Speccache,
             ratio: 0.15,
             max_tokens: 128,
             temperature: 0.0,
@@ -204,7 +139,7 @@ pub struct ChunkRef {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Answer {
     pub answer: String,
-    pub method: QueryMethod,
+    pub method: Method,
     /// `eos`, `stop`, `length` or `cancelled`.
     #[schema(value_type = String, example = "eos")]
     pub finish_reason: FinishReason,
@@ -489,8 +424,12 @@ impl Pipeline {
         self.answer(q, hits, &asm, t0, timings, on_piece, None)
     }
 
-    /// Everything after retrieval and assembly.
-    #[allow(clippy::too_many_arguments)]
+    /// Everything after retrieval and assembly: KV load beside the speculator's pass, the
+    /// method's selector and blended prefill, then decoding (or verification).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the request's parts as the two callers hold them; split into steps below"
+    )]
     fn answer(
         &self,
         q: &Query,
@@ -501,15 +440,72 @@ impl Pipeline {
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         full_prefill: Option<FullPrefill>,
     ) -> Result<Traced> {
-        let spec_method = q.method.uses_speculator();
-        let target = &self.engines.target;
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
-        // KV load and the speculator's pass run side by side. Sampling with verification
-        // decodes from the full cache (exact samples), so it needs neither.
-        let full = q.method == QueryMethod::FullRecompute || (q.verify && q.temperature > 0.0);
-        let need_kv = !full;
+        let (loaded, scored) = self.load_and_score(q, &texts, asm, &mut timings)?;
+        let mut reuse = Reuse::default();
+        for l in &loaded {
+            match l.tier {
+                Tier::Memory => reuse.chunks_from_memory += 1,
+                Tier::Disk => reuse.chunks_from_disk += 1,
+                Tier::Recomputed => reuse.chunks_recomputed += 1,
+            }
+        }
+        let out = self.blend(q, asm, &loaded, scored, &mut timings)?;
+        timings.ttft_ms = ms(t0);
+        reuse.chunk_tokens = out.chunk_tokens;
+        reuse.recomputed_tokens = out.recomputed.len();
+        reuse.ratio = out.ratio();
+        let first_logits = out.logits.clone();
+        let td = Instant::now();
+        let (g, verify) = self.decode(q, out, full_prefill, &timings, on_piece)?;
+        timings.decode_ms = ms(td);
+        timings.total_ms = ms(t0);
+        let answer = Answer {
+            answer: g.text,
+            method: q.method,
+            finish_reason: g.finish,
+            tokens: g.ids.len(),
+            chunks: hits
+                .into_iter()
+                .map(|h| ChunkRef {
+                    id: h.record.chunk_id,
+                    doc_id: h.record.doc_id,
+                    title: h.record.title,
+                    score: h.score,
+                    position: h.record.position,
+                    tokens: h.record.tokens,
+                    text: h.record.text,
+                })
+                .collect(),
+            timings,
+            reuse,
+            verify,
+        };
+        Ok(Traced {
+            answer,
+            first_logits,
+        })
+    }
+
+    /// True when `q` decodes from a full prefill and reads no chunk KV (full recompute, or
+    /// sampling with verification: exact samples come from the full cache).
+    fn reads_no_kv(q: &Query) -> bool {
+        q.method.is_full() || (q.verify && q.temperature > 0.0)
+    }
+
+    /// Step 1: each chunk's KV (memory, disk or recompute) and, side by side, the speculator's
+    /// query-time pass when the method needs one. Records `kv_load_ms` and `speculate_ms`.
+    fn load_and_score(
+        &self,
+        q: &Query,
+        texts: &[&str],
+        asm: &Assembly,
+        timings: &mut Timings,
+    ) -> Result<(Vec<LoadedChunk>, Option<ScoredTokens>)> {
+        let need_kv = !Self::reads_no_kv(q);
         let score_source = q.options.score_source.unwrap_or(self.score_source);
-        let query_time_scores = spec_method && !full && score_source == ScoreSource::Query;
+        let query_time_scores =
+            q.method.uses_speculator() && need_kv && score_source == ScoreSource::Query;
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 s.spawn(|| -> Result<(ScoredTokens, f64)> {
@@ -538,60 +534,69 @@ impl Pipeline {
         });
         let (loaded, load_ms) = loaded?;
         timings.kv_load_ms = load_ms;
-        let mut scored = scored?.map(|(toks, spec_ms)| {
+        let scored = scored?.map(|(toks, spec_ms)| {
             timings.speculate_ms = spec_ms;
             toks
         });
-        let mut reuse = Reuse::default();
-        for l in &loaded {
-            match l.tier {
-                Tier::Memory => reuse.chunks_from_memory += 1,
-                Tier::Disk => reuse.chunks_from_disk += 1,
-                Tier::Recomputed => reuse.chunks_recomputed += 1,
+        Ok((loaded, scored))
+    }
+
+    /// Step 2: the method's selector over the loaded KV, and its blended prefill (or the full
+    /// prefill). Records `align_ms` (selection) and `prefill_ms`.
+    fn blend(
+        &self,
+        q: &Query,
+        asm: &Assembly,
+        loaded: &[LoadedChunk],
+        mut scored: Option<ScoredTokens>,
+        timings: &mut Timings,
+    ) -> Result<BlendOutput> {
+        let target = &self.engines.target;
+        let method = if Self::reads_no_kv(q) {
+            Method::FullRecompute
+        } else {
+            q.method
+        };
+        let spec = if method.uses_speculator() {
+            let mut spec = self.speculator(q)?;
+            spec.params.complete_spans = method == Method::Speccache;
+            if scored.is_none() {
+                scored = Some(self.ingest_scores(&spec, asm, loaded, timings)?);
             }
-        }
+            Some(spec)
+        } else {
+            None
+        };
+        let selector = method.selector(SelectorInputs {
+            spec: spec.as_ref(),
+            scores: scored,
+            epic_k: q.options.epic_k,
+            seed: q.seed,
+        });
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
         let input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
         let t = Instant::now();
-        let out: BlendOutput = if full {
-            let (cache, logits) = target.prefill(&asm.ids)?;
-            let chunk_pos = asm.chunk_positions();
-            BlendOutput {
-                cache,
-                logits,
-                chunk_tokens: chunk_pos.len(),
-                recomputed: chunk_pos,
-            }
-        } else if let Some(m) = q.method.engine_method() {
-            let lens: Vec<usize> = asm.chunks().map(|s| s.ids.len()).collect();
-            let budget = target_engine::budget(q.ratio, asm.chunk_positions().len());
-            let epic_k = q
-                .options
-                .epic_k
-                .unwrap_or_else(|| target_engine::Epic::for_budget(&lens, budget).k);
-            target_engine::selector(m, epic_k).prefill(&input)?
-        } else {
-            let mut sel = self.speculator(q)?;
-            sel.params.complete_spans = q.method == QueryMethod::Speccache;
-            if scored.is_none() {
-                scored = Some(self.ingest_scores(&sel, asm, &loaded, &mut timings)?);
-            }
-            let toks = scored.unwrap_or_default();
-            let ta = Instant::now();
-            let picked = sel.select_scored(&input, &toks);
-            timings.align_ms = ms(ta);
-            let tp = Instant::now();
-            let out = target.blend_prefill(asm, &self.engines.prefix, &kvs, &picked)?;
-            timings.prefill_ms = ms(tp);
-            out
-        };
-        if !spec_method || full {
-            timings.prefill_ms = ms(t);
+        let out = selector.prefill(&input)?;
+        timings.align_ms = out.select_ms;
+        timings.prefill_ms = ms(t) - out.select_ms;
+        Ok(out)
+    }
+
+    /// Step 3: decoding from the prefill's cache, or drafting and verification against the
+    /// full cache.
+    fn decode(
+        &self,
+        q: &Query,
+        out: BlendOutput,
+        full_prefill: Option<FullPrefill>,
+        timings: &Timings,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(target_engine::Generation, Option<VerifyStats>)> {
+        if let Some(full) = full_prefill {
+            let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
+            stats.first_commit_ms += timings.ttft_ms;
+            return Ok((g, Some(stats)));
         }
-        timings.ttft_ms = ms(t0);
-        reuse.chunk_tokens = out.chunk_tokens;
-        reuse.recomputed_tokens = out.recomputed.len();
-        reuse.ratio = out.ratio();
         let params = GenerateParams {
             max_tokens: q.max_tokens,
             sampling: SamplingParams {
@@ -601,55 +606,20 @@ impl Pipeline {
             },
             stop: Vec::new(),
         };
-        let first_logits = out.logits.clone();
-        let td = Instant::now();
-        let (g, verify) = if let Some(full) = full_prefill {
-            let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
-            stats.first_commit_ms += timings.ttft_ms;
-            (g, Some(stats))
-        } else {
-            let mut cache = out.cache;
-            let g = target.decode_stream(
-                &mut cache,
-                out.logits,
-                timings.prefill_ms,
-                &params,
-                &mut |t| on_piece(Piece::Token(t)),
-            )?;
-            let stats = q.verify.then(|| VerifyStats {
-                full_prefill_ms: timings.prefill_ms,
-                first_commit_ms: timings.ttft_ms,
-                ..Default::default()
-            });
-            (g, stats)
-        };
-        timings.decode_ms = ms(td);
-        timings.total_ms = ms(t0);
-        let answer = Answer {
-            answer: g.text,
-            method: q.method,
-            finish_reason: g.finish,
-            tokens: g.ids.len(),
-            chunks: hits
-                .into_iter()
-                .map(|h| ChunkRef {
-                    id: h.record.chunk_id,
-                    doc_id: h.record.doc_id,
-                    title: h.record.title,
-                    score: h.score,
-                    position: h.record.position,
-                    tokens: h.record.tokens,
-                    text: h.record.text,
-                })
-                .collect(),
-            timings,
-            reuse,
-            verify,
-        };
-        Ok(Traced {
-            answer,
-            first_logits,
-        })
+        let mut cache = out.cache;
+        let g = self.engines.target.decode_stream(
+            &mut cache,
+            out.logits,
+            timings.prefill_ms,
+            &params,
+            &mut |t| on_piece(Piece::Token(t)),
+        )?;
+        let stats = q.verify.then(|| VerifyStats {
+            full_prefill_ms: timings.prefill_ms,
+            first_commit_ms: timings.ttft_ms,
+            ..Default::default()
+        });
+        Ok((g, stats))
     }
 
     /// The SpecCache selector for `q` (its layer range, if the query sets one).

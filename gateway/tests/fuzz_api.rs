@@ -100,7 +100,9 @@ fn api_matches_its_openapi_document_under_fuzzing() {
         .expect("specrag serve starts");
     let _server = Server(child);
     wait_healthy(port, &log);
+    // schemathesis keeps state in its working directory: keep it out of the source tree.
     let out = Command::new(&exe)
+        .current_dir(tmp.path())
         .args(["run", &format!("http://127.0.0.1:{port}/openapi.json")])
         .args([
             "--checks",

@@ -148,7 +148,14 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         )
     };
     let (_, full, _) = send(&s, answer("full_recompute", 1.0)).await;
-    for method in ["speccache", "cacheblend", "epic", "speccache_nospan"] {
+    for method in [
+        "speccache",
+        "cacheblend",
+        "epic",
+        "speccache_nospan",
+        "target_probe",
+        "target_probe_span",
+    ] {
         let (status, got, _) = send(&s, answer(method, 1.0)).await;
         assert_eq!(status, StatusCode::OK, "{got}");
         let (a, b): (Value, Value) = (serde_json::from_str(&full)?, serde_json::from_str(&got)?);
@@ -224,6 +231,8 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         (json!({"query": "q", "max_tokens": 2000}), "max_tokens"),
         (json!({"query": "q", "temperature": 3}), "temperature"),
         (json!({"query": "q", "method": "nope"}), "method"),
+        (json!({"query": "q", "method": "oracle"}), "method"),
+        (json!({"query": "q", "method": "random"}), "method"),
         (json!({"query": ""}), "query"),
         (json!({"query": "q", "collection": "../etc"}), "collection"),
     ] {
@@ -517,7 +526,7 @@ fn a_consumer_that_stops_reading_cancels_generation() -> TestResult {
     let q = Query {
         query: "the thin ant".into(),
         max_tokens: 200,
-        method: gateway::pipeline::QueryMethod::FullReuse,
+        method: gateway::pipeline::Method::FullReuse,
         ..Default::default()
     };
     let full = p.query(&q, &mut |_| true)?;

@@ -63,6 +63,76 @@ impl AttentionShape {
     }
 }
 
+/// Softmax probabilities of query rows `start..start + rows` of head `h` over cache rows
+/// `0..kmax` (`kmax` = one past the furthest position of the tile), masked causally: a
+/// `rows x kmax` block. One GEMM for the scores, then an in-place masked softmax.
+fn tile_probs(
+    q: &[f32],
+    pos: &[usize],
+    k: &[f32],
+    shape: AttentionShape,
+    h: usize,
+    start: usize,
+    rows: usize,
+) -> (Vec<f32>, usize) {
+    let AttentionShape {
+        n_head,
+        n_kv_head,
+        head_dim: d,
+    } = shape;
+    let scale = 1.0 / (d as f32).sqrt();
+    let tile_pos = &pos[start..start + rows];
+    let kmax = tile_pos.iter().max().map_or(0, |&p| p + 1);
+    let g = h / (n_head / n_kv_head);
+    let mut scores = vec![0f32; rows * kmax];
+    // SAFETY: every pointer/stride pair below stays inside its slice: q rows
+    // start..start+rows of head h, cache rows 0..kmax (< n_ctx, checked by the caller) of head g.
+    unsafe {
+        gemm::gemm(
+            rows,
+            kmax,
+            d,
+            scores.as_mut_ptr(),
+            1,
+            kmax as isize,
+            false,
+            q.as_ptr().add((start * n_head + h) * d),
+            1,
+            (n_head * d) as isize,
+            k.as_ptr().add(g * d),
+            (n_kv_head * d) as isize,
+            1,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    for (row, &p) in scores.chunks_exact_mut(kmax).zip(tile_pos) {
+        let (live, masked) = row.split_at_mut(p + 1);
+        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for s in live.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        live.iter_mut().for_each(|s| *s *= inv);
+        masked.fill(0.0);
+    }
+    (scores, kmax)
+}
+
+/// Every (head, tile) pair of `n_q` query rows: the unit of parallel work.
+fn tasks(n_head: usize, n_q: usize) -> Vec<(usize, usize)> {
+    let n_tiles = n_q.div_ceil(TILE);
+    (0..n_head)
+        .flat_map(|h| (0..n_tiles).map(move |t| (h, t)))
+        .collect()
+}
+
 /// Computes `softmax(q kᵀ / sqrt(d)) v` causally by position; returns `(n_q, n_head, head_dim)`.
 pub fn causal_attention(
     q: &[f32],
@@ -78,58 +148,15 @@ pub fn causal_attention(
         head_dim: d,
     } = shape;
     let group = n_head / n_kv_head;
-    let scale = 1.0 / (d as f32).sqrt();
     let n_q = pos.len();
-    let n_tiles = n_q.div_ceil(TILE);
-    let tasks: Vec<(usize, usize)> = (0..n_head)
-        .flat_map(|h| (0..n_tiles).map(move |t| (h, t)))
-        .collect();
+    let tasks = tasks(n_head, n_q);
     let run = |&(h, t): &(usize, usize)| -> Vec<f32> {
         let start = t * TILE;
         let rows = TILE.min(n_q - start);
-        let tile_pos = &pos[start..start + rows];
-        let kmax = tile_pos.iter().max().map_or(0, |&p| p + 1);
+        let (scores, kmax) = tile_probs(q, pos, k, shape, h, start, rows);
         let g = h / group;
-        let mut scores = vec![0f32; rows * kmax];
-        // SAFETY: every pointer/stride pair below stays inside its slice: q rows
-        // start..start+rows of head h, cache rows 0..kmax (< n_ctx, checked) of head g.
-        unsafe {
-            gemm::gemm(
-                rows,
-                kmax,
-                d,
-                scores.as_mut_ptr(),
-                1,
-                kmax as isize,
-                false,
-                q.as_ptr().add((start * n_head + h) * d),
-                1,
-                (n_head * d) as isize,
-                k.as_ptr().add(g * d),
-                (n_kv_head * d) as isize,
-                1,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-        for (row, &p) in scores.chunks_exact_mut(kmax).zip(tile_pos) {
-            let (live, masked) = row.split_at_mut(p + 1);
-            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for s in live.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            live.iter_mut().for_each(|s| *s *= inv);
-            masked.fill(0.0);
-        }
         let mut out = vec![0f32; rows * d];
-        // SAFETY: as above; `out` is rows x d, scores rows x kmax, v rows 0..kmax of head g.
+        // SAFETY: `out` is rows x d, scores rows x kmax, v rows 0..kmax (< n_ctx) of head g.
         unsafe {
             gemm::gemm(
                 rows,
@@ -172,6 +199,79 @@ pub fn causal_attention(
     Ok(out)
 }
 
+/// Attention mass each cache row receives: the softmax probabilities of every query row and
+/// head summed per key position, `n_ctx` values (each query row contributes `n_head` in all).
+/// What query-aware selection reads: how much the question looks at each chunk token.
+pub fn attention_mass(
+    q: &[f32],
+    pos: &[usize],
+    k: &[f32],
+    shape: AttentionShape,
+) -> Result<Vec<f32>> {
+    shape.check(q, pos, k, k)?;
+    let n_ctx = k.len() / (shape.n_kv_head * shape.head_dim);
+    let n_q = pos.len();
+    let sums: Vec<Vec<f32>> = tasks(shape.n_head, n_q)
+        .par_iter()
+        .map(|&(h, t)| {
+            let start = t * TILE;
+            let rows = TILE.min(n_q - start);
+            let (probs, kmax) = tile_probs(q, pos, k, shape, h, start, rows);
+            let mut sum = vec![0f32; kmax];
+            for row in probs.chunks_exact(kmax) {
+                sum.iter_mut().zip(row).for_each(|(s, p)| *s += p);
+            }
+            sum
+        })
+        .collect();
+    let mut mass = vec![0f32; n_ctx];
+    for s in sums {
+        mass.iter_mut().zip(&s).for_each(|(m, x)| *m += x);
+    }
+    Ok(mass)
+}
+
+/// Reference of [`attention_mass`] built from candle primitives (full probability matrix).
+pub fn attention_mass_reference(
+    q: &[f32],
+    pos: &[usize],
+    k: &[f32],
+    shape: AttentionShape,
+) -> Result<Vec<f32>> {
+    let n_ctx = shape.check(q, pos, k, k)?;
+    let AttentionShape {
+        n_head,
+        n_kv_head,
+        head_dim: d,
+    } = shape;
+    let dev = Device::Cpu;
+    let n_q = pos.len();
+    let q = Tensor::from_slice(q, (n_q, n_head, d), &dev)?
+        .transpose(0, 1)?
+        .contiguous()?;
+    let k = Tensor::from_slice(k, (n_ctx, n_kv_head, 1, d), &dev)?
+        .broadcast_as((n_ctx, n_kv_head, n_head / n_kv_head, d))?
+        .reshape((n_ctx, n_head, d))?
+        .transpose(0, 1)?
+        .contiguous()?;
+    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    let mask: Vec<u8> = pos
+        .iter()
+        .flat_map(|&p| (0..n_ctx).map(move |j| u8::from(j <= p)))
+        .collect();
+    let mask = Tensor::from_vec(mask, (1, n_q, n_ctx), &dev)?.broadcast_as(scores.shape())?;
+    let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), &dev)?;
+    let probs = masked_softmax(&mask.where_cond(&scores, &neg)?)?;
+    Ok(probs.sum(0)?.sum(0)?.to_vec1::<f32>()?)
+}
+
+/// Softmax over the last dimension from candle primitives (masked entries are -inf).
+fn masked_softmax(scores: &Tensor) -> Result<Tensor> {
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
 /// Reference built from candle primitives (full score matrix, explicit mask, softmax).
 pub fn causal_attention_reference(
     q: &[f32],
@@ -207,10 +307,7 @@ pub fn causal_attention_reference(
         .collect();
     let mask = Tensor::from_vec(mask, (1, n_q, n_ctx), &dev)?.broadcast_as(scores.shape())?;
     let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), &dev)?;
-    let scores = mask.where_cond(&scores, &neg)?;
-    let max = scores.max_keepdim(D::Minus1)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    let p = masked_softmax(&mask.where_cond(&scores, &neg)?)?;
     let out = p
         .matmul(&v)?
         .transpose(0, 1)?
@@ -267,6 +364,32 @@ mod tests {
         check(shape, 100, &pos, 2)?;
         // A single decode row at the end of the cache.
         check(shape, 100, &[99], 3)
+    }
+
+    #[test]
+    fn attention_mass_matches_reference_and_sums_to_rows_times_heads() -> Result<()> {
+        let shape = AttentionShape {
+            n_head: 6,
+            n_kv_head: 2,
+            head_dim: 8,
+        };
+        let mut rng = StdRng::seed_from_u64(4);
+        // Question-like rows at the end of a long cache, spread over two tiles.
+        let pos: Vec<usize> = (60..100).collect();
+        let q = random(pos.len() * shape.n_head * shape.head_dim, &mut rng);
+        let k = random(100 * shape.n_kv_head * shape.head_dim, &mut rng);
+        let got = attention_mass(&q, &pos, &k, shape)?;
+        let want = attention_mass_reference(&q, &pos, &k, shape)?;
+        assert_eq!(got.len(), 100);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err < 1e-4, "max abs diff {err}");
+        let total: f32 = got.iter().sum();
+        assert!((total - (pos.len() * shape.n_head) as f32).abs() < 1e-2);
+        Ok(())
     }
 
     #[test]

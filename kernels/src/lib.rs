@@ -12,6 +12,9 @@ pub mod attention;
 pub mod error;
 pub mod rope;
 
-pub use attention::{causal_attention, causal_attention_reference, AttentionShape};
+pub use attention::{
+    attention_mass, attention_mass_reference, causal_attention, causal_attention_reference,
+    AttentionShape,
+};
 pub use error::{KernelError, Result};
 pub use rope::{Rope, RopeTable, RopeVariant};

@@ -5,7 +5,8 @@ use candle_core::Tensor;
 use target_engine::{Model, PrefixKv, Result};
 
 /// Which layers the importance averages over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LayerRange {
     All,
     LastTwoThirds,

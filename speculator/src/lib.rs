@@ -206,46 +206,79 @@ impl SpecCache {
 
     /// Top-K, spans and budget over scored speculator tokens, then the mapping onto the
     /// target's chunk tokens under the target budget. Returns assembled-prompt positions.
+    /// Tokens of a chunk whose reused KV is exact are never candidates, and the budget is
+    /// `ceil(ρ × all chunk tokens)` on both sides.
     pub fn select_scored(&self, input: &SelectInput, toks: &ScoredTokens) -> Vec<usize> {
         let asm = input.assembly;
-        let chunk_pos = asm.chunk_positions();
-        let target_budget = budget(input.ratio, chunk_pos.len());
-        if toks.scores.is_empty() || target_budget == 0 {
+        let target_budget = input.spend();
+        let exact_chunk = input
+            .skips_exact()
+            .then(|| {
+                asm.segments.iter().find_map(|s| match s.kind {
+                    SegmentKind::Chunk(i) => Some(i),
+                    _ => None,
+                })
+            })
+            .flatten();
+        let keep: Vec<usize> = (0..toks.scores.len())
+            .filter(|&j| Some(toks.chunk[j]) != exact_chunk)
+            .collect();
+        if keep.is_empty() || target_budget == 0 {
             return Vec::new();
         }
-        let spec_budget = budget(input.ratio, toks.scores.len());
-        let sel = select(&toks.scores, &toks.chunk, spec_budget, &self.params);
+        let scores: Vec<f32> = keep.iter().map(|&j| toks.scores[j]).collect();
+        let chunk_of: Vec<usize> = keep.iter().map(|&j| toks.chunk[j]).collect();
+        let spans: Vec<Range<usize>> = keep.iter().map(|&j| toks.spans[j].clone()).collect();
+        let spec_budget = budget(input.ratio, toks.scores.len()).min(keep.len());
+        let sel = select(&scores, &chunk_of, spec_budget, &self.params);
         let target = target_spans(asm, input.model.tokenizer());
-        let selected: Vec<Range<usize>> =
-            sel.tokens.iter().map(|&j| toks.spans[j].clone()).collect();
-        // Only chunk tokens of the target are candidates.
-        let chunk_spans: Vec<Range<usize>> = chunk_pos.iter().map(|&p| target[p].clone()).collect();
-        let mut mapped: Vec<usize> = align(&selected, &toks.spans, &chunk_spans)
-            .into_iter()
-            .map(|k| chunk_pos[k])
-            .collect();
-        if mapped.len() > target_budget {
-            // Token boundaries differ, so the mapped set can exceed the budget: keep the target
-            // tokens whose best overlapping selected speculator token scores highest.
-            let score_of = |p: usize| {
-                let t = &target[p];
-                sel.tokens
+        let candidates = input.candidates();
+        let cand_spans: Vec<Range<usize>> = candidates.iter().map(|&p| target[p].clone()).collect();
+        // Selection units: each completed span whole, each other selected token alone; a unit
+        // scores as its best token. Units are mapped onto target tokens and taken best first
+        // while they fit, so a span is kept or dropped whole, never stripped of its fill-ins.
+        let mut in_span = vec![false; scores.len()];
+        let mut units: Vec<(f32, Vec<usize>)> = sel
+            .completed
+            .iter()
+            .map(|&(a, b)| {
+                (a..b).for_each(|j| in_span[j] = true);
+                let best = scores[a..b]
                     .iter()
-                    .map(|&j| (&toks.spans[j], toks.scores[j]))
-                    .filter(|(s, _)| s.start < t.end && t.start < s.end)
-                    .map(|(_, v)| v)
-                    .fold(f32::NEG_INFINITY, f32::max)
-            };
-            mapped.sort_by(|&a, &b| score_of(b).total_cmp(&score_of(a)).then(a.cmp(&b)));
-            mapped.truncate(target_budget);
-            mapped.sort_unstable();
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                (best, (a..b).collect())
+            })
+            .collect();
+        units.extend(
+            sel.tokens
+                .iter()
+                .filter(|&&j| !in_span[j])
+                .map(|&j| (scores[j], vec![j])),
+        );
+        units.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1[0].cmp(&b.1[0])));
+        let mut chosen = vec![false; candidates.len()];
+        let mut n = 0;
+        for (_, members) in units {
+            let sel_spans: Vec<Range<usize>> = members.iter().map(|&j| spans[j].clone()).collect();
+            let new: Vec<usize> = align(&sel_spans, &spans, &cand_spans)
+                .into_iter()
+                .filter(|&k| !chosen[k])
+                .collect();
+            if n + new.len() <= target_budget {
+                n += new.len();
+                new.into_iter().for_each(|k| chosen[k] = true);
+            }
         }
-        mapped
+        (0..candidates.len())
+            .filter(|&k| chosen[k])
+            .map(|k| candidates[k])
+            .collect()
     }
 
     /// `select`, also reporting where the time went.
     pub fn select_timed(&self, input: &SelectInput) -> Result<(Vec<usize>, SelectTimings)> {
-        if budget(input.ratio, input.assembly.chunk_positions().len()) == 0 {
+        if input.spend() == 0 {
             return Ok((Vec::new(), SelectTimings::default()));
         }
         let t0 = std::time::Instant::now();
@@ -282,16 +315,22 @@ impl SpecCache {
 }
 
 impl Selector for SpecCache {
-    fn name(&self) -> &'static str {
-        if self.params.complete_spans {
-            "speccache"
-        } else {
-            "speccache_nospan"
-        }
-    }
-
     fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
         Ok(self.select_timed(input)?.0)
+    }
+}
+
+/// SpecCache over scores computed beforehand (a query-time pass run beside the KV load, or
+/// the scores stored at ingestion laid onto the prompt): the selector a request uses.
+#[derive(Debug, Clone)]
+pub struct ScoredSpecCache<'a> {
+    pub spec: &'a SpecCache,
+    pub scores: ScoredTokens,
+}
+
+impl Selector for ScoredSpecCache<'_> {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.spec.select_scored(input, &self.scores))
     }
 }
 
@@ -303,10 +342,6 @@ pub struct IngestedSpecCache<'a> {
 }
 
 impl Selector for IngestedSpecCache<'_> {
-    fn name(&self) -> &'static str {
-        "speccache_ingest"
-    }
-
     fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
         Ok(self.spec.select_ingested(input, &self.scores)?.0)
     }

@@ -26,6 +26,8 @@ pub struct BlendOutput {
     pub recomputed: Vec<usize>,
     /// Chunk tokens in the prompt.
     pub chunk_tokens: usize,
+    /// Of the whole call, the time spent choosing what to recompute (milliseconds).
+    pub select_ms: f64,
 }
 
 impl BlendOutput {
@@ -85,6 +87,18 @@ impl Model {
         chunks: &[&ChunkKv],
         recompute: &[usize],
     ) -> Result<BlendOutput> {
+        let cache = self.fused_cache(asm, prefix, chunks)?;
+        self.blend_prefill_on(asm, cache, recompute)
+    }
+
+    /// [`Model::blend_prefill`] over a fused cache the caller already built (a selector that
+    /// probed it first). Rows of the question in `cache` may hold anything: they are recomputed.
+    pub fn blend_prefill_on(
+        &self,
+        asm: &Assembly,
+        mut cache: KvCache,
+        recompute: &[usize],
+    ) -> Result<BlendOutput> {
         let chunk_pos = asm.chunk_positions();
         let mut is_chunk = vec![false; asm.ids.len()];
         chunk_pos.iter().for_each(|&p| is_chunk[p] = true);
@@ -103,39 +117,39 @@ impl Model {
         };
         recomputed.sort_unstable();
         recomputed.dedup();
-        let mut cache = self.fused_cache(asm, prefix, chunks)?;
         let mut positions = recomputed.clone();
         positions.extend(asm.question_positions());
         positions.sort_unstable();
-        let logits = if positions.is_empty() {
+        if positions.is_empty() {
             return Err(EngineError::InvalidInput(
                 "nothing to compute: the question segment is empty".into(),
             ));
-        } else {
-            let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-            let out = self.forward(&ids, &positions, &mut cache, false)?;
-            self.last_logits(&out)?
-        };
+        }
+        let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
+        let out = self.forward(&ids, &positions, &mut cache, false)?;
+        let logits = self.last_logits(&out)?;
         Ok(BlendOutput {
             cache,
             logits,
             recomputed,
             chunk_tokens: chunk_pos.len(),
+            select_ms: 0.0,
         })
     }
 
-    /// CacheBlend: every chunk and question token runs through layers `0..=check_layer`; the
-    /// `ceil(ratio * chunk tokens)` chunk tokens whose fresh K (or V) at the check layer deviates
-    /// most from the reused one, plus the question, continue through the later layers.
+    /// CacheBlend: the `candidates` (chunk tokens whose reused KV is not exact) and the
+    /// question run through layers `0..=check_layer`; the `k` candidates whose fresh K (or V)
+    /// at the check layer deviates most from the reused one, plus the question, continue
+    /// through the later layers.
     pub fn blend_prefill_cacheblend(
         &self,
         asm: &Assembly,
-        prefix: &PrefixKv,
-        chunks: &[&ChunkKv],
-        ratio: f64,
-        check_layer: usize,
-        by_value: bool,
+        fused: &KvCache,
+        candidates: &[usize],
+        k: usize,
+        check: (usize, bool),
     ) -> Result<BlendOutput> {
+        let (check_layer, by_value) = check;
         let n_layer = self.config().n_layer;
         if check_layer + 1 >= n_layer {
             return Err(EngineError::InvalidInput(format!(
@@ -143,7 +157,6 @@ impl Model {
                 n_layer - 1
             )));
         }
-        let fused = self.fused_cache(asm, prefix, chunks)?;
         let chunk_pos = asm.chunk_positions();
         let question = asm.question_positions();
         if question.is_empty() {
@@ -151,7 +164,7 @@ impl Model {
                 "nothing to compute: the question segment is empty".into(),
             ));
         }
-        let mut all = chunk_pos.clone();
+        let mut all = candidates.to_vec();
         all.extend(&question);
         let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
         let mut cache = fused.clone();
@@ -168,7 +181,7 @@ impl Model {
         } else {
             (cache.k(check_layer), fused.k(check_layer))
         };
-        let mut scored: Vec<(f32, usize)> = chunk_pos
+        let mut scored: Vec<(f32, usize)> = candidates
             .iter()
             .map(|&p| {
                 let d: f32 = fresh[p * row..(p + 1) * row]
@@ -180,7 +193,6 @@ impl Model {
             })
             .collect();
         scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let k = budget(ratio, chunk_pos.len());
         let mut recomputed: Vec<usize> = scored.iter().take(k).map(|s| s.1).collect();
         recomputed.sort_unstable();
         // Rows of `h` (ordered as `all`) that continue: the selected chunk tokens and the question.
@@ -208,228 +220,8 @@ impl Model {
             logits,
             recomputed,
             chunk_tokens: chunk_pos.len(),
+            select_ms: 0.0,
         })
-    }
-}
-
-/// `ceil(ratio * n)` clamped to `0..=n` (ratio outside 0..=1 is clamped too).
-pub fn budget(ratio: f64, n: usize) -> usize {
-    ((ratio.clamp(0.0, 1.0) * n as f64).ceil() as usize).min(n)
-}
-
-/// The reuse methods of the contract.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Method {
-    FullRecompute,
-    FullReuse,
-    Prefix,
-    Epic,
-    CacheBlend,
-}
-
-impl Method {
-    /// Name as in the API and CLI.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::FullRecompute => "full_recompute",
-            Self::FullReuse => "full_reuse",
-            Self::Prefix => "prefix",
-            Self::Epic => "epic",
-            Self::CacheBlend => "cacheblend",
-        }
-    }
-}
-
-/// What a selector sees: the model, the assembled prompt and the KV it will reuse.
-#[derive(Debug)]
-pub struct SelectInput<'a> {
-    pub model: &'a Model,
-    pub assembly: &'a Assembly,
-    pub prefix: &'a PrefixKv,
-    pub chunks: &'a [&'a ChunkKv],
-    /// True when the first chunk was precomputed after this very prefix (its KV is then exact).
-    pub first_chunk_exact: bool,
-    /// Budget: recompute at most `ceil(ratio * chunk tokens)` (ignored by the fixed methods).
-    pub ratio: f64,
-}
-
-impl<'a> SelectInput<'a> {
-    /// Bundles the inputs; `first_chunk_exact` is derived from the first chunk's precompute mode.
-    pub fn new(
-        model: &'a Model,
-        assembly: &'a Assembly,
-        prefix: &'a PrefixKv,
-        chunks: &'a [&'a ChunkKv],
-        ratio: f64,
-    ) -> Self {
-        let first_chunk_exact = chunks.first().is_some_and(|c| {
-            c.mode
-                == crate::chunk::PrecomputeMode::AfterPrefix {
-                    prefix_hash: prefix.hash.clone(),
-                }
-                && assembly
-                    .chunks()
-                    .next()
-                    .is_some_and(|s| s.ids.start == c.base_pos)
-        });
-        Self {
-            model,
-            assembly,
-            prefix,
-            chunks,
-            first_chunk_exact,
-            ratio,
-        }
-    }
-}
-
-/// A reuse method: picks the chunk positions to recompute, and runs the blended prefill.
-pub trait Selector {
-    /// Method name as in the API.
-    fn name(&self) -> &'static str;
-    /// Absolute positions of chunk tokens to recompute.
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>>;
-    /// The blended prefill of this method (by default: select, then recompute those tokens
-    /// through every layer).
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
-        let positions = self.select(input)?;
-        input
-            .model
-            .blend_prefill(input.assembly, input.prefix, input.chunks, &positions)
-    }
-}
-
-/// Recompute every chunk token (the reference).
-#[derive(Debug, Clone, Copy)]
-pub struct FullRecompute;
-/// Recompute none: only the question is computed.
-#[derive(Debug, Clone, Copy)]
-pub struct FullReuse;
-/// Keep the longest exact cached prefix, recompute everything after it (prefix caching).
-#[derive(Debug, Clone, Copy)]
-pub struct PrefixCaching;
-/// Recompute the first `k` tokens of every chunk (EPIC).
-#[derive(Debug, Clone, Copy)]
-pub struct Epic {
-    pub k: usize,
-}
-/// CacheBlend: every token through layers `0..=check_layer`, then the tokens whose fresh K (or
-/// V, with `by_value`) deviates most from the reused one continue through the later layers.
-#[derive(Debug, Clone, Copy)]
-pub struct CacheBlend {
-    pub check_layer: usize,
-    pub by_value: bool,
-}
-
-impl Default for Epic {
-    fn default() -> Self {
-        Self { k: 16 }
-    }
-}
-
-impl Default for CacheBlend {
-    fn default() -> Self {
-        Self {
-            check_layer: 1,
-            by_value: false,
-        }
-    }
-}
-
-impl Selector for FullRecompute {
-    fn name(&self) -> &'static str {
-        Method::FullRecompute.name()
-    }
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
-        Ok(input.assembly.chunk_positions())
-    }
-}
-
-impl Selector for FullReuse {
-    fn name(&self) -> &'static str {
-        Method::FullReuse.name()
-    }
-    fn select(&self, _: &SelectInput) -> Result<Vec<usize>> {
-        Ok(Vec::new())
-    }
-}
-
-impl Selector for PrefixCaching {
-    fn name(&self) -> &'static str {
-        Method::Prefix.name()
-    }
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
-        let mut segs = input.assembly.chunks();
-        if input.first_chunk_exact {
-            segs.next();
-        }
-        Ok(segs.flat_map(|s| s.ids.clone()).collect())
-    }
-}
-
-impl Epic {
-    /// EPIC at a budget: the smallest `k` whose first-`k`-tokens-of-every-chunk selection
-    /// reaches `budget` tokens (short chunks contribute all they have). It can exceed the
-    /// budget by less than one token per chunk; ratio 1 recomputes every chunk token.
-    pub fn for_budget(chunk_lens: &[usize], budget: usize) -> Self {
-        let spent = |k: usize| chunk_lens.iter().map(|&n| n.min(k)).sum::<usize>();
-        let max = chunk_lens.iter().copied().max().unwrap_or(0);
-        let (mut lo, mut hi) = (0usize, max);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if spent(mid) >= budget {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        Self { k: lo }
-    }
-}
-
-impl Selector for Epic {
-    fn name(&self) -> &'static str {
-        Method::Epic.name()
-    }
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
-        Ok(input
-            .assembly
-            .chunks()
-            .flat_map(|s| s.ids.start..s.ids.end.min(s.ids.start + self.k))
-            .collect())
-    }
-}
-
-impl Selector for CacheBlend {
-    fn name(&self) -> &'static str {
-        Method::CacheBlend.name()
-    }
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
-        Ok(self.prefill(input)?.recomputed)
-    }
-    /// Overridden: the tokens chosen continue from the check layer instead of starting over.
-    /// The check layer is clamped below the last layer, so shallow models (2 layers) work.
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
-        let n_layer = input.model.config().n_layer;
-        input.model.blend_prefill_cacheblend(
-            input.assembly,
-            input.prefix,
-            input.chunks,
-            input.ratio,
-            self.check_layer.min(n_layer.saturating_sub(2)),
-            self.by_value,
-        )
-    }
-}
-
-/// The selector of a method (`epic_k` for EPIC; CacheBlend with its defaults).
-pub fn selector(method: Method, epic_k: usize) -> Box<dyn Selector + Send + Sync> {
-    match method {
-        Method::FullRecompute => Box::new(FullRecompute),
-        Method::FullReuse => Box::new(FullReuse),
-        Method::Prefix => Box::new(PrefixCaching),
-        Method::Epic => Box::new(Epic { k: epic_k }),
-        Method::CacheBlend => Box::new(CacheBlend::default()),
     }
 }
 

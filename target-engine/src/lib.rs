@@ -18,15 +18,13 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod select;
 pub mod testing;
 pub mod tokenizer;
 pub mod verify;
 
 pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
-pub use blend::{
-    budget, selector, BlendOutput, CacheBlend, Epic, FullRecompute, FullReuse, Method,
-    PrefixCaching, SelectInput, Selector,
-};
+pub use blend::{kind_at, BlendOutput};
 pub use chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use config::{Architecture, ModelConfig};
 pub use error::{EngineError, Result};
@@ -36,5 +34,9 @@ pub use generate::{
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
 pub use sampling::{argmax, Sampler, SamplingParams};
+pub use select::{
+    budget, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching, Random,
+    SelectInput, Selector, TargetProbe,
+};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

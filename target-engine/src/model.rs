@@ -349,7 +349,36 @@ impl Model {
         layers: std::ops::Range<usize>,
         collect_layers: bool,
     ) -> Result<(Tensor, Vec<Tensor>)> {
-        self.forward_layers_with(x, positions, cache, layers, collect_layers, true)
+        let pass = Pass {
+            collect_layers,
+            allow_dense: true,
+            probe: None,
+        };
+        self.forward_layers_with(x, positions, cache, layers, pass)
+    }
+
+    /// [`Model::forward`] that also measures how much attention the rows at `positions` pay to
+    /// every cache row at the layers `probe` (the attention mass summed over rows, heads and
+    /// those layers, one value per position `0..max(positions)+1`). Query-aware selection
+    /// reads this: the question's pass over the reused cache tells which chunk tokens it uses.
+    pub fn forward_probe(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        probe: std::ops::Range<usize>,
+    ) -> Result<(ForwardOutput, Vec<f32>)> {
+        let x = self.embed(ids)?;
+        let mut mass = Vec::new();
+        let pass = Pass {
+            collect_layers: false,
+            allow_dense: true,
+            probe: Some((probe, &mut mass)),
+        };
+        let (x, layers) =
+            self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
+        let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        Ok((ForwardOutput { hidden, layers }, mass))
     }
 
     /// [`Model::forward`] on the weights decode uses (quantized, never the dense copies),
@@ -363,8 +392,13 @@ impl Model {
         cache: &mut KvCache,
     ) -> Result<ForwardOutput> {
         let x = self.embed(ids)?;
+        let pass = Pass {
+            collect_layers: false,
+            allow_dense: false,
+            probe: None,
+        };
         let (x, layers) =
-            self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, false, false)?;
+            self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
         let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
         Ok(ForwardOutput { hidden, layers })
     }
@@ -375,9 +409,13 @@ impl Model {
         positions: &[usize],
         cache: &mut KvCache,
         layers: std::ops::Range<usize>,
-        collect_layers: bool,
-        allow_dense: bool,
+        pass: Pass<'_>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
+        let Pass {
+            collect_layers,
+            allow_dense,
+            mut probe,
+        } = pass;
         let c = &self.config;
         let (n, width) = x.dims2()?;
         if n == 0 || positions.len() != n || width != c.n_embd {
@@ -431,6 +469,13 @@ impl Model {
             self.rope.apply(&table, &mut q, c.n_head)?;
             self.rope.apply(&table, &mut k, c.n_kv_head)?;
             cache.write(l, positions, &k, &v);
+            if let Some((probe_layers, mass)) = probe.as_mut() {
+                if probe_layers.contains(&l) {
+                    let m = kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
+                    mass.resize(rows, 0.0);
+                    mass.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+                }
+            }
             let attn = kernels::causal_attention(
                 &q,
                 positions,
@@ -481,6 +526,16 @@ impl Model {
         let out = self.forward(ids, &positions, &mut cache, false)?;
         Ok((cache, self.last_logits(&out)?))
     }
+}
+
+/// How one pass over a range of layers runs.
+struct Pass<'a> {
+    /// Return the residual stream after every layer.
+    collect_layers: bool,
+    /// Use the dense weight copies for many rows (off on the decode path).
+    allow_dense: bool,
+    /// Layers whose attention mass to accumulate, and where.
+    probe: Option<(std::ops::Range<usize>, &'a mut Vec<f32>)>,
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.

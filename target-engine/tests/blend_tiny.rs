@@ -2,8 +2,8 @@
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    budget, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions, Model,
-    PrefixCaching, RagTemplate, SelectInput, Selector,
+    budget, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions,
+    Model, Oracle, PrefixCaching, RagTemplate, Random, SelectInput, Selector, TargetProbe,
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
@@ -84,8 +84,9 @@ fn recompute_everything_equals_full_prefill() {
                 assert!(max_diff(out.cache.k(l), full_cache.k(l)) < 1e-4);
                 assert!(max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4);
             }
+            let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
             let cb = m
-                .blend_prefill_cacheblend(&s.asm, &s.prefix, &refs, 1.0, 0, false)
+                .blend_prefill_cacheblend(&s.asm, &fused, &all, all.len(), (0, false))
                 .expect("cacheblend");
             assert!(
                 max_diff(&cb.logits, &full) < 1e-4,
@@ -198,7 +199,7 @@ fn selectors_pick_what_their_method_says() {
     let not_exact = SelectInput::new(&m, &s.asm, &s.prefix, &alone, 0.15);
     assert!(!not_exact.first_chunk_exact);
     assert_eq!(sel(&PrefixCaching, &not_exact), s.asm.chunk_positions());
-    let epic = sel(&Epic { k: 4 }, &input);
+    let epic = sel(&Epic { k: Some(4) }, &not_exact);
     assert_eq!(epic.len(), 4 * chunks.len());
     assert!(chunks
         .iter()
@@ -222,15 +223,15 @@ fn selectors_pick_what_their_method_says() {
     let all = SelectInput::new(&m, &s.asm, &s.prefix, &alone, 1.0);
     // (The tiny model has 2 layers, so CacheBlend checks layer 0 instead of the default 1.)
     let methods: Vec<Box<dyn Selector>> = vec![
-        target_engine::selector(target_engine::Method::FullRecompute, 16),
+        Box::new(FullRecompute),
         Box::new(CacheBlend {
             check_layer: 0,
             by_value: true,
         }),
     ];
-    for method in methods {
+    for (i, method) in methods.iter().enumerate() {
         let out = method.prefill(&all).expect("prefill");
-        assert!(max_diff(&out.logits, &full) < 1e-4, "{}", method.name());
+        assert!(max_diff(&out.logits, &full) < 1e-4, "selector {i}");
     }
     let chunk_pos = s.asm.chunk_positions();
     assert!(cb.recomputed.iter().all(|p| chunk_pos.contains(p)));
@@ -269,9 +270,99 @@ fn mismatched_inputs_are_errors() {
 #[test]
 fn epic_for_budget_spends_at_least_the_budget_and_reaches_every_token_at_ratio_one() {
     use target_engine::Epic;
-    assert_eq!(Epic::for_budget(&[10, 3, 7], 20).k, 10);
-    assert_eq!(Epic::for_budget(&[10, 3, 7], 9).k, 3);
-    assert_eq!(Epic::for_budget(&[10, 3, 7], 10).k, 4); // 4 + 3 + 4 = 11 >= 10
-    assert_eq!(Epic::for_budget(&[10, 3, 7], 0).k, 0);
-    assert_eq!(Epic::for_budget(&[], 5).k, 0);
+    assert_eq!(Epic::k_for_budget(&[10, 3, 7], 20), 10);
+    assert_eq!(Epic::k_for_budget(&[10, 3, 7], 9), 3);
+    assert_eq!(Epic::k_for_budget(&[10, 3, 7], 10), 4); // 4 + 3 + 4 = 11 >= 10
+    assert_eq!(Epic::k_for_budget(&[10, 3, 7], 0), 0);
+    assert_eq!(Epic::k_for_budget(&[], 5), 0);
+}
+
+#[test]
+fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.3);
+    assert!(input.first_chunk_exact && input.skips_exact());
+    let first = s.asm.chunks().next().expect("a chunk").ids.clone();
+    let n_chunk = s.asm.chunk_positions().len();
+    let candidates = input.candidates();
+    assert_eq!(candidates.len(), n_chunk - first.len());
+    assert_eq!(input.spend(), budget(0.3, n_chunk).min(candidates.len()));
+    let cb = CacheBlend {
+        check_layer: 0,
+        by_value: false,
+    };
+    let selectors: Vec<(&str, Box<dyn Selector>)> = vec![
+        ("cacheblend", Box::new(cb)),
+        ("random", Box::new(Random { seed: 3 })),
+        ("target_probe", Box::new(TargetProbe::default())),
+        (
+            "target_probe_window",
+            Box::new(TargetProbe {
+                window: 2,
+                ..TargetProbe::default()
+            }),
+        ),
+        ("oracle", Box::new(Oracle)),
+    ];
+    for (name, sel) in &selectors {
+        let out = sel.prefill(&input).expect(name);
+        assert_eq!(
+            out.recomputed.len(),
+            input.spend(),
+            "{name} spends the budget"
+        );
+        assert!(
+            out.recomputed.iter().all(|p| candidates.contains(p)),
+            "{name} recomputes only inexact chunk rows"
+        );
+        assert_eq!(sel.select(&input).expect(name), out.recomputed, "{name}");
+    }
+    // EPIC at the budget skips the exact chunk and spends about the budget.
+    let epic = Epic::default().select(&input).expect("epic");
+    assert!(epic.iter().all(|p| !first.contains(p)));
+    assert!(epic.len() >= input.spend());
+    // A budget beyond every inexact row refreshes the exact chunk too (ρ = 1 is full prefill).
+    let one = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
+    assert!(!one.skips_exact());
+    assert_eq!(one.candidates(), s.asm.chunk_positions());
+    // Random is seeded.
+    let r = |seed| Random { seed }.select(&input).expect("random");
+    assert_eq!(r(3), r(3));
+    assert_ne!(r(3), r(4));
+}
+
+#[test]
+fn bounds_and_probe_at_ratio_one_equal_full_prefill() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let (_, full) = m.prefill(&s.asm.ids).expect("prefill");
+    let all = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
+    let selectors: Vec<Box<dyn Selector>> = vec![
+        Box::new(Random { seed: 1 }),
+        Box::new(TargetProbe::default()),
+        Box::new(Oracle),
+    ];
+    for (i, sel) in selectors.iter().enumerate() {
+        let out = sel.prefill(&all).expect("prefill");
+        assert_eq!(out.recomputed, s.asm.chunk_positions());
+        assert!(max_diff(&out.logits, &full) < 1e-4, "selector {i}");
+    }
+}
+
+#[test]
+fn top_k_windows_stay_in_their_segment_and_within_budget() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let cands = s.asm.chunk_positions();
+    let segs: Vec<_> = s.asm.chunks().map(|c| c.ids.clone()).collect();
+    // The best-scored token is the first of chunk 1: its window may not reach into chunk 0.
+    let best = segs[1].start;
+    let picked = top_k(&s.asm, &cands, |p| if p == best { 1.0 } else { 0.0 }, 3, 2);
+    assert_eq!(picked, vec![best, best + 1, best + 2]);
+    let scattered = top_k(&s.asm, &cands, |p| p as f32, 3, 0);
+    let n = cands.len();
+    assert_eq!(scattered, cands[n - 3..].to_vec(), "highest scores win");
 }

@@ -46,13 +46,7 @@ fn case(m: &Model, docs: &[&str], question: &str) -> Case {
 fn draft(m: &Model, c: &Case, ratio: f64) -> (KvCache, Vec<f32>) {
     let refs: Vec<&ChunkKv> = c.kvs.iter().collect();
     let input = SelectInput::new(m, &c.asm, &c.prefix, &refs, ratio);
-    let lens: Vec<usize> = c.asm.chunks().map(|s| s.ids.len()).collect();
-    let k = Epic::for_budget(
-        &lens,
-        target_engine::budget(ratio, c.asm.chunk_positions().len()),
-    )
-    .k;
-    let out = Epic { k }.prefill(&input).expect("blend");
+    let out = Epic::default().prefill(&input).expect("blend");
     (out.cache, out.logits)
 }
 

@@ -1,0 +1,399 @@
+//! Choosing what to recompute: the [`Selector`] trait and the selectors that need only the
+//! target model (the baselines, the measurement bounds and the query-aware `TargetProbe`).
+//! SpecCache's selector lives in the `speculator` crate and plugs in through the same trait.
+//!
+//! Budget rule (every budgeted selector): the budget is `ceil(ρ × all chunk tokens)` and is
+//! spent only on chunk tokens whose reused KV is not already exact: with chunks precomputed
+//! after the template prefix, the first chunk's KV is exact and is never a candidate.
+
+use crate::assembly::Assembly;
+use crate::blend::BlendOutput;
+use crate::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
+use crate::error::Result;
+use crate::model::Model;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use std::time::Instant;
+
+/// `ceil(ratio * n)` clamped to `0..=n` (ratio outside 0..=1 is clamped too).
+pub fn budget(ratio: f64, n: usize) -> usize {
+    ((ratio.clamp(0.0, 1.0) * n as f64).ceil() as usize).min(n)
+}
+
+/// What a selector sees: the model, the assembled prompt and the KV it will reuse.
+#[derive(Debug)]
+pub struct SelectInput<'a> {
+    pub model: &'a Model,
+    pub assembly: &'a Assembly,
+    pub prefix: &'a PrefixKv,
+    pub chunks: &'a [&'a ChunkKv],
+    /// True when the first chunk was precomputed after this very prefix (its KV is then exact).
+    pub first_chunk_exact: bool,
+    /// ρ: the budget is `ceil(ratio * chunk tokens)` (ignored by the fixed methods).
+    pub ratio: f64,
+}
+
+impl<'a> SelectInput<'a> {
+    /// Bundles the inputs; `first_chunk_exact` is derived from the first chunk's precompute mode.
+    pub fn new(
+        model: &'a Model,
+        assembly: &'a Assembly,
+        prefix: &'a PrefixKv,
+        chunks: &'a [&'a ChunkKv],
+        ratio: f64,
+    ) -> Self {
+        let first_chunk_exact = chunks.first().is_some_and(|c| {
+            c.mode
+                == PrecomputeMode::AfterPrefix {
+                    prefix_hash: prefix.hash.clone(),
+                }
+                && assembly
+                    .chunks()
+                    .next()
+                    .is_some_and(|s| s.ids.start == c.base_pos)
+        });
+        Self {
+            model,
+            assembly,
+            prefix,
+            chunks,
+            first_chunk_exact,
+            ratio,
+        }
+    }
+
+    /// True when the exact first chunk is left out of the candidates: always, unless the budget
+    /// is larger than every inexact row (then the rest refreshes the exact chunk, whose stored
+    /// f16 KV differs from a fresh prefill by rounding, so ρ = 1 stays identical to full
+    /// prefill).
+    pub fn skips_exact(&self) -> bool {
+        let mut segs = self.assembly.chunks();
+        let exact = segs.next().map_or(0, |s| s.ids.len());
+        let n = self.assembly.chunk_positions().len();
+        self.first_chunk_exact && budget(self.ratio, n) <= n - exact
+    }
+
+    /// Chunk positions worth recomputing: those whose reused KV is not exact (see
+    /// [`SelectInput::skips_exact`]).
+    pub fn candidates(&self) -> Vec<usize> {
+        let mut segs = self.assembly.chunks();
+        if self.skips_exact() {
+            segs.next();
+        }
+        segs.flat_map(|s| s.ids.clone()).collect()
+    }
+
+    /// Tokens to recompute: `ceil(ρ × all chunk tokens)`, at most every candidate.
+    pub fn spend(&self) -> usize {
+        budget(self.ratio, self.assembly.chunk_positions().len()).min(self.candidates().len())
+    }
+
+    /// The fused cache of these inputs (prefix rows and rotated chunk rows).
+    pub fn fused(&self) -> Result<crate::kv::KvCache> {
+        self.model
+            .fused_cache(self.assembly, self.prefix, self.chunks)
+    }
+}
+
+/// A reuse method: picks the chunk positions to recompute, and runs the blended prefill.
+pub trait Selector {
+    /// Absolute positions of chunk tokens to recompute.
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>>;
+    /// The blended prefill of this method (by default: select, then recompute those tokens
+    /// through every layer), with the selection's time in `select_ms`.
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let t = Instant::now();
+        let positions = self.select(input)?;
+        let select_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut out =
+            input
+                .model
+                .blend_prefill(input.assembly, input.prefix, input.chunks, &positions)?;
+        out.select_ms = select_ms;
+        Ok(out)
+    }
+}
+
+/// Recompute every token: an ordinary full prefill (no stored KV is read).
+#[derive(Debug, Clone, Copy)]
+pub struct FullRecompute;
+/// Recompute none: only the question is computed.
+#[derive(Debug, Clone, Copy)]
+pub struct FullReuse;
+/// Keep the longest exact cached prefix, recompute everything after it (prefix caching).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixCaching;
+/// Recompute the first `k` tokens of every chunk that is not exact (EPIC); `None` picks the
+/// smallest `k` that spends the budget.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Epic {
+    pub k: Option<usize>,
+}
+/// CacheBlend: candidates through layers `0..=check_layer`, then the tokens whose fresh K (or
+/// V, with `by_value`) deviates most from the reused one continue through the later layers.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheBlend {
+    pub check_layer: usize,
+    pub by_value: bool,
+}
+/// A seeded uniform choice among the candidates: the lower bound every selector must beat.
+#[derive(Debug, Clone, Copy)]
+pub struct Random {
+    pub seed: u64,
+}
+/// Query-aware selection at the cost of one question pass: the question runs over the fused
+/// (reused) cache, and the chunk tokens its deep layers attend to most are recomputed.
+/// `window` > 0 recomputes `window` tokens on each side of every pick (within its chunk)
+/// instead of scattered tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct TargetProbe {
+    /// First probed layer as a fraction of the depth (0.5: the deeper half).
+    pub from_depth: f64,
+    pub window: usize,
+}
+/// The measurement upper bound (never served): from a full prefill, the better (lower
+/// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
+/// most from the true KV over the deep layers, and the tokens the full prefill's question
+/// attends to most.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Oracle;
+
+impl Default for CacheBlend {
+    fn default() -> Self {
+        Self {
+            check_layer: 1,
+            by_value: false,
+        }
+    }
+}
+
+impl Default for TargetProbe {
+    fn default() -> Self {
+        Self {
+            from_depth: 0.5,
+            window: 0,
+        }
+    }
+}
+
+impl Selector for FullRecompute {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(input.assembly.chunk_positions())
+    }
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let (cache, logits) = input.model.prefill(&input.assembly.ids)?;
+        let recomputed = input.assembly.chunk_positions();
+        Ok(BlendOutput {
+            cache,
+            logits,
+            chunk_tokens: recomputed.len(),
+            recomputed,
+            select_ms: 0.0,
+        })
+    }
+}
+
+impl Selector for FullReuse {
+    fn select(&self, _: &SelectInput) -> Result<Vec<usize>> {
+        Ok(Vec::new())
+    }
+}
+
+impl Selector for PrefixCaching {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(input.candidates())
+    }
+}
+
+impl Epic {
+    /// EPIC at a budget: the smallest `k` whose first-`k`-tokens-of-every-chunk selection
+    /// reaches `budget` tokens (short chunks contribute all they have). It can exceed the
+    /// budget by less than one token per chunk; ratio 1 recomputes every chunk token.
+    pub fn k_for_budget(chunk_lens: &[usize], budget: usize) -> usize {
+        let spent = |k: usize| chunk_lens.iter().map(|&n| n.min(k)).sum::<usize>();
+        let max = chunk_lens.iter().copied().max().unwrap_or(0);
+        let (mut lo, mut hi) = (0usize, max);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if spent(mid) >= budget {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        lo
+    }
+}
+
+impl Selector for Epic {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        let skip = usize::from(input.skips_exact());
+        let segs: Vec<_> = input.assembly.chunks().skip(skip).collect();
+        let k = self.k.unwrap_or_else(|| {
+            let lens: Vec<usize> = segs.iter().map(|s| s.ids.len()).collect();
+            Self::k_for_budget(&lens, input.spend())
+        });
+        Ok(segs
+            .iter()
+            .flat_map(|s| s.ids.start..s.ids.end.min(s.ids.start + k))
+            .collect())
+    }
+}
+
+impl Selector for CacheBlend {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.prefill(input)?.recomputed)
+    }
+    /// Overridden: the tokens chosen continue from the check layer instead of starting over.
+    /// The check layer is clamped below the last layer, so shallow models (2 layers) work.
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let n_layer = input.model.config().n_layer;
+        let fused = input.fused()?;
+        input.model.blend_prefill_cacheblend(
+            input.assembly,
+            &fused,
+            &input.candidates(),
+            input.spend(),
+            (
+                self.check_layer.min(n_layer.saturating_sub(2)),
+                self.by_value,
+            ),
+        )
+    }
+}
+
+impl Selector for Random {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        let mut c = input.candidates();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
+        c.shuffle(&mut rng);
+        c.truncate(input.spend());
+        c.sort_unstable();
+        Ok(c)
+    }
+}
+
+/// The `k` candidates of highest `score` (ties: earlier first); with `window` > 0, every pick
+/// brings the `window` candidates on each side within its segment, picks taken in score order
+/// while they fit in `k`.
+pub fn top_k(
+    asm: &Assembly,
+    candidates: &[usize],
+    score: impl Fn(usize) -> f32,
+    k: usize,
+    window: usize,
+) -> Vec<usize> {
+    let mut order = candidates.to_vec();
+    order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+    let mut chosen = vec![false; asm.ids.len()];
+    let mut is_cand = vec![false; asm.ids.len()];
+    candidates.iter().for_each(|&p| is_cand[p] = true);
+    let mut n = 0;
+    for &p in &order {
+        if n >= k {
+            break;
+        }
+        let seg = asm.segments.iter().find(|s| s.ids.contains(&p));
+        let (lo, hi) = seg.map_or((p, p + 1), |s| {
+            (
+                p.saturating_sub(window).max(s.ids.start),
+                (p + window + 1).min(s.ids.end),
+            )
+        });
+        // The pick first, then its neighbours nearest-first, while the budget lasts.
+        let mut around: Vec<usize> = (lo..hi).collect();
+        around.sort_by_key(|&q| q.abs_diff(p));
+        for q in around {
+            if n < k && is_cand[q] && !chosen[q] {
+                chosen[q] = true;
+                n += 1;
+            }
+        }
+    }
+    (0..asm.ids.len()).filter(|&p| chosen[p]).collect()
+}
+
+/// Layers `from_depth × n_layer .. n_layer` (at least the last one).
+fn deep_layers(model: &Model, from_depth: f64) -> std::ops::Range<usize> {
+    let n = model.config().n_layer;
+    let from = ((from_depth.clamp(0.0, 1.0) * n as f64) as usize).min(n - 1);
+    from..n
+}
+
+/// The question's attention mass per position over `cache`, at `layers`.
+fn question_attention(
+    model: &Model,
+    asm: &Assembly,
+    cache: &mut crate::kv::KvCache,
+    layers: std::ops::Range<usize>,
+) -> Result<Vec<f32>> {
+    let q_pos = asm.question_positions();
+    let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
+    let (_, mass) = model.forward_probe(&q_ids, &q_pos, cache, layers)?;
+    Ok(mass)
+}
+
+impl Selector for TargetProbe {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.prefill(input)?.recomputed)
+    }
+    /// Overridden: the probe's fused cache is the one the blended prefill then continues on.
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let t = Instant::now();
+        let (model, asm) = (input.model, input.assembly);
+        let mut cache = input.fused()?;
+        let picked = match input.spend() {
+            0 => Vec::new(),
+            k => {
+                let layers = deep_layers(model, self.from_depth);
+                let mass = question_attention(model, asm, &mut cache, layers)?;
+                let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
+                top_k(asm, &input.candidates(), score, k, self.window)
+            }
+        };
+        let select_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut out = model.blend_prefill_on(asm, cache, &picked)?;
+        out.select_ms = select_ms;
+        Ok(out)
+    }
+}
+
+impl Selector for Oracle {
+    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+        Ok(self.prefill(input)?.recomputed)
+    }
+    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+        let t = Instant::now();
+        let (model, asm) = (input.model, input.assembly);
+        let (mut full, full_logits) = model.prefill(&asm.ids)?;
+        let fused = input.fused()?;
+        let (k, cands) = (input.spend(), input.candidates());
+        let layers = deep_layers(model, 2.0 / 3.0);
+        let row = model.config().kv_row();
+        let deviation = |p: usize| -> f32 {
+            layers
+                .clone()
+                .map(|l| {
+                    let d = |a: &[f32], b: &[f32]| -> f32 {
+                        a[p * row..(p + 1) * row]
+                            .iter()
+                            .zip(&b[p * row..(p + 1) * row])
+                            .map(|(x, y)| (x - y) * (x - y))
+                            .sum()
+                    };
+                    d(full.k(l), fused.k(l)) + d(full.v(l), fused.v(l))
+                })
+                .sum()
+        };
+        let by_kv = top_k(asm, &cands, deviation, k, 0);
+        let mass = question_attention(model, asm, &mut full, deep_layers(model, 0.5))?;
+        let by_attn = top_k(asm, &cands, |p| mass.get(p).copied().unwrap_or(0.0), k, 0);
+        let select_ms = t.elapsed().as_secs_f64() * 1e3;
+        let a = model.blend_prefill_on(asm, fused.clone(), &by_kv)?;
+        let b = model.blend_prefill_on(asm, fused, &by_attn)?;
+        let kl = |o: &BlendOutput| crate::fidelity::kl_divergence(&full_logits, &o.logits);
+        let mut best = if kl(&b) < kl(&a) { b } else { a };
+        best.select_ms = select_ms;
+        Ok(best)
+    }
+}
