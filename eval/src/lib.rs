@@ -20,4 +20,5 @@ pub mod profiles;
 pub mod report;
 pub mod run;
 pub mod stats;
+pub mod study;
 pub mod sysinfo;

@@ -19,6 +19,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{LoadOptions, Model};
 
+mod study_cmd;
+
 /// Evaluate every KV-reuse method: quality against gold answers, fidelity to full recompute,
 /// TTFT and its parts, and goodput under Poisson arrivals through the real server.
 ///
@@ -98,6 +100,27 @@ struct Args {
     /// Speculator of the small pairing [default: $SPECRAG_MODELS/smollm2-135m-instruct-q4_1.gguf]
     #[arg(long, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
     speculator: Option<PathBuf>,
+    /// The fidelity study instead of the default run: profile and record cases, every method
+    /// at ρ = 0.15 (oracle and random as bounds) and a ρ sweep on the first --sweep-cases,
+    /// paired against full recompute; appends to <out>/study.jsonl a case at a time and
+    /// writes <out>/study.md. --pairings defaults to small here.
+    #[arg(long)]
+    study: bool,
+    /// Continue the study.jsonl in --out (cases already answered are skipped).
+    #[arg(long, requires = "study")]
+    resume: bool,
+    /// Study cases per dataset with the small pairing.
+    #[arg(long, default_value_t = 200, requires = "study")]
+    study_cases: usize,
+    /// Study cases per dataset with the large pairing.
+    #[arg(long, default_value_t = 60, requires = "study")]
+    study_large_cases: usize,
+    /// Study cases (the first of each dataset) that also run the ρ sweep.
+    #[arg(long, default_value_t = 40, requires = "study")]
+    sweep_cases: usize,
+    /// The configuration the study report compares with every baseline, head to head.
+    #[arg(long, default_value = "target_probe@0.15", requires = "study")]
+    study_best: String,
     /// Target of the large pairing (its speculator is the small pairing's target)
     /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
     #[arg(long, value_name = "PATH")]
@@ -328,6 +351,9 @@ fn render(from: &Path, out: &Path) -> anyhow::Result<bool> {
 fn run_all(args: Args) -> anyhow::Result<bool> {
     if let Some(from) = &args.render {
         return render(from, &args.out);
+    }
+    if args.study {
+        return study_cmd::run(&args);
     }
     let started = Instant::now();
     let budget = if args.quick {

@@ -42,7 +42,7 @@ pub enum ChunkOrder {
 
 /// Settings the API does not expose, used by the evaluation and the benchmarks; the defaults
 /// are what a served query does.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct QueryOptions {
     pub order: ChunkOrder,
     /// EPIC with this many recomputed tokens at the start of every chunk, instead of the `k`
@@ -52,6 +52,11 @@ pub struct QueryOptions {
     pub layers: Option<LayerRange>,
     /// Where SpecCache's scores come from; `None` keeps the pipeline's setting.
     pub score_source: Option<ScoreSource>,
+    /// Teacher forcing after the prefill (evaluation only, untimed): for each sequence, the
+    /// next-token logits before each of its tokens come back in [`Traced::forced`].
+    pub forced: Vec<Vec<u32>>,
+    /// Also force the answer just generated (appended after `forced`).
+    pub force_answer: bool,
 }
 
 /// A validated query.
@@ -180,6 +185,23 @@ pub struct Traced {
     pub answer: Answer,
     /// The target's logits for the first generated token (after the blended or full prefill).
     pub first_logits: Vec<f32>,
+    /// The generated token ids.
+    pub ids: Vec<u32>,
+    /// Per sequence of [`QueryOptions::forced`] (then the answer with `force_answer`): the
+    /// logits before each of its tokens, from the prefill's cache.
+    pub forced: Vec<Vec<Vec<f32>>>,
+    /// The chunk tokens the method recomputed.
+    pub selected: Vec<Selected>,
+}
+
+/// A recomputed chunk token: which chunk of the prompt, where in it, and its text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Selected {
+    /// The chunk's place in the prompt (0 = first).
+    pub chunk: usize,
+    /// Token offset within the chunk.
+    pub offset: usize,
+    pub text: String,
 }
 
 /// A piece of a streamed answer.
@@ -456,10 +478,21 @@ impl Pipeline {
         reuse.recomputed_tokens = out.recomputed.len();
         reuse.ratio = out.ratio();
         let first_logits = out.logits.clone();
+        let selected = self.selected(asm, &out.recomputed);
+        let forcing = !q.options.forced.is_empty() || q.options.force_answer;
+        let kept = forcing.then(|| out.cache.clone());
         let td = Instant::now();
         let (g, verify) = self.decode(q, out, full_prefill, &timings, on_piece)?;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
+        let mut forced = Vec::new();
+        if let Some(cache) = kept {
+            let answer_ids = q.options.force_answer.then_some(&g.ids);
+            for seq in q.options.forced.iter().chain(answer_ids) {
+                forced.push(self.teacher_force(&cache, &first_logits, seq, asm.ids.len())?);
+            }
+        }
+        let ids = g.ids.clone();
         let answer = Answer {
             answer: g.text,
             method: q.method,
@@ -484,7 +517,58 @@ impl Pipeline {
         Ok(Traced {
             answer,
             first_logits,
+            ids,
+            forced,
+            selected,
         })
+    }
+
+    /// Where each recomputed position sits among the prompt's chunks.
+    fn selected(&self, asm: &Assembly, recomputed: &[usize]) -> Vec<Selected> {
+        let tok = self.engines.target.tokenizer();
+        let chunks: Vec<std::ops::Range<usize>> = asm.chunks().map(|s| s.ids.clone()).collect();
+        recomputed
+            .iter()
+            .filter_map(|&p| {
+                let chunk = chunks.iter().position(|r| r.contains(&p))?;
+                Some(Selected {
+                    chunk,
+                    offset: p - chunks[chunk].start,
+                    text: String::from_utf8_lossy(tok.token_bytes(asm.ids[p])).into_owned(),
+                })
+            })
+            .collect()
+    }
+
+    /// Next-token logits before each token of `seq`, the first being `first` (the prefill's),
+    /// the rest from one forward of `seq[..len-1]` at positions `start..` over a copy of
+    /// `cache`.
+    fn teacher_force(
+        &self,
+        cache: &KvCache,
+        first: &[f32],
+        seq: &[u32],
+        start: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let target = &self.engines.target;
+        let mut out = vec![first.to_vec()];
+        if seq.len() < 2 {
+            return Ok(out);
+        }
+        let mut cache = cache.clone();
+        let feed = &seq[..seq.len() - 1];
+        let positions: Vec<usize> = (start..start + feed.len()).collect();
+        let f = target.forward(feed, &positions, &mut cache, false)?;
+        let logits = target
+            .logits(&f.hidden)
+            .and_then(|t| Ok(t.to_vec2::<f32>()?))
+            .map_err(|e| GatewayError::Internal(format!("teacher forcing: {e}")))?;
+        let vocab = target.tokenizer().vocab_size();
+        out.extend(logits.into_iter().map(|mut row| {
+            row.truncate(vocab);
+            row
+        }));
+        Ok(out)
     }
 
     /// True when `q` decodes from a full prefill and reads no chunk KV (full recompute, or

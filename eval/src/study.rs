@@ -1,0 +1,534 @@
+//! The fidelity study (`specrag-eval --study`): does selective recompute answer like full
+//! recompute? Every case is answered by full recompute first; every other configuration is
+//! compared with it per case on continuous measures (first-token KL, teacher-forced KL over full
+//! recompute's answer, the gold answer's NLL) and on the answer itself (identical to full
+//! recompute's, gold contained), with paired intervals in the report. Results are appended to
+//! `study.jsonl` a case at a time, so a long run can be stopped and resumed (`--resume`).
+
+use crate::datasets::Case;
+use crate::run::{self, Dataset};
+use crate::stats::{self, Interval, McNemar};
+use gateway::pipeline::{Method, Pipeline, Query, QueryOptions, Selected, Timings, Traced};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::Path;
+
+/// Generated tokens of every answer (identity is judged on whole answers of this length).
+pub const MAX_TOKENS: usize = 32;
+/// Bootstrap resamples of every interval.
+const RESAMPLES: usize = 2000;
+
+/// One configuration of the study: a method at a ratio.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StudyConfig {
+    pub method: Method,
+    pub ratio: f64,
+}
+
+impl StudyConfig {
+    /// `method@ratio` (the ratio-free methods by name).
+    pub fn label(&self) -> String {
+        if self.method.budgeted() {
+            format!("{}@{:.2}", self.method.name(), self.ratio)
+        } else {
+            self.method.name().to_string()
+        }
+    }
+}
+
+/// The configurations of the main comparison at `ratio` (full recompute first).
+pub fn main_configs(ratio: f64) -> Vec<StudyConfig> {
+    let at = |method| StudyConfig { method, ratio };
+    let mut out = vec![StudyConfig {
+        method: Method::FullRecompute,
+        ratio: 1.0,
+    }];
+    out.push(StudyConfig {
+        method: Method::FullReuse,
+        ratio: 0.0,
+    });
+    for m in [
+        Method::Oracle,
+        Method::Random,
+        Method::TargetProbe,
+        Method::TargetProbeSpan,
+        Method::Speccache,
+        Method::Cacheblend,
+        Method::Epic,
+    ] {
+        out.push(at(m));
+    }
+    out
+}
+
+/// The ρ sweep of the budgeted methods (run on a subset of cases).
+pub fn sweep_configs(ratios: &[f64]) -> Vec<StudyConfig> {
+    let mut out = Vec::new();
+    for &ratio in ratios {
+        for method in [
+            Method::Oracle,
+            Method::Random,
+            Method::TargetProbe,
+            Method::Cacheblend,
+            Method::Epic,
+            Method::Speccache,
+        ] {
+            out.push(StudyConfig { method, ratio });
+        }
+    }
+    out
+}
+
+/// One answer of one configuration to one case, measured against full recompute's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StudyRecord {
+    pub pairing: String,
+    pub dataset: String,
+    pub case: String,
+    pub config: StudyConfig,
+    pub label: String,
+    pub answer: String,
+    /// A gold answer is contained in the answer (normalized as LongBench does).
+    pub correct: bool,
+    /// The whole answer equals full recompute's.
+    pub identical: bool,
+    /// KL(full || this) of the first token's distribution.
+    pub kl_first: f64,
+    /// Mean over full recompute's answer tokens of KL(full || this), both teacher-forced.
+    pub kl_tf: f64,
+    /// Mean negative log-likelihood per token of the (first) gold answer.
+    pub gold_nll: f64,
+    pub ttft_ms: f64,
+    pub timings: Timings,
+    /// Recomputed chunk tokens over all chunk tokens.
+    pub ratio: f64,
+    pub selected: Vec<Selected>,
+}
+
+/// A gold answer contained in the normalized prediction.
+pub fn contains_gold(prediction: &str, golds: &[String]) -> bool {
+    let p = crate::metrics::normalize_answer(prediction);
+    golds.iter().any(|g| {
+        let g = crate::metrics::normalize_answer(g);
+        !g.is_empty() && format!(" {p} ").contains(&format!(" {g} "))
+    })
+}
+
+fn mean_kl(reference: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
+    let n = reference.len().min(other.len());
+    if n == 0 {
+        return 0.0;
+    }
+    (0..n)
+        .map(|i| stats::kl_from_logits(&reference[i], &other[i]))
+        .sum::<f64>()
+        / n as f64
+}
+
+fn mean_nll(steps: &[Vec<f32>], ids: &[u32]) -> f64 {
+    let n = steps.len().min(ids.len());
+    if n == 0 {
+        return f64::NAN;
+    }
+    (0..n)
+        .map(|i| stats::nll_from_logits(&steps[i], ids[i] as usize))
+        .sum::<f64>()
+        / n as f64
+}
+
+fn ask(
+    pipeline: &Pipeline,
+    ds: &Dataset,
+    case: &Case,
+    config: StudyConfig,
+    options: QueryOptions,
+) -> anyhow::Result<Traced> {
+    let q = Query {
+        query: case.question.clone(),
+        collection: run::collection_of(case),
+        top_k: ds.top_k,
+        method: config.method,
+        ratio: config.ratio,
+        max_tokens: MAX_TOKENS,
+        temperature: 0.0,
+        seed: 0,
+        verify: false,
+        options: QueryOptions {
+            order: ds.order,
+            ..options
+        },
+    };
+    pipeline
+        .query_traced(&q, &mut |_| true)
+        .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.label()))
+}
+
+/// Answers `case` with every configuration (`configs[0]` is full recompute, the reference).
+pub fn run_case(
+    pipeline: &Pipeline,
+    pairing: &str,
+    ds: &Dataset,
+    case: &Case,
+    configs: &[StudyConfig],
+) -> anyhow::Result<Vec<StudyRecord>> {
+    let gold = case.answers.first().map(String::as_str).unwrap_or("");
+    let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
+    let reference = ask(
+        pipeline,
+        ds,
+        case,
+        configs[0],
+        QueryOptions {
+            forced: vec![gold_ids.clone()],
+            force_answer: true,
+            ..Default::default()
+        },
+    )?;
+    if reference.answer.chunks.is_empty() {
+        anyhow::bail!("case {} retrieved no chunk", case.id);
+    }
+    let ref_steps = reference.forced.get(1).cloned().unwrap_or_default();
+    let mut out = Vec::with_capacity(configs.len());
+    for (i, &config) in configs.iter().enumerate() {
+        let t = if i == 0 {
+            reference.clone()
+        } else {
+            let options = QueryOptions {
+                forced: vec![gold_ids.clone(), reference.ids.clone()],
+                ..Default::default()
+            };
+            ask(pipeline, ds, case, config, options)?
+        };
+        let steps = t.forced.get(1).map(Vec::as_slice).unwrap_or(&[]);
+        out.push(StudyRecord {
+            pairing: pairing.into(),
+            dataset: ds.name.clone(),
+            case: case.id.clone(),
+            config,
+            label: config.label(),
+            answer: t.answer.answer.clone(),
+            correct: contains_gold(&t.answer.answer, &case.answers),
+            identical: t.answer.answer == reference.answer.answer,
+            kl_first: stats::kl_from_logits(&reference.first_logits, &t.first_logits),
+            kl_tf: mean_kl(&ref_steps, steps),
+            gold_nll: mean_nll(t.forced.first().map_or(&[], Vec::as_slice), &gold_ids),
+            ttft_ms: t.answer.timings.ttft_ms,
+            timings: t.answer.timings,
+            ratio: t.answer.reuse.ratio,
+            selected: t.selected.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// Cases of `path` (a study.jsonl) already answered by every label of `labels`, per
+/// (pairing, dataset, case).
+pub fn done_cases(records: &[StudyRecord], labels: &[String]) -> HashSet<(String, String, String)> {
+    let mut have: BTreeMap<(String, String, String), HashSet<&str>> = BTreeMap::new();
+    for r in records {
+        have.entry((r.pairing.clone(), r.dataset.clone(), r.case.clone()))
+            .or_default()
+            .insert(&r.label);
+    }
+    have.into_iter()
+        .filter(|(_, got)| labels.iter().all(|l| got.contains(l.as_str())))
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// Reads a study.jsonl (missing file: nothing yet). A torn last line (a run killed while
+/// writing) is dropped; any other bad line is an error naming it.
+pub fn read_records(path: &Path) -> anyhow::Result<Vec<StudyRecord>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut out = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str(line) {
+            Ok(r) => out.push(r),
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => break,
+            Err(e) => anyhow::bail!("{}:{}: {e}", path.display(), i + 1),
+        }
+    }
+    Ok(out)
+}
+
+/// Cuts a torn last line (a run killed while writing) off a study.jsonl, so appends start on
+/// a fresh line. A missing file is fine.
+pub fn repair(path: &Path) -> anyhow::Result<()> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return Ok(());
+    };
+    if bytes.is_empty() || bytes.ends_with(b"\n") {
+        return Ok(());
+    }
+    let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    f.set_len(keep as u64)?;
+    f.sync_data()?;
+    Ok(())
+}
+
+/// Appends the records of one case and flushes them to disk.
+pub fn append(path: &Path, records: &[StudyRecord]) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    let mut buf = String::new();
+    for r in records {
+        buf.push_str(&serde_json::to_string(r)?);
+        buf.push('\n');
+    }
+    f.write_all(buf.as_bytes())?;
+    f.sync_data()?;
+    Ok(())
+}
+
+/// The paired summary of one configuration against full recompute (and full reuse).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub pairing: String,
+    pub dataset: String,
+    pub label: String,
+    pub n: usize,
+    pub accuracy: Interval,
+    /// Accuracy minus full recompute's, paired by case.
+    pub accuracy_delta: Option<Interval>,
+    pub mcnemar: Option<McNemar>,
+    pub identical: Interval,
+    pub kl_first: Interval,
+    pub kl_tf: Interval,
+    /// 1 − mean KL_tf / mean KL_tf of full reuse.
+    pub gap_closed: Option<Interval>,
+    pub gold_nll_delta: Option<Interval>,
+    /// Median TTFT over full recompute's median TTFT, same run.
+    pub ttft_ratio: f64,
+    pub recomputed: f64,
+}
+
+fn by_label<'a>(
+    records: &'a [StudyRecord],
+    pairing: &str,
+    dataset: &str,
+) -> BTreeMap<String, BTreeMap<String, &'a StudyRecord>> {
+    let mut out: BTreeMap<String, BTreeMap<String, &StudyRecord>> = BTreeMap::new();
+    for r in records
+        .iter()
+        .filter(|r| r.pairing == pairing && r.dataset == dataset)
+    {
+        out.entry(r.label.clone())
+            .or_default()
+            .insert(r.case.clone(), r);
+    }
+    out
+}
+
+/// Values of `f` for the cases both `a` and `b` answered, in case order.
+fn paired(
+    a: &BTreeMap<String, &StudyRecord>,
+    b: &BTreeMap<String, &StudyRecord>,
+    f: impl Fn(&StudyRecord) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
+    a.iter()
+        .filter_map(|(case, ra)| b.get(case).map(|rb| (f(ra), f(rb))))
+        .unzip()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Summaries of every configuration of every (pairing, dataset) in `records`.
+pub fn summarize(records: &[StudyRecord]) -> Vec<Summary> {
+    let mut keys: Vec<(String, String)> = records
+        .iter()
+        .map(|r| (r.pairing.clone(), r.dataset.clone()))
+        .collect();
+    keys.sort();
+    keys.dedup();
+    let mut out = Vec::new();
+    let full_label = Method::FullRecompute.name();
+    let reuse_label = Method::FullReuse.name();
+    for (pairing, dataset) in keys {
+        let labels = by_label(records, &pairing, &dataset);
+        let empty = BTreeMap::new();
+        let full = labels.get(full_label).unwrap_or(&empty);
+        let reuse = labels.get(reuse_label).unwrap_or(&empty);
+        let full_ttft = median(full.values().map(|r| r.ttft_ms).collect());
+        let mut order: Vec<&String> = labels.keys().collect();
+        order.sort_by_key(|l| first_index(records, l));
+        for label in order {
+            let rs = &labels[label];
+            let vals = |f: fn(&StudyRecord) -> f64| rs.values().map(|r| f(r)).collect::<Vec<_>>();
+            let (a, b) = paired(rs, full, |r| f64::from(u8::from(r.correct)));
+            let (nll_a, nll_b) = paired(rs, full, |r| r.gold_nll);
+            let (kl_a, kl_b) = paired(rs, reuse, |r| r.kl_tf);
+            let n = rs.len();
+            let correct = rs.values().filter(|r| r.correct).count();
+            let identical = rs.values().filter(|r| r.identical).count();
+            out.push(Summary {
+                pairing: pairing.clone(),
+                dataset: dataset.clone(),
+                label: label.clone(),
+                n,
+                accuracy: stats::wilson(correct, n),
+                accuracy_delta: stats::paired_bootstrap_diff(&a, &b, RESAMPLES, 1),
+                mcnemar: stats::mcnemar(
+                    &a.iter().map(|&x| x > 0.5).collect::<Vec<_>>(),
+                    &b.iter().map(|&x| x > 0.5).collect::<Vec<_>>(),
+                ),
+                identical: stats::wilson(identical, n),
+                kl_first: stats::bootstrap_mean(&vals(|r| r.kl_first), RESAMPLES, 2),
+                kl_tf: stats::bootstrap_mean(&vals(|r| r.kl_tf), RESAMPLES, 3),
+                gap_closed: stats::bootstrap_ratio_gap(&kl_a, &kl_b, RESAMPLES, 4),
+                gold_nll_delta: stats::paired_bootstrap_diff(&nll_a, &nll_b, RESAMPLES, 5),
+                ttft_ratio: median(vals(|r| r.ttft_ms)) / full_ttft,
+                recomputed: crate::metrics::mean(&vals(|r| r.ratio)),
+            });
+        }
+    }
+    out
+}
+
+fn first_index(records: &[StudyRecord], label: &str) -> usize {
+    records
+        .iter()
+        .position(|r| r.label == label)
+        .unwrap_or(usize::MAX)
+}
+
+/// Paired differences of `label` against each of `others` on teacher-forced KL and identity
+/// (negative KL difference and positive identity difference favour `label`).
+pub fn head_to_head(
+    records: &[StudyRecord],
+    pairing: &str,
+    dataset: &str,
+    label: &str,
+    others: &[&str],
+) -> Vec<(String, Option<Interval>, Option<Interval>)> {
+    let labels = by_label(records, pairing, dataset);
+    let Some(mine) = labels.get(label) else {
+        return Vec::new();
+    };
+    others
+        .iter()
+        .filter_map(|o| {
+            let theirs = labels.get(*o)?;
+            let (a, b) = paired(mine, theirs, |r| r.kl_tf);
+            let (ia, ib) = paired(mine, theirs, |r| f64::from(u8::from(r.identical)));
+            Some((
+                o.to_string(),
+                stats::paired_bootstrap_diff(&a, &b, RESAMPLES, 6),
+                stats::paired_bootstrap_diff(&ia, &ib, RESAMPLES, 7),
+            ))
+        })
+        .collect()
+}
+
+fn iv(i: &Interval, scale: f64, digits: usize) -> String {
+    format!(
+        "{:.d$} [{:.d$}, {:.d$}]",
+        i.estimate * scale,
+        i.lo * scale,
+        i.hi * scale,
+        d = digits
+    )
+}
+
+fn opt_iv(i: &Option<Interval>, scale: f64, digits: usize) -> String {
+    i.as_ref().map_or("–".into(), |i| iv(i, scale, digits))
+}
+
+/// The study's Markdown report: one table per (pairing, dataset), then the head-to-head
+/// comparisons of `best` against the baselines.
+pub fn markdown(records: &[StudyRecord], best: &str) -> String {
+    let mut out = String::from(
+        "# Fidelity study\n\nEvery configuration is paired per case with full recompute's \
+         answer (greedy, 32 tokens). Intervals are 95% (Wilson for proportions, paired \
+         bootstrap of cases otherwise). Δ = configuration − full recompute. Gap closed = 1 − \
+         mean teacher-forced KL / full reuse's. McNemar p compares correctness with full \
+         recompute.\n",
+    );
+    let sums = summarize(records);
+    let mut keys: Vec<(&str, &str)> = sums
+        .iter()
+        .map(|s| (s.pairing.as_str(), s.dataset.as_str()))
+        .collect();
+    keys.dedup();
+    for (pairing, dataset) in keys {
+        let _ = write!(
+            out,
+            "\n## {pairing} / {dataset}\n\n| config | n | recomputed | accuracy % | Δ accuracy pts | \
+             McNemar p | identical % | KL first | KL teacher-forced | gap closed % | Δ gold NLL | \
+             TTFT ÷ full |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        );
+        for s in sums
+            .iter()
+            .filter(|s| s.pairing == pairing && s.dataset == dataset)
+        {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                s.label,
+                s.n,
+                s.recomputed,
+                iv(&s.accuracy, 100.0, 0),
+                opt_iv(&s.accuracy_delta, 100.0, 0),
+                s.mcnemar
+                    .map_or("–".into(), |m| format!("{:.3}", m.p_value)),
+                iv(&s.identical, 100.0, 0),
+                iv(&s.kl_first, 1.0, 3),
+                iv(&s.kl_tf, 1.0, 3),
+                opt_iv(&s.gap_closed, 100.0, 0),
+                opt_iv(&s.gold_nll_delta, 1.0, 3),
+                s.ttft_ratio
+            );
+        }
+        let h2h = head_to_head(
+            records,
+            pairing,
+            dataset,
+            best,
+            &[
+                "full_reuse",
+                "cacheblend@0.15",
+                "epic@0.15",
+                "speccache@0.15",
+                "random@0.15",
+                "oracle@0.15",
+            ],
+        );
+        if !h2h.is_empty() {
+            let _ = write!(
+                out,
+                "\n`{best}` against each, paired (Δ teacher-forced KL < 0 and Δ identical > 0 \
+                 favour `{best}`):\n\n| against | Δ KL teacher-forced | Δ identical pts |\n|---|---|---|\n"
+            );
+            for (o, kl, id) in h2h {
+                let _ = writeln!(
+                    out,
+                    "| {o} | {} | {} |",
+                    opt_iv(&kl, 1.0, 3),
+                    opt_iv(&id, 100.0, 0)
+                );
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,169 @@
+//! `specrag-eval --study`: the fidelity study's driver (cases, pairings, resume, report).
+
+use crate::{bar, file_name, load_model, Args};
+use anyhow::Context as _;
+use eval::profiles::{profile_cases, record_cases, ProfileParams, RecordParams};
+use eval::run::{self, Dataset};
+use eval::study::{self, StudyConfig, StudyRecord};
+use gateway::corpus::{Corpus, Engines};
+use gateway::models::{self, Role};
+use gateway::pipeline::{ChunkOrder, Pipeline, ScoreSource};
+use std::io::IsTerminal as _;
+use std::path::Path;
+
+/// The main ratio of the study.
+const RHO: f64 = 0.15;
+/// The ratios of the sweep (besides the main one).
+const SWEEP: [f64; 4] = [0.05, 0.10, 0.25, 0.40];
+
+/// The study's datasets with `n` cases each.
+fn datasets(n: usize, seed: u64) -> Vec<Dataset> {
+    vec![
+        Dataset {
+            name: "profiles".into(),
+            cases: profile_cases(&ProfileParams {
+                cases: n,
+                documents: 5,
+                seed,
+            }),
+            top_k: 4,
+            order: ChunkOrder::Rank,
+            chunk_tokens: 512,
+            max_tokens: study::MAX_TOKENS,
+        },
+        Dataset {
+            name: "records".into(),
+            cases: record_cases(&RecordParams {
+                cases: n,
+                records: 4,
+                seed,
+            }),
+            top_k: 4,
+            order: ChunkOrder::Rank,
+            chunk_tokens: 512,
+            max_tokens: study::MAX_TOKENS,
+        },
+    ]
+}
+
+/// Runs the study for the pairings of `args`, appending to `<out>/study.jsonl`, then writes
+/// `<out>/study.md`.
+pub fn run(args: &Args) -> anyhow::Result<bool> {
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let path = args.out.join("study.jsonl");
+    if !args.resume && path.exists() {
+        anyhow::bail!(
+            "{} exists: pass --resume to continue it, or choose another --out",
+            path.display()
+        );
+    }
+    study::repair(&path)?;
+    let mut records = study::read_records(&path)?;
+    let tmp = tempfile::tempdir()?;
+    let data_root = args.data.clone().unwrap_or_else(|| tmp.path().into());
+    let pairings = if args.pairings.is_empty() {
+        vec!["small".to_string()]
+    } else {
+        args.pairings.clone()
+    };
+    for pairing in &pairings {
+        let (target, spec) = match pairing.as_str() {
+            "small" => (
+                models::resolve(args.target.as_deref(), Role::Target)?,
+                models::resolve(args.speculator.as_deref(), Role::Speculator)?,
+            ),
+            "large" => (
+                models::resolve(args.large_target.as_deref(), Role::LargeTarget)?,
+                models::resolve(args.target.as_deref(), Role::Target)?,
+            ),
+            other => anyhow::bail!("--pairings: unknown pairing `{other}` (expected small, large)"),
+        };
+        let n = if pairing == "small" {
+            args.study_cases
+        } else {
+            args.study_large_cases
+        };
+        let engines = Engines::new(load_model(&target)?, Some(load_model(&spec)?))?;
+        let dir = data_root.join(pairing);
+        let corpus = Corpus::open(&dir, 1 << 30)
+            .with_context(|| format!("opening data directory {}", dir.display()))?;
+        let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+        eprintln!(
+            "study {pairing}: {} -> {}, {n} cases per dataset",
+            file_name(&spec),
+            file_name(&target)
+        );
+        for ds in datasets(n, args.seed) {
+            run_dataset(
+                &pipeline,
+                pairing,
+                &ds,
+                args.sweep_cases,
+                &path,
+                &mut records,
+            )?;
+        }
+    }
+    let report = study::markdown(&records, &args.study_best);
+    let md = args.out.join("study.md");
+    std::fs::write(&md, report).with_context(|| format!("writing {}", md.display()))?;
+    eprintln!("wrote {} ({} answers)", md.display(), records.len());
+    Ok(true)
+}
+
+/// Every case of `ds` not yet in `records`: the main configurations, and the sweep on the first
+/// `sweep_cases`.
+fn run_dataset(
+    pipeline: &Pipeline,
+    pairing: &str,
+    ds: &Dataset,
+    sweep_cases: usize,
+    path: &Path,
+    records: &mut Vec<StudyRecord>,
+) -> anyhow::Result<()> {
+    let main = study::main_configs(RHO);
+    let mut with_sweep = main.clone();
+    with_sweep.extend(study::sweep_configs(&SWEEP));
+    let labels = |c: &[StudyConfig]| c.iter().map(StudyConfig::label).collect::<Vec<_>>();
+    let done = study::done_cases(records, &labels(&main));
+    let done_sweep = study::done_cases(records, &labels(&with_sweep));
+    let lines = !std::io::stderr().is_terminal();
+    let b = bar(ds.cases.len() as u64, &format!("{pairing} {}", ds.name));
+    for (i, case) in ds.cases.iter().enumerate() {
+        b.inc(1);
+        let key = (pairing.to_string(), ds.name.clone(), case.id.clone());
+        let sweep = i < sweep_cases;
+        if done_sweep.contains(&key) || (!sweep && done.contains(&key)) {
+            continue;
+        }
+        let one = Dataset {
+            cases: vec![case.clone()],
+            ..ds.clone()
+        };
+        run::ingest(pipeline, pairing, &one, &mut || {})?;
+        let configs = if sweep { &with_sweep } else { &main };
+        // A partly answered case (a run stopped mid-case) is answered again whole.
+        records
+            .retain(|r| (r.pairing.as_str(), &r.dataset, &r.case) != (pairing, &ds.name, &case.id));
+        let recs = study::run_case(pipeline, pairing, &one, case, configs)?;
+        study::append(path, &recs)?;
+        if lines {
+            let ok = |l: &str| {
+                recs.iter()
+                    .find(|r| r.label == l)
+                    .map(|r| (r.identical, r.correct))
+            };
+            eprintln!(
+                "{pairing} {} {}: full {:?}, reuse {:?}",
+                ds.name,
+                case.id,
+                ok("full_recompute"),
+                ok("full_reuse")
+            );
+        }
+        records.extend(recs);
+    }
+    b.finish_and_clear();
+    Ok(())
+}
