@@ -198,12 +198,21 @@ pub struct DocumentIn {
     /// re-sending it replaces the document.
     #[schema(min_length = 1, max_length = 512, pattern = r"\S")]
     pub id: String,
+    /// Title, at most 512 characters (it is stored with every chunk of the document).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 512)]
     pub title: Option<String>,
-    /// The text (not only whitespace).
-    #[schema(min_length = 1, pattern = r"\S")]
+    /// The text (not only whitespace); the texts of one request hold at most 2 MiB of
+    /// characters together (more goes through `specrag ingest`).
+    #[schema(min_length = 1, max_length = 2097152, pattern = r"\S")]
     pub text: String,
 }
+
+/// Most characters of a document title.
+pub const MAX_TITLE_CHARS: usize = 512;
+/// Most characters of all texts of one `POST /documents` together: ingestion costs engine
+/// time in proportion (a character is at most one token), and every query waits behind it.
+pub const MAX_DOCUMENTS_TEXT_CHARS: usize = 2 * 1024 * 1024;
 
 /// `POST /documents` body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -259,7 +268,27 @@ impl DocumentsRequest {
         let mut seen = std::collections::HashSet::new();
         let mut problems = Vec::new();
         let mut docs = Vec::with_capacity(self.documents.len());
+        let mut total_chars = 0usize;
         for (i, d) in self.documents.iter().enumerate() {
+            if d.title
+                .as_ref()
+                .is_some_and(|t| t.chars().count() > MAX_TITLE_CHARS)
+            {
+                return Err(GatewayError::bad(
+                    "documents[].title",
+                    format!("document {i}: title is longer than {MAX_TITLE_CHARS} characters"),
+                ));
+            }
+            total_chars += d.text.chars().count();
+            if total_chars > MAX_DOCUMENTS_TEXT_CHARS {
+                return Err(GatewayError::bad(
+                    "documents[].text",
+                    format!(
+                        "the texts hold more than {MAX_DOCUMENTS_TEXT_CHARS} characters together \
+                         (reached at document {i}); send fewer per request or use `specrag ingest`"
+                    ),
+                ));
+            }
             if d.id.trim().is_empty() || d.id.chars().count() > 512 {
                 return Err(GatewayError::bad(
                     "documents[].id",
@@ -390,6 +419,46 @@ mod tests {
             Err(GatewayError::BadInput { field, .. }) => Some(field),
             _ => None,
         }
+    }
+
+    #[test]
+    fn document_titles_and_total_text_are_bounded() {
+        let doc = |title: Option<String>, text: String| DocumentIn {
+            id: "d".into(),
+            title,
+            text,
+        };
+        let req = |documents| DocumentsRequest {
+            collection: None,
+            chunk_tokens: None,
+            documents,
+        };
+        let field = |r: DocumentsRequest| match r.validate() {
+            Err(GatewayError::BadInput { field, .. }) => Some(field),
+            _ => None,
+        };
+        let long_title = Some("t".repeat(MAX_TITLE_CHARS + 1));
+        assert_eq!(
+            field(req(vec![doc(long_title, "x".into())])),
+            Some("documents[].title")
+        );
+        assert_eq!(
+            field(req(vec![doc(
+                Some("t".repeat(MAX_TITLE_CHARS)),
+                "x".into()
+            )])),
+            None
+        );
+        let half = "é".repeat(MAX_DOCUMENTS_TEXT_CHARS / 2);
+        let mut two = vec![doc(None, half.clone()), doc(None, half.clone())];
+        two[1].id = "e".into();
+        assert_eq!(
+            field(req(two.clone())),
+            None,
+            "exactly the limit, counted in characters"
+        );
+        two[1].text.push('!');
+        assert_eq!(field(req(two)), Some("documents[].text"));
     }
 
     #[test]

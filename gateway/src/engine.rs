@@ -182,11 +182,21 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                 return;
             }
             let mut problems = Vec::new();
-            let out = crate::ingest::ingest(&pipeline.corpus, &pipeline.engines, docs, &cfg, |e| {
-                if let crate::ingest::IngestEvent::Problem(p) = e {
-                    problems.push(p);
-                }
-            });
+            // A client that went away stops the work between chunks, so queries queued behind
+            // it do not wait for documents nobody will be told about.
+            let gone = || reply.is_closed();
+            let out = crate::ingest::ingest_until(
+                &pipeline.corpus,
+                &pipeline.engines,
+                docs,
+                &cfg,
+                |e| {
+                    if let crate::ingest::IngestEvent::Problem(p) = e {
+                        problems.push(p);
+                    }
+                },
+                &gone,
+            );
             let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
         }
         Job::Delete {

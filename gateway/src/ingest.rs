@@ -86,7 +86,20 @@ pub fn ingest(
     cfg: &IngestConfig,
     on_event: impl FnMut(IngestEvent),
 ) -> Result<IngestReport> {
-    let out = ingest_inner(corpus, engines, docs, cfg, on_event);
+    ingest_until(corpus, engines, docs, cfg, on_event, &|| false)
+}
+
+/// [`ingest`] that checks `stop` before every chunk and, once it says so, stops: documents
+/// already reported committed stay, the batch in flight is rolled back, and the error says so.
+pub fn ingest_until(
+    corpus: &Corpus,
+    engines: &Engines,
+    docs: Vec<SourceDoc>,
+    cfg: &IngestConfig,
+    on_event: impl FnMut(IngestEvent),
+    stop: &dyn Fn() -> bool,
+) -> Result<IngestReport> {
+    let out = ingest_inner(corpus, engines, docs, cfg, on_event, stop);
     if out.is_err() {
         // Uncommitted index changes of the failed batch must not ride along with a later
         // commit (their blobs may be collected as garbage first).
@@ -103,6 +116,7 @@ fn ingest_inner(
     docs: Vec<SourceDoc>,
     cfg: &IngestConfig,
     mut on_event: impl FnMut(IngestEvent),
+    stop: &dyn Fn() -> bool,
 ) -> Result<IngestReport> {
     if cfg.chunk_tokens == 0 {
         return Err(crate::GatewayError::bad(
@@ -154,6 +168,12 @@ fn ingest_inner(
         for p in batch {
             let mut indexed = Vec::with_capacity(p.chunks.len());
             for chunk in &p.chunks {
+                if stop() {
+                    return Err(crate::GatewayError::Internal(format!(
+                        "ingestion stopped after {} committed documents: the client went away",
+                        report.documents
+                    )));
+                }
                 let (text, ids) = engines.segment(&chunk.text);
                 let key = engines.key(&cfg.collection, &ids);
                 let cached = corpus.store.contains(&key)?;

@@ -294,7 +294,11 @@ enum BenchCmd {
         #[arg(long, default_value_t = 512)]
         chunk_tokens: usize,
         /// Recompute ratios for the budgeted selectors.
-        #[arg(long, value_delimiter = ',', default_value = "0.05,0.10,0.15,0.25,0.40")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "0.05,0.10,0.15,0.25,0.40"
+        )]
         ratios: Vec<f64>,
         /// Runs per measurement (median reported).
         #[arg(long, default_value_t = 1)]

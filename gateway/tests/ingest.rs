@@ -250,3 +250,54 @@ fn chunk_kv_loads_from_memory_disk_or_recompute_and_damage_is_never_served() -> 
     assert_eq!(corpus.store.stats().corrupt, 1);
     Ok(())
 }
+
+#[test]
+fn ingestion_stops_between_chunks_when_asked_and_keeps_what_was_committed() -> TestResult {
+    use gateway::ingest::{ingest_until, IngestConfig, IngestEvent};
+    use gateway::input::SourceDoc;
+    use std::cell::Cell;
+    let dir = tempfile::tempdir()?;
+    let models = tiny_models(dir.path())?;
+    let opts = LoadOptions::default();
+    let engines = Engines::new(Arc::new(Model::load(&models.target, &opts)?), None)?;
+    let corpus = Corpus::open(&dir.path().join("data"), 1 << 30)?;
+    let docs: Vec<SourceDoc> = (0..4)
+        .map(|i| SourceDoc {
+            id: format!("d{i}"),
+            title: None,
+            text: format!("document {i}: the thin ant ran in the sand near tent {i}"),
+            origin: format!("d{i}"),
+        })
+        .collect();
+    // One document per commit; stop once two chunks are stored.
+    let cfg = IngestConfig {
+        collection: "c".into(),
+        chunk_tokens: 512,
+        batch_docs: 1,
+    };
+    let stored = Cell::new(0);
+    let mut committed = Vec::new();
+    let out = ingest_until(
+        &corpus,
+        &engines,
+        docs,
+        &cfg,
+        |e| match e {
+            IngestEvent::Chunk { .. } => stored.set(stored.get() + 1),
+            IngestEvent::Committed { documents } => committed.extend(documents),
+            _ => {}
+        },
+        &|| stored.get() >= 2,
+    );
+    let err = out.expect_err("stopped").to_string();
+    assert!(err.contains("went away"), "{err}");
+    assert_eq!(committed, vec!["d0".to_string(), "d1".to_string()]);
+    let listed = corpus.index.documents(Some("c"))?;
+    let ids: Vec<&str> = listed.iter().map(|d| d.doc_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        vec!["d0", "d1"],
+        "committed documents stay, nothing else"
+    );
+    Ok(())
+}
