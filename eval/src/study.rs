@@ -54,6 +54,7 @@ pub fn main_configs(ratio: f64) -> Vec<StudyConfig> {
         Method::Random,
         Method::TargetProbe,
         Method::TargetProbeSpan,
+        Method::SpecAttn,
         Method::Speccache,
         Method::Cacheblend,
         Method::Epic,

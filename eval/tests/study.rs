@@ -68,6 +68,16 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
     ok(&study_cmd(d, &out, "3", &["--resume"])?);
     let after = study::read_records(&path)?;
     assert_eq!(after.len(), recs.len() + 2 * main.len());
+    // A configuration missing from a finished case is answered alone on --resume.
+    let kept: Vec<String> = std::fs::read_to_string(&path)?
+        .lines()
+        .filter(|l| !(l.contains("\"spec_attn@0.15\"") && l.contains("\"profile-0\"")))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&path, kept.concat())?;
+    assert_eq!(study::read_records(&path)?.len(), after.len() - 1);
+    ok(&study_cmd(d, &out, "3", &["--resume"])?);
+    assert_eq!(study::read_records(&path)?.len(), after.len());
     let report = std::fs::read_to_string(out.join("study.md"))?;
     assert!(report.contains("## small / profiles") && report.contains("## small / records"));
     assert!(report.contains("| oracle@0.15 | 3 |"));

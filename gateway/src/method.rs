@@ -45,6 +45,9 @@ pub enum Method {
     TargetProbe,
     /// `target_probe` recomputing a few tokens around every pick instead of scattered tokens.
     TargetProbeSpan,
+    /// The speculator's question-to-chunk attention (deeper half of its layers) picks the
+    /// tokens, completed into spans and mapped onto target tokens as SpecCache does.
+    SpecAttn,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -56,7 +59,7 @@ pub const PROBE_WINDOW: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 11] = [
+    pub const ALL: [Method; 12] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -66,6 +69,7 @@ impl Method {
         Method::SpeccacheNospan,
         Method::TargetProbe,
         Method::TargetProbeSpan,
+        Method::SpecAttn,
         Method::Oracle,
         Method::Random,
     ];
@@ -82,6 +86,7 @@ impl Method {
             Self::SpeccacheNospan => "speccache_nospan",
             Self::TargetProbe => "target_probe",
             Self::TargetProbeSpan => "target_probe_span",
+            Self::SpecAttn => "spec_attn",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -97,9 +102,12 @@ impl Method {
         !matches!(self, Self::Oracle | Self::Random)
     }
 
-    /// True for the SpecCache methods (they need a speculator model and its scores).
+    /// True for the methods that need a speculator model and its scores.
     pub fn uses_speculator(&self) -> bool {
-        matches!(self, Self::Speccache | Self::SpeccacheNospan)
+        matches!(
+            self,
+            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn
+        )
     }
 
     /// True when ρ sets how much is recomputed (the others recompute a fixed set).
@@ -122,7 +130,7 @@ impl Method {
             Self::Prefix => Box::new(PrefixCaching),
             Self::Epic => Box::new(Epic { k: inputs.epic_k }),
             Self::Cacheblend => Box::new(CacheBlend::default()),
-            Self::Speccache | Self::SpeccacheNospan => match inputs.spec {
+            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn => match inputs.spec {
                 Some(spec) => Box::new(ScoredSpecCache {
                     spec,
                     scores: inputs.scores.unwrap_or_default(),
@@ -170,7 +178,8 @@ impl utoipa::PartialSchema for Method {
                 "How the prompt's tokens to recompute are chosen: `full_recompute` (the \
                  reference), `full_reuse`, `prefix`, `epic`, `cacheblend`, `speccache`, \
                  `speccache_nospan`, `target_probe` (the question's attention over the reused \
-                 cache), `target_probe_span` (the same, a few tokens around each pick).",
+                 cache), `target_probe_span` (the same, a few tokens around each pick), \
+                 `spec_attn` (the speculator's question attention).",
             ))
             .into()
     }
@@ -194,6 +203,6 @@ mod tests {
         }
         assert_eq!(Method::parse("speccache@0.15"), None);
         assert!(!Method::Oracle.servable() && !Method::Random.servable());
-        assert!(Method::ALL.iter().filter(|m| m.servable()).count() == 9);
+        assert!(Method::ALL.iter().filter(|m| m.servable()).count() == 10);
     }
 }

@@ -588,14 +588,21 @@ impl Pipeline {
     ) -> Result<(Vec<LoadedChunk>, Option<ScoredTokens>)> {
         let need_kv = !Self::reads_no_kv(q);
         let score_source = q.options.score_source.unwrap_or(self.score_source);
-        let query_time_scores =
-            q.method.uses_speculator() && need_kv && score_source == ScoreSource::Query;
+        // spec_attn's scores depend on the question: never stored, always a query-time pass.
+        let attention = q.method == Method::SpecAttn;
+        let query_time_scores = q.method.uses_speculator()
+            && need_kv
+            && (attention || score_source == ScoreSource::Query);
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 s.spawn(|| -> Result<(ScoredTokens, f64)> {
                     let t = Instant::now();
                     let spec = self.speculator(q)?;
-                    let toks = spec.query_scores(asm)?;
+                    let toks = if attention {
+                        spec.attention_scores(asm)?
+                    } else {
+                        spec.query_scores(asm)?
+                    };
                     Ok((toks, ms(t)))
                 })
             });
@@ -643,7 +650,7 @@ impl Pipeline {
         };
         let spec = if method.uses_speculator() {
             let mut spec = self.speculator(q)?;
-            spec.params.complete_spans = method == Method::Speccache;
+            spec.params.complete_spans = method != Method::SpeccacheNospan;
             if scored.is_none() {
                 scored = Some(self.ingest_scores(&spec, asm, loaded, timings)?);
             }

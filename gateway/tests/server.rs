@@ -155,6 +155,7 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         "speccache_nospan",
         "target_probe",
         "target_probe_span",
+        "spec_attn",
     ] {
         let (status, got, _) = send(&s, answer(method, 1.0)).await;
         assert_eq!(status, StatusCode::OK, "{got}");

@@ -97,6 +97,17 @@ pub struct ScoredTokens {
     pub chunk: Vec<usize>,
 }
 
+/// The speculator's tokenization of an assembled prompt.
+struct SpecTokens {
+    ids: Vec<u32>,
+    /// Byte span of each token in the assembled text.
+    spans: Vec<Range<usize>>,
+    /// The chunk each token belongs to (`None`: prefix or question).
+    chunk_of: Vec<Option<usize>>,
+    /// Index of the question's first token.
+    question_start: usize,
+}
+
 fn invalid(msg: String) -> target_engine::EngineError {
     target_engine::EngineError::InvalidInput(msg)
 }
@@ -124,16 +135,19 @@ impl SpecCache {
         })
     }
 
-    /// Scores every chunk token of `asm` with one speculator pass over the whole prompt, in the
-    /// speculator's tokenization segment by segment (no token crosses a boundary).
-    pub fn query_scores(&self, asm: &Assembly) -> Result<ScoredTokens> {
+    /// The speculator's tokens of `asm`, segment by segment (no token crosses a boundary):
+    /// ids, byte spans in the assembled text, and the chunk (or `None`) of each, plus where the
+    /// question segment starts.
+    fn speculator_tokens(&self, asm: &Assembly) -> SpecTokens {
         let spec_tok = self.speculator.tokenizer();
-        let mut ids = Vec::new();
-        let mut spans = Vec::new();
-        let mut chunk_of = Vec::new();
+        let (mut ids, mut spans, mut chunk_of) = (Vec::new(), Vec::new(), Vec::new());
+        let mut question_start = None;
         for (seg, bytes) in asm.segments.iter().zip(segment_bytes(asm)) {
             let text = &asm.text[bytes.clone()];
             let special = !matches!(seg.kind, SegmentKind::Chunk(_));
+            if seg.kind == SegmentKind::Question && question_start.is_none() {
+                question_start = Some(ids.len());
+            }
             let enc = spec_tok.encode(text, special);
             for (id, (s, e)) in enc.ids.into_iter().zip(enc.offsets) {
                 ids.push(id);
@@ -144,19 +158,72 @@ impl SpecCache {
                 });
             }
         }
-        let mut out = ScoredTokens::default();
-        if ids.is_empty() {
-            return Ok(out);
+        let question_start = question_start.unwrap_or(ids.len());
+        SpecTokens {
+            ids,
+            spans,
+            chunk_of,
+            question_start,
         }
-        let scores = importance(&self.speculator, &ids, self.layers)?;
-        for (i, c) in chunk_of.into_iter().enumerate() {
+    }
+
+    /// The chunk tokens of `scores` (one per speculator token) as [`ScoredTokens`].
+    fn chunk_scores(
+        spans: Vec<Range<usize>>,
+        chunk_of: Vec<Option<usize>>,
+        scores: &[f32],
+    ) -> ScoredTokens {
+        let mut out = ScoredTokens::default();
+        for ((span, c), &v) in spans.into_iter().zip(chunk_of).zip(scores) {
             if let Some(c) = c {
-                out.spans.push(spans[i].clone());
-                out.scores.push(scores[i]);
+                out.spans.push(span);
+                out.scores.push(v);
                 out.chunk.push(c);
             }
         }
-        Ok(out)
+        out
+    }
+
+    /// Scores every chunk token of `asm` with one speculator pass over the whole prompt, in the
+    /// speculator's tokenization segment by segment (no token crosses a boundary).
+    pub fn query_scores(&self, asm: &Assembly) -> Result<ScoredTokens> {
+        let SpecTokens {
+            ids,
+            spans,
+            chunk_of,
+            ..
+        } = self.speculator_tokens(asm);
+        if ids.is_empty() {
+            return Ok(ScoredTokens::default());
+        }
+        let scores = importance(&self.speculator, &ids, self.layers)?;
+        Ok(Self::chunk_scores(spans, chunk_of, &scores))
+    }
+
+    /// `spec_attn` scores: the speculator reads everything before the question, then the
+    /// question's pass measures its attention mass on every chunk token over the deeper half of
+    /// the speculator's layers. Query-aware (the question sees the chunks), unlike the norms.
+    pub fn attention_scores(&self, asm: &Assembly) -> Result<ScoredTokens> {
+        let SpecTokens {
+            ids,
+            spans,
+            chunk_of,
+            question_start: q,
+        } = self.speculator_tokens(asm);
+        if q == 0 || q >= ids.len() {
+            return Ok(ScoredTokens::default());
+        }
+        let m = &self.speculator;
+        let mut cache = m.new_cache();
+        let before: Vec<usize> = (0..q).collect();
+        m.forward(&ids[..q], &before, &mut cache, false)?;
+        let n = m.config().n_layer;
+        let question: Vec<usize> = (q..ids.len()).collect();
+        let (_, mass) = m.forward_probe(&ids[q..], &question, &mut cache, n / 2..n)?;
+        let scores: Vec<f32> = (0..ids.len())
+            .map(|i| mass.get(i).copied().unwrap_or(0.0))
+            .collect();
+        Ok(Self::chunk_scores(spans, chunk_of, &scores))
     }
 
     /// Lays ingestion-time scores (one per chunk segment, in prompt order) onto `asm`.

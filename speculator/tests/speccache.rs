@@ -201,3 +201,23 @@ fn ingestion_scores_match_query_scores_for_the_first_chunk() {
     let bad = vec![&foreign, refs[1], refs[2]];
     assert!(spec.ingested_scores(&asm, &bad).is_err(), "fingerprint");
 }
+
+#[test]
+fn attention_scores_cover_the_same_chunk_tokens_as_the_norms_and_depend_on_the_question() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = tiny(dir.path(), Architecture::Qwen2, 1);
+    let spec = SpecCache::new(Arc::new(tiny(dir.path(), Architecture::Llama, 2)));
+    let t = RagTemplate::default();
+    let a = t.assemble(target.tokenizer(), &DOCS, "where is the antenna?");
+    let b = t.assemble(target.tokenizer(), &DOCS, "how many times did the ant sit?");
+    let norms = spec.query_scores(&a).expect("norms");
+    let attn = spec.attention_scores(&a).expect("attention");
+    assert_eq!(attn.spans, norms.spans, "the same speculator chunk tokens");
+    assert_eq!(attn.chunk, norms.chunk);
+    assert!(attn.scores.iter().all(|&s| s.is_finite() && s >= 0.0));
+    assert!(attn.scores.iter().any(|&s| s > 0.0));
+    // Norms of chunk tokens cannot see the question (causal); attention is the question's.
+    let other = spec.attention_scores(&b).expect("attention");
+    assert_eq!(spec.query_scores(&b).expect("norms").scores, norms.scores);
+    assert_ne!(other.scores, attn.scores);
+}
