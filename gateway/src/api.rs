@@ -78,8 +78,9 @@ pub struct QueryRequest {
     )]
     #[schema(minimum = 0, maximum = 9007199254740991_u64)]
     pub seed: Option<u64>,
-    /// Answer exactly as full recompute would, token for token. In this build the answer is
-    /// decoded from the full cache (no drafting yet), so it costs a full prefill.
+    /// Answer exactly as full recompute would, token for token: tokens are drafted from the
+    /// reused cache while the full prefill runs, then verified against the full cache (the
+    /// `verify` object of the answer says how many were accepted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<bool>,
     /// Answer with server-sent events.
@@ -418,6 +419,27 @@ mod tests {
         match r.validate() {
             Err(GatewayError::BadInput { field, .. }) => Some(field),
             _ => None,
+        }
+    }
+
+    #[test]
+    fn every_collection_pattern_in_the_openapi_document_is_the_one_constant() {
+        // utoipa takes only literals in attributes: this keeps the copies equal.
+        let doc = crate::server::openapi_json_text();
+        let copies = doc.matches("A-Za-z0-9._-").count();
+        let exact = doc
+            .matches(&COLLECTION_PATTERN.replace('\\', "\\\\"))
+            .count();
+        assert!(copies >= 3, "collection patterns in the document: {copies}");
+        assert_eq!(
+            copies, exact,
+            "a collection pattern differs from COLLECTION_PATTERN"
+        );
+        for name in ["a", "docs-1.v2_x", &"c".repeat(128)] {
+            assert!(validate_collection("c", name).is_ok(), "{name}");
+        }
+        for name in ["", "a/b", "é", &"c".repeat(129)] {
+            assert!(validate_collection("c", name).is_err(), "{name}");
         }
     }
 

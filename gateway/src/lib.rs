@@ -1,6 +1,6 @@
-//! The gateway ties specrag together: today the default-model management and the target-engine
-//! commands behind the `specrag` binary; the RAG pipeline, HTTP API (axum, utoipa) and
-//! ingestion arrive with issues 5 and 6.
+//! The gateway ties specrag together: the query pipeline (retrieve, load chunk KV, select,
+//! blend, decode or verify), ingestion, the HTTP API (axum, utoipa) and the engine thread
+//! behind it, the one `Method` type, and the default-model management of the `specrag` binary.
 //!
 //! The one design choice a reader must know: model math lives in `target-engine`; this crate
 //! only finds files, validates what users type and reports results.

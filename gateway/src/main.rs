@@ -1,4 +1,5 @@
-//! `specrag`: the command-line entry point (models, generation, tokenization, benchmarks).
+//! `specrag`: the command-line entry point (models, ingest, query, serve, demo, generation,
+//! tokenization, OpenAPI, benchmarks).
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
