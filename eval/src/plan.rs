@@ -140,6 +140,7 @@ pub fn configs(ratios: &[f64], extras: bool) -> Vec<Config> {
             Method::Cacheblend,
             Method::Speccache,
             Method::SpeccacheNospan,
+            Method::TargetProbe,
         ] {
             out.push(Config::at(m, r));
         }
@@ -157,10 +158,15 @@ pub fn configs(ratios: &[f64], extras: bool) -> Vec<Config> {
 
 /// The ρ = 1 configurations of the identity check.
 pub fn identity_configs() -> Vec<Config> {
-    [Method::Speccache, Method::Cacheblend, Method::Epic]
-        .into_iter()
-        .map(Config::identity)
-        .collect()
+    [
+        Method::Speccache,
+        Method::Cacheblend,
+        Method::Epic,
+        Method::TargetProbe,
+    ]
+    .into_iter()
+    .map(Config::identity)
+    .collect()
 }
 
 /// A speculator -> target pairing.
@@ -250,10 +256,10 @@ mod tests {
             labels.dedup();
             assert_eq!(labels.len(), n, "labels are unique");
         }
-        // 3 ratio-free + 4 methods x 4 ratios, and with extras 2 EPIC k, 3 layer ranges, 1
+        // 3 ratio-free + 5 methods x 4 ratios, and with extras 2 EPIC k, 3 layer ranges, 1
         // ingestion-score row.
-        assert_eq!(configs(&RATIOS, false).len(), 3 + 16);
-        assert_eq!(configs(&RATIOS, true).len(), 3 + 16 + 2 + 3 + 1);
+        assert_eq!(configs(&RATIOS, false).len(), 3 + 20);
+        assert_eq!(configs(&RATIOS, true).len(), 3 + 20 + 2 + 3 + 1);
     }
 
     #[test]

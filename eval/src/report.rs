@@ -677,7 +677,7 @@ mod tests {
             .find(|x| x.config.is_reference())
             .expect("needle reference");
         assert_eq!((n_full.n, n_full.ttft_ms), (1, 3000.0));
-        assert_eq!(r.identity.len(), 3);
+        assert_eq!(r.identity.len(), 4);
         assert!(r.identity_holds());
     }
 

@@ -74,8 +74,9 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
             .ok_or("no reference row")?;
         assert!((full.ttft_ratio - 1.0).abs() < 1e-12);
     }
-    // ρ = 1 identity: speccache, cacheblend and epic answer exactly as full recompute.
-    assert_eq!(res.identity.len(), 3);
+    // ρ = 1 identity: speccache, cacheblend, epic and target_probe answer exactly as full
+    // recompute.
+    assert_eq!(res.identity.len(), 4);
     for i in &res.identity {
         assert_eq!(i.cases, 3, "{i:?}");
         assert!(i.holds, "{i:?}");

@@ -90,7 +90,7 @@ struct DemoArgs {
     )]
     question: String,
     /// Method of the demo query.
-    #[arg(long, value_enum, default_value_t = Method::Speccache)]
+    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
     method: Method,
     /// Most tokens of the answer.
     #[arg(long, default_value_t = 96)]
@@ -141,7 +141,7 @@ struct QueryArgs {
     collection: String,
     /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
     /// refused here as by the API).
-    #[arg(long, value_enum, default_value_t = Method::Speccache)]
+    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
     method: Method,
     /// Share of chunk tokens to recompute (0..=1).
     #[arg(long, default_value_t = 0.15)]

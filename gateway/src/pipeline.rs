@@ -81,7 +81,7 @@ impl Default for Query {
             query: String::new(),
             collection: "default".into(),
             top_k: 4,
-            method: Method::Speccache,
+            method: Method::TargetProbe,
             ratio: 0.15,
             max_tokens: 128,
             temperature: 0.0,

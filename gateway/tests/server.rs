@@ -138,7 +138,7 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         .as_u64()
         .ok_or("recomputed")?;
     assert!(chunk_tokens > 0 && recomputed <= (chunk_tokens as f64 * 0.15).ceil() as u64);
-    assert_eq!(v["method"], "speccache");
+    assert_eq!(v["method"], "target_probe", "the default method");
 
     // ρ = 1 through the whole pipeline answers exactly as full recompute (greedy).
     let answer = |method: &str, ratio: f64| {
