@@ -126,8 +126,8 @@ struct ServeArgs {
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     spec_scores: ScoreSource,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
-    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
-    verify_mode: String,
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
+    verify_mode: target_engine::VerifyMode,
 }
 
 #[derive(Args, Debug)]
@@ -167,8 +167,8 @@ struct QueryArgs {
     spec_scores: ScoreSource,
     /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
     /// keeps drafting from the reused cache and verifies every N tokens in one pass.
-    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full")]
-    verify_mode: String,
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
+    verify_mode: target_engine::VerifyMode,
     /// Print the API's JSON answer object.
     #[arg(long)]
     json: bool,
@@ -501,7 +501,7 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     let corpus = gateway::corpus::Corpus::open(&a.data.data, gateway::corpus::DEFAULT_MEMORY_BYTES)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
     let mut pipeline = Pipeline::new(engines, corpus, a.spec_scores);
-    pipeline.verify_mode = verify_mode(&a.verify_mode)?;
+    pipeline.verify_mode = a.verify_mode;
     use std::io::Write;
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
@@ -536,21 +536,18 @@ fn query_cmd(models_args: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn verify_mode(s: &str) -> anyhow::Result<target_engine::VerifyMode> {
+/// `--verify-mode`, parsed with the other flags (a typo fails before any model loads).
+fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
     match s {
         "full" => Ok(target_engine::VerifyMode::FromFull),
-        other => {
-            let n: usize = other
-                .strip_prefix("draft-every-")
-                .and_then(|n| n.parse().ok())
-                .filter(|&n| (1..=15).contains(&n))
-                .ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "--verify-mode must be `full` or `draft-every-N` with N in 1..=15, got `{other}`"
-                    )
-                })?;
-            Ok(target_engine::VerifyMode::DraftEvery(n))
-        }
+        other => other
+            .strip_prefix("draft-every-")
+            .and_then(|n| n.parse().ok())
+            .filter(|n| (1..=15).contains(n))
+            .map(target_engine::VerifyMode::DraftEvery)
+            .ok_or_else(|| {
+                format!("expected `full` or `draft-every-N` with N in 1..=15, got `{other}`")
+            }),
     }
 }
 
@@ -560,7 +557,7 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
         .with_context(|| format!("opening data directory {}", a.data.data.display()))?;
     let mut pipeline = gateway::pipeline::Pipeline::new(engines, corpus, a.spec_scores);
-    pipeline.verify_mode = verify_mode(&a.verify_mode)?;
+    pipeline.verify_mode = a.verify_mode;
     let pipeline = std::sync::Arc::new(pipeline);
     let api_keys: Vec<String> = a.api_keys.into_iter().filter(|k| !k.is_empty()).collect();
     let config = gateway::server::ServerConfig {

@@ -301,3 +301,28 @@ fn ingestion_stops_between_chunks_when_asked_and_keeps_what_was_committed() -> T
     );
     Ok(())
 }
+
+#[test]
+fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("no-such-model.gguf");
+    for args in [
+        vec!["query", "q", "--verify-mode", "draft-every-99"],
+        vec!["query", "q", "--method", "specache"],
+        vec!["serve", "--spec-scores", "nowhere"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
+            .arg("--target")
+            .arg(&missing)
+            .args(&args)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("invalid value"), "{args:?}: {err}");
+        assert!(
+            !err.contains("no-such-model"),
+            "parsed before loading: {err}"
+        );
+    }
+    Ok(())
+}
