@@ -90,6 +90,65 @@ fn pre_tokenizer(pre: &str) -> Option<Vec<&'static str>> {
     }
 }
 
+/// The lookahead tail both pre-tokenizer patterns end with: a whitespace run, less its last
+/// character when more text follows (that character then starts the next piece).
+const WHITESPACE_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// One pre-tokenizer pattern, compiled to run in linear time with no length limit.
+///
+/// fancy-regex runs a pattern with a lookaround in its backtracking VM, which pushes a stack
+/// entry per repeated character and fails (`StackOverflow`) on a run of about a million
+/// characters: a longer word or whitespace run made the rest of the fragment one piece. So a
+/// pattern ending in [`WHITESPACE_TAIL`] is run without the lookahead, as `head|\s+` (plain
+/// regex, which fancy-regex hands whole to the `regex` crate), and the lookahead is applied to
+/// the match afterwards (see [`PreSplit::find`]).
+#[derive(Debug, Clone)]
+struct PreSplit {
+    re: Regex,
+    /// `\A(?:head)`, when `re` is `head|\s+`: whether a match came from the head.
+    head: Option<Regex>,
+}
+
+impl PreSplit {
+    fn new(pattern: &str) -> Result<Self> {
+        let compile =
+            |p: &str| Regex::new(p).map_err(|e| EngineError::Tokenizer(format!("regex {p}: {e}")));
+        Ok(match pattern.strip_suffix(WHITESPACE_TAIL) {
+            Some(head) => Self {
+                re: compile(&format!(r"{head}|\s+"))?,
+                head: Some(compile(&format!(r"\A(?:{head})"))?),
+            },
+            None => Self {
+                re: compile(pattern)?,
+                head: None,
+            },
+        })
+    }
+
+    /// The first match of the original pattern in `hay` at or after byte `at`.
+    fn find(&self, hay: &str, at: usize) -> Option<(usize, usize)> {
+        // A runtime error (only possible for a pattern kept in the backtracking VM) ends the
+        // search: the rest of the text is then kept as one piece rather than lost.
+        let m = self.re.find_from_pos(hay, at).ok()??;
+        let (s, e) = (m.start(), m.end());
+        let Some(head) = &self.head else {
+            return Some((s, e));
+        };
+        // `\s+` and `\s+(?!\S)|\s+` match at the same places, so `s` is right; a match of the
+        // tail (no head branch matches at `s`) that is followed by more text and longer than
+        // one character gives its last character back, as `\s+(?!\S)` does.
+        let run = &hay[s..e];
+        if e < hay.len() && run.starts_with(char::is_whitespace) {
+            if let Some((last, _)) = run.char_indices().last().filter(|&(i, _)| i > 0) {
+                if !matches!(head.find(&hay[s..]), Ok(Some(_))) {
+                    return Some((s, s + last));
+                }
+            }
+        }
+        Some((s, e))
+    }
+}
+
 /// GPT-2's reversible map from bytes to printable characters.
 pub(crate) fn byte_alphabet() -> [char; 256] {
     let mut map = ['\0'; 256];
@@ -110,7 +169,7 @@ pub(crate) fn byte_alphabet() -> [char; 256] {
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     pre_name: String,
-    pre: Vec<Regex>,
+    pre: Vec<PreSplit>,
     token_text: Vec<String>,
     token_bytes: Vec<Vec<u8>>,
     types: Vec<TokenType>,
@@ -145,7 +204,7 @@ impl Tokenizer {
         })?;
         let pre = patterns
             .iter()
-            .map(|p| Regex::new(p).map_err(|e| EngineError::Tokenizer(format!("regex {p}: {e}"))))
+            .map(|p| PreSplit::new(p))
             .collect::<Result<Vec<_>>>()?;
         let tokens: Vec<String> = f
             .array("tokenizer.ggml.tokens")?
@@ -207,7 +266,7 @@ impl Tokenizer {
     #[allow(clippy::too_many_arguments)]
     fn build(
         pre_name: String,
-        pre: Vec<Regex>,
+        pre: Vec<PreSplit>,
         tokens: Vec<String>,
         types: Vec<TokenType>,
         merge_list: &[&str],
@@ -401,22 +460,28 @@ impl Tokenizer {
     /// Splits `text[s..e]` with the pre-tokenizer regexes, in turn, keeping unmatched gaps.
     fn pieces(&self, text: &str, s: usize, e: usize) -> Vec<(usize, usize)> {
         let mut ranges = vec![(s, e)];
-        for re in &self.pre {
+        for split in &self.pre {
             let mut next = Vec::with_capacity(ranges.len() * 2);
             for (rs, re_end) in ranges {
                 let hay = &text[rs..re_end];
-                let mut cur = 0;
-                for m in re.find_iter(hay) {
-                    // fancy-regex only fails on backtrack limits, which these patterns cannot hit;
-                    // the text is then kept as one piece rather than lost.
-                    let Ok(m) = m else { break };
-                    if m.start() > cur {
-                        next.push((rs + cur, rs + m.start()));
+                // `cur`: end of the last piece; `at`: where to search next.
+                let (mut cur, mut at) = (0, 0);
+                while at < hay.len() {
+                    let Some((ms, me)) = split.find(hay, at) else {
+                        break;
+                    };
+                    if ms > cur {
+                        next.push((rs + cur, rs + ms));
                     }
-                    if m.end() > m.start() {
-                        next.push((rs + m.start(), rs + m.end()));
+                    if me > ms {
+                        next.push((rs + ms, rs + me));
+                        at = me;
+                    } else {
+                        // None of the patterns matches empty text; were one to, search on
+                        // past it, as `find_iter` does.
+                        at = me + hay[me..].chars().next().map_or(1, char::len_utf8);
                     }
-                    cur = m.end();
+                    cur = me;
                 }
                 if cur < hay.len() {
                     next.push((rs + cur, re_end));
@@ -447,12 +512,11 @@ impl Tokenizer {
         if n == 0 {
             return;
         }
-        // Symbol i starts at byte ps + i; a symbol absorbs its right neighbour on a merge, so
-        // the index of a live symbol orders it in the piece.
+        // Symbol i starts at byte ps + i and ends where the next live one starts: a symbol
+        // absorbs its right neighbour on a merge, so live indices keep the piece's order.
         let mut syms: Vec<Symbol> = (0..n)
             .map(|i| Symbol {
                 id: self.byte_token[bytes[ps + i] as usize],
-                end: ps + i + 1,
                 prev: if i == 0 { NONE } else { i - 1 },
                 next: if i + 1 == n { NONE } else { i + 1 },
             })
@@ -462,21 +526,21 @@ impl Tokenizer {
             self.push_candidate(&mut queue, &syms, left);
         }
         while let Some(Reverse(c)) = queue.pop() {
-            let (l, r) = (c.left, c.right);
-            // Stale: the left symbol was merged away (its `next` is reset) or grew, or the
-            // right one was merged away or grew.
-            if syms[l].next != r || syms[l].id != c.left_id || syms[r].id != c.right_id {
+            let l = c.left;
+            let r = syms[l].next;
+            // Stale: the left symbol was absorbed (its `next` is reset) or absorbed its
+            // neighbour (its id changed), or the right one grew (its id changed). Otherwise
+            // `r` is still the neighbour the entry was pushed for.
+            if r == NONE || syms[l].id != c.left_id || syms[r].id != c.right_id {
                 continue;
             }
             let after = syms[r].next;
             syms[l].id = c.merged;
-            syms[l].end = syms[r].end;
             syms[l].next = after;
             if after != NONE {
                 syms[after].prev = l;
             }
             syms[r].next = NONE;
-            syms[r].prev = NONE;
             if syms[l].prev != NONE {
                 self.push_candidate(&mut queue, &syms, syms[l].prev);
             }
@@ -487,12 +551,13 @@ impl Tokenizer {
         // Symbol 0 is never absorbed, so the list starts there.
         let mut i = 0;
         while i != NONE {
-            let sym = &syms[i];
-            if sym.id != NO_TOKEN {
-                out.ids.push(sym.id);
-                out.offsets.push((ps + i, sym.end));
+            let next = syms[i].next;
+            if syms[i].id != NO_TOKEN {
+                out.ids.push(syms[i].id);
+                out.offsets
+                    .push((ps + i, if next == NONE { pe } else { ps + next }));
             }
-            i = sym.next;
+            i = next;
         }
     }
 
@@ -503,13 +568,11 @@ impl Tokenizer {
         syms: &[Symbol],
         left: usize,
     ) {
-        let right = syms[left].next;
-        let (left_id, right_id) = (syms[left].id, syms[right].id);
+        let (left_id, right_id) = (syms[left].id, syms[syms[left].next].id);
         if let Some(&(rank, merged)) = self.merges.get(&(left_id, right_id)) {
             queue.push(Reverse(Candidate {
                 rank,
                 left,
-                right,
                 left_id,
                 right_id,
                 merged,
@@ -551,23 +614,21 @@ enum Fragment {
 /// No neighbour, in [`Symbol`]'s links.
 const NONE: usize = usize::MAX;
 
-/// A token of a piece being merged; it starts at the byte its index says (see `merge_piece`).
+/// A token of a piece being merged, in a list linked by indices (see `merge_piece`).
 struct Symbol {
     id: u32,
-    /// End byte (exclusive) in the input text.
-    end: usize,
     prev: usize,
+    /// [`NONE`] for the last symbol and for one absorbed by its left neighbour.
     next: usize,
 }
 
 /// A merge waiting in `merge_piece`'s queue. Fields compare in order, so the queue pops the
-/// lowest rank first and, among equal ranks, the leftmost pair; the remaining fields only
-/// check that the pair is still there when popped.
+/// lowest rank first and, among equal ranks, the leftmost pair; the ids check that the pair is
+/// still there when popped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Candidate {
     rank: u32,
     left: usize,
-    right: usize,
     left_id: u32,
     right_id: u32,
     merged: u32,
@@ -598,7 +659,8 @@ mod tests {
         types.push(TokenType::Control);
         types.push(TokenType::UserDefined);
         let merges = ["h e", "l l", "ll o", "he llo", &format!("{space} w")];
-        let pre = vec![Regex::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
+        let pre =
+            vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
         Tokenizer::build(
             "qwen2".into(),
             pre,
@@ -680,7 +742,8 @@ mod tests {
         }
         let types = vec![TokenType::Normal; tokens.len()];
         let merges: Vec<&str> = merges.iter().map(String::as_str).collect();
-        let pre = vec![Regex::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
+        let pre =
+            vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
         Tokenizer::build(
             "qwen2".into(),
             pre,
@@ -698,7 +761,7 @@ mod tests {
     /// special tokens and long runs of one character or two alternating ones.
     fn random_text(rng: &mut rand::rngs::StdRng) -> String {
         use rand::Rng;
-        const ATOMS: [&str; 24] = [
+        const ATOMS: [&str; 36] = [
             "h",
             "e",
             "l",
@@ -723,6 +786,18 @@ mod tests {
             "<|im_start|>",
             "<tool>",
             "  ",
+            "\r\n",
+            "\u{a0}",
+            "\u{3000}",
+            "'",
+            "'S",
+            "'re",
+            "'LL",
+            "d",
+            "²",
+            "٣",
+            "Ω",
+            "\r",
         ];
         let mut s = String::new();
         let parts = rng.gen_range(0..12);
@@ -764,6 +839,122 @@ mod tests {
                     let got = t.encode(&text, special);
                     assert_eq!(got, want, "case {case} special={special}: {text:?}");
                 }
+            }
+        }
+    }
+
+    /// `pieces` as first written: the pre-tokenizer patterns as llama.cpp writes them, run by
+    /// fancy-regex's backtracking VM (fine for texts far below a million characters).
+    fn pieces_fancy(patterns: &[Regex], text: &str) -> Vec<(usize, usize)> {
+        let mut ranges = vec![(0, text.len())];
+        for re in patterns {
+            let mut next = Vec::new();
+            for (rs, re_end) in ranges {
+                let hay = &text[rs..re_end];
+                let mut cur = 0;
+                for m in re.find_iter(hay) {
+                    let m = m.expect("no backtracking limit on short texts");
+                    if m.start() > cur {
+                        next.push((rs + cur, rs + m.start()));
+                    }
+                    if m.end() > m.start() {
+                        next.push((rs + m.start(), rs + m.end()));
+                    }
+                    cur = m.end();
+                }
+                if cur < hay.len() {
+                    next.push((rs + cur, re_end));
+                }
+            }
+            ranges = next;
+        }
+        ranges
+    }
+
+    /// A tokenizer that only pre-tokenizes, with the patterns `pre` names.
+    fn splitter(pre: &str) -> Tokenizer {
+        let mut t = tiny();
+        t.pre = pre_tokenizer(pre)
+            .expect("known")
+            .iter()
+            .map(|p| PreSplit::new(p).expect("valid regex"))
+            .collect();
+        t
+    }
+
+    #[test]
+    fn linear_pre_tokenizer_matches_the_lookahead_patterns() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xcafe);
+        let fixed = [
+            "   x",
+            "  \n x",
+            "\n\n  ",
+            "a  \t\n\n b",
+            " \u{a0}\u{3000}x",
+            "x \r\n  y",
+            " ",
+            "  ",
+        ];
+        for pre in ["qwen2", "gpt2", "smollm"] {
+            let t = splitter(pre);
+            let patterns: Vec<Regex> = pre_tokenizer(pre)
+                .expect("known")
+                .iter()
+                .map(|p| Regex::new(p).expect("valid regex"))
+                .collect();
+            let texts = fixed
+                .iter()
+                .map(|s| s.to_string())
+                .chain((0..1500).map(|_| random_text(&mut rng)));
+            for text in texts {
+                assert_eq!(
+                    t.pieces(&text, 0, text.len()),
+                    pieces_fancy(&patterns, &text),
+                    "{pre}: {text:?}"
+                );
+            }
+        }
+    }
+
+    /// Regression: fancy-regex's VM overflows its stack on a match of about a million
+    /// characters, and everything from there to the end of the fragment became one piece.
+    #[test]
+    fn runs_of_millions_of_characters_still_split_like_the_pattern() {
+        let (short, long) = (8, 1 << 21);
+        for pre in ["qwen2", "gpt2", "smollm"] {
+            let t = splitter(pre);
+            let patterns: Vec<Regex> = pre_tokenizer(pre)
+                .expect("known")
+                .iter()
+                .map(|p| Regex::new(p).expect("valid regex"))
+                .collect();
+            for (unit, tail) in [
+                ("x", " yz"),
+                (" ", "yz"),
+                ("\t", "yz"),
+                ("\n", "  yz"),
+                (" \n", "yz"),
+                (".", " yz"),
+                ("é", "!"),
+                ("7", "a"),
+            ] {
+                // The pieces of the long run are those of a short one, stretched: only the
+                // first and last characters of a run can start a piece.
+                let w = unit.len();
+                let stretch = |o: usize| if o <= w { o } else { o + (long - short) * w };
+                let small = unit.repeat(short) + tail;
+                let want: Vec<(usize, usize)> = pieces_fancy(&patterns, &small)
+                    .into_iter()
+                    .map(|(s, e)| (stretch(s), stretch(e)))
+                    .collect();
+                let text = unit.repeat(long) + tail;
+                if unit == "7" && pre != "gpt2" {
+                    // Every digit is a piece for these patterns.
+                    assert_eq!(t.pieces(&text, 0, text.len()).len(), long + 1);
+                    continue;
+                }
+                assert_eq!(t.pieces(&text, 0, text.len()), want, "{pre} {unit:?}");
             }
         }
     }
@@ -863,70 +1054,12 @@ mod tests {
             for (what, text) in runs {
                 let mut n = 0;
                 let s = secs(&mut || n = t.pieces(&text, 0, text.len()).len());
-                let errs = t
-                    .pre
-                    .iter()
-                    .filter(|re| re.find_iter(&text).any(|m| m.is_err()))
-                    .count();
-                println!(
-                    "{name:8} pieces of 1 MiB {what:14}: {s:7.4} s, {n} pieces, {errs} regex errors"
-                );
+                println!("{name:8} pieces of 1 MiB {what:14}: {s:7.4} s, {n} pieces");
             }
             let doc = "<|im_start|>user\nhi <tool> there\n".repeat(1 << 15);
             let n_special = t.specials.len();
             let s = secs(&mut || drop(t.split_special(&doc, true)));
             println!("{name:8} split_special 1 MiB, {n_special} specials: {s:7.4} s");
-        }
-    }
-
-    #[test]
-    #[ignore]
-    fn scratch_regex_limits() {
-        for pat in [
-            pre_tokenizer("qwen2").unwrap()[0],
-            pre_tokenizer("gpt2").unwrap()[0],
-        ] {
-            let re = Regex::new(pat).unwrap();
-            for (what, unit) in [
-                ("letters", "x"),
-                ("spaces", " "),
-                ("spx", " "),
-                ("nl", "\n"),
-                ("sp-nl", " \n"),
-                ("digits", "7"),
-                ("punct", "."),
-                ("ab ", "ab "),
-                ("emoji", "🦀"),
-                ("é", "é"),
-            ] {
-                let mut first = None;
-                for k in 10..21 {
-                    let mut text = unit.repeat(1 << k);
-                    if what == "spx" {
-                        text.push('x');
-                    }
-                    let mut pieces = 0;
-                    let mut err = None;
-                    for m in re.find_iter(&text) {
-                        match m {
-                            Ok(_) => pieces += 1,
-                            Err(e) => {
-                                err = Some(format!("{e:?} after {pieces} pieces"));
-                                break;
-                            }
-                        }
-                    }
-                    if let Some(e) = err {
-                        first = Some(format!("2^{k}: {e}"));
-                        break;
-                    }
-                }
-                println!(
-                    "{:5} {what:8}: {}",
-                    &pat[..5],
-                    first.unwrap_or("ok up to 2^20".into())
-                );
-            }
         }
     }
 
