@@ -39,7 +39,8 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
             "epic",
             "cacheblend",
             "speccache",
-            "speccache_nospan"
+            "speccache_nospan",
+            "target_probe"
         ]
     );
     // Two bridge cases and one needle case, every one answered by every configuration.
