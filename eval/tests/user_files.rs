@@ -89,7 +89,7 @@ fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::
         r.ingest
     );
     assert!(r.ingest[0].chunks > 4, "{:?}", r.ingest);
-    assert_eq!(r.identity.len(), 3);
+    assert_eq!(r.identity.len(), 4);
     assert!(r.identity_holds(), "{:?}", r.identity);
 
     // --render rebuilds the same report from results.json, without models or a run.
