@@ -239,37 +239,8 @@ pub fn attention_mass_reference(
     shape: AttentionShape,
 ) -> Result<Vec<f32>> {
     let n_ctx = shape.check(q, pos, k, k)?;
-    let AttentionShape {
-        n_head,
-        n_kv_head,
-        head_dim: d,
-    } = shape;
-    let dev = Device::Cpu;
-    let n_q = pos.len();
-    let q = Tensor::from_slice(q, (n_q, n_head, d), &dev)?
-        .transpose(0, 1)?
-        .contiguous()?;
-    let k = Tensor::from_slice(k, (n_ctx, n_kv_head, 1, d), &dev)?
-        .broadcast_as((n_ctx, n_kv_head, n_head / n_kv_head, d))?
-        .reshape((n_ctx, n_head, d))?
-        .transpose(0, 1)?
-        .contiguous()?;
-    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    let mask: Vec<u8> = pos
-        .iter()
-        .flat_map(|&p| (0..n_ctx).map(move |j| u8::from(j <= p)))
-        .collect();
-    let mask = Tensor::from_vec(mask, (1, n_q, n_ctx), &dev)?.broadcast_as(scores.shape())?;
-    let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), &dev)?;
-    let probs = masked_softmax(&mask.where_cond(&scores, &neg)?)?;
+    let probs = reference_probs(q, pos, k, shape, n_ctx)?;
     Ok(probs.sum(0)?.sum(0)?.to_vec1::<f32>()?)
-}
-
-/// Softmax over the last dimension from candle primitives (masked entries are -inf).
-fn masked_softmax(scores: &Tensor) -> Result<Tensor> {
-    let max = scores.max_keepdim(D::Minus1)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 /// Reference built from candle primitives (full score matrix, explicit mask, softmax).
@@ -281,25 +252,47 @@ pub fn causal_attention_reference(
     shape: AttentionShape,
 ) -> Result<Vec<f32>> {
     let n_ctx = shape.check(q, pos, k, v)?;
+    let probs = reference_probs(q, pos, k, shape, n_ctx)?;
+    let out = probs
+        .matmul(&per_query_head(v, shape, n_ctx)?)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .to_dtype(DType::F32)?;
+    Ok(out.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Cache rows `(n_ctx, n_kv_head, d)` repeated for the query heads of each group:
+/// `(n_head, n_ctx, d)`.
+fn per_query_head(t: &[f32], shape: AttentionShape, n_ctx: usize) -> Result<Tensor> {
     let AttentionShape {
         n_head,
         n_kv_head,
         head_dim: d,
     } = shape;
+    Ok(
+        Tensor::from_slice(t, (n_ctx, n_kv_head, 1, d), &Device::Cpu)?
+            .broadcast_as((n_ctx, n_kv_head, n_head / n_kv_head, d))?
+            .reshape((n_ctx, n_head, d))?
+            .transpose(0, 1)?
+            .contiguous()?,
+    )
+}
+
+/// Causally masked softmax probabilities `(n_head, n_q, n_ctx)` from candle primitives.
+fn reference_probs(
+    q: &[f32],
+    pos: &[usize],
+    k: &[f32],
+    shape: AttentionShape,
+    n_ctx: usize,
+) -> Result<Tensor> {
+    let (n_head, d) = (shape.n_head, shape.head_dim);
     let dev = Device::Cpu;
     let n_q = pos.len();
     let q = Tensor::from_slice(q, (n_q, n_head, d), &dev)?
         .transpose(0, 1)?
         .contiguous()?;
-    let expand = |t: &[f32]| -> Result<Tensor> {
-        let t = Tensor::from_slice(t, (n_ctx, n_kv_head, 1, d), &dev)?
-            .broadcast_as((n_ctx, n_kv_head, n_head / n_kv_head, d))?
-            .reshape((n_ctx, n_head, d))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        Ok(t)
-    };
-    let (k, v) = (expand(k)?, expand(v)?);
+    let k = per_query_head(k, shape, n_ctx)?;
     let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
     let mask: Vec<u8> = pos
         .iter()
@@ -307,13 +300,10 @@ pub fn causal_attention_reference(
         .collect();
     let mask = Tensor::from_vec(mask, (1, n_q, n_ctx), &dev)?.broadcast_as(scores.shape())?;
     let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), &dev)?;
-    let p = masked_softmax(&mask.where_cond(&scores, &neg)?)?;
-    let out = p
-        .matmul(&v)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .to_dtype(DType::F32)?;
-    Ok(out.flatten_all()?.to_vec1::<f32>()?)
+    let scores = mask.where_cond(&scores, &neg)?;
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 #[cfg(test)]
