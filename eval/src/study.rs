@@ -345,14 +345,10 @@ fn paired(
         .unzip()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| x.is_finite());
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
+/// Median of the finite values (the harness's one median, `metrics::median`).
+fn median(v: Vec<f64>) -> f64 {
+    let finite: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
+    crate::metrics::median(&finite)
 }
 
 /// Summaries of every configuration of every (pairing, dataset) in `records`.
