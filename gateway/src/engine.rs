@@ -151,20 +151,36 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                 return;
             }
             let mut late = false;
-            let result = pipeline.query(&query, &mut |piece| {
-                if Instant::now() > deadline {
-                    late = true;
-                    return false;
-                }
-                let event = match piece {
-                    Piece::Token(t) => QueryEvent::Text(t.to_string()),
-                    Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
-                    Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
-                    Piece::Retract(n) => QueryEvent::Retract(n),
-                };
-                events.blocking_send(event).is_ok()
+            // Checked before every layer of every forward pass this query runs (its threads
+            // included), so a late or abandoned query frees the engine within one layer.
+            let watched = events.clone();
+            let stop: target_engine::stop::StopFn =
+                Arc::new(move || Instant::now() > deadline || watched.is_closed());
+            let result = target_engine::stop::with_stop(Some(stop), || {
+                pipeline.query(&query, &mut |piece| {
+                    if Instant::now() > deadline {
+                        late = true;
+                        return false;
+                    }
+                    let event = match piece {
+                        Piece::Token(t) => QueryEvent::Text(t.to_string()),
+                        Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
+                        Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
+                        Piece::Retract(n) => QueryEvent::Retract(n),
+                    };
+                    events.blocking_send(event).is_ok()
+                })
             });
+            let stopped = matches!(
+                result,
+                Err(GatewayError::Engine(target_engine::EngineError::Stopped))
+            );
             let event = match result {
+                _ if stopped && Instant::now() <= deadline => return, // the client left
+                Err(_) if stopped => {
+                    metrics.timeout();
+                    QueryEvent::Failed(JobError::Deadline)
+                }
                 Ok(_) if late || Instant::now() > deadline => {
                     metrics.timeout();
                     QueryEvent::Failed(JobError::Deadline)

@@ -247,10 +247,15 @@ impl ContextCache {
         }
     }
 
-    fn key(fingerprint: &str, ids: &[u32]) -> [u8; 32] {
+    /// Keyed by collection too, so one tenant's cache hit (and its timing) never answers for
+    /// another's request over the same text.
+    fn key(fingerprint: &str, collection: &str, ids: &[u32]) -> [u8; 32] {
         use sha2::Digest;
         let mut h = sha2::Sha256::new();
         h.update(fingerprint.as_bytes());
+        h.update([0x1f]);
+        h.update(collection.as_bytes());
+        h.update([0x1f]);
         for id in ids {
             h.update(id.to_le_bytes());
         }
@@ -410,7 +415,7 @@ impl Pipeline {
         }
         if q.verify && q.temperature == 0.0 {
             // The full prefill starts now, beside KV load, speculation and the blend.
-            let key = ContextCache::key(target.fingerprint(), &asm.ids);
+            let key = ContextCache::key(target.fingerprint(), &q.collection, &asm.ids);
             let cached = self.contexts.inner.get(&key);
             let hit = cached.is_some();
             let full_ms = Arc::new(std::sync::Mutex::new(0.0));
@@ -422,9 +427,10 @@ impl Pipeline {
                     }
                     None => {
                         let (ids, ms_out, contexts) = (&asm.ids, full_ms.clone(), &self.contexts);
+                        let stop = target_engine::stop::current();
                         s.spawn(move || {
                             let t = Instant::now();
-                            let r = target.prefill(ids);
+                            let r = target_engine::stop::with_stop(stop, || target.prefill(ids));
                             *ms_out.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
                             if let Ok((cache, logits)) = &r {
                                 contexts
@@ -595,15 +601,18 @@ impl Pipeline {
             && (attention || score_source == ScoreSource::Query);
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
-                s.spawn(|| -> Result<(ScoredTokens, f64)> {
-                    let t = Instant::now();
-                    let spec = self.speculator(q)?;
-                    let toks = if attention {
-                        spec.attention_scores(asm)?
-                    } else {
-                        spec.query_scores(asm)?
-                    };
-                    Ok((toks, ms(t)))
+                let stop = target_engine::stop::current();
+                s.spawn(move || -> Result<(ScoredTokens, f64)> {
+                    target_engine::stop::with_stop(stop, || {
+                        let t = Instant::now();
+                        let spec = self.speculator(q)?;
+                        let toks = if attention {
+                            spec.attention_scores(asm)?
+                        } else {
+                            spec.query_scores(asm)?
+                        };
+                        Ok((toks, ms(t)))
+                    })
                 })
             });
             let t = Instant::now();

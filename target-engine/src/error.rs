@@ -29,6 +29,10 @@ pub enum EngineError {
     /// A candle op failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The work was stopped by the caller's stop condition (see [`crate::stop`]): a deadline
+    /// passed or the client went away.
+    #[error("stopped: the request ran past its deadline or was cancelled")]
+    Stopped,
     /// I/O while reading the model file.
     #[error(transparent)]
     Io(#[from] std::io::Error),

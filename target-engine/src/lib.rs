@@ -19,6 +19,7 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod select;
+pub mod stop;
 pub mod testing;
 pub mod tokenizer;
 pub mod verify;

@@ -449,6 +449,7 @@ impl Model {
         let mut collected = Vec::new();
         let finishes = layers.end == c.n_layer;
         for l in layers {
+            crate::stop::check()?;
             let layer = &self.layers[l];
             let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
             let mut q = layer

@@ -115,8 +115,9 @@ impl Model {
     ) -> Result<VerifiedGeneration> {
         std::thread::scope(|s| {
             let (tx, rx) = mpsc::channel();
+            let stop = crate::stop::current();
             s.spawn(move || {
-                let _ = tx.send(full());
+                let _ = tx.send(crate::stop::with_stop(stop, full));
             });
             self.verified_generate_from(draft, rx, params, on_event)
         })

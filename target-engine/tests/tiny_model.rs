@@ -302,3 +302,36 @@ fn fingerprint_depends_on_the_file() {
     assert_ne!(prints[0], prints[2]);
     assert_eq!(prints[0].len(), 64);
 }
+
+#[test]
+fn a_stop_condition_ends_a_forward_pass_at_the_next_layer() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use target_engine::{stop, EngineError};
+    let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
+    let n_layer = m.config().n_layer;
+    assert!(n_layer >= 2);
+    let ids: Vec<u32> = (1..40).collect();
+    // Counts the checks; turns true after the first layer.
+    let checks = Arc::new(AtomicUsize::new(0));
+    let c = checks.clone();
+    let after_one: stop::StopFn = Arc::new(move || c.fetch_add(1, Ordering::SeqCst) >= 1);
+    let r = stop::with_stop(Some(after_one), || m.prefill(&ids));
+    assert!(matches!(r, Err(EngineError::Stopped)), "{r:?}");
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        2,
+        "stopped at the second layer's check"
+    );
+    // A condition that never fires is checked once per layer and changes nothing.
+    let checks = Arc::new(AtomicUsize::new(0));
+    let c = checks.clone();
+    let never: stop::StopFn = Arc::new(move || {
+        c.fetch_add(1, Ordering::SeqCst);
+        false
+    });
+    let (_, watched) = stop::with_stop(Some(never), || m.prefill(&ids)).expect("prefill");
+    let (_, plain) = m.prefill(&ids).expect("prefill");
+    assert_eq!(checks.load(Ordering::SeqCst), n_layer);
+    assert_eq!(watched, plain);
+}
