@@ -372,7 +372,9 @@ pub struct Deleted {
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ModelInfo {
     pub name: String,
-    pub path: String,
+    /// The model file (shown to admin keys, or when the server has no keys).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// sha256 of the GGUF metadata and tensor table.
     pub fingerprint: String,
 }

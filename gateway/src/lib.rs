@@ -6,6 +6,7 @@
 //! only finds files, validates what users type and reports results.
 
 pub mod api;
+pub mod auth;
 pub mod bench;
 pub mod client;
 pub mod corpus;

@@ -104,20 +104,34 @@ struct ServeArgs {
     addr: std::net::SocketAddr,
     #[command(flatten)]
     data: DataArgs,
-    /// Accepted API key (repeatable, or comma-separated in SPECRAG_API_KEYS). With none, the
-    /// query and document routes are open; /health, /metrics and /docs always are.
+    /// Accepted API key: `KEY` reaches every collection, `KEY=coll1,coll2` only those (any
+    /// other answers 404, as if it did not exist). Repeatable, or `;`-separated in
+    /// SPECRAG_API_KEYS. With no key at all the query and document routes are open;
+    /// /health, /metrics and /docs always are.
     #[arg(
         long = "api-key",
         env = "SPECRAG_API_KEYS",
-        value_delimiter = ',',
-        hide_env_values = true
+        value_delimiter = ';',
+        value_name = "KEY[=COLLECTIONS]",
+        hide_env_values = true,
+        value_parser = clap::value_parser!(gateway::auth::ApiKey)
     )]
-    api_keys: Vec<String>,
+    api_keys: Vec<gateway::auth::ApiKey>,
+    /// Admin key: every collection, and /health shows it collection names and model paths
+    /// (hidden from other callers). Repeatable, or `;`-separated in SPECRAG_ADMIN_KEYS.
+    #[arg(
+        long = "admin-key",
+        env = "SPECRAG_ADMIN_KEYS",
+        value_delimiter = ';',
+        hide_env_values = true,
+        value_parser = gateway::auth::ApiKey::admin
+    )]
+    admin_keys: Vec<gateway::auth::ApiKey>,
     /// Requests that may wait for the engine before new ones get 429 (1..=1024).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     queue: u32,
-    /// Seconds a request may take (waiting included) before it is answered 504.
-    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
     /// Memory tier of the chunk KV store, in MiB.
     #[arg(long, default_value_t = 2048)]
@@ -552,6 +566,15 @@ fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
 }
 
 fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
+    // A key list that is set but empty would silently open every route: refuse it.
+    for var in ["SPECRAG_API_KEYS", "SPECRAG_ADMIN_KEYS"] {
+        if std::env::var_os(var).is_some_and(|v| v.to_string_lossy().trim().is_empty()) {
+            anyhow::bail!(
+                "{var} is set but holds no key: unset it to serve without authentication, \
+                 or give KEY[=COLLECTIONS] entries separated by `;`"
+            );
+        }
+    }
     let (target, spec) = load_pair(models_args)?;
     let engines = gateway::corpus::Engines::new(std::sync::Arc::new(target), Some(spec))?;
     let corpus = gateway::corpus::Corpus::open(&a.data.data, a.memory_mb << 20)
@@ -559,7 +582,8 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     let mut pipeline = gateway::pipeline::Pipeline::new(engines, corpus, a.spec_scores);
     pipeline.verify_mode = a.verify_mode;
     let pipeline = std::sync::Arc::new(pipeline);
-    let api_keys: Vec<String> = a.api_keys.into_iter().filter(|k| !k.is_empty()).collect();
+    let mut api_keys = a.api_keys;
+    api_keys.extend(a.admin_keys);
     let config = gateway::server::ServerConfig {
         api_keys,
         queue_capacity: a.queue as usize,

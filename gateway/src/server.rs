@@ -5,13 +5,14 @@ use crate::api::{
     validate_collection, CollectionInfo, Deleted, DocumentInfo, DocumentList, DocumentsRequest,
     Health, IngestResponse, ModelInfo, Problem, QueryRequest,
 };
+use crate::auth::{ApiKey, Grant};
 use crate::engine::{EngineHandle, Job, JobError, QueryEvent, SubmitError};
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 use crate::pipeline::{Answer, Pipeline};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::extract::{DefaultBodyLimit, Extension, MatchedPath, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -36,8 +37,8 @@ struct SseEvent {
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Accepted bearer tokens; empty means no authentication.
-    pub api_keys: Vec<String>,
+    /// Accepted bearer tokens and their reach; empty means no authentication.
+    pub api_keys: Vec<ApiKey>,
     /// Jobs that may wait for the engine before requests are refused with 429.
     pub queue_capacity: usize,
     /// A request not finished within this time is answered 504 (and its work stopped).
@@ -306,34 +307,27 @@ async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Res
     resp
 }
 
-/// Bearer-token check on the query and document routes (when keys are configured).
+/// Bearer-token check on the query and document routes (when keys are configured); the
+/// key's [`Grant`] travels with the request to the handler.
 async fn require_key(
     State(state): State<AppState>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    if state.config.api_keys.is_empty() {
-        return Ok(next.run(req).await);
-    }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    // Compare every key in full so timing does not reveal a matching prefix.
-    let ok = state.config.api_keys.iter().fold(false, |acc, k| {
-        let same = k.len() == given.len()
-            && k.bytes()
-                .zip(given.bytes())
-                .fold(0u8, |d, (a, b)| d | (a ^ b))
-                == 0;
-        acc | same
-    });
-    if ok {
-        Ok(next.run(req).await)
+    let grant =
+        crate::auth::grant(&state.config.api_keys, req.headers()).ok_or(ApiError::Unauthorized)?;
+    req.extensions_mut().insert(grant);
+    Ok(next.run(req).await)
+}
+
+/// A collection outside the key's reach answers exactly as a missing one would: 404.
+fn reach(grant: &Grant, collection: &str) -> Result<(), ApiError> {
+    if grant.allows(collection) {
+        Ok(())
     } else {
-        Err(ApiError::Unauthorized)
+        Err(ApiError::Gateway(GatewayError::NotFound(format!(
+            "no collection `{collection}`"
+        ))))
     }
 }
 
@@ -368,10 +362,12 @@ fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
 )]
 async fn rag_query(
     State(state): State<AppState>,
+    Extension(grant): Extension<Grant>,
     body: Result<Json<QueryRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let query = req.validate()?;
+    reach(&grant, &query.collection)?;
     state.pipeline.check(&query)?;
     let deadline = Instant::now() + state.config.request_timeout;
     // Room for every token of the longest answer, so a client that stops reading can never
@@ -452,10 +448,12 @@ async fn rag_query(
 )]
 async fn post_documents(
     State(state): State<AppState>,
+    Extension(grant): Extension<Grant>,
     body: Result<Json<DocumentsRequest>, JsonRejection>,
 ) -> Result<Json<IngestResponse>, ApiError> {
     let Json(req) = body?;
     let (docs, cfg, mut skipped) = req.validate()?;
+    reach(&grant, &cfg.collection)?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     submit(
         &state,
@@ -509,11 +507,13 @@ struct CollectionParam {
 )]
 async fn list_documents(
     State(state): State<AppState>,
+    Extension(grant): Extension<Grant>,
     q: Result<Query<CollectionParam>, QueryRejection>,
 ) -> Result<Json<DocumentList>, ApiError> {
     let Query(q) = q?;
     if let Some(c) = &q.collection {
         validate_collection("collection", c)?;
+        reach(&grant, c)?;
     }
     let pipeline = state.pipeline.clone();
     let docs = tokio::task::spawn_blocking(move || {
@@ -525,6 +525,7 @@ async fn list_documents(
     Ok(Json(DocumentList {
         documents: docs
             .into_iter()
+            .filter(|d| grant.allows(&d.collection))
             .map(|d| DocumentInfo {
                 collection: d.collection,
                 id: d.doc_id,
@@ -555,12 +556,14 @@ async fn list_documents(
 )]
 async fn delete_document(
     State(state): State<AppState>,
+    Extension(grant): Extension<Grant>,
     Path(id): Path<String>,
     q: Result<Query<CollectionParam>, QueryRejection>,
 ) -> Result<Json<Deleted>, ApiError> {
     let Query(q) = q?;
     let collection = q.collection.unwrap_or_else(|| "default".into());
     validate_collection("collection", &collection)?;
+    reach(&grant, &collection)?;
     if id.trim().is_empty() || id.chars().count() > 512 {
         return Err(GatewayError::bad("id", "must be 1 to 512 bytes").into());
     }
@@ -581,22 +584,30 @@ async fn delete_document(
     }))
 }
 
-fn model_info(m: &target_engine::Model) -> ModelInfo {
+fn model_info(m: &target_engine::Model, admin: bool) -> ModelInfo {
     ModelInfo {
         name: m.config().name.clone(),
-        path: m.path().display().to_string(),
+        path: admin.then(|| m.path().display().to_string()),
         fingerprint: m.fingerprint().to_string(),
     }
 }
 
-/// Liveness, models, collections and queue depth.
+/// Liveness, models, collections and queue depth. Open to all; when the server has keys, the
+/// collections are those the request's key reaches (none without a key) and model file paths
+/// are shown to admin keys only.
 #[utoipa::path(
     get,
     path = "/health",
     tag = "operations",
-    responses((status = 200, description = "The server is up", body = Health))
+    responses((status = 200, description = "The server is up", body = Health)),
+    security((), ("bearer" = []))
 )]
-async fn health(State(state): State<AppState>) -> Result<Json<Health>, ApiError> {
+async fn health(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Health>, ApiError> {
+    let grant = crate::auth::grant(&state.config.api_keys, &headers);
+    let admin = grant.as_ref().is_some_and(|g| g.admin);
     let p = &state.pipeline;
     let pipeline = state.pipeline.clone();
     let collections = tokio::task::spawn_blocking(move || pipeline.corpus.index.collections())
@@ -604,12 +615,17 @@ async fn health(State(state): State<AppState>) -> Result<Json<Health>, ApiError>
         .map_err(|_| engine_dropped())?
         .map_err(GatewayError::from)?
         .into_iter()
+        .filter(|(name, _)| grant.as_ref().is_some_and(|g| g.allows(name)))
         .map(|(name, chunks)| CollectionInfo { name, chunks })
         .collect();
     Ok(Json(Health {
         status: "ok".into(),
-        target: model_info(&p.engines.target),
-        speculator: p.engines.spec.as_ref().map(|s| model_info(&s.speculator)),
+        target: model_info(&p.engines.target, admin),
+        speculator: p
+            .engines
+            .spec
+            .as_ref()
+            .map(|s| model_info(&s.speculator, admin)),
         collections,
         queue_depth: state.engine.depth(),
         queue_capacity: state.engine.capacity(),

@@ -310,6 +310,10 @@ fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
         vec!["query", "q", "--verify-mode", "draft-every-99"],
         vec!["query", "q", "--method", "specache"],
         vec!["serve", "--spec-scores", "nowhere"],
+        vec!["serve", "--api-key", "a,b"],
+        vec!["serve", "--api-key", "k=no such collection"],
+        vec!["serve", "--admin-key", "root=docs"],
+        vec!["serve", "--timeout-secs", "18446744073709551615"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
             .arg("--target")
@@ -322,6 +326,33 @@ fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
         assert!(
             !err.contains("no-such-model"),
             "parsed before loading: {err}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn a_set_but_empty_key_list_refuses_to_start() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("no-such-model.gguf");
+    for (var, value) in [
+        ("SPECRAG_API_KEYS", ""),
+        ("SPECRAG_API_KEYS", " "),
+        ("SPECRAG_API_KEYS", ","),
+        ("SPECRAG_API_KEYS", ";"),
+        ("SPECRAG_ADMIN_KEYS", ""),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
+            .arg("--target")
+            .arg(&missing)
+            .arg("serve")
+            .env(var, value)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{var}={value:?} started");
+        assert!(
+            err.contains("key") && !err.contains("no-such-model"),
+            "{var}={value:?}: refused before loading, naming the keys: {err}"
         );
     }
     Ok(())

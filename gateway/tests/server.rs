@@ -389,7 +389,7 @@ async fn api_keys_full_queue_and_deadline() -> TestResult {
     let keyed = state(
         p.clone(),
         ServerConfig {
-            api_keys: vec!["sekrit".into()],
+            api_keys: vec!["sekrit".parse()?],
             ..Default::default()
         },
     );
@@ -546,5 +546,99 @@ fn a_consumer_that_stops_reading_cancels_generation() -> TestResult {
         "nothing is produced after the consumer says stop"
     );
     assert!(cut.tokens < full.tokens);
+    Ok(())
+}
+
+fn with_key(mut req: Request<Body>, key: &str) -> Request<Body> {
+    if let Ok(v) = format!("Bearer {key}").parse() {
+        req.headers_mut().insert("authorization", v);
+    }
+    req
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scoped_key_reaches_only_its_collections() -> TestResult {
+    use gateway::auth::ApiKey;
+    let dir = tempfile::tempdir()?;
+    let s = state(
+        pipeline(dir.path())?,
+        ServerConfig {
+            api_keys: vec!["tenant=default".parse()?, ApiKey::admin("root")?],
+            ..Default::default()
+        },
+    );
+    let doc =
+        json!({"collection": "secret", "documents": [{"id": "s1", "text": "the secret ant"}]});
+    let (status, text, _) = send(&s, with_key(post("/documents", &doc), "root")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    // Everything about `secret` answers 404 to the tenant, exactly as a missing collection.
+    let q = json!({"query": "ant", "collection": "secret", "max_tokens": 1});
+    let outside = [
+        post("/rag/query", &q),
+        post("/documents", &doc),
+        Request::get("/documents?collection=secret").body(Body::empty())?,
+        Request::delete("/documents/s1?collection=secret").body(Body::empty())?,
+    ];
+    for req in outside {
+        let what = format!("{} {}", req.method(), req.uri());
+        let (status, text, _) = send(&s, with_key(req, "tenant")).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{what}: {text}");
+        assert!(text.contains("no collection `secret`"), "{what}: {text}");
+    }
+    let (status, text, _) = send(
+        &s,
+        with_key(
+            post("/rag/query", &json!({"query": "ant", "max_tokens": 1})),
+            "tenant",
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (_, text, _) = send(
+        &s,
+        with_key(Request::get("/documents").body(Body::empty())?, "tenant"),
+    )
+    .await;
+    let list: Value = serde_json::from_str(&text)?;
+    let docs = list["documents"].as_array().ok_or("no list")?;
+    assert_eq!(docs.len(), DOCS.len(), "{text}");
+    assert!(docs.iter().all(|d| d["collection"] == "default"), "{text}");
+    // /health: no names or paths without a key, the key's collections with one, all to admin.
+    let health = |key: Option<&str>| {
+        let req = Request::get("/health")
+            .body(Body::empty())
+            .unwrap_or_default();
+        let req = match key {
+            Some(k) => with_key(req, k),
+            None => req,
+        };
+        let s = s.clone();
+        async move {
+            let (status, text, _) = send(&s, req).await;
+            assert_eq!(status, StatusCode::OK);
+            let h: Value = serde_json::from_str(&text).unwrap_or_default();
+            let names: Vec<String> = h["collections"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|c| c["name"].as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default();
+            (names, h["target"]["path"].is_string())
+        }
+    };
+    assert_eq!(health(None).await, (vec![], false));
+    assert_eq!(
+        health(Some("tenant")).await,
+        (vec!["default".to_string()], false)
+    );
+    assert_eq!(
+        health(Some("root")).await,
+        (vec!["default".to_string(), "secret".to_string()], true)
+    );
+    // The admin still reaches `secret`.
+    let (status, _, _) = send(&s, with_key(post("/rag/query", &q), "root")).await;
+    assert_eq!(status, StatusCode::OK);
     Ok(())
 }
