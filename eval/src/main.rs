@@ -100,8 +100,9 @@ struct Args {
     /// Speculator of the small pairing [default: $SPECRAG_MODELS/smollm2-135m-instruct-q4_1.gguf]
     #[arg(long, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
     speculator: Option<PathBuf>,
-    /// The fidelity study instead of the default run: profile and record cases, every method
-    /// at ρ = 0.15 (oracle and random as bounds) and a ρ sweep on the first --sweep-cases,
+    /// The fidelity study instead of the default run: profile and record cases; the bounds
+    /// (oracle, random), the default and the baselines at ρ = 0.15 on every case, the other
+    /// methods and a ρ sweep on the first --sweep-cases,
     /// paired against full recompute; appends to <out>/study.jsonl a case at a time and
     /// writes <out>/study.md. --pairings defaults to small here.
     #[arg(long)]
@@ -118,6 +119,13 @@ struct Args {
     /// Study cases (the first of each dataset) that also run the ρ sweep.
     #[arg(long, default_value_t = 40, requires = "study")]
     sweep_cases: usize,
+    /// Run only these study configurations (labels such as `target_probe@0.15,epic@0.15`; full
+    /// recompute, the reference, always runs) [default: all].
+    #[arg(long, value_delimiter = ',', requires = "study")]
+    study_configs: Vec<String>,
+    /// Run only these study datasets (`profiles`, `records`) [default: both].
+    #[arg(long, value_delimiter = ',', requires = "study")]
+    study_datasets: Vec<String>,
     /// The configuration the study report compares with every baseline, head to head.
     #[arg(long, default_value = "target_probe@0.15", requires = "study")]
     study_best: String,

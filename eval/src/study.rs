@@ -38,35 +38,39 @@ impl StudyConfig {
     }
 }
 
-/// The configurations of the main comparison at `ratio` (full recompute first).
+/// The configurations every case runs at `ratio` (full recompute first): the bounds, the
+/// default method and the baselines it must beat.
 pub fn main_configs(ratio: f64) -> Vec<StudyConfig> {
     let at = |method| StudyConfig { method, ratio };
-    let mut out = vec![StudyConfig {
-        method: Method::FullRecompute,
-        ratio: 1.0,
-    }];
-    out.push(StudyConfig {
-        method: Method::FullReuse,
-        ratio: 0.0,
-    });
-    for m in [
-        Method::Oracle,
-        Method::Random,
-        Method::TargetProbe,
-        Method::TargetProbeSpan,
-        Method::SpecAttn,
-        Method::Speccache,
-        Method::Cacheblend,
-        Method::Epic,
-    ] {
-        out.push(at(m));
-    }
+    let mut out = vec![
+        StudyConfig {
+            method: Method::FullRecompute,
+            ratio: 1.0,
+        },
+        StudyConfig {
+            method: Method::FullReuse,
+            ratio: 0.0,
+        },
+    ];
+    out.extend(
+        [
+            Method::Oracle,
+            Method::Random,
+            Method::TargetProbe,
+            Method::Cacheblend,
+            Method::Epic,
+        ]
+        .map(at),
+    );
     out
 }
 
-/// The ρ sweep of the budgeted methods (run on a subset of cases).
-pub fn sweep_configs(ratios: &[f64]) -> Vec<StudyConfig> {
-    let mut out = Vec::new();
+/// What the first cases of each dataset run besides [`main_configs`]: the other methods at
+/// `ratio`, and the ρ sweep of the bounds, the default and the baselines at `ratios`.
+pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
+    let mut out: Vec<StudyConfig> = [Method::TargetProbeSpan, Method::SpecAttn, Method::Speccache]
+        .map(|method| StudyConfig { method, ratio })
+        .to_vec();
     for &ratio in ratios {
         for method in [
             Method::Oracle,

@@ -58,6 +58,24 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             path.display()
         );
     }
+    let known: Vec<String> = study::main_configs(RHO)
+        .into_iter()
+        .chain(study::subset_configs(RHO, &SWEEP))
+        .map(|c| c.label())
+        .collect();
+    if let Some(bad) = args.study_configs.iter().find(|l| !known.contains(l)) {
+        anyhow::bail!(
+            "--study-configs: unknown configuration `{bad}` (one of {})",
+            known.join(", ")
+        );
+    }
+    if let Some(bad) = args
+        .study_datasets
+        .iter()
+        .find(|d| !["profiles", "records"].contains(&d.as_str()))
+    {
+        anyhow::bail!("--study-datasets: unknown dataset `{bad}` (profiles, records)");
+    }
     study::repair(&path)?;
     let mut records = study::read_records(&path)?;
     let tmp = tempfile::tempdir()?;
@@ -94,12 +112,15 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             file_name(&spec),
             file_name(&target)
         );
-        for ds in datasets(n, args.seed) {
+        let wanted =
+            |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
+        for ds in datasets(n, args.seed).into_iter().filter(wanted) {
             run_dataset(
                 &pipeline,
                 pairing,
                 &ds,
                 args.sweep_cases,
+                &args.study_configs,
                 &path,
                 &mut records,
             )?;
@@ -112,19 +133,34 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// Every case of `ds` not yet in `records`: the main configurations, and the sweep on the first
-/// `sweep_cases`.
+/// Every case of `ds` not yet in `records`: the main configurations, and the subset's on the
+/// first `sweep_cases` (only those of `only`, when given).
 fn run_dataset(
     pipeline: &Pipeline,
     pairing: &str,
     ds: &Dataset,
     sweep_cases: usize,
+    only: &[String],
     path: &Path,
     records: &mut Vec<StudyRecord>,
 ) -> anyhow::Result<()> {
-    let main = study::main_configs(RHO);
+    let keep = |c: &StudyConfig| only.is_empty() || only.contains(&c.label());
+    let mut main = study::main_configs(RHO);
     let mut with_sweep = main.clone();
-    with_sweep.extend(study::sweep_configs(&SWEEP));
+    with_sweep.extend(study::subset_configs(RHO, &SWEEP));
+    // Full recompute (the reference) stays first whatever --study-configs keeps.
+    main = main
+        .into_iter()
+        .enumerate()
+        .filter(|(j, c)| *j == 0 || keep(c))
+        .map(|(_, c)| c)
+        .collect();
+    with_sweep = with_sweep
+        .into_iter()
+        .enumerate()
+        .filter(|(j, c)| *j == 0 || keep(c))
+        .map(|(_, c)| c)
+        .collect();
     let lines = !std::io::stderr().is_terminal();
     let b = bar(ds.cases.len() as u64, &format!("{pairing} {}", ds.name));
     for (i, case) in ds.cases.iter().enumerate() {

@@ -44,8 +44,8 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
         .iter()
         .map(|c| c.label())
         .collect();
-    let sweep = study::sweep_configs(&[0.05, 0.10, 0.25, 0.40]);
-    // 2 datasets x 2 cases x the main configurations, plus the sweep on the first case of each.
+    let sweep = study::subset_configs(0.15, &[0.05, 0.10, 0.25, 0.40]);
+    // 2 datasets x 2 cases x the main configurations, plus the subset on the first case of each.
     assert_eq!(recs.len(), 2 * 2 * main.len() + 2 * sweep.len());
     assert_eq!(study::done_cases(&recs, &main).len(), 4);
     for r in recs.iter().filter(|r| r.label == "full_recompute") {
@@ -81,5 +81,49 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
     let report = std::fs::read_to_string(out.join("study.md"))?;
     assert!(report.contains("## small / profiles") && report.contains("## small / records"));
     assert!(report.contains("| oracle@0.15 | 3 |"));
+    Ok(())
+}
+
+#[test]
+fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
+    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    let out = d.join("out");
+    let only = ["--study-configs", "epic@0.15,target_probe@0.40"];
+    ok(&study_cmd(d, &out, "2", &only)?);
+    let recs: Vec<StudyRecord> = study::read_records(&out.join("study.jsonl"))?;
+    let count = |l: &str| recs.iter().filter(|r| r.label == l).count();
+    // The reference on every case, epic on every case, the sweep's ratio on the first one.
+    assert_eq!(count("full_recompute"), 4);
+    assert_eq!(count("epic@0.15"), 4);
+    assert_eq!(count("target_probe@0.40"), 2);
+    assert_eq!(recs.len(), 10);
+    let bad = study_cmd(d, &d.join("out2"), "1", &["--study-configs", "epic@0.2"])?;
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--study-configs") && err.contains("epic@0.2"),
+        "{err}"
+    );
+    // --study-datasets picks datasets.
+    let out3 = d.join("out3");
+    let only = [
+        "--study-configs",
+        "epic@0.15",
+        "--study-datasets",
+        "records",
+    ];
+    ok(&study_cmd(d, &out3, "1", &only)?);
+    let recs = study::read_records(&out3.join("study.jsonl"))?;
+    assert_eq!(recs.len(), 2);
+    assert!(recs.iter().all(|r| r.dataset == "records"));
+    let bad = study_cmd(d, &d.join("out4"), "1", &["--study-datasets", "recrods"])?;
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && err.contains("--study-datasets"),
+        "{err}"
+    );
     Ok(())
 }
