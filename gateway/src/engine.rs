@@ -11,7 +11,7 @@ use crate::pipeline::{Answer, Piece, Pipeline, Query};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// What a running query reports.
@@ -135,6 +135,31 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
     }
 }
 
+/// How long the engine waits for a reader that does not take its events (a stalled stream)
+/// before treating the client as gone.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sends `event`, waiting at most `timeout` for room; false when the reader is gone or
+/// stalled, so a client that stops reading can never park the engine thread.
+fn send_within(events: &mpsc::Sender<QueryEvent>, event: QueryEvent, timeout: Duration) -> bool {
+    let until = Instant::now() + timeout;
+    let mut event = event;
+    loop {
+        match events.try_send(event) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            Err(mpsc::error::TrySendError::Full(e)) => {
+                if Instant::now() >= until {
+                    tracing::warn!("a client stopped reading its stream; dropping it");
+                    return false;
+                }
+                event = e;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
+
 fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
     match job {
         Job::Query {
@@ -147,7 +172,11 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
             }
             if Instant::now() > deadline {
                 metrics.timeout();
-                let _ = events.blocking_send(QueryEvent::Failed(JobError::Deadline));
+                let _ = send_within(
+                    &events,
+                    QueryEvent::Failed(JobError::Deadline),
+                    SEND_TIMEOUT,
+                );
                 return;
             }
             let mut late = false;
@@ -168,7 +197,7 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                         Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
                         Piece::Retract(n) => QueryEvent::Retract(n),
                     };
-                    events.blocking_send(event).is_ok()
+                    send_within(&events, event, SEND_TIMEOUT)
                 })
             });
             let stopped = matches!(
@@ -191,7 +220,7 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                 }
                 Err(e) => QueryEvent::Failed(e.into()),
             };
-            let _ = events.blocking_send(event);
+            let _ = send_within(&events, event, SEND_TIMEOUT);
         }
         Job::Ingest { docs, cfg, reply } => {
             if reply.is_closed() {
@@ -224,5 +253,30 @@ fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
                 .map_err(JobError::from);
             let _ = reply.send(out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stalled_reader_is_given_up_after_the_timeout() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let wait = Duration::from_millis(50);
+        assert!(send_within(&tx, QueryEvent::Retract(1), wait));
+        let t = Instant::now();
+        assert!(
+            !send_within(&tx, QueryEvent::Retract(2), wait),
+            "full and unread"
+        );
+        assert!(t.elapsed() >= wait);
+        assert!(matches!(rx.try_recv(), Ok(QueryEvent::Retract(1))));
+        assert!(send_within(&tx, QueryEvent::Retract(3), wait), "room again");
+        drop(rx);
+        assert!(
+            !send_within(&tx, QueryEvent::Retract(4), wait),
+            "reader gone"
+        );
     }
 }

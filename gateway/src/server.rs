@@ -10,7 +10,7 @@ use crate::engine::{EngineHandle, Job, JobError, QueryEvent, SubmitError};
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 use crate::pipeline::{Answer, Pipeline};
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Extension, MatchedPath, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -217,13 +217,23 @@ fn problem_response(status: StatusCode, p: &Problem) -> Response {
         .into_response()
 }
 
+/// What an internal failure said, kept out of the response body: `observe` logs it with the
+/// request id and answers only that id.
+#[derive(Debug, Clone)]
+struct InternalDetail(String);
+
+/// The request id `observe` assigned, for handlers that answer errors outside a response
+/// body (a stream's `error` event).
+#[derive(Debug, Clone)]
+struct RequestId(String);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, p) = self.problem();
-        if status.is_server_error() {
-            tracing::error!(detail = %p.detail, "request failed");
-        }
         let mut r = problem_response(status, &p);
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            r.extensions_mut().insert(InternalDetail(p.detail.clone()));
+        }
         match self {
             Self::Busy => {
                 r.headers_mut()
@@ -297,7 +307,17 @@ async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Res
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
     let method = req.method().clone();
+    let mut req = req;
+    req.extensions_mut().insert(RequestId(id.clone()));
     let mut resp = next.run(req).await;
+    if let Some(InternalDetail(detail)) = resp.extensions_mut().remove::<InternalDetail>() {
+        // The cause (paths, internal messages) goes to the log under the request id; the
+        // client gets the id to quote.
+        tracing::error!(request_id = %id, %detail, "request failed");
+        let (status, mut p) = ApiError::Gateway(GatewayError::Internal(String::new())).problem();
+        p.detail = format!("internal error; quote request id {id} to the operator");
+        resp = problem_response(status, &p);
+    }
     let status = resp.status().as_u16();
     state.metrics.request(&route, status);
     tracing::info!(request_id = %id, %method, route = %route, status, ms = t.elapsed().as_secs_f64() * 1e3, "request");
@@ -363,6 +383,7 @@ fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
 async fn rag_query(
     State(state): State<AppState>,
     Extension(grant): Extension<Grant>,
+    Extension(RequestId(id)): Extension<RequestId>,
     body: Result<Json<QueryRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
@@ -382,7 +403,7 @@ async fn rag_query(
         },
     )?;
     if req.stream.unwrap_or(false) {
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|e| {
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |e| {
             Ok::<Event, Infallible>(match e {
                 QueryEvent::Text(t) => Event::default()
                     .event("token")
@@ -400,7 +421,11 @@ async fn rag_query(
                     .event("done")
                     .data(serde_json::to_string(&a).unwrap_or_default()),
                 QueryEvent::Failed(e) => {
-                    let (_, p) = ApiError::from(e).problem();
+                    let (status, mut p) = ApiError::from(e).problem();
+                    if status == StatusCode::INTERNAL_SERVER_ERROR {
+                        tracing::error!(request_id = %id, detail = %p.detail, "request failed");
+                        p.detail = format!("internal error; quote request id {id} to the operator");
+                    }
                     Event::default()
                         .event("error")
                         .data(serde_json::to_string(&p).unwrap_or_default())
@@ -557,9 +582,10 @@ async fn list_documents(
 async fn delete_document(
     State(state): State<AppState>,
     Extension(grant): Extension<Grant>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     q: Result<Query<CollectionParam>, QueryRejection>,
 ) -> Result<Json<Deleted>, ApiError> {
+    let Path(id) = id.map_err(|r| ApiError::Body(StatusCode::BAD_REQUEST, r.body_text()))?;
     let Query(q) = q?;
     let collection = q.collection.unwrap_or_else(|| "default".into());
     validate_collection("collection", &collection)?;

@@ -642,3 +642,22 @@ async fn a_scoped_key_reaches_only_its_collections() -> TestResult {
     assert_eq!(status, StatusCode::OK);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_is_not_utf8_answers_a_problem() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let (status, text, headers) = send(
+        &s,
+        Request::delete("/documents/%FF%FE").body(Body::empty())?,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert_eq!(
+        header(&headers, "content-type"),
+        Some("application/problem+json")
+    );
+    let p: Value = serde_json::from_str(&text)?;
+    assert_eq!(p["status"], 400);
+    Ok(())
+}
