@@ -144,23 +144,16 @@ fn run_dataset(
     path: &Path,
     records: &mut Vec<StudyRecord>,
 ) -> anyhow::Result<()> {
-    let keep = |c: &StudyConfig| only.is_empty() || only.contains(&c.label());
-    let mut main = study::main_configs(RHO);
-    let mut with_sweep = main.clone();
-    with_sweep.extend(study::subset_configs(RHO, &SWEEP));
     // Full recompute (the reference) stays first whatever --study-configs keeps.
-    main = main
-        .into_iter()
-        .enumerate()
-        .filter(|(j, c)| *j == 0 || keep(c))
-        .map(|(_, c)| c)
-        .collect();
-    with_sweep = with_sweep
-        .into_iter()
-        .enumerate()
-        .filter(|(j, c)| *j == 0 || keep(c))
-        .map(|(_, c)| c)
-        .collect();
+    let kept = |configs: Vec<StudyConfig>| -> Vec<StudyConfig> {
+        let keep = |c: &StudyConfig| only.is_empty() || only.contains(&c.label());
+        let mut it = configs.into_iter();
+        it.next().into_iter().chain(it.filter(keep)).collect()
+    };
+    let mut with_sweep = study::main_configs(RHO);
+    let main = kept(with_sweep.clone());
+    with_sweep.extend(study::subset_configs(RHO, &SWEEP));
+    let with_sweep = kept(with_sweep);
     let lines = !std::io::stderr().is_terminal();
     let b = bar(ds.cases.len() as u64, &format!("{pairing} {}", ds.name));
     for (i, case) in ds.cases.iter().enumerate() {
