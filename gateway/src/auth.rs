@@ -130,32 +130,36 @@ pub fn grant(keys: &[ApiKey], headers: &HeaderMap) -> Option<Grant> {
 mod tests {
     use super::*;
 
+    type R = Result<(), Box<dyn std::error::Error>>;
+
     #[test]
-    fn keys_parse_with_their_scope_and_refuse_what_is_ambiguous() {
-        let k: ApiKey = "abc".parse().unwrap();
+    fn keys_parse_with_their_scope_and_refuse_what_is_ambiguous() -> R {
+        let k: ApiKey = "abc".parse()?;
         assert_eq!(k.collections, None);
-        let k: ApiKey = "abc=docs,wiki".parse().unwrap();
+        let k: ApiKey = "abc=docs,wiki".parse()?;
         assert_eq!(k.collections, Some(vec!["docs".into(), "wiki".into()]));
         for bad in ["", "=docs", "a,b", "abc=", "abc=bad name", "a b"] {
             assert!(bad.parse::<ApiKey>().is_err(), "{bad:?}");
         }
         assert!(ApiKey::admin("root=docs").is_err());
-        assert!(ApiKey::admin("root").unwrap().admin);
+        assert!(ApiKey::admin("root")?.admin);
+        Ok(())
     }
 
     #[test]
-    fn a_grant_follows_the_key() {
-        let keys: Vec<ApiKey> = vec!["a=docs".parse().unwrap(), ApiKey::admin("r").unwrap()];
+    fn a_grant_follows_the_key() -> R {
+        let keys: Vec<ApiKey> = vec!["a=docs".parse()?, ApiKey::admin("r")?];
         let mut h = HeaderMap::new();
         assert!(grant(&keys, &h).is_none());
-        h.insert(header::AUTHORIZATION, "Bearer a".parse().unwrap());
-        let g = grant(&keys, &h).unwrap();
+        h.insert(header::AUTHORIZATION, "Bearer a".parse()?);
+        let g = grant(&keys, &h).ok_or("no grant")?;
         assert!(g.allows("docs") && !g.allows("wiki") && !g.admin);
-        h.insert(header::AUTHORIZATION, "Bearer r".parse().unwrap());
-        let g = grant(&keys, &h).unwrap();
+        h.insert(header::AUTHORIZATION, "Bearer r".parse()?);
+        let g = grant(&keys, &h).ok_or("no grant")?;
         assert!(g.allows("wiki") && g.admin);
-        h.insert(header::AUTHORIZATION, "Bearer x".parse().unwrap());
+        h.insert(header::AUTHORIZATION, "Bearer x".parse()?);
         assert!(grant(&keys, &h).is_none());
         assert!(grant(&[], &HeaderMap::new()).is_some_and(|g| g.admin));
+        Ok(())
     }
 }
