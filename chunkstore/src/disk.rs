@@ -145,11 +145,29 @@ impl DiskStore {
 
 impl ChunkStore for DiskStore {
     fn get(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
-        let Some(raw) = self
-            .blobs
-            .get(key.as_bytes())
-            .map_err(disk_err("get", key))?
-        else {
+        let raw = match self.blobs.get(key.as_bytes()) {
+            Ok(raw) => raw,
+            // sled cannot read the entry (its own checksum failed on a damaged page or blob
+            // file, or the file is gone): the KV is lost, but it can be recomputed, so the
+            // entry goes and the caller recomputes rather than failing every query that reads
+            // it. A failing delete is logged; the next read takes this path again, which
+            // still answers with a recompute.
+            Err(e) => {
+                tracing::warn!(
+                    key = %key,
+                    path = %self.path.display(),
+                    reason = %e,
+                    "the disk store cannot read this KV entry; dropping it, it will be recomputed"
+                );
+                if let Err(e) = self.delete(key, None) {
+                    tracing::warn!(key = %key, "dropping the unreadable entry failed: {e}");
+                }
+                self.corrupt.add(1);
+                self.misses.add(1);
+                return Ok(None);
+            }
+        };
+        let Some(raw) = raw else {
             self.misses.add(1);
             return Ok(None);
         };

@@ -14,10 +14,16 @@ use sha2::{Digest, Sha256};
 use tantivy::collector::{Count, DocSetCollector, TopDocs};
 use tantivy::directory::MmapDirectory;
 use tantivy::indexer::UserOperation;
-use tantivy::query::{AllQuery, BooleanQuery, ConstScoreQuery, Occur, Query, TermQuery};
+use tantivy::query::{
+    AllQuery, Bm25StatisticsProvider, BooleanQuery, ConstScoreQuery, EnableScoring, Occur, Query,
+    TermQuery,
+};
 use tantivy::schema::{Field, IndexRecordOption, Schema, Value, FAST, STORED, STRING, TEXT};
 use tantivy::tokenizer::TokenStream;
-use tantivy::{DocAddress, IndexReader, IndexWriter, ReloadPolicy, TantivyDocument, Term};
+use tantivy::{
+    DocAddress, DocSet, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term,
+    TERMINATED,
+};
 use tracing::{debug, info, warn};
 
 use crate::chunk::Chunk;
@@ -164,6 +170,20 @@ impl Index {
             ),
             e => dir_err(e.to_string()),
         })?;
+        // tantivy does not check its files' checksums as it reads them; a damaged segment
+        // would give wrong results or a panic later, so it is refused here, at startup.
+        let damaged = index
+            .validate_checksum()
+            .map_err(|e| dir_err(format!("cannot check the index files: {e}")))?;
+        if !damaged.is_empty() {
+            let mut names: Vec<String> = damaged.iter().map(|p| p.display().to_string()).collect();
+            names.sort();
+            return Err(dir_err(format!(
+                "index files fail their checksum ({}): the index is damaged; move the \
+                 directory away and ingest the documents again (stored KV is reused)",
+                names.join(", ")
+            )));
+        }
         let this = Self::with_index(index, fields).map_err(|e| match e {
             RetrieverError::Tantivy { action, source } => {
                 dir_err(format!("cannot {action}: {source}"))
@@ -313,8 +333,15 @@ impl Index {
         }
         let words = self.query_words(query)?;
         let searcher = self.reader.searcher();
+        let stats = CollectionStats {
+            searcher: &searcher,
+            filter: self.collection_query(collection),
+        };
         // TopDocs allocates for its limit, so never ask for more than there are chunks.
-        let limit = top_k.min(usize::try_from(searcher.num_docs()).unwrap_or(usize::MAX));
+        let in_scope = stats
+            .total_num_docs()
+            .map_err(tantivy_err("count collection"))?;
+        let limit = top_k.min(usize::try_from(in_scope).unwrap_or(usize::MAX));
         if words.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
@@ -334,8 +361,14 @@ impl Index {
             (Occur::Must, Box::new(in_collection) as Box<dyn Query>),
             (Occur::Must, Box::new(BooleanQuery::new(any_word))),
         ]);
+        // BM25 statistics of this collection only: scores neither depend on nor reveal what
+        // other collections hold.
         let top = searcher
-            .search(&query, &TopDocs::with_limit(limit).order_by_score())
+            .search_with_statistics_provider(
+                &query,
+                &TopDocs::with_limit(limit).order_by_score(),
+                &stats,
+            )
             .map_err(tantivy_err("search"))?;
         top.into_iter()
             .map(|(score, address)| {
@@ -542,6 +575,54 @@ impl Index {
             key: text(f.key, "key")?,
             tokens: number(f.tokens, "tokens")?,
         })
+    }
+}
+
+/// BM25 statistics (document count, field lengths, document frequencies) over the live chunks
+/// of one collection. tantivy's own are index-wide, which would let one tenant's documents
+/// change another's ranking and let scores reveal how often a word occurs elsewhere.
+struct CollectionStats<'a> {
+    searcher: &'a Searcher,
+    /// Matches the collection's chunks.
+    filter: TermQuery,
+}
+
+impl Bm25StatisticsProvider for CollectionStats<'_> {
+    /// The sum of the field's lengths over the collection's live chunks, as tantivy stores
+    /// them (field norms: exact up to 40 tokens, a close approximation above).
+    fn total_num_tokens(&self, field: Field) -> tantivy::Result<u64> {
+        let weight = self
+            .filter
+            .weight(EnableScoring::disabled_from_searcher(self.searcher))?;
+        let mut total = 0u64;
+        for segment in self.searcher.segment_readers() {
+            let norms = segment.get_fieldnorms_reader(field)?;
+            let alive = segment.alive_bitset();
+            let mut docs = weight.scorer(segment, 1.0)?;
+            let mut doc = docs.doc();
+            while doc != TERMINATED {
+                if alive.is_none_or(|a| a.is_alive(doc)) {
+                    total += u64::from(norms.fieldnorm(doc));
+                }
+                doc = docs.advance();
+            }
+        }
+        Ok(total)
+    }
+
+    fn total_num_docs(&self) -> tantivy::Result<u64> {
+        Ok(self.searcher.search(&self.filter, &Count)? as u64)
+    }
+
+    fn doc_freq(&self, term: &Term) -> tantivy::Result<u64> {
+        let both = BooleanQuery::new(vec![
+            (Occur::Must, Box::new(self.filter.clone()) as Box<dyn Query>),
+            (
+                Occur::Must,
+                Box::new(TermQuery::new(term.clone(), IndexRecordOption::Basic)),
+            ),
+        ]);
+        Ok(self.searcher.search(&both, &Count)? as u64)
     }
 }
 

@@ -147,6 +147,66 @@ fn search_is_filtered_by_collection() {
     assert_ne!(red[0].record.chunk_id, blue[0].record.chunk_id);
 }
 
+/// Scores of `query` over collection `pub`'s documents, by document id.
+fn scores(index: &Index, query: &str) -> Vec<(String, f32)> {
+    let mut hits: Vec<(String, f32)> = index
+        .search("pub", query, 10)
+        .unwrap()
+        .into_iter()
+        .map(|h| (h.record.doc_id, h.score))
+        .collect();
+    hits.sort_by(|a, b| a.0.cmp(&b.0));
+    hits
+}
+
+#[test]
+fn scores_use_only_the_collections_own_statistics() {
+    // The same two documents, alone and next to another collection full of the query's words
+    // (long documents, the word in every one, deletions): equal scores, so another tenant's
+    // documents neither change this collection's ranking nor show through its scores.
+    let public = [
+        ("a", "merger talks with the bank went on all week"),
+        (
+            "b",
+            "the bank closed early; merger talks resume on monday morning",
+        ),
+    ];
+    let alone = Index::in_memory().unwrap();
+    let shared = Index::in_memory().unwrap();
+    for (id, text) in public {
+        add(&alone, "pub", id, text);
+        add(&shared, "pub", id, text);
+    }
+    for i in 0..40 {
+        let filler = "merger ".repeat(1 + i % 7) + &"word ".repeat(30);
+        add(
+            &shared,
+            "secret",
+            &format!("s{i}"),
+            &format!("bank merger {filler}"),
+        );
+    }
+    alone.commit().unwrap();
+    shared.commit().unwrap();
+    shared.delete_document("secret", "s0").unwrap();
+    add(&shared, "pub", "gone", "bank bank bank merger");
+    shared.commit().unwrap();
+    shared.delete_document("pub", "gone").unwrap();
+    shared.commit().unwrap();
+    for query in ["merger", "bank talks", "merger bank monday"] {
+        let (a, s) = (scores(&alone, query), scores(&shared, query));
+        assert_eq!(a.len(), 2, "{query}");
+        assert_eq!(a.len(), s.len(), "{query}");
+        for ((id_a, score_a), (id_s, score_s)) in a.iter().zip(&s) {
+            assert_eq!(id_a, id_s);
+            assert!(
+                (score_a - score_s).abs() <= 1e-5 * score_a.abs(),
+                "{query}: {id_a} scores {score_a} alone, {score_s} beside another collection"
+            );
+        }
+    }
+}
+
 #[test]
 fn query_syntax_cannot_escape_the_collection_filter() {
     let index = Index::in_memory().unwrap();
@@ -432,6 +492,64 @@ fn uncommitted_changes_are_lost_on_drop_and_the_index_stays_consistent() {
     add(&index, "c", "later", "later words");
     index.commit().unwrap();
     assert_eq!(index.num_chunks(), 2);
+}
+
+#[test]
+fn a_flipped_byte_in_any_index_file_is_a_startup_error_or_harmless() {
+    let original = tempdir();
+    {
+        let index = Index::open(original.path()).unwrap();
+        corpus(&index);
+        add(&index, "wiki", "owl", "Owls hunt at night; the fox sleeps.");
+        index.commit().unwrap();
+    }
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(original.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    assert!(files.len() > 3, "{files:?}");
+    let (mut refused, mut opened) = (0, 0);
+    for file in &files {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".lock") {
+            continue;
+        }
+        let len = std::fs::metadata(file).unwrap().len() as usize;
+        for offset in [0, len / 3, len / 2, len.saturating_sub(9), len - 1] {
+            let copy = tempdir();
+            for f in &files {
+                std::fs::copy(f, copy.path().join(f.file_name().unwrap())).unwrap();
+            }
+            let damaged = copy.path().join(&name);
+            let mut bytes = std::fs::read(&damaged).unwrap();
+            bytes[offset] ^= 0x5a;
+            std::fs::write(&damaged, &bytes).unwrap();
+            let what = format!("byte {offset} of {name}");
+            let result = std::panic::catch_unwind(|| {
+                Index::open(copy.path()).map(|index| {
+                    // Searching an index that opened must not panic either.
+                    let _ = index.search("wiki", "fox owls night", 4);
+                    let _ = index.documents(None);
+                })
+            });
+            match result {
+                Err(_) => panic!("{what}: opening or searching panicked"),
+                Ok(Err(e)) => {
+                    let message = e.to_string();
+                    assert!(
+                        message.contains(&copy.path().display().to_string()),
+                        "{what}: the error does not name the directory: {message}"
+                    );
+                    refused += 1;
+                }
+                Ok(Ok(())) => opened += 1,
+            }
+        }
+    }
+    eprintln!("{refused} refused, {opened} opened");
+    assert!(refused > 0, "no damage was detected");
 }
 
 #[test]
