@@ -115,6 +115,7 @@ pub fn ingest(
             collection: collection_of(case),
             chunk_tokens: ds.chunk_tokens,
             batch_docs: 64,
+            ..Default::default()
         };
         let mut problems = Vec::new();
         let report =

@@ -8,6 +8,7 @@ use crate::ingest::{IngestConfig, IngestReport};
 use crate::input::{InputProblem, SourceDoc};
 use crate::metrics::Metrics;
 use crate::pipeline::{Answer, Piece, Pipeline, Query};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -47,17 +48,30 @@ pub enum Job {
         deadline: Instant,
         events: mpsc::Sender<QueryEvent>,
     },
-    /// Runs to the end once started, even if the client leaves (it commits per batch).
+    /// Commits batch by batch; a client that leaves (its `reply` or `progress` receiver
+    /// dropped) stops it at the next chunk, and queries waiting meanwhile run between chunks.
     Ingest {
         docs: Vec<SourceDoc>,
         cfg: IngestConfig,
         reply: oneshot::Sender<Result<(IngestReport, Vec<InputProblem>), JobError>>,
+        /// Batches as they commit and skipped documents as they are found (for a streamed
+        /// answer).
+        progress: Option<mpsc::UnboundedSender<IngestProgress>>,
     },
     Delete {
         collection: String,
         id: String,
         reply: oneshot::Sender<Result<usize, JobError>>,
     },
+}
+
+/// What a running ingestion reports to a streaming client.
+#[derive(Debug)]
+pub enum IngestProgress {
+    /// These documents are durable and searchable.
+    Committed(Vec<String>),
+    /// A document was skipped.
+    Problem(InputProblem),
 }
 
 /// Why a job was not queued.
@@ -112,16 +126,24 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
     std::thread::Builder::new()
         .name("specrag-engine".into())
         .spawn(move || {
-            while let Ok(job) = rx.recv() {
+            let mut engine = Engine {
+                pipeline: &pipeline,
+                metrics: &metrics,
+                rx: &rx,
+                depth: &d,
+                deferred: VecDeque::new(),
+                capacity: capacity.max(1),
+            };
+            loop {
+                let job = match engine.deferred.pop_front() {
+                    Some(job) => job,
+                    None => match rx.recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    },
+                };
                 d.fetch_sub(1, Ordering::SeqCst);
-                // A panic in one job must not take the engine down for every later request;
-                // the job's channels are dropped, which its handler reports as a 500.
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run(&pipeline, &metrics, job)
-                }));
-                if outcome.is_err() {
-                    tracing::error!("a job panicked on the engine thread; continuing");
-                }
+                guarded(|| engine.run(job));
             }
         })
         .map_or_else(
@@ -160,100 +182,180 @@ fn send_within(events: &mpsc::Sender<QueryEvent>, event: QueryEvent, timeout: Du
     }
 }
 
-fn run(pipeline: &Pipeline, metrics: &Metrics, job: Job) {
-    match job {
-        Job::Query {
-            query,
-            deadline,
-            events,
-        } => {
-            if events.is_closed() {
-                return;
-            }
-            if Instant::now() > deadline {
-                metrics.timeout();
-                let _ = send_within(
-                    &events,
-                    QueryEvent::Failed(JobError::Deadline),
-                    SEND_TIMEOUT,
-                );
-                return;
-            }
-            let mut late = false;
-            // Checked before every layer of every forward pass this query runs (its threads
-            // included), so a late or abandoned query frees the engine within one layer.
-            let watched = events.clone();
-            let stop: target_engine::stop::StopFn =
-                Arc::new(move || Instant::now() > deadline || watched.is_closed());
-            let result = target_engine::stop::with_stop(Some(stop), || {
-                pipeline.query(&query, &mut |piece| {
-                    if Instant::now() > deadline {
-                        late = true;
-                        return false;
-                    }
-                    let event = match piece {
-                        Piece::Token(t) => QueryEvent::Text(t.to_string()),
-                        Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
-                        Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
-                        Piece::Retract(n) => QueryEvent::Retract(n),
-                    };
-                    send_within(&events, event, SEND_TIMEOUT)
-                })
-            });
-            let stopped = matches!(
-                result,
-                Err(GatewayError::Engine(target_engine::EngineError::Stopped))
-            );
-            let event = match result {
-                _ if stopped && Instant::now() <= deadline => return, // the client left
-                Err(_) if stopped => {
-                    metrics.timeout();
-                    QueryEvent::Failed(JobError::Deadline)
-                }
-                Ok(_) if late || Instant::now() > deadline => {
-                    metrics.timeout();
-                    QueryEvent::Failed(JobError::Deadline)
-                }
-                Ok(answer) => {
-                    metrics.answer(&answer);
-                    QueryEvent::Done(Box::new(answer))
-                }
-                Err(e) => QueryEvent::Failed(e.into()),
-            };
-            let _ = send_within(&events, event, SEND_TIMEOUT);
-        }
-        Job::Ingest { docs, cfg, reply } => {
-            if reply.is_closed() {
-                return;
-            }
-            let mut problems = Vec::new();
-            // A client that went away stops the work between chunks, so queries queued behind
-            // it do not wait for documents nobody will be told about.
-            let gone = || reply.is_closed();
-            let out = crate::ingest::ingest_until(
-                &pipeline.corpus,
-                &pipeline.engines,
+/// Runs `f`, logging a panic instead of ending the engine thread: a panic in one job must not
+/// take the engine down for every later request; the job's channels are dropped, which its
+/// handler reports as a 500.
+fn guarded(f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        tracing::error!("a job panicked on the engine thread; continuing");
+    }
+}
+
+/// The engine thread's state.
+struct Engine<'a> {
+    pipeline: &'a Pipeline,
+    metrics: &'a Metrics,
+    rx: &'a std::sync::mpsc::Receiver<Job>,
+    depth: &'a AtomicUsize,
+    /// Jobs taken off the queue during an ingestion (to reach the queries behind them) that
+    /// run after it, in order; still counted in `depth`.
+    deferred: VecDeque<Job>,
+    /// At most this many jobs are deferred, so the queue bound still holds (twice over).
+    capacity: usize,
+}
+
+impl Engine<'_> {
+    fn run(&mut self, job: Job) {
+        match job {
+            Job::Ingest {
                 docs,
-                &cfg,
-                |e| {
-                    if let crate::ingest::IngestEvent::Problem(p) = e {
-                        problems.push(p);
-                    }
-                },
-                &gone,
-            );
-            let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
-        }
-        Job::Delete {
-            collection,
-            id,
-            reply,
-        } => {
-            let out = crate::ingest::delete_document(&pipeline.corpus, &collection, &id)
-                .map_err(JobError::from);
-            let _ = reply.send(out);
+                cfg,
+                reply,
+                progress,
+            } => self.ingest(docs, &cfg, reply, progress),
+            Job::Query {
+                query,
+                deadline,
+                events,
+            } => run_query(self.pipeline, self.metrics, &query, deadline, &events),
+            Job::Delete {
+                collection,
+                id,
+                reply,
+            } => {
+                let out = crate::ingest::delete_document(&self.pipeline.corpus, &collection, &id)
+                    .map_err(JobError::from);
+                let _ = reply.send(out);
+            }
         }
     }
+
+    /// Runs the queries waiting in the queue now; other jobs wait in `deferred` until the
+    /// running ingestion ends (while there is room).
+    fn serve_waiting_queries(&mut self) {
+        while self.deferred.len() < self.capacity {
+            let Ok(job) = self.rx.try_recv() else {
+                return;
+            };
+            match job {
+                Job::Query {
+                    query,
+                    deadline,
+                    events,
+                } => {
+                    self.depth.fetch_sub(1, Ordering::SeqCst);
+                    guarded(|| run_query(self.pipeline, self.metrics, &query, deadline, &events));
+                }
+                job => self.deferred.push_back(job),
+            }
+        }
+    }
+
+    fn ingest(
+        &mut self,
+        docs: Vec<SourceDoc>,
+        cfg: &IngestConfig,
+        reply: oneshot::Sender<Result<(IngestReport, Vec<InputProblem>), JobError>>,
+        progress: Option<mpsc::UnboundedSender<IngestProgress>>,
+    ) {
+        let gone = |reply: &oneshot::Sender<_>| {
+            reply.is_closed() || progress.as_ref().is_some_and(|p| p.is_closed())
+        };
+        if gone(&reply) {
+            return;
+        }
+        let mut problems = Vec::new();
+        let (pipeline, report_to) = (self.pipeline, progress.clone());
+        let out = crate::ingest::ingest_until(
+            &pipeline.corpus,
+            &pipeline.engines,
+            docs,
+            cfg,
+            |e| match e {
+                crate::ingest::IngestEvent::Problem(p) => {
+                    if let Some(tx) = &report_to {
+                        let _ = tx.send(IngestProgress::Problem(p.clone()));
+                    }
+                    problems.push(p);
+                }
+                crate::ingest::IngestEvent::Committed { documents } => {
+                    if let Some(tx) = &report_to {
+                        let _ = tx.send(IngestProgress::Committed(documents));
+                    }
+                }
+                _ => {}
+            },
+            // Between chunks: queries that arrived meanwhile wait at most one chunk's
+            // precompute, and a client that went away stops the work, so queries do not wait
+            // for documents nobody will be told about.
+            &mut || {
+                self.serve_waiting_queries();
+                gone(&reply)
+            },
+        );
+        let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
+    }
+}
+
+/// Runs one query, reporting through `events`; a query found past its deadline is not
+/// started, and a late or abandoned one stops within one layer.
+fn run_query(
+    pipeline: &Pipeline,
+    metrics: &Metrics,
+    query: &Query,
+    deadline: Instant,
+    events: &mpsc::Sender<QueryEvent>,
+) {
+    if events.is_closed() {
+        return;
+    }
+    if Instant::now() > deadline {
+        metrics.timeout();
+        let _ = send_within(events, QueryEvent::Failed(JobError::Deadline), SEND_TIMEOUT);
+        return;
+    }
+    let mut late = false;
+    // Checked before every layer of every forward pass this query runs (its threads
+    // included), so a late or abandoned query frees the engine within one layer.
+    let watched = events.clone();
+    let stop: target_engine::stop::StopFn =
+        Arc::new(move || Instant::now() > deadline || watched.is_closed());
+    let result = target_engine::stop::with_stop(Some(stop), || {
+        pipeline.query(query, &mut |piece| {
+            if Instant::now() > deadline {
+                late = true;
+                return false;
+            }
+            let event = match piece {
+                Piece::Token(t) => QueryEvent::Text(t.to_string()),
+                Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
+                Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
+                Piece::Retract(n) => QueryEvent::Retract(n),
+            };
+            send_within(events, event, SEND_TIMEOUT)
+        })
+    });
+    let stopped = matches!(
+        result,
+        Err(GatewayError::Engine(target_engine::EngineError::Stopped))
+    );
+    let event = match result {
+        _ if stopped && Instant::now() <= deadline => return, // the client left
+        Err(_) if stopped => {
+            metrics.timeout();
+            QueryEvent::Failed(JobError::Deadline)
+        }
+        Ok(_) if late || Instant::now() > deadline => {
+            metrics.timeout();
+            QueryEvent::Failed(JobError::Deadline)
+        }
+        Ok(answer) => {
+            metrics.answer(&answer);
+            QueryEvent::Done(Box::new(answer))
+        }
+        Err(e) => QueryEvent::Failed(e.into()),
+    };
+    let _ = send_within(events, event, SEND_TIMEOUT);
 }
 
 #[cfg(test)]

@@ -15,6 +15,12 @@ pub enum GatewayError {
         field: &'static str,
         message: String,
     },
+    /// A request is over a size limit (HTTP 413); the message names the limit and its flag.
+    #[error("`{field}` is too large: {message}")]
+    TooLarge {
+        field: &'static str,
+        message: String,
+    },
     /// A named thing does not exist (a document, a collection).
     #[error("{0}")]
     NotFound(String),
@@ -48,7 +54,7 @@ impl GatewayError {
     /// errors are internal: requests are validated before they reach a model.
     pub fn is_bad_input(&self) -> bool {
         match self {
-            Self::BadInput { .. } | Self::NotFound(_) => true,
+            Self::BadInput { .. } | Self::TooLarge { .. } | Self::NotFound(_) => true,
             Self::Retriever(e) => e.is_bad_input(),
             Self::Internal(_) | Self::Engine(_) | Self::Store(_) | Self::Io { .. } => false,
         }

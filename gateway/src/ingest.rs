@@ -23,6 +23,10 @@ pub struct IngestConfig {
     pub chunk_tokens: usize,
     /// Documents per index commit.
     pub batch_docs: usize,
+    /// Most tokens one run may precompute (checked after chunking, before any model work).
+    pub max_request_tokens: Option<usize>,
+    /// Most tokens the collection may hold after the run (replaced documents count once).
+    pub max_collection_tokens: Option<usize>,
 }
 
 impl Default for IngestConfig {
@@ -31,6 +35,8 @@ impl Default for IngestConfig {
             collection: "default".into(),
             chunk_tokens: 512,
             batch_docs: 16,
+            max_request_tokens: None,
+            max_collection_tokens: None,
         }
     }
 }
@@ -86,28 +92,86 @@ pub fn ingest(
     cfg: &IngestConfig,
     on_event: impl FnMut(IngestEvent),
 ) -> Result<IngestReport> {
-    ingest_until(corpus, engines, docs, cfg, on_event, &|| false)
+    ingest_until(corpus, engines, docs, cfg, on_event, &mut || false)
 }
 
-/// [`ingest`] that checks `stop` before every chunk and, once it says so, stops: documents
-/// already reported committed stay, the batch in flight is rolled back, and the error says so.
+/// [`ingest`] that calls `between_chunks` before every chunk (the engine runs waiting queries
+/// there) and, once it answers true, stops: documents already reported committed stay, the
+/// batch in flight is rolled back, and the error says so. A panic inside the run is rolled
+/// back the same way and then resumed.
 pub fn ingest_until(
     corpus: &Corpus,
     engines: &Engines,
     docs: Vec<SourceDoc>,
     cfg: &IngestConfig,
     on_event: impl FnMut(IngestEvent),
-    stop: &dyn Fn() -> bool,
+    between_chunks: &mut dyn FnMut() -> bool,
 ) -> Result<IngestReport> {
-    let out = ingest_inner(corpus, engines, docs, cfg, on_event, stop);
-    if out.is_err() {
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ingest_inner(corpus, engines, docs, cfg, on_event, between_chunks)
+    }));
+    let failed = !matches!(out, Ok(Ok(_)));
+    if failed {
         // Uncommitted index changes of the failed batch must not ride along with a later
         // commit (their blobs may be collected as garbage first).
         if let Err(e) = corpus.index.rollback() {
             tracing::error!("rolling back the index after a failed ingest: {e}");
         }
     }
-    out
+    match out {
+        Ok(out) => out,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+/// Refuses a run over the request's or the collection's token budget, before model work.
+fn check_budget(
+    corpus: &Corpus,
+    cfg: &IngestConfig,
+    planned: &[Planned],
+    tokens: usize,
+) -> Result<()> {
+    if let Some(max) = cfg.max_request_tokens {
+        if tokens > max {
+            return Err(crate::GatewayError::TooLarge {
+                field: "documents",
+                message: format!(
+                    "the documents chunk into {tokens} tokens; one request may precompute at most \
+                     {max} (the server's --max-request-tokens): send fewer or shorter documents \
+                     per request"
+                ),
+            });
+        }
+    }
+    if let Some(max) = cfg.max_collection_tokens {
+        let held: usize = corpus
+            .index
+            .documents(Some(&cfg.collection))?
+            .iter()
+            .map(|d| d.tokens)
+            .sum();
+        let mut replaced = 0;
+        for p in planned {
+            replaced += corpus
+                .index
+                .chunks_of(&cfg.collection, &p.doc.id)?
+                .iter()
+                .map(|c| c.tokens)
+                .sum::<usize>();
+        }
+        let after = held - replaced.min(held) + tokens;
+        if after > max {
+            return Err(crate::GatewayError::TooLarge {
+                field: "collection",
+                message: format!(
+                    "collection `{}` holds {held} tokens and would hold {after} after this request; \
+                     it may hold at most {max} (the server's --max-collection-tokens)",
+                    cfg.collection
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn ingest_inner(
@@ -116,7 +180,7 @@ fn ingest_inner(
     docs: Vec<SourceDoc>,
     cfg: &IngestConfig,
     mut on_event: impl FnMut(IngestEvent),
-    stop: &dyn Fn() -> bool,
+    between_chunks: &mut dyn FnMut() -> bool,
 ) -> Result<IngestReport> {
     if cfg.chunk_tokens == 0 {
         return Err(crate::GatewayError::bad(
@@ -157,6 +221,7 @@ fn ingest_inner(
         .flat_map(|p| &p.chunks)
         .map(|c| c.ids.len())
         .sum();
+    check_budget(corpus, cfg, &planned, total_tokens)?;
     on_event(IngestEvent::Planned {
         chunks: total_chunks,
         tokens: total_tokens,
@@ -168,7 +233,7 @@ fn ingest_inner(
         for p in batch {
             let mut indexed = Vec::with_capacity(p.chunks.len());
             for chunk in &p.chunks {
-                if stop() {
+                if between_chunks() {
                     return Err(crate::GatewayError::Internal(format!(
                         "ingestion stopped after {} committed documents: the client went away",
                         report.documents

@@ -133,6 +133,16 @@ struct ServeArgs {
     /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
+    /// Most tokens one POST /documents may precompute; a request over it is refused with 413
+    /// before any model work (64k tokens: ~15 minutes of Qwen-0.5B precompute on 2 cores,
+    /// during which queries run only between chunks). Larger corpora go through
+    /// `specrag ingest`.
+    #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..=16_777_216))]
+    max_request_tokens: u64,
+    /// Most tokens one collection may hold through POST /documents (4 Mi tokens: ~50 GB of
+    /// f16 KV for Qwen-0.5B); a request that would pass it is refused with 413.
+    #[arg(long, default_value_t = 4_194_304, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
+    max_collection_tokens: u64,
     /// Memory tier of the chunk KV store, in MiB.
     #[arg(long, default_value_t = 2048)]
     memory_mb: u64,
@@ -419,6 +429,7 @@ fn ingest_cmd(models_args: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
         collection: a.collection.clone(),
         chunk_tokens: a.chunk_tokens as usize,
         batch_docs: a.batch_docs as usize,
+        ..Default::default()
     };
     let bar = ProgressBar::hidden();
     let json_out = a.json;
@@ -588,6 +599,8 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         api_keys,
         queue_capacity: a.queue as usize,
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
+        max_request_tokens: usize::try_from(a.max_request_tokens)?,
+        max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
     };
     let state = gateway::server::AppState::new(pipeline, config);
     gateway::server::runtime()?.block_on(async move {

@@ -6,8 +6,9 @@ use crate::api::{
     Health, IngestResponse, ModelInfo, Problem, QueryRequest,
 };
 use crate::auth::{ApiKey, Grant};
-use crate::engine::{EngineHandle, Job, JobError, QueryEvent, SubmitError};
+use crate::engine::{EngineHandle, IngestProgress, Job, JobError, QueryEvent, SubmitError};
 use crate::error::GatewayError;
+use crate::input::InputProblem;
 use crate::metrics::Metrics;
 use crate::pipeline::{Answer, Pipeline};
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -34,6 +35,23 @@ struct SseEvent {
     data: String,
 }
 
+/// One line of a streamed `POST /documents` answer (`Accept: application/x-ndjson`); a
+/// `summary` line carries the route's answer fields, an `error` line a problem's.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+struct IngestLine {
+    /// `committed`, `problem`, `summary` or `error`.
+    event: String,
+    /// `committed`: the documents now durable and searchable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    documents: Option<Vec<String>>,
+    /// `problem`: where the skipped document came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    origin: Option<String>,
+    /// `problem`: why it was skipped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+}
+
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -43,7 +61,17 @@ pub struct ServerConfig {
     pub queue_capacity: usize,
     /// A request not finished within this time is answered 504 (and its work stopped).
     pub request_timeout: Duration,
+    /// Most tokens one `POST /documents` may precompute (413 above).
+    pub max_request_tokens: usize,
+    /// Most tokens a collection may hold (413 for a request that would pass it).
+    pub max_collection_tokens: usize,
 }
+
+/// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
+/// Qwen-0.5B on 2 cores.
+pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;
+/// Default of [`ServerConfig::max_collection_tokens`]: ~50 GB of f16 KV for Qwen-0.5B.
+pub const DEFAULT_MAX_COLLECTION_TOKENS: usize = 4 * 1024 * 1024;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -51,6 +79,8 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             queue_capacity: 8,
             request_timeout: Duration::from_secs(300),
+            max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
+            max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
         }
     }
 }
@@ -149,6 +179,11 @@ impl ApiError {
         let (status, detail, field) = match self {
             Self::Gateway(GatewayError::BadInput { field, .. }) => (
                 StatusCode::UNPROCESSABLE_ENTITY,
+                self.detail(),
+                Some(field.to_string()),
+            ),
+            Self::Gateway(GatewayError::TooLarge { field, .. }) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
                 self.detail(),
                 Some(field.to_string()),
             ),
@@ -421,14 +456,11 @@ async fn rag_query(
                     .event("done")
                     .data(serde_json::to_string(&a).unwrap_or_default()),
                 QueryEvent::Failed(e) => {
-                    let (status, mut p) = ApiError::from(e).problem();
-                    if status == StatusCode::INTERNAL_SERVER_ERROR {
-                        tracing::error!(request_id = %id, detail = %p.detail, "request failed");
-                        p.detail = format!("internal error; quote request id {id} to the operator");
+                    let mut p = error_event(ApiError::from(e), &id);
+                    if let Some(fields) = p.as_object_mut() {
+                        fields.remove("event");
                     }
-                    Event::default()
-                        .event("error")
-                        .data(serde_json::to_string(&p).unwrap_or_default())
+                    Event::default().event("error").data(p.to_string())
                 }
             })
         });
@@ -454,47 +486,143 @@ async fn rag_query(
 }
 
 /// Ingest documents (same path as `specrag ingest`); re-sending an id replaces the document.
+/// With `Accept: application/x-ndjson` the answer streams one JSON object per line as the work
+/// goes: `{"event":"committed","documents":[...]}` per committed batch, `{"event":"problem",
+/// "origin","message"}` per skipped document, then `{"event":"summary",...}` (this route's
+/// answer object) or `{"event":"error",...}` (a problem).
 #[utoipa::path(
     post,
     path = "/documents",
     tag = "documents",
     request_body = DocumentsRequest,
     responses(
-        (status = 200, description = "Documents chunked, KV precomputed and stored, index committed", body = IngestResponse),
+        (status = 200, description = "Documents chunked, KV precomputed and stored, index committed. With `Accept: application/x-ndjson`: JSON lines, `committed` (`{\"documents\"}`) per batch and `problem` (`{\"origin\",\"message\"}`) events as they happen, then one `summary` event carrying this object or one `error` event carrying a problem; a client that disconnects stops the ingestion at the next chunk, and every batch it was told about stays committed.",
+            content((IngestResponse = "application/json"), (IngestLine = "application/x-ndjson"))),
         (status = 400, description = "The body is not JSON of this shape", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body larger than 32 MiB", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 32 MiB, or the documents chunk into more tokens than one request may precompute (`--max-request-tokens`, default 65536; `field` is `documents`), or the collection would hold more than `--max-collection-tokens` (default 4194304; `field` is `collection`); checked before any model work", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is invalid; `field` names it", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
-        (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
     ),
     security((), ("bearer" = []))
 )]
 async fn post_documents(
     State(state): State<AppState>,
     Extension(grant): Extension<Grant>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
     body: Result<Json<DocumentsRequest>, JsonRejection>,
-) -> Result<Json<IngestResponse>, ApiError> {
+) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let (docs, cfg, mut skipped) = req.validate()?;
+    let (docs, mut cfg, skipped) = req.validate()?;
     reach(&grant, &cfg.collection)?;
+    cfg.max_request_tokens = Some(state.config.max_request_tokens);
+    cfg.max_collection_tokens = Some(state.config.max_collection_tokens);
+    let streamed = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let (progress, progress_rx) = if streamed {
+        let (p, r) = tokio::sync::mpsc::unbounded_channel();
+        (Some(p), Some(r))
+    } else {
+        (None, None)
+    };
     submit(
         &state,
         Job::Ingest {
             docs,
             cfg,
             reply: tx,
+            progress,
         },
     )?;
     // No deadline: once started, ingestion runs to its end (it commits batch by batch), and
     // answering 504 while it goes on committing would tell the client the opposite of what
-    // happened.
-    let (report, problems) = rx.await.map_err(|_| engine_dropped())??;
-    skipped.extend(problems);
-    let problems = skipped;
-    Ok(Json(IngestResponse {
+    // happened. A client that leaves stops it.
+    let Some(progress_rx) = progress_rx else {
+        let (report, problems) = rx.await.map_err(|_| engine_dropped())??;
+        return Ok(Json(ingest_response(report, skipped, problems)).into_response());
+    };
+    let (lines, body) = tokio::sync::mpsc::channel::<Result<String, Infallible>>(16);
+    tokio::spawn(stream_ingest(lines, progress_rx, rx, skipped, id));
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(body)),
+    )
+        .into_response())
+}
+
+type IngestReply = Result<(crate::ingest::IngestReport, Vec<InputProblem>), JobError>;
+
+/// Writes an ingestion's progress and its end as JSON lines into `lines`. Returns early when
+/// the client is gone, dropping the receivers, which stops the ingestion at its next chunk.
+async fn stream_ingest(
+    lines: tokio::sync::mpsc::Sender<Result<String, Infallible>>,
+    mut progress: tokio::sync::mpsc::UnboundedReceiver<IngestProgress>,
+    reply: tokio::sync::oneshot::Receiver<IngestReply>,
+    skipped: Vec<InputProblem>,
+    request_id: String,
+) {
+    let line = |v: serde_json::Value| Ok(format!("{v}\n"));
+    let problem_line = |p: &InputProblem| {
+        line(serde_json::json!({"event": "problem", "origin": p.origin, "message": p.message}))
+    };
+    for p in &skipped {
+        if lines.send(problem_line(p)).await.is_err() {
+            return;
+        }
+    }
+    loop {
+        let event = tokio::select! {
+            event = progress.recv() => event,
+            () = lines.closed() => return,
+        };
+        let next = match event {
+            Some(IngestProgress::Committed(documents)) => {
+                line(serde_json::json!({"event": "committed", "documents": documents}))
+            }
+            Some(IngestProgress::Problem(p)) => problem_line(&p),
+            None => break, // the job ended
+        };
+        if lines.send(next).await.is_err() {
+            return;
+        }
+    }
+    let last = match reply.await {
+        Ok(Ok((report, problems))) => {
+            let mut v = serde_json::to_value(ingest_response(report, skipped, problems))
+                .unwrap_or_default();
+            v["event"] = serde_json::json!("summary");
+            v
+        }
+        Ok(Err(e)) => error_event(ApiError::from(e), &request_id),
+        Err(_) => error_event(engine_dropped(), &request_id),
+    };
+    let _ = lines.send(line(last)).await;
+}
+
+/// A problem as a stream's `error` event; an internal one carries only the request id.
+fn error_event(e: ApiError, request_id: &str) -> serde_json::Value {
+    let (status, mut p) = e.problem();
+    if status == StatusCode::INTERNAL_SERVER_ERROR {
+        tracing::error!(request_id = %request_id, detail = %p.detail, "request failed");
+        p.detail = format!("internal error; quote request id {request_id} to the operator");
+    }
+    let mut v = serde_json::to_value(&p).unwrap_or_default();
+    v["event"] = serde_json::json!("error");
+    v
+}
+
+fn ingest_response(
+    report: crate::ingest::IngestReport,
+    mut problems: Vec<InputProblem>,
+    more: Vec<InputProblem>,
+) -> IngestResponse {
+    problems.extend(more);
+    IngestResponse {
         collection: report.collection,
         documents: report.documents,
         chunks: report.chunks,
@@ -503,7 +631,7 @@ async fn post_documents(
         kv_bytes: report.kv_bytes,
         seconds: report.seconds,
         problems: problems.iter().map(|p| p.to_string()).collect(),
-    }))
+    }
 }
 
 /// Which collection a documents route acts on.

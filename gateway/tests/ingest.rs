@@ -169,6 +169,107 @@ fn a_document_reported_committed_survives_kill_9_and_the_next_run_repairs() -> T
 }
 
 #[test]
+fn kill_9_during_an_http_ingest_loses_no_document_reported_committed() -> TestResult {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir()?;
+    let models = tiny_models(dir.path())?;
+    let data = dir.path().join("data");
+    let mut server = specrag(&models)
+        .args([
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--max-request-tokens",
+            "4000000",
+        ])
+        .arg("--data")
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    let stderr = server.stderr.take().ok_or("no stderr")?;
+    let mut log = BufReader::new(stderr).lines();
+    let addr = loop {
+        let line = log.next().ok_or("the server ended before listening")??;
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest
+                .split_whitespace()
+                .next()
+                .ok_or("no address")?
+                .to_string();
+        }
+    };
+    let docs: Vec<serde_json::Value> = (0..400)
+        .map(|i| {
+            serde_json::json!({
+                "id": format!("d{i}"),
+                "text": format!("note {i}: the ant {i} ran in the sand near the tent and ate {} mints", i * 7),
+            })
+        })
+        .collect();
+    let body = serde_json::json!({"chunk_tokens": 16, "documents": docs}).to_string();
+    let mut conn = std::net::TcpStream::connect(&addr)?;
+    write!(
+        conn,
+        "POST /documents HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         accept: application/x-ndjson\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    // Read the streamed lines (chunked encoding: JSON lines between chunk-size lines) until
+    // enough batches are reported committed, then kill the server mid-ingestion.
+    let mut raw = Vec::new();
+    let mut committed: Vec<String> = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut finished = false;
+    while committed.len() < 48 {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        committed.clear();
+        for line in String::from_utf8_lossy(&raw).lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line.trim()) else {
+                continue;
+            };
+            match v["event"].as_str() {
+                Some("committed") => {
+                    for d in v["documents"].as_array().ok_or("documents")? {
+                        committed.push(d.as_str().ok_or("id")?.to_string());
+                    }
+                }
+                Some("summary") => finished = true,
+                _ => {}
+            }
+        }
+    }
+    server.kill()?; // SIGKILL
+    let status = server.wait()?;
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9));
+    }
+    assert!(
+        !finished,
+        "the ingestion ended before the kill; send more documents"
+    );
+    assert!(committed.len() >= 48, "{} committed", committed.len());
+    let corpus = Corpus::open(&data, 1 << 20)?;
+    for id in &committed {
+        assert!(
+            !corpus.index.chunks_of("default", id)?.is_empty(),
+            "{id} was reported committed but is lost"
+        );
+    }
+    let kept = corpus.index.documents(Some("default"))?.len();
+    assert!(kept < 400, "{kept}");
+    drop(corpus);
+    // Every indexed chunk has its KV.
+    check_consistent(&data, false)?;
+    Ok(())
+}
+
+#[test]
 fn bad_inputs_are_named_skipped_and_make_the_run_partial() -> TestResult {
     let dir = tempfile::tempdir()?;
     let models = tiny_models(dir.path())?;
@@ -274,6 +375,7 @@ fn ingestion_stops_between_chunks_when_asked_and_keeps_what_was_committed() -> T
         collection: "c".into(),
         chunk_tokens: 512,
         batch_docs: 1,
+        ..Default::default()
     };
     let stored = Cell::new(0);
     let mut committed = Vec::new();
@@ -287,7 +389,7 @@ fn ingestion_stops_between_chunks_when_asked_and_keeps_what_was_committed() -> T
             IngestEvent::Committed { documents } => committed.extend(documents),
             _ => {}
         },
-        &|| stored.get() >= 2,
+        &mut || stored.get() >= 2,
     );
     let err = out.expect_err("stopped").to_string();
     assert!(err.contains("went away"), "{err}");
@@ -300,6 +402,119 @@ fn ingestion_stops_between_chunks_when_asked_and_keeps_what_was_committed() -> T
         "committed documents stay, nothing else"
     );
     Ok(())
+}
+
+/// Tiny target engines, a fresh corpus and `n` short documents.
+fn tiny_setup(
+    dir: &Path,
+    n: usize,
+) -> Result<(Engines, Corpus, Vec<gateway::input::SourceDoc>), Box<dyn std::error::Error>> {
+    let models = tiny_models(dir)?;
+    let engines = Engines::new(
+        Arc::new(Model::load(&models.target, &LoadOptions::default())?),
+        None,
+    )?;
+    let corpus = Corpus::open(&dir.join("data"), 1 << 30)?;
+    let docs = (0..n)
+        .map(|i| gateway::input::SourceDoc {
+            id: format!("d{i}"),
+            title: None,
+            text: format!("document {i}: the thin ant ran in the sand near tent {i}"),
+            origin: format!("d{i}"),
+        })
+        .collect();
+    Ok((engines, corpus, docs))
+}
+
+#[test]
+fn token_budgets_refuse_before_model_work_and_count_replacements_once() -> TestResult {
+    use gateway::ingest::{ingest, IngestConfig};
+    use gateway::GatewayError;
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 3)?;
+    let mut cfg = IngestConfig {
+        collection: "c".into(),
+        ..Default::default()
+    };
+    let first = ingest(&corpus, &engines, docs.clone(), &cfg, |_| {})?;
+    let held = first.tokens;
+    assert!(held > 3);
+    // The request budget: one token short refuses the whole request, and nothing is computed.
+    let more: Vec<_> = docs
+        .iter()
+        .map(|d| gateway::input::SourceDoc {
+            id: format!("{}-more", d.id),
+            ..d.clone()
+        })
+        .collect();
+    cfg.max_request_tokens = Some(held - 1);
+    let puts = corpus.store.stats().entries;
+    match ingest(&corpus, &engines, more.clone(), &cfg, |_| {}) {
+        Err(GatewayError::TooLarge { field, message }) => {
+            assert_eq!(field, "documents");
+            assert!(message.contains("--max-request-tokens"), "{message}");
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(corpus.store.stats().entries, puts, "no KV was computed");
+    cfg.max_request_tokens = Some(held);
+    // The collection budget: re-sending the same documents replaces them (counted once) ...
+    cfg.max_collection_tokens = Some(held);
+    let again = ingest(&corpus, &engines, docs.clone(), &cfg, |_| {})?;
+    assert_eq!(again.documents, 3);
+    // ... while new ones would go over.
+    match ingest(&corpus, &engines, more, &cfg, |_| {}) {
+        Err(GatewayError::TooLarge { field, message }) => {
+            assert_eq!(field, "collection");
+            assert!(
+                message.contains(&format!("holds {held} tokens")),
+                "{message}"
+            );
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(corpus.index.documents(Some("c"))?.len(), 3);
+    Ok(())
+}
+
+#[test]
+fn a_panic_during_ingestion_rolls_back_the_batch_in_flight() -> TestResult {
+    use gateway::ingest::{ingest, ingest_until, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 4)?;
+    let cfg = IngestConfig {
+        collection: "c".into(),
+        batch_docs: 2,
+        ..Default::default()
+    };
+    // Batch 1 (d0, d1) commits; d2 is added to the index writer, then the run panics before
+    // d3, with d2 not committed.
+    let mut seen = 0;
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ingest_until(&corpus, &engines, docs.clone(), &cfg, |_| {}, &mut || {
+            seen += 1;
+            if seen == 4 {
+                panic!("injected fault");
+            }
+            false
+        })
+    }));
+    assert!(out.is_err(), "the panic reaches the caller");
+    // A later run commits its own document only: d2's uncommitted add did not ride along.
+    let later = vec![gateway::input::SourceDoc {
+        id: "later".into(),
+        ..docs[0].clone()
+    }];
+    ingest(&corpus, &engines, later, &cfg, |_| {})?;
+    let ids: Vec<String> = corpus
+        .index
+        .documents(Some("c"))?
+        .into_iter()
+        .map(|d| d.doc_id)
+        .collect();
+    assert_eq!(ids, ["d0", "d1", "later"]);
+    drop(corpus);
+    check_consistent(&dir.path().join("data"), false).map(|_| ())
 }
 
 #[test]
