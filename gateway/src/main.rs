@@ -143,6 +143,13 @@ struct ServeArgs {
     /// f16 KV for Qwen-0.5B); a request that would pass it is refused with 413.
     #[arg(long, default_value_t = 4_194_304, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_collection_tokens: u64,
+    /// Most open connections (1..=65536); one more is answered 503 and closed at once.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    max_connections: u32,
+    /// Seconds a client has to send a request's headers, and an idle keep-alive connection
+    /// stays open (1..=300), so slow or silent clients cannot hold the connections.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
+    header_timeout_secs: u64,
     /// Memory tier of the chunk KV store, in MiB.
     #[arg(long, default_value_t = 2048)]
     memory_mb: u64,
@@ -601,6 +608,8 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
         max_request_tokens: usize::try_from(a.max_request_tokens)?,
         max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
+        max_connections: a.max_connections as usize,
+        header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
     };
     let state = gateway::server::AppState::new(pipeline, config);
     gateway::server::runtime()?.block_on(async move {

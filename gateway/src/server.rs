@@ -65,6 +65,10 @@ pub struct ServerConfig {
     pub max_request_tokens: usize,
     /// Most tokens a collection may hold (413 for a request that would pass it).
     pub max_collection_tokens: usize,
+    /// Most open connections; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// Time a client has to send a request's headers (and an idle connection stays open).
+    pub header_read_timeout: Duration,
 }
 
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
@@ -81,6 +85,8 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(300),
             max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -913,13 +919,77 @@ pub async fn serve(state: AppState, addr: std::net::SocketAddr) -> std::io::Resu
     serve_on(state, listener).await
 }
 
-/// Serves on an already bound listener (tests bind port 0).
+/// Serves on an already bound listener (tests bind port 0) until Ctrl-C, then waits up to
+/// [`SHUTDOWN_GRACE`] for open connections.
+///
+/// Each connection holds one of `max_connections` permits; one over the cap is answered 503
+/// and closed at once. A client must send a request's headers within `header_read_timeout`
+/// (an idle keep-alive connection is closed after it too), so slow or silent clients cannot
+/// hold the permits.
 pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
+    let permits = Arc::new(tokio::sync::Semaphore::new(state.config.max_connections));
+    let header_timeout = state.config.header_read_timeout;
+    let app = app(state);
+    let shutdown = tokio::signal::ctrl_c();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, do not spin or exit.
+                    tracing::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tokio::spawn(refuse_connection(stream));
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            // HTTP/1 only: protocol detection would read before hyper's header timer starts,
+            // so a silent client would hold its connection forever.
+            let mut builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .http1_only();
+            builder
+                .http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = builder.serve_connection(io, service).await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+    let all = u32::try_from(permits.available_permits()).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, permits.acquire_many(all)).await;
+    Ok(())
+}
+
+/// How long shutdown waits for open connections.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Answers a connection over the cap with a 503 problem and closes it, spending at most a
+/// second on a client that does not read.
+async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = r#"{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"too many open connections; retry after the time in Retry-After"}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.write_all(answer.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
 }
 
 /// The runtime the binaries serve on: two workers are plenty, model work runs on the engine

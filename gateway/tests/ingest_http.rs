@@ -5,34 +5,15 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chunkstore::ChunkStore;
-use gateway::corpus::{Corpus, Engines};
-use gateway::pipeline::{Pipeline, ScoreSource};
 use gateway::server::{app, AppState, ServerConfig};
 use serde_json::{json, Value};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use target_engine::testing::{write_tiny_gguf, TinySpec};
-use target_engine::{Architecture, LoadOptions, Model};
 use tokio_stream::StreamExt;
 use tower::ServiceExt;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
 
-/// A server over an empty corpus on a tiny target (no speculator).
-fn server(
-    dir: &std::path::Path,
-    config: ServerConfig,
-) -> Result<AppState, Box<dyn std::error::Error>> {
-    let target = dir.join("target.gguf");
-    write_tiny_gguf(&target, &TinySpec::new(Architecture::Qwen2))?;
-    let engines = Engines::new(
-        Arc::new(Model::load(&target, &LoadOptions::default())?),
-        None,
-    )?;
-    let corpus = Corpus::open(&dir.join("data"), 1 << 30)?;
-    let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
-    Ok(AppState::new(pipeline, config))
-}
+use common::{server, TestResult};
 
 fn documents(n: usize, words: usize) -> Value {
     let docs: Vec<Value> = (0..n)
