@@ -203,9 +203,10 @@ pub struct DocumentIn {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(max_length = 512)]
     pub title: Option<String>,
-    /// The text (not only whitespace); the texts of one request hold at most 2 MiB of
-    /// characters together (more goes through `specrag ingest`).
-    #[schema(min_length = 1, max_length = 2097152, pattern = r"\S")]
+    /// The text (not only whitespace), at most 1 Mi characters; the texts of one request
+    /// hold at most 2 Mi characters together (413 above either; more goes through
+    /// `specrag ingest`).
+    #[schema(min_length = 1, max_length = 1048576, pattern = r"\S")]
     pub text: String,
 }
 
@@ -214,6 +215,8 @@ pub const MAX_TITLE_CHARS: usize = 512;
 /// Most characters of all texts of one `POST /documents` together: ingestion costs engine
 /// time in proportion (a character is at most one token), and every query waits behind it.
 pub const MAX_DOCUMENTS_TEXT_CHARS: usize = 2 * 1024 * 1024;
+/// Most characters of one document's text.
+pub const MAX_DOCUMENT_TEXT_CHARS: usize = 1024 * 1024;
 
 /// `POST /documents` body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -280,15 +283,25 @@ impl DocumentsRequest {
                     format!("document {i}: title is longer than {MAX_TITLE_CHARS} characters"),
                 ));
             }
-            total_chars += d.text.chars().count();
+            let chars = d.text.chars().count();
+            if chars > MAX_DOCUMENT_TEXT_CHARS {
+                return Err(GatewayError::TooLarge {
+                    field: "documents[].text",
+                    message: format!(
+                        "document {i} holds {chars} characters; at most \
+                         {MAX_DOCUMENT_TEXT_CHARS} per document (split it, or use `specrag ingest`)"
+                    ),
+                });
+            }
+            total_chars += chars;
             if total_chars > MAX_DOCUMENTS_TEXT_CHARS {
-                return Err(GatewayError::bad(
-                    "documents[].text",
-                    format!(
+                return Err(GatewayError::TooLarge {
+                    field: "documents[].text",
+                    message: format!(
                         "the texts hold more than {MAX_DOCUMENTS_TEXT_CHARS} characters together \
                          (reached at document {i}); send fewer per request or use `specrag ingest`"
                     ),
-                ));
+                });
             }
             if d.id.trim().is_empty() || d.id.chars().count() > 512 {
                 return Err(GatewayError::bad(
@@ -458,7 +471,9 @@ mod tests {
             documents,
         };
         let field = |r: DocumentsRequest| match r.validate() {
-            Err(GatewayError::BadInput { field, .. }) => Some(field),
+            Err(GatewayError::BadInput { field, .. } | GatewayError::TooLarge { field, .. }) => {
+                Some(field)
+            }
             _ => None,
         };
         let long_title = Some("t".repeat(MAX_TITLE_CHARS + 1));
@@ -482,7 +497,13 @@ mod tests {
             "exactly the limit, counted in characters"
         );
         two[1].text.push('!');
-        assert_eq!(field(req(two)), Some("documents[].text"));
+        assert_eq!(field(req(two.clone())), Some("documents[].text"));
+        two[1].text = "x".into();
+        two[0].text.push('!');
+        assert!(
+            matches!(req(two).validate(), Err(GatewayError::TooLarge { message, .. }) if message.contains("per document")),
+            "one document over its own limit"
+        );
     }
 
     #[test]

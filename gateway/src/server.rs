@@ -506,7 +506,7 @@ async fn rag_query(
             content((IngestResponse = "application/json"), (IngestLine = "application/x-ndjson"))),
         (status = 400, description = "The body is not JSON of this shape", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body larger than 32 MiB, or the documents chunk into more tokens than one request may precompute (`--max-request-tokens`, default 65536; `field` is `documents`), or the collection would hold more than `--max-collection-tokens` (default 4194304; `field` is `collection`); checked before any model work", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 32 MiB, a text over 1 Mi characters or texts over 2 Mi characters together (`field` is `documents[].text`), or the documents chunk into more tokens than one request may precompute (`--max-request-tokens`, default 65536; `field` is `documents`), or the collection would hold more than `--max-collection-tokens` (default 4194304; `field` is `collection`); checked before any model work", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is invalid; `field` names it", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
