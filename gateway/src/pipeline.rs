@@ -402,16 +402,29 @@ impl Pipeline {
             .assemble(target.tokenizer(), &texts, &q.query);
         let context = target.config().context_length;
         if asm.ids.len() + q.max_tokens > context {
-            return Err(GatewayError::bad(
-                "top_k",
-                format!(
-                    "the prompt ({} tokens with {} chunks) plus max_tokens ({}) exceeds the \
-                     target's context of {context} tokens; lower top_k or max_tokens",
-                    asm.ids.len(),
-                    hits.len(),
-                    q.max_tokens
-                ),
-            ));
+            // With no chunk retrieved the question alone is too long: name the query.
+            return Err(if texts.is_empty() {
+                GatewayError::bad(
+                    "query",
+                    format!(
+                        "the prompt ({} tokens, the question and no chunk) plus max_tokens ({}) \
+                         exceeds the target's context of {context} tokens; shorten the query",
+                        asm.ids.len(),
+                        q.max_tokens
+                    ),
+                )
+            } else {
+                GatewayError::bad(
+                    "top_k",
+                    format!(
+                        "the prompt ({} tokens with {} chunks) plus max_tokens ({}) exceeds the \
+                         target's context of {context} tokens; lower top_k or max_tokens",
+                        asm.ids.len(),
+                        hits.len(),
+                        q.max_tokens
+                    ),
+                )
+            });
         }
         if q.verify && q.temperature == 0.0 {
             // The full prefill starts now, beside KV load, speculation and the blend.

@@ -249,3 +249,46 @@ async fn a_streaming_client_that_leaves_stops_the_ingestion_keeping_what_it_was_
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_mib_word_and_an_8192_emoji_query_are_settled_within_seconds() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = server(dir.path(), ServerConfig::default())?;
+    let (status, p) = send(&s, post("/documents", &documents(3, 10), false)).await;
+    assert_eq!(status, StatusCode::OK, "{p}");
+    let entries = s.pipeline.corpus.store.stats().entries;
+    // One word of 1 Mi letters: within the character limit, refused by the token budget
+    // after tokenizing, before any model work.
+    let word: String = (0..1 << 20)
+        .map(|i: u32| char::from(b'a' + (i.wrapping_mul(2_654_435_761) >> 27) as u8 % 26))
+        .collect();
+    let t = Instant::now();
+    let body = json!({"documents": [{"id": "word", "text": word}]});
+    let (status, p) = send(&s, post("/documents", &body, false)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{p}");
+    assert_eq!(p["field"], "documents", "{p}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    eprintln!("1 Mi-letter word refused in {:?}", t.elapsed());
+    // One character more is over the text limit itself.
+    let body = json!({"documents": [{"id": "word", "text": format!("{word}b")}]});
+    let (status, p) = send(&s, post("/documents", &body, false)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{p}");
+    assert_eq!(p["field"], "documents[].text", "{p}");
+    assert_eq!(
+        s.pipeline.corpus.store.stats().entries,
+        entries,
+        "no KV computed"
+    );
+    // A query of 8192 emoji is answered or refused (naming the field) within seconds.
+    let t = Instant::now();
+    let q = json!({"query": "😀".repeat(8192), "collection": "c", "max_tokens": 4});
+    let (status, a) = send(&s, post("/rag/query", &q, false)).await;
+    assert!(
+        status == StatusCode::OK
+            || (status == StatusCode::UNPROCESSABLE_ENTITY && a["field"] == "query"),
+        "{status}: {a}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    eprintln!("8192-emoji query: {status} in {:?}", t.elapsed());
+    Ok(())
+}
