@@ -150,8 +150,8 @@ struct ServeArgs {
     /// stays open (1..=300), so slow or silent clients cannot hold the connections.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
     header_timeout_secs: u64,
-    /// Memory tier of the chunk KV store, in MiB.
-    #[arg(long, default_value_t = 2048)]
+    /// Memory tier of the chunk KV store, in MiB (1..=16777216).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
     memory_mb: u64,
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]

@@ -529,6 +529,10 @@ fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
         vec!["serve", "--api-key", "k=no such collection"],
         vec!["serve", "--admin-key", "root=docs"],
         vec!["serve", "--timeout-secs", "18446744073709551615"],
+        vec!["serve", "--memory-mb", "18446744073709551615"],
+        vec!["serve", "--max-connections", "0"],
+        vec!["serve", "--header-timeout-secs", "0"],
+        vec!["serve", "--max-request-tokens", "0"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
             .arg("--target")

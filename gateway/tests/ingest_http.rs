@@ -126,16 +126,21 @@ async fn read_lines(body: Body) -> Result<Vec<Value>, String> {
     Ok(lines)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ndjson_progress_and_queries_between_chunks_of_a_long_ingestion() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let s = server(
-        dir.path(),
+/// A server whose request token budget lets a long ingestion through.
+fn roomy_server(dir: &std::path::Path) -> Result<AppState, Box<dyn std::error::Error>> {
+    server(
+        dir,
         ServerConfig {
             max_request_tokens: 1 << 22,
             ..Default::default()
         },
-    )?;
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ndjson_progress_and_queries_between_chunks_of_a_long_ingestion() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = roomy_server(dir.path())?;
     // Something to query first.
     let (status, p) = send(&s, post("/documents", &documents(3, 10), false)).await;
     assert_eq!(status, StatusCode::OK, "{p}");
@@ -190,13 +195,7 @@ async fn ndjson_progress_and_queries_between_chunks_of_a_long_ingestion() -> Tes
 async fn a_streaming_client_that_leaves_stops_the_ingestion_keeping_what_it_was_told() -> TestResult
 {
     let dir = tempfile::tempdir()?;
-    let s = server(
-        dir.path(),
-        ServerConfig {
-            max_request_tokens: 1 << 22,
-            ..Default::default()
-        },
-    )?;
+    let s = roomy_server(dir.path())?;
     let resp = app(s.clone())
         .oneshot(post("/documents", &documents(300, 60), true))
         .await
