@@ -927,7 +927,8 @@ pub async fn serve(state: AppState, addr: std::net::SocketAddr) -> std::io::Resu
 /// (an idle keep-alive connection is closed after it too), so slow or silent clients cannot
 /// hold the permits.
 pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-    let permits = Arc::new(tokio::sync::Semaphore::new(state.config.max_connections));
+    let max_connections = state.config.max_connections;
+    let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let header_timeout = state.config.header_read_timeout;
     let app = app(state);
     let shutdown = tokio::signal::ctrl_c();
@@ -967,7 +968,8 @@ pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std
             }
         });
     }
-    let all = u32::try_from(permits.available_permits()).unwrap_or(u32::MAX);
+    // Every permit back means every connection has ended (the free ones are taken at once).
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, permits.acquire_many(all)).await;
     Ok(())
 }
