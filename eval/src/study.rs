@@ -68,9 +68,14 @@ pub fn main_configs(ratio: f64) -> Vec<StudyConfig> {
 /// What the first cases of each dataset run besides [`main_configs`]: the other methods at
 /// `ratio`, and the ρ sweep of the bounds, the default and the baselines at `ratios`.
 pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
-    let mut out: Vec<StudyConfig> = [Method::TargetProbeSpan, Method::SpecAttn, Method::Speccache]
-        .map(|method| StudyConfig { method, ratio })
-        .to_vec();
+    let mut out: Vec<StudyConfig> = [
+        Method::TargetProbeSpan,
+        Method::SpecAttn,
+        Method::SpecAttnFull,
+        Method::Speccache,
+    ]
+    .map(|method| StudyConfig { method, ratio })
+    .to_vec();
     for &ratio in ratios {
         for method in [
             Method::Oracle,

@@ -111,12 +111,75 @@ impl Engines {
 
     /// Precomputes a chunk segment's KV after the prefix and, with a speculator, its scores.
     pub fn compute(&self, segment_text: &str, segment_ids: &[u32]) -> Result<KvBlob> {
+        Ok(self.compute_with(segment_text, segment_ids, false)?.0)
+    }
+
+    /// [`Engines::compute`], and with `spec_kv` (and a speculator) the speculator's own KV of
+    /// the chunk from its scoring pass, as a blob of its own (stored under
+    /// [`Engines::spec_key`]).
+    pub fn compute_with(
+        &self,
+        segment_text: &str,
+        segment_ids: &[u32],
+        spec_kv: bool,
+    ) -> Result<(KvBlob, Option<KvBlob>)> {
         let kv = self.target.precompute(segment_ids, Some(&self.prefix))?;
-        let scores = match (&self.spec, &self.spec_prefix) {
-            (Some(s), Some(p)) => Some(s.score_chunk(p, segment_text)?),
-            _ => None,
+        let (scores, spec) = match (&self.spec, &self.spec_prefix) {
+            (Some(s), Some(p)) => {
+                let (scores, kv) = s.score_chunk_with_kv(p, segment_text, spec_kv)?;
+                (Some(scores), kv.map(|kv| to_blob(kv, None)))
+            }
+            _ => (None, None),
         };
-        Ok(to_blob(kv, scores))
+        Ok((to_blob(kv, scores), spec))
+    }
+
+    /// Where the speculator's KV of the chunk stored under `key` lives (`None` without a
+    /// speculator). It is the chunk key's companion for this speculator and its prefix, so it
+    /// is collected with the chunk, and another speculator never reads it.
+    pub fn spec_key(&self, key: &ChunkKey) -> Option<ChunkKey> {
+        let (spec, prefix) = (self.spec.as_ref()?, self.spec_prefix.as_ref()?);
+        Some(key.companion(
+            spec.speculator.fingerprint(),
+            &format!("after_prefix:{}", prefix.hash),
+        ))
+    }
+
+    /// The speculator's KV of the chunk with text `chunk_text` in `collection` (for
+    /// `spec_attn`): from memory, from disk, or computed now and stored back (chunks ingested
+    /// without `--speculator-kv`, or damaged entries). `None` without a speculator.
+    pub fn load_spec_kv(
+        &self,
+        store: &TieredStore,
+        collection: &str,
+        chunk_text: &str,
+    ) -> Result<Option<(ChunkKv, Tier)>> {
+        let (Some(spec), Some(prefix)) = (&self.spec, &self.spec_prefix) else {
+            return Ok(None);
+        };
+        let (text, ids) = self.segment(chunk_text);
+        let Some(key) = self.spec_key(&self.key(collection, &ids)) else {
+            return Ok(None);
+        };
+        let want = spec.speculator.tokenizer().encode(&text, false).ids;
+        let stored = if let Some(b) = store.memory().get(&key)? {
+            Some((b, Tier::Memory))
+        } else if let Some(b) = store.disk().get(&key)? {
+            store.memory().put(&key, b.clone())?;
+            Some((b, Tier::Disk))
+        } else {
+            None
+        };
+        if let Some((blob, tier)) = stored {
+            let (kv, _) = from_blob(&blob);
+            if kv.ids == want && kv.fingerprint == spec.speculator.fingerprint() {
+                return Ok(Some((kv, tier)));
+            }
+            tracing::warn!(%key, "speculator KV entry holds another chunk; recomputing it");
+        }
+        let kv = spec.chunk_kv(prefix, &text)?;
+        store.put(&key, Arc::new(to_blob(kv.clone(), None)))?;
+        Ok(Some((kv, Tier::Recomputed)))
     }
 
     /// Loads the KV of a chunk with text `chunk_text` in `collection`: from memory, from disk,
@@ -270,9 +333,17 @@ impl Corpus {
 
     /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
     /// committing the index, by replaced or deleted documents, or by another model or
-    /// template), then flushes. Returns how many were removed.
-    pub fn collect_garbage(&self) -> Result<usize> {
-        let referenced = self.referenced_keys()?;
+    /// template), then flushes. The speculator KV of an indexed chunk ([`Engines::spec_key`])
+    /// is kept with it. Returns how many were removed.
+    pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
+        let mut referenced = self.referenced_keys()?;
+        let companions: Vec<String> = referenced
+            .iter()
+            .filter_map(|k| k.parse::<ChunkKey>().ok())
+            .filter_map(|k| engines.spec_key(&k))
+            .map(|k| k.to_string())
+            .collect();
+        referenced.extend(companions);
         let mut removed = 0;
         for key in self.store.keys()? {
             if !referenced.contains(&key.to_string()) {

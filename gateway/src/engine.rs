@@ -223,8 +223,13 @@ impl Engine<'_> {
                 id,
                 reply,
             } => {
-                let out = crate::ingest::delete_document(&self.pipeline.corpus, &collection, &id)
-                    .map_err(JobError::from);
+                let out = crate::ingest::delete_document(
+                    &self.pipeline.corpus,
+                    &self.pipeline.engines,
+                    &collection,
+                    &id,
+                )
+                .map_err(JobError::from);
                 let _ = reply.send(out);
             }
         }

@@ -27,6 +27,9 @@ pub struct IngestConfig {
     pub max_request_tokens: Option<usize>,
     /// Most tokens the collection may hold after the run (replaced documents count once).
     pub max_collection_tokens: Option<usize>,
+    /// Also store the speculator's own KV of every chunk (what `spec_attn` reads; without it
+    /// the first `spec_attn` query over a chunk computes it). Costs storage, no extra pass.
+    pub speculator_kv: bool,
 }
 
 impl Default for IngestConfig {
@@ -37,6 +40,7 @@ impl Default for IngestConfig {
             batch_docs: 16,
             max_request_tokens: None,
             max_collection_tokens: None,
+            speculator_kv: false,
         }
     }
 }
@@ -67,6 +71,8 @@ pub struct IngestReport {
     pub kv_bytes: u64,
     /// KV payload bytes per 512 tokens (a full default chunk).
     pub kv_bytes_per_512_tokens: u64,
+    /// The speculator's KV payload bytes stored by this run (`speculator_kv`).
+    pub speculator_kv_bytes: u64,
     pub seconds: f64,
     pub chunks_per_s: f64,
     pub tokens_per_s: f64,
@@ -191,7 +197,7 @@ fn ingest_inner(
     let t0 = Instant::now();
     let mut report = IngestReport {
         collection: cfg.collection.clone(),
-        garbage_removed: corpus.collect_garbage()?,
+        garbage_removed: corpus.collect_garbage(engines)?,
         ..Default::default()
     };
     let tok = engines.target.tokenizer();
@@ -242,12 +248,30 @@ fn ingest_inner(
                 let (text, ids) = engines.segment(&chunk.text);
                 let key = engines.key(&cfg.collection, &ids);
                 let cached = corpus.store.contains(&key)?;
+                let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
                 if cached {
                     report.reused_chunks += 1;
+                    // Stored before with the target KV only: the speculator KV joins it.
+                    let missing = match spec_key {
+                        Some(sk) => !corpus.store.contains(&sk)?,
+                        None => false,
+                    };
+                    if missing {
+                        if let Some((kv, _)) =
+                            engines.load_spec_kv(&corpus.store, &cfg.collection, &chunk.text)?
+                        {
+                            report.speculator_kv_bytes += kv.bytes() as u64;
+                        }
+                    }
                 } else {
-                    let blob: KvBlob = engines.compute(&text, &ids)?;
+                    let (blob, spec): (KvBlob, _) =
+                        engines.compute_with(&text, &ids, spec_key.is_some())?;
                     report.kv_bytes += blob.payload_bytes() as u64;
                     corpus.store.put(&key, Arc::new(blob))?;
+                    if let (Some(sk), Some(b)) = (spec_key, spec) {
+                        report.speculator_kv_bytes += b.payload_bytes() as u64;
+                        corpus.store.put(&sk, Arc::new(b))?;
+                    }
                 }
                 report.chunks += 1;
                 report.tokens += chunk.ids.len();
@@ -276,7 +300,7 @@ fn ingest_inner(
     }
     if replaced_any {
         // Chunks of replaced documents that no document uses any more.
-        report.garbage_removed += corpus.collect_garbage()?;
+        report.garbage_removed += corpus.collect_garbage(engines)?;
     }
     report.seconds = t0.elapsed().as_secs_f64();
     report.chunks_per_s = report.chunks as f64 / report.seconds.max(1e-9);
@@ -292,7 +316,12 @@ fn ingest_inner(
 
 /// Removes a document: its chunks leave the index (committed), then blobs no other document
 /// uses leave the store. Returns how many chunks the document had.
-pub fn delete_document(corpus: &Corpus, collection: &str, doc_id: &str) -> Result<usize> {
+pub fn delete_document(
+    corpus: &Corpus,
+    engines: &Engines,
+    collection: &str,
+    doc_id: &str,
+) -> Result<usize> {
     let removed = corpus.index.delete_document(collection, doc_id)?;
     if removed.is_empty() {
         corpus.index.rollback()?;
@@ -304,6 +333,6 @@ pub fn delete_document(corpus: &Corpus, collection: &str, doc_id: &str) -> Resul
         corpus.index.rollback()?;
         return Err(e.into());
     }
-    corpus.collect_garbage()?;
+    corpus.collect_garbage(engines)?;
     Ok(removed.len())
 }

@@ -153,6 +153,10 @@ struct ServeArgs {
     /// Memory tier of the chunk KV store, in MiB (1..=16777216).
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
     memory_mb: u64,
+    /// POST /documents also stores the speculator's own KV of every chunk (see `specrag
+    /// ingest --help`).
+    #[arg(long)]
+    speculator_kv: bool,
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     spec_scores: ScoreSource,
@@ -229,8 +233,13 @@ struct IngestArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     batch_docs: u32,
     /// Do not store speculator scores with the chunks (then the speculator is not loaded).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "speculator_kv")]
     no_spec_scores: bool,
+    /// Also store the speculator's own KV of every chunk, which `spec_attn` reads at query
+    /// time (without it the first `spec_attn` query over a chunk computes and stores it).
+    /// Costs storage only: ~23 KB per token with SmolLM2-135M, ~1.9x Qwen-0.5B's chunk KV.
+    #[arg(long)]
+    speculator_kv: bool,
     /// Print JSON lines: {"event":"committed","documents":[...]} per batch, problems, and a
     /// final {"event":"summary",...}.
     #[arg(long)]
@@ -436,6 +445,7 @@ fn ingest_cmd(models_args: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
         collection: a.collection.clone(),
         chunk_tokens: a.chunk_tokens as usize,
         batch_docs: a.batch_docs as usize,
+        speculator_kv: a.speculator_kv,
         ..Default::default()
     };
     let bar = ProgressBar::hidden();
@@ -610,6 +620,7 @@ fn serve_cmd(models_args: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
         max_connections: a.max_connections as usize,
         header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
+        speculator_kv: a.speculator_kv,
     };
     let state = gateway::server::AppState::new(pipeline, config);
     gateway::server::runtime()?.block_on(async move {

@@ -46,8 +46,13 @@ pub enum Method {
     /// `target_probe` recomputing a few tokens around every pick instead of scattered tokens.
     TargetProbeSpan,
     /// The speculator's question-to-chunk attention (deeper half of its layers) picks the
-    /// tokens, completed into spans and mapped onto target tokens as SpecCache does.
+    /// tokens, completed into spans and mapped onto target tokens as SpecCache does. The
+    /// question runs over the speculator's own chunk KV stored at ingestion (computed and
+    /// stored on first use otherwise): a query costs a speculator pass over the question only.
     SpecAttn,
+    /// `spec_attn` with the speculator reading the whole prompt per query instead of its stored
+    /// chunk KV (ablation: what the stored KV's missing cross-chunk context costs).
+    SpecAttnFull,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -59,7 +64,7 @@ pub const PROBE_WINDOW: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 12] = [
+    pub const ALL: [Method; 13] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -70,6 +75,7 @@ impl Method {
         Method::TargetProbe,
         Method::TargetProbeSpan,
         Method::SpecAttn,
+        Method::SpecAttnFull,
         Method::Oracle,
         Method::Random,
     ];
@@ -87,6 +93,7 @@ impl Method {
             Self::TargetProbe => "target_probe",
             Self::TargetProbeSpan => "target_probe_span",
             Self::SpecAttn => "spec_attn",
+            Self::SpecAttnFull => "spec_attn_full",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -106,7 +113,7 @@ impl Method {
     pub fn uses_speculator(&self) -> bool {
         matches!(
             self,
-            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn
+            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn | Self::SpecAttnFull
         )
     }
 
@@ -130,15 +137,17 @@ impl Method {
             Self::Prefix => Box::new(PrefixCaching),
             Self::Epic => Box::new(Epic { k: inputs.epic_k }),
             Self::Cacheblend => Box::new(CacheBlend::default()),
-            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn => match inputs.spec {
-                Some(spec) => Box::new(ScoredSpecCache {
-                    spec,
-                    scores: inputs.scores.unwrap_or_default(),
-                }),
-                // Without a speculator nothing can be scored: reuse as is. Callers check
-                // `uses_speculator` against the loaded models before a request runs.
-                None => Box::new(FullReuse),
-            },
+            Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn | Self::SpecAttnFull => {
+                match inputs.spec {
+                    Some(spec) => Box::new(ScoredSpecCache {
+                        spec,
+                        scores: inputs.scores.unwrap_or_default(),
+                    }),
+                    // Without a speculator nothing can be scored: reuse as is. Callers check
+                    // `uses_speculator` against the loaded models before a request runs.
+                    None => Box::new(FullReuse),
+                }
+            }
             Self::TargetProbe => Box::new(TargetProbe::default()),
             Self::TargetProbeSpan => Box::new(TargetProbe {
                 window: PROBE_WINDOW,
@@ -179,7 +188,8 @@ impl utoipa::PartialSchema for Method {
                  reference), `full_reuse`, `prefix`, `epic`, `cacheblend`, `speccache`, \
                  `speccache_nospan`, `target_probe` (the question's attention over the reused \
                  cache), `target_probe_span` (the same, a few tokens around each pick), \
-                 `spec_attn` (the speculator's question attention).",
+                 `spec_attn` (the speculator's question attention over its stored chunk KV), \
+                 `spec_attn_full` (the same over a speculator pass of the whole prompt).",
             ))
             .into()
     }

@@ -607,8 +607,9 @@ impl Pipeline {
     ) -> Result<(Vec<LoadedChunk>, Option<ScoredTokens>)> {
         let need_kv = !Self::reads_no_kv(q);
         let score_source = q.options.score_source.unwrap_or(self.score_source);
-        // spec_attn's scores depend on the question: never stored, always a query-time pass.
-        let attention = q.method == Method::SpecAttn;
+        // spec_attn's scores depend on the question: never stored, always a query-time pass
+        // (over the stored speculator chunk KV, or for spec_attn_full over the whole prompt).
+        let attention = matches!(q.method, Method::SpecAttn | Method::SpecAttnFull);
         let query_time_scores = q.method.uses_speculator()
             && need_kv
             && (attention || score_source == ScoreSource::Query);
@@ -619,10 +620,10 @@ impl Pipeline {
                     target_engine::stop::with_stop(stop, || {
                         let t = Instant::now();
                         let spec = self.speculator(q)?;
-                        let toks = if attention {
-                            spec.attention_scores(asm)?
-                        } else {
-                            spec.query_scores(asm)?
+                        let toks = match q.method {
+                            Method::SpecAttn => self.stored_attention(&spec, q, texts, asm)?,
+                            Method::SpecAttnFull => spec.attention_scores(asm)?,
+                            _ => spec.query_scores(asm)?,
                         };
                         Ok((toks, ms(t)))
                     })
@@ -746,6 +747,32 @@ impl Pipeline {
             spec.layers = layers;
         }
         Ok(spec)
+    }
+
+    /// `spec_attn`'s scores: the speculator's stored KV of every chunk (computed and stored
+    /// now where missing), then its question pass over them.
+    fn stored_attention(
+        &self,
+        spec: &speculator::SpecCache,
+        q: &Query,
+        texts: &[&str],
+        asm: &Assembly,
+    ) -> Result<ScoredTokens> {
+        let prefix = self
+            .engines
+            .spec_prefix
+            .as_ref()
+            .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
+        let mut kvs = Vec::with_capacity(texts.len());
+        for text in texts {
+            let (kv, _) = self
+                .engines
+                .load_spec_kv(&self.corpus.store, &q.collection, text)?
+                .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
+            kvs.push(kv);
+        }
+        let refs: Vec<&ChunkKv> = kvs.iter().collect();
+        Ok(spec.attention_scores_stored(asm, prefix, &refs)?)
     }
 
     /// SpecCache scores from ingestion; chunks stored without scores (or by another

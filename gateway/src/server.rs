@@ -69,6 +69,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Time a client has to send a request's headers (and an idle connection stays open).
     pub header_read_timeout: Duration,
+    /// Ingestion also stores the speculator's own chunk KV (`spec_attn` reads it).
+    pub speculator_kv: bool,
 }
 
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
@@ -87,6 +89,7 @@ impl Default for ServerConfig {
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
             max_connections: 256,
             header_read_timeout: Duration::from_secs(10),
+            speculator_kv: false,
         }
     }
 }
@@ -525,6 +528,7 @@ async fn post_documents(
     reach(&grant, &cfg.collection)?;
     cfg.max_request_tokens = Some(state.config.max_request_tokens);
     cfg.max_collection_tokens = Some(state.config.max_collection_tokens);
+    cfg.speculator_kv = state.config.speculator_kv;
     let streamed = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())

@@ -576,3 +576,89 @@ fn a_set_but_empty_key_list_refuses_to_start() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn speculator_kv_is_stored_with_its_chunk_collected_with_it_and_computed_when_missing() -> TestResult
+{
+    use gateway::ingest::{delete_document, ingest, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let models = tiny_models(dir.path())?;
+    let opts = LoadOptions::default();
+    let spec_model = Arc::new(Model::load(&models.spec, &opts)?);
+    let engines = Engines::new(
+        Arc::new(Model::load(&models.target, &opts)?),
+        Some(spec_model.clone()),
+    )?;
+    let corpus = Corpus::open(&dir.path().join("data"), 1 << 30)?;
+    let doc = |i: usize| gateway::input::SourceDoc {
+        id: format!("d{i}"),
+        title: None,
+        text: format!("document {i}: the thin ant ran in the sand near tent {i}"),
+        origin: format!("d{i}"),
+    };
+    let cfg = |speculator_kv| IngestConfig {
+        collection: "c".into(),
+        speculator_kv,
+        ..Default::default()
+    };
+    let spec_key_of = |i: usize| -> Result<chunkstore::ChunkKey, Box<dyn std::error::Error>> {
+        let (_, ids) = engines.segment(&doc(i).text);
+        engines
+            .spec_key(&engines.key("c", &ids))
+            .ok_or_else(|| "no spec key".into())
+    };
+    // Without the flag only the target's KV is stored; spec_attn computes the rest on use.
+    let plain = ingest(&corpus, &engines, vec![doc(0), doc(1)], &cfg(false), |_| {})?;
+    assert_eq!(plain.speculator_kv_bytes, 0);
+    assert!(!corpus.store.contains(&spec_key_of(0)?)?);
+    let (kv, tier) = engines
+        .load_spec_kv(&corpus.store, "c", &doc(0).text)?
+        .ok_or("speculator")?;
+    assert_eq!(tier, Tier::Recomputed);
+    let (text, _) = engines.segment(&doc(0).text);
+    let prefix = engines.spec_prefix.as_ref().ok_or("spec prefix")?;
+    let spec = engines.spec.as_ref().ok_or("spec")?;
+    assert_eq!(
+        kv,
+        spec.chunk_kv(prefix, &text)?,
+        "the speculator's KV after its prefix"
+    );
+    assert_eq!(kv.fingerprint, spec_model.fingerprint());
+    let (again, tier) = engines
+        .load_spec_kv(&corpus.store, "c", &doc(0).text)?
+        .ok_or("speculator")?;
+    assert_eq!((tier, &again), (Tier::Memory, &kv));
+    corpus.store.memory().clear();
+    let (_, tier) = engines
+        .load_spec_kv(&corpus.store, "c", &doc(0).text)?
+        .ok_or("speculator")?;
+    assert_eq!(tier, Tier::Disk);
+
+    // With the flag: stored for new chunks and added to chunks stored before.
+    let with = ingest(&corpus, &engines, vec![doc(1), doc(2)], &cfg(true), |_| {})?;
+    assert!(with.speculator_kv_bytes > 0);
+    for i in 0..3 {
+        assert!(corpus.store.contains(&spec_key_of(i)?)?, "d{i}");
+    }
+    // Garbage collection keeps a chunk's speculator KV as long as the chunk is indexed ...
+    assert_eq!(corpus.collect_garbage(&engines)?, 0);
+    assert_eq!(corpus.store.keys()?.len(), 6);
+    // ... and removes it with the chunk.
+    delete_document(&corpus, &engines, "c", "d0")?;
+    assert!(!corpus.store.contains(&spec_key_of(0)?)?);
+    assert!(corpus.store.contains(&spec_key_of(1)?)?);
+    assert_eq!(corpus.store.keys()?.len(), 4);
+
+    // A damaged speculator entry is dropped and recomputed, never served.
+    corpus.store.memory().clear();
+    let key = spec_key_of(1)?;
+    let mut raw = corpus.store.disk().get_raw(&key)?.ok_or("blob missing")?;
+    let n = raw.len();
+    raw[n - 3] ^= 0x55;
+    corpus.store.disk().put_raw(&key, &raw)?;
+    let (_, tier) = engines
+        .load_spec_kv(&corpus.store, "c", &doc(1).text)?
+        .ok_or("speculator")?;
+    assert_eq!(tier, Tier::Recomputed);
+    Ok(())
+}

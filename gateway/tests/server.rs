@@ -156,6 +156,7 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         "target_probe",
         "target_probe_span",
         "spec_attn",
+        "spec_attn_full",
     ] {
         let (status, got, _) = send(&s, answer(method, 1.0)).await;
         assert_eq!(status, StatusCode::OK, "{got}");

@@ -18,8 +18,16 @@ pub use span::{select, Selection, SpanParams};
 use std::ops::Range;
 use std::sync::Arc;
 use target_engine::{
-    budget, Assembly, Model, PrefixKv, Result, SegmentKind, SelectInput, Selector, Tokenizer,
+    budget, Assembly, ChunkKv, Model, PrecomputeMode, PrefixKv, Result, SegmentKind, SelectInput,
+    Selector, Tokenizer,
 };
+
+/// The precompute mode of a chunk computed after `prefix`.
+fn after(prefix: &PrefixKv) -> PrecomputeMode {
+    PrecomputeMode::AfterPrefix {
+        prefix_hash: prefix.hash.clone(),
+    }
+}
 
 /// The `speccache` (and, without span completion, `speccache_nospan`) selector.
 #[derive(Debug, Clone)]
@@ -122,17 +130,42 @@ impl SpecCache {
 
     /// Scores one chunk segment (`text` as it appears in the prompt) after `prefix`.
     pub fn score_chunk(&self, prefix: &PrefixKv, text: &str) -> Result<ChunkScores> {
-        let enc = self.speculator.tokenizer().encode(text, false);
+        Ok(self.score_chunk_with_kv(prefix, text, false)?.0)
+    }
+
+    /// [`SpecCache::score_chunk`], and with `keep_kv` the speculator's own KV of the chunk from
+    /// the same pass (what `spec_attn` reads at query time: no second forward at ingestion).
+    pub fn score_chunk_with_kv(
+        &self,
+        prefix: &PrefixKv,
+        text: &str,
+        keep_kv: bool,
+    ) -> Result<(ChunkScores, Option<ChunkKv>)> {
+        let m = &self.speculator;
+        let enc = m.tokenizer().encode(text, false);
         if enc.ids.is_empty() {
             return Err(invalid("cannot score an empty chunk".into()));
         }
-        let values = importance_after(&self.speculator, Some(prefix), &enc.ids, self.layers)?;
-        Ok(ChunkScores {
-            fingerprint: self.speculator.fingerprint().to_string(),
+        let mut cache = prefix.cache.clone();
+        let base = prefix.ids.len();
+        let positions: Vec<usize> = (base..base + enc.ids.len()).collect();
+        let out = m.forward(&enc.ids, &positions, &mut cache, true)?;
+        let values = mean_norms(&out.layers, self.layers, enc.ids.len())?;
+        let kv = keep_kv.then(|| m.chunk_rows(&cache, &enc.ids, base, after(prefix)));
+        let scores = ChunkScores {
+            fingerprint: m.fingerprint().to_string(),
             layers: self.layers,
             offsets: enc.offsets.into_iter().map(|(s, e)| s..e).collect(),
             values,
-        })
+        };
+        Ok((scores, kv))
+    }
+
+    /// The speculator's KV of one chunk segment after `prefix` (no scores): for chunks stored
+    /// before `spec_attn` needed it.
+    pub fn chunk_kv(&self, prefix: &PrefixKv, text: &str) -> Result<ChunkKv> {
+        let ids = self.speculator.tokenizer().encode(text, false).ids;
+        self.speculator.precompute(&ids, Some(prefix))
     }
 
     /// The speculator's tokens of `asm`, segment by segment (no token crosses a boundary):
@@ -217,6 +250,66 @@ impl SpecCache {
         let mut cache = m.new_cache();
         let before: Vec<usize> = (0..q).collect();
         m.forward(&ids[..q], &before, &mut cache, false)?;
+        let n = m.config().n_layer;
+        let question: Vec<usize> = (q..ids.len()).collect();
+        let (_, mass) = m.forward_probe(&ids[q..], &question, &mut cache, n / 2..n)?;
+        let scores: Vec<f32> = (0..ids.len())
+            .map(|i| mass.get(i).copied().unwrap_or(0.0))
+            .collect();
+        Ok(Self::chunk_scores(spans, chunk_of, &scores))
+    }
+
+    /// `spec_attn` scores over stored speculator KV: the speculator's cache is the template
+    /// prefix's and each chunk's own KV (computed at ingestion, after the prefix) rotated into
+    /// place, as the target's fused cache is; only the question runs, and its attention mass
+    /// on every chunk token over the deeper half of the layers scores it. A query then costs a
+    /// speculator pass over the question alone. `chunks` are in prompt order.
+    pub fn attention_scores_stored(
+        &self,
+        asm: &Assembly,
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
+    ) -> Result<ScoredTokens> {
+        let SpecTokens {
+            ids,
+            spans,
+            chunk_of,
+            question_start: q,
+        } = self.speculator_tokens(asm);
+        let m = &self.speculator;
+        if q == 0 || q >= ids.len() {
+            return Ok(ScoredTokens::default());
+        }
+        let p = prefix.ids.len();
+        if ids.get(..p) != Some(&prefix.ids[..]) || chunk_of[..p].iter().any(Option::is_some) {
+            return Err(invalid(
+                "the speculator's prefix KV does not match the assembled prefix".into(),
+            ));
+        }
+        let mut cache = prefix.cache.clone();
+        cache.truncate(p);
+        let mut pos = p;
+        for (i, kv) in chunks.iter().enumerate() {
+            let end = pos + kv.len();
+            let fits = end <= q
+                && ids[pos..end] == kv.ids[..]
+                && chunk_of[pos..end].iter().all(|c| c.is_some());
+            if !fits {
+                return Err(invalid(format!(
+                    "the speculator KV of chunk {i} does not match its place in the prompt"
+                )));
+            }
+            m.place_chunk(&mut cache, kv, pos)?;
+            pos = end;
+        }
+        if pos != q {
+            return Err(invalid(format!(
+                "{} speculator chunk KVs cover {} of the {} tokens before the question",
+                chunks.len(),
+                pos - p,
+                q - p
+            )));
+        }
         let n = m.config().n_layer;
         let question: Vec<usize> = (q..ids.len()).collect();
         let (_, mass) = m.forward_probe(&ids[q..], &question, &mut cache, n / 2..n)?;

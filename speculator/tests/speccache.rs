@@ -221,3 +221,85 @@ fn attention_scores_cover_the_same_chunk_tokens_as_the_norms_and_depend_on_the_q
     assert_eq!(spec.query_scores(&b).expect("norms").scores, norms.scores);
     assert_ne!(other.scores, attn.scores);
 }
+
+/// The speculator's prefix KV and each chunk's stored KV (from the scoring pass) for `asm`.
+fn stored_spec_kv(
+    spec: &SpecCache,
+    target: &Model,
+    asm: &target_engine::Assembly,
+) -> (target_engine::PrefixKv, Vec<ChunkKv>) {
+    let (prefix_text, _) = RagTemplate::default().prefix(target.tokenizer());
+    let prefix = spec.prefix_state(&prefix_text).expect("prefix");
+    let kvs = asm
+        .segments
+        .iter()
+        .zip(speculator::segment_bytes(asm))
+        .filter(|(s, _)| matches!(s.kind, target_engine::SegmentKind::Chunk(_)))
+        .map(|(_, bytes)| {
+            let text = &asm.text[bytes];
+            let (scores, kv) = spec
+                .score_chunk_with_kv(&prefix, text, true)
+                .expect("score");
+            let kv = kv.expect("kept");
+            assert_eq!(scores, spec.score_chunk(&prefix, text).expect("score"));
+            assert_eq!(
+                kv,
+                spec.chunk_kv(&prefix, text).expect("kv"),
+                "one pass, same KV"
+            );
+            kv
+        })
+        .collect();
+    (prefix, kvs)
+}
+
+#[test]
+fn stored_speculator_kv_gives_the_full_pass_attention_when_nothing_is_missing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = tiny(dir.path(), Architecture::Qwen2, 1);
+    let spec = SpecCache::new(Arc::new(tiny(dir.path(), Architecture::Llama, 2)));
+    let t = RagTemplate::default();
+    // One chunk right after the prefix: its stored KV is exactly what the full pass computes
+    // (up to f16 storage), so the question's attention must agree.
+    let one = t.assemble(target.tokenizer(), &DOCS[..1], "where is the antenna?");
+    let (prefix, kvs) = stored_spec_kv(&spec, &target, &one);
+    let refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let stored = spec
+        .attention_scores_stored(&one, &prefix, &refs)
+        .expect("stored");
+    let full = spec.attention_scores(&one).expect("full");
+    assert_eq!(stored.spans, full.spans);
+    let d = stored
+        .scores
+        .iter()
+        .zip(&full.scores)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d < 1e-3, "stored vs full attention mass differs by {d}");
+
+    // Three chunks: the later ones miss the earlier ones (as reused target KV does), so the
+    // scores differ, but cover the same tokens.
+    let three = t.assemble(target.tokenizer(), &DOCS, "where is the antenna?");
+    let (prefix, kvs) = stored_spec_kv(&spec, &target, &three);
+    let refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let stored = spec
+        .attention_scores_stored(&three, &prefix, &refs)
+        .expect("stored");
+    let full = spec.attention_scores(&three).expect("full");
+    assert_eq!(stored.spans, full.spans);
+    assert!(stored.scores.iter().all(|&s| s.is_finite() && s >= 0.0));
+    assert_ne!(stored.scores, full.scores);
+
+    // KV that does not fit the prompt is refused, never scored.
+    let swapped = vec![refs[1], refs[0], refs[2]];
+    assert!(spec
+        .attention_scores_stored(&three, &prefix, &swapped)
+        .is_err());
+    assert!(spec
+        .attention_scores_stored(&three, &prefix, &refs[..2])
+        .is_err());
+    let other_prefix = spec.prefix_state("another prefix").expect("prefix");
+    assert!(spec
+        .attention_scores_stored(&three, &other_prefix, &refs)
+        .is_err());
+}

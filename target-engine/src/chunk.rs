@@ -104,11 +104,24 @@ impl Model {
         };
         let pos: Vec<usize> = (base_pos..base_pos + ids.len()).collect();
         self.forward(ids, &pos, &mut cache, false)?;
+        Ok(self.chunk_rows(&cache, ids, base_pos, mode))
+    }
+
+    /// The rows `base_pos..base_pos + ids.len()` of `cache` (which a forward over `ids` at
+    /// those positions filled) as a chunk's KV: for callers whose forward does more than
+    /// [`Model::precompute`]'s (the speculator scores a chunk in the same pass).
+    pub fn chunk_rows(
+        &self,
+        cache: &KvCache,
+        ids: &[u32],
+        base_pos: usize,
+        mode: PrecomputeMode,
+    ) -> ChunkKv {
         let row = self.config().kv_row();
         let range = base_pos * row..(base_pos + ids.len()) * row;
         let to_f16 = |s: &[f32]| s.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let n_layer = self.config().n_layer;
-        Ok(ChunkKv {
+        ChunkKv {
             fingerprint: self.fingerprint().to_string(),
             ids: ids.to_vec(),
             base_pos,
@@ -120,7 +133,7 @@ impl Model {
             v: (0..n_layer)
                 .map(|l| to_f16(&cache.v(l)[range.clone()]))
                 .collect(),
-        })
+        }
     }
 
     /// Copies `chunk`'s rows into `cache` at `start..`, rotating K from the position it was
