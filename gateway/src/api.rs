@@ -105,6 +105,44 @@ pub fn validate_collection(field: &'static str, c: &str) -> Result<()> {
     Ok(())
 }
 
+/// `value` when it lies in `lo..=hi`, else a bad-input error naming `field`.
+fn within<T: PartialOrd + std::fmt::Display>(
+    field: &'static str,
+    value: T,
+    lo: T,
+    hi: T,
+) -> Result<T> {
+    if lo <= value && value <= hi {
+        Ok(value)
+    } else {
+        Err(GatewayError::bad(
+            field,
+            format!("must be {lo} to {hi}, got {value}"),
+        ))
+    }
+}
+
+/// The method a request names, if the API serves it (`oracle` and `random` are measurement
+/// bounds: refused, saying so).
+fn served_method(m: &str) -> Result<Method> {
+    Method::parse(m).filter(Method::servable).ok_or_else(|| {
+        let names: Vec<&str> = Method::ALL
+            .iter()
+            .filter(|m| m.servable())
+            .map(|m| m.name())
+            .collect();
+        let why = if Method::parse(m).is_some() {
+            "is for measurement (bench, evaluation) and not served"
+        } else {
+            "is unknown"
+        };
+        GatewayError::bad(
+            "method",
+            format!("method `{m}` {why}; expected one of {}", names.join(", ")),
+        )
+    })
+}
+
 impl QueryRequest {
     /// Checks every field and fills in the defaults.
     pub fn validate(&self) -> Result<Query> {
@@ -123,59 +161,18 @@ impl QueryRequest {
         let collection = self.collection.clone().unwrap_or(d.collection);
         validate_collection("collection", &collection)?;
         let top_k = self.top_k.unwrap_or(d.top_k as u64);
-        if !(1..=MAX_TOP_K as u64).contains(&top_k) {
-            return Err(GatewayError::bad(
-                "top_k",
-                format!("must be 1 to {MAX_TOP_K}, got {top_k}"),
-            ));
-        }
+        let top_k = within("top_k", top_k, 1, MAX_TOP_K as u64)?;
         let method = match &self.method {
             None => d.method,
-            Some(m) => Method::parse(m).filter(Method::servable).ok_or_else(|| {
-                let names: Vec<&str> = Method::ALL
-                    .iter()
-                    .filter(|m| m.servable())
-                    .map(|m| m.name())
-                    .collect();
-                let why = if Method::parse(m).is_some() {
-                    "is for measurement (bench, evaluation) and not served"
-                } else {
-                    "is unknown"
-                };
-                GatewayError::bad(
-                    "method",
-                    format!("method `{m}` {why}; expected one of {}", names.join(", ")),
-                )
-            })?,
+            Some(m) => served_method(m)?,
         };
         let ratio = self.recompute_ratio.unwrap_or(d.ratio);
-        if !(0.0..=1.0).contains(&ratio) {
-            return Err(GatewayError::bad(
-                "recompute_ratio",
-                format!("must be 0 to 1, got {ratio}"),
-            ));
-        }
+        let ratio = within("recompute_ratio", ratio, 0.0, 1.0)?;
         let max_tokens = self.max_tokens.unwrap_or(d.max_tokens as u64);
-        if !(1..=MAX_TOKENS as u64).contains(&max_tokens) {
-            return Err(GatewayError::bad(
-                "max_tokens",
-                format!("must be 1 to {MAX_TOKENS}, got {max_tokens}"),
-            ));
-        }
+        let max_tokens = within("max_tokens", max_tokens, 1, MAX_TOKENS as u64)?;
         let temperature = self.temperature.unwrap_or(d.temperature);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(GatewayError::bad(
-                "temperature",
-                format!("must be 0 to 2, got {temperature}"),
-            ));
-        }
-        let seed = self.seed.unwrap_or(0);
-        if seed > MAX_SEED {
-            return Err(GatewayError::bad(
-                "seed",
-                format!("must be 0 to {MAX_SEED}, got {seed}"),
-            ));
-        }
+        let temperature = within("temperature", temperature, 0.0, 2.0)?;
+        let seed = within("seed", self.seed.unwrap_or(0), 0, MAX_SEED)?;
         Ok(Query {
             query: query.to_string(),
             collection,
@@ -240,6 +237,45 @@ pub struct DocumentsRequest {
 /// Most documents in one `POST /documents`.
 pub const MAX_DOCUMENTS: usize = 1000;
 
+impl DocumentIn {
+    /// Checks document `i` of a request on its own; returns its length in characters.
+    fn check(&self, i: usize) -> Result<usize> {
+        if self
+            .title
+            .as_ref()
+            .is_some_and(|t| t.chars().count() > MAX_TITLE_CHARS)
+        {
+            return Err(GatewayError::bad(
+                "documents[].title",
+                format!("document {i}: title is longer than {MAX_TITLE_CHARS} characters"),
+            ));
+        }
+        let chars = self.text.chars().count();
+        if chars > MAX_DOCUMENT_TEXT_CHARS {
+            return Err(GatewayError::TooLarge {
+                field: "documents[].text",
+                message: format!(
+                    "document {i} holds {chars} characters; at most \
+                     {MAX_DOCUMENT_TEXT_CHARS} per document (split it, or use `specrag ingest`)"
+                ),
+            });
+        }
+        if self.id.trim().is_empty() || self.id.chars().count() > 512 {
+            return Err(GatewayError::bad(
+                "documents[].id",
+                format!("document {i}: id must be 1 to 512 bytes"),
+            ));
+        }
+        if self.text.trim().is_empty() {
+            return Err(GatewayError::bad(
+                "documents[].text",
+                format!("document {i} (`{}`): text is empty", self.id),
+            ));
+        }
+        Ok(chars)
+    }
+}
+
 impl DocumentsRequest {
     /// Validates the request into documents and an ingestion config.
     /// Duplicate ids are not an error: the first one is ingested and the others come back as
@@ -253,13 +289,7 @@ impl DocumentsRequest {
     )> {
         let collection = self.collection.clone().unwrap_or_else(|| "default".into());
         validate_collection("collection", &collection)?;
-        let chunk_tokens = self.chunk_tokens.unwrap_or(512);
-        if !(16..=4096).contains(&chunk_tokens) {
-            return Err(GatewayError::bad(
-                "chunk_tokens",
-                format!("must be 16 to 4096, got {chunk_tokens}"),
-            ));
-        }
+        let chunk_tokens = within("chunk_tokens", self.chunk_tokens.unwrap_or(512), 16, 4096)?;
         if self.documents.is_empty() || self.documents.len() > MAX_DOCUMENTS {
             return Err(GatewayError::bad(
                 "documents",
@@ -274,26 +304,7 @@ impl DocumentsRequest {
         let mut docs = Vec::with_capacity(self.documents.len());
         let mut total_chars = 0usize;
         for (i, d) in self.documents.iter().enumerate() {
-            if d.title
-                .as_ref()
-                .is_some_and(|t| t.chars().count() > MAX_TITLE_CHARS)
-            {
-                return Err(GatewayError::bad(
-                    "documents[].title",
-                    format!("document {i}: title is longer than {MAX_TITLE_CHARS} characters"),
-                ));
-            }
-            let chars = d.text.chars().count();
-            if chars > MAX_DOCUMENT_TEXT_CHARS {
-                return Err(GatewayError::TooLarge {
-                    field: "documents[].text",
-                    message: format!(
-                        "document {i} holds {chars} characters; at most \
-                         {MAX_DOCUMENT_TEXT_CHARS} per document (split it, or use `specrag ingest`)"
-                    ),
-                });
-            }
-            total_chars += chars;
+            total_chars += d.check(i)?;
             if total_chars > MAX_DOCUMENTS_TEXT_CHARS {
                 return Err(GatewayError::TooLarge {
                     field: "documents[].text",
@@ -302,18 +313,6 @@ impl DocumentsRequest {
                          (reached at document {i}); send fewer per request or use `specrag ingest`"
                     ),
                 });
-            }
-            if d.id.trim().is_empty() || d.id.chars().count() > 512 {
-                return Err(GatewayError::bad(
-                    "documents[].id",
-                    format!("document {i}: id must be 1 to 512 bytes"),
-                ));
-            }
-            if d.text.trim().is_empty() {
-                return Err(GatewayError::bad(
-                    "documents[].text",
-                    format!("document {i} (`{}`): text is empty", d.id),
-                ));
             }
             if !seen.insert(d.id.as_str()) {
                 problems.push(crate::input::InputProblem {
@@ -515,91 +514,28 @@ mod tests {
         let q = ok.validate().expect("valid");
         assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.15));
         assert_eq!(q.method, Method::TargetProbe);
+        let with = |change: fn(&mut QueryRequest)| {
+            let mut r = ok.clone();
+            change(&mut r);
+            r
+        };
         let cases: Vec<(QueryRequest, &str)> = vec![
+            (with(|r| r.query = "  ".into()), "query"),
+            (with(|r| r.query = "x".repeat(8193)), "query"),
+            (with(|r| r.top_k = Some(0)), "top_k"),
+            (with(|r| r.top_k = Some(33)), "top_k"),
+            (with(|r| r.method = Some("magic".into())), "method"),
+            (with(|r| r.recompute_ratio = Some(1.5)), "recompute_ratio"),
             (
-                QueryRequest {
-                    query: "  ".into(),
-                    ..Default::default()
-                },
-                "query",
-            ),
-            (
-                QueryRequest {
-                    query: "x".repeat(8193),
-                    ..Default::default()
-                },
-                "query",
-            ),
-            (
-                QueryRequest {
-                    top_k: Some(0),
-                    ..ok.clone()
-                },
-                "top_k",
-            ),
-            (
-                QueryRequest {
-                    top_k: Some(33),
-                    ..ok.clone()
-                },
-                "top_k",
-            ),
-            (
-                QueryRequest {
-                    method: Some("magic".into()),
-                    ..ok.clone()
-                },
-                "method",
-            ),
-            (
-                QueryRequest {
-                    recompute_ratio: Some(1.5),
-                    ..ok.clone()
-                },
+                with(|r| r.recompute_ratio = Some(f64::NAN)),
                 "recompute_ratio",
             ),
-            (
-                QueryRequest {
-                    recompute_ratio: Some(f64::NAN),
-                    ..ok.clone()
-                },
-                "recompute_ratio",
-            ),
-            (
-                QueryRequest {
-                    max_tokens: Some(0),
-                    ..ok.clone()
-                },
-                "max_tokens",
-            ),
-            (
-                QueryRequest {
-                    max_tokens: Some(1025),
-                    ..ok.clone()
-                },
-                "max_tokens",
-            ),
-            (
-                QueryRequest {
-                    temperature: Some(2.5),
-                    ..ok.clone()
-                },
-                "temperature",
-            ),
-            (
-                QueryRequest {
-                    collection: Some("a b".into()),
-                    ..ok.clone()
-                },
-                "collection",
-            ),
-            (
-                QueryRequest {
-                    collection: Some(String::new()),
-                    ..ok.clone()
-                },
-                "collection",
-            ),
+            (with(|r| r.max_tokens = Some(0)), "max_tokens"),
+            (with(|r| r.max_tokens = Some(1025)), "max_tokens"),
+            (with(|r| r.temperature = Some(2.5)), "temperature"),
+            (with(|r| r.seed = Some(MAX_SEED + 1)), "seed"),
+            (with(|r| r.collection = Some("a b".into())), "collection"),
+            (with(|r| r.collection = Some(String::new())), "collection"),
         ];
         for (r, field) in cases {
             assert_eq!(field_of(&r), Some(field), "{r:?}");

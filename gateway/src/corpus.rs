@@ -171,8 +171,10 @@ impl Engines {
             None
         };
         if let Some((blob, tier)) = stored {
-            let (kv, _) = from_blob(&blob);
-            if kv.ids == want && kv.fingerprint == spec.speculator.fingerprint() {
+            let kv = from_blob(&blob)
+                .map(|(kv, _)| kv)
+                .filter(|kv| kv.ids == want && kv.fingerprint == spec.speculator.fingerprint());
+            if let Some(kv) = kv {
                 return Ok(Some((kv, tier)));
             }
             tracing::warn!(%key, "speculator KV entry holds another chunk; recomputing it");
@@ -202,16 +204,22 @@ impl Engines {
             store.put(&key, b.clone())?;
             (b, Tier::Recomputed)
         };
-        let (mut kv, mut scores) = from_blob(&blob);
-        let mut tier = tier;
-        if kv.ids != ids || kv.fingerprint != self.target.fingerprint() {
-            // A blob stored under the wrong key: never serve it; recompute and replace it.
-            tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
-            let fresh = Arc::new(self.compute(&text, &ids)?);
-            store.put(&key, fresh.clone())?;
-            (kv, scores) = from_blob(&fresh);
-            tier = Tier::Recomputed;
-        }
+        let fits =
+            |(kv, _): &(ChunkKv, _)| kv.ids == ids && kv.fingerprint == self.target.fingerprint();
+        let (kv, scores, tier) = match from_blob(&blob).filter(fits) {
+            Some((kv, scores)) => (kv, scores, tier),
+            None => {
+                // A blob stored under the wrong key (or with a mode this build does not
+                // know): never serve it; recompute and replace it.
+                tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
+                let fresh = Arc::new(self.compute(&text, &ids)?);
+                store.put(&key, fresh.clone())?;
+                let (kv, scores) = from_blob(&fresh).ok_or_else(|| {
+                    GatewayError::Internal(format!("precompute mode `{}` unknown", fresh.mode))
+                })?;
+                (kv, scores, Tier::Recomputed)
+            }
+        };
         let scores = scores.filter(|s| {
             self.spec.as_ref().is_some_and(|spec| {
                 s.fingerprint == spec.speculator.fingerprint() && s.layers == spec.layers
@@ -234,12 +242,14 @@ pub fn mode_string(mode: &PrecomputeMode) -> String {
     }
 }
 
-fn parse_mode(s: &str) -> PrecomputeMode {
-    match s.strip_prefix("after_prefix:") {
-        Some(h) => PrecomputeMode::AfterPrefix {
+/// The mode [`mode_string`] named; `None` for a name it never writes.
+pub fn parse_mode(s: &str) -> Option<PrecomputeMode> {
+    match (s, s.strip_prefix("after_prefix:")) {
+        ("standalone", _) => Some(PrecomputeMode::Standalone),
+        (_, Some(h)) if !h.is_empty() => Some(PrecomputeMode::AfterPrefix {
             prefix_hash: h.to_string(),
-        },
-        None => PrecomputeMode::Standalone,
+        }),
+        _ => None,
     }
 }
 
@@ -267,14 +277,15 @@ pub fn to_blob(kv: ChunkKv, scores: Option<ChunkScores>) -> KvBlob {
 }
 
 /// A store blob as the engine's chunk KV and scores (scores with an unknown layer range are
-/// dropped: they are recomputed at query time instead).
-pub fn from_blob(blob: &KvBlob) -> (ChunkKv, Option<ChunkScores>) {
+/// dropped: they are recomputed at query time instead). `None` when the blob names a
+/// precompute mode this build does not know: such KV is never served.
+pub fn from_blob(blob: &KvBlob) -> Option<(ChunkKv, Option<ChunkScores>)> {
     let copy = |layers: &[Vec<f16>]| layers.to_vec();
     let kv = ChunkKv {
         fingerprint: blob.fingerprint.clone(),
         ids: blob.ids.clone(),
         base_pos: blob.base_pos as usize,
-        mode: parse_mode(&blob.mode),
+        mode: parse_mode(&blob.mode)?,
         row: blob.row as usize,
         k: copy(&blob.k),
         v: copy(&blob.v),
@@ -291,7 +302,7 @@ pub fn from_blob(blob: &KvBlob) -> (ChunkKv, Option<ChunkScores>) {
             values: s.values.clone(),
         })
     });
-    (kv, scores)
+    Some((kv, scores))
 }
 
 /// An open data directory.
@@ -374,4 +385,31 @@ pub fn load_times(store: &TieredStore, key: &ChunkKey) -> Result<Option<LoadTime
     let in_memory = store.memory().get(key)?.is_some();
     let memory_ms = t.elapsed().as_secs_f64() * 1e3;
     Ok(in_memory.then_some(LoadTimes { memory_ms, disk_ms }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precompute_modes_round_trip_and_unknown_names_are_refused() {
+        for mode in [
+            PrecomputeMode::Standalone,
+            PrecomputeMode::AfterPrefix {
+                prefix_hash: "ab12".into(),
+            },
+        ] {
+            assert_eq!(parse_mode(&mode_string(&mode)), Some(mode));
+        }
+        // Before: anything unknown silently became `standalone`.
+        for bad in [
+            "",
+            "after_prefix:",
+            "after_prefix",
+            "standalone2",
+            "sliding",
+        ] {
+            assert_eq!(parse_mode(bad), None, "{bad:?}");
+        }
+    }
 }

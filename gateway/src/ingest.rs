@@ -10,7 +10,7 @@
 use crate::corpus::{Corpus, Engines};
 use crate::error::Result;
 use crate::input::{InputProblem, SourceDoc};
-use chunkstore::{ChunkStore, KvBlob};
+use chunkstore::{ChunkKey, ChunkStore, KvBlob};
 use retriever::{ChunkParams, DocumentMeta, IndexedChunk};
 use std::sync::Arc;
 use std::time::Instant;
@@ -200,27 +200,7 @@ fn ingest_inner(
         garbage_removed: corpus.collect_garbage(engines)?,
         ..Default::default()
     };
-    let tok = engines.target.tokenizer();
-    let encode = |text: &str| {
-        let e = tok.encode(text, false);
-        (e.ids, e.offsets)
-    };
-    let params = ChunkParams {
-        max_tokens: cfg.chunk_tokens,
-    };
-    let mut planned = Vec::new();
-    for doc in docs {
-        match retriever::chunk_document(&doc.id, &doc.text, &encode, &params) {
-            Ok(chunks) => planned.push(Planned { doc, chunks }),
-            Err(e) => {
-                report.failed += 1;
-                on_event(IngestEvent::Problem(InputProblem {
-                    origin: doc.origin.clone(),
-                    message: e.to_string(),
-                }));
-            }
-        }
-    }
+    let planned = plan(engines, docs, cfg, &mut report, &mut on_event);
     let total_chunks: usize = planned.iter().map(|p| p.chunks.len()).sum();
     let total_tokens: usize = planned
         .iter()
@@ -245,34 +225,7 @@ fn ingest_inner(
                         report.documents
                     )));
                 }
-                let (text, ids) = engines.segment(&chunk.text);
-                let key = engines.key(&cfg.collection, &ids);
-                let cached = corpus.store.contains(&key)?;
-                let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
-                if cached {
-                    report.reused_chunks += 1;
-                    // Stored before with the target KV only: the speculator KV joins it.
-                    let missing = match spec_key {
-                        Some(sk) => !corpus.store.contains(&sk)?,
-                        None => false,
-                    };
-                    if missing {
-                        if let Some((kv, _)) =
-                            engines.load_spec_kv(&corpus.store, &cfg.collection, &chunk.text)?
-                        {
-                            report.speculator_kv_bytes += kv.bytes() as u64;
-                        }
-                    }
-                } else {
-                    let (blob, spec): (KvBlob, _) =
-                        engines.compute_with(&text, &ids, spec_key.is_some())?;
-                    report.kv_bytes += blob.payload_bytes() as u64;
-                    corpus.store.put(&key, Arc::new(blob))?;
-                    if let (Some(sk), Some(b)) = (spec_key, spec) {
-                        report.speculator_kv_bytes += b.payload_bytes() as u64;
-                        corpus.store.put(&sk, Arc::new(b))?;
-                    }
-                }
+                let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)?;
                 report.chunks += 1;
                 report.tokens += chunk.ids.len();
                 on_event(IngestEvent::Chunk { cached });
@@ -312,6 +265,79 @@ fn ingest_inner(
         report.load = crate::corpus::load_times(&corpus.store, &key)?;
     }
     Ok(report)
+}
+
+/// Cuts every document into chunks of target tokens; a document that cannot be chunked is
+/// reported and left out.
+fn plan(
+    engines: &Engines,
+    docs: Vec<SourceDoc>,
+    cfg: &IngestConfig,
+    report: &mut IngestReport,
+    on_event: &mut impl FnMut(IngestEvent),
+) -> Vec<Planned> {
+    let tok = engines.target.tokenizer();
+    let encode = |text: &str| {
+        let e = tok.encode(text, false);
+        (e.ids, e.offsets)
+    };
+    let params = ChunkParams {
+        max_tokens: cfg.chunk_tokens,
+    };
+    let mut planned = Vec::new();
+    for doc in docs {
+        match retriever::chunk_document(&doc.id, &doc.text, &encode, &params) {
+            Ok(chunks) => planned.push(Planned { doc, chunks }),
+            Err(e) => {
+                report.failed += 1;
+                on_event(IngestEvent::Problem(InputProblem {
+                    origin: doc.origin.clone(),
+                    message: e.to_string(),
+                }));
+            }
+        }
+    }
+    planned
+}
+
+/// Makes sure the store holds the KV of the chunk with text `chunk_text` (and, with
+/// `speculator_kv`, the speculator's): computed now unless stored before. Returns its key and
+/// whether it was stored before.
+fn store_chunk(
+    corpus: &Corpus,
+    engines: &Engines,
+    cfg: &IngestConfig,
+    chunk_text: &str,
+    report: &mut IngestReport,
+) -> Result<(ChunkKey, bool)> {
+    let (text, ids) = engines.segment(chunk_text);
+    let key = engines.key(&cfg.collection, &ids);
+    let cached = corpus.store.contains(&key)?;
+    let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
+    if cached {
+        report.reused_chunks += 1;
+        // Stored before with the target KV only: the speculator KV joins it.
+        let missing = match spec_key {
+            Some(sk) => !corpus.store.contains(&sk)?,
+            None => false,
+        };
+        if missing {
+            if let Some((kv, _)) =
+                engines.load_spec_kv(&corpus.store, &cfg.collection, chunk_text)?
+            {
+                report.speculator_kv_bytes += kv.bytes() as u64;
+            }
+        }
+    } else {
+        let (blob, spec): (KvBlob, _) = engines.compute_with(&text, &ids, spec_key.is_some())?;
+        report.kv_bytes += blob.payload_bytes() as u64;
+        corpus.store.put(&key, Arc::new(blob))?;
+        if let (Some(sk), Some(b)) = (spec_key, spec) {
+            report.speculator_kv_bytes += b.payload_bytes() as u64;
+            corpus.store.put(&sk, Arc::new(b))?;
+        }
+    }
+    Ok((key, cached))
 }
 
 /// Removes a document: its chunks leave the index (committed), then blobs no other document

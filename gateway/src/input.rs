@@ -112,6 +112,24 @@ fn markdown_title(text: &str) -> Option<String> {
     (!t.is_empty()).then(|| t.to_string())
 }
 
+/// A file's text, or the problem that keeps it out (unreadable, or not UTF-8, with the line
+/// of the first bad byte).
+fn read_utf8(file: &Path) -> Result<String, InputProblem> {
+    let origin = file.display().to_string();
+    let bytes = std::fs::read(file).map_err(|e| InputProblem {
+        origin: origin.clone(),
+        message: format!("cannot read: {e}"),
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+        InputProblem {
+            origin: format!("{origin}:{line}"),
+            message: format!("not valid UTF-8 (byte {at}); convert the file to UTF-8"),
+        }
+    })
+}
+
 /// Reads every document under `paths`. Document ids of `.txt` / `.md` files are their paths
 /// relative to the folder given (or the file name for a file given directly).
 pub fn read_inputs(paths: &[PathBuf]) -> Inputs {
@@ -120,25 +138,10 @@ pub fn read_inputs(paths: &[PathBuf]) -> Inputs {
     let files = collect_files(paths, &mut out);
     for file in files {
         let origin = file.display().to_string();
-        let bytes = match std::fs::read(&file) {
-            Ok(b) => b,
-            Err(e) => {
-                out.problems.push(InputProblem {
-                    origin,
-                    message: format!("cannot read: {e}"),
-                });
-                continue;
-            }
-        };
-        let text = match String::from_utf8(bytes) {
+        let text = match read_utf8(&file) {
             Ok(t) => t,
-            Err(e) => {
-                let at = e.utf8_error().valid_up_to();
-                let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
-                out.problems.push(InputProblem {
-                    origin: format!("{origin}:{line}"),
-                    message: format!("not valid UTF-8 (byte {at}); convert the file to UTF-8"),
-                });
+            Err(problem) => {
+                out.problems.push(problem);
                 continue;
             }
         };

@@ -178,41 +178,42 @@ impl Metrics {
                 "specrag_rejected_total{{reason=\"deadline\"}} {}",
                 m.timeouts
             );
-            o.push_str(
-                "# HELP specrag_store_lookups_total Chunk store lookups by tier and result.\n",
-            );
-            o.push_str("# TYPE specrag_store_lookups_total counter\n");
-            for (tier, result, n) in [
-                ("memory", "hit", store.memory_hits),
-                ("memory", "miss", store.memory_misses),
-                ("disk", "hit", store.disk_hits),
-                ("disk", "miss", store.disk_misses),
-            ] {
-                let _ = writeln!(
-                    o,
-                    "specrag_store_lookups_total{{tier=\"{tier}\",result=\"{result}\"}} {n}"
-                );
-            }
-            o.push_str(
-                "# HELP specrag_store_corrupt_total Stored blobs found damaged and dropped.\n",
-            );
-            o.push_str("# TYPE specrag_store_corrupt_total counter\n");
-            let _ = writeln!(o, "specrag_store_corrupt_total {}", store.corrupt);
-            o.push_str("# HELP specrag_store_bytes Bytes held by each store tier.\n");
-            o.push_str("# TYPE specrag_store_bytes gauge\n");
-            let _ = writeln!(
-                o,
-                "specrag_store_bytes{{tier=\"memory\"}} {}",
-                store.memory_bytes
-            );
-            let _ = writeln!(
-                o,
-                "specrag_store_bytes{{tier=\"disk\"}} {}",
-                store.disk_bytes
-            );
+            write_store(&mut o, store);
             o
         })
     }
+}
+
+/// The chunk store's families of the exposition text.
+fn write_store(o: &mut String, store: &chunkstore::StoreStats) {
+    o.push_str("# HELP specrag_store_lookups_total Chunk store lookups by tier and result.\n");
+    o.push_str("# TYPE specrag_store_lookups_total counter\n");
+    for (tier, result, n) in [
+        ("memory", "hit", store.memory_hits),
+        ("memory", "miss", store.memory_misses),
+        ("disk", "hit", store.disk_hits),
+        ("disk", "miss", store.disk_misses),
+    ] {
+        let _ = writeln!(
+            o,
+            "specrag_store_lookups_total{{tier=\"{tier}\",result=\"{result}\"}} {n}"
+        );
+    }
+    o.push_str("# HELP specrag_store_corrupt_total Stored blobs found damaged and dropped.\n");
+    o.push_str("# TYPE specrag_store_corrupt_total counter\n");
+    let _ = writeln!(o, "specrag_store_corrupt_total {}", store.corrupt);
+    o.push_str("# HELP specrag_store_bytes Bytes held by each store tier.\n");
+    o.push_str("# TYPE specrag_store_bytes gauge\n");
+    let _ = writeln!(
+        o,
+        "specrag_store_bytes{{tier=\"memory\"}} {}",
+        store.memory_bytes
+    );
+    let _ = writeln!(
+        o,
+        "specrag_store_bytes{{tier=\"disk\"}} {}",
+        store.disk_bytes
+    );
 }
 
 #[cfg(test)]

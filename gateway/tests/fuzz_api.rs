@@ -6,6 +6,8 @@
 //!
 //! `SPECRAG_FUZZ_EXAMPLES` (default 40) sets schemathesis' examples per operation.
 
+#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

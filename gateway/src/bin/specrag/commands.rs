@@ -1,0 +1,260 @@
+//! The corpus commands: `ingest`, `query`, `serve` and `demo`.
+
+use crate::args::{DemoArgs, IngestArgs, ModelArgs, QueryArgs, ServeArgs};
+use crate::{open_pipeline, IngestProgress, EXIT_PARTIAL};
+use anyhow::Context;
+use gateway::corpus::DEFAULT_MEMORY_BYTES;
+use gateway::ingest::{IngestConfig, IngestReport};
+use gateway::pipeline::{Answer, Piece, ScoreSource};
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Memory tier of an ingestion run (blobs are written through to disk).
+const INGEST_MEMORY_BYTES: u64 = 256 << 20;
+
+/// `specrag ingest`.
+pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
+    let inputs = gateway::input::read_inputs(&a.paths);
+    let p = open_pipeline(
+        m,
+        &a.data.data,
+        INGEST_MEMORY_BYTES,
+        !a.no_spec_scores,
+        ScoreSource::Query,
+    )?;
+    let mut progress = IngestProgress::new(a.json);
+    for problem in &inputs.problems {
+        progress.problem(&problem.origin, &problem.message);
+    }
+    let cfg = IngestConfig {
+        collection: a.collection.clone(),
+        chunk_tokens: a.chunk_tokens as usize,
+        batch_docs: a.batch_docs as usize,
+        speculator_kv: a.speculator_kv,
+        ..Default::default()
+    };
+    let report = gateway::ingest::ingest(&p.corpus, &p.engines, inputs.docs, &cfg, |e| {
+        progress.on_event(e)
+    })?;
+    progress.finish();
+    let problems = progress.problems;
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["event"] = json!("summary");
+        v["problems"] = json!(problems);
+        println!("{v}");
+    } else {
+        print_ingest_summary(&report);
+        if problems > 0 {
+            eprintln!("{problems} inputs skipped (see above)");
+        }
+    }
+    if problems > 0 {
+        std::process::exit(EXIT_PARTIAL);
+    }
+    Ok(())
+}
+
+fn print_ingest_summary(report: &IngestReport) {
+    println!(
+        "ingested {} documents into `{}`: {} chunks, {} tokens ({} chunks already stored), {:.1} MB of KV in {:.1} s ({:.2} chunks/s, {:.0} tokens/s)",
+        report.documents,
+        report.collection,
+        report.chunks,
+        report.tokens,
+        report.reused_chunks,
+        report.kv_bytes as f64 / 1e6,
+        report.seconds,
+        report.chunks_per_s,
+        report.tokens_per_s
+    );
+    if report.speculator_kv_bytes > 0 {
+        println!(
+            "speculator KV stored: {:.1} MB",
+            report.speculator_kv_bytes as f64 / 1e6
+        );
+    }
+    println!(
+        "KV per 512-token chunk: {:.1} MB; {} orphan blobs removed",
+        report.kv_bytes_per_512_tokens as f64 / 1e6,
+        report.garbage_removed
+    );
+    if let Some(l) = report.load {
+        println!(
+            "load one chunk: {:.3} ms from memory, {:.1} ms from disk (decode + checksum)",
+            l.memory_ms, l.disk_ms
+        );
+    }
+}
+
+/// `specrag query`.
+pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
+    let q = gateway::api::QueryRequest {
+        query: a.query.clone(),
+        collection: Some(a.collection.clone()),
+        top_k: Some(a.top_k.into()),
+        method: Some(a.method.name().into()),
+        recompute_ratio: Some(a.ratio),
+        max_tokens: Some(a.max_tokens.into()),
+        temperature: Some(a.temperature),
+        seed: Some(a.seed),
+        verify: Some(a.verify),
+        stream: None,
+    }
+    .validate()?;
+    let mut pipeline = open_pipeline(m, &a.data.data, DEFAULT_MEMORY_BYTES, true, a.spec_scores)?;
+    pipeline.verify_mode = a.verify_mode;
+    let json_out = a.json;
+    let answer = pipeline.query(&q, &mut |piece| {
+        if !json_out {
+            // Verified answers print committed text only (drafts go to stderr, dimmed).
+            match piece {
+                Piece::Token(t) | Piece::Commit(t) => print!("{t}"),
+                Piece::Draft(t) => eprint!("\x1b[2m{t}\x1b[0m"),
+                Piece::Retract(n) => eprint!("\x1b[2m[-{n}]\x1b[0m"),
+            }
+            let _ = std::io::stdout().flush();
+        }
+        true
+    })?;
+    if json_out {
+        println!("{}", serde_json::to_string(&answer)?);
+    } else {
+        println!();
+        print_answer_stats(&answer);
+    }
+    Ok(())
+}
+
+fn print_answer_stats(answer: &Answer) {
+    let t = &answer.timings;
+    let r = &answer.reuse;
+    eprintln!(
+        "[{} chunks ({} memory, {} disk, {} recomputed); {} of {} chunk tokens recomputed ({:.3}); \
+         retrieve {:.0} ms, kv load {:.0} ms, speculate {:.0} ms, align {:.1} ms, prefill {:.0} ms, \
+         TTFT {:.0} ms, decode {:.0} ms ({} tokens), total {:.0} ms]",
+        answer.chunks.len(), r.chunks_from_memory, r.chunks_from_disk, r.chunks_recomputed,
+        r.recomputed_tokens, r.chunk_tokens, r.ratio, t.retrieve_ms, t.kv_load_ms,
+        t.speculate_ms, t.align_ms, t.prefill_ms, t.ttft_ms, t.decode_ms, answer.tokens, t.total_ms
+    );
+}
+
+/// `specrag serve`.
+pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
+    // A key list that is set but empty would silently open every route: refuse it.
+    for var in ["SPECRAG_API_KEYS", "SPECRAG_ADMIN_KEYS"] {
+        if std::env::var_os(var).is_some_and(|v| v.to_string_lossy().trim().is_empty()) {
+            anyhow::bail!(
+                "{var} is set but holds no key: unset it to serve without authentication, \
+                 or give KEY[=COLLECTIONS] entries separated by `;`"
+            );
+        }
+    }
+    let mut pipeline = open_pipeline(m, &a.data.data, a.memory_mb << 20, true, a.spec_scores)?;
+    pipeline.verify_mode = a.verify_mode;
+    let mut api_keys = a.api_keys;
+    api_keys.extend(a.admin_keys);
+    let config = gateway::server::ServerConfig {
+        api_keys,
+        queue_capacity: a.queue as usize,
+        request_timeout: std::time::Duration::from_secs(a.timeout_secs),
+        max_request_tokens: usize::try_from(a.max_request_tokens)?,
+        max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
+        max_connections: a.max_connections as usize,
+        header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
+        speculator_kv: a.speculator_kv,
+    };
+    let state = gateway::server::AppState::new(Arc::new(pipeline), config);
+    gateway::server::runtime()?.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(a.addr)
+            .await
+            .with_context(|| format!("binding {}", a.addr))?;
+        eprintln!(
+            "specrag listening on http://{} (API docs at /docs)",
+            listener.local_addr()?
+        );
+        gateway::server::serve_on(state, listener).await?;
+        anyhow::Ok(())
+    })
+}
+
+/// `specrag demo`: ingest, serve on loopback, ask over HTTP, print the answer.
+pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
+    let paths = if a.paths.is_empty() {
+        ["README.md", "ARCHITECTURE.md", "docs"]
+            .map(PathBuf::from)
+            .to_vec()
+    } else {
+        a.paths.clone()
+    };
+    if let Some(missing) = paths.iter().find(|p| !p.exists()) {
+        anyhow::bail!(
+            "{} not found: run `specrag demo` from the repository root, or pass the documents to ingest",
+            missing.display()
+        );
+    }
+    let pipeline = open_pipeline(m, &a.data, DEFAULT_MEMORY_BYTES, true, ScoreSource::Query)?;
+    let inputs = gateway::input::read_inputs(&paths);
+    let mut progress = IngestProgress::new(false);
+    for p in &inputs.problems {
+        progress.problem(&p.origin, &p.message);
+    }
+    let cfg = IngestConfig {
+        collection: "demo".into(),
+        ..Default::default()
+    };
+    eprintln!(
+        "[1/3] ingesting {} documents into {} (collection `demo`)",
+        inputs.docs.len(),
+        a.data.display()
+    );
+    let report = gateway::ingest::ingest(
+        &pipeline.corpus,
+        &pipeline.engines,
+        inputs.docs,
+        &cfg,
+        |e| progress.on_event(e),
+    )?;
+    progress.finish();
+    eprintln!(
+        "      {} chunks, {} tokens ({} already stored) in {:.1} s",
+        report.chunks, report.tokens, report.reused_chunks, report.seconds
+    );
+    let state = gateway::server::AppState::new(Arc::new(pipeline), Default::default());
+    gateway::server::runtime()?.block_on(ask_demo_question(state, a))
+}
+
+/// The demo's question over HTTP to a loopback server, and the answer printed.
+async fn ask_demo_question(state: gateway::server::AppState, a: DemoArgs) -> anyhow::Result<()> {
+    let addr = gateway::server::spawn_loopback(state).await?;
+    eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
+    let body = json!({
+        "query": a.question, "collection": "demo", "method": a.method.name(),
+        "recompute_ratio": 0.15, "max_tokens": a.max_tokens,
+    })
+    .to_string();
+    eprintln!(
+        "[3/3] curl -s http://{addr}/rag/query -H 'content-type: application/json' -d '{body}'"
+    );
+    let (status, text) = gateway::client::request(addr, "POST", "/rag/query", Some(&body)).await?;
+    if status != 200 {
+        anyhow::bail!("the server answered {status}: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    println!("Q: {}", a.question);
+    println!("A: {}", v["answer"].as_str().unwrap_or_default().trim());
+    println!("sources:");
+    for c in v["chunks"].as_array().into_iter().flatten() {
+        println!(
+            "  {} #{} (BM25 {:.2})",
+            c["doc_id"].as_str().unwrap_or_default(),
+            c["position"],
+            c["score"].as_f64().unwrap_or_default()
+        );
+    }
+    println!("timings: {}", v["timings"]);
+    println!("reuse:   {}", v["reuse"]);
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! `specrag`: the command-line entry point. `args` holds every command and flag; each command
+//! is one function (`commands` for the corpus commands, `tools` for models, generation and
+//! tokenization, `bench` and `overlap` for the measurements, `fetch` for the default models).
+//! They share [`open_pipeline`] and [`IngestProgress`].
+
+#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
+
+mod args;
+mod bench;
+mod commands;
+mod fetch;
+mod overlap;
+mod tools;
+
+use anyhow::Context;
+use args::{BenchCmd, Cli, Cmd, ModelArgs, ModelsCmd};
+use clap::Parser;
+use gateway::corpus::{Corpus, Engines};
+use gateway::ingest::IngestEvent;
+use gateway::models::{self, Role};
+use gateway::pipeline::{Pipeline, ScoreSource};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use std::path::Path;
+use std::sync::Arc;
+use target_engine::{LoadOptions, Model};
+
+/// Exit code of a run that skipped some inputs.
+const EXIT_PARTIAL: i32 = 3;
+
+fn main() {
+    gateway::process::init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let m = &cli.models;
+    match cli.command {
+        Cmd::Demo(a) => commands::demo(m, a),
+        Cmd::Serve(a) => commands::serve(m, a),
+        Cmd::Query(a) => commands::query(m, a),
+        Cmd::Ingest(a) => commands::ingest(m, a),
+        Cmd::Openapi => {
+            println!("{}", gateway::server::openapi_json_text());
+            Ok(())
+        }
+        Cmd::TinyModels { dir } => tools::tiny_models(&dir),
+        Cmd::Models(ModelsCmd::Fetch { skip_large }) => fetch::fetch_defaults(skip_large),
+        Cmd::Models(ModelsCmd::List) => tools::list_models(),
+        Cmd::Generate(a) => tools::generate(m, a),
+        Cmd::Tokenize(a) => tools::tokenize(m, a),
+        Cmd::Bench(BenchCmd::Blend(a)) => bench::blend_cmd(m, a),
+        Cmd::Bench(BenchCmd::Overlap(a)) => overlap::overlap_cmd(m, a),
+        Cmd::Bench(BenchCmd::Prefill(a)) => bench::prefill_cmd(m, a),
+    }
+}
+
+/// Loads one model with a spinner.
+fn load(path: &Path) -> anyhow::Result<Model> {
+    let spinner = spinner(format!("loading {}", path.display()));
+    let m = Model::load(path, &LoadOptions::default())
+        .with_context(|| format!("loading {}", path.display()))?;
+    spinner.finish_and_clear();
+    Ok(m)
+}
+
+/// A spinner on stderr that ticks on its own.
+fn spinner(message: String) -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_message(message);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+/// The target the flags (or the default) name.
+fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
+    load(&models::resolve(m.target.as_deref(), Role::Target)?)
+}
+
+/// The target and the speculator the flags (or defaults) name.
+fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
+    let target = load_target(m)?;
+    let spec = load(&models::resolve(m.speculator.as_deref(), Role::Speculator)?)?;
+    Ok((target, Arc::new(spec)))
+}
+
+/// What every corpus command opens: the models (the speculator unless `with_speculator` is
+/// false), then the data directory with a memory tier of `memory_bytes`.
+fn open_pipeline(
+    m: &ModelArgs,
+    data: &Path,
+    memory_bytes: u64,
+    with_speculator: bool,
+    scores: ScoreSource,
+) -> anyhow::Result<Pipeline> {
+    let engines = if with_speculator {
+        let (target, spec) = load_pair(m)?;
+        Engines::new(Arc::new(target), Some(spec))?
+    } else {
+        Engines::new(Arc::new(load_target(m)?), None)?
+    };
+    let corpus = Corpus::open(data, memory_bytes)
+        .with_context(|| format!("opening data directory {}", data.display()))?;
+    Ok(Pipeline::new(engines, corpus, scores))
+}
+
+/// The one progress printer of an ingestion (`specrag ingest` and `specrag demo`): a bar of
+/// chunks on stderr, or with `json` one line per committed batch and per problem on stdout.
+struct IngestProgress {
+    bar: ProgressBar,
+    json: bool,
+    /// Inputs skipped so far.
+    problems: usize,
+}
+
+impl IngestProgress {
+    fn new(json: bool) -> Self {
+        Self {
+            bar: ProgressBar::hidden(),
+            json,
+            problems: 0,
+        }
+    }
+
+    /// Reports an input that was skipped.
+    fn problem(&mut self, origin: &str, message: &str) {
+        self.problems += 1;
+        if self.json {
+            println!(
+                "{}",
+                json!({"event": "problem", "origin": origin, "message": message})
+            );
+        } else {
+            self.bar
+                .suspend(|| eprintln!("skipped {origin}: {message}"));
+        }
+    }
+
+    fn on_event(&mut self, e: IngestEvent) {
+        match e {
+            IngestEvent::Planned { chunks, .. } => {
+                if !self.json {
+                    self.bar.set_draw_target(ProgressDrawTarget::stderr());
+                }
+                self.bar.set_length(chunks as u64);
+                self.bar.set_style(
+                    ProgressStyle::with_template(
+                        "{bar:40} {pos}/{len} chunks  {per_sec}  ETA {eta}  {msg}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+            }
+            IngestEvent::Chunk { .. } => self.bar.inc(1),
+            IngestEvent::Committed { documents } => {
+                if self.json {
+                    println!("{}", json!({"event": "committed", "documents": documents}));
+                } else {
+                    self.bar
+                        .set_message(format!("{} documents committed", documents.len()));
+                }
+            }
+            IngestEvent::Problem(p) => self.problem(&p.origin, &p.message),
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
