@@ -387,10 +387,64 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
         anyhow::bail!("--pairings: unknown pairing `{p}` (expected small, large)");
     }
     // Every input is read before any model is loaded, so a bad file fails at once.
+    let (sets, queries) = read_datasets(&args, &budget)?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let tmp = tempfile::tempdir()?;
+    let data_root = args
+        .data
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+
+    let small_target = models::resolve(args.target.as_deref(), Role::Target)?;
+    let small_spec = models::resolve(args.speculator.as_deref(), Role::Speculator)?;
+    let large_target = if pairings.iter().any(|p| p == "large") {
+        Some(models::resolve(
+            args.large_target.as_deref(),
+            Role::LargeTarget,
+        )?)
+    } else {
+        None
+    };
+
+    let mut res = new_results(&args);
+
+    let run = PairingRun {
+        args: &args,
+        budget: &budget,
+        sets: &sets,
+        queries: queries.as_ref(),
+        small: (&small_target, &small_spec),
+        large: large_target.as_deref(),
+        data_root: &data_root,
+    };
+    for pairing in &pairings {
+        run.run(pairing, &mut res)?;
+    }
+    add_notes(&mut res, &args, &pairings, &budget);
+    res.summarize();
+    res.meta.seconds = started.elapsed().as_secs_f64();
+    write(&args.out, &res)?;
+    let ok = res.identity_holds();
+    eprintln!(
+        "wrote {} ({} answers, {:.0} s)",
+        args.out.join("report.md").display(),
+        res.records.len(),
+        res.meta.seconds
+    );
+    if !ok {
+        eprintln!("error: a ρ = 1 configuration did not answer exactly as full recompute (see the report's identity table)");
+    }
+    Ok(ok)
+}
+
+/// Every dataset of the run (the synthetic ones unless `--no-synthetic`, LongBench files) and
+/// the query file's, checked before any model loads: a bad file fails at once.
+fn read_datasets(args: &Args, budget: &Budget) -> anyhow::Result<(Vec<Dataset>, Option<Dataset>)> {
     let mut sets = if args.no_synthetic {
         Vec::new()
     } else {
-        synthetic(&budget, args.seed)
+        synthetic(budget, args.seed)
     };
     for f in &args.longbench {
         sets.push(Dataset {
@@ -444,26 +498,118 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
             );
         }
     }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
-    let tmp = tempfile::tempdir()?;
-    let data_root = args
-        .data
-        .clone()
-        .unwrap_or_else(|| tmp.path().to_path_buf());
+    Ok((sets, queries))
+}
 
-    let small_target = models::resolve(args.target.as_deref(), Role::Target)?;
-    let small_spec = models::resolve(args.speculator.as_deref(), Role::Speculator)?;
-    let large_target = if pairings.iter().any(|p| p == "large") {
-        Some(models::resolve(
-            args.large_target.as_deref(),
-            Role::LargeTarget,
-        )?)
-    } else {
-        None
-    };
+/// What one pairing's part of the default run needs.
+struct PairingRun<'a> {
+    args: &'a Args,
+    budget: &'a Budget,
+    sets: &'a [Dataset],
+    queries: Option<&'a Dataset>,
+    /// The small pairing's target and speculator.
+    small: (&'a Path, &'a Path),
+    /// The large pairing's target, when it runs.
+    large: Option<&'a Path>,
+    data_root: &'a Path,
+}
 
-    let mut res = Results {
+impl PairingRun<'_> {
+    /// The configurations, datasets and ρ = 1 identity cases of `pairing`.
+    fn plan(&self, pairing: &str) -> (Vec<Config>, Vec<Dataset>, usize) {
+        if pairing == "small" {
+            let mut c = plan::configs(&self.budget.ratios, self.budget.extras);
+            if self.args.quick {
+                // Every method at the one ratio, nothing else.
+                c.retain(|c| c.group == plan::Group::Main);
+            }
+            (c, self.sets.to_vec(), if self.args.quick { 3 } else { 2 })
+        } else {
+            let c: Vec<Config> = plan::configs(&[plan::MAIN_RATIO], false)
+                .into_iter()
+                .filter(|c| c.method != Method::Prefix)
+                .collect();
+            // The large target is ~3x slower: its bridge cases only, fewer of them.
+            let s: Vec<Dataset> = self
+                .sets
+                .iter()
+                .filter(|d| d.name != "needle")
+                .map(|d| Dataset {
+                    cases: if d.name == "bridge" {
+                        d.cases
+                            .iter()
+                            .take(self.budget.large_cases.max(1))
+                            .cloned()
+                            .collect()
+                    } else {
+                        d.cases.clone()
+                    },
+                    ..d.clone()
+                })
+                .collect();
+            (c, s, 1)
+        }
+    }
+
+    /// Loads the pairing's models and answers its datasets (and the load test on the small
+    /// pairing) into `res`.
+    fn run(&self, pairing: &str, res: &mut Results) -> anyhow::Result<()> {
+        let (target_path, spec_path) = match pairing {
+            "small" => (self.small.0.to_path_buf(), self.small.1.to_path_buf()),
+            _ => (
+                self.large.unwrap_or(self.small.0).to_path_buf(),
+                self.small.0.to_path_buf(),
+            ),
+        };
+        let target = load_model(&target_path)?;
+        let spec = load_model(&spec_path)?;
+        res.pairings.push(Pairing {
+            name: pairing.to_string(),
+            speculator: file_name(&spec_path),
+            target: file_name(&target_path),
+        });
+        let engines = Engines::new(target.clone(), Some(spec.clone()))?;
+        let dir = self.data_root.join(pairing);
+        let corpus = Corpus::open(&dir, 1 << 30)
+            .with_context(|| format!("opening data directory {}", dir.display()))?;
+        let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
+        let (configs, my_sets, identity_cases) = self.plan(pairing);
+        let mut listed = configs.clone();
+        listed.extend(plan::identity_configs());
+        res.configs.push((pairing.to_string(), listed));
+        evaluate(&pipeline, pairing, &my_sets, &configs, identity_cases, res)?;
+        if let Some(q) = self.queries {
+            let qdir = self.args.queries_data.clone().unwrap_or_default();
+            let qp = Pipeline::new(
+                Engines::new(target.clone(), Some(spec.clone()))?,
+                Corpus::open(&qdir, 1 << 30)
+                    .with_context(|| format!("opening data directory {}", qdir.display()))?,
+                ScoreSource::Query,
+            );
+            evaluate(&qp, pairing, std::slice::from_ref(q), &configs, 0, res)?;
+        }
+        let bridge = my_sets.iter().find(|d| d.name == "bridge");
+        if pairing == "small" && !self.args.no_load && self.budget.load_requests > 0 {
+            if let Some(bridge) = bridge {
+                let mut load_set = bridge.clone();
+                load_set.cases.truncate(self.budget.load_requests.max(1));
+                load_test(
+                    pipeline,
+                    pairing,
+                    &load_set,
+                    self.budget,
+                    self.args.seed,
+                    res,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An empty result set with the run's metadata.
+fn new_results(args: &Args) -> Results {
+    Results {
         meta: Meta {
             quick: args.quick,
             seed: args.seed,
@@ -476,89 +622,11 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
             seconds: 0.0,
         },
         ..Default::default()
-    };
-
-    for pairing in &pairings {
-        let (target_path, spec_path) = match pairing.as_str() {
-            "small" => (small_target.clone(), small_spec.clone()),
-            _ => (
-                large_target.clone().unwrap_or_else(|| small_target.clone()),
-                small_target.clone(),
-            ),
-        };
-        let target = load_model(&target_path)?;
-        let spec = load_model(&spec_path)?;
-        res.pairings.push(Pairing {
-            name: pairing.clone(),
-            speculator: file_name(&spec_path),
-            target: file_name(&target_path),
-        });
-        let engines = Engines::new(target.clone(), Some(spec.clone()))?;
-        let dir = data_root.join(pairing);
-        let corpus = Corpus::open(&dir, 1 << 30)
-            .with_context(|| format!("opening data directory {}", dir.display()))?;
-        let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
-        let (configs, my_sets, identity_cases) = if pairing == "small" {
-            let mut c = plan::configs(&budget.ratios, budget.extras);
-            if args.quick {
-                // Every method at the one ratio, nothing else.
-                c.retain(|c| c.group == plan::Group::Main);
-            }
-            (c, sets.clone(), if args.quick { 3 } else { 2 })
-        } else {
-            let c: Vec<Config> = plan::configs(&[plan::MAIN_RATIO], false)
-                .into_iter()
-                .filter(|c| c.method != Method::Prefix)
-                .collect();
-            // The large target is ~3x slower: its bridge cases only, fewer of them.
-            let s: Vec<Dataset> = sets
-                .iter()
-                .filter(|d| d.name != "needle")
-                .map(|d| Dataset {
-                    cases: if d.name == "bridge" {
-                        d.cases
-                            .iter()
-                            .take(budget.large_cases.max(1))
-                            .cloned()
-                            .collect()
-                    } else {
-                        d.cases.clone()
-                    },
-                    ..d.clone()
-                })
-                .collect();
-            (c, s, 1)
-        };
-        let mut listed = configs.clone();
-        listed.extend(plan::identity_configs());
-        res.configs.push((pairing.clone(), listed));
-        evaluate(
-            &pipeline,
-            pairing,
-            &my_sets,
-            &configs,
-            identity_cases,
-            &mut res,
-        )?;
-        if let Some(q) = &queries {
-            let qdir = args.queries_data.clone().unwrap_or_default();
-            let qp = Pipeline::new(
-                Engines::new(target.clone(), Some(spec.clone()))?,
-                Corpus::open(&qdir, 1 << 30)
-                    .with_context(|| format!("opening data directory {}", qdir.display()))?,
-                ScoreSource::Query,
-            );
-            evaluate(&qp, pairing, std::slice::from_ref(q), &configs, 0, &mut res)?;
-        }
-        let bridge = my_sets.iter().find(|d| d.name == "bridge");
-        if pairing == "small" && !args.no_load && budget.load_requests > 0 {
-            if let Some(bridge) = bridge {
-                let mut load_set = bridge.clone();
-                load_set.cases.truncate(budget.load_requests.max(1));
-                load_test(pipeline, pairing, &load_set, &budget, args.seed, &mut res)?;
-            }
-        }
     }
+}
+
+/// The notes every report carries: what this run left out.
+fn add_notes(res: &mut Results, args: &Args, pairings: &[String], budget: &Budget) {
     if args.quick {
         res.notes.push(
             "Quick run: a smoke test of the harness (3 cases, one ratio, small pairing). Its \
@@ -584,20 +652,6 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
                 .into(),
         );
     }
-    res.summarize();
-    res.meta.seconds = started.elapsed().as_secs_f64();
-    write(&args.out, &res)?;
-    let ok = res.identity_holds();
-    eprintln!(
-        "wrote {} ({} answers, {:.0} s)",
-        args.out.join("report.md").display(),
-        res.records.len(),
-        res.meta.seconds
-    );
-    if !ok {
-        eprintln!("error: a ρ = 1 configuration did not answer exactly as full recompute (see the report's identity table)");
-    }
-    Ok(ok)
 }
 
 fn write(out: &Path, res: &Results) -> anyhow::Result<()> {

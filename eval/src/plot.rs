@@ -47,6 +47,10 @@ const PALETTE: [&str; 8] = [
 ];
 
 /// Renders `chart` as a standalone SVG document.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the SVG document element by element in drawing order"
+)]
 pub fn svg(chart: &Chart) -> String {
     let finite = |&(x, y): &(f64, f64)| x.is_finite() && y.is_finite();
     let all = chart

@@ -263,6 +263,10 @@ fn add_point(series: &mut Vec<Series>, name: &str, pt: (f64, f64)) {
 }
 
 /// The chart files of a report: `(file name, SVG)`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "a flat list of chart definitions, one block per chart"
+)]
 pub fn charts(res: &Results) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for p in &res.pairings {
@@ -392,6 +396,10 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
 }
 
 /// The Markdown report. Chart files are linked by the names [`charts`] gives them.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the report template, section after section in document order"
+)]
 pub fn markdown(res: &Results) -> String {
     let mut out = String::new();
     let m = &res.meta;

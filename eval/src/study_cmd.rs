@@ -58,24 +58,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             path.display()
         );
     }
-    let known: Vec<String> = study::main_configs(RHO)
-        .into_iter()
-        .chain(study::subset_configs(RHO, &SWEEP))
-        .map(|c| c.label())
-        .collect();
-    if let Some(bad) = args.study_configs.iter().find(|l| !known.contains(l)) {
-        anyhow::bail!(
-            "--study-configs: unknown configuration `{bad}` (one of {})",
-            known.join(", ")
-        );
-    }
-    if let Some(bad) = args
-        .study_datasets
-        .iter()
-        .find(|d| !["profiles", "records"].contains(&d.as_str()))
-    {
-        anyhow::bail!("--study-datasets: unknown dataset `{bad}` (profiles, records)");
-    }
+    check_selection(args)?;
     study::repair(&path)?;
     let mut records = study::read_records(&path)?;
     let tmp = tempfile::tempdir()?;
@@ -115,15 +98,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         let wanted =
             |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
         for ds in datasets(n, args.seed).into_iter().filter(wanted) {
-            run_dataset(
-                &pipeline,
-                pairing,
-                &ds,
-                args.sweep_cases,
-                &args.study_configs,
-                &path,
-                &mut records,
-            )?;
+            run_dataset(&pipeline, pairing, &ds, args, &path, &mut records)?;
         }
     }
     let report = study::markdown(&records, &args.study_best);
@@ -133,17 +108,40 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     Ok(true)
 }
 
+/// `--study-configs` and `--study-datasets` name only what the study has.
+fn check_selection(args: &Args) -> anyhow::Result<()> {
+    let known: Vec<String> = study::main_configs(RHO)
+        .into_iter()
+        .chain(study::subset_configs(RHO, &SWEEP))
+        .map(|c| c.label())
+        .collect();
+    if let Some(bad) = args.study_configs.iter().find(|l| !known.contains(l)) {
+        anyhow::bail!(
+            "--study-configs: unknown configuration `{bad}` (one of {})",
+            known.join(", ")
+        );
+    }
+    if let Some(bad) = args
+        .study_datasets
+        .iter()
+        .find(|d| !["profiles", "records"].contains(&d.as_str()))
+    {
+        anyhow::bail!("--study-datasets: unknown dataset `{bad}` (profiles, records)");
+    }
+    Ok(())
+}
+
 /// Every case of `ds` not yet in `records`: the main configurations, and the subset's on the
 /// first `sweep_cases` (only those of `only`, when given).
 fn run_dataset(
     pipeline: &Pipeline,
     pairing: &str,
     ds: &Dataset,
-    sweep_cases: usize,
-    only: &[String],
+    args: &Args,
     path: &Path,
     records: &mut Vec<StudyRecord>,
 ) -> anyhow::Result<()> {
+    let (sweep_cases, only) = (args.sweep_cases, &args.study_configs);
     // Full recompute (the reference) stays first whatever --study-configs keeps.
     let kept = |configs: Vec<StudyConfig>| -> Vec<StudyConfig> {
         let keep = |c: &StudyConfig| only.is_empty() || only.contains(&c.label());

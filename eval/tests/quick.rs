@@ -9,6 +9,10 @@ use eval::report::Results;
 use std::path::PathBuf;
 use std::process::Command;
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "one quick run of the harness on the real models (minutes) checked as a whole; split tests would each pay for it"
+)]
 #[test]
 fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
 ) -> Result<(), Box<dyn std::error::Error>> {

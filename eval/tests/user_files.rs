@@ -33,6 +33,10 @@ fn results(dir: &Path) -> Result<Results, Box<dyn std::error::Error>> {
     )?)?)
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "one end-to-end run over user files checked as a whole; split tests would each pay for the models and the run"
+)]
 #[test]
 fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;

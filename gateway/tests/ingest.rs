@@ -70,6 +70,10 @@ fn check_consistent(data: &Path, exact: bool) -> Result<usize, Box<dyn std::erro
     Ok(corpus.index.documents(None)?.len())
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a crash scenario: every step after the kill checks the state the kill left"
+)]
 #[test]
 fn a_document_reported_committed_survives_kill_9_and_the_next_run_repairs() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -170,6 +174,10 @@ fn a_document_reported_committed_survives_kill_9_and_the_next_run_repairs() -> T
     Ok(())
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a crash scenario: every step after the kill checks the state the kill left"
+)]
 #[test]
 fn kill_9_during_an_http_ingest_loses_no_document_reported_committed() -> TestResult {
     use std::io::{Read, Write};

@@ -107,7 +107,7 @@ fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
+async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> TestResult {
     let dir = tempfile::tempdir()?;
     let s = state(pipeline(dir.path())?, ServerConfig::default());
 
@@ -141,6 +141,13 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         .ok_or("recomputed")?;
     assert!(chunk_tokens > 0 && recomputed <= (chunk_tokens as f64 * 0.15).ceil() as u64);
     assert_eq!(v["method"], "target_probe", "the default method");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rho_one_answers_as_full_recompute_with_every_method() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
 
     // ρ = 1 through the whole pipeline answers exactly as full recompute (greedy).
     let answer = |method: &str, ratio: f64| {
@@ -166,6 +173,21 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         assert_eq!(a["answer"], b["answer"], "{method} at ratio 1");
         assert_eq!(b["reuse"]["ratio"], 1.0, "{method}: {got}");
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verified_answers_plain_streamed_and_sampled_equal_full_recompute() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let (_, full, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the thin ant?", "method": "full_recompute", "max_tokens": 12}),
+        ),
+    )
+    .await;
 
     // verify: the full-recompute answer, with its statistics.
     let (status, got, _) = send(
@@ -223,6 +245,13 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         serde_json::from_str(&got)?,
     );
     assert_eq!(a2["answer"], b2["answer"], "sampled verified answer");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_queries_are_problems_naming_the_field() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
 
     // Validation: problem+json naming the field.
     for (body, field) in [
@@ -264,6 +293,13 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
     let (status, _, _) = send(&s, Request::post("/rag/query").body(Body::from("{}"))?).await;
     assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_token_events_then_one_done_event() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
 
     // Streaming: token events, then one done event with the statistics.
     let (status, text, headers) = send(
@@ -294,6 +330,13 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
         })
         .collect::<Result<_, _>>()?;
     assert_eq!(answer["answer"].as_str(), Some(streamed.as_str()));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_are_added_listed_searched_and_deleted() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
 
     // Documents: add, list, search through it, delete, delete again.
     let (status, text, _) = send(
@@ -348,6 +391,22 @@ async fn query_validation_streaming_documents_metrics_and_docs() -> TestResult {
     )
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_metrics_and_docs_are_served() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let (status, _, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the ant", "method": "speccache", "max_tokens": 2}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
 
     // Operations.
     let (status, text, _) = send(&s, Request::get("/health").body(Body::empty())?).await;
