@@ -18,8 +18,8 @@ pub use span::{select, Selection, SpanParams};
 use std::ops::Range;
 use std::sync::Arc;
 use target_engine::{
-    budget, Assembly, ChunkKv, Model, PrecomputeMode, PrefixKv, Result, SegmentKind, SelectInput,
-    Selector, Tokenizer,
+    budget, Assembly, ChunkKv, KvCache, Model, PrecomputeMode, PrefixKv, Result, SegmentKind,
+    SelectInput, Selector, Tokenizer,
 };
 
 /// The precompute mode of a chunk computed after `prefix`.
@@ -250,13 +250,15 @@ impl SpecCache {
         let mut cache = m.new_cache();
         let before: Vec<usize> = (0..q).collect();
         m.forward(&ids[..q], &before, &mut cache, false)?;
-        let n = m.config().n_layer;
-        let question: Vec<usize> = (q..ids.len()).collect();
-        let (_, mass) = m.forward_probe(&ids[q..], &question, &mut cache, n / 2..n)?;
-        let scores: Vec<f32> = (0..ids.len())
-            .map(|i| mass.get(i).copied().unwrap_or(0.0))
-            .collect();
-        Ok(Self::chunk_scores(spans, chunk_of, &scores))
+        self.question_attention(
+            SpecTokens {
+                ids,
+                spans,
+                chunk_of,
+                question_start: q,
+            },
+            &mut cache,
+        )
     }
 
     /// `spec_attn` scores over stored speculator KV: the speculator's cache is the template
@@ -310,13 +312,30 @@ impl SpecCache {
                 q - p
             )));
         }
+        self.question_attention(
+            SpecTokens {
+                ids,
+                spans,
+                chunk_of,
+                question_start: q,
+            },
+            &mut cache,
+        )
+    }
+
+    /// The question's pass (tokens `question_start..`) over `cache`, which holds everything
+    /// before it: its attention mass on every earlier token over the deeper half of the
+    /// layers scores the chunk tokens.
+    fn question_attention(&self, t: SpecTokens, cache: &mut KvCache) -> Result<ScoredTokens> {
+        let m = &self.speculator;
+        let (ids, q) = (&t.ids, t.question_start);
         let n = m.config().n_layer;
         let question: Vec<usize> = (q..ids.len()).collect();
-        let (_, mass) = m.forward_probe(&ids[q..], &question, &mut cache, n / 2..n)?;
+        let (_, mass) = m.forward_probe(&ids[q..], &question, cache, n / 2..n)?;
         let scores: Vec<f32> = (0..ids.len())
             .map(|i| mass.get(i).copied().unwrap_or(0.0))
             .collect();
-        Ok(Self::chunk_scores(spans, chunk_of, &scores))
+        Ok(Self::chunk_scores(t.spans, t.chunk_of, &scores))
     }
 
     /// Lays ingestion-time scores (one per chunk segment, in prompt order) onto `asm`.
