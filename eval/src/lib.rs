@@ -1,4 +1,4 @@
-//! The evaluation harness behind `specrag-eval` (issue 7): how much faster each KV-reuse method
+//! The evaluation harness behind `specrag-eval`: how much faster each KV-reuse method
 //! answers and how much worse, the way SpecCache and CacheBlend report it.
 //!
 //! - [`datasets`]: seeded bridge-entity and needle cases, LongBench and query JSONL loaders.

@@ -162,7 +162,13 @@ pub fn run(
                 for t in tasks {
                     sent.push(t.await?);
                 }
-                let point = summarize(plan, method, ratio, factor, rate, start, &sent, &ds.cases);
+                let arm = Arm {
+                    method,
+                    ratio,
+                    factor,
+                    rate,
+                };
+                let point = summarize(plan, arm, start, &sent, &ds.cases);
                 on_point(&point);
                 out.push(point);
             }
@@ -171,17 +177,28 @@ pub fn run(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn summarize(
-    plan: &LoadPlan,
+/// One run of the load test: a method at a ratio, offered `rate` requests/s (`factor` x the
+/// measured capacity).
+struct Arm {
     method: Method,
     ratio: f64,
     factor: f64,
     rate: f64,
+}
+
+fn summarize(
+    plan: &LoadPlan,
+    arm: Arm,
     start: Instant,
     sent: &[Sent],
     cases: &[Case],
 ) -> LoadPoint {
+    let Arm {
+        method,
+        ratio,
+        factor,
+        rate,
+    } = arm;
     let end = sent.iter().map(|s| s.end).max().unwrap_or(start);
     let duration_s = (end - start).as_secs_f64();
     let mut outcomes = Vec::new();

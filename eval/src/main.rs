@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use eval::datasets::{self, BridgeParams, Case, NeedleParams};
 use eval::load::{self, LoadPlan};
-use eval::plan::{self, Budget, Config, Pairing};
+use eval::plan::{self, Budget, Config, Pairing, PairingName};
 use eval::report::{self, Meta, Results};
 use eval::run::{self, Dataset, Record};
 use gateway::corpus::{Corpus, Engines};
@@ -55,8 +55,8 @@ struct Args {
     quick: bool,
     /// Pairings to run: `small` (SmolLM2 -> Qwen-0.5B), `large` (Qwen-0.5B -> Qwen-1.5B).
     /// [default: small,large; with --quick: small]
-    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
-    pairings: Vec<String>,
+    #[arg(long, value_delimiter = ',', value_name = "NAMES", value_enum)]
+    pairings: Vec<PairingName>,
     /// Seed of the synthetic cases and the arrival times.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -371,21 +371,15 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
     } else {
         Budget::default_run()
     };
-    let pairings: Vec<String> = if args.pairings.is_empty() {
+    let pairings: Vec<PairingName> = if args.pairings.is_empty() {
         if args.quick {
-            vec!["small".into()]
+            vec![PairingName::Small]
         } else {
-            vec!["small".into(), "large".into()]
+            vec![PairingName::Small, PairingName::Large]
         }
     } else {
         args.pairings.clone()
     };
-    if let Some(p) = pairings
-        .iter()
-        .find(|p| !["small", "large"].contains(&p.as_str()))
-    {
-        anyhow::bail!("--pairings: unknown pairing `{p}` (expected small, large)");
-    }
     // Every input is read before any model is loaded, so a bad file fails at once.
     let (sets, queries) = read_datasets(&args, &budget)?;
     std::fs::create_dir_all(&args.out)
@@ -398,7 +392,7 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
 
     let small_target = models::resolve(args.target.as_deref(), Role::Target)?;
     let small_spec = models::resolve(args.speculator.as_deref(), Role::Speculator)?;
-    let large_target = if pairings.iter().any(|p| p == "large") {
+    let large_target = if pairings.contains(&PairingName::Large) {
         Some(models::resolve(
             args.large_target.as_deref(),
             Role::LargeTarget,
@@ -418,7 +412,7 @@ fn run_all(args: Args) -> anyhow::Result<bool> {
         large: large_target.as_deref(),
         data_root: &data_root,
     };
-    for pairing in &pairings {
+    for &pairing in &pairings {
         run.run(pairing, &mut res)?;
     }
     add_notes(&mut res, &args, &pairings, &budget);
@@ -516,8 +510,8 @@ struct PairingRun<'a> {
 
 impl PairingRun<'_> {
     /// The configurations, datasets and ρ = 1 identity cases of `pairing`.
-    fn plan(&self, pairing: &str) -> (Vec<Config>, Vec<Dataset>, usize) {
-        if pairing == "small" {
+    fn plan(&self, pairing: PairingName) -> (Vec<Config>, Vec<Dataset>, usize) {
+        if pairing == PairingName::Small {
             let mut c = plan::configs(&self.budget.ratios, self.budget.extras);
             if self.args.quick {
                 // Every method at the one ratio, nothing else.
@@ -553,10 +547,10 @@ impl PairingRun<'_> {
 
     /// Loads the pairing's models and answers its datasets (and the load test on the small
     /// pairing) into `res`.
-    fn run(&self, pairing: &str, res: &mut Results) -> anyhow::Result<()> {
+    fn run(&self, pairing: PairingName, res: &mut Results) -> anyhow::Result<()> {
         let (target_path, spec_path) = match pairing {
-            "small" => (self.small.0.to_path_buf(), self.small.1.to_path_buf()),
-            _ => (
+            PairingName::Small => (self.small.0.to_path_buf(), self.small.1.to_path_buf()),
+            PairingName::Large => (
                 self.large.unwrap_or(self.small.0).to_path_buf(),
                 self.small.0.to_path_buf(),
             ),
@@ -569,11 +563,12 @@ impl PairingRun<'_> {
             target: file_name(&target_path),
         });
         let engines = Engines::new(target.clone(), Some(spec.clone()))?;
-        let dir = self.data_root.join(pairing);
+        let dir = self.data_root.join(pairing.name());
         let corpus = Corpus::open(&dir, 1 << 30)
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
         let (configs, my_sets, identity_cases) = self.plan(pairing);
+        let pairing = pairing.name();
         let mut listed = configs.clone();
         listed.extend(plan::identity_configs());
         res.configs.push((pairing.to_string(), listed));
@@ -626,7 +621,7 @@ fn new_results(args: &Args) -> Results {
 }
 
 /// The notes every report carries: what this run left out.
-fn add_notes(res: &mut Results, args: &Args, pairings: &[String], budget: &Budget) {
+fn add_notes(res: &mut Results, args: &Args, pairings: &[PairingName], budget: &Budget) {
     if args.quick {
         res.notes.push(
             "Quick run: a smoke test of the harness (3 cases, one ratio, small pairing). Its \
@@ -634,7 +629,7 @@ fn add_notes(res: &mut Results, args: &Args, pairings: &[String], budget: &Budge
                 .into(),
         );
     }
-    if !pairings.iter().any(|p| p == "large") {
+    if !pairings.contains(&PairingName::Large) {
         res.notes
             .push("The large pairing (Qwen-0.5B -> Qwen-1.5B) was not run.".into());
     } else {

@@ -9,6 +9,31 @@ use speculator::LayerRange;
 /// The ratios every budgeted method runs at (SpecCache's sweep).
 pub const RATIOS: [f64; 4] = [0.10, 0.15, 0.20, 0.25];
 /// The ratio of the single-ratio rows (layer ablation, ingestion-time scores, large pairing).
+/// A target/speculator pairing the evaluation runs (`--pairings`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum PairingName {
+    /// SmolLM2-135M -> Qwen2.5-Coder-0.5B (the default models).
+    Small,
+    /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B.
+    Large,
+}
+
+impl PairingName {
+    /// The name in reports, results.json and the data directory.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Small => "small",
+            Self::Large => "large",
+        }
+    }
+}
+
+impl std::fmt::Display for PairingName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 pub const MAIN_RATIO: f64 = 0.15;
 
 /// Why a configuration is in the run; the report groups rows by it.

@@ -2,6 +2,7 @@
 
 use crate::{bar, file_name, load_model, Args};
 use anyhow::Context as _;
+use eval::plan::PairingName;
 use eval::profiles::{profile_cases, record_cases, ProfileParams, RecordParams};
 use eval::run::{self, Dataset};
 use eval::study::{self, StudyConfig, StudyRecord};
@@ -64,29 +65,28 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     let tmp = tempfile::tempdir()?;
     let data_root = args.data.clone().unwrap_or_else(|| tmp.path().into());
     let pairings = if args.pairings.is_empty() {
-        vec!["small".to_string()]
+        vec![PairingName::Small]
     } else {
         args.pairings.clone()
     };
-    for pairing in &pairings {
-        let (target, spec) = match pairing.as_str() {
-            "small" => (
+    for &pairing in &pairings {
+        let (target, spec) = match pairing {
+            PairingName::Small => (
                 models::resolve(args.target.as_deref(), Role::Target)?,
                 models::resolve(args.speculator.as_deref(), Role::Speculator)?,
             ),
-            "large" => (
+            PairingName::Large => (
                 models::resolve(args.large_target.as_deref(), Role::LargeTarget)?,
                 models::resolve(args.target.as_deref(), Role::Target)?,
             ),
-            other => anyhow::bail!("--pairings: unknown pairing `{other}` (expected small, large)"),
         };
-        let n = if pairing == "small" {
+        let n = if pairing == PairingName::Small {
             args.study_cases
         } else {
             args.study_large_cases
         };
         let engines = Engines::new(load_model(&target)?, Some(load_model(&spec)?))?;
-        let dir = data_root.join(pairing);
+        let dir = data_root.join(pairing.name());
         let corpus = Corpus::open(&dir, 1 << 30)
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
@@ -98,7 +98,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         let wanted =
             |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
         for ds in datasets(n, args.seed).into_iter().filter(wanted) {
-            run_dataset(&pipeline, pairing, &ds, args, &path, &mut records)?;
+            run_dataset(&pipeline, pairing.name(), &ds, args, &path, &mut records)?;
         }
     }
     let report = study::markdown(&records, &args.study_best);

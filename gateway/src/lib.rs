@@ -24,4 +24,4 @@ pub mod pipeline;
 pub mod process;
 pub mod server;
 
-pub use error::{GatewayError, Result};
+pub use error::{Fault, GatewayError, Result};

@@ -12,6 +12,17 @@ pub enum Role {
     LargeTarget,
 }
 
+impl Role {
+    /// The command-line flag that names this role's model.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Target => "--target",
+            Self::Speculator => "--speculator",
+            Self::LargeTarget => "--large-target",
+        }
+    }
+}
+
 /// One default model and the packages it is published in.
 #[derive(Debug, Clone, Copy)]
 pub struct DefaultModel {
@@ -137,14 +148,20 @@ fn resolve_in(dir: &Path, explicit: Option<&Path>, role: Role) -> anyhow::Result
         None => dir.join(DefaultModel::of(role).file),
     };
     if !path.is_file() {
-        if explicit.is_some() {
-            anyhow::bail!("model file {} does not exist", path.display());
-        }
-        anyhow::bail!(
-            "default model {} not found at {}; run `specrag models fetch` to download it (or set SPECRAG_MODELS to the folder that holds it)",
-            DefaultModel::of(role).name,
-            path.display()
-        );
+        // The caller's input (a flag, a variable, an unfetched default): exit code 2.
+        let message = if explicit.is_some() {
+            format!(
+                "model file {} does not exist (`specrag models fetch` downloads the defaults)",
+                path.display()
+            )
+        } else {
+            format!(
+                "default model {} not found at {}; run `specrag models fetch` to download it (or set SPECRAG_MODELS to the folder that holds it)",
+                DefaultModel::of(role).name,
+                path.display()
+            )
+        };
+        return Err(crate::GatewayError::bad(role.flag(), message).into());
     }
     Ok(path)
 }

@@ -7,7 +7,7 @@ use crate::api::{
 };
 use crate::auth::{ApiKey, Grant};
 use crate::engine::{EngineHandle, IngestProgress, Job, JobError, QueryEvent, SubmitError};
-use crate::error::GatewayError;
+use crate::error::{Fault, GatewayError};
 use crate::input::InputProblem;
 use crate::metrics::Metrics;
 use crate::pipeline::{Answer, Pipeline};
@@ -186,23 +186,15 @@ impl From<QueryRejection> for ApiError {
 impl ApiError {
     fn problem(&self) -> (StatusCode, Problem) {
         let (status, detail, field) = match self {
-            Self::Gateway(GatewayError::BadInput { field, .. }) => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                self.detail(),
-                Some(field.to_string()),
-            ),
-            Self::Gateway(GatewayError::TooLarge { field, .. }) => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                self.detail(),
-                Some(field.to_string()),
-            ),
-            Self::Gateway(GatewayError::NotFound(_)) => {
-                (StatusCode::NOT_FOUND, self.detail(), None)
+            Self::Gateway(e) => {
+                let (status, field) = match e.fault() {
+                    Fault::BadInput(field) => (StatusCode::UNPROCESSABLE_ENTITY, field),
+                    Fault::TooLarge(field) => (StatusCode::PAYLOAD_TOO_LARGE, Some(field)),
+                    Fault::NotFound => (StatusCode::NOT_FOUND, None),
+                    Fault::Internal => (StatusCode::INTERNAL_SERVER_ERROR, None),
+                };
+                (status, self.detail(), field.map(str::to_string))
             }
-            Self::Gateway(e) if e.is_bad_input() => {
-                (StatusCode::UNPROCESSABLE_ENTITY, self.detail(), None)
-            }
-            Self::Gateway(_) => (StatusCode::INTERNAL_SERVER_ERROR, self.detail(), None),
             Self::Body(s, m) => (*s, m.clone(), None),
             Self::Unauthorized => (
                 StatusCode::UNAUTHORIZED,

@@ -561,6 +561,24 @@ fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
 }
 
 #[test]
+fn a_missing_model_file_is_the_callers_fault_exit_code_2() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("no-such-model.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
+        .arg("--target")
+        .arg(&missing)
+        .args(["query", "q"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("no-such-model") && err.contains("specrag models fetch"),
+        "names the file and the command that fetches the defaults: {err}"
+    );
+    Ok(())
+}
+
+#[test]
 fn a_set_but_empty_key_list_refuses_to_start() -> TestResult {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("no-such-model.gguf");

@@ -237,28 +237,16 @@ impl SpecCache {
     /// question's pass measures its attention mass on every chunk token over the deeper half of
     /// the speculator's layers. Query-aware (the question sees the chunks), unlike the norms.
     pub fn attention_scores(&self, asm: &Assembly) -> Result<ScoredTokens> {
-        let SpecTokens {
-            ids,
-            spans,
-            chunk_of,
-            question_start: q,
-        } = self.speculator_tokens(asm);
-        if q == 0 || q >= ids.len() {
+        let toks = self.speculator_tokens(asm);
+        let q = toks.question_start;
+        if q == 0 || q >= toks.ids.len() {
             return Ok(ScoredTokens::default());
         }
         let m = &self.speculator;
         let mut cache = m.new_cache();
         let before: Vec<usize> = (0..q).collect();
-        m.forward(&ids[..q], &before, &mut cache, false)?;
-        self.question_attention(
-            SpecTokens {
-                ids,
-                spans,
-                chunk_of,
-                question_start: q,
-            },
-            &mut cache,
-        )
+        m.forward(&toks.ids[..q], &before, &mut cache, false)?;
+        self.question_attention(toks, &mut cache)
     }
 
     /// `spec_attn` scores over stored speculator KV: the speculator's cache is the template
@@ -272,12 +260,8 @@ impl SpecCache {
         prefix: &PrefixKv,
         chunks: &[&ChunkKv],
     ) -> Result<ScoredTokens> {
-        let SpecTokens {
-            ids,
-            spans,
-            chunk_of,
-            question_start: q,
-        } = self.speculator_tokens(asm);
+        let toks = self.speculator_tokens(asm);
+        let (ids, chunk_of, q) = (&toks.ids, &toks.chunk_of, toks.question_start);
         let m = &self.speculator;
         if q == 0 || q >= ids.len() {
             return Ok(ScoredTokens::default());
@@ -312,15 +296,7 @@ impl SpecCache {
                 q - p
             )));
         }
-        self.question_attention(
-            SpecTokens {
-                ids,
-                spans,
-                chunk_of,
-                question_start: q,
-            },
-            &mut cache,
-        )
+        self.question_attention(toks, &mut cache)
     }
 
     /// The question's pass (tokens `question_start..`) over `cache`, which holds everything

@@ -20,9 +20,14 @@ pub enum EngineError {
     /// The tokenizer data in the GGUF file cannot build a tokenizer.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// The caller passed arguments that do not fit (token ids, positions, cache rows).
+    /// The caller passed arguments that do not fit (token ids, positions, cache rows, a chunk
+    /// computed by another model).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// The engine broke one of its own invariants (a worker thread stopped, verification lost
+    /// track of its cache): a bug, never the caller's doing.
+    #[error("engine fault: {0}")]
+    Internal(String),
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
@@ -39,17 +44,22 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    /// True when the error was caused by what the caller supplied (a request, a file), as
-    /// opposed to a failure inside the engine.
+    /// True when the error was caused by what the engine's caller supplied (a model file,
+    /// arguments that do not fit), as opposed to a failure inside the engine. The gateway, the
+    /// engine's caller, validates requests before they reach a model: for it an engine
+    /// `InvalidInput` is its own bug (see `gateway::Fault`).
     pub fn is_bad_input(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Self::ModelNotFound { .. }
-                | Self::BadGguf { .. }
-                | Self::Unsupported { .. }
-                | Self::Metadata { .. }
-                | Self::InvalidInput(_)
-        )
+            | Self::BadGguf { .. }
+            | Self::Unsupported { .. }
+            | Self::Metadata { .. }
+            | Self::Tokenizer(_)
+            | Self::InvalidInput(_) => true,
+            Self::Internal(_) | Self::Kernel(_) | Self::Candle(_) | Self::Stopped | Self::Io(_) => {
+                false
+            }
+        }
     }
 }
 

@@ -141,11 +141,10 @@ impl Model {
         let mut draft_pending: Option<u32> = None;
         let mut full: Option<Full> = None;
         let receive = |r: Option<Result<(KvCache, Vec<f32>)>>| -> Result<Full> {
-            let (cache, logits) = r.ok_or_else(|| {
-                EngineError::InvalidInput("the full prefill thread stopped".into())
-            })??;
+            let (cache, logits) =
+                r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
             if cache.len() != prompt_len {
-                return Err(EngineError::InvalidInput(format!(
+                return Err(EngineError::Internal(format!(
                     "full prefill has {} rows, the draft {prompt_len}",
                     cache.len()
                 )));
@@ -276,7 +275,7 @@ impl Model {
                 preds.extend(self.rows_argmax(&mut f.cache, &feed)?);
             }
             if preds.len() != take + 1 {
-                return Err(EngineError::InvalidInput(
+                return Err(EngineError::Internal(
                     "verification lost track of the full cache".into(),
                 ));
             }

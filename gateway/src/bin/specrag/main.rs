@@ -33,7 +33,9 @@ fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // 2 when the caller is at fault (as clap's usage errors), 1 for internal faults.
+        let caller = gateway::Fault::of_chain(e.as_ref()) != gateway::Fault::Internal;
+        std::process::exit(if caller { 2 } else { 1 });
     }
 }
 
