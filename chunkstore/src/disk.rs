@@ -12,8 +12,9 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::{IVec, Transactional};
 
 use crate::blob::KvBlob;
+use crate::codec::Codec;
 use crate::error::{Result, StoreError};
-use crate::format::{decode, encode};
+use crate::format::{decode, encode_with};
 use crate::key::ChunkKey;
 use crate::stats::{Counter, StoreStats};
 use crate::store::ChunkStore;
@@ -35,6 +36,8 @@ pub struct DiskStore {
     blobs: sled::Tree,
     sizes: sled::Tree,
     path: PathBuf,
+    /// How `put` stores payloads; `get` reads every codec.
+    codec: Codec,
     hits: Counter,
     misses: Counter,
     corrupt: Counter,
@@ -44,6 +47,18 @@ pub struct DiskStore {
 }
 
 impl DiskStore {
+    /// The store writing new blobs with `codec` (default [`Codec::Raw`]); blobs already
+    /// stored with another codec stay readable.
+    pub fn with_codec(mut self, codec: Codec) -> Self {
+        self.codec = codec;
+        self
+    }
+
+    /// The codec new blobs are written with.
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
     /// Opens the store in directory `path`, creating it if needed.
     ///
     /// A path that is a file, or a non-empty directory that holds no sled database, is refused
@@ -72,6 +87,7 @@ impl DiskStore {
             blobs,
             sizes,
             path: path.to_path_buf(),
+            codec: Codec::default(),
             hits: Counter::default(),
             misses: Counter::default(),
             corrupt: Counter::default(),
@@ -194,7 +210,7 @@ impl ChunkStore for DiskStore {
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
         blob.validate()
             .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        self.insert(key, IVec::from(encode(&blob)))
+        self.insert(key, IVec::from(encode_with(&blob, self.codec)))
     }
 
     fn remove(&self, key: &ChunkKey) -> Result<()> {

@@ -19,9 +19,12 @@ pub enum FormatError {
         "KV blob format version {found} is not supported; this build reads version {supported}"
     )]
     UnsupportedVersion { found: u16, supported: u16 },
-    /// The element type tag is not one this build can read.
-    #[error("KV blob dtype tag {found} is not supported; expected {expected} (f16)")]
+    /// The payload codec tag (formerly the dtype tag) is not one this build can read.
+    #[error("KV blob codec tag {found} is not supported; this build reads {expected} (raw f16) and 2 (lossless f16)")]
     UnsupportedDtype { found: u16, expected: u16 },
+    /// A compressed payload does not decode to the values its header announces.
+    #[error("KV blob payload does not decode: {0}")]
+    Codec(String),
     /// Fewer bytes than the header announces.
     #[error("KV blob truncated: {what} needs {needed} bytes, only {available} present")]
     Truncated {

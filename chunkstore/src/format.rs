@@ -7,7 +7,7 @@
 //! | 0  | 4 | magic `SRKV` |
 //! | 4  | 2 | format version (1) |
 //! | 6  | 4 | CRC32 of every byte from offset 10 to the end |
-//! | 10 | 2 | dtype tag (1 = f16) |
+//! | 10 | 2 | payload codec tag ([`Codec`]: 1 = raw f16, 2 = lossless f16) |
 //! | 12 | 4 | layers |
 //! | 16 | 4 | row (values per token per layer) |
 //! | 20 | 4 | tokens |
@@ -15,10 +15,14 @@
 //! | 28 | 4 | metadata JSON length |
 //! | 32 | 4 | score offsets count |
 //! | 36 | 4 | score values count |
-//! | 40 | 8 | payload length in bytes |
+//! | 40 | 8 | payload length in bytes (as stored, after the codec) |
 //! | 48 | … | metadata JSON (`fingerprint`, `mode`, `scores`: `fingerprint`, `layers` or null) |
 //! |    |   | token ids (u32 each), score offsets (u32 start, u32 end), score values (f32) |
-//! |    |   | payload: K of every layer, then V of every layer, f16 |
+//! |    |   | payload: K of every layer, then V of every layer, f16 (raw), or the same values |
+//! |    |   | channel-major in byte planes through zstd (lossless, see [`crate::codec`]) |
+//!
+//! The codec tag took the place of the dtype tag, whose one value (1, f16) is the raw codec:
+//! blobs written before codecs existed read unchanged.
 //!
 //! Magic and version come before the checksum so that a foreign or newer blob is reported as
 //! such rather than as corruption.
@@ -27,13 +31,14 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 use crate::blob::{KvBlob, SpecScores};
+use crate::codec::{self, Codec};
 use crate::error::FormatError;
 
 /// First four bytes of every blob.
 pub const MAGIC: [u8; 4] = *b"SRKV";
 /// Version written by [`encode`] and the only one [`decode`] reads.
 pub const FORMAT_VERSION: u16 = 1;
-/// Dtype tag of IEEE half precision values.
+/// Codec tag of raw IEEE half precision values (the only tag before codecs existed).
 pub const DTYPE_F16: u16 = 1;
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 48;
@@ -41,6 +46,9 @@ pub const HEADER_LEN: usize = 48;
 const CRC_END: usize = 10;
 /// More layers than any model has; guards against allocating for a nonsensical header.
 const MAX_LAYERS: u32 = 1 << 16;
+/// Most decoded payload bytes of one blob (a 512-token chunk of a 70B model holds ~170 MB): a
+/// compressed payload is inflated into a buffer of the size its header claims.
+const MAX_PAYLOAD: u64 = 4 << 30;
 
 /// String metadata, kept as JSON so that a blob is readable with `strings`.
 #[derive(Serialize, Deserialize)]
@@ -56,12 +64,17 @@ struct ScoresMeta {
     layers: String,
 }
 
-/// Serializes a blob.
+/// Serializes a blob with the raw codec ([`encode_with`] chooses another).
+pub fn encode(blob: &KvBlob) -> Vec<u8> {
+    encode_with(blob, Codec::Raw)
+}
+
+/// Serializes a blob, its K/V payload stored with `codec`.
 ///
 /// The blob should pass [`KvBlob::validate`] (the stores check before they encode): the layer
 /// count is taken from `k` and the layer size from `ids.len() * row`, so [`decode`] rejects
 /// an inconsistent blob or, when the sizes happen to add up, reads it back differently.
-pub fn encode(blob: &KvBlob) -> Vec<u8> {
+pub fn encode_with(blob: &KvBlob, codec: Codec) -> Vec<u8> {
     let meta = Meta {
         fingerprint: blob.fingerprint.clone(),
         mode: blob.mode.clone(),
@@ -76,7 +89,14 @@ pub fn encode(blob: &KvBlob) -> Vec<u8> {
         Some(s) => (&s.offsets, &s.values),
         None => (&[], &[]),
     };
-    let payload = blob.payload_bytes();
+    let packed = match codec {
+        Codec::Raw => None,
+        Codec::Lossless => Some(codec::compress(
+            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
+            blob.row as usize,
+        )),
+    };
+    let payload = packed.as_ref().map_or(blob.payload_bytes(), Vec::len);
     let total = HEADER_LEN
         + meta.len()
         + blob.ids.len() * 4
@@ -88,7 +108,7 @@ pub fn encode(blob: &KvBlob) -> Vec<u8> {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes()); // checksum, filled in below
-    out.extend_from_slice(&DTYPE_F16.to_le_bytes());
+    out.extend_from_slice(&codec.tag().to_le_bytes());
     for n in [
         blob.k.len() as u32,
         blob.row,
@@ -112,8 +132,13 @@ pub fn encode(blob: &KvBlob) -> Vec<u8> {
     for x in values {
         out.extend_from_slice(&x.to_le_bytes());
     }
-    for layer in blob.k.iter().chain(&blob.v) {
-        put_f16s(&mut out, layer);
+    match &packed {
+        Some(bytes) => out.extend_from_slice(bytes),
+        None => {
+            for layer in blob.k.iter().chain(&blob.v) {
+                put_f16s(&mut out, layer);
+            }
+        }
     }
     let crc = crc32fast::hash(&out[CRC_END..]);
     out[6..CRC_END].copy_from_slice(&crc.to_le_bytes());
@@ -190,12 +215,12 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
             computed,
         });
     }
-    if dtype != DTYPE_F16 {
+    let Some(codec) = Codec::from_tag(dtype) else {
         return Err(FormatError::UnsupportedDtype {
             found: dtype,
             expected: DTYPE_F16,
         });
-    }
+    };
     if n_layer > MAX_LAYERS {
         return Err(FormatError::Shape(format!(
             "{n_layer} layers, at most {MAX_LAYERS} supported"
@@ -204,7 +229,12 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
     // Cannot overflow: each factor is at most 2^32 and n_layer at most 2^16.
     let layer_bytes = u64::from(n_tokens) * u64::from(row) * 2;
     let expected_payload = 2 * u64::from(n_layer) * layer_bytes;
-    if payload_len != expected_payload {
+    if expected_payload > MAX_PAYLOAD {
+        return Err(FormatError::Shape(format!(
+            "payload of {expected_payload} bytes, at most {MAX_PAYLOAD} supported"
+        )));
+    }
+    if codec == Codec::Raw && payload_len != expected_payload {
         return Err(FormatError::Shape(format!(
             "payload holds {payload_len} bytes, expected 2 x {n_layer} layers x {n_tokens} tokens \
              x row {row} x 2 bytes = {expected_payload}"
@@ -249,13 +279,27 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
             )))
         }
     };
-    let mut layers = |name| -> Result<Vec<Vec<f16>>, FormatError> {
-        (0..n_layer)
-            .map(|_| Ok(get_f16s(c.take(layer_bytes as usize, name)?)))
-            .collect()
+    let (k, v) = match codec {
+        Codec::Raw => {
+            let mut layers = |name| -> Result<Vec<Vec<f16>>, FormatError> {
+                (0..n_layer)
+                    .map(|_| Ok(get_f16s(c.take(layer_bytes as usize, name)?)))
+                    .collect()
+            };
+            (layers("K payload")?, layers("V payload")?)
+        }
+        Codec::Lossless => {
+            let packed = c.take(payload_len as usize, "payload")?;
+            let mut all = codec::decompress(
+                packed,
+                2 * n_layer as usize,
+                n_tokens as usize,
+                row as usize,
+            )?;
+            let v = all.split_off(n_layer as usize);
+            (all, v)
+        }
     };
-    let k = layers("K payload")?;
-    let v = layers("V payload")?;
     let blob = KvBlob {
         fingerprint: meta.fingerprint,
         ids,

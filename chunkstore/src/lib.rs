@@ -14,6 +14,7 @@
 //! caches to and from [`KvBlob`].
 
 pub mod blob;
+pub mod codec;
 pub mod disk;
 pub mod error;
 pub mod format;
@@ -24,9 +25,10 @@ pub mod store;
 pub mod tiered;
 
 pub use blob::{KvBlob, SpecScores};
+pub use codec::Codec;
 pub use disk::DiskStore;
 pub use error::{FormatError, Result, StoreError};
-pub use format::{decode, encode, FORMAT_VERSION};
+pub use format::{decode, encode, encode_with, FORMAT_VERSION};
 pub use key::ChunkKey;
 pub use memory::MemoryStore;
 pub use stats::StoreStats;

@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::blob::KvBlob;
+use crate::codec::Codec;
 use crate::disk::DiskStore;
 use crate::error::{Result, StoreError};
 use crate::key::ChunkKey;
@@ -30,9 +31,14 @@ impl TieredStore {
     /// Opens (or creates) the disk tier in `dir` under a memory tier of
     /// `memory_capacity_bytes` payload bytes.
     pub fn open(dir: &Path, memory_capacity_bytes: u64) -> Result<Self> {
+        Self::open_with(dir, memory_capacity_bytes, Codec::default())
+    }
+
+    /// [`TieredStore::open`] with the disk tier writing payloads with `codec`.
+    pub fn open_with(dir: &Path, memory_capacity_bytes: u64, codec: Codec) -> Result<Self> {
         Ok(Self::new(
             MemoryStore::new(memory_capacity_bytes),
-            DiskStore::open(dir)?,
+            DiskStore::open(dir)?.with_codec(codec),
         ))
     }
 

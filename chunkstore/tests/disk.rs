@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use chunkstore::{encode, ChunkStore, DiskStore, StoreError, TieredStore};
+use chunkstore::{encode, encode_with, ChunkStore, Codec, DiskStore, StoreError, TieredStore};
 use common::{blob, key, small, TestResult};
 
 /// Stores `bytes` under key 1 next to a good blob under key 2, then checks that reading key 1
@@ -26,7 +26,10 @@ fn dropped_as_corrupt(bytes: &[u8]) -> TestResult {
     assert!(!store.contains(&key(1))?);
     let s = store.stats();
     assert_eq!((s.corrupt, s.disk_misses, s.entries), (1, 1, 1));
-    assert_eq!(s.disk_bytes, encode(&small(2)).len() as u64);
+    assert_eq!(
+        s.disk_bytes,
+        encode_with(&small(2), Codec::default()).len() as u64
+    );
     assert!(store.keys()? == vec![key(2)]);
     // Later lookups are plain misses; the good entry is untouched.
     assert!(store.get(&key(1))?.is_none());
@@ -159,6 +162,31 @@ fn reopened_store_returns_what_was_flushed() -> TestResult {
     let mut expected = vec![key(1), key(2)];
     expected.sort();
     assert_eq!(keys, expected);
+    Ok(())
+}
+
+#[test]
+fn a_store_reads_blobs_of_every_codec_whatever_it_writes() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let big = blob(4, 32, 64, 5);
+    {
+        let raw = DiskStore::open(dir.path())?;
+        assert_eq!(raw.codec(), Codec::Raw, "the default");
+        raw.put(&key(1), Arc::new(big.clone()))?;
+        raw.flush()?;
+    }
+    let store = DiskStore::open(dir.path())?.with_codec(Codec::Lossless);
+    store.put(&key(2), Arc::new(big.clone()))?;
+    let tag = |k| -> Result<u16, StoreError> {
+        let b = store.get_raw(&key(k))?.expect("stored");
+        Ok(u16::from_le_bytes([b[10], b[11]]))
+    };
+    assert_eq!(
+        (tag(1)?, tag(2)?),
+        (Codec::Raw.tag(), Codec::Lossless.tag())
+    );
+    assert_eq!(store.get(&key(1))?.as_deref(), Some(&big));
+    assert_eq!(store.get(&key(2))?.as_deref(), Some(&big));
     Ok(())
 }
 

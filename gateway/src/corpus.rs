@@ -324,12 +324,17 @@ pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
 impl Corpus {
     /// Opens (or creates) `dir`. Only one process can hold a data directory at a time.
     pub fn open(dir: &Path, memory_bytes: u64) -> Result<Self> {
+        Self::open_with(dir, memory_bytes, chunkstore::Codec::default())
+    }
+
+    /// [`Corpus::open`] writing chunk KV with `codec` (blobs of every codec stay readable).
+    pub fn open_with(dir: &Path, memory_bytes: u64, codec: chunkstore::Codec) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|source| GatewayError::Io {
             context: format!("creating data directory {}", dir.display()),
             source,
         })?;
         let index = retriever::Index::open(dir.join("index"))?;
-        let store = TieredStore::open(&dir.join("kv"), memory_bytes)?;
+        let store = TieredStore::open_with(&dir.join("kv"), memory_bytes, codec)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             index,

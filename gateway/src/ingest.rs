@@ -73,6 +73,9 @@ pub struct IngestReport {
     pub kv_bytes_per_512_tokens: u64,
     /// The speculator's KV payload bytes stored by this run (`speculator_kv`).
     pub speculator_kv_bytes: u64,
+    /// What the disk tier grew by in this run: the blobs as stored (after `--kv-codec`,
+    /// headers included), less what garbage collection removed.
+    pub kv_stored_bytes: i64,
     pub seconds: f64,
     pub chunks_per_s: f64,
     pub tokens_per_s: f64,
@@ -195,6 +198,7 @@ fn ingest_inner(
         ));
     }
     let t0 = Instant::now();
+    let disk_before = corpus.store.disk().stats().disk_bytes;
     let mut report = IngestReport {
         collection: cfg.collection.clone(),
         garbage_removed: corpus.collect_garbage(engines)?,
@@ -256,6 +260,7 @@ fn ingest_inner(
         report.garbage_removed += corpus.collect_garbage(engines)?;
     }
     report.seconds = t0.elapsed().as_secs_f64();
+    report.kv_stored_bytes = corpus.store.disk().stats().disk_bytes as i64 - disk_before as i64;
     report.chunks_per_s = report.chunks as f64 / report.seconds.max(1e-9);
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     let c = engines.target.config();

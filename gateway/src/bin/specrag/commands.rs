@@ -20,6 +20,7 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
     let p = open_pipeline(
         m,
         &a.data.data,
+        a.data.kv_codec,
         INGEST_MEMORY_BYTES,
         !a.no_spec_scores,
         ScoreSource::Query,
@@ -77,9 +78,10 @@ fn print_ingest_summary(report: &IngestReport) {
         );
     }
     println!(
-        "KV per 512-token chunk: {:.1} MB; {} orphan blobs removed",
+        "KV per 512-token chunk: {:.1} MB; {} orphan blobs removed; the store grew by {:.1} MB",
         report.kv_bytes_per_512_tokens as f64 / 1e6,
-        report.garbage_removed
+        report.garbage_removed,
+        report.kv_stored_bytes as f64 / 1e6
     );
     if let Some(l) = report.load {
         println!(
@@ -104,7 +106,14 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         stream: None,
     }
     .validate()?;
-    let mut pipeline = open_pipeline(m, &a.data.data, DEFAULT_MEMORY_BYTES, true, a.spec_scores)?;
+    let mut pipeline = open_pipeline(
+        m,
+        &a.data.data,
+        a.data.kv_codec,
+        DEFAULT_MEMORY_BYTES,
+        true,
+        a.spec_scores,
+    )?;
     pipeline.verify_mode = a.verify_mode;
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
@@ -152,7 +161,14 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let mut pipeline = open_pipeline(m, &a.data.data, a.memory_mb << 20, true, a.spec_scores)?;
+    let mut pipeline = open_pipeline(
+        m,
+        &a.data.data,
+        a.data.kv_codec,
+        a.memory_mb << 20,
+        true,
+        a.spec_scores,
+    )?;
     pipeline.verify_mode = a.verify_mode;
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
@@ -195,7 +211,14 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
             missing.display()
         );
     }
-    let pipeline = open_pipeline(m, &a.data, DEFAULT_MEMORY_BYTES, true, ScoreSource::Query)?;
+    let pipeline = open_pipeline(
+        m,
+        &a.data,
+        chunkstore::Codec::default(),
+        DEFAULT_MEMORY_BYTES,
+        true,
+        ScoreSource::Query,
+    )?;
     let inputs = gateway::input::read_inputs(&paths);
     let mut progress = IngestProgress::new(false);
     for p in &inputs.problems {

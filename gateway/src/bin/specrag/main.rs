@@ -95,6 +95,7 @@ fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
 fn open_pipeline(
     m: &ModelArgs,
     data: &Path,
+    codec: chunkstore::Codec,
     memory_bytes: u64,
     with_speculator: bool,
     scores: ScoreSource,
@@ -105,7 +106,7 @@ fn open_pipeline(
     } else {
         Engines::new(Arc::new(load_target(m)?), None)?
     };
-    let corpus = Corpus::open(data, memory_bytes)
+    let corpus = Corpus::open_with(data, memory_bytes, codec)
         .with_context(|| format!("opening data directory {}", data.display()))?;
     Ok(Pipeline::new(engines, corpus, scores))
 }
