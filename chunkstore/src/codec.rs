@@ -68,7 +68,10 @@ impl std::str::FromStr for Codec {
         Self::ALL
             .into_iter()
             .find(|c| c.name() == s)
-            .ok_or_else(|| format!("unknown KV codec `{s}` (expected raw or lossless)"))
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|c| c.name()).collect();
+                format!("unknown KV codec `{s}` (expected {})", names.join(" or "))
+            })
     }
 }
 
