@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod error;
+pub mod quant;
 pub mod rope;
 
 pub use attention::{
@@ -17,4 +18,5 @@ pub use attention::{
     AttentionShape,
 };
 pub use error::{KernelError, Result};
+pub use quant::{Isa, QMatrix, QType};
 pub use rope::{Rope, RopeTable, RopeVariant};

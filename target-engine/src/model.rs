@@ -1,10 +1,11 @@
 //! The transformer forward pass (qwen2 and llama), written over candle ops with an external
 //! KV cache, explicit positions, optional per-layer hidden states and a separate LM head.
 //!
-//! Every linear layer keeps its quantized weights (read once per token: decode is memory
-//! bound) and, unless disabled, a dense f32 copy used when many rows are computed at once
-//! (prefill is compute bound and dense GEMM beats the generic quantized kernels here; see
-//! `shared/PERFORMANCE.md`).
+//! Every linear layer keeps its quantized weights in the file's block format and multiplies
+//! them directly ([`kernels::QMatrix`]: 8-bit activations, AVX-512 VNNI when the CPU has it):
+//! decode and forwards over few rows read ~5-6.5 bits per weight. Unless disabled, a dense f32
+//! copy serves forwards over many rows (prefill is compute bound and dense f32 GEMM runs ~2x
+//! the int8 kernel's throughput here; see docs/performance.md).
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -13,7 +14,7 @@ use crate::kv::KvCache;
 use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use kernels::{AttentionShape, Rope};
+use kernels::{AttentionShape, QMatrix, QType, Rope};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -26,9 +27,9 @@ pub struct LoadOptions {
     pub dense_min_rows: usize,
     /// Run a short forward at load so weight repacking does not land on the first request.
     pub warmup: bool,
-    /// Re-quantize decode weights stored as Q4_1 / Q5_0 / Q5_1 to Q8_0. candle has no SIMD
-    /// kernel for those types (a scalar loop at ~15 GFLOP/s) but an AVX2 one for Q8_0; the
-    /// rounding this adds is below 7% of the original quantization step.
+    /// Re-quantize weights of a block format [`kernels::QMatrix`] does not compute on (Q5_1,
+    /// Q4_0, ...) to Q8_0, for which candle has an AVX2 kernel (its other kernels are scalar
+    /// loops); the rounding this adds is below 7% of the original quantization step.
     pub decode_q8: bool,
 }
 
@@ -43,10 +44,81 @@ impl Default for LoadOptions {
     }
 }
 
+/// Quantized weights: on [`kernels::QMatrix`] for the block formats it knows, candle's
+/// quantized matmul for the others.
+#[derive(Debug)]
+enum Quant {
+    Blocks(QMatrix),
+    Candle(Arc<QTensor>, QMatMul),
+}
+
+impl Quant {
+    /// Wraps `q`; re-quantizes a format neither path is fast on to Q8_0 when `to_q8` is set.
+    fn new(q: QTensor, to_q8: bool) -> Result<Self> {
+        let ty = match q.dtype() {
+            GgmlDType::Q8_0 => Some(QType::Q8_0),
+            GgmlDType::Q5_0 => Some(QType::Q5_0),
+            GgmlDType::Q4_1 => Some(QType::Q4_1),
+            GgmlDType::Q4K => Some(QType::Q4K),
+            GgmlDType::Q6K => Some(QType::Q6K),
+            _ => None,
+        };
+        let (rows, cols) = q.shape().dims2()?;
+        if let Some(ty) = ty {
+            let data = q.data()?.into_owned();
+            return Ok(Self::Blocks(QMatrix::new(ty, rows, cols, data)?));
+        }
+        let slow = !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let q = if to_q8 && slow && cols.is_multiple_of(32) {
+            QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
+        } else {
+            q
+        };
+        let q = Arc::new(q);
+        Ok(Self::Candle(q.clone(), QMatMul::from_arc(q)?))
+    }
+
+    /// `(rows, cols)`.
+    fn dims(&self) -> Result<(usize, usize)> {
+        Ok(match self {
+            Self::Blocks(m) => (m.rows(), m.cols()),
+            Self::Candle(q, _) => q.shape().dims2()?,
+        })
+    }
+
+    /// Rows `ids` of the matrix, dequantized: an embedding lookup `(ids.len(), cols)`.
+    fn lookup(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Self::Blocks(m) => {
+                let mut out = Vec::with_capacity(ids.len() * m.cols());
+                for &id in ids {
+                    let j = id as usize;
+                    out.extend(m.dequantize_rows(j..j + 1)?);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), m.cols()), &Device::Cpu)?)
+            }
+            Self::Candle(q, _) => Ok(q.embedding(&Tensor::new(ids, &Device::Cpu)?)?),
+        }
+    }
+
+    /// `x Wᵀ` for rows `x` `(n, cols)`; each row's result independent of the others.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Blocks(m) => {
+                let (n, _) = x.dims2()?;
+                let x = x.flatten_all()?.to_vec1::<f32>()?;
+                let y = m.matmul(&x, n)?;
+                Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
+            }
+            Self::Candle(_, m) => Ok(m.forward(x)?),
+        }
+    }
+}
+
 /// A linear layer `y = x Wᵀ (+ b)` with quantized and optional dense weights.
 #[derive(Debug)]
 struct Linear {
-    quant: QMatMul,
+    quant: Quant,
     dense_t: Option<Tensor>,
     bias: Option<Tensor>,
 }
@@ -54,23 +126,12 @@ struct Linear {
 impl Linear {
     fn load(f: &mut GgufFile, name: &str, bias: bool, opts: &LoadOptions) -> Result<Self> {
         let q = f.tensor(&format!("{name}.weight"))?;
-        let slow = matches!(
-            q.dtype(),
-            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
-        );
-        let dense = if opts.dense || (opts.decode_q8 && slow) {
-            Some(q.dequantize(&Device::Cpu)?)
+        let dense_t = if opts.dense {
+            Some(q.dequantize(&Device::Cpu)?.t()?)
         } else {
             None
         };
-        let quant = match &dense {
-            Some(w) if opts.decode_q8 && slow => QTensor::quantize(w, GgmlDType::Q8_0)?,
-            _ => q,
-        };
-        let dense_t = match dense {
-            Some(w) if opts.dense => Some(w.t()?),
-            _ => None,
-        };
+        let quant = Quant::new(q, opts.decode_q8)?;
         let bias = if bias {
             Some(
                 f.tensor(&format!("{name}.bias"))?
@@ -80,7 +141,7 @@ impl Linear {
             None
         };
         Ok(Self {
-            quant: QMatMul::from_qtensor(quant)?,
+            quant,
             dense_t,
             bias,
         })
@@ -128,10 +189,10 @@ pub struct Model {
     fingerprint: String,
     path: PathBuf,
     rope: Rope,
-    embed: Arc<QTensor>,
+    embed: Arc<Quant>,
     layers: Vec<Layer>,
     output_norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Arc<Quant>,
     dense_min_rows: usize,
     has_dense: bool,
     rope_ok: bool,
@@ -170,14 +231,14 @@ impl Model {
                 down: Linear::load(&mut f, &format!("{p}.ffn_down"), false, opts)?,
             });
         }
-        let embed = Arc::new(f.tensor("token_embd.weight")?);
+        let embed = Arc::new(Quant::new(f.tensor("token_embd.weight")?, opts.decode_q8)?);
         let lm_head = if f.has_tensor("output.weight") {
-            QMatMul::from_qtensor(f.tensor("output.weight")?)?
+            Arc::new(Quant::new(f.tensor("output.weight")?, opts.decode_q8)?)
         } else {
-            QMatMul::from_arc(embed.clone())?
+            embed.clone()
         };
         let output_norm = norm(&mut f, "output_norm.weight")?;
-        let (vocab, dim) = embed.shape().dims2()?;
+        let (vocab, dim) = embed.dims()?;
         if dim != config.n_embd || vocab < tokenizer.vocab_size() {
             return Err(EngineError::BadGguf {
                 path: path.to_path_buf(),
@@ -334,7 +395,7 @@ impl Model {
         if ids.is_empty() {
             return Err(EngineError::InvalidInput("no token ids".into()));
         }
-        Ok(self.embed.embedding(&Tensor::new(ids, &Device::Cpu)?)?)
+        self.embed.lookup(ids)
     }
 
     /// Runs `layers` (a sub-range of the model's layers) for residual-stream rows `x`
@@ -507,7 +568,7 @@ impl Model {
 
     /// The LM head: logits `(m, vocab)` for final-normed hidden rows `(m, n_embd)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?)
+        self.lm_head.forward(hidden)
     }
 
     /// Logits of the last row of a forward, as a plain vector.

@@ -67,6 +67,7 @@ fn check_fixture_model(name: &str) {
         .collect();
     assert!(!lines.is_empty());
     let m = model(common::file_for(name));
+    let quant = quantized_only(common::file_for(name));
     let mut report = Vec::new();
     for line in &lines {
         let prompt = line["prompt"].as_str().expect("prompt");
@@ -94,13 +95,18 @@ fn check_fixture_model(name: &str) {
                 )
             })
             .collect();
+        // Both weight paths: the dense one (above) and the quantized one alone, which
+        // quantizes activations to 8 bits per block of 32 as llama.cpp does.
+        let (_, first_q) = quant.prefill(&prompt_ids).expect("quantized prefill");
         for &(id, l) in &top5 {
-            let d = (first[id as usize] - l).abs();
-            assert!(
-                d < 0.5,
-                "{name} {prompt:?}: logit of {id} is {} vs llama.cpp {l}",
-                first[id as usize]
-            );
+            for (path, first) in [("dense", &first[..]), ("quantized", &first_q[..])] {
+                let d = (first[id as usize] - l).abs();
+                assert!(
+                    d < 0.5,
+                    "{name} {prompt:?} {path} path: logit of {id} is {} vs llama.cpp {l}",
+                    first[id as usize]
+                );
+            }
         }
         for (step, &want) in greedy.iter().enumerate() {
             let row = &logits[prompt_ids.len() - 1 + step];
@@ -232,20 +238,9 @@ fn diff(a: &[f32], b: &[f32]) -> Diff {
     }
 }
 
-/// Both weight paths against candle-transformers on the same file and ids.
-///
-/// Tolerance: candle's quantized matmuls (and our quantized path, which calls them) quantize
-/// activations to 8 bits per 32-value block. A float-rounding difference upstream (attention
-/// summation order) flips a rounding step somewhere, an error of 1/254 of a block maximum that
-/// later layers amplify: on the fixture prompts candle, our quantized path and our dense path
-/// each land within 0.55 of llama.cpp's logits (measured, see the closing note of issue 2). So
-/// the comparison asserts the distribution, not bits: the same argmax, cosine > 0.999, mean
-/// |diff| over the vocabulary < 0.1 and max |diff| < 1.0. A real bug (a wrong RoPE layout, a
-/// missing bias, an off-by-one position) moves logits by whole units and fails all four.
-fn check_against_candle(file: &'static str) {
-    let prompt =
-        "<|im_start|>user\nName three uses of a paperclip.<|im_end|>\n<|im_start|>assistant\n";
-    let quant = Model::load(
+/// The model with no dense weights: every forward on the quantized kernels.
+fn quantized_only(file: &'static str) -> Model {
+    Model::load(
         &common::model_path(file),
         &LoadOptions {
             dense: false,
@@ -254,7 +249,25 @@ fn check_against_candle(file: &'static str) {
             ..Default::default()
         },
     )
-    .expect("load quantized-only");
+    .expect("load quantized-only")
+}
+
+/// Both weight paths against candle-transformers on the same file and ids.
+///
+/// Tolerance: candle's quantized matmuls and our quantized kernels both quantize activations
+/// to 8 bits per 32-value block, each with its own summation order. A float-rounding
+/// difference upstream (attention summation order) flips a rounding step somewhere, an error
+/// of 1/254 of a block maximum that later layers amplify. The dense path is held to the
+/// distribution, not bits: the same argmax, cosine > 0.999, mean |diff| over the vocabulary
+/// < 0.1 and max |diff| < 1.0. A real bug (a wrong RoPE layout, a missing bias, an off-by-one
+/// position) moves logits by whole units and fails all four. Two quantized implementations
+/// drift further apart (SmolLM2: max 1.17, mean 0.25 between candle's and ours), so the
+/// quantized path is held here to the argmax and cosine only, and to llama.cpp's logits
+/// (within 0.5, as tight as the dense path) by `check_fixture_model`.
+fn check_against_candle(file: &'static str) {
+    let prompt =
+        "<|im_start|>user\nName three uses of a paperclip.<|im_end|>\n<|im_start|>assistant\n";
+    let quant = quantized_only(file);
     let ids = target_engine::raw_prompt(quant.tokenizer(), prompt);
     let want = candle_reference(file, &ids);
     let (_, got_q) = quant.prefill(&ids).expect("prefill");
@@ -266,10 +279,13 @@ fn check_against_candle(file: &'static str) {
             d.max, d.mean, d.cosine
         );
         assert_eq!(argmax(got), argmax(&want), "{path}");
-        assert!(
-            d.cosine > 0.999 && d.mean < 0.1 && d.max < 1.0,
-            "{path} path too far from candle"
-        );
+        assert!(d.cosine > 0.999, "{path} path too far from candle");
+        if path == "dense" {
+            assert!(
+                d.mean < 0.1 && d.max < 1.0,
+                "{path} path too far from candle"
+            );
+        }
     }
 }
 

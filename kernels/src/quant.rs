@@ -1,0 +1,851 @@
+//! Matrix products on GGUF's quantized weight blocks, without dequantizing them to f32.
+//!
+//! A [`QMatrix`] keeps a weight matrix in the file's own block format (Q8_0, Q5_0, Q4_1, Q4_K,
+//! Q6_K: what the default models hold), so it costs what the file costs in memory and decode
+//! reads ~5-6.5 bits per weight instead of 32. Activations are quantized per row to 8-bit
+//! blocks of 32 (scale `d = max|x| / 127`, as llama.cpp's Q8_0), and every product is an
+//! integer dot product of the block's unsigned quants `u` with the activation quants, scaled
+//! per 16 or 32 weights: a weight is `s·u + o` for a per-block (or per-half-block) scale `s` and
+//! offset `o`, so
+//!
+//! `Σ w·x ≈ Σ_blocks d_x · (s · Σ u·q_x + o · Σ q_x)`.
+//!
+//! Two implementations of the same arithmetic: AVX-512 VNNI (`vpdpbusd` on 256-bit vectors,
+//! chosen at run time when the CPU has it) and a portable one. Either way each output element
+//! is computed by the same sequence of operations whatever the number of rows or threads, so a
+//! row's result never depends on which other rows were in the batch (lossless verification of
+//! several drafted tokens in one pass relies on that).
+
+use crate::error::{shape_err, Result};
+use rayon::prelude::*;
+
+/// A GGUF block format this module computes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QType {
+    /// 32 signed 8-bit quants and an f16 scale (34 bytes).
+    Q8_0,
+    /// 32 5-bit quants (offset 16) and an f16 scale (22 bytes).
+    Q5_0,
+    /// 32 4-bit quants, an f16 scale and an f16 minimum (20 bytes).
+    Q4_1,
+    /// 256 4-bit quants in 8 sub-blocks with 6-bit scales and minimums (144 bytes).
+    Q4K,
+    /// 256 6-bit quants (offset 32) in 16 sub-blocks with 8-bit scales (210 bytes).
+    Q6K,
+}
+
+impl QType {
+    /// Every type, for tests and listings.
+    pub const ALL: [QType; 5] = [
+        QType::Q8_0,
+        QType::Q5_0,
+        QType::Q4_1,
+        QType::Q4K,
+        QType::Q6K,
+    ];
+
+    /// Weights per block.
+    pub const fn block_len(self) -> usize {
+        match self {
+            QType::Q8_0 | QType::Q5_0 | QType::Q4_1 => 32,
+            QType::Q4K | QType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            QType::Q8_0 => 34,
+            QType::Q5_0 => 22,
+            QType::Q4_1 => 20,
+            QType::Q4K => 144,
+            QType::Q6K => 210,
+        }
+    }
+}
+
+/// Which implementation a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust; runs anywhere.
+    Portable,
+    /// AVX-512 VNNI + VL + BW with FMA and F16C (Ice Lake / Sapphire Rapids / Zen 4 and later).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best implementation this CPU runs.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx512Vnni;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// [`Isa::detect`], computed once.
+    pub fn best() -> Isa {
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(Isa::detect)
+    }
+}
+
+/// A `(rows, cols)` weight matrix in a GGUF block format: `rows` output features, each a run of
+/// `cols / block_len` blocks (GGUF's row-major layout).
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    ty: QType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl QMatrix {
+    /// Wraps the raw blocks of a `(rows, cols)` matrix.
+    pub fn new(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(ty.block_len()) {
+            return Err(shape_err(
+                "qmatrix",
+                format!(
+                    "{rows}x{cols} is not whole {ty:?} blocks of {}",
+                    ty.block_len()
+                ),
+            ));
+        }
+        let want = rows * cols / ty.block_len() * ty.block_bytes();
+        if data.len() != want {
+            return Err(shape_err(
+                "qmatrix",
+                format!(
+                    "{} bytes for a {rows}x{cols} {ty:?} matrix ({want} expected)",
+                    data.len()
+                ),
+            ));
+        }
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    /// Block format.
+    pub fn qtype(&self) -> QType {
+        self.ty
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held (the file's size of this tensor).
+    pub fn nbytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / self.ty.block_len() * self.ty.block_bytes()
+    }
+
+    fn row(&self, j: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data[j * rb..(j + 1) * rb]
+    }
+
+    /// Dequantized rows `range` as `(range.len(), cols)` f32 values.
+    pub fn dequantize_rows(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        if range.start > range.end || range.end > self.rows {
+            return Err(shape_err(
+                "qmatrix",
+                format!("rows {range:?} of {}", self.rows),
+            ));
+        }
+        let mut out = vec![0f32; range.len() * self.cols];
+        for (j, dst) in range.zip(out.chunks_exact_mut(self.cols)) {
+            let row = self.row(j);
+            for (s, dst) in dst.chunks_exact_mut(32).enumerate() {
+                let sub = portable::unpack(self.ty, row, s);
+                for (i, d) in dst.iter_mut().enumerate() {
+                    let h = i / 16;
+                    *d = sub.s[h] * f32::from(sub.u[i]) + sub.o[h];
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// `y = x Wᵀ` for `n` rows `x` `(n, cols)`: returns `(n, rows)`, on the best ISA.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.matmul_on(Isa::best(), x, n)
+    }
+
+    /// [`QMatrix::matmul`] on a chosen implementation (tests compare them).
+    pub fn matmul_on(&self, isa: Isa, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        if x.len() != n * self.cols {
+            return Err(shape_err(
+                "qmatmul",
+                format!("{} values for {n} rows of {} columns", x.len(), self.cols),
+            ));
+        }
+        let isa = if isa == Isa::Avx512Vnni && Isa::best() != Isa::Avx512Vnni {
+            Isa::Portable
+        } else {
+            isa
+        };
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let acts = Acts::quantize(x, n, self.cols);
+        // Output features in chunks, each task writing its own `(chunk, n)` block of the
+        // transposed output; sized so both cores get several tasks even for decode.
+        let chunk = (self.rows / 16).clamp(8, 64);
+        let mut out_t = vec![0f32; self.rows * n];
+        out_t
+            .par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(c, dst)| {
+                let j0 = c * chunk;
+                let js = j0..j0 + dst.len() / n;
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512Vnni => {
+                        // SAFETY: `Isa::best()` confirmed the CPU features this path needs.
+                        unsafe { vnni::rows(self, js, &acts, dst) }
+                    }
+                    _ => portable::rows(self, js, &acts, dst),
+                }
+            });
+        if n == 1 {
+            return Ok(out_t);
+        }
+        let mut out = vec![0f32; n * self.rows];
+        for (j, col) in out_t.chunks_exact(n).enumerate() {
+            for (r, &v) in col.iter().enumerate() {
+                out[r * self.rows + j] = v;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Activation rows quantized to 8-bit blocks of 32.
+struct Acts {
+    n: usize,
+    cols: usize,
+    /// `(n, cols)` quants.
+    q: Vec<i8>,
+    /// One scale per block of 32.
+    d: Vec<f32>,
+    /// `d · Σ q` per half-block of 16: what a weight offset multiplies.
+    ds: Vec<f32>,
+    /// `d` per half-block of 16 (each block's scale twice), for vector loads.
+    dh: Vec<f32>,
+}
+
+impl Acts {
+    fn quantize(x: &[f32], n: usize, cols: usize) -> Self {
+        let blocks = n * cols / 32;
+        let mut q = vec![0i8; n * cols];
+        let mut d = vec![0f32; blocks];
+        let mut ds = vec![0f32; blocks * 2];
+        let mut dh = vec![0f32; blocks * 2];
+        for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for (dst, &v) in qb.iter_mut().zip(xb) {
+                *dst = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+            d[b] = scale;
+            dh[b * 2] = scale;
+            dh[b * 2 + 1] = scale;
+            for h in 0..2 {
+                let s: i32 = qb[h * 16..h * 16 + 16].iter().map(|&v| i32::from(v)).sum();
+                ds[b * 2 + h] = scale * s as f32;
+            }
+        }
+        Self {
+            n,
+            cols,
+            q,
+            d,
+            ds,
+            dh,
+        }
+    }
+
+    fn row(&self, r: usize) -> &[i8] {
+        &self.q[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// One sub-block of 32 weights unpacked: `w[i] = s[i / 16] · u[i] + o[i / 16]`.
+struct Sub {
+    u: [u8; 32],
+    s: [f32; 2],
+    o: [f32; 2],
+}
+
+fn f16(bytes: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+/// Scale and minimum of Q4_K sub-block `j` from its 12 packed bytes (6 bits each).
+fn q4k_scale_min(sc: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (sc[j] & 63, sc[j + 4] & 63)
+    } else {
+        (
+            (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4),
+            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Where sub-block `s` (of 32) of a row starts: its block's bytes and its index in the block.
+fn locate(ty: QType, row: &[u8], s: usize) -> (&[u8], usize) {
+    let per = ty.block_len() / 32;
+    let b = s / per;
+    let bb = ty.block_bytes();
+    (&row[b * bb..(b + 1) * bb], s % per)
+}
+
+mod portable {
+    use super::*;
+
+    /// Sub-block `s` of a row, unpacked (the reference the SIMD unpacking is tested against).
+    pub(super) fn unpack(ty: QType, row: &[u8], s: usize) -> Sub {
+        let (blk, k) = locate(ty, row, s);
+        let mut u = [0u8; 32];
+        match ty {
+            QType::Q8_0 => {
+                let d = f16(blk, 0);
+                for (i, dst) in u.iter_mut().enumerate() {
+                    *dst = blk[2 + i] ^ 0x80;
+                }
+                Sub {
+                    u,
+                    s: [d; 2],
+                    o: [-128.0 * d; 2],
+                }
+            }
+            QType::Q5_0 => {
+                let d = f16(blk, 0);
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                for (i, dst) in u.iter_mut().enumerate() {
+                    let nib = if i < 16 {
+                        blk[6 + i] & 0xF
+                    } else {
+                        blk[6 + i - 16] >> 4
+                    };
+                    *dst = nib | ((((qh >> i) & 1) as u8) << 4);
+                }
+                Sub {
+                    u,
+                    s: [d; 2],
+                    o: [-16.0 * d; 2],
+                }
+            }
+            QType::Q4_1 => {
+                let (d, m) = (f16(blk, 0), f16(blk, 2));
+                for (i, dst) in u.iter_mut().enumerate() {
+                    *dst = if i < 16 {
+                        blk[4 + i] & 0xF
+                    } else {
+                        blk[4 + i - 16] >> 4
+                    };
+                }
+                Sub {
+                    u,
+                    s: [d; 2],
+                    o: [m; 2],
+                }
+            }
+            QType::Q4K => {
+                let (d, dmin) = (f16(blk, 0), f16(blk, 2));
+                let (sc, m) = q4k_scale_min(&blk[4..16], k);
+                let qs = &blk[16 + 32 * (k / 2)..16 + 32 * (k / 2) + 32];
+                for (dst, &q) in u.iter_mut().zip(qs) {
+                    *dst = if k % 2 == 0 { q & 0xF } else { q >> 4 };
+                }
+                let (s, o) = (d * f32::from(sc), -dmin * f32::from(m));
+                Sub {
+                    u,
+                    s: [s; 2],
+                    o: [o; 2],
+                }
+            }
+            QType::Q6K => {
+                // Sub-block k = 4·half + quarter of the 256: quants from ql (nibbles) and qh
+                // (2-bit pairs), scales per 16.
+                let (half, quarter) = (k / 4, k % 4);
+                let ql = &blk[64 * half + 32 * (quarter % 2)..][..32];
+                let qh = &blk[128 + 32 * half..][..32];
+                let d = f16(blk, 208);
+                for (l, dst) in u.iter_mut().enumerate() {
+                    let lo = if quarter < 2 { ql[l] & 0xF } else { ql[l] >> 4 };
+                    *dst = lo | (((qh[l] >> (2 * quarter)) & 3) << 4);
+                }
+                let sc = |h: usize| f32::from(blk[192 + 8 * half + 2 * quarter + h] as i8);
+                let s = [d * sc(0), d * sc(1)];
+                Sub {
+                    u,
+                    s,
+                    o: [-32.0 * s[0], -32.0 * s[1]],
+                }
+            }
+        }
+    }
+
+    pub(super) fn rows(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
+        let subs = m.cols / 32;
+        for (jj, j) in js.enumerate() {
+            let row = m.row(j);
+            let mut acc = vec![0f32; acts.n];
+            for s in 0..subs {
+                let sub = unpack(m.ty, row, s);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xq = &acts.row(r)[s * 32..s * 32 + 32];
+                    let b = r * subs + s;
+                    for h in 0..2 {
+                        let dot: i32 = (h * 16..h * 16 + 16)
+                            .map(|i| i32::from(sub.u[i]) * i32::from(xq[i]))
+                            .sum();
+                        *a += acts.d[b] * sub.s[h] * dot as f32 + sub.o[h] * acts.ds[b * 2 + h];
+                    }
+                }
+            }
+            dst[jj * acts.n..(jj + 1) * acts.n].copy_from_slice(&acc);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    //! Helpers are `#[inline(always)]` without features of their own, so they compile inside
+    //! the `#[target_feature]` kernel they are called from; each kernel is monomorphized per
+    //! block format (`T`) and tile height (`R`), which leaves no branch in the inner loop.
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Activation rows per tile: each keeps one 8-lane accumulator in a register.
+    const TILE: usize = 8;
+
+    const Q8_0: u8 = 0;
+    const Q5_0: u8 = 1;
+    const Q4_1: u8 = 2;
+    const Q4K: u8 = 3;
+    const Q6K: u8 = 4;
+
+    /// # Safety
+    /// F16C must be available.
+    #[inline(always)]
+    unsafe fn f16(bytes: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        // SAFETY: the caller guarantees F16C.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))) }
+    }
+
+    /// 16 bytes of nibbles as 32 bytes: low nibbles first, then high nibbles (Q4_1's order).
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[inline(always)]
+    unsafe fn nibbles16(p: &[u8]) -> __m256i {
+        assert!(p.len() >= 16);
+        // SAFETY: 16 bytes are in bounds (asserted); the caller guarantees AVX2.
+        unsafe {
+            let v = _mm_loadu_si128(p.as_ptr().cast());
+            let m = _mm_set1_epi8(0x0F);
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
+        }
+    }
+
+    /// # Safety
+    /// AVX2 must be available.
+    #[inline(always)]
+    unsafe fn load32(p: &[u8]) -> __m256i {
+        assert!(p.len() >= 32);
+        // SAFETY: 32 bytes are in bounds (asserted); the caller guarantees AVX2.
+        unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
+    }
+
+    /// Sub-block `s` of a row of format `T`: unsigned quants in a vector, scales and offsets
+    /// per half.
+    ///
+    /// # Safety
+    /// The features of [`Isa::Avx512Vnni`] must be available.
+    #[inline(always)]
+    unsafe fn unpack<const T: u8>(row: &[u8], s: usize) -> (__m256i, [f32; 2], [f32; 2]) {
+        // SAFETY: the caller guarantees AVX2, F16C and AVX-512 BW/VL.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            match T {
+                Q8_0 => {
+                    let blk = &row[s * 34..s * 34 + 34];
+                    let d = f16(blk, 0);
+                    let u = _mm256_xor_si256(load32(&blk[2..]), _mm256_set1_epi8(-128));
+                    (u, [d; 2], [-128.0 * d; 2])
+                }
+                Q5_0 => {
+                    let blk = &row[s * 22..s * 22 + 22];
+                    let d = f16(blk, 0);
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let hi = _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10));
+                    let u = _mm256_or_si256(nibbles16(&blk[6..]), hi);
+                    (u, [d; 2], [-16.0 * d; 2])
+                }
+                Q4_1 => {
+                    let blk = &row[s * 20..s * 20 + 20];
+                    let (d, m) = (f16(blk, 0), f16(blk, 2));
+                    (nibbles16(&blk[4..]), [d; 2], [m; 2])
+                }
+                Q4K => {
+                    let (b, k) = (s / 8, s % 8);
+                    let blk = &row[b * 144..b * 144 + 144];
+                    let (d, dmin) = (f16(blk, 0), f16(blk, 2));
+                    let (sc, m) = q4k_scale_min(&blk[4..16], k);
+                    let q = load32(&blk[16 + 32 * (k / 2)..]);
+                    let u = if k % 2 == 0 {
+                        _mm256_and_si256(q, low)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16(q, 4), low)
+                    };
+                    let (s, o) = (d * f32::from(sc), -dmin * f32::from(m));
+                    (u, [s; 2], [o; 2])
+                }
+                _ => {
+                    let (b, k) = (s / 8, s % 8);
+                    let blk = &row[b * 210..b * 210 + 210];
+                    let (half, quarter) = (k / 4, k % 4);
+                    let ql = load32(&blk[64 * half + 32 * (quarter % 2)..]);
+                    let qh = load32(&blk[128 + 32 * half..]);
+                    let lo = if quarter < 2 {
+                        _mm256_and_si256(ql, low)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16(ql, 4), low)
+                    };
+                    let hi = match quarter {
+                        0 => qh,
+                        1 => _mm256_srli_epi16(qh, 2),
+                        2 => _mm256_srli_epi16(qh, 4),
+                        _ => _mm256_srli_epi16(qh, 6),
+                    };
+                    let hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+                    let d = f16(blk, 208);
+                    let sc = |h: usize| f32::from(blk[192 + 8 * half + 2 * quarter + h] as i8);
+                    let s = [d * sc(0), d * sc(1)];
+                    (_mm256_or_si256(lo, hi), s, [-32.0 * s[0], -32.0 * s[1]])
+                }
+            }
+        }
+    }
+
+    /// Output features `js` for every activation row; `dst` is `(js.len(), n)`.
+    ///
+    /// # Safety
+    /// The CPU must have the features of [`Isa::Avx512Vnni`].
+    pub(super) unsafe fn rows(
+        m: &QMatrix,
+        js: std::ops::Range<usize>,
+        acts: &Acts,
+        dst: &mut [f32],
+    ) {
+        // SAFETY: the caller guarantees the features.
+        unsafe {
+            match m.ty {
+                QType::Q8_0 => rows_of::<Q8_0>(m, js, acts, dst),
+                QType::Q5_0 => rows_of::<Q5_0>(m, js, acts, dst),
+                QType::Q4_1 => rows_of::<Q4_1>(m, js, acts, dst),
+                QType::Q4K => rows_of::<Q4K>(m, js, acts, dst),
+                QType::Q6K => rows_of::<Q6K>(m, js, acts, dst),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    fn rows_of<const T: u8>(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
+        let n = acts.n;
+        let mut r0 = 0;
+        while r0 < n {
+            let t = (n - r0).min(TILE);
+            for (jj, j) in js.clone().enumerate() {
+                let out = &mut dst[jj * n + r0..jj * n + r0 + t];
+                let row = m.row(j);
+                match t {
+                    8 => tile::<T, 8>(row, acts, r0, out),
+                    4..=7 => {
+                        tile::<T, 4>(row, acts, r0, &mut out[..4]);
+                        for r in 4..t {
+                            tile::<T, 1>(row, acts, r0 + r, &mut out[r..r + 1]);
+                        }
+                    }
+                    _ => {
+                        for r in 0..t {
+                            tile::<T, 1>(row, acts, r0 + r, &mut out[r..r + 1]);
+                        }
+                    }
+                }
+            }
+            r0 += t;
+        }
+    }
+
+    /// One weight row against activation rows `r0..r0 + R`: sub-blocks two at a time in
+    /// 512-bit vectors (the last one alone when their count is odd).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    fn tile<const T: u8, const R: usize>(row: &[u8], acts: &Acts, r0: usize, out: &mut [f32]) {
+        let subs = acts.cols / 32;
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut off = [_mm_setzero_ps(); R];
+        let xs: [&[i8]; R] = std::array::from_fn(|r| acts.row(r0 + r));
+        let dh: [&[f32]; R] = std::array::from_fn(|r| &acts.dh[(r0 + r) * subs * 2..][..subs * 2]);
+        let ds: [&[f32]; R] = std::array::from_fn(|r| &acts.ds[(r0 + r) * subs * 2..][..subs * 2]);
+        // Lane i of a 512-bit dot holds 4 products of half-block i / 4.
+        let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let mut s = 0;
+        while s + 2 <= subs {
+            // SAFETY: this function's features are those `unpack` needs.
+            let ((ua, sa, oa), (ub, sb, ob)) =
+                unsafe { (unpack::<T>(row, s), unpack::<T>(row, s + 1)) };
+            let u = _mm512_inserti64x4(_mm512_castsi256_si512(ua), ub, 1);
+            let sw = _mm_set_ps(sb[1], sb[0], sa[1], sa[0]);
+            let ow = _mm_set_ps(ob[1], ob[0], oa[1], oa[0]);
+            for r in 0..R {
+                let xq = &xs[r][s * 32..s * 32 + 64];
+                let (dq, dsq) = (&dh[r][2 * s..2 * s + 4], &ds[r][2 * s..2 * s + 4]);
+                // SAFETY: the slices hold 64 bytes and 4 floats; unaligned loads.
+                let (x, d4, s4) = unsafe {
+                    (
+                        _mm512_loadu_si512(xq.as_ptr().cast()),
+                        _mm_loadu_ps(dq.as_ptr()),
+                        _mm_loadu_ps(dsq.as_ptr()),
+                    )
+                };
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+                let scale =
+                    _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(sw, d4)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                off[r] = _mm_fmadd_ps(ow, s4, off[r]);
+            }
+            s += 2;
+        }
+        if s < subs {
+            // SAFETY: as above.
+            let (u, sc, o) = unsafe { unpack::<T>(row, s) };
+            let sw = _mm_set_ps(0.0, 0.0, sc[1], sc[0]);
+            let ow = _mm_set_ps(0.0, 0.0, o[1], o[0]);
+            for r in 0..R {
+                let xq = &xs[r][s * 32..s * 32 + 32];
+                let d4 = _mm_set_ps(0.0, 0.0, dh[r][2 * s + 1], dh[r][2 * s]);
+                let s4 = _mm_set_ps(0.0, 0.0, ds[r][2 * s + 1], ds[r][2 * s]);
+                // SAFETY: the slice holds 32 bytes; unaligned load.
+                let x = unsafe { _mm256_loadu_si256(xq.as_ptr().cast()) };
+                let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+                let dot = _mm512_castsi256_si512(dot);
+                let dot = _mm512_maskz_mov_epi32(0x00FF, dot);
+                let scale =
+                    _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(sw, d4)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                off[r] = _mm_fmadd_ps(ow, s4, off[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = _mm512_reduce_add_ps(acc[r]) + hsum4(off[r]);
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn hsum4(s: __m128) -> f32 {
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The SIMD unpacking of sub-block `s`, as plain values (tests compare it with the
+    /// portable one).
+    #[cfg(test)]
+    pub(super) fn unpack_plain(ty: QType, row: &[u8], s: usize) -> Sub {
+        assert_eq!(Isa::best(), Isa::Avx512Vnni);
+        // SAFETY: the CPU has the features (asserted above).
+        let (u, sc, o) = unsafe {
+            match ty {
+                QType::Q8_0 => unpack::<Q8_0>(row, s),
+                QType::Q5_0 => unpack::<Q5_0>(row, s),
+                QType::Q4_1 => unpack::<Q4_1>(row, s),
+                QType::Q4K => unpack::<Q4K>(row, s),
+                QType::Q6K => unpack::<Q6K>(row, s),
+            }
+        };
+        let mut bytes = [0u8; 32];
+        // SAFETY: 32 bytes of destination; AVX is available (asserted above).
+        unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
+        Sub { u: bytes, s: sc, o }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+
+    fn ggml(ty: QType) -> GgmlDType {
+        match ty {
+            QType::Q8_0 => GgmlDType::Q8_0,
+            QType::Q5_0 => GgmlDType::Q5_0,
+            QType::Q4_1 => GgmlDType::Q4_1,
+            QType::Q4K => GgmlDType::Q4K,
+            QType::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    fn random(len: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+    }
+
+    /// A random matrix quantized by candle, as a QMatrix and candle's own dequantization.
+    fn matrix(ty: QType, rows: usize, cols: usize, seed: u64) -> (QMatrix, Vec<f32>) {
+        let w = Tensor::from_vec(random(rows * cols, seed), (rows, cols), &Device::Cpu)
+            .expect("tensor");
+        let q = QTensor::quantize(&w, ggml(ty)).expect("quantize");
+        let bytes = q.data().expect("data").into_owned();
+        let dense = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("dequantize");
+        (QMatrix::new(ty, rows, cols, bytes).expect("qmatrix"), dense)
+    }
+
+    fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    #[test]
+    fn dequantization_matches_candles_for_every_format() {
+        for ty in QType::ALL {
+            let (m, want) = matrix(ty, 6, 512, 1);
+            let got = m.dequantize_rows(0..6).expect("rows");
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let err = max_abs_diff(&got, &want);
+            assert!(err <= 1e-6 * scale, "{ty:?}: {err}");
+            let part = m.dequantize_rows(2..4).expect("rows");
+            assert_eq!(part, got[2 * 512..4 * 512]);
+        }
+    }
+
+    #[test]
+    fn simd_unpacking_equals_the_portable_one() {
+        if Isa::best() != Isa::Avx512Vnni {
+            eprintln!("no AVX-512 VNNI here: only the portable path is tested");
+            return;
+        }
+        for ty in QType::ALL {
+            let (m, _) = matrix(ty, 3, 512, 2);
+            for j in 0..3 {
+                for s in 0..512 / 32 {
+                    let a = portable::unpack(ty, m.row(j), s);
+                    let b = vnni::unpack_plain(ty, m.row(j), s);
+                    assert_eq!(a.u, b.u, "{ty:?} row {j} sub {s}");
+                    assert_eq!(a.s, b.s, "{ty:?} row {j} sub {s}");
+                    assert_eq!(a.o, b.o, "{ty:?} row {j} sub {s}");
+                }
+            }
+        }
+    }
+
+    /// Products agree with the dense f32 product of the dequantized weights within the error
+    /// of 8-bit activations, on both implementations.
+    #[test]
+    fn products_match_the_dense_product_on_both_isas() {
+        let (rows, cols, n) = (37, 768, 11);
+        let x = random(n * cols, 3);
+        for ty in QType::ALL {
+            let (m, w) = matrix(ty, rows, cols, 4);
+            let mut want = vec![0f32; n * rows];
+            let mut bound = vec![0f32; n * rows];
+            for r in 0..n {
+                for j in 0..rows {
+                    let (xr, wj) = (&x[r * cols..(r + 1) * cols], &w[j * cols..(j + 1) * cols]);
+                    want[r * rows + j] = xr.iter().zip(wj).map(|(a, b)| a * b).sum();
+                    bound[r * rows + j] = xr.iter().zip(wj).map(|(a, b)| (a * b).abs()).sum();
+                }
+            }
+            for isa in [Isa::Portable, Isa::best()] {
+                let got = m.matmul_on(isa, &x, n).expect("matmul");
+                for i in 0..n * rows {
+                    // Each activation is off by at most half a step of 1/127 of its block max.
+                    let tol = bound[i] / 127.0 + 1e-4;
+                    assert!(
+                        (got[i] - want[i]).abs() <= tol,
+                        "{ty:?} {isa:?} element {i}: {} vs {} (tolerance {tol})",
+                        got[i],
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A row's result does not depend on the rows beside it: bit-identical alone and in a batch.
+    #[test]
+    fn rows_are_computed_independently_of_the_batch() {
+        let (rows, cols, n) = (70, 512, 13);
+        let x = random(n * cols, 5);
+        for ty in QType::ALL {
+            let (m, _) = matrix(ty, rows, cols, 6);
+            for isa in [Isa::Portable, Isa::best()] {
+                let all = m.matmul_on(isa, &x, n).expect("matmul");
+                for r in 0..n {
+                    let one = m
+                        .matmul_on(isa, &x[r * cols..(r + 1) * cols], 1)
+                        .expect("matmul");
+                    assert_eq!(one, all[r * rows..(r + 1) * rows], "{ty:?} {isa:?} row {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_and_portable_products_agree_closely() {
+        let (rows, cols, n) = (16, 1024, 5);
+        let x = random(n * cols, 7);
+        for ty in QType::ALL {
+            let (m, _) = matrix(ty, rows, cols, 8);
+            let a = m.matmul_on(Isa::Portable, &x, n).expect("matmul");
+            let b = m.matmul_on(Isa::best(), &x, n).expect("matmul");
+            let scale = a.iter().fold(0f32, |s, v| s.max(v.abs()));
+            assert!(max_abs_diff(&a, &b) <= 1e-5 * scale, "{ty:?}");
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_refused() {
+        assert!(QMatrix::new(QType::Q4K, 2, 128, vec![0; 144]).is_err());
+        assert!(QMatrix::new(QType::Q8_0, 2, 64, vec![0; 4 * 34 - 1]).is_err());
+        assert!(QMatrix::new(QType::Q8_0, 0, 64, Vec::new()).is_err());
+        let m = QMatrix::new(QType::Q8_0, 2, 64, vec![0; 4 * 34]).expect("fits");
+        assert!(m.matmul(&[0.0; 63], 1).is_err());
+        assert!(m.dequantize_rows(1..3).is_err());
+        assert_eq!(m.matmul(&[1.0; 128], 2).expect("zeros"), vec![0.0; 4]);
+    }
+}
