@@ -28,6 +28,31 @@ const SLED_FILES: [&str; 2] = ["conf", "db"];
 /// sled's page cache. Small, because the memory tier above already holds hot blobs decoded;
 /// a large page cache would keep a second, encoded copy of the same chunks.
 const SLED_CACHE_BYTES: u64 = 64 << 20;
+/// How long `open` waits for the database's file lock. sled's background threads keep it for
+/// a few milliseconds after the last handle drops, so a store reopened at once (a restart, a
+/// test) would otherwise fail; a store another process really holds fails after this.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Opens sled, waiting up to `LOCK_WAIT` for a lock that is being released.
+fn open_sled(path: &Path) -> sled::Result<sled::Db> {
+    let start = std::time::Instant::now();
+    loop {
+        let opened = sled::Config::new()
+            .path(path)
+            .cache_capacity(SLED_CACHE_BYTES)
+            .open();
+        match opened {
+            // sled reports the lock as an io error whose only distinguishing mark is its text.
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock")
+                    && start.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
 
 /// Chunk KV caches stored on disk. A blob that fails to decode is deleted and reported absent.
 pub struct DiskStore {
@@ -69,11 +94,7 @@ impl DiskStore {
             path: path.to_path_buf(),
             source,
         };
-        let db = sled::Config::new()
-            .path(path)
-            .cache_capacity(SLED_CACHE_BYTES)
-            .open()
-            .map_err(open_err)?;
+        let db = open_sled(path).map_err(open_err)?;
         let blobs = db.open_tree(BLOB_TREE).map_err(open_err)?;
         let sizes = db.open_tree(SIZE_TREE).map_err(open_err)?;
         let (mut entries, mut bytes) = (0u64, 0u64);
