@@ -1,5 +1,6 @@
 //! Times `QMatrix::matmul` against candle's quantized matmul and a dense f32 matmul of the same
-//! weights, over row counts from decode (1) to prefill (512). Prints one line per case; compare
+//! weights and `QMatrix::matmul_dense` (dequantized panels), over row counts from decode (1)
+//! to prefill (512). Prints one line per case; compare
 //! ratios within one run.
 //!
 //! `cargo run --release -p kernels --example qmatmul [rows cols]`
@@ -44,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         }
         let q = QTensor::quantize(&w, g)?;
-        let m = QMatrix::new(ty, rows, cols, q.data()?.into_owned())?;
+        let m = QMatrix::new(ty, rows, cols, std::sync::Arc::new(q.data()?.into_owned()))?;
         let candle = QMatMul::from_qtensor(q)?;
         for n in [1usize, 4, 16, 64, 512] {
             let x: Vec<f32> = (0..n * cols)
@@ -55,14 +56,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ours = time(reps, || m.matmul(&x, n));
             let theirs = time(reps, || candle.forward(&xt));
             let dense = time(reps, || xt.matmul(&dense_t));
+            let panels = time(reps, || m.matmul_dense(&x, n));
             let gmac = (n * rows * cols) as f64 / 1e9;
             println!(
-                "{ty:?} n={n:4}: qmatrix {:8.3} ms ({:6.1} GMAC/s, {:5.1} GB/s) | candle quantized {:8.3} ms | dense f32 {:8.3} ms",
+                "{ty:?} n={n:4}: qmatrix {:8.3} ms ({:6.1} GMAC/s, {:5.1} GB/s) | candle quantized {:8.3} ms | dense f32 {:8.3} ms | dequantized panels {:8.3} ms",
                 ours * 1e3,
                 gmac / ours,
                 m.nbytes() as f64 / ours / 1e9,
                 theirs * 1e3,
                 dense * 1e3,
+                panels * 1e3,
             );
         }
     }

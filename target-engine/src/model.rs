@@ -1,11 +1,13 @@
 //! The transformer forward pass (qwen2 and llama), written over candle ops with an external
 //! KV cache, explicit positions, optional per-layer hidden states and a separate LM head.
 //!
-//! Every linear layer keeps its quantized weights in the file's block format and multiplies
-//! them directly ([`kernels::QMatrix`]: 8-bit activations, AVX-512 VNNI when the CPU has it):
-//! decode and forwards over few rows read ~5-6.5 bits per weight. Unless disabled, a dense f32
-//! copy serves forwards over many rows (prefill is compute bound and dense f32 GEMM runs ~2x
-//! the int8 kernel's throughput here; see docs/performance.md).
+//! Every linear layer keeps only its quantized weights, in the file's block format (`Quant`):
+//! decode and forwards over few rows multiply the blocks directly ([`kernels::QMatrix`]'s
+//! 8-bit kernels, AVX-512 VNNI when the CPU has it, or candle's k-quant kernels) and read
+//! ~5-6.5 bits per weight; forwards over many rows (prefill is compute bound) run dense f32
+//! GEMM on weight panels dequantized into cache. Dense f32
+//! copies of the weights (`LoadOptions::dense_copies`, ≈4x the file in RAM) are optional and
+//! no longer faster; see docs/performance.md.
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -15,21 +17,26 @@ use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use kernels::{AttentionShape, QMatrix, QType, Rope};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// How a model is loaded.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Keep dense f32 copies of the weights for many-row forwards (≈4x the file size in RAM).
+    /// Forwards over many rows run dense f32 GEMM (on weight panels dequantized on the fly,
+    /// or on `dense_copies`); off, every forward runs on the quantized kernels.
     pub dense: bool,
+    /// Keep dense f32 copies of the weights for those forwards instead of dequantizing panels
+    /// (≈4x the file size in RAM for a few percent of prefill time; see docs/performance.md).
+    pub dense_copies: bool,
     /// Forwards over at least this many rows use the dense weights.
     pub dense_min_rows: usize,
     /// Run a short forward at load so weight repacking does not land on the first request.
     pub warmup: bool,
-    /// Re-quantize weights of a block format [`kernels::QMatrix`] does not compute on (Q5_1,
-    /// Q4_0, ...) to Q8_0, for which candle has an AVX2 kernel (its other kernels are scalar
-    /// loops); the rounding this adds is below 7% of the original quantization step.
+    /// Re-quantize weights of a block format without a SIMD kernel here (Q5_1, Q4_0, ...) to
+    /// Q8_0, for which candle has an AVX2 kernel; the rounding this adds is below 7% of the
+    /// original quantization step.
     pub decode_q8: bool,
 }
 
@@ -37,6 +44,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             dense: true,
+            dense_copies: false,
             dense_min_rows: 8,
             warmup: true,
             decode_q8: true,
@@ -44,17 +52,50 @@ impl Default for LoadOptions {
     }
 }
 
-/// Quantized weights: on [`kernels::QMatrix`] for the block formats it knows, candle's
-/// quantized matmul for the others.
+/// A loaded tensor's blocks, read in place by [`QMatrix`] (no copy).
+struct TensorBytes(Arc<QTensor>);
+
+impl AsRef<[u8]> for TensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        match self.0.data() {
+            Ok(Cow::Borrowed(b)) => b,
+            // CPU storage always lends its bytes; anything else was refused at load.
+            _ => &[],
+        }
+    }
+}
+
+/// Quantized weights and the two ways of multiplying them.
+///
+/// Few rows (decode, blended prefill's small recompute, verification) multiply the blocks
+/// with int8 activations: [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop
+/// for the last two), candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes
+/// 1.3x faster on them than on QMatrix). Many rows run dense f32 GEMM on panels of weight
+/// rows dequantized into cache ([`QMatrix::matmul_dense`]), so no dense copy of the weights is
+/// kept. candle's k-quant kernels were ~12% faster for many rows too, but a blend at ρ = 1
+/// then drifted from the full prefill (first-token KL 2.9e-4 against 7.5e-13 on panels), so
+/// prefill stays on f32 (docs/performance.md).
 #[derive(Debug)]
-enum Quant {
-    Blocks(QMatrix),
-    Candle(Arc<QTensor>, QMatMul),
+struct Quant {
+    tensor: Arc<QTensor>,
+    /// The same bytes, for QMatrix's kernels (`None` for a format it does not know).
+    blocks: Option<QMatrix>,
+    candle: QMatMul,
+    /// Few-row products on QMatrix's int8 kernels rather than on candle's.
+    own_kernels: bool,
 }
 
 impl Quant {
-    /// Wraps `q`; re-quantizes a format neither path is fast on to Q8_0 when `to_q8` is set.
+    /// Wraps `q`; re-quantizes a format without a SIMD kernel here to Q8_0 when `to_q8` is set.
     fn new(q: QTensor, to_q8: bool) -> Result<Self> {
+        let (rows, cols) = q.shape().dims2()?;
+        // candle's formats without an AVX kernel that QMatrix does not take either.
+        let slow = matches!(q.dtype(), GgmlDType::Q5_1 | GgmlDType::Q8_1);
+        let q = if to_q8 && slow && cols.is_multiple_of(32) {
+            QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
+        } else {
+            q
+        };
         let ty = match q.dtype() {
             GgmlDType::Q8_0 => Some(QType::Q8_0),
             GgmlDType::Q5_0 => Some(QType::Q5_0),
@@ -63,33 +104,38 @@ impl Quant {
             GgmlDType::Q6K => Some(QType::Q6K),
             _ => None,
         };
-        let (rows, cols) = q.shape().dims2()?;
-        if let Some(ty) = ty {
-            let data = q.data()?.into_owned();
-            return Ok(Self::Blocks(QMatrix::new(ty, rows, cols, data)?));
+        if !matches!(q.data()?, Cow::Borrowed(_)) {
+            return Err(EngineError::Internal(
+                "quantized weights are not in CPU memory".into(),
+            ));
         }
-        let slow = !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-        let q = if to_q8 && slow && cols.is_multiple_of(32) {
-            QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
-        } else {
-            q
+        let tensor = Arc::new(q);
+        let blocks = match ty {
+            Some(ty) => Some(QMatrix::new(
+                ty,
+                rows,
+                cols,
+                Arc::new(TensorBytes(tensor.clone())),
+            )?),
+            None => None,
         };
-        let q = Arc::new(q);
-        Ok(Self::Candle(q.clone(), QMatMul::from_arc(q)?))
+        Ok(Self {
+            candle: QMatMul::from_arc(tensor.clone())?,
+            own_kernels: matches!(ty, Some(QType::Q8_0 | QType::Q5_0 | QType::Q4_1)),
+            tensor,
+            blocks,
+        })
     }
 
     /// `(rows, cols)`.
     fn dims(&self) -> Result<(usize, usize)> {
-        Ok(match self {
-            Self::Blocks(m) => (m.rows(), m.cols()),
-            Self::Candle(q, _) => q.shape().dims2()?,
-        })
+        Ok(self.tensor.shape().dims2()?)
     }
 
     /// Rows `ids` of the matrix, dequantized: an embedding lookup `(ids.len(), cols)`.
     fn lookup(&self, ids: &[u32]) -> Result<Tensor> {
-        match self {
-            Self::Blocks(m) => {
+        match &self.blocks {
+            Some(m) => {
                 let mut out = Vec::with_capacity(ids.len() * m.cols());
                 for &id in ids {
                     let j = id as usize;
@@ -97,21 +143,47 @@ impl Quant {
                 }
                 Ok(Tensor::from_vec(out, (ids.len(), m.cols()), &Device::Cpu)?)
             }
-            Self::Candle(q, _) => Ok(q.embedding(&Tensor::new(ids, &Device::Cpu)?)?),
+            None => Ok(self.tensor.embedding(&Tensor::new(ids, &Device::Cpu)?)?),
         }
     }
 
-    /// `x Wᵀ` for rows `x` `(n, cols)`; each row's result independent of the others.
+    /// `x Wᵀ` for rows `x` `(n, cols)` on the few-row kernels: each row's result independent
+    /// of the others.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Self::Blocks(m) => {
+        match &self.blocks {
+            Some(m) if self.own_kernels => {
                 let (n, _) = x.dims2()?;
-                let x = x.flatten_all()?.to_vec1::<f32>()?;
-                let y = m.matmul(&x, n)?;
+                let y = m.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n)?;
                 Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
             }
-            Self::Candle(_, m) => Ok(m.forward(x)?),
+            _ => self.candle_forward(x),
         }
+    }
+
+    /// `x Wᵀ` for many rows: dense f32 GEMM on dequantized panels (candle's kernels for a
+    /// format QMatrix does not know).
+    fn forward_dense(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.blocks {
+            Some(m) => {
+                let (n, _) = x.dims2()?;
+                let y = m.matmul_dense(&x.flatten_all()?.to_vec1::<f32>()?, n)?;
+                Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
+            }
+            _ => self.candle_forward(x),
+        }
+    }
+
+    /// candle's product, kept independent of the row count: its Q6_K kernel takes a compact
+    /// path for one row and repacked tiles for more, which round differently (up to ~1e-5),
+    /// so a single row runs as two. Without this a blend at ρ = 1 is not the full prefill and
+    /// verification could disagree with one-token decode on a near tie. (The tiled path was
+    /// also faster for one row in `examples/qmatmul`-style timing.)
+    fn candle_forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.tensor.dtype() == GgmlDType::Q6K && x.dims2()?.0 == 1 {
+            let two = Tensor::cat(&[x, x], 0)?;
+            return Ok(self.candle.forward(&two)?.narrow(0, 0, 1)?);
+        }
+        Ok(self.candle.forward(x)?)
     }
 }
 
@@ -126,7 +198,7 @@ struct Linear {
 impl Linear {
     fn load(f: &mut GgufFile, name: &str, bias: bool, opts: &LoadOptions) -> Result<Self> {
         let q = f.tensor(&format!("{name}.weight"))?;
-        let dense_t = if opts.dense {
+        let dense_t = if opts.dense && opts.dense_copies {
             Some(q.dequantize(&Device::Cpu)?.t()?)
         } else {
             None
@@ -150,7 +222,8 @@ impl Linear {
     fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor> {
         let y = match (&self.dense_t, dense) {
             (Some(w), true) => x.matmul(w)?,
-            _ => self.quant.forward(x)?,
+            (None, true) => self.quant.forward_dense(x)?,
+            (_, false) => self.quant.forward(x)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -605,4 +678,69 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i + seed) * 7919 % 1000) as f32 / 500.0) - 1.0)
+            .collect()
+    }
+
+    /// A row's product must not depend on which other rows share the call, within each path
+    /// (few rows: exactly; many rows: up to f32 rounding): the ρ = 1 blend identity and
+    /// verification rely on it.
+    #[test]
+    fn each_format_gives_a_row_the_same_result_in_any_batch() -> Result<()> {
+        let (rows, cols) = (64, 512);
+        let w = Tensor::from_vec(values(rows * cols, 0), (rows, cols), &Device::Cpu)?;
+        let x = Tensor::from_vec(values(40 * cols, 3), (40, cols), &Device::Cpu)?;
+        let x = &x;
+        for g in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q5_1,
+        ] {
+            let q = Quant::new(QTensor::quantize(&w, g)?, true)?;
+            // Every row of a batch of n against the same row of the largest batch.
+            let check = |sizes: &[usize], dense: bool| -> Result<()> {
+                let run = |n: usize| -> Result<Vec<Vec<f32>>> {
+                    let x = x.narrow(0, 0, n)?;
+                    let y = if dense {
+                        q.forward_dense(&x)?
+                    } else {
+                        q.forward(&x)?
+                    };
+                    Ok(y.to_vec2::<f32>()?)
+                };
+                let reference = run(*sizes.last().expect("sizes"))?;
+                let scale = reference.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+                for &n in sizes {
+                    for (r, (y, want)) in run(n)?.iter().zip(&reference).enumerate() {
+                        let d = y
+                            .iter()
+                            .zip(want)
+                            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        // Few rows exactly; many rows up to f32 rounding (dense GEMM's
+                        // blocking follows the batch; int8 activation rounding may not).
+                        let tol = if dense { 1e-6 * scale } else { 0.0 };
+                        assert!(
+                            d <= tol,
+                            "{g:?}: row {r} of {n} differs by {d} (scale {scale}, dense {dense})"
+                        );
+                    }
+                }
+                Ok(())
+            };
+            check(&[1, 2, 3, 5, 7], false)?;
+            check(&[8, 9, 13, 17, 40], true)?;
+        }
+        Ok(())
+    }
 }
