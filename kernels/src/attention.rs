@@ -134,6 +134,15 @@ fn tasks(n_head: usize, n_q: usize) -> Vec<(usize, usize)> {
 }
 
 /// Computes `softmax(q kᵀ / sqrt(d)) v` causally by position; returns `(n_q, n_head, head_dim)`.
+///
+/// A row's result is bit-for-bit the same whichever other rows share the call: blended
+/// prefill recomputes a subset of a full prefill's rows, and with int8 activations downstream
+/// (activation rounding turns a last-bit difference into a whole quantization step) any
+/// dependence on the batch would show up in the logits. So the products are written out here
+/// in a fixed order (BLAS-style GEMM picks its blocking and edge kernels from the tile's
+/// shape): each score is a 16-lane dot product with a fixed reduction, and each output row
+/// accumulates its keys in position order. Rows are grouped only to share loads; a row's
+/// masked keys contribute exact zeros.
 pub fn causal_attention(
     q: &[f32],
     pos: &[usize],
@@ -144,42 +153,33 @@ pub fn causal_attention(
     shape.check(q, pos, k, v)?;
     let AttentionShape {
         n_head,
-        n_kv_head,
         head_dim: d,
+        ..
     } = shape;
-    let group = n_head / n_kv_head;
     let n_q = pos.len();
     let tasks = tasks(n_head, n_q);
+    let fma = fma_available();
     let run = |&(h, t): &(usize, usize)| -> Vec<f32> {
         let start = t * TILE;
-        let rows = TILE.min(n_q - start);
-        let (scores, kmax) = tile_probs(q, pos, k, shape, h, start, rows);
-        let g = h / group;
-        let mut out = vec![0f32; rows * d];
-        // SAFETY: `out` is rows x d, scores rows x kmax, v rows 0..kmax (< n_ctx) of head g.
-        unsafe {
-            gemm::gemm(
-                rows,
-                d,
-                kmax,
-                out.as_mut_ptr(),
-                1,
-                d as isize,
-                false,
-                scores.as_ptr(),
-                1,
-                kmax as isize,
-                v.as_ptr().add(g * d),
-                1,
-                (n_kv_head * d) as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
+        let tile = Tile {
+            q,
+            pos,
+            k,
+            v,
+            shape,
+            h,
+            start,
+            rows: TILE.min(n_q - start),
+        };
+        let mut out = vec![0f32; tile.rows * d];
+        #[cfg(target_arch = "x86_64")]
+        if fma {
+            // SAFETY: the CPU has AVX2 and FMA (checked by `fma_available`).
+            unsafe { tile_fma(&tile, &mut out) };
+            return out;
         }
+        let _ = fma;
+        tile.compute::<Portable>(&mut out);
         out
     };
     // A decode step is a few microseconds of work per head: handing it to the thread pool
@@ -197,6 +197,298 @@ pub fn causal_attention(
         }
     }
     Ok(out)
+}
+
+/// Whether the fused multiply-add kernels can run (checked once).
+fn fma_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FMA.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`Tile::compute`] on AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_fma(tile: &Tile<'_>, out: &mut [f32]) {
+    tile.compute::<simd::Avx2>(out)
+}
+
+/// The two primitives of a tile, each with a fixed order of operations: a dot product and a
+/// "row group += probability x value row" step over 16 lanes.
+trait Lanes {
+    /// `a · b`: 16 lane sums, the fixed pairwise reduction (lanes `l` and `l + w` for w = 8,
+    /// 4, 2, 1), then the tail elements in order.
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// `a · b[i]` for four `b`: each exactly [`Lanes::dot`], interleaved so that the four
+    /// dependency chains overlap.
+    fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+        b.map(|b| Self::dot(a, b))
+    }
+    /// `acc[r][l] += p[r] * v[l]` for 16 lanes `l` (`v.len() >= 16`).
+    fn axpy16<const N: usize>(acc: &mut [[f32; 16]; N], p: [f32; N], v: &[f32]);
+}
+
+/// Plain Rust, separate multiply and add: for CPUs without FMA.
+struct Portable;
+
+impl Lanes for Portable {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        let n16 = a.len() / 16 * 16;
+        for (ca, cb) in a[..n16].chunks_exact(16).zip(b[..n16].chunks_exact(16)) {
+            for l in 0..16 {
+                acc[l] += ca[l] * cb[l];
+            }
+        }
+        let mut w = 8;
+        while w > 0 {
+            for l in 0..w {
+                acc[l] += acc[l + w];
+            }
+            w /= 2;
+        }
+        a[n16..]
+            .iter()
+            .zip(&b[n16..])
+            .fold(acc[0], |s, (&x, &y)| s + x * y)
+    }
+
+    #[inline(always)]
+    fn axpy16<const N: usize>(acc: &mut [[f32; 16]; N], p: [f32; N], v: &[f32]) {
+        for (a, &pr) in acc.iter_mut().zip(&p) {
+            for l in 0..16 {
+                a[l] += pr * v[l];
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// AVX2 + FMA: only called from `#[target_feature(enable = "avx2,fma")]` code.
+    pub(super) struct Avx2;
+
+    impl super::Lanes for Avx2 {
+        #[inline(always)]
+        fn dot(a: &[f32], b: &[f32]) -> f32 {
+            let n16 = a.len() / 16 * 16;
+            // SAFETY: reads stay below n16 <= a.len() and b.len() (callers pass equal
+            // lengths); the CPU features are the caller's target features.
+            unsafe {
+                let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut i = 0;
+                while i < n16 {
+                    lo = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(a.as_ptr().add(i)),
+                        _mm256_loadu_ps(b.as_ptr().add(i)),
+                        lo,
+                    );
+                    hi = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                        _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                        hi,
+                    );
+                    i += 16;
+                }
+                // w = 8, 4, 2, 1 of the portable reduction.
+                let s8 = _mm256_add_ps(lo, hi);
+                let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+                a[n16..]
+                    .iter()
+                    .zip(&b[n16..])
+                    .fold(_mm_cvtss_f32(s1), |s, (&x, &y)| x.mul_add(y, s))
+            }
+        }
+
+        #[inline(always)]
+        fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+            let n = a.len();
+            assert!(b.iter().all(|b| b.len() == n));
+            let n16 = n / 16 * 16;
+            // SAFETY: reads stay below n16 <= n, the length of every slice.
+            unsafe {
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                let mut i = 0;
+                while i < n16 {
+                    let a0 = _mm256_loadu_ps(a.as_ptr().add(i));
+                    let a1 = _mm256_loadu_ps(a.as_ptr().add(i + 8));
+                    for t in 0..4 {
+                        lo[t] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b[t].as_ptr().add(i)), lo[t]);
+                        hi[t] =
+                            _mm256_fmadd_ps(a1, _mm256_loadu_ps(b[t].as_ptr().add(i + 8)), hi[t]);
+                    }
+                    i += 16;
+                }
+                let mut out = [0f32; 4];
+                for t in 0..4 {
+                    let s8 = _mm256_add_ps(lo[t], hi[t]);
+                    let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+                    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+                    let mut x = _mm_cvtss_f32(s1);
+                    for (&ai, &bi) in a[n16..].iter().zip(&b[t][n16..]) {
+                        x = ai.mul_add(bi, x);
+                    }
+                    out[t] = x;
+                }
+                out
+            }
+        }
+
+        #[inline(always)]
+        fn axpy16<const N: usize>(acc: &mut [[f32; 16]; N], p: [f32; N], v: &[f32]) {
+            assert!(v.len() >= 16);
+            // SAFETY: 16 values of `v` and of each accumulator row.
+            unsafe {
+                let v0 = _mm256_loadu_ps(v.as_ptr());
+                let v1 = _mm256_loadu_ps(v.as_ptr().add(8));
+                for (a, &pr) in acc.iter_mut().zip(&p) {
+                    let pb = _mm256_set1_ps(pr);
+                    let a0 = _mm256_fmadd_ps(pb, v0, _mm256_loadu_ps(a.as_ptr()));
+                    let a1 = _mm256_fmadd_ps(pb, v1, _mm256_loadu_ps(a.as_ptr().add(8)));
+                    _mm256_storeu_ps(a.as_mut_ptr(), a0);
+                    _mm256_storeu_ps(a.as_mut_ptr().add(8), a1);
+                }
+            }
+        }
+    }
+}
+
+/// Query rows `start..start + rows` of head `h`: the unit of parallel work.
+struct Tile<'a> {
+    q: &'a [f32],
+    pos: &'a [usize],
+    k: &'a [f32],
+    v: &'a [f32],
+    shape: AttentionShape,
+    h: usize,
+    start: usize,
+    rows: usize,
+}
+
+impl Tile<'_> {
+    /// Writes the tile's `rows x d` outputs into `out`.
+    #[inline(always)]
+    fn compute<L: Lanes>(&self, out: &mut [f32]) {
+        let AttentionShape {
+            n_head,
+            n_kv_head,
+            head_dim: d,
+        } = self.shape;
+        let g = self.h / (n_head / n_kv_head);
+        let row = n_kv_head * d;
+        let scale = 1.0 / (d as f32).sqrt();
+        let tile_pos = &self.pos[self.start..self.start + self.rows];
+        let kmax = tile_pos.iter().max().map_or(0, |&p| p + 1);
+        // Probabilities `rows x kmax`, zero past each row's position.
+        let mut probs = vec![0f32; self.rows * kmax];
+        for (r, (pr, &p)) in probs.chunks_exact_mut(kmax).zip(tile_pos).enumerate() {
+            let qi = &self.q[((self.start + r) * n_head + self.h) * d..][..d];
+            let done = (p + 1) / 4 * 4;
+            let live = &mut pr[..=p];
+            let key = |j: usize| &self.k[j * row + g * d..][..d];
+            let mut quads = live.chunks_exact_mut(4);
+            for (c, s) in (&mut quads).enumerate() {
+                let j = 4 * c;
+                let dots = L::dot4(qi, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+                s.iter_mut().zip(dots).for_each(|(s, x)| *s = x * scale);
+            }
+            for (j, s) in quads.into_remainder().iter_mut().enumerate() {
+                *s = L::dot(qi, key(done + j)) * scale;
+            }
+            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in live.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            live.iter_mut().for_each(|s| *s *= inv);
+        }
+        let mut r0 = 0;
+        while r0 < self.rows {
+            let n = ROW_GROUP.min(self.rows - r0);
+            let group = RowGroup {
+                probs: &probs,
+                kmax,
+                r0,
+                jmax: tile_pos[r0..r0 + n].iter().max().map_or(0, |&p| p + 1),
+                v: &self.v[g * d..],
+                row,
+                d,
+            };
+            let out = &mut out[r0 * d..(r0 + n) * d];
+            match n {
+                4 => group.compute::<L, 4>(out),
+                3 => group.compute::<L, 3>(out),
+                2 => group.compute::<L, 2>(out),
+                _ => group.compute::<L, 1>(out),
+            }
+            r0 += n;
+        }
+    }
+}
+
+/// Query rows that share each loaded value row.
+const ROW_GROUP: usize = 4;
+
+/// Output rows `r0..r0 + N` of a tile: `Σ_j p[r][j] v[j]` with keys in position order.
+struct RowGroup<'a> {
+    probs: &'a [f32],
+    kmax: usize,
+    r0: usize,
+    /// One past the furthest position of the group (later keys are zero for every row).
+    jmax: usize,
+    /// Value rows of the head, `row` apart.
+    v: &'a [f32],
+    row: usize,
+    d: usize,
+}
+
+impl RowGroup<'_> {
+    #[inline(always)]
+    fn compute<L: Lanes, const N: usize>(&self, out: &mut [f32]) {
+        let d = self.d;
+        let p = |r: usize, j: usize| self.probs[(self.r0 + r) * self.kmax + j];
+        let mut c = 0;
+        while c + 16 <= d {
+            let mut acc = [[0f32; 16]; N];
+            for j in 0..self.jmax {
+                L::axpy16(
+                    &mut acc,
+                    std::array::from_fn(|r| p(r, j)),
+                    &self.v[j * self.row + c..],
+                );
+            }
+            for (r, a) in acc.iter().enumerate() {
+                out[r * d + c..r * d + c + 16].copy_from_slice(a);
+            }
+            c += 16;
+        }
+        // Head dimensions that are not a multiple of 16: the rest one lane at a time.
+        for l in c..d {
+            for r in 0..N {
+                let mut a = 0f32;
+                for j in 0..self.jmax {
+                    a += p(r, j) * self.v[j * self.row + l];
+                }
+                out[r * d + l] = a;
+            }
+        }
+    }
 }
 
 /// Attention mass each cache row receives: the softmax probabilities of every query row and
@@ -379,6 +671,45 @@ mod tests {
         assert!(err < 1e-4, "max abs diff {err}");
         let total: f32 = got.iter().sum();
         assert!((total - (pos.len() * shape.n_head) as f32).abs() < 1e-2);
+        Ok(())
+    }
+
+    /// A row's output must not depend on the rows computed with it (blended prefill vs full
+    /// prefill): bit for bit, alone, in a short batch and in a long one.
+    #[test]
+    fn a_row_is_bit_identical_whatever_rows_share_the_call() -> Result<()> {
+        let shape = AttentionShape {
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 64,
+        };
+        let n_ctx = 300;
+        let mut rng = StdRng::seed_from_u64(7);
+        let row = shape.n_kv_head * shape.head_dim;
+        let (k, v) = (random(n_ctx * row, &mut rng), random(n_ctx * row, &mut rng));
+        let all: Vec<usize> = (0..n_ctx).collect();
+        let q = random(n_ctx * shape.n_head * shape.head_dim, &mut rng);
+        let full = causal_attention(&q, &all, &k, &v, shape)?;
+        let width = shape.n_head * shape.head_dim;
+        for subset in [
+            vec![5, 250, 299],
+            (100..300).step_by(3).collect(),
+            vec![250],
+        ] {
+            let qs: Vec<f32> = subset
+                .iter()
+                .flat_map(|&p| q[p * width..(p + 1) * width].to_vec())
+                .collect();
+            let got = causal_attention(&qs, &subset, &k, &v, shape)?;
+            for (r, &p) in subset.iter().enumerate() {
+                assert_eq!(
+                    got[r * width..(r + 1) * width],
+                    full[p * width..(p + 1) * width],
+                    "row at position {p} in a batch of {}",
+                    subset.len()
+                );
+            }
+        }
         Ok(())
     }
 

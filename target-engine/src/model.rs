@@ -2,12 +2,15 @@
 //! KV cache, explicit positions, optional per-layer hidden states and a separate LM head.
 //!
 //! Every linear layer keeps only its quantized weights, in the file's block format (`Quant`):
-//! decode and forwards over few rows multiply the blocks directly ([`kernels::QMatrix`]'s
-//! 8-bit kernels, AVX-512 VNNI when the CPU has it, or candle's k-quant kernels) and read
-//! ~5-6.5 bits per weight; forwards over many rows (prefill is compute bound) run dense f32
-//! GEMM on weight panels dequantized into cache. Dense f32
-//! copies of the weights (`LoadOptions::dense_copies`, ≈4x the file in RAM) are optional and
-//! no longer faster; see docs/performance.md.
+//! decode and forwards over few rows multiply the blocks directly with int8 activations
+//! ([`kernels::QMatrix`], AVX-512 VNNI when the CPU has it, or candle's k-quant kernels) and
+//! read ~5-6.5 bits per weight. Forwards over many rows (prefill is compute bound) stay on
+//! int8 when every layer is a k-quant (candle's tiled kernels: the 1.5B target), and otherwise
+//! run dense f32 GEMM on weight panels dequantized into cache. Dense f32 copies of the weights
+//! (`LoadOptions::dense_copies`, ≈4x the file in RAM) are optional and no longer faster.
+//! A row's result never depends on the other rows of its forward beyond f32 rounding in the
+//! panels, and not at all on the int8 paths and in attention: the ρ = 1 blend identity needs
+//! it. See docs/performance.md.
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -70,11 +73,10 @@ impl AsRef<[u8]> for TensorBytes {
 /// Few rows (decode, blended prefill's small recompute, verification) multiply the blocks
 /// with int8 activations: [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop
 /// for the last two), candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes
-/// 1.3x faster on them than on QMatrix). Many rows run dense f32 GEMM on panels of weight
-/// rows dequantized into cache ([`QMatrix::matmul_dense`]), so no dense copy of the weights is
-/// kept. candle's k-quant kernels were ~12% faster for many rows too, but a blend at ρ = 1
-/// then drifted from the full prefill (first-token KL 2.9e-4 against 7.5e-13 on panels), so
-/// prefill stays on f32 (docs/performance.md).
+/// 1.3x faster on them than on QMatrix). Many rows run either the same int8 kernels (a model
+/// made only of k-quants) or dense f32 GEMM on panels of weight rows dequantized into cache
+/// ([`QMatrix::matmul_dense`]), so no dense copy of the weights is kept (`Model::load` picks,
+/// docs/performance.md).
 #[derive(Debug)]
 struct Quant {
     tensor: Arc<QTensor>,
@@ -125,6 +127,12 @@ impl Quant {
             tensor,
             blocks,
         })
+    }
+
+    /// Whether the few-row kernel is also fast for many rows: candle's tiled k-quant GEMM,
+    /// whose result for a row does not depend on the other rows.
+    fn int8_for_many_rows(&self) -> bool {
+        !self.own_kernels && matches!(self.tensor.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
     }
 
     /// `(rows, cols)`.
@@ -311,6 +319,17 @@ impl Model {
             embed.clone()
         };
         let output_norm = norm(&mut f, "output_norm.weight")?;
+        // Many-row forwards stay on int8 when every layer's format has a tiled int8 kernel
+        // that is exact per row (the k-quants): ~2x the f32 panels' prefill speed on the 1.5B
+        // target. A model with any other format keeps f32 panels for all of them, because
+        // mixing the two breaks the ρ = 1 identity: panel GEMM rounds a row differently in a
+        // different batch (~1e-6), and the int8 activation rounding downstream turns that
+        // into whole quantization steps (first-token KL 2.9e-4 on the 0.5B target).
+        let int8_everywhere = layers.iter().all(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                .iter()
+                .all(|x| x.quant.int8_for_many_rows())
+        });
         let (vocab, dim) = embed.dims()?;
         if dim != config.n_embd || vocab < tokenizer.vocab_size() {
             return Err(EngineError::BadGguf {
@@ -333,7 +352,7 @@ impl Model {
             output_norm,
             lm_head,
             dense_min_rows: opts.dense_min_rows.max(1),
-            has_dense: opts.dense,
+            has_dense: opts.dense && !int8_everywhere,
             rope_ok: false,
         };
         let mut model = model;
@@ -697,7 +716,7 @@ mod tests {
     fn each_format_gives_a_row_the_same_result_in_any_batch() -> Result<()> {
         let (rows, cols) = (64, 512);
         let w = Tensor::from_vec(values(rows * cols, 0), (rows, cols), &Device::Cpu)?;
-        let x = Tensor::from_vec(values(40 * cols, 3), (40, cols), &Device::Cpu)?;
+        let x = Tensor::from_vec(values(400 * cols, 3), (400, cols), &Device::Cpu)?;
         let x = &x;
         for g in [
             GgmlDType::Q8_0,
@@ -738,7 +757,7 @@ mod tests {
                 }
                 Ok(())
             };
-            check(&[1, 2, 3, 5, 7], false)?;
+            check(&[1, 2, 3, 5, 7, 40, 129, 400], false)?;
             check(&[8, 9, 13, 17, 40], true)?;
         }
         Ok(())
