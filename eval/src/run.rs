@@ -153,6 +153,7 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
         seed: 0,
         verify: false,
         options,
+        ..Default::default()
     }
 }
 

@@ -169,6 +169,7 @@ fn ask(
             order: ds.order,
             ..options
         },
+        ..Default::default()
     };
     pipeline
         .query_traced(&q, &mut |_| true)

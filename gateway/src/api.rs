@@ -22,7 +22,7 @@ pub const MAX_SEED: u64 = (1 << 53) - 1;
 
 /// An optional integer that JSON may spell `32` or `32.0` (JSON Schema counts both as
 /// integers, so clients and generated clients send either).
-fn de_opt_int<'de, D: serde::Deserializer<'de>>(
+pub(crate) fn de_opt_int<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> std::result::Result<Option<u64>, D::Error> {
     let v: Option<serde_json::Number> = Option::deserialize(d)?;
@@ -185,7 +185,7 @@ impl QueryRequest {
             temperature,
             seed,
             verify: self.verify.unwrap_or(false),
-            options: Default::default(),
+            ..d
         })
     }
 }
@@ -485,6 +485,9 @@ pub struct Answer {
     pub finish_reason: FinishReason,
     /// Generated tokens.
     pub tokens: usize,
+    /// Tokens of the prompt (template, chunks, question).
+    #[serde(default)]
+    pub prompt_tokens: usize,
     pub chunks: Vec<ChunkRef>,
     pub timings: Timings,
     pub reuse: Reuse,

@@ -20,6 +20,7 @@ pub mod input;
 pub mod method;
 pub mod metrics;
 pub mod models;
+pub mod openai;
 pub mod pipeline;
 pub mod process;
 pub mod server;

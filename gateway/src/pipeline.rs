@@ -63,7 +63,11 @@ pub struct QueryOptions {
 /// A validated query.
 #[derive(Debug, Clone)]
 pub struct Query {
+    /// The question: what retrieval searches for and what the prompt ends with.
     pub query: String,
+    /// Plain text placed before the question, after the chunks (an OpenAI client's system
+    /// message and earlier turns); recomputed on every request.
+    pub context: String,
     pub collection: String,
     pub top_k: usize,
     pub method: Method,
@@ -71,6 +75,10 @@ pub struct Query {
     pub ratio: f64,
     pub max_tokens: usize,
     pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probabilities reach this mass.
+    pub top_p: f32,
+    /// Generation ends before the first of these strings (not with `verify`).
+    pub stop: Vec<String>,
     pub seed: u64,
     pub verify: bool,
     pub options: QueryOptions,
@@ -80,12 +88,15 @@ impl Default for Query {
     fn default() -> Self {
         Self {
             query: String::new(),
+            context: String::new(),
             collection: "default".into(),
             top_k: 4,
             method: Method::TargetProbe,
             ratio: 0.15,
             max_tokens: 128,
             temperature: 0.0,
+            top_p: 1.0,
+            stop: Vec::new(),
             seed: 0,
             verify: false,
             options: QueryOptions::default(),
@@ -310,10 +321,12 @@ impl Pipeline {
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
-        let asm = self
-            .engines
-            .template
-            .assemble(target.tokenizer(), &texts, &q.query);
+        let asm = self.engines.template.assemble_with_context(
+            target.tokenizer(),
+            &texts,
+            &q.context,
+            &q.query,
+        );
         let context = target.config().context_length;
         if asm.ids.len() + q.max_tokens > context {
             // With no chunk retrieved the question alone is too long: name the query.
@@ -431,6 +444,7 @@ impl Pipeline {
             method: q.method,
             finish_reason: g.finish,
             tokens: g.ids.len(),
+            prompt_tokens: asm.ids.len(),
             chunks: hits
                 .into_iter()
                 .map(|h| ChunkRef {
@@ -629,10 +643,10 @@ impl Pipeline {
             max_tokens: q.max_tokens,
             sampling: SamplingParams {
                 temperature: q.temperature,
-                top_p: 1.0,
+                top_p: q.top_p,
                 seed: q.seed,
             },
-            stop: Vec::new(),
+            stop: q.stop.clone(),
         };
         let mut cache = out.cache;
         let g = self.engines.target.decode_stream(

@@ -101,6 +101,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub metrics: Arc<Metrics>,
     pub config: Arc<ServerConfig>,
+    /// When the server started, Unix seconds (`/v1/models`' `created`).
+    pub started_unix: u64,
 }
 
 impl AppState {
@@ -113,12 +115,17 @@ impl AppState {
             engine,
             metrics,
             config: Arc::new(config),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
         }
     }
 }
 
 /// Largest `/rag/query` body (the question is at most 8192 characters).
 const QUERY_BODY_LIMIT: usize = 64 * 1024;
+/// Largest `/v1/chat/completions` body (the question, 16 Ki characters of earlier turns).
+const OPENAI_BODY_LIMIT: usize = 256 * 1024;
 /// Largest `/documents` body.
 const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;
 
@@ -184,7 +191,7 @@ impl From<QueryRejection> for ApiError {
 }
 
 impl ApiError {
-    fn problem(&self) -> (StatusCode, Problem) {
+    pub(crate) fn problem(&self) -> (StatusCode, Problem) {
         let (status, detail, field) = match self {
             Self::Gateway(e) => {
                 let (status, field) = match e.fault() {
@@ -261,7 +268,7 @@ struct InternalDetail(String);
 /// The request id `observe` assigned, for handlers that answer errors outside a response
 /// body (a stream's `error` event).
 #[derive(Debug, Clone)]
-struct RequestId(String);
+pub(crate) struct RequestId(pub(crate) String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -300,8 +307,16 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/documents/{id}", delete(delete_document))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    // The OpenAI routes check keys themselves: their errors have OpenAI's shape.
+    let openai = Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(crate::openai::chat_completions).layer(DefaultBodyLimit::max(OPENAI_BODY_LIMIT)),
+        )
+        .route("/v1/models", get(crate::openai::list_models));
     Router::new()
         .merge(protected)
+        .merge(openai)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi_json))
@@ -377,7 +392,7 @@ async fn require_key(
 }
 
 /// A collection outside the key's reach answers exactly as a missing one would: 404.
-fn reach(grant: &Grant, collection: &str) -> Result<(), ApiError> {
+pub(crate) fn reach(grant: &Grant, collection: &str) -> Result<(), ApiError> {
     if grant.allows(collection) {
         Ok(())
     } else {
@@ -387,7 +402,7 @@ fn reach(grant: &Grant, collection: &str) -> Result<(), ApiError> {
     }
 }
 
-fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
+pub(crate) fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
     state.engine.submit(job).map_err(|e| {
         if e == SubmitError::Busy {
             state.metrics.busy();
@@ -833,11 +848,21 @@ impl utoipa::Modify for Security {
         description = "RAG serving gateway with selective KV-cache reuse: chunk KV is precomputed at ingestion and reused at query time; a small speculative model picks the tokens the target model recomputes.",
         license(name = "Apache-2.0")
     ),
-    paths(rag_query, post_documents, list_documents, delete_document, health, metrics),
+    paths(
+        rag_query,
+        post_documents,
+        list_documents,
+        delete_document,
+        health,
+        metrics,
+        crate::openai::chat_completions,
+        crate::openai::list_models
+    ),
     modifiers(&Security),
     tags(
         (name = "query", description = "Answering questions"),
         (name = "documents", description = "Filling and inspecting collections"),
+        (name = "openai", description = "OpenAI-compatible chat completions over a collection"),
         (name = "operations", description = "Health and metrics")
     )
 )]

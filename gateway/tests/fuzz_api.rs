@@ -103,8 +103,11 @@ fn api_matches_its_openapi_document_under_fuzzing() {
     let _server = Server(child);
     wait_healthy(port, &log);
     // schemathesis keeps state in its working directory: keep it out of the source tree.
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/schemathesis.toml");
     let out = Command::new(&exe)
         .current_dir(tmp.path())
+        .arg("--config-file")
+        .arg(&config)
         .args(["run", &format!("http://127.0.0.1:{port}/openapi.json")])
         .args([
             "--checks",

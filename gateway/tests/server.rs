@@ -723,3 +723,312 @@ async fn a_path_that_is_not_utf8_answers_a_problem() -> TestResult {
     assert_eq!(p["status"], 400);
     Ok(())
 }
+
+/// The `data:` payloads of an OpenAI stream, `[DONE]` included.
+fn sse_data(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_chat_completions_answer_as_rag_query_plain_and_streamed() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let (_, body, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "where is the antenna?", "max_tokens": 8, "top_k": 2, "method": "epic"}),
+        ),
+    )
+    .await;
+    let rag: Value = serde_json::from_str(&body)?;
+
+    // The same question through the chat route: the same answer, usage and RAG details.
+    let chat = json!({
+        "model": "specrag",
+        "messages": [{"role": "user", "content": "where is the antenna?"}],
+        "max_tokens": 8,
+        "specrag": {"top_k": 2, "method": "epic"},
+    });
+    let (status, body, _) = send(&s, post("/v1/chat/completions", &chat)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], rag["answer"]);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["usage"]["completion_tokens"], rag["tokens"]);
+    let prompt = v["usage"]["prompt_tokens"]
+        .as_u64()
+        .ok_or("prompt_tokens")?;
+    assert_eq!(Some(prompt), rag["prompt_tokens"].as_u64());
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64(),
+        Some(
+            prompt
+                + v["usage"]["completion_tokens"]
+                    .as_u64()
+                    .ok_or("completion")?
+        )
+    );
+    assert_eq!(v["specrag"]["chunks"].as_array().map(Vec::len), Some(2));
+    assert_eq!(v["specrag"]["method"], "epic");
+    let finish = v["choices"][0]["finish_reason"].as_str().ok_or("finish")?;
+    assert!(finish == "stop" || finish == "length", "{finish}");
+
+    // Earlier turns and a system message go into the recomputed question segment: a longer
+    // prompt, never a different prefix (the chunk KV is reused all the same).
+    let mut multi = chat.clone();
+    multi["messages"] = json!([
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "what is in the tin?"},
+        {"role": "assistant", "content": "nails"},
+        {"role": "user", "content": [{"type": "text", "text": "where is the antenna?"}]},
+    ]);
+    let (status, body, _) = send(&s, post("/v1/chat/completions", &multi)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let m: Value = serde_json::from_str(&body)?;
+    assert!(
+        m["usage"]["prompt_tokens"].as_u64() > Some(prompt),
+        "{body}"
+    );
+    assert_eq!(
+        m["specrag"]["chunks"], v["specrag"]["chunks"],
+        "retrieval reads the last turn"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_streamed_chunks_add_up_to_the_plain_answer() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let chat = json!({
+        "model": "specrag",
+        "messages": [{"role": "user", "content": "where is the antenna?"}],
+        "max_tokens": 8,
+        "specrag": {"top_k": 2, "method": "epic"},
+    });
+    let (_, body, _) = send(&s, post("/v1/chat/completions", &chat)).await;
+    let v: Value = serde_json::from_str(&body)?;
+    let finish = v["choices"][0]["finish_reason"].as_str().ok_or("finish")?;
+
+    // Streamed: a role chunk, content chunks adding up to the same text, a finish chunk
+    // carrying `specrag`, a usage chunk without choices, then [DONE].
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, text, headers) = send(&s, post("/v1/chat/completions", &streamed)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert!(header(&headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream")));
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        Some(content.as_str()),
+        v["choices"][0]["message"]["content"].as_str()
+    );
+    let finished = &chunks[chunks.len() - 2];
+    assert_eq!(finished["choices"][0]["finish_reason"], finish);
+    assert_eq!(
+        finished["specrag"]["chunks"].as_array().map(Vec::len),
+        Some(2)
+    );
+    let last = &chunks[chunks.len() - 1];
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], v["usage"]);
+
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_verified_stream_sends_only_committed_text() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let ask = |method: &str, stream: bool| {
+        json!({
+            "model": "specrag", "stream": stream, "max_tokens": 10,
+            "messages": [{"role": "user", "content": "the thin ant"}],
+            "specrag": {"method": method, "verify": method != "full_recompute", "recompute_ratio": 0.0},
+        })
+    };
+    let (_, body, _) = send(
+        &s,
+        post("/v1/chat/completions", &ask("full_recompute", false)),
+    )
+    .await;
+    let full: Value = serde_json::from_str(&body)?;
+    let (status, text, _) = send(&s, post("/v1/chat/completions", &ask("full_reuse", true))).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let data = sse_data(&text);
+    let content: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d))
+        .collect::<Result<Vec<_>, _>>()?
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(
+        Some(content.as_str()),
+        full["choices"][0]["message"]["content"].as_str()
+    );
+    assert!(
+        text.contains("\"verify\""),
+        "the finish chunk carries verification: {text}"
+    );
+    Ok(())
+}
+
+/// Bad chat requests (fields patched into a valid one), the status and the `param` named.
+fn openai_bad_requests() -> Vec<(Value, StatusCode, &'static str)> {
+    vec![
+        (json!({"model": "gpt-4o"}), StatusCode::NOT_FOUND, "model"),
+        (json!({"n": 2}), StatusCode::BAD_REQUEST, "n"),
+        (
+            json!({"tools": [{"type": "function"}]}),
+            StatusCode::BAD_REQUEST,
+            "tools",
+        ),
+        (
+            json!({"logprobs": true}),
+            StatusCode::BAD_REQUEST,
+            "logprobs",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            StatusCode::BAD_REQUEST,
+            "response_format",
+        ),
+        (json!({"messages": []}), StatusCode::BAD_REQUEST, "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+            StatusCode::BAD_REQUEST,
+            "messages[1].role",
+        ),
+        (
+            json!({"specrag": {"top_k": 0}}),
+            StatusCode::BAD_REQUEST,
+            "specrag.top_k",
+        ),
+        (
+            json!({"specrag": {"method": "oracle"}}),
+            StatusCode::BAD_REQUEST,
+            "specrag.method",
+        ),
+        (
+            json!({"max_tokens": 0}),
+            StatusCode::BAD_REQUEST,
+            "max_tokens",
+        ),
+        (json!({"top_p": 0.0}), StatusCode::BAD_REQUEST, "top_p"),
+        (
+            json!({"stop": ["a", "b", "c", "d", "e"]}),
+            StatusCode::BAD_REQUEST,
+            "stop",
+        ),
+        (
+            json!({"stop": "x", "specrag": {"verify": true}}),
+            StatusCode::BAD_REQUEST,
+            "stop",
+        ),
+        (
+            json!({"specrag": {"collection": "no way"}}),
+            StatusCode::BAD_REQUEST,
+            "specrag.collection",
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_errors_have_openai_shape_and_name_the_param() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let s = state(p.clone(), ServerConfig::default());
+    let ok = json!({"model": "specrag", "messages": [{"role": "user", "content": "ant"}]});
+    let cases = openai_bad_requests();
+    for (patch, want, param) in cases {
+        let mut body = ok.clone();
+        for (k, v) in patch.as_object().ok_or("object")? {
+            body[k] = v.clone();
+        }
+        let (status, text, _) = send(&s, post("/v1/chat/completions", &body)).await;
+        assert_eq!(status, want, "{patch}: {text}");
+        let v: Value = serde_json::from_str(&text)?;
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{text}"
+        );
+        assert!(v["error"]["type"].is_string(), "{text}");
+        assert_eq!(v["error"]["param"], param, "{patch}: {text}");
+    }
+    let (status, text, _) = send(&s, post("/v1/chat/completions", &json!({"model": 3}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(serde_json::from_str::<Value>(&text)?["error"]["message"].is_string());
+    let (_, text, _) = send(
+        &s,
+        post(
+            "/v1/chat/completions",
+            &json!({"model": "gpt-4o", "messages": []}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&text)?["error"]["code"],
+        "model_not_found"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_routes_take_the_same_keys_and_list_their_models() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let ok = json!({"model": "specrag", "messages": [{"role": "user", "content": "ant"}]});
+    // Keys: the same bearer keys as /rag/query, answered in OpenAI's shape.
+    let keyed = state(
+        pipeline(dir.path())?,
+        ServerConfig {
+            api_keys: vec!["sekrit".parse()?],
+            ..Default::default()
+        },
+    );
+    let (status, text, headers) = send(&keyed, post("/v1/chat/completions", &ok)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(header(&headers, "www-authenticate"), Some("Bearer"));
+    assert_eq!(
+        serde_json::from_str::<Value>(&text)?["error"]["type"],
+        "authentication_error"
+    );
+    let req = with_key(Request::get("/v1/models").body(Body::empty())?, "sekrit");
+    let (status, text, _) = send(&keyed, req).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let models: Value = serde_json::from_str(&text)?;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .ok_or("data")?
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["target", "specrag"]);
+    let req = with_key(post("/v1/chat/completions", &ok), "sekrit");
+    assert_eq!(send(&keyed, req).await.0, StatusCode::OK);
+    Ok(())
+}

@@ -125,16 +125,44 @@ impl RagTemplate {
 
     /// The question segment: the question as plain text, then the assistant header.
     pub fn question(&self, tok: &Tokenizer, question: &str) -> (String, Vec<u32>) {
+        self.question_with_context(tok, "", question)
+    }
+
+    /// The question segment with `context` (a client's instructions and earlier turns, as
+    /// plain text: control tokens in it are not parsed) before the question. It sits after the
+    /// chunks, so it never changes the prefix that chunk KV was precomputed after.
+    pub fn question_with_context(
+        &self,
+        tok: &Tokenizer,
+        context: &str,
+        question: &str,
+    ) -> (String, Vec<u32>) {
         let tail = "<|im_end|>\n<|im_start|>assistant\n";
-        let mut ids = tok
-            .encode(&format!("Question: {}", question.trim()), false)
-            .ids;
+        let context = context.trim();
+        let text = if context.is_empty() {
+            format!("Question: {}", question.trim())
+        } else {
+            format!("{context}\n\nQuestion: {}", question.trim())
+        };
+        let mut ids = tok.encode(&text, false).ids;
         ids.extend(tok.encode(tail, true).ids);
-        (format!("Question: {}{tail}", question.trim()), ids)
+        (format!("{text}{tail}"), ids)
     }
 
     /// Assembles prefix, chunk texts and question.
     pub fn assemble(&self, tok: &Tokenizer, chunks: &[&str], question: &str) -> Assembly {
+        self.assemble_with_context(tok, chunks, "", question)
+    }
+
+    /// [`RagTemplate::assemble`] with `context` before the question
+    /// ([`RagTemplate::question_with_context`]).
+    pub fn assemble_with_context(
+        &self,
+        tok: &Tokenizer,
+        chunks: &[&str],
+        context: &str,
+        question: &str,
+    ) -> Assembly {
         let mut a = Assembly::default();
         let (t, ids) = self.prefix(tok);
         a.push(SegmentKind::Prefix, &t, &ids);
@@ -142,7 +170,7 @@ impl RagTemplate {
             let (t, ids) = self.chunk(tok, c);
             a.push(SegmentKind::Chunk(i), &t, &ids);
         }
-        let (t, ids) = self.question(tok, question);
+        let (t, ids) = self.question_with_context(tok, context, question);
         a.push(SegmentKind::Question, &t, &ids);
         a
     }
