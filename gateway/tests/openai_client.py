@@ -1,0 +1,92 @@
+"""The official `openai` Python client against a specrag server (run by openai_client.rs).
+
+Usage: openai_client.py BASE_URL API_KEY. Prints one line per check; exits non-zero on the
+first failure.
+"""
+import sys
+
+import openai
+
+base_url, key = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+models = [m.id for m in client.models.list()]
+assert "specrag" in models, models
+print("models:", models)
+
+# A plain completion, with the RAG options through extra_body.
+plain = client.chat.completions.create(
+    model="specrag",
+    messages=[{"role": "user", "content": "What does specrag store for each chunk?"}],
+    max_tokens=8,
+    extra_body={"specrag": {"top_k": 2, "method": "epic", "recompute_ratio": 0.15}},
+)
+choice = plain.choices[0]
+assert choice.message.role == "assistant"
+assert choice.finish_reason in ("stop", "length"), choice.finish_reason
+assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+rag = plain.model_extra["specrag"]
+assert len(rag["chunks"]) == 2 and rag["method"] == "epic", rag
+print("plain:", repr(choice.message.content), plain.usage)
+
+# Streamed: the pieces add up to the same answer; usage on the last chunk.
+pieces, usage, finish = [], None, None
+stream = client.chat.completions.create(
+    model="specrag",
+    messages=[{"role": "user", "content": "What does specrag store for each chunk?"}],
+    max_tokens=8,
+    stream=True,
+    stream_options={"include_usage": True},
+    extra_body={"specrag": {"top_k": 2, "method": "epic", "recompute_ratio": 0.15}},
+)
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for c in chunk.choices:
+        if c.delta.content:
+            pieces.append(c.delta.content)
+        if c.finish_reason:
+            finish = c.finish_reason
+assert "".join(pieces) == choice.message.content, (pieces, choice.message.content)
+assert finish == choice.finish_reason and usage == plain.usage, (finish, usage)
+print("streamed:", len(pieces), "pieces", usage)
+
+# A conversation: earlier turns and a system message lengthen the prompt.
+multi = client.chat.completions.create(
+    model="specrag",
+    messages=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is specrag?"},
+        {"role": "assistant", "content": "A RAG serving gateway."},
+        {"role": "user", "content": "What does specrag store for each chunk?"},
+    ],
+    max_tokens=4,
+    extra_body={"specrag": {"top_k": 2, "method": "epic"}},
+)
+assert multi.usage.prompt_tokens > plain.usage.prompt_tokens, (multi.usage, plain.usage)
+print("conversation:", multi.usage)
+
+# A bad request raises the client's documented error type, naming the parameter.
+try:
+    client.chat.completions.create(
+        model="specrag", messages=[{"role": "user", "content": "x"}], n=2
+    )
+    raise AssertionError("n=2 was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and e.body["param"] == "n", e.body
+    print("bad request:", e.body["message"])
+try:
+    client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    raise AssertionError("an unknown model was accepted")
+except openai.NotFoundError as e:
+    assert e.body["code"] == "model_not_found", e.body
+    print("unknown model:", e.body["message"])
+
+# An invalid key.
+try:
+    openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    raise AssertionError("a wrong key was accepted")
+except openai.AuthenticationError as e:
+    assert e.status_code == 401
+    print("wrong key: 401")
+print("ok")
