@@ -10,9 +10,11 @@
 # - schemathesis (PyPI) in a virtual environment at $SPECRAG_CACHE/venv-schemathesis, used by
 #   `gateway/tests/fuzz_api.rs` to fuzz the HTTP API against its own OpenAPI document;
 # - the official `openai` client (PyPI) in $SPECRAG_CACHE/venv-openai, used by
-#   `gateway/tests/openai_client.rs` against the OpenAI-compatible route.
+#   `gateway/tests/openai_client.rs` against the OpenAI-compatible route;
+# - Debian's chromium and chromium-driver (apt, as root) and selenium (PyPI) in
+#   $SPECRAG_CACHE/venv-web, used by `gateway/tests/web_page.rs` to drive the web page.
 #
-# Components later tests need (a Redis server, Chromium, a Python client) are added here too.
+# Components later tests need (a Redis server, ...) are added here too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${SPECRAG_CACHE:-$HOME/.cache/specrag}"
@@ -47,4 +49,22 @@ if [ ! -x "$OVENV/bin/python" ] || ! "$OVENV/bin/python" -c "import openai" 2>/d
     "$OVENV/bin/pip" install --quiet --disable-pip-version-check 'openai>=1.50,<3'
 fi
 "$OVENV/bin/python" -c "import openai; print('openai', openai.__version__)"
+echo "== setup: headless Chromium and selenium (the web page test)"
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "error: install your distribution's chromium and chromium-driver packages" >&2
+        exit 1
+    fi
+fi
+WVENV="$CACHE/venv-web"
+if [ ! -x "$WVENV/bin/python" ] || ! "$WVENV/bin/python" -c "import selenium" 2>/dev/null; then
+    rm -rf "$WVENV"
+    python3 -m venv "$WVENV"
+    "$WVENV/bin/pip" install --quiet --disable-pip-version-check 'selenium>=4.20,<5'
+fi
+"$WVENV/bin/python" -c "import selenium; print('selenium', selenium.__version__)"
+/usr/bin/chromium --version
 echo "== setup: done"

@@ -317,6 +317,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(protected)
         .merge(openai)
+        .route("/", get(web_page))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi_json))
@@ -890,6 +891,13 @@ async fn openapi_json() -> Response {
 const SWAGGER_JS: &[u8] = include_bytes!("../assets/swagger-ui/swagger-ui-bundle.js");
 const SWAGGER_CSS: &[u8] = include_bytes!("../assets/swagger-ui/swagger-ui.css");
 const SWAGGER_ICON: &[u8] = include_bytes!("../assets/swagger-ui/favicon-32x32.png");
+
+/// The web page: ask a collection, watch the answer stream, its sources, TTFT split and reuse,
+/// and compare with full recompute. Served from the binary (no network at run time); it asks
+/// for an API key when the server answers 401.
+async fn web_page() -> Html<&'static str> {
+    Html(include_str!("../assets/web/index.html"))
+}
 
 async fn docs_index() -> Html<&'static str> {
     Html(
