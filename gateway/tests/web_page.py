@@ -1,10 +1,12 @@
 """Drives the web page in headless Chromium (Debian's chromium and chromium-driver, through
 selenium; run by web_page.rs).
 
-Usage: web_page.py URL SCREENSHOT [KEY]. Asks a question with "compare" on, waits for both
+Usage: web_page.py URL SCREENSHOT [KEY] (WEB_QUESTION and WEB_MAX_TOKENS change the question
+and the answer length, e.g. for the README's screenshot on the default models). Asks a question with "compare" on, waits for both
 streamed answers and their sources, and saves a screenshot. With KEY the server needs one: the
 page must ask for it after the first 401, then answer once it is entered.
 """
+import os
 import re
 import sys
 
@@ -26,9 +28,11 @@ try:
     wait = WebDriverWait(driver, 120)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#method option"))
     status = lambda d: d.find_element(By.ID, "status").text
-    driver.find_element(By.ID, "question").send_keys("What does specrag store for each chunk?")
+    driver.find_element(By.ID, "question").send_keys(
+        os.environ.get("WEB_QUESTION", "What does specrag store for each chunk?")
+    )
     driver.find_element(By.ID, "max_tokens").clear()
-    driver.find_element(By.ID, "max_tokens").send_keys("12")
+    driver.find_element(By.ID, "max_tokens").send_keys(os.environ.get("WEB_MAX_TOKENS", "12"))
     if key:
         driver.find_element(By.ID, "go").click()
         wait.until(lambda d: "API key" in status(d))
