@@ -86,7 +86,7 @@ pub enum SubmitError {
 /// A cheap, cloneable handle to the engine thread.
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
-    tx: SyncSender<Job>,
+    tx: SyncSender<(Job, Instant)>,
     depth: Arc<AtomicUsize>,
     capacity: usize,
 }
@@ -95,7 +95,7 @@ impl EngineHandle {
     /// Queues `job`, or says the queue is full.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
         self.depth.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(job) {
+        match self.tx.try_send((job, Instant::now())) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.depth.fetch_sub(1, Ordering::SeqCst);
@@ -120,7 +120,7 @@ impl EngineHandle {
 
 /// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs.
 pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) -> EngineHandle {
-    let (tx, rx) = sync_channel::<Job>(capacity.max(1));
+    let (tx, rx) = sync_channel::<(Job, Instant)>(capacity.max(1));
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
     std::thread::Builder::new()
@@ -135,7 +135,7 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
                 capacity: capacity.max(1),
             };
             loop {
-                let job = match engine.deferred.pop_front() {
+                let (job, queued) = match engine.deferred.pop_front() {
                     Some(job) => job,
                     None => match rx.recv() {
                         Ok(job) => job,
@@ -143,6 +143,7 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
                     },
                 };
                 d.fetch_sub(1, Ordering::SeqCst);
+                metrics.queued(queued.elapsed());
                 guarded(|| engine.run(job));
             }
         })
@@ -195,11 +196,11 @@ fn guarded(f: impl FnOnce()) {
 struct Engine<'a> {
     pipeline: &'a Pipeline,
     metrics: &'a Metrics,
-    rx: &'a std::sync::mpsc::Receiver<Job>,
+    rx: &'a std::sync::mpsc::Receiver<(Job, Instant)>,
     depth: &'a AtomicUsize,
     /// Jobs taken off the queue during an ingestion (to reach the queries behind them) that
     /// run after it, in order; still counted in `depth`.
-    deferred: VecDeque<Job>,
+    deferred: VecDeque<(Job, Instant)>,
     /// At most this many jobs are deferred, so the queue bound still holds (twice over).
     capacity: usize,
 }
@@ -239,7 +240,7 @@ impl Engine<'_> {
     /// running ingestion ends (while there is room).
     fn serve_waiting_queries(&mut self) {
         while self.deferred.len() < self.capacity {
-            let Ok(job) = self.rx.try_recv() else {
+            let Ok((job, queued)) = self.rx.try_recv() else {
                 return;
             };
             match job {
@@ -249,9 +250,10 @@ impl Engine<'_> {
                     events,
                 } => {
                     self.depth.fetch_sub(1, Ordering::SeqCst);
+                    self.metrics.queued(queued.elapsed());
                     guarded(|| run_query(self.pipeline, self.metrics, &query, deadline, &events));
                 }
-                job => self.deferred.push_back(job),
+                job => self.deferred.push_back((job, queued)),
             }
         }
     }

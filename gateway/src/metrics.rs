@@ -1,243 +1,305 @@
-//! Prometheus text exposition of the server's counters, written by hand: a few counters,
-//! gauges and fixed-bucket histograms do not need a metrics framework.
+//! The server's metrics through the `metrics` facade, rendered by its Prometheus exporter (as
+//! TGI does). Each server owns its recorder (no global one: tests run several servers in one
+//! process), and `/metrics` renders it.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+use std::time::Duration;
 
 /// Latency buckets (seconds): CPU prefill of a few thousand tokens takes seconds to a minute.
 const LATENCY_BUCKETS: [f64; 12] = [
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
 ];
 const RATIO_BUCKETS: [f64; 8] = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0];
+/// Inter-token latency buckets (seconds): decode takes tens of milliseconds per token on CPU.
+const TOKEN_BUCKETS: [f64; 10] = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5, 1.0];
+/// Queue wait buckets (seconds): from none to minutes behind an ingestion.
+const QUEUE_BUCKETS: [f64; 10] = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0];
 
-#[derive(Debug, Clone, Default)]
-struct Histogram {
-    /// Cumulative counts per bucket bound, then +Inf.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    fn observe(&mut self, bounds: &[f64], v: f64) {
-        if self.counts.is_empty() {
-            self.counts = vec![0; bounds.len()];
-        }
-        for (c, b) in self.counts.iter_mut().zip(bounds) {
-            if v <= *b {
-                *c += 1;
-            }
-        }
-        self.sum += v;
-        self.count += 1;
-    }
-
-    fn write(&self, out: &mut String, name: &str, labels: &str, bounds: &[f64]) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (c, b) in self.counts.iter().zip(bounds) {
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {c}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
-            self.count
-        );
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {}", self.count);
-    }
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    requests: BTreeMap<(String, u16), u64>,
-    ttft: BTreeMap<String, Histogram>,
-    total: BTreeMap<String, Histogram>,
-    ratio: Histogram,
-    chunks: BTreeMap<&'static str, u64>,
-    tokens: u64,
-    rejected_busy: u64,
-    timeouts: u64,
-}
+const REQUESTS: &str = "specrag_requests_total";
+const TTFT: &str = "specrag_ttft_seconds";
+const TOTAL: &str = "specrag_request_seconds";
+const RATIO: &str = "specrag_recompute_ratio";
+const CHUNKS: &str = "specrag_chunk_loads_total";
+const TOKENS: &str = "specrag_tokens_generated_total";
+const QUEUE_DEPTH: &str = "specrag_queue_depth";
+const REJECTED: &str = "specrag_rejected_total";
+const LOOKUPS: &str = "specrag_store_lookups_total";
+const CORRUPT: &str = "specrag_store_corrupt_total";
+const BYTES: &str = "specrag_store_bytes";
+const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
+const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 
 /// The server's metrics. Cheap to update from any thread.
-#[derive(Debug, Default)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut b = PrometheusBuilder::new();
+        for (name, buckets) in [
+            (TTFT, &LATENCY_BUCKETS[..]),
+            (TOTAL, &LATENCY_BUCKETS[..]),
+            (RATIO, &RATIO_BUCKETS[..]),
+            (INTER_TOKEN, &TOKEN_BUCKETS[..]),
+            (QUEUE_TIME, &QUEUE_BUCKETS[..]),
+        ] {
+            // Only fails for an empty bucket list.
+            b = b
+                .set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+        }
+        let recorder = b.build_recorder();
+        let handle = recorder.handle();
+        let m = Self { recorder, handle };
+        m.with(|| {
+            use metrics::{describe_counter, describe_gauge, describe_histogram};
+            describe_counter!(REQUESTS, "HTTP requests by route and status.");
+            describe_histogram!(TTFT, "Time to first token by method.");
+            describe_histogram!(TOTAL, "Total query latency by method.");
+            describe_histogram!(RATIO, "Recomputed share of chunk tokens per query.");
+            describe_counter!(CHUNKS, "Chunk KV loads by tier.");
+            describe_counter!(TOKENS, "Generated tokens.");
+            describe_gauge!(QUEUE_DEPTH, "Requests waiting for the engine.");
+            describe_counter!(REJECTED, "Requests turned away, by reason.");
+            describe_counter!(LOOKUPS, "Chunk store lookups by tier and result.");
+            describe_counter!(CORRUPT, "Stored blobs found damaged and dropped.");
+            describe_gauge!(BYTES, "Bytes held by each store tier.");
+            describe_histogram!(
+                INTER_TOKEN,
+                "Mean time between generated tokens of each answer, by method."
+            );
+            describe_histogram!(QUEUE_TIME, "Time a job waited in the queue for the engine.");
+            // Families with a fixed label set are present from the start.
+            for tier in ["memory", "disk", "recomputed"] {
+                metrics::counter!(CHUNKS, "tier" => tier).increment(0);
+            }
+            for reason in ["queue_full", "deadline"] {
+                metrics::counter!(REJECTED, "reason" => reason).increment(0);
+            }
+            metrics::counter!(TOKENS).increment(0);
+        });
+        m
+    }
 }
 
 impl Metrics {
-    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
-        // A panic while holding the lock cannot leave the counters inconsistent in a way
-        // that matters more than losing them, so a poisoned lock is used as is.
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut g)
+    fn with<R>(&self, f: impl FnOnce() -> R) -> R {
+        metrics::with_local_recorder(&self.recorder, f)
     }
 
     /// One finished HTTP request.
     pub fn request(&self, route: &str, status: u16) {
-        self.with(|m| *m.requests.entry((route.to_string(), status)).or_default() += 1);
+        self.with(|| {
+            metrics::counter!(REQUESTS, "route" => route.to_string(), "status" => status.to_string())
+                .increment(1);
+        });
     }
 
     /// One answered query.
     pub fn answer(&self, a: &crate::pipeline::Answer) {
-        self.with(|m| {
-            let method = a.method.name().to_string();
-            m.ttft
-                .entry(method.clone())
-                .or_default()
-                .observe(&LATENCY_BUCKETS, a.timings.ttft_ms / 1e3);
-            m.total
-                .entry(method)
-                .or_default()
-                .observe(&LATENCY_BUCKETS, a.timings.total_ms / 1e3);
-            if a.reuse.chunk_tokens > 0 {
-                m.ratio.observe(&RATIO_BUCKETS, a.reuse.ratio);
+        self.with(|| {
+            let method = a.method.name();
+            metrics::histogram!(TTFT, "method" => method).record(a.timings.ttft_ms / 1e3);
+            metrics::histogram!(TOTAL, "method" => method).record(a.timings.total_ms / 1e3);
+            if a.tokens > 1 {
+                metrics::histogram!(INTER_TOKEN, "method" => method)
+                    .record(a.timings.decode_ms / 1e3 / (a.tokens - 1) as f64);
             }
-            *m.chunks.entry("memory").or_default() += a.reuse.chunks_from_memory as u64;
-            *m.chunks.entry("disk").or_default() += a.reuse.chunks_from_disk as u64;
-            *m.chunks.entry("recomputed").or_default() += a.reuse.chunks_recomputed as u64;
-            m.tokens += a.tokens as u64;
+            if a.reuse.chunk_tokens > 0 {
+                metrics::histogram!(RATIO).record(a.reuse.ratio);
+            }
+            for (tier, n) in [
+                ("memory", a.reuse.chunks_from_memory),
+                ("disk", a.reuse.chunks_from_disk),
+                ("recomputed", a.reuse.chunks_recomputed),
+            ] {
+                metrics::counter!(CHUNKS, "tier" => tier).increment(n as u64);
+            }
+            metrics::counter!(TOKENS).increment(a.tokens as u64);
         });
+    }
+
+    /// A job that waited `wait` in the queue before the engine took it.
+    pub fn queued(&self, wait: Duration) {
+        self.with(|| metrics::histogram!(QUEUE_TIME).record(wait.as_secs_f64()));
     }
 
     /// A request turned away because the queue was full.
     pub fn busy(&self) {
-        self.with(|m| m.rejected_busy += 1);
+        self.with(|| metrics::counter!(REJECTED, "reason" => "queue_full").increment(1));
     }
 
     /// A request that ran past its deadline.
     pub fn timeout(&self) {
-        self.with(|m| m.timeouts += 1);
+        self.with(|| metrics::counter!(REJECTED, "reason" => "deadline").increment(1));
     }
 
     /// The exposition text; `queue_depth` and the store statistics are read by the caller.
     pub fn render(&self, queue_depth: usize, store: &chunkstore::StoreStats) -> String {
-        self.with(|m| {
-            let mut o = String::new();
-            o.push_str("# HELP specrag_requests_total HTTP requests by route and status.\n");
-            o.push_str("# TYPE specrag_requests_total counter\n");
-            for ((route, status), n) in &m.requests {
-                let _ = writeln!(
-                    o,
-                    "specrag_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
-                );
+        self.with(|| {
+            metrics::gauge!(QUEUE_DEPTH).set(queue_depth as f64);
+            for (tier, result, n) in [
+                ("memory", "hit", store.memory_hits),
+                ("memory", "miss", store.memory_misses),
+                ("disk", "hit", store.disk_hits),
+                ("disk", "miss", store.disk_misses),
+            ] {
+                metrics::counter!(LOOKUPS, "tier" => tier, "result" => result).absolute(n);
             }
-            o.push_str("# HELP specrag_ttft_seconds Time to first token by method.\n");
-            o.push_str("# TYPE specrag_ttft_seconds histogram\n");
-            for (method, h) in &m.ttft {
-                h.write(
-                    &mut o,
-                    "specrag_ttft_seconds",
-                    &format!("method=\"{method}\""),
-                    &LATENCY_BUCKETS,
-                );
-            }
-            o.push_str("# HELP specrag_request_seconds Total query latency by method.\n");
-            o.push_str("# TYPE specrag_request_seconds histogram\n");
-            for (method, h) in &m.total {
-                h.write(
-                    &mut o,
-                    "specrag_request_seconds",
-                    &format!("method=\"{method}\""),
-                    &LATENCY_BUCKETS,
-                );
-            }
-            o.push_str(
-                "# HELP specrag_recompute_ratio Recomputed share of chunk tokens per query.\n",
-            );
-            o.push_str("# TYPE specrag_recompute_ratio histogram\n");
-            m.ratio
-                .write(&mut o, "specrag_recompute_ratio", "", &RATIO_BUCKETS);
-            o.push_str("# HELP specrag_chunk_loads_total Chunk KV loads by tier.\n");
-            o.push_str("# TYPE specrag_chunk_loads_total counter\n");
-            for tier in ["memory", "disk", "recomputed"] {
-                let n = m.chunks.get(tier).copied().unwrap_or(0);
-                let _ = writeln!(o, "specrag_chunk_loads_total{{tier=\"{tier}\"}} {n}");
-            }
-            o.push_str("# HELP specrag_tokens_generated_total Generated tokens.\n");
-            o.push_str("# TYPE specrag_tokens_generated_total counter\n");
-            let _ = writeln!(o, "specrag_tokens_generated_total {}", m.tokens);
-            o.push_str("# HELP specrag_queue_depth Requests waiting for the engine.\n");
-            o.push_str("# TYPE specrag_queue_depth gauge\n");
-            let _ = writeln!(o, "specrag_queue_depth {queue_depth}");
-            o.push_str("# HELP specrag_rejected_total Requests turned away, by reason.\n");
-            o.push_str("# TYPE specrag_rejected_total counter\n");
-            let _ = writeln!(
-                o,
-                "specrag_rejected_total{{reason=\"queue_full\"}} {}",
-                m.rejected_busy
-            );
-            let _ = writeln!(
-                o,
-                "specrag_rejected_total{{reason=\"deadline\"}} {}",
-                m.timeouts
-            );
-            write_store(&mut o, store);
-            o
-        })
+            metrics::counter!(CORRUPT).absolute(store.corrupt);
+            metrics::gauge!(BYTES, "tier" => "memory").set(store.memory_bytes as f64);
+            metrics::gauge!(BYTES, "tier" => "disk").set(store.disk_bytes as f64);
+        });
+        self.handle.render()
     }
-}
-
-/// The chunk store's families of the exposition text.
-fn write_store(o: &mut String, store: &chunkstore::StoreStats) {
-    o.push_str("# HELP specrag_store_lookups_total Chunk store lookups by tier and result.\n");
-    o.push_str("# TYPE specrag_store_lookups_total counter\n");
-    for (tier, result, n) in [
-        ("memory", "hit", store.memory_hits),
-        ("memory", "miss", store.memory_misses),
-        ("disk", "hit", store.disk_hits),
-        ("disk", "miss", store.disk_misses),
-    ] {
-        let _ = writeln!(
-            o,
-            "specrag_store_lookups_total{{tier=\"{tier}\",result=\"{result}\"}} {n}"
-        );
-    }
-    o.push_str("# HELP specrag_store_corrupt_total Stored blobs found damaged and dropped.\n");
-    o.push_str("# TYPE specrag_store_corrupt_total counter\n");
-    let _ = writeln!(o, "specrag_store_corrupt_total {}", store.corrupt);
-    o.push_str("# HELP specrag_store_bytes Bytes held by each store tier.\n");
-    o.push_str("# TYPE specrag_store_bytes gauge\n");
-    let _ = writeln!(
-        o,
-        "specrag_store_bytes{{tier=\"memory\"}} {}",
-        store.memory_bytes
-    );
-    let _ = writeln!(
-        o,
-        "specrag_store_bytes{{tier=\"disk\"}} {}",
-        store.disk_bytes
-    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
 
+    /// Per family: its TYPE, the label names of its samples (without `le`) and, for
+    /// histograms, the bucket bounds.
+    fn families(text: &str) -> BTreeMap<String, (String, BTreeSet<String>, Vec<String>)> {
+        let mut out: BTreeMap<String, (String, BTreeSet<String>, Vec<String>)> = BTreeMap::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.entry(name.into()).or_default().0 = kind.into();
+                continue;
+            }
+            if line.starts_with('#') || line.is_empty() {
+                continue;
+            }
+            let series = line.split(' ').next().unwrap_or("");
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| out.contains_key(*f)))
+                .unwrap_or(name);
+            let entry = out.entry(family.into()).or_default();
+            for pair in labels
+                .trim_end_matches('}')
+                .split(',')
+                .filter(|p| !p.is_empty())
+            {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                if k == "le" {
+                    let v = v.trim_matches('"').to_string();
+                    if !entry.2.contains(&v) {
+                        entry.2.push(v);
+                    }
+                } else {
+                    entry.1.insert(k.into());
+                }
+            }
+        }
+        out
+    }
+
+    fn answer(tokens: usize) -> crate::pipeline::Answer {
+        serde_json::from_value(serde_json::json!({
+            "answer": "x", "method": "epic", "finish_reason": "eos", "tokens": tokens,
+            "chunks": [], "timings": {"retrieve_ms": 1.0, "kv_load_ms": 1.0, "speculate_ms": 0.0,
+            "align_ms": 1.0, "prefill_ms": 300.0, "ttft_ms": 303.0, "decode_ms": 90.0,
+            "total_ms": 393.0}, "reuse": {"chunk_tokens": 100, "recomputed_tokens": 15,
+            "ratio": 0.15, "chunks_from_memory": 1, "chunks_from_disk": 2, "chunks_recomputed": 0},
+        }))
+        .expect("an answer")
+    }
+
+    /// The families, types, labels and buckets of the hand-written exposition this replaced
+    /// (2026-11-23), plus the two histograms added with the exporter.
     #[test]
-    fn histograms_are_cumulative_and_counters_labelled() {
+    fn families_types_labels_and_buckets_are_those_of_before_plus_two() {
         let m = Metrics::default();
         m.request("/rag/query", 200);
         m.request("/rag/query", 200);
         m.request("/rag/query", 422);
-        let mut h = Histogram::default();
-        h.observe(&[1.0, 2.0], 0.5);
-        h.observe(&[1.0, 2.0], 1.5);
-        h.observe(&[1.0, 2.0], 9.0);
-        assert_eq!(h.counts, vec![1, 2]);
-        let mut out = String::new();
-        h.write(&mut out, "x", "", &[1.0, 2.0]);
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3"), "{out}");
-        assert!(out.contains("x_sum 11"), "{out}");
+        m.answer(&answer(4));
+        m.queued(Duration::from_millis(3));
+        m.busy();
         let text = m.render(2, &chunkstore::StoreStats::default());
+        let latency: Vec<String> = LATENCY_BUCKETS
+            .iter()
+            .map(|b| b.to_string())
+            .chain(["+Inf".to_string()])
+            .collect();
+        let ratio: Vec<String> = ["0", "0.05", "0.1", "0.15", "0.2", "0.3", "0.5", "1", "+Inf"]
+            .map(String::from)
+            .to_vec();
+        let set = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        let want: BTreeMap<String, (String, BTreeSet<String>, Vec<String>)> = [
+            (REQUESTS, "counter", set(&["route", "status"]), vec![]),
+            (TTFT, "histogram", set(&["method"]), latency.clone()),
+            (TOTAL, "histogram", set(&["method"]), latency),
+            (RATIO, "histogram", set(&[]), ratio),
+            (CHUNKS, "counter", set(&["tier"]), vec![]),
+            (TOKENS, "counter", set(&[]), vec![]),
+            (QUEUE_DEPTH, "gauge", set(&[]), vec![]),
+            (REJECTED, "counter", set(&["reason"]), vec![]),
+            (LOOKUPS, "counter", set(&["tier", "result"]), vec![]),
+            (CORRUPT, "counter", set(&[]), vec![]),
+            (BYTES, "gauge", set(&["tier"]), vec![]),
+            (
+                INTER_TOKEN,
+                "histogram",
+                set(&["method"]),
+                TOKEN_BUCKETS
+                    .iter()
+                    .map(|b| b.to_string())
+                    .chain(["+Inf".into()])
+                    .collect(),
+            ),
+            (
+                QUEUE_TIME,
+                "histogram",
+                set(&[]),
+                QUEUE_BUCKETS
+                    .iter()
+                    .map(|b| b.to_string())
+                    .chain(["+Inf".into()])
+                    .collect(),
+            ),
+        ]
+        .into_iter()
+        .map(|(n, t, l, b)| (n.to_string(), (t.to_string(), l, b)))
+        .collect();
+        assert_eq!(families(&text), want, "{text}");
         assert!(text.contains("specrag_requests_total{route=\"/rag/query\",status=\"200\"} 2"));
         assert!(text.contains("specrag_requests_total{route=\"/rag/query\",status=\"422\"} 1"));
         assert!(text.contains("specrag_queue_depth 2"));
+        assert!(
+            text.contains("specrag_rejected_total{reason=\"queue_full\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("specrag_chunk_loads_total{tier=\"disk\"} 2"),
+            "{text}"
+        );
+        // 90 ms of decode over 3 gaps: 0.03 s, in the 0.04 bucket and not the 0.02 one.
+        assert!(
+            text.contains(
+                "specrag_inter_token_latency_seconds_bucket{method=\"epic\",le=\"0.02\"} 0"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "specrag_inter_token_latency_seconds_bucket{method=\"epic\",le=\"0.04\"} 1"
+            ),
+            "{text}"
+        );
     }
 }
