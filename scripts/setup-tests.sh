@@ -41,14 +41,20 @@ if [ ! -x "$VENV/bin/schemathesis" ]; then
 fi
 "$VENV/bin/schemathesis" --version
 
+# venv NAME MODULE REQUIREMENT: a virtual environment in $CACHE/NAME where MODULE imports.
+venv() {
+    local dir="$CACHE/$1"
+    if [ ! -x "$dir/bin/python" ] || ! "$dir/bin/python" -c "import $2" 2>/dev/null; then
+        rm -rf "$dir"
+        python3 -m venv "$dir"
+        "$dir/bin/pip" install --quiet --disable-pip-version-check "$3"
+    fi
+    "$dir/bin/python" -c "import $2; print('$2', $2.__version__)"
+}
+
 echo "== setup: the official openai Python client (OpenAI-compatible route)"
-OVENV="$CACHE/venv-openai"
-if [ ! -x "$OVENV/bin/python" ] || ! "$OVENV/bin/python" -c "import openai" 2>/dev/null; then
-    rm -rf "$OVENV"
-    python3 -m venv "$OVENV"
-    "$OVENV/bin/pip" install --quiet --disable-pip-version-check 'openai>=1.50,<3'
-fi
-"$OVENV/bin/python" -c "import openai; print('openai', openai.__version__)"
+venv venv-openai openai 'openai>=1.50,<3'
+
 echo "== setup: headless Chromium and selenium (the web page test)"
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -59,12 +65,6 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
         exit 1
     fi
 fi
-WVENV="$CACHE/venv-web"
-if [ ! -x "$WVENV/bin/python" ] || ! "$WVENV/bin/python" -c "import selenium" 2>/dev/null; then
-    rm -rf "$WVENV"
-    python3 -m venv "$WVENV"
-    "$WVENV/bin/pip" install --quiet --disable-pip-version-check 'selenium>=4.20,<5'
-fi
-"$WVENV/bin/python" -c "import selenium; print('selenium', selenium.__version__)"
+venv venv-web selenium 'selenium>=4.20,<5'
 /usr/bin/chromium --version
 echo "== setup: done"

@@ -112,17 +112,22 @@ fn tile_probs(
     }
     for (row, &p) in scores.chunks_exact_mut(kmax).zip(tile_pos) {
         let (live, masked) = row.split_at_mut(p + 1);
-        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in live.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        live.iter_mut().for_each(|s| *s *= inv);
+        softmax_in_place(live);
         masked.fill(0.0);
     }
     (scores, kmax)
+}
+
+/// Softmax of one row of scores, in place (max subtracted, sums in order).
+fn softmax_in_place(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|s| *s *= inv);
 }
 
 /// Every (head, tile) pair of `n_q` query rows: the unit of parallel work.
@@ -409,14 +414,7 @@ impl Tile<'_> {
             for (j, s) in quads.into_remainder().iter_mut().enumerate() {
                 *s = L::dot(qi, key(done + j)) * scale;
             }
-            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for s in live.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            live.iter_mut().for_each(|s| *s *= inv);
+            softmax_in_place(live);
         }
         let mut r0 = 0;
         while r0 < self.rows {
