@@ -14,7 +14,10 @@
 # - Debian's chromium and chromium-driver (apt, as root) and selenium (PyPI) in
 #   $SPECRAG_CACHE/venv-web, used by `gateway/tests/web_page.rs` to drive the web page.
 #
-# Components later tests need (a Redis server, ...) are added here too.
+# - Debian's redis-server (apt, as root), started by `chunkstore/tests/remote.rs` and the
+#   gateway's multi-node test on loopback ports.
+#
+# Components later tests need are added here too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${SPECRAG_CACHE:-$HOME/.cache/specrag}"
@@ -67,4 +70,15 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
 fi
 venv venv-web selenium 'selenium>=4.20,<5'
 /usr/bin/chromium --version
+echo "== setup: redis-server (the remote KV tier's tests)"
+if [ ! -x /usr/bin/redis-server ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "error: install your distribution's redis-server package" >&2
+        exit 1
+    fi
+fi
+/usr/bin/redis-server --version
 echo "== setup: done"

@@ -78,6 +78,9 @@ pub enum StoreError {
         source: sled::Error,
     },
     /// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
+    #[error("remote chunk store {op} failed: {reason}")]
+    Remote { op: &'static str, reason: String },
+
     #[error("invalid chunk key {input:?}: {reason}")]
     InvalidKey { input: String, reason: &'static str },
 }

@@ -9,23 +9,63 @@ use crate::disk::DiskStore;
 use crate::error::{Result, StoreError};
 use crate::key::ChunkKey;
 use crate::memory::MemoryStore;
+use crate::remote::RemoteStore;
 use crate::stats::StoreStats;
 use crate::store::ChunkStore;
 
-/// A [`MemoryStore`] in front of a [`DiskStore`]. Every entry is on disk; memory holds the hot
-/// subset, filled by puts and by disk hits.
+/// A [`MemoryStore`] in front of a [`DiskStore`], optionally over a [`RemoteStore`] shared
+/// with other nodes. Every entry is on disk; memory holds the hot subset, filled by puts and
+/// by disk hits; a local miss reads through to the remote tier and fills both local tiers,
+/// and puts write through to it. A remote failure is logged and counted, never an error of
+/// the store: the local tiers (or a recompute) answer instead.
 ///
 /// The tiers are not updated atomically together. That is harmless because keys are content
 /// addresses: a get racing a put of the same key can only leave an equal blob in memory.
 pub struct TieredStore {
     memory: MemoryStore,
     disk: DiskStore,
+    remote: Option<RemoteStore>,
 }
 
 impl TieredStore {
     /// Combines two tiers.
     pub fn new(memory: MemoryStore, disk: DiskStore) -> Self {
-        Self { memory, disk }
+        Self {
+            memory,
+            disk,
+            remote: None,
+        }
+    }
+
+    /// Adds a remote tier below disk.
+    pub fn with_remote(mut self, remote: RemoteStore) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The remote tier, if any.
+    pub fn remote(&self) -> Option<&RemoteStore> {
+        self.remote.as_ref()
+    }
+
+    /// The blob under `key` from the remote tier, filling disk and memory; `None` without a
+    /// remote tier, on a miss, or when Redis fails (logged).
+    pub fn get_remote(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
+        let Some(remote) = &self.remote else {
+            return Ok(None);
+        };
+        match remote.get(key) {
+            Ok(Some(blob)) => {
+                self.disk.put(key, Arc::clone(&blob))?;
+                self.memory.insert_valid(*key, Arc::clone(&blob));
+                Ok(Some(blob))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                tracing::warn!(key = %key, "remote chunk store unavailable, reading locally only: {e}");
+                Ok(None)
+            }
+        }
     }
 
     /// Opens (or creates) the disk tier in `dir` under a memory tier of
@@ -61,8 +101,9 @@ impl ChunkStore for TieredStore {
         let found = self.disk.get(key)?;
         if let Some(blob) = &found {
             self.memory.insert_valid(*key, Arc::clone(blob));
+            return Ok(found);
         }
-        Ok(found)
+        self.get_remote(key)
     }
 
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
@@ -70,12 +111,22 @@ impl ChunkStore for TieredStore {
             .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
         // Disk first: if it fails, memory does not hold an entry the disk lacks.
         self.disk.put(key, Arc::clone(&blob))?;
+        if let Some(remote) = &self.remote {
+            if let Err(e) = remote.put(key, &blob) {
+                tracing::warn!(key = %key, "remote chunk store write failed, kept locally: {e}");
+            }
+        }
         self.memory.insert_valid(*key, blob);
         Ok(())
     }
 
     fn remove(&self, key: &ChunkKey) -> Result<()> {
         self.disk.remove(key)?;
+        if let Some(remote) = &self.remote {
+            if let Err(e) = remote.remove(key) {
+                tracing::warn!(key = %key, "remote chunk store delete failed: {e}");
+            }
+        }
         self.memory.remove(key)
     }
 
