@@ -130,8 +130,18 @@ impl ChunkStore for TieredStore {
         self.memory.remove(key)
     }
 
+    /// Whether any tier holds `key`: an entry only the remote tier has counts (another node
+    /// computed it; a get reads it through).
     fn contains(&self, key: &ChunkKey) -> Result<bool> {
-        Ok(self.memory.contains(key)? || self.disk.contains(key)?)
+        if self.memory.contains(key)? || self.disk.contains(key)? {
+            return Ok(true);
+        }
+        Ok(self.remote.as_ref().is_some_and(|r| {
+            r.contains(key).unwrap_or_else(|e| {
+                tracing::warn!(key = %key, "remote chunk store unavailable: {e}");
+                false
+            })
+        }))
     }
 
     fn flush(&self) -> Result<()> {

@@ -457,6 +457,9 @@ pub struct Reuse {
     /// Chunks whose KV came from memory, from disk, or had to be computed now.
     pub chunks_from_memory: usize,
     pub chunks_from_disk: usize,
+    /// Chunks read from the remote tier (`--kv-remote`) because no local tier had them.
+    #[serde(default)]
+    pub chunks_from_remote: usize,
     pub chunks_recomputed: usize,
 }
 

@@ -48,6 +48,8 @@ impl std::fmt::Debug for Engines {
 pub enum Tier {
     Memory,
     Disk,
+    /// The remote tier shared by several nodes (`--kv-remote`); now also on disk and in memory.
+    Remote,
     /// Missing or damaged in the store: computed now and stored back.
     Recomputed,
 }
@@ -199,6 +201,8 @@ impl Engines {
         } else if let Some(b) = store.disk().get(&key)? {
             store.memory().put(&key, b.clone())?;
             (b, Tier::Disk)
+        } else if let Some(b) = store.get_remote(&key)? {
+            (b, Tier::Remote)
         } else {
             let b = Arc::new(self.compute(&text, &ids)?);
             store.put(&key, b.clone())?;
@@ -318,23 +322,48 @@ impl std::fmt::Debug for Corpus {
     }
 }
 
+/// How the chunk store writes and where its remote tier is.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    pub codec: chunkstore::Codec,
+    pub remote: Option<RemoteOptions>,
+}
+
+/// A Redis/Valkey remote tier shared by several nodes.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// `redis://host:port[/db]`.
+    pub url: String,
+    /// Prefix of every key (several deployments can share one Redis).
+    pub prefix: String,
+    /// Entries expire after this long (`None`: Redis' own eviction policy decides).
+    pub ttl: Option<std::time::Duration>,
+}
+
 /// Default size of the in-memory chunk tier (payload bytes).
 pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
 
 impl Corpus {
     /// Opens (or creates) `dir`. Only one process can hold a data directory at a time.
     pub fn open(dir: &Path, memory_bytes: u64) -> Result<Self> {
-        Self::open_with(dir, memory_bytes, chunkstore::Codec::default())
+        Self::open_with(dir, memory_bytes, &StoreOptions::default())
     }
 
-    /// [`Corpus::open`] writing chunk KV with `codec` (blobs of every codec stay readable).
-    pub fn open_with(dir: &Path, memory_bytes: u64, codec: chunkstore::Codec) -> Result<Self> {
+    /// [`Corpus::open`] writing chunk KV with `opts.codec` (blobs of every codec stay
+    /// readable), over the remote tier `opts.remote` if set.
+    pub fn open_with(dir: &Path, memory_bytes: u64, opts: &StoreOptions) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|source| GatewayError::Io {
             context: format!("creating data directory {}", dir.display()),
             source,
         })?;
         let index = retriever::Index::open(dir.join("index"))?;
-        let store = TieredStore::open_with(&dir.join("kv"), memory_bytes, codec)?;
+        let mut store = TieredStore::open_with(&dir.join("kv"), memory_bytes, opts.codec)?;
+        if let Some(r) = &opts.remote {
+            let remote = chunkstore::RemoteStore::new(&r.url, &r.prefix, r.ttl)
+                .map_err(|e| GatewayError::bad("kv_remote", e.to_string()))?
+                .with_codec(opts.codec);
+            store = store.with_remote(remote);
+        }
         Ok(Self {
             dir: dir.to_path_buf(),
             index,

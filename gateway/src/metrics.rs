@@ -80,7 +80,7 @@ impl Default for Metrics {
             );
             describe_histogram!(QUEUE_TIME, "Time a job waited in the queue for the engine.");
             // Families with a fixed label set are present from the start.
-            for tier in ["memory", "disk", "recomputed"] {
+            for tier in ["memory", "disk", "remote", "recomputed"] {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(0);
             }
             for reason in ["queue_full", "deadline"] {
@@ -121,6 +121,7 @@ impl Metrics {
             for (tier, n) in [
                 ("memory", a.reuse.chunks_from_memory),
                 ("disk", a.reuse.chunks_from_disk),
+                ("remote", a.reuse.chunks_from_remote),
                 ("recomputed", a.reuse.chunks_recomputed),
             ] {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(n as u64);

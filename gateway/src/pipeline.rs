@@ -415,6 +415,7 @@ impl Pipeline {
             match l.tier {
                 Tier::Memory => reuse.chunks_from_memory += 1,
                 Tier::Disk => reuse.chunks_from_disk += 1,
+                Tier::Remote => reuse.chunks_from_remote += 1,
                 Tier::Recomputed => reuse.chunks_recomputed += 1,
             }
         }

@@ -78,6 +78,15 @@ pub fn wait_healthy(port: u16, log: &Path) {
 /// ARCHITECTURE.md, on a free loopback port: the server (killed when dropped), its port and
 /// its log file. `serve_args` come after `serve`.
 pub fn tiny_server(dir: &Path, serve_args: &[&str]) -> (Server, u16, std::path::PathBuf) {
+    tiny_server_with(dir, &[], serve_args)
+}
+
+/// [`tiny_server`] with `data_args` given to both `ingest` and `serve` (e.g. `--kv-remote`).
+pub fn tiny_server_with(
+    dir: &Path,
+    data_args: &[&str],
+    serve_args: &[&str],
+) -> (Server, u16, std::path::PathBuf) {
     let models = dir.join("models");
     let data = dir.join("data");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -91,6 +100,7 @@ pub fn tiny_server(dir: &Path, serve_args: &[&str]) -> (Server, u16, std::path::
     run(Command::new(BIN)
         .args(&model_args)
         .arg("ingest")
+        .args(data_args)
         .arg("--data")
         .arg(&data)
         .arg(root.join("README.md"))
@@ -101,6 +111,7 @@ pub fn tiny_server(dir: &Path, serve_args: &[&str]) -> (Server, u16, std::path::
         .args(&model_args)
         .args(["serve", "--timeout-secs", "60"])
         .args(serve_args)
+        .args(data_args)
         .arg("--data")
         .arg(&data)
         .arg("--addr")
@@ -112,4 +123,50 @@ pub fn tiny_server(dir: &Path, serve_args: &[&str]) -> (Server, u16, std::path::
     let server = Server(child);
     wait_healthy(port, &log);
     (server, port, log)
+}
+
+/// A `redis-server` (Debian's package, installed by `scripts/setup-tests.sh`) on a free
+/// loopback port with no persistence, killed when dropped; answers PING before this returns.
+pub fn redis_server(dir: &Path) -> (Server, u16) {
+    let port = free_port();
+    (redis_on(dir, port), port)
+}
+
+/// [`redis_server`] on a given port (a restart).
+pub fn redis_on(dir: &Path, port: u16) -> Server {
+    assert!(
+        Path::new("/usr/bin/redis-server").is_file(),
+        "/usr/bin/redis-server is missing: run scripts/setup-tests.sh (the README's test command does)"
+    );
+    let child = Command::new("/usr/bin/redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .args(["--appendonly", "no", "--dir"])
+        .arg(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server starts");
+    let server = Server(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            let mut buf = [0u8; 7];
+            if s.write_all(b"PING\r\n").is_ok()
+                && s.read_exact(&mut buf).is_ok()
+                && &buf == b"+PONG\r\n"
+            {
+                return server;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("redis-server did not answer on port {port}");
 }

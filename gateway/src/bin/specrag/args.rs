@@ -218,6 +218,36 @@ pub struct DataArgs {
         value_name = "CODEC"
     )]
     pub kv_codec: chunkstore::Codec,
+    /// A Redis/Valkey shared by several gateway nodes, below memory and disk
+    /// (`redis://host:port[/db]`): a local miss reads through it and fills the local tiers,
+    /// and every stored chunk is written through to it. A Redis failure costs misses (the
+    /// local tiers or a recompute answer), never errors.
+    #[arg(long, env = "SPECRAG_KV_REMOTE", value_name = "URL")]
+    pub kv_remote: Option<String>,
+    /// Prefix of the remote tier's keys.
+    #[arg(long, env = "SPECRAG_KV_REMOTE_PREFIX", default_value = "specrag:kv:")]
+    pub kv_remote_prefix: String,
+    /// Remote entries expire after this many seconds (0: never; Redis' eviction policy decides).
+    #[arg(long, env = "SPECRAG_KV_REMOTE_TTL_SECS", default_value_t = 0)]
+    pub kv_remote_ttl_secs: u64,
+}
+
+impl DataArgs {
+    /// The chunk store settings these flags give.
+    pub fn store_options(&self) -> gateway::corpus::StoreOptions {
+        gateway::corpus::StoreOptions {
+            codec: self.kv_codec,
+            remote: self
+                .kv_remote
+                .as_ref()
+                .map(|url| gateway::corpus::RemoteOptions {
+                    url: url.clone(),
+                    prefix: self.kv_remote_prefix.clone(),
+                    ttl: (self.kv_remote_ttl_secs > 0)
+                        .then(|| std::time::Duration::from_secs(self.kv_remote_ttl_secs)),
+                }),
+        }
+    }
 }
 
 #[derive(Args, Debug)]

@@ -20,7 +20,7 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
     let p = open_pipeline(
         m,
         &a.data.data,
-        a.data.kv_codec,
+        &a.data.store_options(),
         INGEST_MEMORY_BYTES,
         !a.no_spec_scores,
         ScoreSource::Query,
@@ -109,7 +109,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     let mut pipeline = open_pipeline(
         m,
         &a.data.data,
-        a.data.kv_codec,
+        &a.data.store_options(),
         DEFAULT_MEMORY_BYTES,
         true,
         a.spec_scores,
@@ -164,7 +164,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     let mut pipeline = open_pipeline(
         m,
         &a.data.data,
-        a.data.kv_codec,
+        &a.data.store_options(),
         a.memory_mb << 20,
         true,
         a.spec_scores,
@@ -214,7 +214,7 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
     let pipeline = open_pipeline(
         m,
         &a.data,
-        chunkstore::Codec::default(),
+        &gateway::corpus::StoreOptions::default(),
         DEFAULT_MEMORY_BYTES,
         true,
         ScoreSource::Query,

@@ -95,7 +95,7 @@ fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
 fn open_pipeline(
     m: &ModelArgs,
     data: &Path,
-    codec: chunkstore::Codec,
+    store: &gateway::corpus::StoreOptions,
     memory_bytes: u64,
     with_speculator: bool,
     scores: ScoreSource,
@@ -106,7 +106,7 @@ fn open_pipeline(
     } else {
         Engines::new(Arc::new(load_target(m)?), None)?
     };
-    let corpus = Corpus::open_with(data, memory_bytes, codec)
+    let corpus = Corpus::open_with(data, memory_bytes, store)
         .with_context(|| format!("opening data directory {}", data.display()))?;
     Ok(Pipeline::new(engines, corpus, scores))
 }
