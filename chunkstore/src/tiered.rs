@@ -16,8 +16,9 @@ use crate::store::ChunkStore;
 /// A [`MemoryStore`] in front of a [`DiskStore`], optionally over a [`RemoteStore`] shared
 /// with other nodes. Every entry is on disk; memory holds the hot subset, filled by puts and
 /// by disk hits; a local miss reads through to the remote tier and fills both local tiers,
-/// and puts write through to it. A remote failure is logged and counted, never an error of
-/// the store: the local tiers (or a recompute) answer instead.
+/// and puts write through to it; `remove` leaves it alone (other nodes may use the entry).
+/// A remote failure is logged and counted, never an error of the store: the local tiers (or
+/// a recompute) answer instead.
 ///
 /// The tiers are not updated atomically together. That is harmless because keys are content
 /// addresses: a get racing a put of the same key can only leave an equal blob in memory.
@@ -121,12 +122,10 @@ impl ChunkStore for TieredStore {
     }
 
     fn remove(&self, key: &ChunkKey) -> Result<()> {
+        // Local tiers only: the remote tier is shared, and one node's garbage collection
+        // cannot know which entries other nodes' indexes still use. Remote entries expire by
+        // their TTL or Redis' eviction policy.
         self.disk.remove(key)?;
-        if let Some(remote) = &self.remote {
-            if let Err(e) = remote.remove(key) {
-                tracing::warn!(key = %key, "remote chunk store delete failed: {e}");
-            }
-        }
         self.memory.remove(key)
     }
 
