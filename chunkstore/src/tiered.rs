@@ -49,6 +49,25 @@ impl TieredStore {
         self.remote.as_ref()
     }
 
+    /// Makes sure the remote tier holds `key` (writing the local blob if it lacks it); an
+    /// error when it cannot. Without a remote tier, nothing to do.
+    pub fn ensure_remote(&self, key: &ChunkKey) -> Result<()> {
+        let Some(remote) = &self.remote else {
+            return Ok(());
+        };
+        if remote.contains(key)? {
+            return Ok(());
+        }
+        let blob = match self.memory.get(key)? {
+            Some(b) => b,
+            None => self.disk.get(key)?.ok_or(StoreError::Remote {
+                op: "share",
+                reason: format!("chunk {key} is in no local tier"),
+            })?,
+        };
+        remote.put(key, &blob)
+    }
+
     /// The blob under `key` from the remote tier, filling disk and memory; `None` without a
     /// remote tier, on a miss, or when Redis fails (logged).
     pub fn get_remote(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {

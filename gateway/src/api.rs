@@ -411,6 +411,9 @@ pub struct Health {
     /// Requests waiting for the engine.
     pub queue_depth: usize,
     pub queue_capacity: usize,
+    /// With `--kv-remote`: the last document log entry this node has applied (`0-0`: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_position: Option<String>,
 }
 
 /// An error, as `application/problem+json` (RFC 9457).

@@ -314,6 +314,8 @@ pub struct Corpus {
     pub dir: PathBuf,
     pub index: retriever::Index,
     pub store: TieredStore,
+    /// The document log shared with other nodes (with `--kv-remote`).
+    pub doclog: Option<Arc<crate::doclog::DocLog>>,
 }
 
 impl std::fmt::Debug for Corpus {
@@ -358,7 +360,11 @@ impl Corpus {
         })?;
         let index = retriever::Index::open(dir.join("index"))?;
         let mut store = TieredStore::open_with(&dir.join("kv"), memory_bytes, opts.codec)?;
+        let mut doclog = None;
         if let Some(r) = &opts.remote {
+            doclog = Some(Arc::new(crate::doclog::DocLog::open(
+                &r.url, &r.prefix, dir,
+            )?));
             let remote = chunkstore::RemoteStore::new(&r.url, &r.prefix, r.ttl)
                 .map_err(|e| GatewayError::bad("kv_remote", e.to_string()))?
                 .with_codec(opts.codec);
@@ -368,6 +374,7 @@ impl Corpus {
             dir: dir.to_path_buf(),
             index,
             store,
+            doclog,
         })
     }
 

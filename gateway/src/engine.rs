@@ -61,6 +61,8 @@ pub enum Job {
     Delete {
         collection: String,
         id: String,
+        /// Append the deletion to the shared document log (off when applying one from it).
+        log: bool,
         reply: oneshot::Sender<Result<usize, JobError>>,
     },
 }
@@ -222,6 +224,7 @@ impl Engine<'_> {
             Job::Delete {
                 collection,
                 id,
+                log,
                 reply,
             } => {
                 let out = crate::ingest::delete_document(
@@ -229,6 +232,7 @@ impl Engine<'_> {
                     &self.pipeline.engines,
                     &collection,
                     &id,
+                    log,
                 )
                 .map_err(JobError::from);
                 let _ = reply.send(out);

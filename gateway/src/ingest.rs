@@ -30,6 +30,9 @@ pub struct IngestConfig {
     /// Also store the speculator's own KV of every chunk (what `spec_attn` reads; without it
     /// the first `spec_attn` query over a chunk computes it). Costs storage, no extra pass.
     pub speculator_kv: bool,
+    /// Append each committed batch to the shared document log (when the corpus has one);
+    /// off when applying another node's entry.
+    pub log: bool,
 }
 
 impl Default for IngestConfig {
@@ -41,6 +44,7 @@ impl Default for IngestConfig {
             max_request_tokens: None,
             max_collection_tokens: None,
             speculator_kv: false,
+            log: true,
         }
     }
 }
@@ -220,6 +224,7 @@ fn ingest_inner(
     let mut replaced_any = false;
     for batch in planned.chunks(cfg.batch_docs.max(1)) {
         let mut done = Vec::new();
+        let mut keys = Vec::new();
         for p in batch {
             let mut indexed = Vec::with_capacity(p.chunks.len());
             for chunk in &p.chunks {
@@ -237,6 +242,7 @@ fn ingest_inner(
                     chunk: chunk.clone(),
                     key: key.to_string(),
                 });
+                keys.push(key);
                 last_key = Some(key);
             }
             let meta = DocumentMeta {
@@ -252,6 +258,7 @@ fn ingest_inner(
         // Blobs first, then the index: an indexed chunk always has its KV on disk.
         corpus.store.flush()?;
         corpus.index.commit()?;
+        share(corpus, cfg, batch, &keys)?;
         report.documents += done.len();
         on_event(IngestEvent::Committed { documents: done });
     }
@@ -345,13 +352,47 @@ fn store_chunk(
     Ok((key, cached))
 }
 
+/// With a document log (and `cfg.log`): every chunk's KV is in the remote tier, then the
+/// batch is appended to the log. Only then are its documents reported committed: any node
+/// can now index them without computing anything.
+fn share(corpus: &Corpus, cfg: &IngestConfig, batch: &[Planned], keys: &[ChunkKey]) -> Result<()> {
+    let Some(log) = corpus.doclog.as_ref().filter(|_| cfg.log) else {
+        return Ok(());
+    };
+    let ids: Vec<&str> = batch.iter().map(|p| p.doc.id.as_str()).collect();
+    let unshared = |e: &dyn std::fmt::Display| {
+        crate::GatewayError::Internal(format!(
+            "documents {ids:?} are committed on this node but not shared with the others: {e}"
+        ))
+    };
+    for key in keys {
+        corpus.store.ensure_remote(key).map_err(|e| unshared(&e))?;
+    }
+    let entry = crate::doclog::LogEntry::Put {
+        collection: cfg.collection.clone(),
+        chunk_tokens: cfg.chunk_tokens,
+        docs: batch
+            .iter()
+            .map(|p| crate::doclog::LogDoc {
+                id: p.doc.id.clone(),
+                title: p.doc.title.clone(),
+                text: p.doc.text.clone(),
+            })
+            .collect(),
+    };
+    log.append(&entry).map_err(|e| unshared(&e))?;
+    Ok(())
+}
+
 /// Removes a document: its chunks leave the index (committed), then blobs no other document
-/// uses leave the store. Returns how many chunks the document had.
+/// uses leave the store; with a document log and `log`, the deletion is appended to it for
+/// the other nodes. Returns how many chunks the document had.
 pub fn delete_document(
     corpus: &Corpus,
     engines: &Engines,
     collection: &str,
     doc_id: &str,
+    log: bool,
 ) -> Result<usize> {
     let removed = corpus.index.delete_document(collection, doc_id)?;
     if removed.is_empty() {
@@ -365,5 +406,11 @@ pub fn delete_document(
         return Err(e.into());
     }
     corpus.collect_garbage(engines)?;
+    if let Some(l) = corpus.doclog.as_ref().filter(|_| log) {
+        l.append(&crate::doclog::LogEntry::Delete {
+            collection: collection.to_string(),
+            id: doc_id.to_string(),
+        })?;
+    }
     Ok(removed.len())
 }

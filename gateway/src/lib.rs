@@ -13,6 +13,7 @@ pub mod api;
 pub mod auth;
 pub mod client;
 pub mod corpus;
+pub mod doclog;
 pub mod engine;
 pub mod error;
 pub mod ingest;

@@ -745,6 +745,7 @@ async fn delete_document(
         Job::Delete {
             collection: collection.clone(),
             id: id.clone(),
+            log: true,
             reply: tx,
         },
     )?;
@@ -801,6 +802,7 @@ async fn health(
         collections,
         queue_depth: state.engine.depth(),
         queue_capacity: state.engine.capacity(),
+        log_position: state.pipeline.corpus.doclog.as_ref().map(|l| l.position()),
     }))
 }
 

@@ -673,7 +673,7 @@ fn speculator_kv_is_stored_with_its_chunk_collected_with_it_and_computed_when_mi
     assert_eq!(corpus.collect_garbage(&engines)?, 0);
     assert_eq!(corpus.store.keys()?.len(), 6);
     // ... and removes it with the chunk.
-    delete_document(&corpus, &engines, "c", "d0")?;
+    delete_document(&corpus, &engines, "c", "d0", true)?;
     assert!(!corpus.store.contains(&spec_key_of(0)?)?);
     assert!(corpus.store.contains(&spec_key_of(1)?)?);
     assert_eq!(corpus.store.keys()?.len(), 4);

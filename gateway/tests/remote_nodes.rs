@@ -69,3 +69,109 @@ fn a_node_reuses_kv_another_node_computed_and_survives_redis_restarts() {
         std::fs::read_to_string(&log_b).unwrap_or_default()
     );
 }
+
+fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let body = body.map(Value::to_string);
+    let (status, text) = rt
+        .block_on(gateway::client::request(
+            addr,
+            method,
+            path,
+            body.as_deref(),
+        ))
+        .expect("the server answers");
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// Polls `/health` of `port` until its document log position is `want` (never a sleep).
+fn wait_position(port: u16, want: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (_, h) = http(port, "GET", "/health", None);
+        if h["log_position"] == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stuck at {h}, want {want}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let (_redis, rport) = redis_server(tmp.path());
+    let url = format!("redis://127.0.0.1:{rport}");
+    let data_args = ["--kv-remote", url.as_str()];
+    let models = common::tiny_models(tmp.path());
+    let (_a, port_a, _) = common::serve(&tmp.path().join("a"), &models, &data_args, &[]);
+    let (_b, port_b, _) = common::serve(&tmp.path().join("b"), &models, &data_args, &[]);
+    let docs = json!({"documents": [
+        {"id": "ants", "text": "The thin ant ran in the sand and then the ant sat in the tent."},
+        {"id": "attic", "text": "A hint: the antenna is in the attic near the tent, behind the tin."},
+    ]});
+    let (status, body) = http(port_a, "POST", "/documents", Some(&docs));
+    assert_eq!(status, 200, "{body}");
+    // A's own entry is applied (passed over) by A, and B catches up with it.
+    let (_, h) = http(port_a, "GET", "/health", None);
+    let mut pos = h["log_position"].as_str().unwrap_or("0-0").to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while pos == "0-0" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "A never saw its own entry"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        pos = http(port_a, "GET", "/health", None).1["log_position"]
+            .as_str()
+            .unwrap_or("0-0")
+            .to_string();
+    }
+    wait_position(port_b, &pos);
+    let ask = |port| query(port, "where is the antenna?");
+    let (on_a, on_b) = (ask(port_a), ask(port_b));
+    assert_eq!(on_b["answer"], on_a["answer"]);
+    assert!(
+        on_b["reuse"]["chunks_from_remote"].as_u64() > Some(0),
+        "{on_b}"
+    );
+    assert_eq!(on_b["reuse"]["chunks_recomputed"], 0, "{on_b}");
+
+    // A deletion travels the same way.
+    let (status, body) = http(port_a, "DELETE", "/documents/ants?collection=default", None);
+    assert_eq!(status, 200, "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (_, list) = http(port_b, "GET", "/documents?collection=default", None);
+        let ids: Vec<&str> = list["documents"]
+            .as_array()
+            .map(|d| d.iter().filter_map(|d| d["id"].as_str()).collect())
+            .unwrap_or_default();
+        if ids == ["attic"] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "B still lists {ids:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    // A node started later with an empty data directory catches up from the log.
+    let (_c, port_c, _) = common::serve(&tmp.path().join("c"), &models, &data_args, &[]);
+    let (_, h) = http(port_a, "GET", "/health", None);
+    wait_position(port_c, h["log_position"].as_str().unwrap_or(""));
+    let (_, list) = http(port_c, "GET", "/documents?collection=default", None);
+    assert_eq!(
+        list["documents"].as_array().map(Vec::len),
+        Some(1),
+        "{list}"
+    );
+}

@@ -87,33 +87,49 @@ pub fn tiny_server_with(
     data_args: &[&str],
     serve_args: &[&str],
 ) -> (Server, u16, std::path::PathBuf) {
-    let models = dir.join("models");
-    let data = dir.join("data");
+    let model_args = tiny_models(dir);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    run(Command::new(BIN).arg("tiny-models").arg(&models));
-    let model_args = [
-        "--target".into(),
-        models.join("target.gguf"),
-        "--speculator".into(),
-        models.join("speculator.gguf"),
-    ];
     run(Command::new(BIN)
         .args(&model_args)
         .arg("ingest")
         .args(data_args)
         .arg("--data")
-        .arg(&data)
+        .arg(dir.join("data"))
         .arg(root.join("README.md"))
         .arg(root.join("ARCHITECTURE.md")));
+    serve(dir, &model_args, data_args, serve_args)
+}
+
+/// Tiny random models in `dir/models`; the `--target`/`--speculator` arguments naming them.
+pub fn tiny_models(dir: &Path) -> Vec<std::ffi::OsString> {
+    let models = dir.join("models");
+    run(Command::new(BIN).arg("tiny-models").arg(&models));
+    vec![
+        "--target".into(),
+        models.join("target.gguf").into(),
+        "--speculator".into(),
+        models.join("speculator.gguf").into(),
+    ]
+}
+
+/// `specrag serve` on the data directory `dir/data` (created empty if missing), on a free
+/// loopback port: the server, its port and its log file.
+pub fn serve(
+    dir: &Path,
+    model_args: &[std::ffi::OsString],
+    data_args: &[&str],
+    serve_args: &[&str],
+) -> (Server, u16, std::path::PathBuf) {
+    std::fs::create_dir_all(dir).expect("node directory");
     let port = free_port();
     let log = dir.join("server.log");
     let child = Command::new(BIN)
-        .args(&model_args)
+        .args(model_args)
         .args(["serve", "--timeout-secs", "60"])
         .args(serve_args)
         .args(data_args)
         .arg("--data")
-        .arg(&data)
+        .arg(dir.join("data"))
         .arg("--addr")
         .arg(format!("127.0.0.1:{port}"))
         .stdout(std::process::Stdio::null())

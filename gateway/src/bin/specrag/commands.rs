@@ -183,6 +183,9 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         speculator_kv: a.speculator_kv,
     };
     let state = gateway::server::AppState::new(Arc::new(pipeline), config);
+    if let Some(log) = state.pipeline.corpus.doclog.clone() {
+        gateway::doclog::follow(state.engine.clone(), log);
+    }
     gateway::server::runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(a.addr)
             .await
