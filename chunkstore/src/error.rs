@@ -20,7 +20,7 @@ pub enum FormatError {
     )]
     UnsupportedVersion { found: u16, supported: u16 },
     /// The payload codec tag (formerly the dtype tag) is not one this build can read.
-    #[error("KV blob codec tag {found} is not supported; this build reads {expected} (raw f16) and 2 (lossless f16)")]
+    #[error("KV blob codec tag {found} is not supported; this build reads {expected} (raw f16), 2 (lossless f16), 3 (int8) and 4 (int4)")]
     UnsupportedDtype { found: u16, expected: u16 },
     /// A compressed payload does not decode to the values its header announces.
     #[error("KV blob payload does not decode: {0}")]

@@ -7,7 +7,7 @@
 //! | 0  | 4 | magic `SRKV` |
 //! | 4  | 2 | format version (1) |
 //! | 6  | 4 | CRC32 of every byte from offset 10 to the end |
-//! | 10 | 2 | payload codec tag ([`Codec`]: 1 = raw f16, 2 = lossless f16) |
+//! | 10 | 2 | payload codec tag ([`Codec`]: 1 = raw f16, 2 = lossless f16, 3 = int8, 4 = int4) |
 //! | 12 | 4 | layers |
 //! | 16 | 4 | row (values per token per layer) |
 //! | 20 | 4 | tokens |
@@ -94,6 +94,13 @@ pub fn encode_with(blob: &KvBlob, codec: Codec) -> Vec<u8> {
         Codec::Lossless => Some(codec::compress(
             blob.k.iter().chain(&blob.v).map(Vec::as_slice),
             blob.row as usize,
+        )),
+        Codec::Int8 | Codec::Int4 => Some(codec::quantize(
+            &blob.k,
+            &blob.v,
+            blob.ids.len(),
+            blob.row as usize,
+            codec.bits().unwrap_or(8),
         )),
     };
     let payload = packed.as_ref().map_or(blob.payload_bytes(), Vec::len);
@@ -298,6 +305,16 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
             )?;
             let v = all.split_off(n_layer as usize);
             (all, v)
+        }
+        Codec::Int8 | Codec::Int4 => {
+            let packed = c.take(payload_len as usize, "payload")?;
+            codec::dequantize(
+                packed,
+                n_layer as usize,
+                n_tokens as usize,
+                row as usize,
+                codec.bits().unwrap_or(8),
+            )?
         }
     };
     let blob = KvBlob {

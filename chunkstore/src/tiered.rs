@@ -136,6 +136,16 @@ impl ChunkStore for TieredStore {
                 tracing::warn!(key = %key, "remote chunk store write failed, kept locally: {e}");
             }
         }
+        // With a lossy codec memory holds what the disk gives back, so a chunk's values do
+        // not depend on which tier answers.
+        let codec = self.disk.codec();
+        let blob = if codec.is_lossy() {
+            Arc::new(crate::format::decode(&crate::format::encode_with(
+                &blob, codec,
+            ))?)
+        } else {
+            blob
+        };
         self.memory.insert_valid(*key, blob);
         Ok(())
     }

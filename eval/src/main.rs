@@ -45,6 +45,10 @@ struct Args {
     /// Folder for results.json, report.md and the SVG charts (created if missing).
     #[arg(long, value_name = "DIR", default_value = "eval-results")]
     out: PathBuf,
+    /// How the chunk KV of the run is stored (`raw`, `lossless`, `int8`, `int4`): run once
+    /// per codec to measure what the lossy ones cost against exact storage.
+    #[arg(long, value_name = "CODEC", default_value = "raw")]
+    kv_codec: chunkstore::Codec,
     /// Run nothing: rewrite report.md and the charts in --out from this results.json (of any
     /// earlier run), e.g. after a change to the report's layout.
     #[arg(long, value_name = "FILE")]
@@ -564,7 +568,11 @@ impl PairingRun<'_> {
         });
         let engines = Engines::new(target.clone(), Some(spec.clone()))?;
         let dir = self.data_root.join(pairing.name());
-        let corpus = Corpus::open(&dir, 1 << 30)
+        let store = gateway::corpus::StoreOptions {
+            codec: self.args.kv_codec,
+            remote: None,
+        };
+        let corpus = Corpus::open_with(&dir, 1 << 30, &store)
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
         let (configs, my_sets, identity_cases) = self.plan(pairing);

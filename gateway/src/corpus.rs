@@ -28,6 +28,9 @@ pub struct Engines {
     /// The speculator's template prefix KV (chunks are scored after it at ingestion).
     pub spec_prefix: Option<PrefixKv>,
     prefix_text: String,
+    /// The store's codec when it is lossy (`int8`, `int4`): part of every chunk key, so lossy
+    /// KV is never served where exact KV was stored, or the other way round.
+    pub lossy_codec: Option<chunkstore::Codec>,
 }
 
 impl std::fmt::Debug for Engines {
@@ -81,6 +84,7 @@ impl Engines {
             prefix,
             spec_prefix,
             prefix_text,
+            lossy_codec: None,
         })
     }
 
@@ -103,12 +107,11 @@ impl Engines {
 
     /// The store key of a chunk segment in `collection`.
     pub fn key(&self, collection: &str, segment_ids: &[u32]) -> ChunkKey {
-        ChunkKey::new(
-            self.target.fingerprint(),
-            collection,
-            &mode_string(&self.mode()),
-            segment_ids,
-        )
+        let mut mode = mode_string(&self.mode());
+        if let Some(codec) = self.lossy_codec {
+            mode = format!("{mode};kv={codec}");
+        }
+        ChunkKey::new(self.target.fingerprint(), collection, &mode, segment_ids)
     }
 
     /// Precomputes a chunk segment's KV after the prefix and, with a speculator, its scores.

@@ -215,7 +215,9 @@ fn ms(t: Instant) -> f64 {
 
 impl Pipeline {
     /// A pipeline with the default verification settings.
-    pub fn new(engines: Engines, corpus: Corpus, score_source: ScoreSource) -> Self {
+    pub fn new(mut engines: Engines, corpus: Corpus, score_source: ScoreSource) -> Self {
+        let codec = corpus.store.disk().codec();
+        engines.lossy_codec = codec.is_lossy().then_some(codec);
         Self {
             engines,
             corpus,

@@ -691,3 +691,39 @@ fn speculator_kv_is_stored_with_its_chunk_collected_with_it_and_computed_when_mi
     assert_eq!(tier, Tier::Recomputed);
     Ok(())
 }
+
+/// A lossy store (`--kv-codec int8`/`int4`) keys its chunks apart from exact ones, and its
+/// memory tier serves what the disk would: the reused values do not depend on the tier.
+#[test]
+fn lossy_kv_is_keyed_apart_and_the_same_from_memory_or_disk() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let models = tiny_models(dir.path())?;
+    let target = Arc::new(Model::load(&models.target, &LoadOptions::default())?);
+    let text = "the thin ant ran in the sand";
+    let exact = gateway::pipeline::Pipeline::new(
+        Engines::new(target.clone(), None)?,
+        Corpus::open(&dir.path().join("exact"), 1 << 30)?,
+        gateway::pipeline::ScoreSource::Query,
+    );
+    let store = gateway::corpus::StoreOptions {
+        codec: chunkstore::Codec::Int4,
+        remote: None,
+    };
+    let lossy = gateway::pipeline::Pipeline::new(
+        Engines::new(target, None)?,
+        Corpus::open_with(&dir.path().join("lossy"), 1 << 30, &store)?,
+        gateway::pipeline::ScoreSource::Query,
+    );
+    let (_, ids) = exact.engines.segment(text);
+    assert_ne!(exact.engines.key("c", &ids), lossy.engines.key("c", &ids));
+    let fresh = lossy.engines.load(&lossy.corpus.store, "c", text)?;
+    assert_eq!(fresh.tier, Tier::Recomputed);
+    let memory = lossy.engines.load(&lossy.corpus.store, "c", text)?;
+    assert_eq!(memory.tier, Tier::Memory);
+    lossy.corpus.store.memory().clear();
+    let disk = lossy.engines.load(&lossy.corpus.store, "c", text)?;
+    assert_eq!(disk.tier, Tier::Disk);
+    assert_eq!(memory.kv, disk.kv, "memory holds what the disk gives back");
+    assert_ne!(disk.kv, fresh.kv, "int4 changed the values");
+    Ok(())
+}

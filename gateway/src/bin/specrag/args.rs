@@ -208,9 +208,12 @@ pub struct DataArgs {
     /// Data directory (index and chunk KV store).
     #[arg(long, env = "SPECRAG_DATA", default_value = "data", value_name = "DIR")]
     pub data: PathBuf,
-    /// How chunk KV is written to disk: `raw` (f16 as is) or `lossless` (the same f16 values
+    /// How chunk KV is written to disk: `raw` (f16 as is), `lossless` (the same f16 values
     /// bit for bit, byte planes through zstd: on Qwen-0.5B chunks 5% smaller and ~4x slower
-    /// to load, so not the default yet). Blobs of either codec are read whatever this says.
+    /// to load, so not the default yet), or lossy `int8` / `int4` (KIVI-style: keys per
+    /// channel, values per token; ~2x / ~4x smaller). Blobs of every codec are read whatever
+    /// this says; a lossy codec is part of the chunk key, so lossy KV is stored and served
+    /// apart from exact KV (`verify: true` still answers exactly as full recompute).
     #[arg(
         long,
         env = "SPECRAG_KV_CODEC",
