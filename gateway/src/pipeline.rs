@@ -619,7 +619,12 @@ impl Pipeline {
             seed: q.seed,
         });
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
-        let input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
+        let mut input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
+        if self.engines.lossy_codec.is_some() {
+            // Stored lossily, even the chunk precomputed after this very prefix is not exact:
+            // it competes for the budget like the others.
+            input.first_chunk_exact = false;
+        }
         let t = Instant::now();
         let out = selector.prefill(&input)?;
         timings.align_ms = out.select_ms;
