@@ -169,7 +169,8 @@ impl RemoteStore {
             }
             Err(reason) => {
                 tracing::warn!(key = %key, %reason, "dropping an unreadable KV blob from the remote store");
-                // Only if it is still the value just read: another node may have replaced it.
+                // Unconditional: should another node have just replaced the value with a good
+                // one, that one goes too and is recomputed by whoever needs it next (harmless).
                 let _ = self.with("delete", |c| redis::cmd("DEL").arg(&rk).query::<i64>(c));
                 self.corrupt.add(1);
                 self.misses.add(1);
