@@ -46,7 +46,9 @@ struct Args {
     #[arg(long, value_name = "DIR", default_value = "eval-results")]
     out: PathBuf,
     /// How the chunk KV of the run is stored (`raw`, `lossless`, `int8`, `int4`): run once
-    /// per codec to measure what the lossy ones cost against exact storage.
+    /// per codec to measure what the lossy ones cost against exact storage. In a --study, the
+    /// rows of a non-raw run are labelled `method@ρ+codec` and the report pairs each with the
+    /// same method on raw storage (resume the same --out once per codec).
     #[arg(long, value_name = "CODEC", default_value = "raw")]
     kv_codec: chunkstore::Codec,
     /// Run nothing: rewrite report.md and the charts in --out from this results.json (of any
@@ -135,6 +137,11 @@ struct Args {
     /// The configuration the study report compares with every baseline, head to head.
     #[arg(long, default_value = "target_probe@0.15", requires = "study")]
     study_best: String,
+    /// Ask every study configuration (but full recompute and the bounds) once more with
+    /// `verify: true`: the report gains the drafts' acceptance per configuration and checks
+    /// that every verified answer equals full recompute's (costs one full prefill per case).
+    #[arg(long, requires = "study")]
+    study_verify: bool,
     /// Target of the large pairing (its speculator is the small pairing's target)
     /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
     #[arg(long, value_name = "PATH")]

@@ -8,7 +8,10 @@
 use crate::datasets::Case;
 use crate::run::{self, Dataset};
 use crate::stats::{self, Interval, McNemar};
-use gateway::pipeline::{Method, Pipeline, Query, QueryOptions, Selected, Timings, Traced};
+use chunkstore::Codec;
+use gateway::pipeline::{
+    Method, Pipeline, Query, QueryOptions, Selected, Timings, Traced, VerifyStats,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -36,6 +39,22 @@ impl StudyConfig {
             self.method.name().to_string()
         }
     }
+
+    /// [`StudyConfig::label`] of a run storing chunk KV with `codec`: `+codec` after it unless
+    /// the storage is `raw` or the method reads no stored KV (full recompute), so one
+    /// study.jsonl pairs a method on each codec against the same method on raw storage.
+    pub fn label_on(&self, codec: Codec) -> String {
+        if codec == Codec::Raw || self.method.is_full() {
+            self.label()
+        } else {
+            format!("{}+{codec}", self.label())
+        }
+    }
+}
+
+/// How the study's first rows were stored (before rows named their codec).
+fn raw_codec() -> String {
+    Codec::Raw.name().into()
 }
 
 /// The configurations every case runs at `ratio` (full recompute first): the bounds, the
@@ -115,6 +134,15 @@ pub struct StudyRecord {
     /// Recomputed chunk tokens over all chunk tokens.
     pub ratio: f64,
     pub selected: Vec<Selected>,
+    /// How the run stored chunk KV (`--kv-codec`).
+    #[serde(default = "raw_codec")]
+    pub codec: String,
+    /// With `--study-verify`: what the same query with `verify: true` drafted and accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<VerifyStats>,
+    /// With `--study-verify`: the verified answer equals full recompute's (it must).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified_identical: Option<bool>,
 }
 
 /// A gold answer contained in the normalized prediction.
@@ -153,6 +181,7 @@ fn ask(
     ds: &Dataset,
     case: &Case,
     config: StudyConfig,
+    verify: bool,
     options: QueryOptions,
 ) -> anyhow::Result<Traced> {
     let q = Query {
@@ -164,7 +193,7 @@ fn ask(
         max_tokens: MAX_TOKENS,
         temperature: 0.0,
         seed: 0,
-        verify: false,
+        verify,
         options: QueryOptions {
             order: ds.order,
             ..options
@@ -176,6 +205,16 @@ fn ask(
         .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.label()))
 }
 
+/// How a study run stores chunk KV and what it measures besides the answers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// The store's codec (labels of lossy and lossless runs carry it, see
+    /// [`StudyConfig::label_on`]).
+    pub codec: Codec,
+    /// Ask every servable configuration but the reference once more with `verify: true`.
+    pub verify: bool,
+}
+
 /// Answers `case` with every configuration (`configs[0]` is full recompute, the reference).
 pub fn run_case(
     pipeline: &Pipeline,
@@ -183,6 +222,7 @@ pub fn run_case(
     ds: &Dataset,
     case: &Case,
     configs: &[StudyConfig],
+    run: RunOptions,
 ) -> anyhow::Result<Vec<StudyRecord>> {
     let gold = case.answers.first().map(String::as_str).unwrap_or("");
     let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
@@ -191,6 +231,7 @@ pub fn run_case(
         ds,
         case,
         configs[0],
+        false,
         QueryOptions {
             forced: vec![gold_ids.clone()],
             force_answer: true,
@@ -210,7 +251,22 @@ pub fn run_case(
                 forced: vec![gold_ids.clone(), reference.ids.clone()],
                 ..Default::default()
             };
-            ask(pipeline, ds, case, config, options)?
+            ask(pipeline, ds, case, config, false, options)?
+        };
+        // The verified answer of the same query: drafts from this method's cache, checked
+        // against full recompute's. A cached full context would skip the drafting.
+        let verified = if run.verify && i > 0 && config.method.servable() {
+            pipeline.contexts.clear();
+            Some(ask(
+                pipeline,
+                ds,
+                case,
+                config,
+                true,
+                QueryOptions::default(),
+            )?)
+        } else {
+            None
         };
         let steps = t.forced.get(1).map(Vec::as_slice).unwrap_or(&[]);
         out.push(StudyRecord {
@@ -218,7 +274,7 @@ pub fn run_case(
             dataset: ds.name.clone(),
             case: case.id.clone(),
             config,
-            label: config.label(),
+            label: config.label_on(run.codec),
             answer: t.answer.answer.clone(),
             correct: contains_gold(&t.answer.answer, &case.answers),
             identical: t.answer.answer == reference.answer.answer,
@@ -229,6 +285,9 @@ pub fn run_case(
             timings: t.answer.timings,
             ratio: t.answer.reuse.ratio,
             selected: t.selected.clone(),
+            codec: run.codec.name().into(),
+            verify: verified.as_ref().and_then(|v| v.answer.verify),
+            verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
         });
     }
     Ok(out)
@@ -448,6 +507,87 @@ pub fn head_to_head(
         .collect()
 }
 
+/// Every `method+codec` label of (`pairing`, `dataset`) paired against the same method on raw
+/// storage: (label, n, Δ first-token KL, Δ teacher-forced KL, Δ identical, Δ accuracy).
+#[allow(clippy::type_complexity, reason = "one report row")]
+pub fn codec_rows(
+    records: &[StudyRecord],
+    pairing: &str,
+    dataset: &str,
+) -> Vec<(String, usize, [Option<Interval>; 4])> {
+    let labels = by_label(records, pairing, dataset);
+    let mut out = Vec::new();
+    for (label, mine) in &labels {
+        let Some((base, _)) = label.split_once('+') else {
+            continue;
+        };
+        let Some(raw) = labels.get(base) else {
+            continue;
+        };
+        let diff = |f: fn(&StudyRecord) -> f64, seed| {
+            let (a, b) = paired(mine, raw, f);
+            stats::paired_bootstrap_diff(&a, &b, RESAMPLES, seed)
+        };
+        let n = mine.keys().filter(|c| raw.contains_key(*c)).count();
+        out.push((
+            label.clone(),
+            n,
+            [
+                diff(|r| r.kl_first, 8),
+                diff(|r| r.kl_tf, 9),
+                diff(|r| f64::from(u8::from(r.identical)), 10),
+                diff(|r| f64::from(u8::from(r.correct)), 11),
+            ],
+        ));
+    }
+    out.sort_by_key(|(l, ..)| first_index(records, l));
+    out
+}
+
+/// What `verify: true` did per label of (`pairing`, `dataset`), over the rows that measured it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyRow {
+    pub label: String,
+    pub n: usize,
+    /// Drafted tokens the full cache accepted, over all drafted.
+    pub accepted: f64,
+    /// Mean over cases of the drafted tokens accepted per verification pass.
+    pub per_pass: f64,
+    /// Answers whose every draft was accepted (the draft was full recompute's answer).
+    pub all_accepted: Interval,
+    /// Verified answers equal to full recompute's (must be all).
+    pub identical: Interval,
+}
+
+/// [`VerifyRow`]s of (`pairing`, `dataset`), in the order the labels first appear.
+pub fn verify_rows(records: &[StudyRecord], pairing: &str, dataset: &str) -> Vec<VerifyRow> {
+    let mut out: Vec<VerifyRow> = by_label(records, pairing, dataset)
+        .into_iter()
+        .filter_map(|(label, rs)| {
+            let v: Vec<(VerifyStats, bool)> = rs
+                .values()
+                .filter_map(|r| Some((r.verify?, r.verified_identical?)))
+                .collect();
+            if v.is_empty() {
+                return None;
+            }
+            let drafted: usize = v.iter().map(|(s, _)| s.drafted).sum();
+            let accepted: usize = v.iter().map(|(s, _)| s.accepted).sum();
+            let n = v.len();
+            Some(VerifyRow {
+                label,
+                n,
+                accepted: accepted as f64 / drafted.max(1) as f64,
+                per_pass: v.iter().map(|(s, _)| s.mean_accepted).sum::<f64>() / n as f64,
+                all_accepted: stats::wilson(v.iter().filter(|(s, _)| s.corrected == 0).count(), n),
+                identical: stats::wilson(v.iter().filter(|(_, same)| *same).count(), n),
+            })
+        })
+        .collect();
+    out.sort_by_key(|r| first_index(records, &r.label));
+    out
+}
+
 fn iv(i: &Interval, scale: f64, digits: usize) -> String {
     format!(
         "{:.d$} [{:.d$}, {:.d$}]",
@@ -536,6 +676,56 @@ pub fn markdown(records: &[StudyRecord], best: &str) -> String {
                 );
             }
         }
+        write_codec_table(&mut out, records, pairing, dataset);
+        write_verify_table(&mut out, records, pairing, dataset);
     }
     out
+}
+
+/// The codec table of (`pairing`, `dataset`), when the study ran any non-raw storage.
+fn write_codec_table(out: &mut String, records: &[StudyRecord], pairing: &str, dataset: &str) {
+    let codecs = codec_rows(records, pairing, dataset);
+    if !codecs.is_empty() {
+        out.push_str(
+            "\nLossy and lossless storage (`--kv-codec`), each paired against the same method \
+             on raw f16 storage (Δ = codec − raw):\n\n| on codec | n | Δ KL first | Δ KL \
+             teacher-forced | Δ identical pts | Δ accuracy pts |\n|---|---|---|---|---|---|\n",
+        );
+        for (label, n, [klf, kltf, id, acc]) in codecs {
+            let _ = writeln!(
+                out,
+                "| {label} | {n} | {} | {} | {} | {} |",
+                opt_iv(&klf, 1.0, 3),
+                opt_iv(&kltf, 1.0, 3),
+                opt_iv(&id, 100.0, 0),
+                opt_iv(&acc, 100.0, 0)
+            );
+        }
+    }
+}
+
+/// The verification table of (`pairing`, `dataset`), when the study ran with `--study-verify`.
+fn write_verify_table(out: &mut String, records: &[StudyRecord], pairing: &str, dataset: &str) {
+    let verified = verify_rows(records, pairing, dataset);
+    if !verified.is_empty() {
+        out.push_str(
+            "\nWith `verify: true` (drafts from the method's cache, checked against a full \
+             prefill): drafted tokens accepted, accepted per verification pass, answers whose \
+             every draft was accepted, and verified answers equal to full recompute's (must \
+             be 100):\n\n| config | n | accepted % | per pass | all accepted % | verified \
+             identical % |\n|---|---|---|---|---|---|\n",
+        );
+        for r in verified {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.1} | {:.2} | {} | {} |",
+                r.label,
+                r.n,
+                r.accepted * 100.0,
+                r.per_pass,
+                iv(&r.all_accepted, 100.0, 0),
+                iv(&r.identical, 100.0, 0)
+            );
+        }
+    }
 }

@@ -87,13 +87,23 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         };
         let engines = Engines::new(load_model(&target)?, Some(load_model(&spec)?))?;
         let dir = data_root.join(pairing.name());
-        let corpus = Corpus::open(&dir, 1 << 30)
+        let store = gateway::corpus::StoreOptions {
+            codec: args.kv_codec,
+            remote: None,
+        };
+        let corpus = Corpus::open_with(&dir, 1 << 30, &store)
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
         eprintln!(
-            "study {pairing}: {} -> {}, {n} cases per dataset",
+            "study {pairing}: {} -> {}, {n} cases per dataset, chunk KV stored {}{}",
             file_name(&spec),
-            file_name(&target)
+            file_name(&target),
+            args.kv_codec,
+            if args.study_verify {
+                ", every method also verified"
+            } else {
+                ""
+            }
         );
         let wanted =
             |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
@@ -142,6 +152,10 @@ fn run_dataset(
     records: &mut Vec<StudyRecord>,
 ) -> anyhow::Result<()> {
     let (sweep_cases, only) = (args.sweep_cases, &args.study_configs);
+    let run = study::RunOptions {
+        codec: args.kv_codec,
+        verify: args.study_verify,
+    };
     // Full recompute (the reference) stays first whatever --study-configs keeps.
     let kept = |configs: Vec<StudyConfig>| -> Vec<StudyConfig> {
         let keep = |c: &StudyConfig| only.is_empty() || only.contains(&c.label());
@@ -166,10 +180,10 @@ fn run_dataset(
         let missing: Vec<StudyConfig> = wanted
             .iter()
             .enumerate()
-            .filter(|(j, c)| *j == 0 || !have.contains(c.label().as_str()))
+            .filter(|(j, c)| *j == 0 || !have.contains(c.label_on(run.codec).as_str()))
             .map(|(_, c)| *c)
             .collect();
-        if missing.len() == 1 && have.contains(missing[0].label().as_str()) {
+        if missing.len() == 1 && have.contains(missing[0].label_on(run.codec).as_str()) {
             continue;
         }
         let one = Dataset {
@@ -177,7 +191,7 @@ fn run_dataset(
             ..ds.clone()
         };
         run::ingest(pipeline, pairing, &one, &mut || {})?;
-        let mut recs = study::run_case(pipeline, pairing, &one, case, &missing)?;
+        let mut recs = study::run_case(pipeline, pairing, &one, case, &missing, run)?;
         recs.retain(|r| !have.contains(r.label.as_str()));
         study::append(path, &recs)?;
         if lines {

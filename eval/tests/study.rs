@@ -129,3 +129,65 @@ fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std:
     );
     Ok(())
 }
+
+#[test]
+fn study_pairs_a_codec_with_raw_storage_and_measures_verification(
+) -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
+    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    let out = d.join("out");
+    let only = [
+        "--study-configs",
+        "full_reuse,target_probe@0.15",
+        "--study-datasets",
+        "profiles",
+    ];
+    ok(&study_cmd(d, &out, "2", &only)?);
+    let raw_data = [only.as_slice(), &["--resume"]].concat();
+    let int8 = [
+        raw_data.as_slice(),
+        &["--kv-codec", "int8", "--study-verify"],
+    ]
+    .concat();
+    // Same data directory: lossy chunks are keyed apart, so raw KV never stands in for int8.
+    ok(&study_cmd(d, &out, "2", &int8)?);
+    let path = out.join("study.jsonl");
+    let recs = study::read_records(&path)?;
+    let count = |l: &str| recs.iter().filter(|r| r.label == l).count();
+    // Full recompute reads no stored KV: its label has no codec and the raw rows answer it.
+    assert_eq!(count("full_recompute"), 2);
+    assert_eq!(count("target_probe@0.15"), 2);
+    assert_eq!(count("target_probe@0.15+int8"), 2);
+    assert_eq!(count("full_reuse+int8"), 2);
+    assert_eq!(recs.len(), 10);
+    for r in &recs {
+        let lossy = r.label.ends_with("+int8");
+        assert_eq!(r.codec, if lossy { "int8" } else { "raw" }, "{}", r.label);
+        // Verification ran on the int8 rows only, and its answers are full recompute's.
+        assert_eq!(r.verify.is_some(), lossy, "{}", r.label);
+        if let Some(v) = r.verify {
+            assert!(v.drafted > 0 && v.accepted <= v.drafted, "{v:?}");
+            assert_eq!(r.verified_identical, Some(true), "{}", r.label);
+            // A draft that was full recompute's answer is accepted throughout.
+            assert!(!r.identical || v.corrected == 0, "{} {v:?}", r.label);
+        }
+    }
+    let report = std::fs::read_to_string(out.join("study.md"))?;
+    assert!(
+        report.contains("| target_probe@0.15+int8 | 2 |"),
+        "{report}"
+    );
+    assert!(report.contains("verified identical %"), "{report}");
+    // Rows written before rows named their codec read as raw.
+    let first = std::fs::read_to_string(&path)?
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .replace(",\"codec\":\"raw\"", "");
+    assert!(!first.contains("codec"));
+    let old: StudyRecord = serde_json::from_str(&first)?;
+    assert_eq!(old.codec, "raw");
+    Ok(())
+}

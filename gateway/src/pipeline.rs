@@ -158,6 +158,12 @@ impl std::fmt::Debug for ContextCache {
 }
 
 impl ContextCache {
+    /// Forgets every cached context (the evaluation measures verification's drafting, which a
+    /// hit skips).
+    pub fn clear(&self) {
+        self.inner.invalidate_all();
+    }
+
     /// A cache holding at most `bytes` of KV (f32 K and V of every layer).
     pub fn new(bytes: u64) -> Self {
         Self {
