@@ -142,6 +142,12 @@ struct Args {
     /// that every verified answer equals full recompute's (costs one full prefill per case).
     #[arg(long, requires = "study")]
     study_verify: bool,
+    /// How `--study-verify` decodes once the full cache is ready, as the server's
+    /// `--verify-mode`: `full` (the server's default) drafts only while the full prefill runs,
+    /// so how many drafts are checked depends on the machine's speed; `draft-every-N` keeps
+    /// drafting N tokens ahead to the end, so acceptance covers the whole answer.
+    #[arg(long, default_value = "full", requires = "study_verify")]
+    study_verify_mode: target_engine::VerifyMode,
     /// Target of the large pairing (its speculator is the small pairing's target)
     /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
     #[arg(long, value_name = "PATH")]

@@ -13,7 +13,7 @@ use gateway::pipeline::{
     Method, Pipeline, Query, QueryOptions, Selected, Timings, Traced, VerifyStats,
 };
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::Path;
@@ -143,6 +143,10 @@ pub struct StudyRecord {
     /// With `--study-verify`: the verified answer equals full recompute's (it must).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verified_identical: Option<bool>,
+    /// With `--study-verify`: how decoding went on once the full cache was ready
+    /// (`--study-verify-mode`; rows written before it was recorded ran `full`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_mode: Option<String>,
 }
 
 /// A gold answer contained in the normalized prediction.
@@ -287,6 +291,7 @@ pub fn run_case(
             selected: t.selected.clone(),
             codec: run.codec.name().into(),
             verify: verified.as_ref().and_then(|v| v.answer.verify),
+            verify_mode: verified.as_ref().map(|_| pipeline.verify_mode.to_string()),
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
         });
     }
@@ -548,6 +553,8 @@ pub fn codec_rows(
 #[derive(Debug, Clone, PartialEq)]
 pub struct VerifyRow {
     pub label: String,
+    /// The verify modes of the rows (`full`, `draft-every-N`), joined by `+` when mixed.
+    pub mode: String,
     pub n: usize,
     /// Drafted tokens the full cache accepted, over all drafted.
     pub accepted: f64,
@@ -571,11 +578,17 @@ pub fn verify_rows(records: &[StudyRecord], pairing: &str, dataset: &str) -> Vec
             if v.is_empty() {
                 return None;
             }
+            let modes: BTreeSet<&str> = rs
+                .values()
+                .filter(|r| r.verify.is_some())
+                .map(|r| r.verify_mode.as_deref().unwrap_or("full"))
+                .collect();
             let drafted: usize = v.iter().map(|(s, _)| s.drafted).sum();
             let accepted: usize = v.iter().map(|(s, _)| s.accepted).sum();
             let n = v.len();
             Some(VerifyRow {
                 label,
+                mode: modes.into_iter().collect::<Vec<_>>().join("+"),
                 n,
                 accepted: accepted as f64 / drafted.max(1) as f64,
                 per_pass: v.iter().map(|(s, _)| s.mean_accepted).sum::<f64>() / n as f64,
@@ -712,14 +725,16 @@ fn write_verify_table(out: &mut String, records: &[StudyRecord], pairing: &str, 
             "\nWith `verify: true` (drafts from the method's cache, checked against a full \
              prefill): drafted tokens accepted, accepted per verification pass, answers whose \
              every draft was accepted, and verified answers equal to full recompute's (must \
-             be 100):\n\n| config | n | accepted % | per pass | all accepted % | verified \
-             identical % |\n|---|---|---|---|---|---|\n",
+             be 100); `full` drafts only while the full prefill runs, `draft-every-N` to the \
+             end:\n\n| config | mode | n | accepted % | per pass | all accepted % | verified \
+             identical % |\n|---|---|---|---|---|---|---|\n",
         );
         for r in verified {
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.1} | {:.2} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {:.2} | {} | {} |",
                 r.label,
+                r.mode,
                 r.n,
                 r.accepted * 100.0,
                 r.per_pass,

@@ -93,16 +93,17 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         };
         let corpus = Corpus::open_with(&dir, 1 << 30, &store)
             .with_context(|| format!("opening data directory {}", dir.display()))?;
-        let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+        let mut pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+        pipeline.verify_mode = args.study_verify_mode;
         eprintln!(
             "study {pairing}: {} -> {}, {n} cases per dataset, chunk KV stored {}{}",
             file_name(&spec),
             file_name(&target),
             args.kv_codec,
             if args.study_verify {
-                ", every method also verified"
+                format!(", every method also verified ({})", args.study_verify_mode)
             } else {
-                ""
+                String::new()
             }
         );
         let wanted =

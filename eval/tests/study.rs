@@ -148,7 +148,15 @@ fn study_pairs_a_codec_with_raw_storage_and_measures_verification(
     let raw_data = [only.as_slice(), &["--resume"]].concat();
     let int8 = [
         raw_data.as_slice(),
-        &["--kv-codec", "int8", "--study-verify"],
+        // Drafting to the end: with `full`, a tiny model's full prefill can be ready before
+        // the first draft, and nothing is drafted.
+        &[
+            "--kv-codec",
+            "int8",
+            "--study-verify",
+            "--study-verify-mode",
+            "draft-every-2",
+        ],
     ]
     .concat();
     // Same data directory: lossy chunks are keyed apart, so raw KV never stands in for int8.
@@ -168,7 +176,11 @@ fn study_pairs_a_codec_with_raw_storage_and_measures_verification(
         // Verification ran on the int8 rows only, and its answers are full recompute's.
         assert_eq!(r.verify.is_some(), lossy, "{}", r.label);
         if let Some(v) = r.verify {
-            assert!(v.drafted > 0 && v.accepted <= v.drafted, "{v:?}");
+            assert!(
+                v.drafted > 0 && v.rounds > 0 && v.accepted <= v.drafted,
+                "{v:?}"
+            );
+            assert_eq!(r.verify_mode.as_deref(), Some("draft-every-2"));
             assert_eq!(r.verified_identical, Some(true), "{}", r.label);
             // A draft that was full recompute's answer is accepted throughout.
             assert!(!r.identical || v.corrected == 0, "{} {v:?}", r.label);
@@ -180,6 +192,10 @@ fn study_pairs_a_codec_with_raw_storage_and_measures_verification(
         "{report}"
     );
     assert!(report.contains("verified identical %"), "{report}");
+    assert!(
+        report.contains("| target_probe@0.15+int8 | draft-every-2 | 2 |"),
+        "{report}"
+    );
     // Rows written before rows named their codec read as raw.
     let first = std::fs::read_to_string(&path)?
         .lines()

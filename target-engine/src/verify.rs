@@ -29,6 +29,38 @@ pub enum VerifyMode {
     DraftEvery(usize),
 }
 
+impl std::fmt::Display for VerifyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::FromFull => f.write_str("full"),
+            Self::DraftEvery(n) => write!(f, "draft-every-{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for VerifyMode {
+    type Err = String;
+
+    /// `full` or `draft-every-N` (N in `1..MAX_VERIFY_ROWS`), as [`Display`](std::fmt::Display)
+    /// writes them.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "full" => Ok(Self::FromFull),
+            other => other
+                .strip_prefix("draft-every-")
+                .and_then(|n| n.parse().ok())
+                .filter(|n| (1..MAX_VERIFY_ROWS).contains(n))
+                .map(Self::DraftEvery)
+                .ok_or_else(|| {
+                    format!(
+                        "expected `full` or `draft-every-N` with N in 1..={}, got `{other}`",
+                        MAX_VERIFY_ROWS - 1
+                    )
+                }),
+        }
+    }
+}
+
 /// Settings of a verified generation (greedy only).
 #[derive(Debug, Clone, Copy)]
 pub struct VerifyParams {
@@ -311,4 +343,32 @@ impl Model {
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_modes_read_back_what_they_write() {
+        for m in [
+            VerifyMode::FromFull,
+            VerifyMode::DraftEvery(1),
+            VerifyMode::DraftEvery(15),
+        ] {
+            assert_eq!(m.to_string().parse::<VerifyMode>(), Ok(m));
+        }
+        for bad in [
+            "draft-every-0",
+            "draft-every-16",
+            "draft-every-",
+            "fast",
+            "",
+        ] {
+            let Err(e) = bad.parse::<VerifyMode>() else {
+                panic!("`{bad}` parsed");
+            };
+            assert!(e.contains("draft-every-N") && e.contains(bad), "{e}");
+        }
+    }
 }

@@ -471,17 +471,7 @@ pub fn parse_top_p(s: &str) -> Result<f32, String> {
 
 /// `--verify-mode`, parsed with the other flags (a typo fails before any model loads).
 pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
-    match s {
-        "full" => Ok(target_engine::VerifyMode::FromFull),
-        other => other
-            .strip_prefix("draft-every-")
-            .and_then(|n| n.parse().ok())
-            .filter(|n| (1..=15).contains(n))
-            .map(target_engine::VerifyMode::DraftEvery)
-            .ok_or_else(|| {
-                format!("expected `full` or `draft-every-N` with N in 1..=15, got `{other}`")
-            }),
-    }
+    s.parse()
 }
 
 /// A share of tokens in `0..=1`.
