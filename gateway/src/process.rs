@@ -1,12 +1,27 @@
 //! Process setup shared by the `specrag` and `specrag-eval` binaries.
 
+/// candle's setting of its worker pool's busy-wait length.
+const SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+/// Measured best on both default targets (see [`init`]).
+const DEFAULT_SPIN_LIMIT: &str = "1000";
+
 /// Allocator tuning, then logging to stderr filtered by `RUST_LOG` (default `warn`). Call it
 /// first in `main`, before any thread is started.
 ///
 /// Prefill allocates tens of megabytes per op; glibc serves each from a fresh mmap and returns
 /// it on free, so every op pays page faults (~18% of prefill, see shared/PERFORMANCE.md).
 /// Raising the mmap and trim thresholds keeps that memory in the heap for reuse.
+///
+/// candle's k-quant kernels run on its own thread pool, whose idle workers spin 25,000 times
+/// before sleeping. On a target that mixes them with QMatrix's formats (Qwen-0.5B: `ffn_down`
+/// only) that spin takes a core from the next layer's kernels after every candle op: decode
+/// ran at 39.5 ms/token against 32 with a limit of 1000, which leaves the 1.5B (all k-quants)
+/// unchanged (docs/performance.md). `CANDLE_BARRIER_POOL_SPIN_LIMIT` set by the user wins.
 pub fn init() {
+    if std::env::var_os(SPIN_LIMIT_VAR).is_none() {
+        // Before any thread is started (candle's pool reads it when it starts).
+        std::env::set_var(SPIN_LIMIT_VAR, DEFAULT_SPIN_LIMIT);
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator parameters; it runs before any thread is started.
     unsafe {
