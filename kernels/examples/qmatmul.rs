@@ -47,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let q = QTensor::quantize(&w, g)?;
         let m = QMatrix::new(ty, rows, cols, std::sync::Arc::new(q.data()?.into_owned()))?;
         let candle = QMatMul::from_qtensor(q)?;
-        for n in [1usize, 4, 16, 64, 512] {
+        for n in [1usize, 4, 8, 16, 24, 32, 48, 64, 512] {
             let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i * 31 % 200) as f32 / 100.0) - 1.0)
                 .collect();
