@@ -3,7 +3,7 @@
 //! to prefill (512). Prints one line per case; compare
 //! ratios within one run.
 //!
-//! `cargo run --release -p kernels --example qmatmul [rows cols]`
+//! `cargo run --release -p kernels --example qmatmul [rows cols [format]]`
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -20,8 +20,12 @@ fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    // An optional third argument keeps one format (`Q8_0`, `Q5_0`, ...).
+    let only = raw.get(2).cloned();
+    let args: Vec<usize> = raw
+        .iter()
+        .take(2)
         .map(|a| a.parse())
         .collect::<Result<_, _>>()?;
     let (rows, cols) = match args[..] {
@@ -41,13 +45,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (QType::Q4K, GgmlDType::Q4K),
         (QType::Q6K, GgmlDType::Q6K),
     ] {
-        if cols % ty.block_len() != 0 {
+        if cols % ty.block_len() != 0 || only.as_ref().is_some_and(|o| *o != format!("{ty:?}")) {
             continue;
         }
         let q = QTensor::quantize(&w, g)?;
         let m = QMatrix::new(ty, rows, cols, std::sync::Arc::new(q.data()?.into_owned()))?;
         let candle = QMatMul::from_qtensor(q)?;
-        for n in [1usize, 4, 8, 16, 24, 32, 48, 64, 512] {
+        for n in [1usize, 4, 8, 16, 24, 32, 48, 64, 512]
+            .into_iter()
+            .filter(|&n| n * rows <= 1 << 24)
+        {
             let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i * 31 % 200) as f32 / 100.0) - 1.0)
                 .collect();
