@@ -1,5 +1,6 @@
 //! Times `QMatrix::matmul` against candle's quantized matmul and a dense f32 matmul of the same
-//! weights and `QMatrix::matmul_dense` (dequantized panels), over row counts from decode (1)
+//! weights, `QMatrix::matmul_dense` (dequantized panels) and `PackedMatrix::matmul` (the
+//! repacked int8 GEMM, for the formats it takes), over row counts from decode (1)
 //! to prefill (512). Prints one line per case; compare
 //! ratios within one run.
 //!
@@ -51,6 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let q = QTensor::quantize(&w, g)?;
         let m = QMatrix::new(ty, rows, cols, std::sync::Arc::new(q.data()?.into_owned()))?;
         let candle = QMatMul::from_qtensor(q)?;
+        let packed = m.pack();
         for n in [1usize, 4, 8, 16, 24, 32, 48, 64, 512]
             .into_iter()
             .filter(|&n| n * rows <= 1 << 24)
@@ -64,9 +66,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let theirs = time(reps, || candle.forward(&xt));
             let dense = time(reps, || xt.matmul(&dense_t));
             let panels = time(reps, || m.matmul_dense(&x, n));
+            let repacked = packed
+                .as_ref()
+                .map(|p| format!("{:8.3} ms", time(reps, || p.matmul(&x, n)) * 1e3))
+                .unwrap_or_else(|| "       -   ".into());
             let gmac = (n * rows * cols) as f64 / 1e9;
             println!(
-                "{ty:?} n={n:4}: qmatrix {:8.3} ms ({:6.1} GMAC/s, {:5.1} GB/s) | candle quantized {:8.3} ms | dense f32 {:8.3} ms | dequantized panels {:8.3} ms",
+                "{ty:?} n={n:4}: qmatrix {:8.3} ms ({:6.1} GMAC/s, {:5.1} GB/s) | candle quantized {:8.3} ms | dense f32 {:8.3} ms | dequantized panels {:8.3} ms | packed {repacked}",
                 ours * 1e3,
                 gmac / ours,
                 m.nbytes() as f64 / ours / 1e9,

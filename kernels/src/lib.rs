@@ -18,5 +18,5 @@ pub use attention::{
     AttentionShape,
 };
 pub use error::{KernelError, Result};
-pub use quant::{Isa, QMatrix, QType};
+pub use quant::{Isa, PackedMatrix, QMatrix, QType};
 pub use rope::{Rope, RopeTable, RopeVariant};

@@ -20,6 +20,9 @@ use crate::error::{shape_err, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
 
+mod packed;
+pub use packed::PackedMatrix;
+
 /// The bytes of a matrix's blocks, shared with whoever owns them (a loaded file's tensor).
 pub type Blocks = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
