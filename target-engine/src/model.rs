@@ -19,7 +19,7 @@ use crate::kv::KvCache;
 use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use kernels::{AttentionShape, QMatrix, QType, Rope};
+use kernels::{AttentionShape, Isa, PackedMatrix, QMatrix, QType, Rope};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,6 +41,9 @@ pub struct LoadOptions {
     /// Q8_0, for which candle has an AVX2 kernel; the rounding this adds is below 7% of the
     /// original quantization step.
     pub decode_q8: bool,
+    /// Repack Q8_0, Q5_0 and Q4_1 weights at load for the int8 GEMM when the CPU has AVX-512
+    /// VNNI ([`kernels::PackedMatrix`]); every product on them then runs on it.
+    pub packed: bool,
 }
 
 impl Default for LoadOptions {
@@ -51,6 +54,7 @@ impl Default for LoadOptions {
             dense_min_rows: 8,
             warmup: true,
             decode_q8: true,
+            packed: true,
         }
     }
 }
@@ -68,28 +72,44 @@ impl AsRef<[u8]> for TensorBytes {
     }
 }
 
-/// Quantized weights and the two ways of multiplying them.
+/// Quantized weights and the ways of multiplying them.
 ///
-/// Few rows (decode, blended prefill's small recompute, verification) multiply the blocks
-/// with int8 activations: [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop
-/// for the last two), candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes
-/// 1.3x faster on them than on QMatrix). Many rows run either the same int8 kernels (a model
-/// made only of k-quants) or dense f32 GEMM on panels of weight rows dequantized into cache
-/// ([`QMatrix::matmul_dense`]), so no dense copy of the weights is kept (`Model::load` picks,
-/// docs/performance.md).
+/// With AVX-512 VNNI, Q8_0, Q5_0 and Q4_1 weights are repacked at load into a
+/// [`PackedMatrix`] (the file's bit width, the original bytes dropped): one int8 GEMM for every
+/// row count, each row's result independent of the batch, 2-4x QMatrix for few rows and ~2x
+/// the f32 panels for many (docs/performance.md). Otherwise few rows (decode, blended
+/// prefill's small recompute, verification) multiply the blocks with int8 activations:
+/// [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop for the last two),
+/// candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes 1.3x faster on them
+/// than on QMatrix). Many rows run either the same int8 kernels (a model made only of packed
+/// formats and k-quants) or dense f32 GEMM on panels of weight rows dequantized into cache
+/// ([`QMatrix::matmul_dense`]), so no dense copy of the weights is kept (`Model::load` picks).
 #[derive(Debug)]
 struct Quant {
-    tensor: Arc<QTensor>,
-    /// The same bytes, for QMatrix's kernels (`None` for a format it does not know).
-    blocks: Option<QMatrix>,
-    candle: QMatMul,
-    /// Few-row products on QMatrix's int8 kernels rather than on candle's.
-    own_kernels: bool,
+    /// `(rows, cols)`.
+    dims: (usize, usize),
+    weights: Weights,
+}
+
+#[derive(Debug)]
+enum Weights {
+    /// Repacked for the int8 GEMM.
+    Packed(PackedMatrix),
+    /// The file's blocks.
+    File {
+        tensor: Arc<QTensor>,
+        /// The same bytes, for QMatrix's kernels (`None` for a format it does not know).
+        blocks: Option<QMatrix>,
+        candle: QMatMul,
+        /// Few-row products on QMatrix's int8 kernels rather than on candle's.
+        own_kernels: bool,
+    },
 }
 
 impl Quant {
-    /// Wraps `q`; re-quantizes a format without a SIMD kernel here to Q8_0 when `to_q8` is set.
-    fn new(q: QTensor, to_q8: bool) -> Result<Self> {
+    /// Wraps `q`; re-quantizes a format without a SIMD kernel here to Q8_0 when `to_q8` is set;
+    /// repacks it for the int8 GEMM when `pack` is set and the CPU and format allow.
+    fn new(q: QTensor, to_q8: bool, pack: bool) -> Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         // candle's formats without an AVX kernel that QMatrix does not take either.
         let slow = matches!(q.dtype(), GgmlDType::Q5_1 | GgmlDType::Q8_1);
@@ -121,64 +141,90 @@ impl Quant {
             )?),
             None => None,
         };
+        if pack && Isa::best() == Isa::Avx512Vnni {
+            if let Some(p) = blocks.as_ref().and_then(QMatrix::pack) {
+                return Ok(Self {
+                    dims: (rows, cols),
+                    weights: Weights::Packed(p),
+                });
+            }
+        }
         Ok(Self {
-            candle: QMatMul::from_arc(tensor.clone())?,
-            own_kernels: matches!(ty, Some(QType::Q8_0 | QType::Q5_0 | QType::Q4_1)),
-            tensor,
-            blocks,
+            dims: (rows, cols),
+            weights: Weights::File {
+                candle: QMatMul::from_arc(tensor.clone())?,
+                own_kernels: matches!(ty, Some(QType::Q8_0 | QType::Q5_0 | QType::Q4_1)),
+                tensor,
+                blocks,
+            },
         })
     }
 
-    /// Whether the few-row kernel is also fast for many rows: candle's tiled k-quant GEMM,
-    /// whose result for a row does not depend on the other rows.
+    /// Whether the few-row kernel is also fast for many rows and exact per row: the packed
+    /// GEMM, or candle's tiled k-quant GEMM.
     fn int8_for_many_rows(&self) -> bool {
-        !self.own_kernels && matches!(self.tensor.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
+        match &self.weights {
+            Weights::Packed(_) => true,
+            Weights::File {
+                own_kernels,
+                tensor,
+                ..
+            } => !own_kernels && matches!(tensor.dtype(), GgmlDType::Q4K | GgmlDType::Q6K),
+        }
     }
 
     /// `(rows, cols)`.
     fn dims(&self) -> Result<(usize, usize)> {
-        Ok(self.tensor.shape().dims2()?)
+        Ok(self.dims)
     }
 
     /// Rows `ids` of the matrix, dequantized: an embedding lookup `(ids.len(), cols)`.
     fn lookup(&self, ids: &[u32]) -> Result<Tensor> {
-        match &self.blocks {
-            Some(m) => {
-                let mut out = Vec::with_capacity(ids.len() * m.cols());
-                for &id in ids {
-                    let j = id as usize;
-                    out.extend(m.dequantize_rows(j..j + 1)?);
-                }
-                Ok(Tensor::from_vec(out, (ids.len(), m.cols()), &Device::Cpu)?)
+        let cols = self.dims.1;
+        let rows = |get: &dyn Fn(usize) -> kernels::Result<Vec<f32>>| -> Result<Tensor> {
+            let mut out = Vec::with_capacity(ids.len() * cols);
+            for &id in ids {
+                out.extend(get(id as usize)?);
             }
-            None => Ok(self.tensor.embedding(&Tensor::new(ids, &Device::Cpu)?)?),
+            Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
+        };
+        match &self.weights {
+            Weights::Packed(p) => rows(&|j| p.dequantize_rows(j..j + 1)),
+            Weights::File {
+                blocks: Some(m), ..
+            } => rows(&|j| m.dequantize_rows(j..j + 1)),
+            Weights::File { tensor, .. } => Ok(tensor.embedding(&Tensor::new(ids, &Device::Cpu)?)?),
         }
     }
 
     /// `x Wᵀ` for rows `x` `(n, cols)` on the few-row kernels: each row's result independent
     /// of the others.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.blocks {
-            Some(m) if self.own_kernels => {
-                let (n, _) = x.dims2()?;
-                let y = m.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n)?;
-                Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
-            }
-            _ => self.candle_forward(x),
-        }
+        let (n, _) = x.dims2()?;
+        let y = match &self.weights {
+            Weights::Packed(p) => p.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n)?,
+            Weights::File {
+                blocks: Some(m),
+                own_kernels: true,
+                ..
+            } => m.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n)?,
+            Weights::File { .. } => return self.candle_forward(x),
+        };
+        Ok(Tensor::from_vec(y, (n, self.dims.0), &Device::Cpu)?)
     }
 
-    /// `x Wᵀ` for many rows: dense f32 GEMM on dequantized panels (candle's kernels for a
-    /// format QMatrix does not know).
+    /// `x Wᵀ` for many rows: the packed GEMM, dense f32 GEMM on dequantized panels, or
+    /// candle's kernels for a format QMatrix does not know.
     fn forward_dense(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.blocks {
-            Some(m) => {
-                let (n, _) = x.dims2()?;
-                let y = m.matmul_dense(&x.flatten_all()?.to_vec1::<f32>()?, n)?;
-                Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
-            }
-            _ => self.candle_forward(x),
-        }
+        let (n, _) = x.dims2()?;
+        let y = match &self.weights {
+            Weights::Packed(_) => return self.forward(x),
+            Weights::File {
+                blocks: Some(m), ..
+            } => m.matmul_dense(&x.flatten_all()?.to_vec1::<f32>()?, n)?,
+            Weights::File { .. } => return self.candle_forward(x),
+        };
+        Ok(Tensor::from_vec(y, (n, self.dims.0), &Device::Cpu)?)
     }
 
     /// candle's product, kept independent of the row count: its Q6_K kernel takes a compact
@@ -187,11 +233,14 @@ impl Quant {
     /// verification could disagree with one-token decode on a near tie. (The tiled path was
     /// also faster for one row in `examples/qmatmul`-style timing.)
     fn candle_forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.tensor.dtype() == GgmlDType::Q6K && x.dims2()?.0 == 1 {
+        let Weights::File { tensor, candle, .. } = &self.weights else {
+            return self.forward(x);
+        };
+        if tensor.dtype() == GgmlDType::Q6K && x.dims2()?.0 == 1 {
             let two = Tensor::cat(&[x, x], 0)?;
-            return Ok(self.candle.forward(&two)?.narrow(0, 0, 1)?);
+            return Ok(candle.forward(&two)?.narrow(0, 0, 1)?);
         }
-        Ok(self.candle.forward(x)?)
+        Ok(candle.forward(x)?)
     }
 }
 
@@ -211,7 +260,7 @@ impl Linear {
         } else {
             None
         };
-        let quant = Quant::new(q, opts.decode_q8)?;
+        let quant = Quant::new(q, opts.decode_q8, opts.packed)?;
         let bias = if bias {
             Some(
                 f.tensor(&format!("{name}.bias"))?
@@ -312,11 +361,21 @@ impl Model {
                 down: Linear::load(&mut f, &format!("{p}.ffn_down"), false, opts)?,
             });
         }
-        let embed = Arc::new(Quant::new(f.tensor("token_embd.weight")?, opts.decode_q8)?);
-        let lm_head = if f.has_tensor("output.weight") {
-            Arc::new(Quant::new(f.tensor("output.weight")?, opts.decode_q8)?)
-        } else {
+        // A separate LM head leaves the embedding to lookups: no reason to repack it.
+        let tied = !f.has_tensor("output.weight");
+        let embed = Arc::new(Quant::new(
+            f.tensor("token_embd.weight")?,
+            opts.decode_q8,
+            opts.packed && tied,
+        )?);
+        let lm_head = if tied {
             embed.clone()
+        } else {
+            Arc::new(Quant::new(
+                f.tensor("output.weight")?,
+                opts.decode_q8,
+                opts.packed,
+            )?)
         };
         let output_norm = norm(&mut f, "output_norm.weight")?;
         // Many-row forwards stay on int8 when every layer's format has a tiled int8 kernel
@@ -414,6 +473,13 @@ impl Model {
     /// Whether positional recovery passed its self-test at load (blending is refused if not).
     pub fn rope_recovery_ok(&self) -> bool {
         self.rope_ok
+    }
+
+    /// Whether forwards over many rows run dense f32 GEMM (dequantized panels or copies);
+    /// `false` when every weight has an int8 kernel exact per row (packed formats and
+    /// k-quants), which then serves every row count.
+    pub fn dense_forwards(&self) -> bool {
+        self.has_dense
     }
 
     /// Runs both weight paths once so one-time repacking happens now.
@@ -718,15 +784,27 @@ mod tests {
         let w = Tensor::from_vec(values(rows * cols, 0), (rows, cols), &Device::Cpu)?;
         let x = Tensor::from_vec(values(400 * cols, 3), (400, cols), &Device::Cpu)?;
         let x = &x;
-        for g in [
+        let formats = [
             GgmlDType::Q8_0,
             GgmlDType::Q5_0,
             GgmlDType::Q4_1,
             GgmlDType::Q4K,
             GgmlDType::Q6K,
             GgmlDType::Q5_1,
-        ] {
-            let q = Quant::new(QTensor::quantize(&w, g)?, true)?;
+        ];
+        // Repacked (where the CPU allows) and as in the file.
+        for (g, pack) in formats.into_iter().flat_map(|g| [(g, true), (g, false)]) {
+            let q = Quant::new(QTensor::quantize(&w, g)?, true, pack)?;
+            if pack {
+                // The packed matrix dequantizes to the file's weights.
+                let file = Quant::new(QTensor::quantize(&w, g)?, true, false)?;
+                let ids = [0, 17, 63];
+                assert_eq!(
+                    q.lookup(&ids)?.to_vec2::<f32>()?,
+                    file.lookup(&ids)?.to_vec2::<f32>()?,
+                    "{g:?}"
+                );
+            }
             // Every row of a batch of n against the same row of the largest batch.
             let check = |sizes: &[usize], dense: bool| -> Result<()> {
                 let run = |n: usize| -> Result<Vec<Vec<f32>>> {

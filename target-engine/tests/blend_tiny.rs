@@ -109,12 +109,12 @@ fn one_chunk_precomputed_after_the_prefix_reused_as_is_equals_full_prefill() {
     let out = m.blend_prefill(&asm, &prefix, &[&kv], &[]).expect("blend");
     assert_eq!(out.recomputed.len(), 0);
     let (full_cache, full) = m.prefill(&asm.ids).expect("prefill");
-    // The reused rows went through f16; nothing else differs.
-    assert!(
-        max_diff(&out.logits, &full) < 2e-2,
-        "{}",
-        max_diff(&out.logits, &full)
-    );
+    // The reused rows went through f16; nothing else differs. The int8 activation rounding
+    // downstream can turn an f16 rounding into a whole quantization step, so the bound is
+    // relative: 0.2% of the largest logit (observed 0.09% on the packed kernels).
+    let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = max_diff(&out.logits, &full);
+    assert!(d < 2e-3 * scale, "{d} of {scale}");
     for l in 0..m.config().n_layer {
         assert!(max_diff(out.cache.k(l), full_cache.k(l)) < 2e-2);
     }

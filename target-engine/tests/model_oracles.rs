@@ -216,6 +216,7 @@ fn candle_reference(file: &str, ids: &[u32]) -> Vec<f32> {
 }
 
 /// Summary of how two logit vectors differ.
+#[derive(Debug)]
 struct Diff {
     max: f32,
     mean: f32,
@@ -280,7 +281,9 @@ fn check_against_candle(file: &'static str) {
         );
         assert_eq!(argmax(got), argmax(&want), "{path}");
         assert!(d.cosine > 0.999, "{path} path too far from candle");
-        if path == "dense" {
+        // A model whose every weight has an exact-per-row int8 kernel (the packed formats,
+        // the k-quants) runs every forward on it: it is the quantized path.
+        if path == "dense" && model(file).dense_forwards() {
             assert!(
                 d.mean < 0.1 && d.max < 1.0,
                 "{path} path too far from candle"
@@ -519,10 +522,33 @@ fn blended_prefill_invariants_on_the_default_target() {
     let (_, full) = m.prefill(&one.ids).expect("prefill");
     let d = diff(&out.logits, &full);
     eprintln!(
-        "one chunk reused as is vs full prefill: max {:.4} mean {:.5}",
-        d.max, d.mean
+        "one chunk reused as is vs full prefill: max {:.4} mean {:.5} cosine {:.7}",
+        d.max, d.mean, d.cosine
     );
-    // Only the f16 storage of the reused rows differs from a full prefill.
-    assert!(d.max < 0.1 && d.cosine > 0.9999, "{}", d.max);
+    // Only the f16 storage of the reused rows differs from a full prefill. The question's rows
+    // quantize their activations to int8 in every layer, which turns an f16 rounding into a
+    // whole quantization step here and there, so the yardstick is the kernels' own rounding:
+    // the same full prefill with many-row forwards on f32 panels instead of the packed int8
+    // GEMM (measured: reuse max 0.30, mean 0.055, cosine 0.99958; kernels max 0.33, mean
+    // 0.049, cosine 0.99969). Reusing the chunk must move the logits no more than twice that.
+    let panels = Model::load(
+        &common::model_path(common::QWEN_05B),
+        &LoadOptions {
+            packed: false,
+            warmup: false,
+            ..Default::default()
+        },
+    )
+    .expect("load with panels");
+    let (_, full_panels) = panels.prefill(&one.ids).expect("prefill");
+    let k = diff(&full_panels, &full);
+    eprintln!(
+        "full prefill, f32 panels vs packed int8: max {:.4} mean {:.5} cosine {:.7}",
+        k.max, k.mean, k.cosine
+    );
+    assert!(
+        d.mean <= 2.0 * k.mean && 1.0 - d.cosine <= 2.0 * (1.0 - k.cosine),
+        "{d:?} vs {k:?}"
+    );
     assert_eq!(argmax(&out.logits), argmax(&full));
 }
