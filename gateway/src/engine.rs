@@ -139,9 +139,18 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
             loop {
                 let (job, queued) = match engine.deferred.pop_front() {
                     Some(job) => job,
-                    None => match rx.recv() {
+                    None => match rx.try_recv() {
                         Ok(job) => job,
-                        Err(_) => break,
+                        Err(std::sync::mpsc::TryRecvError::Empty) => {
+                            // Idle: hand the last job's freed buffers back to the system
+                            // (the allocator keeps them otherwise, see process::init).
+                            crate::process::release_free_memory();
+                            match rx.recv() {
+                                Ok(job) => job,
+                                Err(_) => break,
+                            }
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
                     },
                 };
                 d.fetch_sub(1, Ordering::SeqCst);

@@ -66,6 +66,7 @@ fn load(path: &Path) -> anyhow::Result<Model> {
     let spinner = spinner(format!("loading {}", path.display()));
     let m = Model::load(path, &LoadOptions::default())
         .with_context(|| format!("loading {}", path.display()))?;
+    gateway::process::release_free_memory();
     spinner.finish_and_clear();
     Ok(m)
 }
