@@ -44,6 +44,10 @@ pub struct LoadOptions {
     /// Repack Q8_0, Q5_0 and Q4_1 weights at load for the int8 GEMM when the CPU has AVX-512
     /// VNNI ([`kernels::PackedMatrix`]); every product on them then runs on it.
     pub packed: bool,
+    /// Also repack Q4_K and Q6_K weights (with `packed`): at their file size instead of
+    /// candle's copy beside the file's bytes (~half the 1.5B target's RSS), faster for one row
+    /// and slower for many (docs/performance.md), so off by default.
+    pub pack_k_quants: bool,
 }
 
 impl Default for LoadOptions {
@@ -55,6 +59,7 @@ impl Default for LoadOptions {
             warmup: true,
             decode_q8: true,
             packed: true,
+            pack_k_quants: false,
         }
     }
 }
@@ -109,7 +114,7 @@ enum Weights {
 impl Quant {
     /// Wraps `q`; re-quantizes a format without a SIMD kernel here to Q8_0 when `to_q8` is set;
     /// repacks it for the int8 GEMM when `pack` is set and the CPU and format allow.
-    fn new(q: QTensor, to_q8: bool, pack: bool) -> Result<Self> {
+    fn new(q: QTensor, to_q8: bool, pack: bool, pack_k_quants: bool) -> Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         // candle's formats without an AVX kernel that QMatrix does not take either.
         let slow = matches!(q.dtype(), GgmlDType::Q5_1 | GgmlDType::Q8_1);
@@ -141,7 +146,8 @@ impl Quant {
             )?),
             None => None,
         };
-        if pack && Isa::best() == Isa::Avx512Vnni {
+        let k_quant = matches!(ty, Some(QType::Q4K | QType::Q6K));
+        if pack && (pack_k_quants || !k_quant) && Isa::best() == Isa::Avx512Vnni {
             if let Some(p) = blocks.as_ref().and_then(QMatrix::pack) {
                 return Ok(Self {
                     dims: (rows, cols),
@@ -260,7 +266,7 @@ impl Linear {
         } else {
             None
         };
-        let quant = Quant::new(q, opts.decode_q8, opts.packed)?;
+        let quant = Quant::new(q, opts.decode_q8, opts.packed, opts.pack_k_quants)?;
         let bias = if bias {
             Some(
                 f.tensor(&format!("{name}.bias"))?
@@ -367,6 +373,7 @@ impl Model {
             f.tensor("token_embd.weight")?,
             opts.decode_q8,
             opts.packed && tied,
+            opts.pack_k_quants,
         )?);
         let lm_head = if tied {
             embed.clone()
@@ -375,6 +382,7 @@ impl Model {
                 f.tensor("output.weight")?,
                 opts.decode_q8,
                 opts.packed,
+                opts.pack_k_quants,
             )?)
         };
         let output_norm = norm(&mut f, "output_norm.weight")?;
@@ -794,10 +802,10 @@ mod tests {
         ];
         // Repacked (where the CPU allows) and as in the file.
         for (g, pack) in formats.into_iter().flat_map(|g| [(g, true), (g, false)]) {
-            let q = Quant::new(QTensor::quantize(&w, g)?, true, pack)?;
+            let q = Quant::new(QTensor::quantize(&w, g)?, true, pack, pack)?;
             if pack {
                 // The packed matrix dequantizes to the file's weights.
-                let file = Quant::new(QTensor::quantize(&w, g)?, true, false)?;
+                let file = Quant::new(QTensor::quantize(&w, g)?, true, false, false)?;
                 let ids = [0, 17, 63];
                 assert_eq!(
                     q.lookup(&ids)?.to_vec2::<f32>()?,

@@ -68,6 +68,17 @@ fn check_fixture_model(name: &str) {
     assert!(!lines.is_empty());
     let m = model(common::file_for(name));
     let quant = quantized_only(common::file_for(name));
+    // `--pack-k-quants`: the k-quants on the packed int8 GEMM too (with VNNI; otherwise the
+    // same model as `m`).
+    let k_packed = Model::load(
+        &common::model_path(common::file_for(name)),
+        &LoadOptions {
+            pack_k_quants: true,
+            warmup: false,
+            ..Default::default()
+        },
+    )
+    .expect("load k-packed");
     let mut report = Vec::new();
     for line in &lines {
         let prompt = line["prompt"].as_str().expect("prompt");
@@ -98,8 +109,13 @@ fn check_fixture_model(name: &str) {
         // Both weight paths: the dense one (above) and the quantized one alone, which
         // quantizes activations to 8 bits per block of 32 as llama.cpp does.
         let (_, first_q) = quant.prefill(&prompt_ids).expect("quantized prefill");
+        let (_, first_k) = k_packed.prefill(&prompt_ids).expect("k-packed prefill");
         for &(id, l) in &top5 {
-            for (path, first) in [("dense", &first[..]), ("quantized", &first_q[..])] {
+            for (path, first) in [
+                ("dense", &first[..]),
+                ("quantized", &first_q[..]),
+                ("k-packed", &first_k[..]),
+            ] {
                 let d = (first[id as usize] - l).abs();
                 assert!(
                     d < 0.5,

@@ -1,4 +1,5 @@
-//! Q8_0, Q5_0 and Q4_1 weights repacked for an int8 GEMM that is fast at every row count.
+//! Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights repacked for an int8 GEMM that is fast at every row
+//! count.
 //!
 //! Lane `f` of a 512-bit register holds 4 quants of output feature `f`, so one AVX-512 VNNI
 //! `vpdpbusd` multiplies 4 inputs of 16 features with the activation's 4 bytes broadcast; the
@@ -9,6 +10,11 @@
 //! so a row is bit-identical alone, in a verification batch or in a 2048-row prefill: the
 //! property the ρ = 1 identity and verification rest on. One kernel for every row count ends
 //! the split between few-row int8 and many-row f32 panels (docs/performance.md).
+//!
+//! The k-quants keep their own scale encoding (f16 super-block scales times small integer
+//! block scales, multiplied exactly in f32 in the kernel), so they pack at their file size
+//! and compute on the same weights as the file, bit for bit. Q6_K's scales are per 16 quants:
+//! its blocks keep two integer dot products, one per half.
 
 use super::{portable, Isa, QMatrix, QType};
 use crate::error::{shape_err, Result};
@@ -33,19 +39,81 @@ enum Planes {
     /// [`Planes::Nibbles`] plus a fifth bit per quant: one `u64` per chunk, bit `j` for byte
     /// `j` (Q5_0).
     NibblesHigh,
+    /// [`Planes::NibblesHigh`] plus a sixth bit: masks `8..16` of the block hold it (Q6_K).
+    Nibbles6,
 }
 
 impl Planes {
     fn quant_bytes(self) -> usize {
         match self {
             Planes::Bytes => 8 * CHUNK,
-            Planes::Nibbles | Planes::NibblesHigh => 4 * CHUNK,
+            Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => 4 * CHUNK,
+        }
+    }
+
+    /// High-bit masks per block.
+    fn masks(self) -> usize {
+        match self {
+            Planes::Bytes | Planes::Nibbles => 0,
+            Planes::NibblesHigh => 8,
+            Planes::Nibbles6 => 16,
+        }
+    }
+}
+
+/// How the scale `s` and offset `o` of a (group, block) are stored: the weight is `s·u + o`.
+#[derive(Clone, Debug)]
+enum Scales {
+    /// f16 `s` and `o` per (group, block, lane) (Q8_0, Q5_0, Q4_1).
+    Block { d: Vec<u16>, o: Vec<u16> },
+    /// Q4_K: f16 `d` and `dmin` per (group, super-block, lane), 6-bit `sc` and `m` per
+    /// (group, block, lane); `s = d·sc`, `o = −(dmin·m)`, both exact in f32.
+    Super {
+        d: Vec<u16>,
+        dmin: Vec<u16>,
+        sc: Vec<u8>,
+        m: Vec<u8>,
+    },
+    /// Q6_K: f16 `d` per (group, super-block, lane), i8 `sc` (stored as its byte) per
+    /// (group, block, half, lane); per half `s = d·sc`, `o = −32·s`.
+    Halves { d: Vec<u16>, sc: Vec<u8> },
+}
+
+impl Scales {
+    fn nbytes(&self) -> usize {
+        match self {
+            Scales::Block { d, o } => 2 * (d.len() + o.len()),
+            Scales::Super { d, dmin, sc, m } => 2 * (d.len() + dmin.len()) + sc.len() + m.len(),
+            Scales::Halves { d, sc } => 2 * d.len() + sc.len(),
+        }
+    }
+
+    /// Whether a block has one scale per half (two integer dot products).
+    fn halves(&self) -> bool {
+        matches!(self, Scales::Halves { .. })
+    }
+
+    /// `(s, o)` of half `h` of block `b` of group `g` at `lane` (`nb` blocks per row).
+    fn get(&self, nb: usize, g: usize, b: usize, h: usize, lane: usize) -> (f32, f32) {
+        let f = |bits: u16| f16::from_bits(bits).to_f32();
+        let at = (g * nb + b) * GROUP + lane;
+        let sup = (g * nb.div_ceil(8) + b / 8) * GROUP + lane;
+        match self {
+            Scales::Block { d, o } => (f(d[at]), f(o[at])),
+            Scales::Super { d, dmin, sc, m } => (
+                f(d[sup]) * f32::from(sc[at]),
+                -(f(dmin[sup]) * f32::from(m[at])),
+            ),
+            Scales::Halves { d, sc } => {
+                let s = f(d[sup]) * f32::from(sc[((g * nb + b) * 2 + h) * GROUP + lane] as i8);
+                (s, s * -32.0)
+            }
         }
     }
 }
 
 /// A weight matrix repacked from [`QMatrix`] (see the module documentation). It keeps the
-/// file's bit width: 4 or 5 bits per quant plus an f16 scale and offset per block of 32.
+/// file's bit width: 4, 5, 6 or 8 bits per quant plus the format's scales.
 #[derive(Clone)]
 pub struct PackedMatrix {
     rows: usize,
@@ -53,12 +121,9 @@ pub struct PackedMatrix {
     planes: Planes,
     /// `(groups, blocks, quant_bytes)` quants, laid out as [`Planes`] says.
     q: Vec<u8>,
-    /// `(groups, blocks, 8)` fifth-bit masks ([`Planes::NibblesHigh`] only).
+    /// `(groups, blocks, masks)` high-bit masks ([`Planes::masks`]).
     hi: Vec<u64>,
-    /// `(groups, blocks, 16)` f16 scales: the weight is `d · u + o`.
-    d: Vec<u16>,
-    /// `(groups, blocks, 16)` f16 offsets.
-    o: Vec<u16>,
+    scales: Scales,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -71,12 +136,14 @@ impl std::fmt::Debug for PackedMatrix {
     }
 }
 
-/// Activation rows quantized per block of 32: quants, scales `d`, and `d · Σ q` per block.
+/// Activation rows quantized per block of 32: quants, scales `d`, `d · Σ q` per block and
+/// per half block.
 struct Acts {
     cols: usize,
     q: Vec<i8>,
     d: Vec<f32>,
     ds: Vec<f32>,
+    ds2: Vec<f32>,
 }
 
 impl Acts {
@@ -85,81 +152,128 @@ impl Acts {
         let mut q = vec![0i8; x.len()];
         let mut d = vec![0f32; nb];
         let mut ds = vec![0f32; nb];
+        let mut ds2 = vec![0f32; 2 * nb];
         // Rows in parallel; each block's numbers depend on that block alone.
         q.par_chunks_mut(cols)
             .zip(d.par_chunks_mut(cols / 32))
             .zip(ds.par_chunks_mut(cols / 32))
+            .zip(ds2.par_chunks_mut(cols / 16))
             .zip(x.par_chunks(cols))
-            .for_each(|(((q, d), ds), x)| {
-                for (((xb, qb), d), ds) in x
+            .for_each(|((((q, d), ds), ds2), x)| {
+                for ((((xb, qb), d), ds), ds2) in x
                     .chunks_exact(32)
                     .zip(q.chunks_exact_mut(32))
                     .zip(d.iter_mut())
                     .zip(ds.iter_mut())
+                    .zip(ds2.chunks_exact_mut(2))
                 {
                     let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
                     let scale = amax / 127.0;
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    let mut sum = 0i32;
-                    for (dst, &v) in qb.iter_mut().zip(xb) {
+                    let mut sum = [0i32; 2];
+                    for (k, (dst, &v)) in qb.iter_mut().zip(xb).enumerate() {
                         *dst = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                        sum += i32::from(*dst);
+                        sum[k / 16] += i32::from(*dst);
                     }
                     *d = scale;
-                    *ds = scale * sum as f32;
+                    *ds = scale * (sum[0] + sum[1]) as f32;
+                    ds2[0] = scale * sum[0] as f32;
+                    ds2[1] = scale * sum[1] as f32;
                 }
             });
-        Self { cols, q, d, ds }
+        Self {
+            cols,
+            q,
+            d,
+            ds,
+            ds2,
+        }
     }
 }
 
 impl QMatrix {
-    /// The matrix repacked for [`PackedMatrix::matmul`]; `None` for a format it does not take
-    /// (the k-quants) or a block whose offset f16 cannot hold.
+    /// The matrix repacked for [`PackedMatrix::matmul`]; `None` for a block whose scale or
+    /// offset the packed encoding cannot hold exactly (a Q8_0/Q5_0/Q4_1 offset that overflows
+    /// f16).
     pub fn pack(&self) -> Option<PackedMatrix> {
         let planes = match self.ty {
             QType::Q8_0 => Planes::Bytes,
             QType::Q5_0 => Planes::NibblesHigh,
-            QType::Q4_1 => Planes::Nibbles,
-            _ => return None,
+            QType::Q4_1 | QType::Q4K => Planes::Nibbles,
+            QType::Q6K => Planes::Nibbles6,
         };
         let (rows, cols) = (self.rows, self.cols);
         let nb = cols / 32;
         let groups = rows.div_ceil(GROUP);
         let qb = planes.quant_bytes();
+        let masks = planes.masks();
         let mut q = vec![0u8; groups * nb * qb];
-        let mut hi = if planes == Planes::NibblesHigh {
-            vec![0u64; groups * nb * 8]
-        } else {
-            Vec::new()
-        };
+        let mut hi = vec![0u64; groups * nb * masks];
         // Padding features of the last group keep zero scales and offsets: they add nothing.
-        let mut d = vec![0u16; groups * nb * GROUP];
-        let mut o = vec![0u16; groups * nb * GROUP];
+        let (per_block, per_super) = (groups * nb * GROUP, groups * nb.div_ceil(8) * GROUP);
+        let mut scales = match self.ty {
+            QType::Q8_0 | QType::Q5_0 | QType::Q4_1 => Scales::Block {
+                d: vec![0; per_block],
+                o: vec![0; per_block],
+            },
+            QType::Q4K => Scales::Super {
+                d: vec![0; per_super],
+                dmin: vec![0; per_super],
+                sc: vec![0; per_block],
+                m: vec![0; per_block],
+            },
+            QType::Q6K => Scales::Halves {
+                d: vec![0; per_super],
+                sc: vec![0; 2 * per_block],
+            },
+        };
         let view = self.view();
+        let bits = |blk: &[u8], at: usize| u16::from_le_bytes([blk[at], blk[at + 1]]);
         for j in 0..rows {
             let (g, lane) = (j / GROUP, j % GROUP);
             let row = view.row(j);
             for b in 0..nb {
                 let sub = portable::unpack(self.ty, row, b);
-                // One scale and offset per block for these formats (both halves agree); both
-                // come from f16 values, the offset times 16 or 128 (exact unless it overflows).
                 let at = (g * nb + b) * GROUP + lane;
-                let (dh, oh) = (f16::from_f32(sub.s[0]), f16::from_f32(sub.o[0]));
-                if dh.to_f32() != sub.s[0] || oh.to_f32() != sub.o[0] {
-                    return None;
+                let sup = (g * nb.div_ceil(8) + b / 8) * GROUP + lane;
+                let (blk, k) = super::locate(self.ty, row, b);
+                match &mut scales {
+                    Scales::Block { d, o } => {
+                        // Both come from f16 values, the offset times 16 or 128 (exact unless
+                        // it overflows).
+                        let (dh, oh) = (f16::from_f32(sub.s[0]), f16::from_f32(sub.o[0]));
+                        d[at] = dh.to_bits();
+                        o[at] = oh.to_bits();
+                    }
+                    Scales::Super { d, dmin, sc, m } => {
+                        d[sup] = bits(blk, 0);
+                        dmin[sup] = bits(blk, 2);
+                        (sc[at], m[at]) = super::q4k_scale_min(&blk[4..16], k);
+                    }
+                    Scales::Halves { d, sc } => {
+                        d[sup] = bits(blk, 208);
+                        for h in 0..2 {
+                            sc[((g * nb + b) * 2 + h) * GROUP + lane] = blk[192 + 2 * k + h];
+                        }
+                    }
                 }
-                d[at] = dh.to_bits();
-                o[at] = oh.to_bits();
+                // The packed encoding must give the file's numbers exactly.
+                for h in 0..2 {
+                    if scales.get(nb, g, b, h, lane) != (sub.s[h], sub.o[h]) {
+                        return None;
+                    }
+                }
                 let base = (g * nb + b) * qb;
                 for (k, &u) in sub.u.iter().enumerate() {
                     let (c, byte) = (k / 4, lane * 4 + k % 4);
                     match planes {
                         Planes::Bytes => q[base + c * CHUNK + byte] = u,
-                        Planes::Nibbles | Planes::NibblesHigh => {
+                        Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
                             q[base + (c / 2) * CHUNK + byte] |= (u & 0xF) << (4 * (c % 2));
-                            if u & 0x10 != 0 {
-                                hi[(g * nb + b) * 8 + c] |= 1 << byte;
+                            for bit in 0..masks / 8 {
+                                if u >> (4 + bit) & 1 == 1 {
+                                    hi[(g * nb + b) * masks + 8 * bit + c] |= 1 << byte;
+                                }
                             }
                         }
                     }
@@ -172,8 +286,7 @@ impl QMatrix {
             planes,
             q,
             hi,
-            d,
-            o,
+            scales,
         })
     }
 }
@@ -199,7 +312,7 @@ impl PackedMatrix {
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.q.len() + 8 * self.hi.len() + 2 * (self.d.len() + self.o.len())
+        self.q.len() + 8 * self.hi.len() + self.scales.nbytes()
     }
 
     /// The quant `u` of feature `j` at input `k`.
@@ -210,11 +323,13 @@ impl PackedMatrix {
         let base = (g * nb + b) * self.planes.quant_bytes();
         match self.planes {
             Planes::Bytes => self.q[base + c * CHUNK + byte],
-            Planes::Nibbles | Planes::NibblesHigh => {
+            Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
                 let nib = (self.q[base + (c / 2) * CHUNK + byte] >> (4 * (c % 2))) & 0xF;
-                let high = self.planes == Planes::NibblesHigh
-                    && self.hi[(g * nb + b) * 8 + c] >> byte & 1 == 1;
-                nib | (u8::from(high) << 4)
+                let masks = self.planes.masks();
+                (0..masks / 8).fold(nib, |u, bit| {
+                    let set = self.hi[(g * nb + b) * masks + 8 * bit + c] >> byte & 1;
+                    u | (set as u8) << (4 + bit)
+                })
             }
         }
     }
@@ -231,12 +346,11 @@ impl PackedMatrix {
         let mut out = Vec::with_capacity(range.len() * self.cols);
         for j in range {
             for k in 0..self.cols {
-                let at = ((j / GROUP) * nb + k / 32) * GROUP + j % GROUP;
-                let (d, o) = (
-                    f16::from_bits(self.d[at]).to_f32(),
-                    f16::from_bits(self.o[at]).to_f32(),
-                );
-                out.push(d.mul_add(f32::from(self.quant(j, k)), o));
+                let (s, o) = self
+                    .scales
+                    .get(nb, j / GROUP, k / 32, k % 32 / 16, j % GROUP);
+                // Multiply, then add, as QMatrix does (not fused: a Q6_K product can round).
+                out.push(s * f32::from(self.quant(j, k)) + o);
             }
         }
         Ok(out)
@@ -295,27 +409,33 @@ impl PackedMatrix {
 /// `out` must point at `n * p.rows` values that no one else touches in those columns.
 unsafe fn group_portable(p: &PackedMatrix, a: &Acts, g: usize, n: usize, width: usize, out: Out) {
     let nb = p.cols / 32;
+    let halves = if p.scales.halves() { 2 } else { 1 };
+    let len = 32 / halves;
     for m in 0..n {
         let mut acc = [0f32; GROUP];
         for b in 0..nb {
-            let xq = &a.q[m * a.cols + b * 32..][..32];
             let i = m * nb + b;
             for (f, acc) in acc.iter_mut().enumerate() {
                 let j = g * GROUP + f;
-                let dot: i32 = if j < p.rows {
-                    (0..32)
-                        .map(|k| i32::from(p.quant(j, b * 32 + k)) * i32::from(xq[k]))
-                        .sum()
-                } else {
-                    0
-                };
-                let at = (g * nb + b) * GROUP + f;
-                let (dw, ow) = (
-                    f16::from_bits(p.d[at]).to_f32(),
-                    f16::from_bits(p.o[at]).to_f32(),
-                );
-                *acc = (dot as f32).mul_add(dw * a.d[i], *acc);
-                *acc = ow.mul_add(a.ds[i], *acc);
+                for h in 0..halves {
+                    let k0 = b * 32 + h * len;
+                    let xq = &a.q[m * a.cols + k0..][..len];
+                    let dot: i32 = if j < p.rows {
+                        (0..len)
+                            .map(|k| i32::from(p.quant(j, k0 + k)) * i32::from(xq[k]))
+                            .sum()
+                    } else {
+                        0
+                    };
+                    let (s, o) = p.scales.get(nb, g, b, h, f);
+                    let ds = if halves == 2 {
+                        a.ds2[2 * i + h]
+                    } else {
+                        a.ds[i]
+                    };
+                    *acc = (dot as f32).mul_add(s * a.d[i], *acc);
+                    *acc = o.mul_add(ds, *acc);
+                }
             }
         }
         // SAFETY: the caller's contract.
@@ -344,21 +464,40 @@ mod vnni {
         width: usize,
         out: Out,
     ) {
+        if p.scales.halves() {
+            // SAFETY: the caller's contract.
+            unsafe { rows::<2>(p, a, g, n, width, out) }
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { rows::<1>(p, a, g, n, width, out) }
+        }
+    }
+
+    /// [`group`] for blocks with `H` scales (1, or 2 for one per half).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn rows<const H: usize>(
+        p: &PackedMatrix,
+        a: &Acts,
+        g: usize,
+        n: usize,
+        width: usize,
+        out: Out,
+    ) {
         let mut m0 = 0;
         while m0 < n {
             let t = (n - m0).min(TILE_M);
             // SAFETY (all): the caller's contract.
             match t {
-                TILE_M => unsafe { tile::<TILE_M>(p, a, g, m0, width, out) },
+                TILE_M => unsafe { tile::<TILE_M, H>(p, a, g, m0, width, out) },
                 4..=7 => {
-                    unsafe { tile::<4>(p, a, g, m0, width, out) };
+                    unsafe { tile::<4, H>(p, a, g, m0, width, out) };
                     for r in 4..t {
-                        unsafe { tile::<1>(p, a, g, m0 + r, width, out) };
+                        unsafe { tile::<1, H>(p, a, g, m0 + r, width, out) };
                     }
                 }
                 _ => {
                     for r in 0..t {
-                        unsafe { tile::<1>(p, a, g, m0 + r, width, out) };
+                        unsafe { tile::<1, H>(p, a, g, m0 + r, width, out) };
                     }
                 }
             }
@@ -375,8 +514,62 @@ mod vnni {
         unsafe { _mm512_set1_epi32(v) }
     }
 
+    /// 16 f16 values at `at`, as f32.
+    #[inline(always)]
+    unsafe fn f16x16(v: &[u16], at: usize) -> __m512 {
+        // SAFETY: the caller's bounds; F16C and AVX-512F are enabled in every caller.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(v[at..at + 16].as_ptr().cast())) }
+    }
+
+    /// 16 bytes at `at`, as f32 (signed or not).
+    #[inline(always)]
+    unsafe fn u8x16(v: &[u8], at: usize, signed: bool) -> __m512 {
+        // SAFETY: the caller's bounds; AVX-512F is enabled in every caller.
+        unsafe {
+            let b = _mm_loadu_si128(v[at..at + 16].as_ptr().cast());
+            let i = if signed {
+                _mm512_cvtepi8_epi32(b)
+            } else {
+                _mm512_cvtepu8_epi32(b)
+            };
+            _mm512_cvtepi32_ps(i)
+        }
+    }
+
+    /// The 16 lanes' `(s, o)` of block `b` of group `g`, per half ([`Scales::get`], the same
+    /// IEEE operations).
+    #[inline(always)]
+    unsafe fn scales(sc: &Scales, nb: usize, g: usize, b: usize) -> [(__m512, __m512); 2] {
+        let at = (g * nb + b) * GROUP;
+        let sup = (g * nb.div_ceil(8) + b / 8) * GROUP;
+        // SAFETY: in bounds by the layout; the caller's features.
+        unsafe {
+            match sc {
+                Scales::Block { d, o } => {
+                    let v = (f16x16(d, at), f16x16(o, at));
+                    [v, v]
+                }
+                Scales::Super { d, dmin, sc, m } => {
+                    let s = _mm512_mul_ps(f16x16(d, sup), u8x16(sc, at, false));
+                    let o = _mm512_mul_ps(f16x16(dmin, sup), u8x16(m, at, false));
+                    let neg = _mm512_castsi512_ps(_mm512_xor_si512(
+                        _mm512_castps_si512(o),
+                        _mm512_set1_epi32(i32::MIN),
+                    ));
+                    [(s, neg), (s, neg)]
+                }
+                Scales::Halves { d, sc } => {
+                    let (d, m32) = (f16x16(d, sup), _mm512_set1_ps(-32.0));
+                    let s0 = _mm512_mul_ps(d, u8x16(sc, 2 * at, true));
+                    let s1 = _mm512_mul_ps(d, u8x16(sc, 2 * at + GROUP, true));
+                    [(s0, _mm512_mul_ps(s0, m32)), (s1, _mm512_mul_ps(s1, m32))]
+                }
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    unsafe fn tile<const M: usize>(
+    unsafe fn tile<const M: usize, const H: usize>(
         p: &PackedMatrix,
         a: &Acts,
         g: usize,
@@ -386,35 +579,43 @@ mod vnni {
     ) {
         let nb = p.cols / 32;
         let qb = p.planes.quant_bytes();
+        let masks = p.planes.masks();
+        let halves = H == 2;
         let low = _mm512_set1_epi8(0x0F);
-        let sixteen = _mm512_set1_epi8(0x10);
+        let (sixteen, thirty_two) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(0x20));
         let mut acc = [_mm512_setzero_ps(); M];
         for b in 0..nb {
-            let mut dot = [_mm512_setzero_si512(); M];
+            // One integer dot product per half when the scales are per 16 quants.
+            let mut dot = [[_mm512_setzero_si512(); M]; H];
             let wb = &p.q[(g * nb + b) * qb..][..qb];
             match p.planes {
                 Planes::Bytes => {
                     for c in 0..8 {
                         // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
                         let w = unsafe { _mm512_loadu_si512(wb.as_ptr().add(c * CHUNK).cast()) };
+                        let dot = &mut dot[usize::from(halves && c >= 4)];
                         for (m, dm) in dot.iter_mut().enumerate() {
                             *dm = _mm512_dpbusd_epi32(*dm, w, x4(a, m0 + m, b, c));
                         }
                     }
                 }
-                Planes::Nibbles | Planes::NibblesHigh => {
-                    let hi = &p.hi[..];
+                Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
+                    let hi = &p.hi[(g * nb + b) * masks..][..masks];
                     for pair in 0..4 {
                         // SAFETY: 64 bytes at `pair * 64` lie inside the block's 256.
                         let raw =
                             unsafe { _mm512_loadu_si512(wb.as_ptr().add(pair * CHUNK).cast()) };
                         let mut w0 = _mm512_and_si512(raw, low);
                         let mut w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                        if p.planes == Planes::NibblesHigh {
-                            let h = (g * nb + b) * 8 + 2 * pair;
-                            w0 = _mm512_mask_add_epi8(w0, hi[h], w0, sixteen);
-                            w1 = _mm512_mask_add_epi8(w1, hi[h + 1], w1, sixteen);
+                        if masks >= 8 {
+                            w0 = _mm512_mask_add_epi8(w0, hi[2 * pair], w0, sixteen);
+                            w1 = _mm512_mask_add_epi8(w1, hi[2 * pair + 1], w1, sixteen);
                         }
+                        if masks == 16 {
+                            w0 = _mm512_mask_add_epi8(w0, hi[8 + 2 * pair], w0, thirty_two);
+                            w1 = _mm512_mask_add_epi8(w1, hi[9 + 2 * pair], w1, thirty_two);
+                        }
+                        let dot = &mut dot[usize::from(halves && pair >= 2)];
                         for (m, dm) in dot.iter_mut().enumerate() {
                             *dm = _mm512_dpbusd_epi32(*dm, w0, x4(a, m0 + m, b, 2 * pair));
                             *dm = _mm512_dpbusd_epi32(*dm, w1, x4(a, m0 + m, b, 2 * pair + 1));
@@ -422,19 +623,16 @@ mod vnni {
                     }
                 }
             }
-            let at = (g * nb + b) * GROUP;
-            // SAFETY: 16 scales and 16 offsets of the group's block.
-            let (dw, ow) = unsafe {
-                (
-                    _mm512_cvtph_ps(_mm256_loadu_si256(p.d.as_ptr().add(at).cast())),
-                    _mm512_cvtph_ps(_mm256_loadu_si256(p.o.as_ptr().add(at).cast())),
-                )
-            };
+            // SAFETY: the scales of the group's block (16 lanes each) lie inside the vectors.
+            let sw = unsafe { scales(&p.scales, nb, g, b) };
             for m in 0..M {
                 let i = (m0 + m) * nb + b;
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
-                acc[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(a.ds[i]), acc[m]);
+                for (h, (s, o)) in sw.iter().enumerate().take(H) {
+                    let ds = if halves { a.ds2[2 * i + h] } else { a.ds[i] };
+                    let scale = _mm512_mul_ps(*s, _mm512_set1_ps(a.d[i]));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][m]), scale, acc[m]);
+                    acc[m] = _mm512_fmadd_ps(*o, _mm512_set1_ps(ds), acc[m]);
+                }
             }
         }
         let mask: __mmask16 = if width == GROUP {
@@ -480,14 +678,17 @@ mod tests {
 
     #[test]
     fn products_match_the_dense_product_and_rows_do_not_depend_on_the_batch() {
+        // The k-quants need whole super-blocks of 256 (two here: their scales change at 256).
         let formats = [
-            (QType::Q8_0, GgmlDType::Q8_0),
-            (QType::Q5_0, GgmlDType::Q5_0),
-            (QType::Q4_1, GgmlDType::Q4_1),
+            (QType::Q8_0, GgmlDType::Q8_0, 96),
+            (QType::Q5_0, GgmlDType::Q5_0, 96),
+            (QType::Q4_1, GgmlDType::Q4_1, 96),
+            (QType::Q4K, GgmlDType::Q4K, 512),
+            (QType::Q6K, GgmlDType::Q6K, 512),
         ];
         // 40 rows: two whole groups and a padded one.
-        let (rows, cols) = (40, 96);
-        for (ty, g) in formats {
+        let rows = 40;
+        for (ty, g, cols) in formats {
             let (m, w) = matrix(ty, g, rows, cols);
             let p = m.pack().expect("packs");
             // The same weights, bit for bit, in about the file's bytes.
@@ -497,7 +698,8 @@ mod tests {
                 "{ty:?}"
             );
             assert!(p.dequantize_rows(0..rows + 1).is_err());
-            // Padding to 48 rows and an f16 offset per block: at most 10% more than the file.
+            // Padding to 48 rows and (legacy formats) an f16 offset per block: at most 10% more
+            // than the file.
             let file = rows * cols / ty.block_len() * ty.block_bytes();
             assert!(
                 p.nbytes() * 40 <= file * 48 * 11 / 10,
@@ -551,9 +753,7 @@ mod tests {
     }
 
     #[test]
-    fn k_quants_do_not_pack_and_shapes_are_checked() {
-        let (m, _) = matrix(QType::Q4K, GgmlDType::Q4K, 16, 256);
-        assert!(m.pack().is_none());
+    fn shapes_are_checked() {
         let (m, _) = matrix(QType::Q8_0, GgmlDType::Q8_0, 16, 64);
         let p = m.pack().expect("packs");
         assert!(p.matmul(&[0.0; 63], 1).is_err());
