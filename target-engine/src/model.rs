@@ -44,9 +44,9 @@ pub struct LoadOptions {
     /// Repack Q8_0, Q5_0 and Q4_1 weights at load for the int8 GEMM when the CPU has AVX-512
     /// VNNI ([`kernels::PackedMatrix`]); every product on them then runs on it.
     pub packed: bool,
-    /// Also repack Q4_K and Q6_K weights (with `packed`): at their file size instead of
-    /// candle's copy beside the file's bytes (~half the 1.5B target's RSS), faster for one row
-    /// and slower for many (docs/performance.md), so off by default.
+    /// Also repack Q4_K and Q6_K weights (with `packed`) instead of running candle's k-quant
+    /// kernels, which keep their own repacked copy beside the file's bytes: ~0.55x the 1.5B
+    /// target's RSS, decode ~0.7x the time, prefill within noise (docs/performance.md).
     pub pack_k_quants: bool,
 }
 
@@ -59,7 +59,7 @@ impl Default for LoadOptions {
             warmup: true,
             decode_q8: true,
             packed: true,
-            pack_k_quants: false,
+            pack_k_quants: true,
         }
     }
 }
@@ -79,10 +79,11 @@ impl AsRef<[u8]> for TensorBytes {
 
 /// Quantized weights and the ways of multiplying them.
 ///
-/// With AVX-512 VNNI, Q8_0, Q5_0 and Q4_1 weights are repacked at load into a
-/// [`PackedMatrix`] (the file's bit width, the original bytes dropped): one int8 GEMM for every
-/// row count, each row's result independent of the batch, 2-4x QMatrix for few rows and ~2x
-/// the f32 panels for many (docs/performance.md). Otherwise few rows (decode, blended
+/// With AVX-512 VNNI, Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights are repacked at load into a
+/// [`PackedMatrix`] (the file's bit width, the original bytes dropped; the k-quants only with
+/// `LoadOptions::pack_k_quants`): one int8 GEMM for every row count, each row's result
+/// independent of the batch, 2-4x QMatrix for few rows and ~2x the f32 panels for many, on
+/// a par with candle's k-quant GEMM (docs/performance.md). Otherwise few rows (decode, blended
 /// prefill's small recompute, verification) multiply the blocks with int8 activations:
 /// [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop for the last two),
 /// candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes 1.3x faster on them

@@ -68,17 +68,17 @@ fn check_fixture_model(name: &str) {
     assert!(!lines.is_empty());
     let m = model(common::file_for(name));
     let quant = quantized_only(common::file_for(name));
-    // `--pack-k-quants`: the k-quants on the packed int8 GEMM too (with VNNI; otherwise the
-    // same model as `m`).
-    let k_packed = Model::load(
+    // `--candle-k-quants`: the k-quants on candle's kernels rather than the packed int8 GEMM
+    // (with VNNI; otherwise the same model as `m`).
+    let candle_k = Model::load(
         &common::model_path(common::file_for(name)),
         &LoadOptions {
-            pack_k_quants: true,
+            pack_k_quants: false,
             warmup: false,
             ..Default::default()
         },
     )
-    .expect("load k-packed");
+    .expect("load with candle's k-quant kernels");
     let mut report = Vec::new();
     for line in &lines {
         let prompt = line["prompt"].as_str().expect("prompt");
@@ -109,12 +109,14 @@ fn check_fixture_model(name: &str) {
         // Both weight paths: the dense one (above) and the quantized one alone, which
         // quantizes activations to 8 bits per block of 32 as llama.cpp does.
         let (_, first_q) = quant.prefill(&prompt_ids).expect("quantized prefill");
-        let (_, first_k) = k_packed.prefill(&prompt_ids).expect("k-packed prefill");
+        let (_, first_k) = candle_k
+            .prefill(&prompt_ids)
+            .expect("candle k-quants prefill");
         for &(id, l) in &top5 {
             for (path, first) in [
                 ("dense", &first[..]),
                 ("quantized", &first_q[..]),
-                ("k-packed", &first_k[..]),
+                ("candle k-quants", &first_k[..]),
             ] {
                 let d = (first[id as usize] - l).abs();
                 assert!(

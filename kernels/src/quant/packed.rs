@@ -505,13 +505,15 @@ mod vnni {
         }
     }
 
-    /// The activation's 4 bytes of chunk `c` of block `b` of row `m`, in every lane.
+    /// The 4 activation bytes at `row + at`, in every lane.
+    ///
+    /// # Safety
+    /// `row + at .. row + at + 4` must lie inside the activation quants (the hot loop has no
+    /// bounds checks).
     #[inline(always)]
-    fn x4(a: &Acts, m: usize, b: usize, c: usize) -> __m512i {
-        let xq = &a.q[m * a.cols + b * 32 + c * 4..][..4];
-        let v = i32::from_le_bytes([xq[0] as u8, xq[1] as u8, xq[2] as u8, xq[3] as u8]);
-        // SAFETY: AVX-512F is enabled in every caller.
-        unsafe { _mm512_set1_epi32(v) }
+    unsafe fn x4(row: *const i8, at: usize) -> __m512i {
+        // SAFETY: the caller's bounds; AVX-512F is enabled in every caller.
+        unsafe { _mm512_set1_epi32(row.add(at).cast::<i32>().read_unaligned()) }
     }
 
     /// 16 f16 values at `at`, as f32.
@@ -584,6 +586,10 @@ mod vnni {
         let low = _mm512_set1_epi8(0x0F);
         let (sixteen, thirty_two) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(0x20));
         let mut acc = [_mm512_setzero_ps(); M];
+        assert!((m0 + M) * a.cols <= a.q.len() && nb * 32 <= a.cols);
+        // SAFETY: rows `m0..m0 + M` of the activations are in bounds (asserted above).
+        let rows: [*const i8; M] =
+            std::array::from_fn(|m| unsafe { a.q.as_ptr().add((m0 + m) * a.cols) });
         for b in 0..nb {
             // One integer dot product per half when the scales are per 16 quants.
             let mut dot = [[_mm512_setzero_si512(); M]; H];
@@ -594,8 +600,9 @@ mod vnni {
                         // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
                         let w = unsafe { _mm512_loadu_si512(wb.as_ptr().add(c * CHUNK).cast()) };
                         let dot = &mut dot[usize::from(halves && c >= 4)];
-                        for (m, dm) in dot.iter_mut().enumerate() {
-                            *dm = _mm512_dpbusd_epi32(*dm, w, x4(a, m0 + m, b, c));
+                        for (dm, row) in dot.iter_mut().zip(rows) {
+                            // SAFETY: chunk `c` of block `b` of a row of `a`.
+                            *dm = _mm512_dpbusd_epi32(*dm, w, unsafe { x4(row, b * 32 + c * 4) });
                         }
                     }
                 }
@@ -616,9 +623,12 @@ mod vnni {
                             w1 = _mm512_mask_add_epi8(w1, hi[9 + 2 * pair], w1, thirty_two);
                         }
                         let dot = &mut dot[usize::from(halves && pair >= 2)];
-                        for (m, dm) in dot.iter_mut().enumerate() {
-                            *dm = _mm512_dpbusd_epi32(*dm, w0, x4(a, m0 + m, b, 2 * pair));
-                            *dm = _mm512_dpbusd_epi32(*dm, w1, x4(a, m0 + m, b, 2 * pair + 1));
+                        let at = b * 32 + pair * 8;
+                        for (dm, row) in dot.iter_mut().zip(rows) {
+                            // SAFETY: chunks `2 pair` and `2 pair + 1` of block `b` of a row.
+                            let (x0, x1) = unsafe { (x4(row, at), x4(row, at + 4)) };
+                            *dm = _mm512_dpbusd_epi32(*dm, w0, x0);
+                            *dm = _mm512_dpbusd_epi32(*dm, w1, x1);
                         }
                     }
                 }

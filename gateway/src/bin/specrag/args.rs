@@ -30,12 +30,12 @@ pub struct ModelArgs {
     /// Speculator model GGUF file [default: $SPECRAG_MODELS/smollm2-135m-instruct-q4_1.gguf]
     #[arg(long, global = true, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
     pub speculator: Option<PathBuf>,
-    /// Also repack Q4_K/Q6_K weights for specrag's int8 GEMM instead of candle's kernels (with
-    /// AVX-512 VNNI): about half the resident size on the 1.5B target (1.47 vs 2.67 GB) and
-    /// decode in ~0.7-0.8x the time, but prefill ~0.7x (1.5B) to ~0.9x (0.5B) as fast, so off
-    /// by default (docs/performance.md)
-    #[arg(long, global = true, env = "SPECRAG_PACK_K_QUANTS")]
-    pub pack_k_quants: bool,
+    /// Run Q4_K/Q6_K weights on candle's kernels instead of specrag's packed int8 GEMM (the
+    /// default with AVX-512 VNNI). candle keeps its own repacked copy beside the file's bytes:
+    /// 2.89 instead of 1.57 GB peak for the 1.5B target, decode ~1.4x the time, prefill within
+    /// noise (docs/performance.md)
+    #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]
+    pub candle_k_quants: bool,
 }
 
 #[derive(Subcommand, Debug)]

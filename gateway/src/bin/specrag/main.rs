@@ -31,8 +31,8 @@ const EXIT_PARTIAL: i32 = 3;
 fn main() {
     gateway::process::init();
     let cli = Cli::parse();
-    PACK_K_QUANTS.store(
-        cli.models.pack_k_quants,
+    CANDLE_K_QUANTS.store(
+        cli.models.candle_k_quants,
         std::sync::atomic::Ordering::Relaxed,
     );
     if let Err(e) = run(cli) {
@@ -65,14 +65,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// `--pack-k-quants`, for every model a command loads.
-static PACK_K_QUANTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--candle-k-quants`, for every model a command loads.
+static CANDLE_K_QUANTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Loads one model with a spinner.
 fn load(path: &Path) -> anyhow::Result<Model> {
     let spinner = spinner(format!("loading {}", path.display()));
     let opts = LoadOptions {
-        pack_k_quants: PACK_K_QUANTS.load(std::sync::atomic::Ordering::Relaxed),
+        pack_k_quants: !CANDLE_K_QUANTS.load(std::sync::atomic::Ordering::Relaxed),
         ..LoadOptions::default()
     };
     let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
