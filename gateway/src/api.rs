@@ -41,7 +41,7 @@ pub(crate) fn de_opt_int<'de, D: serde::Deserializer<'de>>(
 /// `POST /rag/query` body.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "target_probe", "recompute_ratio": 0.15, "max_tokens": 64}))]
+#[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 64}))]
 pub struct QueryRequest {
     /// The question: 1 to 8192 characters, not only whitespace.
     #[schema(min_length = 1, max_length = 8192, pattern = r"\S")]
@@ -59,7 +59,7 @@ pub struct QueryRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Method>)]
     pub method: Option<String>,
-    /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.15).
+    /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.25).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 0.0, maximum = 1.0)]
     pub recompute_ratio: Option<f64>,
@@ -610,7 +610,7 @@ mod tests {
             ..Default::default()
         };
         let q = ok.validate().expect("valid");
-        assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.15));
+        assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.25));
         assert_eq!(q.method, Method::TargetProbe);
         let with = |change: fn(&mut QueryRequest)| {
             let mut r = ok.clone();

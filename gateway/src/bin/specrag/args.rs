@@ -179,7 +179,7 @@ pub struct QueryArgs {
     #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
     pub method: Method,
     /// Share of chunk tokens to recompute (0..=1).
-    #[arg(long, default_value_t = 0.15)]
+    #[arg(long, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
     /// Chunks to retrieve (1..=32).
     #[arg(long, default_value_t = 4)]

@@ -258,7 +258,7 @@ async fn ask_demo_question(state: gateway::server::AppState, a: DemoArgs) -> any
     eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
     let body = json!({
         "query": a.question, "collection": "demo", "method": a.method.name(),
-        "recompute_ratio": 0.15, "max_tokens": a.max_tokens,
+        "recompute_ratio": gateway::pipeline::DEFAULT_RATIO, "max_tokens": a.max_tokens,
     })
     .to_string();
     eprintln!(
