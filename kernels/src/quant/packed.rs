@@ -379,6 +379,7 @@ impl PackedMatrix {
         }
         let a = Acts::quantize(x, self.cols);
         let groups = self.rows.div_ceil(GROUP);
+        let halves = self.scales.halves();
         let mut y = vec![0f32; n * self.rows];
         let out = Out(y.as_mut_ptr());
         // Groups per task: enough tasks for both cores and few enough to keep overhead low.
@@ -393,7 +394,12 @@ impl PackedMatrix {
                         // SAFETY: `Isa::best()` confirmed the CPU features; group `g` writes
                         // columns `g * 16..g * 16 + width` of the `n` rows of `y` and no task
                         // shares a group.
-                        Isa::Avx512Vnni => unsafe { vnni::group(self, &a, g, n, width, out) },
+                        Isa::Avx512Vnni if halves => unsafe {
+                            vnni::group::<2>(self, &a, g, n, width, out)
+                        },
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: as above.
+                        Isa::Avx512Vnni => unsafe { vnni::group::<1>(self, &a, g, n, width, out) },
                         // SAFETY: as above.
                         _ => unsafe { group_portable(self, &a, g, n, width, out) },
                     }
@@ -450,32 +456,14 @@ mod vnni {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// [`group_portable`] on AVX-512 VNNI, [`TILE_M`] rows at a time.
+    /// [`group_portable`] on AVX-512 VNNI, [`TILE_M`] rows at a time, for blocks with `H`
+    /// scales (1, or 2 for one per half).
     ///
     /// # Safety
     /// The CPU must have the features of [`Isa::Avx512Vnni`], and `out` as for
     /// [`group_portable`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub(super) unsafe fn group(
-        p: &PackedMatrix,
-        a: &Acts,
-        g: usize,
-        n: usize,
-        width: usize,
-        out: Out,
-    ) {
-        if p.scales.halves() {
-            // SAFETY: the caller's contract.
-            unsafe { rows::<2>(p, a, g, n, width, out) }
-        } else {
-            // SAFETY: the caller's contract.
-            unsafe { rows::<1>(p, a, g, n, width, out) }
-        }
-    }
-
-    /// [`group`] for blocks with `H` scales (1, or 2 for one per half).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    unsafe fn rows<const H: usize>(
+    pub(super) unsafe fn group<const H: usize>(
         p: &PackedMatrix,
         a: &Acts,
         g: usize,
