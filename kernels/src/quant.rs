@@ -236,12 +236,7 @@ impl QMatrix {
     /// per-thread buffer that stays in cache and multiplied with the `gemm` crate's dense
     /// kernels. Prefill speed of dense weights without keeping a dense copy (~4x the file).
     pub fn matmul_dense(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        if x.len() != n * self.cols {
-            return Err(shape_err(
-                "qmatmul",
-                format!("{} values for {n} rows of {} columns", x.len(), self.cols),
-            ));
-        }
+        check_rows("qmatmul", x, n, self.cols)?;
         let mut out = vec![0f32; n * self.rows];
         if n == 0 {
             return Ok(out);
@@ -305,12 +300,7 @@ impl QMatrix {
 
     /// [`QMatrix::matmul`] on a chosen implementation (tests compare them).
     pub fn matmul_on(&self, isa: Isa, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        if x.len() != n * self.cols {
-            return Err(shape_err(
-                "qmatmul",
-                format!("{} values for {n} rows of {} columns", x.len(), self.cols),
-            ));
-        }
+        check_rows("qmatmul", x, n, self.cols)?;
         let isa = if isa == Isa::Avx512Vnni && Isa::best() != Isa::Avx512Vnni {
             Isa::Portable
         } else {
@@ -430,6 +420,18 @@ fn q4k_scale_min(sc: &[u8], j: usize) -> (u8, u8) {
             (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4),
             (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
         )
+    }
+}
+
+/// That `x` holds `n` rows of `cols` values (the input of a product).
+fn check_rows(op: &'static str, x: &[f32], n: usize, cols: usize) -> Result<()> {
+    if x.len() == n * cols {
+        Ok(())
+    } else {
+        Err(shape_err(
+            op,
+            format!("{} values for {n} rows of {cols} columns", x.len()),
+        ))
     }
 }
 

@@ -363,12 +363,7 @@ impl PackedMatrix {
 
     /// [`PackedMatrix::matmul`] on a chosen implementation (tests compare them).
     pub fn matmul_on(&self, isa: Isa, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        if x.len() != n * self.cols {
-            return Err(shape_err(
-                "packed matmul",
-                format!("{} values for {n} rows of {} columns", x.len(), self.cols),
-            ));
-        }
+        super::check_rows("packed matmul", x, n, self.cols)?;
         let isa = if Isa::best() == Isa::Avx512Vnni {
             isa
         } else {
