@@ -371,12 +371,7 @@ impl Acts {
         let mut ds = vec![0f32; blocks * 2];
         let mut dh = vec![0f32; blocks * 2];
         for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            for (dst, &v) in qb.iter_mut().zip(xb) {
-                *dst = (v * inv).round().clamp(-127.0, 127.0) as i8;
-            }
+            let scale = quantize_block(xb, qb);
             d[b] = scale;
             dh[b * 2] = scale;
             dh[b * 2 + 1] = scale;
@@ -405,6 +400,43 @@ struct Sub {
     u: [u8; 32],
     s: [f32; 2],
     o: [f32; 2],
+}
+
+/// One block of 32 activations to int8: `round(v / d)` with `d = max |v| / 127`, rounded half
+/// away from zero and clamped to ±127 (NaN to 0), as `(v * inv).round().clamp(..) as i8`;
+/// returns `d`. Written so that it vectorizes on baseline x86-64 (`round` and saturating casts
+/// are a libm call or a branch per value there: ~8% of a 2048-token prefill).
+#[inline(always)]
+fn quantize_block(xb: &[f32], qb: &mut [i8]) -> f32 {
+    let (xb, qb): (&[f32; 32], &mut [i8; 32]) = (
+        xb.try_into().expect("blocks of 32"),
+        qb.try_into().expect("blocks of 32"),
+    );
+    let mut m = [0f32; 8];
+    for c in xb.chunks_exact(8) {
+        for (m, v) in m.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let amax = m.iter().fold(0f32, |a, &b| a.max(b));
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    for (dst, &v) in qb.iter_mut().zip(xb) {
+        *dst = quantize_value(v * inv);
+    }
+    scale
+}
+
+/// `y.round().clamp(-127.0, 127.0) as i8` from a truncation and the exact fraction `y - trunc
+/// y`; clamping first changes nothing (every value past ±127 rounds to at least ±127).
+#[inline(always)]
+fn quantize_value(y: f32) -> i8 {
+    #[allow(clippy::eq_op)] // NaN test that vectorizes as one compare
+    let y = if y == y { y.clamp(-127.0, 127.0) } else { 0.0 };
+    // SAFETY: `y` is finite and within ±127, so the truncation is representable.
+    let t: i32 = unsafe { y.to_int_unchecked() };
+    let f = y - t as f32;
+    (t + i32::from(f >= 0.5) - i32::from(f <= -0.5)) as i8
 }
 
 fn f16(bytes: &[u8], at: usize) -> f32 {
@@ -871,6 +903,29 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn quantize_value_is_round_clamp_and_cast() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut values: Vec<f32> = (0..100_000)
+            .map(|_| rng.gen_range(-130.0f32..130.0))
+            .collect();
+        for k in -130..130 {
+            let k = k as f32;
+            // Ties, and the floats next to them and to the integers.
+            for v in [k, k + 0.5, k - 0.5] {
+                let up = f32::from_bits(v.to_bits() + 1);
+                let down = f32::from_bits(v.to_bits().max(1) - 1);
+                values.extend([v, up, down]);
+            }
+        }
+        values.extend([0.499_999_97, -0.499_999_97, 1e30, -1e30, f32::INFINITY]);
+        values.extend([f32::NEG_INFINITY, f32::NAN, -0.0]);
+        for v in values {
+            let want = v.round().clamp(-127.0, 127.0) as i8;
+            assert_eq!(quantize_value(v), want, "{v:e}");
+        }
+    }
 
     fn ggml(ty: QType) -> GgmlDType {
         match ty {

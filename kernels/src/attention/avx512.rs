@@ -12,6 +12,9 @@
 //!
 //! Head dimensions 64 and 128 (every default model); others take the AVX2 path.
 
+// Register blocks index several arrays (queries, accumulators, keys) by the same counters.
+#![allow(clippy::needless_range_loop)]
+
 use super::{softmax_in_place, AttentionShape, Lanes, Tile, ROW_GROUP};
 use std::arch::x86_64::*;
 

@@ -167,14 +167,10 @@ impl Acts {
                     .zip(ds.iter_mut())
                     .zip(ds2.chunks_exact_mut(2))
                 {
-                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let scale = amax / 127.0;
-                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    let mut sum = [0i32; 2];
-                    for (k, (dst, &v)) in qb.iter_mut().zip(xb).enumerate() {
-                        *dst = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                        sum[k / 16] += i32::from(*dst);
-                    }
+                    let scale = super::quantize_block(xb, qb);
+                    let sum: [i32; 2] = std::array::from_fn(|h| {
+                        qb[h * 16..h * 16 + 16].iter().map(|&v| i32::from(v)).sum()
+                    });
                     *d = scale;
                     *ds = scale * (sum[0] + sum[1]) as f32;
                     ds2[0] = scale * sum[0] as f32;
