@@ -149,6 +149,19 @@ pub struct StudyRecord {
     pub verify_mode: Option<String>,
 }
 
+/// A case's prompt as the target reads it in a full prefill (template, chunks, question), so
+/// that another engine can be timed on the same token ids
+/// (`scripts/compare_ttft_llamacpp.py`); one line per case in `<out>/prompts.jsonl`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptRecord {
+    pub pairing: String,
+    pub dataset: String,
+    pub case: String,
+    /// The target model's file name.
+    pub target: String,
+    pub ids: Vec<u32>,
+}
+
 /// A gold answer contained in the normalized prediction.
 pub fn contains_gold(prediction: &str, golds: &[String]) -> bool {
     let p = crate::metrics::normalize_answer(prediction);
@@ -219,7 +232,8 @@ pub struct RunOptions {
     pub verify: bool,
 }
 
-/// Answers `case` with every configuration (`configs[0]` is full recompute, the reference).
+/// Answers `case` with every configuration (`configs[0]` is full recompute, the reference);
+/// also returns the reference's prompt token ids.
 pub fn run_case(
     pipeline: &Pipeline,
     pairing: &str,
@@ -227,7 +241,7 @@ pub fn run_case(
     case: &Case,
     configs: &[StudyConfig],
     run: RunOptions,
-) -> anyhow::Result<Vec<StudyRecord>> {
+) -> anyhow::Result<(Vec<StudyRecord>, Vec<u32>)> {
     let gold = case.answers.first().map(String::as_str).unwrap_or("");
     let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
     let reference = ask(
@@ -295,7 +309,7 @@ pub fn run_case(
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
         });
     }
-    Ok(out)
+    Ok((out, reference.prompt_ids))
 }
 
 /// Cases of `path` (a study.jsonl) already answered by every label of `labels`, per
@@ -316,6 +330,11 @@ pub fn done_cases(records: &[StudyRecord], labels: &[String]) -> HashSet<(String
 /// Reads a study.jsonl (missing file: nothing yet). A torn last line (a run killed while
 /// writing) is dropped; any other bad line is an error naming it.
 pub fn read_records(path: &Path) -> anyhow::Result<Vec<StudyRecord>> {
+    read_jsonl(path)
+}
+
+/// The lines of a JSON-lines file of `T` (see [`read_records`]).
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<Vec<T>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -352,8 +371,8 @@ pub fn repair(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Appends the records of one case and flushes them to disk.
-pub fn append(path: &Path, records: &[StudyRecord]) -> anyhow::Result<()> {
+/// Appends the records of one case (or any JSON lines) and flushes them to disk.
+pub fn append<T: Serialize>(path: &Path, records: &[T]) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

@@ -5,12 +5,13 @@ use anyhow::Context as _;
 use eval::plan::PairingName;
 use eval::profiles::{profile_cases, record_cases, ProfileParams, RecordParams};
 use eval::run::{self, Dataset};
-use eval::study::{self, StudyConfig, StudyRecord};
+use eval::study::{self, PromptRecord, StudyConfig, StudyRecord};
 use gateway::corpus::{Corpus, Engines};
 use gateway::models::{self, Role};
 use gateway::pipeline::{ChunkOrder, Pipeline, ScoreSource};
+use std::collections::HashSet;
 use std::io::IsTerminal as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The main ratio of the study.
 const RHO: f64 = 0.15;
@@ -62,6 +63,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     check_selection(args)?;
     study::repair(&path)?;
     let mut records = study::read_records(&path)?;
+    let mut prompts = Prompts::open(&args.out)?;
     let tmp = tempfile::tempdir()?;
     let data_root = args.data.clone().unwrap_or_else(|| tmp.path().into());
     let pairings = if args.pairings.is_empty() {
@@ -85,6 +87,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         } else {
             args.study_large_cases
         };
+        prompts.target = file_name(&target);
         let engines = Engines::new(load_model(&target)?, Some(load_model(&spec)?))?;
         let dir = data_root.join(pairing.name());
         let store = gateway::corpus::StoreOptions {
@@ -109,7 +112,15 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         let wanted =
             |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
         for ds in datasets(n, args.seed).into_iter().filter(wanted) {
-            run_dataset(&pipeline, pairing.name(), &ds, args, &path, &mut records)?;
+            run_dataset(
+                &pipeline,
+                pairing.name(),
+                &ds,
+                args,
+                &path,
+                &mut records,
+                &mut prompts,
+            )?;
         }
     }
     let report = study::markdown(&records, &args.study_best);
@@ -117,6 +128,53 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     std::fs::write(&md, report).with_context(|| format!("writing {}", md.display()))?;
     eprintln!("wrote {} ({} answers)", md.display(), records.len());
     Ok(true)
+}
+
+/// `<out>/prompts.jsonl`: each answered case's prompt token ids, once per case.
+struct Prompts {
+    path: PathBuf,
+    have: HashSet<(String, String, String)>,
+    /// The current pairing's target file name.
+    target: String,
+}
+
+impl Prompts {
+    fn open(out: &Path) -> anyhow::Result<Self> {
+        let path = out.join("prompts.jsonl");
+        study::repair(&path)?;
+        let have = study::read_jsonl::<PromptRecord>(&path)?
+            .into_iter()
+            .map(|p| (p.pairing, p.dataset, p.case))
+            .collect();
+        Ok(Self {
+            path,
+            have,
+            target: String::new(),
+        })
+    }
+
+    fn add(
+        &mut self,
+        pairing: &str,
+        dataset: &str,
+        case: &str,
+        ids: Vec<u32>,
+    ) -> anyhow::Result<()> {
+        if !self
+            .have
+            .insert((pairing.into(), dataset.into(), case.into()))
+        {
+            return Ok(());
+        }
+        let prompt = PromptRecord {
+            pairing: pairing.into(),
+            dataset: dataset.into(),
+            case: case.into(),
+            target: self.target.clone(),
+            ids,
+        };
+        study::append(&self.path, &[prompt])
+    }
 }
 
 /// `--study-configs` and `--study-datasets` name only what the study has.
@@ -151,6 +209,7 @@ fn run_dataset(
     args: &Args,
     path: &Path,
     records: &mut Vec<StudyRecord>,
+    prompts: &mut Prompts,
 ) -> anyhow::Result<()> {
     let (sweep_cases, only) = (args.sweep_cases, &args.study_configs);
     let run = study::RunOptions {
@@ -192,9 +251,10 @@ fn run_dataset(
             ..ds.clone()
         };
         run::ingest(pipeline, pairing, &one, &mut || {})?;
-        let mut recs = study::run_case(pipeline, pairing, &one, case, &missing, run)?;
+        let (mut recs, ids) = study::run_case(pipeline, pairing, &one, case, &missing, run)?;
         recs.retain(|r| !have.contains(r.label.as_str()));
         study::append(path, &recs)?;
+        prompts.add(pairing, &ds.name, &case.id, ids)?;
         if lines {
             let ok = |l: &str| {
                 recs.iter()

@@ -118,6 +118,8 @@ pub struct Traced {
     pub first_logits: Vec<f32>,
     /// The generated token ids.
     pub ids: Vec<u32>,
+    /// The prompt's token ids (template, chunks, question), what a full prefill reads.
+    pub prompt_ids: Vec<u32>,
     /// Per sequence of [`QueryOptions::forced`] (then the answer with `force_answer`): the
     /// logits before each of its tokens, from the prefill's cache.
     pub forced: Vec<Vec<Vec<f32>>>,
@@ -480,6 +482,7 @@ impl Pipeline {
             answer,
             first_logits,
             ids,
+            prompt_ids: asm.ids.clone(),
             forced,
             selected,
         })
