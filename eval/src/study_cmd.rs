@@ -117,7 +117,6 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
                 pairing.name(),
                 &ds,
                 args,
-                &path,
                 &mut records,
                 &mut prompts,
             )?;
@@ -130,8 +129,10 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// `<out>/prompts.jsonl`: each answered case's prompt token ids, once per case.
+/// Where a run writes: `<out>/study.jsonl` (answers) and `<out>/prompts.jsonl` (each
+/// answered case's prompt token ids, once per case).
 struct Prompts {
+    study: PathBuf,
     path: PathBuf,
     have: HashSet<(String, String, String)>,
     /// The current pairing's target file name.
@@ -147,6 +148,7 @@ impl Prompts {
             .map(|p| (p.pairing, p.dataset, p.case))
             .collect();
         Ok(Self {
+            study: out.join("study.jsonl"),
             path,
             have,
             target: String::new(),
@@ -207,10 +209,10 @@ fn run_dataset(
     pairing: &str,
     ds: &Dataset,
     args: &Args,
-    path: &Path,
     records: &mut Vec<StudyRecord>,
     prompts: &mut Prompts,
 ) -> anyhow::Result<()> {
+    let path = prompts.study.clone();
     let (sweep_cases, only) = (args.sweep_cases, &args.study_configs);
     let run = study::RunOptions {
         codec: args.kv_codec,
@@ -253,7 +255,7 @@ fn run_dataset(
         run::ingest(pipeline, pairing, &one, &mut || {})?;
         let (mut recs, ids) = study::run_case(pipeline, pairing, &one, case, &missing, run)?;
         recs.retain(|r| !have.contains(r.label.as_str()));
-        study::append(path, &recs)?;
+        study::append(&path, &recs)?;
         prompts.add(pairing, &ds.name, &case.id, ids)?;
         if lines {
             let ok = |l: &str| {
