@@ -4,7 +4,7 @@
 
 #![warn(clippy::too_many_lines, clippy::too_many_arguments)]
 
-use eval::study::{self, StudyRecord};
+use eval::study::{self, PromptRecord, StudyRecord};
 use std::path::Path;
 use std::process::{Command, Output};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
@@ -58,6 +58,12 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
         assert!(r.ratio > 0.0 && r.ratio < 0.25, "{}", r.ratio);
         assert!(!r.selected.is_empty(), "selections are recorded");
     }
+    // Each case's prompt once, the ids the target tokenized (what llama.cpp is timed on).
+    let prompts: Vec<PromptRecord> = study::read_jsonl(&out.join("prompts.jsonl"))?;
+    assert_eq!(prompts.len(), 4);
+    assert!(prompts
+        .iter()
+        .all(|p| p.target == "target.gguf" && p.ids.len() > 10));
     // Without --resume an existing study is not overwritten.
     let again = study_cmd(d, &out, "2", &[])?;
     assert!(!again.status.success());
@@ -70,6 +76,8 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
     ok(&study_cmd(d, &out, "3", &["--resume"])?);
     let after = study::read_records(&path)?;
     assert_eq!(after.len(), recs.len() + 2 * main.len());
+    let prompts: Vec<PromptRecord> = study::read_jsonl(&out.join("prompts.jsonl"))?;
+    assert_eq!(prompts.len(), 6, "one line per case, also across --resume");
     // A configuration missing from a finished case is answered alone on --resume.
     let kept: Vec<String> = std::fs::read_to_string(&path)?
         .lines()
