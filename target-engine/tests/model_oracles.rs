@@ -50,9 +50,13 @@ fn all_logits(m: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
 }
 
 /// Largest top-2 gap (in our logits) at which a greedy divergence from llama.cpp is accepted as
-/// a near-tie. Quantized activations in llama.cpp vs f32 activations here move logits by up to
-/// ~0.1 (see `first_token_logits_match_llama_cpp`), so a gap below 0.15 is numerics.
-const NEAR_TIE: f32 = 0.15;
+/// a near-tie. Both engines round activations to int8 per block of 32, each after its own
+/// float work, so a last-bit difference upstream flips rounding steps: the same prefill on f32
+/// weight panels and on the packed int8 kernel differs by up to 0.33 in a logit (mean 0.05,
+/// docs/performance.md), and changing only the softmax's exponential (libm's `expf` against the
+/// vectorized polynomial, both within 3 ulp) moved the 0.5B's step-7 gap on the printing-press
+/// prompt between 0.16 and 0.25. A gap below 0.25 is numerics.
+const NEAR_TIE: f32 = 0.25;
 
 /// The decode path multiplies quantized weights by 8-bit-quantized activations, which moves
 /// logits by up to ~0.5 on these models (measured against candle and llama.cpp, see
