@@ -139,10 +139,25 @@ pub fn cache_dir() -> PathBuf {
 /// The model a command should load: an explicit path (flag or environment) or the default of
 /// the role. A missing file is an error that names the command that fetches it.
 pub fn resolve(explicit: Option<&Path>, role: Role) -> anyhow::Result<PathBuf> {
-    resolve_in(&models_dir(), explicit, role)
+    resolve_in(&models_dir(), explicit, role, role.flag())
 }
 
-fn resolve_in(dir: &Path, explicit: Option<&Path>, role: Role) -> anyhow::Result<PathBuf> {
+/// [`resolve`] for a command whose flag `flag` names the file (the `specrag` binary's
+/// `--target` may default to the large target's file).
+pub fn resolve_for(
+    explicit: Option<&Path>,
+    role: Role,
+    flag: &'static str,
+) -> anyhow::Result<PathBuf> {
+    resolve_in(&models_dir(), explicit, role, flag)
+}
+
+fn resolve_in(
+    dir: &Path,
+    explicit: Option<&Path>,
+    role: Role,
+    flag: &'static str,
+) -> anyhow::Result<PathBuf> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
         None => dir.join(DefaultModel::of(role).file),
@@ -155,13 +170,18 @@ fn resolve_in(dir: &Path, explicit: Option<&Path>, role: Role) -> anyhow::Result
                 path.display()
             )
         } else {
+            let small = if role == Role::LargeTarget && flag == "--target" {
+                "; `--pairing small` runs SmolLM2 -> Qwen-0.5B instead"
+            } else {
+                ""
+            };
             format!(
-                "default model {} not found at {}; run `specrag models fetch` to download it (or set SPECRAG_MODELS to the folder that holds it)",
+                "default model {} not found at {}; run `specrag models fetch` to download it (or set SPECRAG_MODELS to the folder that holds it){small}",
                 DefaultModel::of(role).name,
                 path.display()
             )
         };
-        return Err(crate::GatewayError::bad(role.flag(), message).into());
+        return Err(crate::GatewayError::bad(flag, message).into());
     }
     Ok(path)
 }
@@ -192,13 +212,21 @@ mod tests {
     #[test]
     fn missing_default_model_names_the_fetch_command() {
         let empty = tempfile::tempdir().expect("tempdir");
-        let err = resolve_in(empty.path(), None, Role::Speculator).expect_err("nothing fetched");
+        let err = resolve_in(empty.path(), None, Role::Speculator, "--speculator")
+            .expect_err("nothing fetched");
         assert!(err.to_string().contains("specrag models fetch"), "{err}");
         assert!(err.to_string().contains("smollm2"), "{err}");
+        // The `specrag` binary's default target is the large one; the message says how to
+        // run the small pairing instead.
+        let err = resolve_in(empty.path(), None, Role::LargeTarget, "--target")
+            .expect_err("nothing fetched");
+        assert!(err.to_string().contains("qwen2.5-coder-1.5b"), "{err}");
+        assert!(err.to_string().contains("--pairing small"), "{err}");
         let err = resolve_in(
             empty.path(),
             Some(Path::new("/nonexistent/x.gguf")),
             Role::Target,
+            "--target",
         )
         .expect_err("missing file");
         assert!(err.to_string().contains("/nonexistent/x.gguf"));

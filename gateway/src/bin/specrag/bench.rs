@@ -4,7 +4,6 @@
 use crate::args::{BenchMode, BlendArgs, ModelArgs, PrefillArgs};
 use crate::{load, load_pair, spinner};
 use gateway::method::{Method, SelectorInputs};
-use gateway::models::{self, Role};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -511,9 +510,9 @@ pub fn blend_cmd(m: &ModelArgs, a: BlendArgs) -> anyhow::Result<()> {
 /// `specrag bench prefill`.
 pub fn prefill_cmd(m: &ModelArgs, a: PrefillArgs) -> anyhow::Result<()> {
     let lengths: Vec<usize> = a.lengths.iter().map(|&n| n as usize).collect();
-    let mut paths = vec![models::resolve(m.target.as_deref(), Role::Target)?];
+    let mut paths = vec![m.target_path()?];
     if !a.target_only {
-        paths.push(models::resolve(m.speculator.as_deref(), Role::Speculator)?);
+        paths.push(m.speculator_path()?);
     }
     for path in paths {
         let model = load(&path)?;

@@ -17,7 +17,6 @@ use args::{BenchCmd, Cli, Cmd, ModelArgs, ModelsCmd};
 use clap::Parser;
 use gateway::corpus::{Corpus, Engines};
 use gateway::ingest::IngestEvent;
-use gateway::models::{self, Role};
 use gateway::pipeline::{Pipeline, ScoreSource};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -91,13 +90,13 @@ fn spinner(message: String) -> ProgressBar {
 
 /// The target the flags (or the default) name.
 fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
-    load(&models::resolve(m.target.as_deref(), Role::Target)?)
+    load(&m.target_path()?)
 }
 
 /// The target and the speculator the flags (or defaults) name.
 fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
     let target = load_target(m)?;
-    let spec = load(&models::resolve(m.speculator.as_deref(), Role::Speculator)?)?;
+    let spec = load(&m.speculator_path()?)?;
     Ok((target, Arc::new(spec)))
 }
 

@@ -24,6 +24,15 @@ pub fn tiny_models(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a default model is under each `--pairing`.
+fn uses(role: Role) -> &'static str {
+    match role {
+        Role::LargeTarget => "target (default pairing)",
+        Role::Target => "speculator (default), target (--pairing small)",
+        Role::Speculator => "speculator (--pairing small)",
+    }
+}
+
 /// `specrag models list`.
 pub fn list_models() -> anyhow::Result<()> {
     let dir = models::models_dir();
@@ -35,8 +44,8 @@ pub fn list_models() -> anyhow::Result<()> {
             "missing (run `specrag models fetch`)"
         };
         println!(
-            "{:<12} {:<30} {:<8} {} {}",
-            format!("{:?}", m.role),
+            "{:<47} {:<30} {:<8} {} {}",
+            uses(m.role),
             m.name,
             format!("{}MB", m.size >> 20),
             p.display(),
@@ -90,7 +99,7 @@ pub fn generate(m: &ModelArgs, a: GenerateArgs) -> anyhow::Result<()> {
 
 /// `specrag tokenize`: the target's tokenizer only (no weights are loaded).
 pub fn tokenize(m: &ModelArgs, a: TokenizeArgs) -> anyhow::Result<()> {
-    let path = models::resolve(m.target.as_deref(), Role::Target)?;
+    let path = m.target_path()?;
     let f = target_engine::gguf::GgufFile::open(&path)?;
     let tok = target_engine::Tokenizer::from_gguf(&f)?;
     let enc = tok.encode(&a.text, a.special);
