@@ -579,6 +579,35 @@ fn a_missing_model_file_is_the_callers_fault_exit_code_2() -> TestResult {
     Ok(())
 }
 
+/// `--pairing` picks the default files: the large pair's 1.5B target unless `small`.
+#[test]
+fn the_pairing_picks_the_default_target() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    for (pairing, file) in [
+        (None, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+        (Some("large"), "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+        (Some("small"), "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_specrag"));
+        cmd.env("SPECRAG_MODELS", dir.path())
+            .env_remove("SPECRAG_TARGET")
+            .env_remove("SPECRAG_PAIRING");
+        if let Some(p) = pairing {
+            cmd.args(["--pairing", p]);
+        }
+        let out = cmd.args(["tokenize", "hi"]).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(file), "{pairing:?}: {err}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
+        .args(["--pairing", "medium", "tokenize", "hi"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--pairing"));
+    Ok(())
+}
+
 #[test]
 fn a_set_but_empty_key_list_refuses_to_start() -> TestResult {
     let dir = tempfile::tempdir()?;
