@@ -296,6 +296,36 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// `x Wᵢᵀ (+ bᵢ)` for several linears over the same rows (q/k/v, gate/up). On the packed
+    /// weights the rows are quantized once and the products share one parallel loop, bit for
+    /// bit the separate products; otherwise each runs alone.
+    fn forward_many(ls: &[&Linear], x: &Tensor, dense: bool) -> Result<Vec<Tensor>> {
+        let packed: Option<Vec<&PackedMatrix>> = ls
+            .iter()
+            .map(|l| match &l.quant.weights {
+                Weights::Packed(p) if !(dense && l.dense_t.is_some()) => Some(p),
+                _ => None,
+            })
+            .collect();
+        let Some(mats) = packed else {
+            return ls.iter().map(|l| l.forward(x, dense)).collect();
+        };
+        let (n, _) = x.dims2()?;
+        let ys = PackedMatrix::matmul_many(&mats, &x.flatten_all()?.to_vec1::<f32>()?, n)?;
+        ls.iter()
+            .zip(ys)
+            .map(|(l, y)| {
+                let y = Tensor::from_vec(y, (n, l.quant.dims.0), &Device::Cpu)?;
+                Ok(match &l.bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                })
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug)]
 struct Layer {
     attn_norm: Tensor,
@@ -631,7 +661,23 @@ impl Model {
         Ok(ForwardOutput { hidden, layers })
     }
 
+    /// The layers of a pass, run on the kernels' thread pool (see [`kernels::in_pool`]) with
+    /// this thread's stop condition.
     fn forward_layers_with(
+        &self,
+        x: Tensor,
+        positions: &[usize],
+        cache: &mut KvCache,
+        layers: std::ops::Range<usize>,
+        pass: Pass<'_>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let stop = crate::stop::current();
+        kernels::in_pool(|| {
+            crate::stop::with_stop(stop, || self.run_layers(x, positions, cache, layers, pass))
+        })
+    }
+
+    fn run_layers(
         &self,
         mut x: Tensor,
         positions: &[usize],
@@ -680,21 +726,9 @@ impl Model {
             crate::stop::check()?;
             let layer = &self.layers[l];
             let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
-            let mut q = layer
-                .wq
-                .forward(&h, dense)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let mut k = layer
-                .wk
-                .forward(&h, dense)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let v = layer
-                .wv
-                .forward(&h, dense)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
+            let qkv = Linear::forward_many(&[&layer.wq, &layer.wk, &layer.wv], &h, dense)?;
+            let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+            let (mut q, mut k, v) = (flat(&qkv[0])?, flat(&qkv[1])?, flat(&qkv[2])?);
             self.rope.apply(&table, &mut q, c.n_head)?;
             self.rope.apply(&table, &mut k, c.n_kv_head)?;
             cache.write(l, positions, &k, &v);
@@ -715,9 +749,9 @@ impl Model {
             let attn = Tensor::from_vec(attn, (n, c.n_embd), &Device::Cpu)?;
             x = (x + layer.wo.forward(&attn, dense)?)?;
             let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
-            let g = layer.gate.forward(&h, dense)?.silu()?;
-            let u = layer.up.forward(&h, dense)?;
-            x = (&x + layer.down.forward(&(g * u)?, dense)?)?;
+            let gu = Linear::forward_many(&[&layer.gate, &layer.up], &h, dense)?;
+            let g = gu[0].silu()?;
+            x = (&x + layer.down.forward(&(g * &gu[1])?, dense)?)?;
             if collect_layers {
                 collected.push(x.clone());
             }

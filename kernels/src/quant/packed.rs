@@ -290,7 +290,7 @@ impl QMatrix {
 /// The output, written by many tasks at disjoint places.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
-// SAFETY: every task writes its own feature group's columns only (see `matmul_on`).
+// SAFETY: every task writes its own feature group's columns only (see `matmul_many_on`).
 unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
@@ -359,44 +359,86 @@ impl PackedMatrix {
 
     /// [`PackedMatrix::matmul`] on a chosen implementation (tests compare them).
     pub fn matmul_on(&self, isa: Isa, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        super::check_rows("packed matmul", x, n, self.cols)?;
+        let mut y = Self::matmul_many_on(isa, &[self], x, n)?;
+        Ok(y.pop().unwrap_or_default())
+    }
+
+    /// `x Wᵢᵀ` for several matrices of the same input width (q/k/v, gate/up): the activation
+    /// rows are quantized once and every matrix's feature groups share one parallel loop.
+    /// Each result is bit for bit [`PackedMatrix::matmul`]'s.
+    pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], n: usize) -> Result<Vec<Vec<f32>>> {
+        Self::matmul_many_on(Isa::best(), mats, x, n)
+    }
+
+    /// [`PackedMatrix::matmul_many`] on a chosen implementation.
+    pub fn matmul_many_on(
+        isa: Isa,
+        mats: &[&PackedMatrix],
+        x: &[f32],
+        n: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let Some(first) = mats.first() else {
+            return Ok(Vec::new());
+        };
+        let cols = first.cols;
+        if let Some(m) = mats.iter().find(|m| m.cols != cols) {
+            return Err(shape_err(
+                "packed matmul_many",
+                format!("matrices of {} and {cols} columns", m.cols),
+            ));
+        }
+        super::check_rows("packed matmul", x, n, cols)?;
         let isa = if Isa::best() == Isa::Avx512Vnni {
             isa
         } else {
             Isa::Portable
         };
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(ys);
         }
-        let a = Acts::quantize(x, self.cols);
-        let groups = self.rows.div_ceil(GROUP);
-        let halves = self.scales.halves();
-        let mut y = vec![0f32; n * self.rows];
-        let out = Out(y.as_mut_ptr());
-        // Groups per task: enough tasks for both cores and few enough to keep overhead low.
-        let per_task = (groups / 32).max(1);
-        (0..groups.div_ceil(per_task))
-            .into_par_iter()
-            .for_each(|t| {
-                for g in t * per_task..((t + 1) * per_task).min(groups) {
-                    let width = (self.rows - g * GROUP).min(GROUP);
-                    match isa {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `Isa::best()` confirmed the CPU features; group `g` writes
-                        // columns `g * 16..g * 16 + width` of the `n` rows of `y` and no task
-                        // shares a group.
-                        Isa::Avx512Vnni if halves => unsafe {
-                            vnni::group::<2>(self, &a, g, n, width, out)
-                        },
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: as above.
-                        Isa::Avx512Vnni => unsafe { vnni::group::<1>(self, &a, g, n, width, out) },
-                        // SAFETY: as above.
-                        _ => unsafe { group_portable(self, &a, g, n, width, out) },
-                    }
+        let a = Acts::quantize(x, cols);
+        // Tasks of a few groups each, never across matrices: enough tasks for both cores and
+        // few enough to keep the overhead low.
+        let total: usize = mats.iter().map(|m| m.rows.div_ceil(GROUP)).sum();
+        let per_task = (total / 32).max(1);
+        let mut tasks = Vec::with_capacity(total / per_task + mats.len());
+        for (i, (m, y)) in mats.iter().zip(ys.iter_mut()).enumerate() {
+            let groups = m.rows.div_ceil(GROUP);
+            let out = Out(y.as_mut_ptr());
+            tasks.extend((0..groups).step_by(per_task).map(|g| {
+                let end = (g + per_task).min(groups);
+                (i, g..end, out)
+            }));
+        }
+        let run = |(i, range, out): &(usize, std::ops::Range<usize>, Out)| {
+            let p = mats[*i];
+            let halves = p.scales.halves();
+            for g in range.clone() {
+                let width = (p.rows - g * GROUP).min(GROUP);
+                let out = *out;
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Isa::best()` confirmed the CPU features; group `g` writes
+                    // columns `g * 16..g * 16 + width` of the `n` rows of matrix `i`'s output
+                    // and no task shares a (matrix, group).
+                    Isa::Avx512Vnni if halves => unsafe {
+                        vnni::group::<2>(p, &a, g, n, width, out)
+                    },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Isa::Avx512Vnni => unsafe { vnni::group::<1>(p, &a, g, n, width, out) },
+                    // SAFETY: as above.
+                    _ => unsafe { group_portable(p, &a, g, n, width, out) },
                 }
-            });
-        Ok(y)
+            }
+        };
+        if tasks.len() == 1 {
+            run(&tasks[0]);
+        } else {
+            tasks.par_iter().for_each(run);
+        }
+        Ok(ys)
     }
 }
 
@@ -739,6 +781,38 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn products_sharing_their_input_equal_the_separate_products() {
+        // Mixed formats and sizes (one with more groups than tasks, so tasks hold several).
+        let cols = 512;
+        let mats: Vec<PackedMatrix> = [
+            (QType::Q4K, GgmlDType::Q4K, 40),
+            (QType::Q6K, GgmlDType::Q6K, 24),
+            (QType::Q8_0, GgmlDType::Q8_0, 1100),
+        ]
+        .into_iter()
+        .map(|(ty, g, rows)| matrix(ty, g, rows, cols).0.pack().expect("packs"))
+        .collect();
+        let refs: Vec<&PackedMatrix> = mats.iter().collect();
+        for n in [1, 5, 9] {
+            let x = input(n, cols);
+            for isa in [Isa::Portable, Isa::Avx512Vnni] {
+                let many = PackedMatrix::matmul_many_on(isa, &refs, &x, n).expect("many");
+                assert_eq!(many.len(), mats.len());
+                for (p, y) in mats.iter().zip(&many) {
+                    assert_eq!(*y, p.matmul_on(isa, &x, n).expect("alone"), "n={n} {isa:?}");
+                }
+            }
+        }
+        let (narrow, _) = matrix(QType::Q8_0, GgmlDType::Q8_0, 16, 64);
+        let narrow = narrow.pack().expect("packs");
+        let err = PackedMatrix::matmul_many(&[&mats[0], &narrow], &input(1, cols), 1);
+        assert!(err.is_err());
+        assert!(PackedMatrix::matmul_many(&[], &[], 0)
+            .expect("none")
+            .is_empty());
     }
 
     #[test]
