@@ -10,7 +10,13 @@ const DEFAULT_SPIN_LIMIT: &str = "1000";
 ///
 /// Prefill allocates tens of megabytes per op; glibc serves each from a fresh mmap and returns
 /// it on free, so every op pays page faults (~18% of prefill, see shared/PERFORMANCE.md).
-/// Raising the mmap and trim thresholds keeps that memory in the heap for reuse.
+/// Raising the mmap and trim thresholds keeps that memory in the heap for reuse. Those
+/// thresholds hold for glibc's main arena only: a thread pool worker allocates from an arena of
+/// its own, whose heaps are at most 64 MB, so a bigger buffer (the 1.5B's gate/up output at
+/// 2048 rows: 73 MB) was a fresh mmap each time once the forward ran on the pool (its
+/// 2048-token prefill 16 -> 19 s). One arena for the process keeps every allocation in the
+/// tuned heap; the engine allocates per op, not per value, so the shared lock costs nothing
+/// measurable.
 ///
 /// candle's k-quant kernels run on its own thread pool, whose idle workers spin 25,000 times
 /// before sleeping. On a target that mixes them with QMatrix's formats (Qwen-0.5B: `ffn_down`
@@ -25,6 +31,7 @@ pub fn init() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator parameters; it runs before any thread is started.
     unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
