@@ -294,9 +294,7 @@ impl Linear {
             None => y,
         })
     }
-}
 
-impl Linear {
     /// `x Wᵢᵀ (+ bᵢ)` for several linears over the same rows (q/k/v, gate/up). On the packed
     /// weights the rows are quantized once and the products share one parallel loop, bit for
     /// bit the separate products; otherwise each runs alone.
