@@ -1,12 +1,13 @@
 //! The transformer forward pass (qwen2 and llama), written over candle ops with an external
 //! KV cache, explicit positions, optional per-layer hidden states and a separate LM head.
 //!
-//! Every linear layer keeps only its quantized weights, in the file's block format (`Quant`):
-//! decode and forwards over few rows multiply the blocks directly with int8 activations
-//! ([`kernels::QMatrix`], AVX-512 VNNI when the CPU has it, or candle's k-quant kernels) and
-//! read ~5-6.5 bits per weight. Forwards over many rows (prefill is compute bound) stay on
-//! int8 when every layer is a k-quant (candle's tiled kernels: the 1.5B target), and otherwise
-//! run dense f32 GEMM on weight panels dequantized into cache. Dense f32 copies of the weights
+//! Every linear layer keeps only its quantized weights at the file's bit width (`Quant`). With
+//! AVX-512 VNNI they are repacked for one int8 GEMM that serves every row count
+//! ([`kernels::PackedMatrix`]; q/k/v and gate/up share one activation quantization). Without
+//! it, few rows multiply the file's blocks with int8 activations ([`kernels::QMatrix`], or
+//! candle's k-quant kernels), and many rows stay on int8 when every layer is a k-quant and
+//! otherwise run dense f32 GEMM on weight panels dequantized into cache. Every pass runs on
+//! the kernels' thread pool ([`kernels::in_pool`]). Dense f32 copies of the weights
 //! (`LoadOptions::dense_copies`, ≈4x the file in RAM) are optional and no longer faster.
 //! A row's result never depends on the other rows of its forward beyond f32 rounding in the
 //! panels, and not at all on the int8 paths and in attention: the ρ = 1 blend identity needs
