@@ -32,9 +32,10 @@ mod study_cmd;
 /// `{"query","answers","collection"?}` JSONL against an ingested data directory with --queries.
 ///
 /// Methods: full_recompute (the reference), full_reuse, prefix, EPIC (k = 16, 32 and at each
-/// ρ), CacheBlend, SpecCache and SpecCache without spans at ρ in {0.10, 0.15, 0.20, 0.25},
-/// SpecCache's layer-range ablation and ingestion-time scores; pairings SmolLM2 -> Qwen-0.5B
-/// (`small`) and Qwen-0.5B -> Qwen-1.5B (`large`, fewer cases and ρ = 0.15 only).
+/// ρ), CacheBlend, SpecCache, SpecCache without spans and target_probe (the server's) at ρ in
+/// {0.10, 0.15, 0.20, 0.25}, SpecCache's layer-range ablation and ingestion-time scores;
+/// pairings SmolLM2 -> Qwen-0.5B (`small`) and Qwen-0.5B -> Qwen-1.5B (`large`, fewer cases
+/// and ρ = 0.15 only). The fidelity study (--study) is the larger, paired evaluation.
 ///
 /// The default run takes ~30 minutes on 2 cores; --quick (~1.5 minutes) is the smoke run CI
 /// executes. The exit code is 1 when a ρ = 1 configuration did not answer exactly as full

@@ -239,7 +239,7 @@ impl Budget {
             large_cases: 0,
             load_requests: 3,
             load_factors: vec![2.0],
-            load_methods: vec![Method::FullRecompute, Method::Speccache],
+            load_methods: vec![Method::FullRecompute, Method::TargetProbe],
         }
     }
 
@@ -258,6 +258,7 @@ impl Budget {
             load_factors: vec![0.5, 1.0, 2.0],
             load_methods: vec![
                 Method::FullRecompute,
+                Method::TargetProbe,
                 Method::Epic,
                 Method::Cacheblend,
                 Method::Speccache,

@@ -634,16 +634,46 @@ fn opt_iv(i: &Option<Interval>, scale: f64, digits: usize) -> String {
     i.as_ref().map_or("–".into(), |i| iv(i, scale, digits))
 }
 
-/// The study's Markdown report: one table per (pairing, dataset), then the head-to-head
-/// comparisons of `best` against the baselines.
+/// Name of the pooled dataset of [`pooled`].
+pub const ALL_DATASETS: &str = "all";
+
+/// The records of every pairing that ran more than one dataset once more, as one dataset
+/// ([`ALL_DATASETS`], cases named `dataset/case`), so that the report can pair the
+/// configurations over every case of a pairing at once. A configuration that ran on some
+/// datasets only is pooled over those (its `n` says so).
+pub fn pooled(records: &[StudyRecord]) -> Vec<StudyRecord> {
+    let mut datasets: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for r in records {
+        datasets
+            .entry(r.pairing.as_str())
+            .or_default()
+            .insert(r.dataset.as_str());
+    }
+    records
+        .iter()
+        .filter(|r| datasets[r.pairing.as_str()].len() > 1)
+        .map(|r| StudyRecord {
+            dataset: ALL_DATASETS.to_string(),
+            case: format!("{}/{}", r.dataset, r.case),
+            ..r.clone()
+        })
+        .collect()
+}
+
+/// The study's Markdown report: one table per (pairing, dataset), a pooled one per pairing
+/// that ran several datasets, each followed by the head-to-head comparisons of `best` against
+/// the baselines.
 pub fn markdown(records: &[StudyRecord], best: &str) -> String {
     let mut out = String::from(
         "# Fidelity study\n\nEvery configuration is paired per case with full recompute's \
          answer (greedy, 32 tokens). Intervals are 95% (Wilson for proportions, paired \
          bootstrap of cases otherwise). Δ = configuration − full recompute. Gap closed = 1 − \
          mean teacher-forced KL / full reuse's. McNemar p compares correctness with full \
-         recompute.\n",
+         recompute. The `all` section of a pairing pools its datasets' cases.\n",
     );
+    let mut all = records.to_vec();
+    all.extend(pooled(records));
+    let records = all.as_slice();
     let sums = summarize(records);
     let mut keys: Vec<(&str, &str)> = sums
         .iter()
@@ -761,5 +791,67 @@ fn write_verify_table(out: &mut String, records: &[StudyRecord], pairing: &str, 
                 iv(&r.identical, 100.0, 0)
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(dataset: &str, case: &str, label: &str, identical: bool, kl_tf: f64) -> StudyRecord {
+        let (method, ratio) = match label.split_once('@') {
+            Some((m, r)) => (Method::parse(m).unwrap(), r.parse().unwrap()),
+            None => (Method::parse(label).unwrap(), 0.0),
+        };
+        StudyRecord {
+            pairing: "small".into(),
+            dataset: dataset.into(),
+            case: case.into(),
+            config: StudyConfig { method, ratio },
+            label: label.into(),
+            answer: String::new(),
+            correct: identical,
+            identical,
+            kl_first: kl_tf,
+            kl_tf,
+            gold_nll: 1.0,
+            ttft_ms: 1.0,
+            timings: Timings::default(),
+            ratio,
+            selected: Vec::new(),
+            codec: raw_codec(),
+            verify: None,
+            verified_identical: None,
+            verify_mode: None,
+        }
+    }
+
+    #[test]
+    fn the_pooled_section_pairs_every_case_of_every_dataset() {
+        let mut recs = Vec::new();
+        for (ds, n, same) in [("profiles", 3, true), ("records", 2, false)] {
+            for i in 0..n {
+                let case = format!("c{i}");
+                recs.push(record(ds, &case, "full_recompute", true, 0.0));
+                recs.push(record(ds, &case, "full_reuse", same, 0.4));
+                recs.push(record(ds, &case, "target_probe@0.15", true, 0.1));
+            }
+        }
+        // The same case name in both datasets stays two cases.
+        let pooled = pooled(&recs);
+        assert_eq!(pooled.len(), recs.len());
+        let sums = summarize(&pooled);
+        let reuse = sums.iter().find(|s| s.label == "full_reuse").unwrap();
+        assert_eq!((reuse.dataset.as_str(), reuse.n), (ALL_DATASETS, 5));
+        assert!((reuse.identical.estimate - 0.6).abs() < 1e-12);
+        let probe = sums
+            .iter()
+            .find(|s| s.label == "target_probe@0.15")
+            .unwrap();
+        assert!((probe.gap_closed.unwrap().estimate - 0.75).abs() < 1e-9);
+        let md = markdown(&recs, "target_probe@0.15");
+        assert!(md.contains("## small / all") && md.contains("## small / records"));
+        // One dataset: nothing to pool.
+        assert!(super::pooled(&recs[..9]).is_empty());
     }
 }
