@@ -129,7 +129,8 @@ struct Args {
     #[arg(long, default_value_t = 40, requires = "study")]
     sweep_cases: usize,
     /// Run only these study configurations (labels such as `target_probe@0.15,epic@0.15`; full
-    /// recompute, the reference, always runs) [default: all].
+    /// recompute, the reference, always runs) [default: all]. Those outside the main set (the
+    /// sweep's) still run on the first --sweep-cases cases only.
     #[arg(long, value_delimiter = ',', requires = "study")]
     study_configs: Vec<String>,
     /// Run only these study datasets (`profiles`, `records`) [default: both].

@@ -199,6 +199,23 @@ fn check_selection(args: &Args) -> anyhow::Result<()> {
     {
         anyhow::bail!("--study-datasets: unknown dataset `{bad}` (profiles, records)");
     }
+    // A named sweep configuration is not an error, but it runs on fewer cases than the main
+    // ones: say so rather than leave a user wondering where its rows went.
+    let main: Vec<String> = study::main_configs(RHO).iter().map(|c| c.label()).collect();
+    let sweep_only: Vec<&str> = args
+        .study_configs
+        .iter()
+        .filter(|l| !main.contains(l))
+        .map(String::as_str)
+        .collect();
+    if !sweep_only.is_empty() {
+        eprintln!(
+            "note: {} run{} on the first --sweep-cases ({}) cases of each dataset only",
+            sweep_only.join(", "),
+            if sweep_only.len() == 1 { "s" } else { "" },
+            args.sweep_cases
+        );
+    }
     Ok(())
 }
 

@@ -102,7 +102,14 @@ fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std:
     write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
     let out = d.join("out");
     let only = ["--study-configs", "epic@0.15,target_probe@0.40"];
-    ok(&study_cmd(d, &out, "2", &only)?);
+    let o = study_cmd(d, &out, "2", &only)?;
+    ok(&o);
+    // The sweep configuration's smaller reach is announced.
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("target_probe@0.40 runs on the first --sweep-cases"),
+        "{err}"
+    );
     let recs: Vec<StudyRecord> = study::read_records(&out.join("study.jsonl"))?;
     let count = |l: &str| recs.iter().filter(|r| r.label == l).count();
     // The reference on every case, epic on every case, the sweep's ratio on the first one.
