@@ -800,8 +800,11 @@ mod tests {
 
     fn record(dataset: &str, case: &str, label: &str, identical: bool, kl_tf: f64) -> StudyRecord {
         let (method, ratio) = match label.split_once('@') {
-            Some((m, r)) => (Method::parse(m).unwrap(), r.parse().unwrap()),
-            None => (Method::parse(label).unwrap(), 0.0),
+            Some((m, r)) => (
+                Method::parse(m).expect("a method"),
+                r.parse().expect("a ratio"),
+            ),
+            None => (Method::parse(label).expect("a method"), 0.0),
         };
         StudyRecord {
             pairing: "small".into(),
@@ -841,14 +844,18 @@ mod tests {
         let pooled = pooled(&recs);
         assert_eq!(pooled.len(), recs.len());
         let sums = summarize(&pooled);
-        let reuse = sums.iter().find(|s| s.label == "full_reuse").unwrap();
+        let reuse = sums
+            .iter()
+            .find(|s| s.label == "full_reuse")
+            .expect("full reuse pooled");
         assert_eq!((reuse.dataset.as_str(), reuse.n), (ALL_DATASETS, 5));
         assert!((reuse.identical.estimate - 0.6).abs() < 1e-12);
         let probe = sums
             .iter()
             .find(|s| s.label == "target_probe@0.15")
-            .unwrap();
-        assert!((probe.gap_closed.unwrap().estimate - 0.75).abs() < 1e-9);
+            .expect("target_probe pooled");
+        let gap = probe.gap_closed.expect("a gap against full reuse");
+        assert!((gap.estimate - 0.75).abs() < 1e-9);
         let md = markdown(&recs, "target_probe@0.15");
         assert!(md.contains("## small / all") && md.contains("## small / records"));
         // One dataset: nothing to pool.
