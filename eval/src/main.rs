@@ -53,7 +53,8 @@ struct Args {
     #[arg(long, value_name = "CODEC", default_value = "raw")]
     kv_codec: chunkstore::Codec,
     /// Run nothing: rewrite report.md and the charts in --out from this results.json (of any
-    /// earlier run), e.g. after a change to the report's layout.
+    /// earlier run), e.g. after a change to the report's layout. With --study: write study.md
+    /// in --out from this study.jsonl (several runs' files may be concatenated into one).
     #[arg(long, value_name = "FILE")]
     render: Option<PathBuf>,
     /// The smoke run: 3 synthetic cases, every method at ρ = 0.15, the ρ = 1 identity check, a
@@ -378,11 +379,14 @@ fn render(from: &Path, out: &Path) -> anyhow::Result<bool> {
 }
 
 fn run_all(args: Args) -> anyhow::Result<bool> {
+    if args.study {
+        return match &args.render {
+            Some(from) => study_cmd::render(from, &args.out, &args.study_best),
+            None => study_cmd::run(&args),
+        };
+    }
     if let Some(from) = &args.render {
         return render(from, &args.out);
-    }
-    if args.study {
-        return study_cmd::run(&args);
     }
     let started = Instant::now();
     let budget = if args.quick {

@@ -48,6 +48,18 @@ fn datasets(n: usize, seed: u64) -> Vec<Dataset> {
     ]
 }
 
+/// `--study --render`: `<out>/study.md` from the answers in `from`, loading no model.
+pub fn render(from: &Path, out: &Path, best: &str) -> anyhow::Result<bool> {
+    let records = study::read_records(from)
+        .with_context(|| format!("{} is not a study.jsonl", from.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let md = out.join("study.md");
+    std::fs::write(&md, study::markdown(&records, best))
+        .with_context(|| format!("writing {}", md.display()))?;
+    eprintln!("wrote {} ({} answers)", md.display(), records.len());
+    Ok(true)
+}
+
 /// Runs the study for the pairings of `args`, appending to `<out>/study.jsonl`, then writes
 /// `<out>/study.md`.
 pub fn run(args: &Args) -> anyhow::Result<bool> {

@@ -91,6 +91,15 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
     let report = std::fs::read_to_string(out.join("study.md"))?;
     assert!(report.contains("## small / profiles") && report.contains("## small / records"));
     assert!(report.contains("| oracle@0.15 | 3 |"));
+    // --render rewrites the same report from the answers alone (no model is named).
+    let again = d.join("rendered");
+    ok(&Command::new(env!("CARGO_BIN_EXE_specrag-eval"))
+        .args(["--study", "--render"])
+        .arg(&path)
+        .arg("--out")
+        .arg(&again)
+        .output()?);
+    assert_eq!(std::fs::read_to_string(again.join("study.md"))?, report);
     Ok(())
 }
 
