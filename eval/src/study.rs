@@ -671,44 +671,24 @@ pub fn markdown(records: &[StudyRecord], best: &str) -> String {
          mean teacher-forced KL / full reuse's. McNemar p compares correctness with full \
          recompute. The `all` section of a pairing pools its datasets' cases.\n",
     );
-    let mut all = records.to_vec();
-    all.extend(pooled(records));
-    let records = all.as_slice();
-    let sums = summarize(records);
+    // The pooled copies are summarized on their own; the originals are not copied.
+    let pooled = pooled(records);
+    let mut sums = summarize(records);
+    sums.extend(summarize(&pooled));
+    // Stable: each section keeps its configurations' order; `all` sorts first in a pairing.
+    sums.sort_by(|a, b| (&a.pairing, &a.dataset).cmp(&(&b.pairing, &b.dataset)));
     let mut keys: Vec<(&str, &str)> = sums
         .iter()
         .map(|s| (s.pairing.as_str(), s.dataset.as_str()))
         .collect();
     keys.dedup();
     for (pairing, dataset) in keys {
-        let _ = write!(
-            out,
-            "\n## {pairing} / {dataset}\n\n| config | n | recomputed | accuracy % | Δ accuracy pts | \
-             McNemar p | identical % | KL first | KL teacher-forced | gap closed % | Δ gold NLL | \
-             TTFT ÷ full |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-        );
-        for s in sums
-            .iter()
-            .filter(|s| s.pairing == pairing && s.dataset == dataset)
-        {
-            let _ = writeln!(
-                out,
-                "| {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
-                s.label,
-                s.n,
-                s.recomputed,
-                iv(&s.accuracy, 100.0, 0),
-                opt_iv(&s.accuracy_delta, 100.0, 0),
-                s.mcnemar
-                    .map_or("–".into(), |m| format!("{:.3}", m.p_value)),
-                iv(&s.identical, 100.0, 0),
-                iv(&s.kl_first, 1.0, 3),
-                iv(&s.kl_tf, 1.0, 3),
-                opt_iv(&s.gap_closed, 100.0, 0),
-                opt_iv(&s.gold_nll_delta, 1.0, 3),
-                s.ttft_ratio
-            );
-        }
+        let records = if dataset == ALL_DATASETS {
+            pooled.as_slice()
+        } else {
+            records
+        };
+        write_summary_table(&mut out, &sums, pairing, dataset);
         let h2h = head_to_head(
             records,
             pairing,
@@ -742,6 +722,38 @@ pub fn markdown(records: &[StudyRecord], best: &str) -> String {
         write_verify_table(&mut out, records, pairing, dataset);
     }
     out
+}
+
+/// The section heading and the summary table of (`pairing`, `dataset`).
+fn write_summary_table(out: &mut String, sums: &[Summary], pairing: &str, dataset: &str) {
+    let _ = write!(
+        out,
+        "\n## {pairing} / {dataset}\n\n| config | n | recomputed | accuracy % | Δ accuracy pts | \
+         McNemar p | identical % | KL first | KL teacher-forced | gap closed % | Δ gold NLL | \
+         TTFT ÷ full |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    );
+    for s in sums
+        .iter()
+        .filter(|s| s.pairing == pairing && s.dataset == dataset)
+    {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+            s.label,
+            s.n,
+            s.recomputed,
+            iv(&s.accuracy, 100.0, 0),
+            opt_iv(&s.accuracy_delta, 100.0, 0),
+            s.mcnemar
+                .map_or("–".into(), |m| format!("{:.3}", m.p_value)),
+            iv(&s.identical, 100.0, 0),
+            iv(&s.kl_first, 1.0, 3),
+            iv(&s.kl_tf, 1.0, 3),
+            opt_iv(&s.gap_closed, 100.0, 0),
+            opt_iv(&s.gold_nll_delta, 1.0, 3),
+            s.ttft_ratio
+        );
+    }
 }
 
 /// The codec table of (`pairing`, `dataset`), when the study ran any non-raw storage.
