@@ -40,6 +40,24 @@ impl StudyConfig {
         }
     }
 
+    /// The configuration a label names: a method's name, or a budgeted method at a ratio in
+    /// `(0, 1]` written with two decimals (`target_probe@0.30`), exactly as [`label`] writes it.
+    ///
+    /// [`label`]: StudyConfig::label
+    pub fn parse(label: &str) -> Option<Self> {
+        let c = match label.split_once('@') {
+            Some((m, r)) => Self {
+                method: Method::parse(m).filter(Method::budgeted)?,
+                ratio: r.parse().ok().filter(|r| *r > 0.0 && *r <= 1.0)?,
+            },
+            None => Self {
+                method: Method::parse(label).filter(|m| !m.budgeted())?,
+                ratio: if Method::parse(label)?.is_full() { 1.0 } else { 0.0 },
+            },
+        };
+        (c.label() == label).then_some(c)
+    }
+
     /// [`StudyConfig::label`] of a run storing chunk KV with `codec`: `+codec` after it unless
     /// the storage is `raw` or the method reads no stored KV (full recompute), so one
     /// study.jsonl pairs a method on each codec against the same method on raw storage.
@@ -809,6 +827,26 @@ fn write_verify_table(out: &mut String, records: &[StudyRecord], pairing: &str, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_label_parses_back_to_its_configuration() {
+        for c in main_configs(0.15).into_iter().chain(subset_configs(0.15, &[0.3, 0.05])) {
+            assert_eq!(StudyConfig::parse(&c.label()), Some(c), "{}", c.label());
+        }
+        let c = StudyConfig::parse("target_probe@0.30").expect("a ratio outside the sweep");
+        assert_eq!((c.method, c.ratio), (Method::TargetProbe, 0.3));
+        for bad in [
+            "epic@0.2",
+            "epic@1.50",
+            "epic@0.00",
+            "full_reuse@0.15",
+            "target_probe",
+            "nope@0.15",
+            "epic@x",
+        ] {
+            assert_eq!(StudyConfig::parse(bad), None, "{bad}");
+        }
+    }
 
     fn record(dataset: &str, case: &str, label: &str, identical: bool, kl_tf: f64) -> StudyRecord {
         let (method, ratio) = match label.split_once('@') {

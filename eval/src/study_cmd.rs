@@ -198,9 +198,14 @@ fn check_selection(args: &Args) -> anyhow::Result<()> {
         .chain(study::subset_configs(RHO, &SWEEP))
         .map(|c| c.label())
         .collect();
-    if let Some(bad) = args.study_configs.iter().find(|l| !known.contains(l)) {
+    if let Some(bad) = args
+        .study_configs
+        .iter()
+        .find(|l| !known.contains(l) && StudyConfig::parse(l).is_none())
+    {
         anyhow::bail!(
-            "--study-configs: unknown configuration `{bad}` (one of {})",
+            "--study-configs: unknown configuration `{bad}` (one of {}, or any budgeted \
+             method at a ratio in (0, 1] with two decimals, such as target_probe@0.30)",
             known.join(", ")
         );
     }
@@ -256,6 +261,13 @@ fn run_dataset(
     let mut with_sweep = study::main_configs(RHO);
     let main = kept(with_sweep.clone());
     with_sweep.extend(study::subset_configs(RHO, &SWEEP));
+    // Configurations named outside the study's own (another ρ) join the sweep's cases.
+    let extra: Vec<StudyConfig> = only
+        .iter()
+        .filter_map(|l| StudyConfig::parse(l))
+        .filter(|c| !with_sweep.contains(c))
+        .collect();
+    with_sweep.extend(extra);
     let with_sweep = kept(with_sweep);
     let lines = !std::io::stderr().is_terminal();
     let b = bar(ds.cases.len() as u64, &format!("{pairing} {}", ds.name));

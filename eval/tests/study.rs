@@ -110,7 +110,7 @@ fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std:
     write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
     write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
     let out = d.join("out");
-    let only = ["--study-configs", "epic@0.15,target_probe@0.40"];
+    let only = ["--study-configs", "epic@0.15,target_probe@0.40,epic@0.30"];
     let o = study_cmd(d, &out, "2", &only)?;
     ok(&o);
     // The sweep configuration's smaller reach is announced.
@@ -125,7 +125,13 @@ fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std:
     assert_eq!(count("full_recompute"), 4);
     assert_eq!(count("epic@0.15"), 4);
     assert_eq!(count("target_probe@0.40"), 2);
-    assert_eq!(recs.len(), 10);
+    // A ratio outside the sweep runs like the sweep's.
+    assert_eq!(count("epic@0.30"), 2);
+    assert!(recs
+        .iter()
+        .filter(|r| r.label == "epic@0.30")
+        .all(|r| r.config.ratio == 0.3));
+    assert_eq!(recs.len(), 12);
     let bad = study_cmd(d, &d.join("out2"), "1", &["--study-configs", "epic@0.2"])?;
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
