@@ -307,7 +307,7 @@ impl SpecCache {
         let (ids, q) = (&t.ids, t.question_start);
         let n = m.config().n_layer;
         let question: Vec<usize> = (q..ids.len()).collect();
-        let (_, mass) = m.forward_probe(&ids[q..], &question, cache, n / 2..n)?;
+        let mass = m.forward_probe(&ids[q..], &question, cache, n / 2..n)?;
         let scores: Vec<f32> = (0..ids.len())
             .map(|i| mass.get(i).copied().unwrap_or(0.0))
             .collect();

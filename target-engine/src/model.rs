@@ -614,9 +614,10 @@ impl Model {
         self.forward_layers_with(x, positions, cache, layers, pass)
     }
 
-    /// [`Model::forward`] that also measures how much attention the rows at `positions` pay to
-    /// every cache row at the layers `probe` (the attention mass summed over rows, heads and
-    /// those layers, one value per position `0..max(positions)+1`). Query-aware selection
+    /// How much attention the rows `ids` at `positions` pay to every cache row at the layers
+    /// `probe`: the attention mass summed over rows, heads and those layers, one value per
+    /// position `0..max(positions)+1`. Only layers `0..probe.end` run (their K/V rows of
+    /// `positions` are written; the rows do not count as computed). Query-aware selection
     /// reads this: the question's pass over the reused cache tells which chunk tokens it uses.
     pub fn forward_probe(
         &self,
@@ -624,18 +625,17 @@ impl Model {
         positions: &[usize],
         cache: &mut KvCache,
         probe: std::ops::Range<usize>,
-    ) -> Result<(ForwardOutput, Vec<f32>)> {
+    ) -> Result<Vec<f32>> {
         let x = self.embed(ids)?;
         let mut mass = Vec::new();
+        let end = probe.end.min(self.config.n_layer);
         let pass = Pass {
             collect_layers: false,
             allow_dense: true,
             probe: Some((probe, &mut mass)),
         };
-        let (x, layers) =
-            self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
-        let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
-        Ok((ForwardOutput { hidden, layers }, mass))
+        self.forward_layers_with(x, positions, cache, 0..end, pass)?;
+        Ok(mass)
     }
 
     /// [`Model::forward`] on the weights decode uses (quantized, never the dense copies),

@@ -149,6 +149,9 @@ pub struct Random {
 pub struct TargetProbe {
     /// First probed layer as a fraction of the depth (0.5: the deeper half).
     pub from_depth: f64,
+    /// End of the probed layers as a fraction of the depth (1.0: the last layer). The probe
+    /// pass stops there, so a probe that ends halfway costs half a question pass.
+    pub to_depth: f64,
     pub window: usize,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
@@ -171,6 +174,7 @@ impl Default for TargetProbe {
     fn default() -> Self {
         Self {
             from_depth: 0.5,
+            to_depth: 1.0,
             window: 0,
         }
     }
@@ -315,9 +319,15 @@ pub fn top_k(
 
 /// Layers `from_depth × n_layer .. n_layer` (at least the last one).
 fn deep_layers(model: &Model, from_depth: f64) -> std::ops::Range<usize> {
+    layer_span(model, from_depth, 1.0)
+}
+
+/// Layers `from × n_layer .. to × n_layer`, at least one (fractions clamped to 0..=1).
+fn layer_span(model: &Model, from: f64, to: f64) -> std::ops::Range<usize> {
     let n = model.config().n_layer;
-    let from = ((from_depth.clamp(0.0, 1.0) * n as f64) as usize).min(n - 1);
-    from..n
+    let at = |f: f64| (f.clamp(0.0, 1.0) * n as f64) as usize;
+    let start = at(from).min(n - 1);
+    start..at(to).clamp(start + 1, n)
 }
 
 /// The question's attention mass per position over `cache`, at `layers`.
@@ -329,8 +339,7 @@ fn question_attention(
 ) -> Result<Vec<f32>> {
     let q_pos = asm.question_positions();
     let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
-    let (_, mass) = model.forward_probe(&q_ids, &q_pos, cache, layers)?;
-    Ok(mass)
+    model.forward_probe(&q_ids, &q_pos, cache, layers)
 }
 
 impl Selector for TargetProbe {
@@ -345,7 +354,7 @@ impl Selector for TargetProbe {
         let picked = match input.spend() {
             0 => Vec::new(),
             k => {
-                let layers = deep_layers(model, self.from_depth);
+                let layers = layer_span(model, self.from_depth, self.to_depth);
                 let mass = question_attention(model, asm, &mut cache, layers)?;
                 let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
                 top_k(asm, &input.candidates(), score, k, self.window)

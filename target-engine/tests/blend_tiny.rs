@@ -304,6 +304,14 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
                 ..TargetProbe::default()
             }),
         ),
+        (
+            "target_probe_shallow",
+            Box::new(TargetProbe {
+                from_depth: 0.0,
+                to_depth: 0.5,
+                ..TargetProbe::default()
+            }),
+        ),
         ("oracle", Box::new(Oracle)),
     ];
     for (name, sel) in &selectors {
@@ -350,6 +358,31 @@ fn bounds_and_probe_at_ratio_one_equal_full_prefill() {
         assert_eq!(out.recomputed, s.asm.chunk_positions());
         assert!(max_diff(&out.logits, &full) < 1e-4, "selector {i}");
     }
+}
+
+#[test]
+fn a_probe_that_stops_early_measures_the_same_layers_as_a_whole_pass() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+    let pos = s.asm.question_positions();
+    let ids: Vec<u32> = pos.iter().map(|&p| s.asm.ids[p]).collect();
+    let n = m.config().n_layer;
+    assert!(n >= 2, "the tiny model has {n} layers");
+    let probe = |layers: std::ops::Range<usize>| {
+        m.forward_probe(&ids, &pos, &mut fused.clone(), layers)
+            .expect("probe")
+    };
+    // Layers 0..1 from a pass that stops after layer 0, plus layers 1..n, equal all layers.
+    let (low, high, all) = (probe(0..1), probe(1..n), probe(0..n));
+    assert_eq!(all.len(), *pos.last().expect("a question") + 1);
+    let sum: Vec<f32> = low.iter().zip(&high).map(|(a, b)| a + b).collect();
+    assert!(max_diff(&sum, &all) < 1e-4, "{}", max_diff(&sum, &all));
+    // Each layer's mass is the question rows' attention: one unit per row and head.
+    let heads = m.config().n_head as f32;
+    let total: f32 = low.iter().sum();
+    assert!((total - pos.len() as f32 * heads).abs() < 1e-2, "{total}");
 }
 
 #[test]
