@@ -52,7 +52,11 @@ impl StudyConfig {
             },
             None => Self {
                 method: Method::parse(label).filter(|m| !m.budgeted())?,
-                ratio: if Method::parse(label)?.is_full() { 1.0 } else { 0.0 },
+                ratio: if Method::parse(label)?.is_full() {
+                    1.0
+                } else {
+                    0.0
+                },
             },
         };
         (c.label() == label).then_some(c)
@@ -830,7 +834,10 @@ mod tests {
 
     #[test]
     fn a_label_parses_back_to_its_configuration() {
-        for c in main_configs(0.15).into_iter().chain(subset_configs(0.15, &[0.3, 0.05])) {
+        for c in main_configs(0.15)
+            .into_iter()
+            .chain(subset_configs(0.15, &[0.3, 0.05]))
+        {
             assert_eq!(StudyConfig::parse(&c.label()), Some(c), "{}", c.label());
         }
         let c = StudyConfig::parse("target_probe@0.30").expect("a ratio outside the sweep");
