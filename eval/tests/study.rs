@@ -116,7 +116,7 @@ fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std:
     // The sweep configuration's smaller reach is announced.
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.contains("target_probe@0.40 runs on the first --sweep-cases"),
+        err.contains("target_probe@0.40, epic@0.30 run on the first --sweep-cases"),
         "{err}"
     );
     let recs: Vec<StudyRecord> = study::read_records(&out.join("study.jsonl"))?;
