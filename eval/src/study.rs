@@ -50,14 +50,11 @@ impl StudyConfig {
                 method: Method::parse(m).filter(Method::budgeted)?,
                 ratio: r.parse().ok().filter(|r| *r > 0.0 && *r <= 1.0)?,
             },
-            None => Self {
-                method: Method::parse(label).filter(|m| !m.budgeted())?,
-                ratio: if Method::parse(label)?.is_full() {
-                    1.0
-                } else {
-                    0.0
-                },
-            },
+            None => {
+                let method = Method::parse(label).filter(|m| !m.budgeted())?;
+                let ratio = if method.is_full() { 1.0 } else { 0.0 };
+                Self { method, ratio }
+            }
         };
         (c.label() == label).then_some(c)
     }
