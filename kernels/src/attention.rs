@@ -12,6 +12,8 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod bf16;
+pub use bf16::Bf16Kv;
 
 /// Query rows per tile: small enough that the score block stays in cache.
 const TILE: usize = 32;
@@ -202,7 +204,57 @@ fn tasks(n_head: usize, n_q: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Computes `softmax(q kᵀ / sqrt(d)) v` causally by position; returns `(n_q, n_head, head_dim)`.
+/// Precision of the attention products (the softmax is f32 either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionPrecision {
+    /// f32 products: every row within ~1e-6 of the reference (the default).
+    #[default]
+    F32,
+    /// Queries, keys, probabilities and values rounded to bfloat16, products accumulated in
+    /// f32 (AVX-512 BF16 only): ~2x the f32 rate at 8-bit mantissas. Head dimensions other
+    /// than 64 and 128 stay f32.
+    Bf16,
+}
+
+impl AttentionPrecision {
+    /// Whether this CPU runs `self` (f32 runs everywhere; bf16 needs AVX-512 BF16).
+    pub fn supported(self) -> bool {
+        match self {
+            Self::F32 => true,
+            Self::Bf16 => bf16::available(),
+        }
+    }
+}
+
+/// The process's default attention precision: 0 = f32, 1 = bf16.
+static PRECISION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets the process's default attention precision ([`default_attention_precision`]), e.g. from
+/// a binary's configuration before models load. Refuses a precision this CPU cannot run.
+pub fn set_default_attention_precision(p: AttentionPrecision) -> Result<()> {
+    if !p.supported() {
+        return Err(crate::error::KernelError::Unsupported(format!(
+            "attention precision {p:?} needs a CPU with AVX-512 BF16; this one has none"
+        )));
+    }
+    PRECISION.store(
+        u8::from(p == AttentionPrecision::Bf16),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    Ok(())
+}
+
+/// The precision a model loads with unless told otherwise (f32 until
+/// [`set_default_attention_precision`]). The kernels themselves take theirs as an argument.
+pub fn default_attention_precision() -> AttentionPrecision {
+    match PRECISION.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => AttentionPrecision::F32,
+        _ => AttentionPrecision::Bf16,
+    }
+}
+
+/// Computes `softmax(q kᵀ / sqrt(d)) v` causally by position in f32; returns
+/// `(n_q, n_head, head_dim)`. [`causal_attention_with`] chooses the precision.
 ///
 /// A row's result is bit-for-bit the same whichever other rows share the call: blended
 /// prefill recomputes a subset of a full prefill's rows, and with int8 activations downstream
@@ -219,19 +271,31 @@ pub fn causal_attention(
     v: &[f32],
     shape: AttentionShape,
 ) -> Result<Vec<f32>> {
+    causal_attention_with(q, pos, k, v, shape, AttentionPrecision::F32)
+}
+
+/// [`causal_attention`] at a given precision (bf16 where the CPU lacks it, or for head
+/// dimensions other than 64 and 128, runs f32). bf16 packs the cache for this call; a caller
+/// that keeps a [`Bf16Kv`] beside its cache calls [`causal_attention_packed`] instead.
+pub fn causal_attention_with(
+    q: &[f32],
+    pos: &[usize],
+    k: &[f32],
+    v: &[f32],
+    shape: AttentionShape,
+    precision: AttentionPrecision,
+) -> Result<Vec<f32>> {
     shape.check(q, pos, k, v)?;
-    let AttentionShape {
-        n_head,
-        head_dim: d,
-        ..
-    } = shape;
-    let n_q = pos.len();
-    let tasks = tasks(n_head, n_q);
+    if precision == AttentionPrecision::Bf16 && Bf16Kv::handles(shape) {
+        let mut kv = Bf16Kv::new(shape);
+        kv.update(k, v, pos.iter().max().map_or(0, |&p| p + 1));
+        return causal_attention_packed(q, pos, &kv);
+    }
+    let d = shape.head_dim;
     let fma = fma_available();
     #[cfg(target_arch = "x86_64")]
     let wide = avx512::available() && avx512::handles(d);
-    let run = |&(h, t): &(usize, usize)| -> Vec<f32> {
-        let start = t * TILE;
+    Ok(run_tiles(q, pos, shape, |h, start, rows, out| {
         let tile = Tile {
             q,
             pos,
@@ -240,28 +304,93 @@ pub fn causal_attention(
             shape,
             h,
             start,
-            rows: TILE.min(n_q - start),
+            rows,
         };
-        let mut out = vec![0f32; tile.rows * d];
         #[cfg(target_arch = "x86_64")]
         if wide {
             // SAFETY: the CPU has AVX-512F, AVX2 and FMA, `d` is handled, positions checked.
-            unsafe { avx512::tile(&tile, &mut out) };
-            return out;
+            unsafe { avx512::tile(&tile, out) };
+            return;
         }
         #[cfg(target_arch = "x86_64")]
         if fma {
             // SAFETY: the CPU has AVX2 and FMA (checked by `fma_available`).
-            unsafe { tile_fma(&tile, &mut out) };
-            return out;
+            unsafe { tile_fma(&tile, out) };
+            return;
         }
         let _ = fma;
-        tile.compute::<Portable>(&mut out);
+        tile.compute::<Portable>(out);
+    }))
+}
+
+/// [`causal_attention`] at bf16 precision against a packed mirror of the cache (its first
+/// `kv.rows()` rows); a row's result is bit for bit [`causal_attention_with`]'s at
+/// [`AttentionPrecision::Bf16`].
+pub fn causal_attention_packed(q: &[f32], pos: &[usize], kv: &Bf16Kv) -> Result<Vec<f32>> {
+    let shape = kv.shape();
+    let (n_head, d) = (shape.n_head, shape.head_dim);
+    if !Bf16Kv::handles(shape) {
+        return Err(crate::error::KernelError::Unsupported(format!(
+            "bf16 attention needs AVX-512 BF16 and a head dimension of 64 or 128 (got {d})"
+        )));
+    }
+    if q.len() != pos.len() * n_head * d {
+        return Err(shape_err(
+            "attention",
+            format!("q has {} values for {} rows", q.len(), pos.len()),
+        ));
+    }
+    if let Some(&p) = pos.iter().max() {
+        if p >= kv.rows() {
+            return Err(shape_err(
+                "attention",
+                format!("query at position {p} but cache has {} rows", kv.rows()),
+            ));
+        }
+    }
+    let group = n_head / shape.n_kv_head;
+    Ok(run_tiles(q, pos, shape, |h, start, rows, out| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 BF16 and `d` is handled (`Bf16Kv::handles`); the mirror
+        // holds every position of the call (checked above).
+        unsafe {
+            bf16::tile(
+                q,
+                &pos[start..start + rows],
+                shape,
+                h,
+                start,
+                kv.head(h / group),
+                out,
+            )
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (h, start, rows, out, group);
+    }))
+}
+
+/// Runs `tile(h, start, rows, out)` for every (head, tile) pair of the call, on the thread
+/// pool when the call is big enough, and assembles the `(n_q, n_head, d)` output.
+fn run_tiles(
+    q: &[f32],
+    pos: &[usize],
+    shape: AttentionShape,
+    tile: impl Fn(usize, usize, usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let _ = q;
+    let (n_head, d) = (shape.n_head, shape.head_dim);
+    let n_q = pos.len();
+    let tasks = tasks(n_head, n_q);
+    let run = |&(h, t): &(usize, usize)| -> Vec<f32> {
+        let start = t * TILE;
+        let rows = TILE.min(n_q - start);
+        let mut out = vec![0f32; rows * d];
+        tile(h, start, rows, &mut out);
         out
     };
     // A decode step over a short context is a few microseconds of work per head: handing it
     // to the thread pool costs more than it saves. Over a long one it streams the layer's
-    // whole f32 KV, which two cores read faster than one (SmolLM2's decode after 512 tokens:
+    // whole KV, which two cores read faster than one (SmolLM2's decode after 512 tokens:
     // ~12 -> ~11 ms/token; the 0.5B and 1.5B within noise).
     let keys = pos.iter().max().map_or(0, |&p| p + 1);
     let blocks: Vec<Vec<f32>> = if n_q >= TILE || keys * n_head >= PARALLEL_KEYS {
@@ -276,7 +405,7 @@ pub fn causal_attention(
             out[(i * n_head + h) * d..(i * n_head + h + 1) * d].copy_from_slice(src);
         }
     }
-    Ok(out)
+    out
 }
 
 /// Whether the fused multiply-add kernels can run (checked once).
@@ -751,10 +880,32 @@ mod tests {
     /// prefill): bit for bit, alone, in a short batch and in a long one.
     #[test]
     fn a_row_is_bit_identical_whatever_rows_share_the_call() -> Result<()> {
+        rows_do_not_depend_on_their_batch(AttentionPrecision::F32, 64)
+    }
+
+    #[test]
+    fn a_bf16_row_is_bit_identical_whatever_rows_share_the_call() -> Result<()> {
+        if !Bf16Kv::handles(SHAPE_64) {
+            eprintln!("skipped: no AVX-512 BF16 on this CPU");
+            return Ok(());
+        }
+        rows_do_not_depend_on_their_batch(AttentionPrecision::Bf16, 64)?;
+        rows_do_not_depend_on_their_batch(AttentionPrecision::Bf16, 128)
+    }
+
+    const SHAPE_64: AttentionShape = AttentionShape {
+        n_head: 4,
+        n_kv_head: 2,
+        head_dim: 64,
+    };
+
+    fn rows_do_not_depend_on_their_batch(precision: AttentionPrecision, d: usize) -> Result<()> {
         let shape = AttentionShape {
-            n_head: 4,
-            n_kv_head: 2,
-            head_dim: 64,
+            head_dim: d,
+            ..SHAPE_64
+        };
+        let causal_attention = |q: &[f32], pos: &[usize], k: &[f32], v: &[f32], shape| {
+            causal_attention_with(q, pos, k, v, shape, precision)
         };
         let n_ctx = 300;
         let mut rng = StdRng::seed_from_u64(7);
@@ -843,6 +994,116 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_as_the_half_crate_does() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let edges = [
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+            1.0 + f32::EPSILON * 64.0, // halfway between two bf16 values: ties to even
+            1.0 + f32::EPSILON * 192.0,
+        ];
+        let random = (0..100_000).map(|_| f32::from_bits(rng.gen::<u32>()));
+        for x in edges.into_iter().chain(random) {
+            let want = half::bf16::from_f32(x);
+            let got = bf16::bf16(x);
+            if x.is_nan() {
+                assert!(half::bf16::from_bits(got).is_nan(), "{x:e}");
+            } else {
+                assert_eq!(got, want.to_bits(), "{x:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_attention_is_near_the_reference_and_not_the_f32_result() -> Result<()> {
+        if !Bf16Kv::handles(SHAPE_64) {
+            eprintln!("skipped: no AVX-512 BF16 on this CPU");
+            return Ok(());
+        }
+        for d in [64, 128] {
+            let shape = AttentionShape {
+                n_head: 6,
+                n_kv_head: 2,
+                head_dim: d,
+            };
+            let mut rng = StdRng::seed_from_u64(d as u64);
+            let n_ctx = 150;
+            let pos: Vec<usize> = (0..n_ctx).collect();
+            let q = random(n_ctx * shape.n_head * d, &mut rng);
+            let k = random(n_ctx * shape.n_kv_head * d, &mut rng);
+            let v = random(n_ctx * shape.n_kv_head * d, &mut rng);
+            let bf = causal_attention_with(&q, &pos, &k, &v, shape, AttentionPrecision::Bf16)?;
+            let want = causal_attention_reference(&q, &pos, &k, &v, shape)?;
+            let err = bf
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            // Values in [-2, 2]: rounding v alone moves an output by up to ~2^-8.
+            assert!(err < 3e-2, "d = {d}: max abs diff {err}");
+            assert!(err > 1e-5, "d = {d}: bf16 gave the f32 result (diff {err})");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_mirror_updated_row_by_row_equals_one_packed_at_once() -> Result<()> {
+        if !Bf16Kv::handles(SHAPE_64) {
+            eprintln!("skipped: no AVX-512 BF16 on this CPU");
+            return Ok(());
+        }
+        let shape = SHAPE_64;
+        let (row, width) = (
+            shape.n_kv_head * shape.head_dim,
+            shape.n_head * shape.head_dim,
+        );
+        let mut rng = StdRng::seed_from_u64(5);
+        let n = 70;
+        let (mut k, mut v) = (random(n * row, &mut rng), random(n * row, &mut rng));
+        let q = random(n * width, &mut rng);
+        // Prefill 40 rows, then decode one row at a time, with rows 35..45 rewritten halfway
+        // (a blend overwriting reused rows) and a truncation back to 60.
+        let mut mirror = Bf16Kv::new(shape);
+        mirror.update(&k[..40 * row], &v[..40 * row], 40);
+        for p in 40..n {
+            if p == 50 {
+                k[35 * row..45 * row].iter_mut().for_each(|x| *x *= -0.5);
+                mirror.invalidate_from(35);
+            }
+            if p == 65 {
+                mirror.invalidate_from(60);
+                mirror.update(&k[..60 * row], &v[..60 * row], 60);
+            }
+            mirror.update(&k[..(p + 1) * row], &v[..(p + 1) * row], p + 1);
+            let step = causal_attention_packed(&q[p * width..(p + 1) * width], &[p], &mirror)?;
+            let fresh = causal_attention_with(
+                &q[p * width..(p + 1) * width],
+                &[p],
+                &k[..(p + 1) * row],
+                &v[..(p + 1) * row],
+                shape,
+                AttentionPrecision::Bf16,
+            )?;
+            assert_eq!(step, fresh, "decode step at position {p}");
+        }
+        v[..row].iter_mut().for_each(|x| *x += 1.0);
+        mirror.invalidate_from(0);
+        mirror.update(&k, &v, n);
+        let pos: Vec<usize> = (0..n).collect();
+        let all = causal_attention_with(&q, &pos, &k, &v, shape, AttentionPrecision::Bf16)?;
+        assert_eq!(causal_attention_packed(&q, &pos, &mirror)?, all);
+        // Past the mirror's rows is an error, not a read out of bounds.
+        assert!(causal_attention_packed(&q[..width], &[n], &mirror).is_err());
+        Ok(())
     }
 
     #[test]

@@ -6,6 +6,9 @@ pub enum KernelError {
     /// Two arguments disagree on a dimension.
     #[error("shape mismatch in {op}: {detail}")]
     Shape { op: &'static str, detail: String },
+    /// The CPU cannot run what was asked for.
+    #[error("{0}")]
+    Unsupported(String),
     /// A candle op failed inside a reference implementation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

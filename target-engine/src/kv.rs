@@ -16,6 +16,9 @@ pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     filled: Vec<bool>,
+    /// Per layer, the rows rounded and packed for bf16 attention (empty until a bf16 forward
+    /// asks for them; kept up to date incrementally, see [`KvCache::bf16`]).
+    bf16: Vec<kernels::Bf16Kv>,
 }
 
 impl KvCache {
@@ -33,6 +36,7 @@ impl KvCache {
             k: vec![Vec::new(); n_layer],
             v: vec![Vec::new(); n_layer],
             filled: Vec::new(),
+            bf16: Vec::new(),
         }
     }
 
@@ -86,7 +90,31 @@ impl KvCache {
         &self.v[layer][..rows * self.row]
     }
 
-    /// Drops every row at or after `len` (e.g. to roll back rejected draft tokens).
+    /// Rows `0..rows` of `layer` packed for bf16 attention
+    /// ([`kernels::causal_attention_packed`]): only the rows written since the last call are
+    /// packed again, so a decode step packs one block of 16 rows, not the whole context.
+    pub(crate) fn bf16(
+        &mut self,
+        layer: usize,
+        rows: usize,
+        shape: kernels::AttentionShape,
+    ) -> &kernels::Bf16Kv {
+        if self.bf16.is_empty() {
+            self.bf16 = vec![kernels::Bf16Kv::new(shape); self.n_layer];
+        }
+        let row = self.row;
+        let kv = &mut self.bf16[layer];
+        kv.update(
+            &self.k[layer][..rows * row],
+            &self.v[layer][..rows * row],
+            rows,
+        );
+        kv
+    }
+
+    /// Drops every row at or after `len` (e.g. to roll back rejected draft tokens). The bf16
+    /// mirror keeps its rows: no query attends to a row before it is written again, and the
+    /// write marks it changed.
     pub fn truncate(&mut self, len: usize) {
         if len < self.rows {
             self.rows = len;
@@ -174,6 +202,9 @@ impl KvCache {
     /// Writes K and V rows (`(positions.len(), row)` each) of one layer at their positions.
     pub(crate) fn write(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
         let row = self.row;
+        if let (Some(kv), Some(&first)) = (self.bf16.get_mut(layer), positions.iter().min()) {
+            kv.invalidate_from(first);
+        }
         for (i, &p) in positions.iter().enumerate() {
             self.k[layer][p * row..(p + 1) * row].copy_from_slice(&k[i * row..(i + 1) * row]);
             self.v[layer][p * row..(p + 1) * row].copy_from_slice(&v[i * row..(i + 1) * row]);
@@ -213,5 +244,54 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert_eq!(c.k(1).len(), 6);
         assert!(c.is_complete());
+    }
+
+    #[test]
+    fn the_bf16_mirror_follows_every_write_and_truncation() {
+        use kernels::{causal_attention_packed, causal_attention_with, AttentionPrecision};
+        use rand::{Rng, SeedableRng};
+        let shape = kernels::AttentionShape {
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 64,
+        };
+        if !kernels::Bf16Kv::handles(shape) {
+            eprintln!("skipped: no AVX-512 BF16 on this CPU");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut random =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect() };
+        let row = shape.n_kv_head * shape.head_dim;
+        let q = random(shape.n_head * shape.head_dim);
+        let mut c = KvCache::with_shape(2, row);
+        let all: Vec<usize> = (0..60).collect();
+        c.prepare(&all).expect("rows");
+        c.write(1, &all, &random(60 * row), &random(60 * row));
+        c.mark_filled(&all);
+        // Attention of one query at `p` through the mirror against f32 rows packed afresh.
+        let check = |c: &mut KvCache, p: usize, what: &str| {
+            let (k, v) = (
+                c.k(1)[..(p + 1) * row].to_vec(),
+                c.v(1)[..(p + 1) * row].to_vec(),
+            );
+            let fresh = causal_attention_with(&q, &[p], &k, &v, shape, AttentionPrecision::Bf16)
+                .expect("attention");
+            let mirrored =
+                causal_attention_packed(&q, &[p], c.bf16(1, p + 1, shape)).expect("mirror");
+            assert_eq!(mirrored, fresh, "{what}");
+        };
+        check(&mut c, 59, "first use");
+        c.set_rows(1, &[3, 40], &random(2 * row), &random(2 * row))
+            .expect("set");
+        check(&mut c, 59, "rows rewritten below the last block");
+        c.truncate(20);
+        let tail: Vec<usize> = (20..50).collect();
+        c.prepare(&tail).expect("rows");
+        c.write(1, &tail, &random(30 * row), &random(30 * row));
+        c.mark_filled(&tail);
+        check(&mut c, 49, "truncated, then written again");
+        check(&mut c, 10, "a shorter call");
+        check(&mut c, 49, "and longer again");
     }
 }

@@ -130,6 +130,71 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
     }
 }
 
+#[test]
+fn verified_output_equals_full_recompute_with_bf16_attention() {
+    if !kernels::AttentionPrecision::Bf16.supported() {
+        eprintln!("skipped: no AVX-512 BF16 on this CPU");
+        return;
+    }
+    // Heads of 64 (the bf16 path's size): 256 wide, 4 heads.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny64.gguf");
+    let spec = TinySpec {
+        n_embd: 256,
+        ..TinySpec::new(Architecture::Qwen2)
+    };
+    write_tiny_gguf(&path, &spec).expect("write");
+    let load = |attention| {
+        Model::load(
+            &path,
+            &LoadOptions {
+                attention,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("load")
+    };
+    let (m, f32_model) = (
+        load(kernels::AttentionPrecision::Bf16),
+        load(kernels::AttentionPrecision::F32),
+    );
+    let c = case(
+        &m,
+        &[
+            "the thin ant ran in the sand",
+            "a hint: the antenna is in the attic",
+        ],
+        "where is the antenna?",
+    );
+    let (_, bf16_logits) = m.prefill(&c.asm.ids).expect("prefill");
+    let (_, f32_logits) = f32_model.prefill(&c.asm.ids).expect("prefill");
+    let diff = bf16_logits
+        .iter()
+        .zip(&f32_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let scale = f32_logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(diff > 0.0, "the bf16 model ran f32 attention");
+    assert!(
+        diff < 0.05 * scale,
+        "bf16 logits {diff} from f32's (of {scale})"
+    );
+    // Decode steps and verification passes read the incrementally packed mirror; prefill
+    // and blends repack what they write: the verified output is still full recompute's.
+    let want = reference(&m, &c.asm.ids, 30);
+    for mode in [VerifyMode::FromFull, VerifyMode::DraftEvery(4)] {
+        for ratio in [0.0, 0.15, 1.0] {
+            let params = VerifyParams {
+                max_tokens: 30,
+                mode,
+                max_early_drafts: 6,
+            };
+            let (g, _) = verified(&m, &c, draft(&m, &c, ratio), &params);
+            assert_eq!(g.ids, want, "{mode:?} at ratio {ratio}");
+        }
+    }
+}
+
 /// Drafts neither accepted nor retracted (cut by the end of generation).
 fn pending_drafts(events: &[VerifyEvent]) -> usize {
     let last_verdict = events
