@@ -64,6 +64,13 @@ const NEAR_TIE: f32 = 0.25;
 /// where the two were within this gap in our full-precision logits.
 const DECODE_NEAR_TIE: f32 = 0.5;
 
+/// How far bf16 attention (`--attention bf16`) may move a first-token logit from llama.cpp's.
+/// Its rounding of q and k to 8 significant bits moves SmolLM2's logits more than the f32
+/// path's: 32.44 against llama.cpp's 31.80 on the multi-hop prompt, where the f32 path is 0.16
+/// away; every other fixture logit of the three models stays within 0.33 (docs/performance.md,
+/// *bf16 attention*).
+const BF16_LOGIT: f32 = 1.0;
+
 fn check_fixture_model(name: &str) {
     let lines: Vec<_> = common::fixture_lines("generate.jsonl")
         .into_iter()
@@ -83,6 +90,19 @@ fn check_fixture_model(name: &str) {
         },
     )
     .expect("load with candle's k-quant kernels");
+    // `--attention bf16` (where the CPU has AVX-512 BF16): the same oracle, with the first-token
+    // logits held to `BF16_LOGIT`.
+    let bf16 = kernels::AttentionPrecision::Bf16.supported().then(|| {
+        Model::load(
+            &common::model_path(common::file_for(name)),
+            &LoadOptions {
+                attention: kernels::AttentionPrecision::Bf16,
+                warmup: false,
+                ..Default::default()
+            },
+        )
+        .expect("load with bf16 attention")
+    });
     let mut report = Vec::new();
     for line in &lines {
         let prompt = line["prompt"].as_str().expect("prompt");
@@ -116,15 +136,23 @@ fn check_fixture_model(name: &str) {
         let (_, first_k) = candle_k
             .prefill(&prompt_ids)
             .expect("candle k-quants prefill");
+        let first_b = bf16
+            .as_ref()
+            .map(|b| b.prefill(&prompt_ids).expect("bf16 prefill").1);
         for &(id, l) in &top5 {
-            for (path, first) in [
-                ("dense", &first[..]),
-                ("quantized", &first_q[..]),
-                ("candle k-quants", &first_k[..]),
-            ] {
+            let paths = [
+                ("dense", &first[..], 0.5),
+                ("quantized", &first_q[..], 0.5),
+                ("candle k-quants", &first_k[..], 0.5),
+            ];
+            for (path, first, bound) in paths.into_iter().chain(
+                first_b
+                    .as_deref()
+                    .map(|f| ("bf16 attention", f, BF16_LOGIT)),
+            ) {
                 let d = (first[id as usize] - l).abs();
                 assert!(
-                    d < 0.5,
+                    d < bound,
                     "{name} {prompt:?} {path} path: logit of {id} is {} vs llama.cpp {l}",
                     first[id as usize]
                 );
@@ -147,33 +175,36 @@ fn check_fixture_model(name: &str) {
             }
         }
         // Our own greedy generation (dense prefill, then the quantized decode path) follows
-        // llama.cpp's continuation until a step where the two tokens are a near-tie.
-        let gen = m
-            .generate(
-                &prompt_ids,
-                &GenerateParams {
-                    max_tokens: greedy.len(),
-                    ..Default::default()
-                },
-            )
-            .expect("generate");
-        if let Some(step) = gen.ids.iter().zip(&greedy).position(|(a, b)| a != b) {
-            let row = &logits[prompt_ids.len() - 1 + step];
-            let (ours, theirs) = (gen.ids[step] as usize, greedy[step] as usize);
-            let gap = (row[ours] - row[theirs]).abs();
-            assert!(
+        // llama.cpp's continuation until a step where the two tokens are a near-tie; with bf16
+        // attention too.
+        for (path, m) in std::iter::once(("f32", &*m)).chain(bf16.as_ref().map(|b| ("bf16", b))) {
+            let gen = m
+                .generate(
+                    &prompt_ids,
+                    &GenerateParams {
+                        max_tokens: greedy.len(),
+                        ..Default::default()
+                    },
+                )
+                .expect("generate");
+            if let Some(step) = gen.ids.iter().zip(&greedy).position(|(a, b)| a != b) {
+                let row = &logits[prompt_ids.len() - 1 + step];
+                let (ours, theirs) = (gen.ids[step] as usize, greedy[step] as usize);
+                let gap = (row[ours] - row[theirs]).abs();
+                assert!(
                 gap < DECODE_NEAR_TIE,
-                "{name} {prompt:?}: generation diverges at step {step} ({ours} vs llama.cpp {theirs}) with gap {gap}"
+                "{name} {prompt:?} {path}: generation diverges at step {step} ({ours} vs llama.cpp {theirs}) with gap {gap}"
             );
-            report.push(format!(
-                "{name} {prompt:?} generate step {step}: near-tie {ours} vs {theirs}, gap {gap:.4}"
+                report.push(format!(
+                "{name} {prompt:?} {path} generate step {step}: near-tie {ours} vs {theirs}, gap {gap:.4}"
             ));
-        } else {
-            assert_eq!(
-                gen.ids.len(),
-                greedy.len(),
-                "{name} {prompt:?}: same length"
-            );
+            } else {
+                assert_eq!(
+                    gen.ids.len(),
+                    greedy.len(),
+                    "{name} {prompt:?} {path}: same length"
+                );
+            }
         }
     }
     for r in report {

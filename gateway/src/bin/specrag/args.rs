@@ -52,6 +52,29 @@ pub struct ModelArgs {
     /// noise (docs/performance.md)
     #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]
     pub candle_k_quants: bool,
+    /// Precision of the attention products. `bf16` needs AVX-512 BF16 (refused otherwise):
+    /// queries, keys, probabilities and values are rounded to bfloat16 (8 significant bits),
+    /// attention runs ~1.5x (64-wide heads) to ~2x (128-wide) faster, a 2048-token prefill
+    /// ~10-20%; answers differ from f32's as a re-quantized model's would (measured in
+    /// docs/performance.md, *bf16 attention*). Ingest and serve with the same precision: the
+    /// stored chunk KV was computed with the ingesting one
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_ATTENTION",
+        value_enum,
+        default_value = "f32"
+    )]
+    pub attention: Attention,
+}
+
+/// `--attention`: the precision of the attention products.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// f32 products (the reference: within ~1e-6 of a textbook softmax attention).
+    F32,
+    /// bfloat16 products accumulated in f32 (AVX-512 BF16 CPUs only).
+    Bf16,
 }
 
 /// The default target/speculator pairs (README, *Models*).

@@ -34,6 +34,14 @@ fn main() {
         cli.models.candle_k_quants,
         std::sync::atomic::Ordering::Relaxed,
     );
+    let attention = match cli.models.attention {
+        args::Attention::F32 => kernels::AttentionPrecision::F32,
+        args::Attention::Bf16 => kernels::AttentionPrecision::Bf16,
+    };
+    if let Err(e) = kernels::set_default_attention_precision(attention) {
+        eprintln!("error: --attention: {e}");
+        std::process::exit(2);
+    }
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         // 2 when the caller is at fault (as clap's usage errors), 1 for internal faults.
