@@ -1,6 +1,9 @@
 //! Times causal attention at both precisions: one decode row and a full prefill, one layer of
-//! each default model's head layout (`--model 0.5b|1.5b|smollm2`, default 0.5b).
-use kernels::{causal_attention_with, AttentionPrecision, AttentionShape};
+//! each default model's head layout (`--model 0.5b|1.5b|smollm2`, default 0.5b). The bf16
+//! prefill includes packing the cache; its decode row reads a packed mirror, as the model's do.
+use kernels::{
+    causal_attention_packed, causal_attention_with, AttentionPrecision, AttentionShape, Bf16Kv,
+};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -33,9 +36,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let pos: Vec<usize> = (0..n_ctx).collect();
         let mut outs = Vec::new();
         for &p in &precisions {
+            // A decode step as the model runs it: bf16 reads the mirror kept beside the cache.
+            let mut mirror = Bf16Kv::new(shape);
+            if p == AttentionPrecision::Bf16 {
+                mirror.update(&k, &v, n_ctx);
+            }
+            let last = &q[(n_ctx - 1) * width..];
             let t = Instant::now();
             for _ in 0..20 {
-                causal_attention_with(&q[(n_ctx - 1) * width..], &[n_ctx - 1], &k, &v, shape, p)?;
+                if p == AttentionPrecision::Bf16 {
+                    causal_attention_packed(last, &[n_ctx - 1], &mirror)?;
+                } else {
+                    causal_attention_with(last, &[n_ctx - 1], &k, &v, shape, p)?;
+                }
             }
             let decode = t.elapsed().as_secs_f64() * 1e3 / 20.0;
             let t = Instant::now();
