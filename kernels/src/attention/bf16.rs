@@ -25,17 +25,21 @@
 // Register blocks index several arrays (rows, accumulators, key blocks) by the same counters.
 #![allow(clippy::needless_range_loop)]
 
-use super::{softmax_in_place, AttentionShape, ROW_GROUP};
+use super::AttentionShape;
+#[cfg(target_arch = "x86_64")]
+use super::{softmax_in_place, ROW_GROUP};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 /// Whether the CPU has AVX-512 BF16 (checked once).
 pub(super) fn available() -> bool {
-    static BF16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     #[cfg(target_arch = "x86_64")]
-    return *BF16.get_or_init(|| {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
-    });
+    {
+        static BF16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *BF16.get_or_init(|| {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+        })
+    }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
@@ -64,6 +68,7 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// Keys per block of score lanes.
 const LANES: usize = 16;
 
+#[cfg(target_arch = "x86_64")]
 /// Keys per cache block: 8 KB of packed keys or values at d = 64, which stay in L1 while the
 /// tile's rows pass over them.
 const KEY_BLOCK: usize = 64;
@@ -135,6 +140,7 @@ impl Bf16Kv {
         self.rows = n;
     }
 
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn head(&self, g: usize) -> &Packed {
         &self.heads[g]
     }
@@ -195,6 +201,7 @@ impl Packed {
         }
     }
 
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn keys(&self, d: usize) -> usize {
         self.k.len() / (d / 2)
     }
