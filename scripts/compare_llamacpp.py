@@ -39,7 +39,8 @@ def main():
                              "--reps", "1", "--decode-steps", str(a.decode_steps), "--lengths", a.lengths]))
             theirs.append(run([sys.executable, os.path.join(HERE, "bench_llamacpp.py"), model, "--reps", "1",
                                "--decode-steps", str(a.decode_steps), "--lengths", a.lengths]))
-        print(f"\n{os.path.basename(model)} ({a.rounds} interleaved rounds, medians)")
+        print(f"\n{os.path.basename(model)} ({a.rounds} interleaved rounds, medians; "
+              f"specrag's attention: {ours[0].get('attention', 'f32')})")
         print(f"{'':>16} {'specrag':>10} {'llama.cpp':>10} {'ratio':>7}")
         for i, n in enumerate(int(x) for x in a.lengths.split(",")):
             o = statistics.median(r["prefill"][i]["tok_s"] for r in ours)

@@ -382,6 +382,16 @@ pub struct Model {
 }
 
 impl Model {
+    /// The precision its attention runs at (bf16 only where the load option asked for it and
+    /// the CPU and head size allow).
+    pub fn attention(&self) -> kernels::AttentionPrecision {
+        if self.bf16_attention {
+            kernels::AttentionPrecision::Bf16
+        } else {
+            kernels::AttentionPrecision::F32
+        }
+    }
+
     /// Loads a qwen2 or llama GGUF file.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
         if !opts.attention.supported() {

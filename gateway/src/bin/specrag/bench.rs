@@ -28,6 +28,8 @@ pub struct PrefillReport {
     pub prefill: Vec<PrefillPoint>,
     /// Median decode step after a 512-token prefill.
     pub decode_ms_per_token: f64,
+    /// The attention precision the model ran (`f32` or `bf16`, `--attention`).
+    pub attention: &'static str,
 }
 
 /// Deterministic prompt ids of exactly `n` tokens: varied English text, tokenized and cycled.
@@ -93,6 +95,10 @@ pub fn prefill_report(
         model: model.config().name.clone(),
         prefill: points,
         decode_ms_per_token: median(steps),
+        attention: match model.attention() {
+            kernels::AttentionPrecision::F32 => "f32",
+            kernels::AttentionPrecision::Bf16 => "bf16",
+        },
     })
 }
 
@@ -525,7 +531,12 @@ pub fn prefill_cmd(m: &ModelArgs, a: PrefillArgs) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&report)?);
             continue;
         }
-        println!("{} ({})", report.model, path.display());
+        println!(
+            "{} ({}, {} attention)",
+            report.model,
+            path.display(),
+            report.attention
+        );
         for p in &report.prefill {
             println!(
                 "  prefill {:>5} tokens: {:>9.1} ms  {:>7.1} tok/s",
