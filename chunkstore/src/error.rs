@@ -62,20 +62,21 @@ pub enum StoreError {
     /// The store directory exists but holds something other than a chunk store.
     #[error("{path} is not a chunk store: {reason}")]
     NotAStore { path: PathBuf, reason: String },
-    /// sled could not open the database.
-    #[error("cannot open chunk store at {path}: {source}")]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: sled::Error,
-    },
-    /// A disk operation failed on an open store.
-    #[error("disk chunk store {op} failed{}: {source}", key_suffix(.key))]
+    /// The store directory is damaged (or of another layout) and cannot be opened;
+    /// [`DiskStore::open_or_reset`](crate::DiskStore::open_or_reset) moves it aside instead.
+    #[error("the chunk KV store at {path} is damaged: {reason}")]
+    Damaged { path: PathBuf, reason: String },
+    /// Another process has the store open.
+    #[error("the chunk KV store at {path} is in use by another process (one process per data directory)")]
+    InUse { path: PathBuf },
+    /// A file operation failed on an open store.
+    #[error("disk chunk store {op} failed{} ({}): {source}", key_suffix(.key), .file.display())]
     Disk {
         op: &'static str,
         key: Option<ChunkKey>,
+        file: PathBuf,
         #[source]
-        source: sled::Error,
+        source: std::io::Error,
     },
     /// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
     #[error("remote chunk store {op} failed: {reason}")]

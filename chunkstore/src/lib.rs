@@ -1,5 +1,5 @@
 //! Storage of precomputed chunk KV caches: the blob format, an in-memory tier (moka, weighted by
-//! payload bytes) over an on-disk tier (sled), and hit/miss statistics.
+//! payload bytes) over an on-disk tier (one checksummed file per chunk), and hit/miss statistics.
 //!
 //! A chunk's cache is addressed by a [`ChunkKey`], the sha256 of everything that determines it
 //! (model, collection, precompute mode, token ids, format), and stored as a [`KvBlob`] behind the

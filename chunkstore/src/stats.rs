@@ -21,10 +21,16 @@ pub struct StoreStats {
     pub corrupt: u64,
     /// Payload bytes held by the memory tier.
     pub memory_bytes: u64,
-    /// Bytes of the encoded blobs in the disk tier (sled's files take more: log, snapshots).
+    /// Bytes of the encoded blobs in the disk tier (the file system rounds each file up to its blocks).
     pub disk_bytes: u64,
     /// Entries in the store (in the disk tier, for a tiered store: memory holds a subset).
     pub entries: u64,
+    /// Disk operations the file system failed (each logged with its key); a tiered store
+    /// answers them as absent (get) or skipped (put, remove), so they cost a recompute, never a
+    /// request.
+    pub errors: u64,
+    /// Remote tier operations that failed (Redis unreachable, timeouts).
+    pub remote_errors: u64,
 }
 
 /// A counter shared between threads (events, or a gauge such as the entry count).
@@ -35,15 +41,6 @@ impl Counter {
     pub(crate) fn add(&self, n: u64) {
         // Relaxed: counters are independent and only read for reporting.
         self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Saturates at zero rather than wrapping.
-    pub(crate) fn sub(&self, n: u64) {
-        let _ = self
-            .0
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                Some(v.saturating_sub(n))
-            });
     }
 
     pub(crate) fn get(&self) -> u64 {

@@ -1,7 +1,8 @@
 //! Memory over disk: the store the gateway uses.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::blob::KvBlob;
 use crate::codec::Codec;
@@ -20,12 +21,21 @@ use crate::store::ChunkStore;
 /// A remote failure is logged and counted, never an error of the store: the local tiers (or
 /// a recompute) answer instead.
 ///
+/// The whole store is a cache, and every tier's failure degrades the same way: a get that
+/// fails is a miss, a put or remove that fails is skipped (logged with the key, counted in
+/// [`StoreStats::errors`]), so a damaged file costs a recompute, never a failed request, and
+/// one key's failure never touches another key. Only a blob that is itself inconsistent is
+/// refused (that is the caller's bug).
+///
 /// The tiers are not updated atomically together. That is harmless because keys are content
 /// addresses: a get racing a put of the same key can only leave an equal blob in memory.
 pub struct TieredStore {
     memory: MemoryStore,
     disk: DiskStore,
     remote: Option<RemoteStore>,
+    /// When a failure this store answered for last happened (the disk tier counts its own
+    /// failures in its statistics; the remote tier in its own).
+    last_error: Mutex<Option<Instant>>,
 }
 
 impl TieredStore {
@@ -35,7 +45,21 @@ impl TieredStore {
             memory,
             disk,
             remote: None,
+            last_error: Mutex::new(None),
         }
+    }
+
+    /// Logs and counts a tier's failure that the store answers for.
+    fn degraded(&self, op: &'static str, key: Option<&ChunkKey>, e: &StoreError) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        let key = key.map(ToString::to_string).unwrap_or_default();
+        tracing::warn!(%key, op, "chunk store {op} failed; carrying on without it (the KV is recomputed when needed): {e}");
+    }
+
+    /// When a tier last failed (`None`: never since opening), for health reporting.
+    pub fn last_error(&self) -> Option<Instant> {
+        let own = *self.last_error.lock().unwrap_or_else(|p| p.into_inner());
+        own.max(self.disk.last_error())
     }
 
     /// Adds a remote tier below disk.
@@ -76,16 +100,35 @@ impl TieredStore {
         };
         match remote.get(key) {
             Ok(Some(blob)) => {
-                self.disk.put(key, Arc::clone(&blob))?;
+                if let Err(e) = self.disk.put(key, Arc::clone(&blob)) {
+                    self.degraded("put", Some(key), &e);
+                }
                 self.memory.insert_valid(*key, Arc::clone(&blob));
                 Ok(Some(blob))
             }
             Ok(None) => Ok(None),
             Err(e) => {
-                tracing::warn!(key = %key, "remote chunk store unavailable, reading locally only: {e}");
+                self.degraded("remote get", Some(key), &e);
                 Ok(None)
             }
         }
+    }
+
+    /// [`TieredStore::open_with`], moving a damaged disk tier aside instead of refusing it
+    /// ([`DiskStore::open_or_reset`]); also returns where the damaged one went.
+    pub fn open_or_reset(
+        dir: &Path,
+        memory_capacity_bytes: u64,
+        codec: Codec,
+    ) -> Result<(Self, Option<std::path::PathBuf>)> {
+        let (disk, moved) = DiskStore::open_or_reset(dir)?;
+        Ok((
+            Self::new(
+                MemoryStore::new(memory_capacity_bytes),
+                disk.with_codec(codec),
+            ),
+            moved,
+        ))
     }
 
     /// Opens (or creates) the disk tier in `dir` under a memory tier of
@@ -129,11 +172,14 @@ impl ChunkStore for TieredStore {
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
         blob.validate()
             .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        // Disk first: if it fails, memory does not hold an entry the disk lacks.
-        self.disk.put(key, Arc::clone(&blob))?;
+        // A failed disk write leaves the blob in memory only: the request that computed it
+        // goes on, and the next one to miss both recomputes it.
+        if let Err(e) = self.disk.put(key, Arc::clone(&blob)) {
+            self.degraded("put", Some(key), &e);
+        }
         if let Some(remote) = &self.remote {
             if let Err(e) = remote.put(key, &blob) {
-                tracing::warn!(key = %key, "remote chunk store write failed, kept locally: {e}");
+                self.degraded("remote put", Some(key), &e);
             }
         }
         // With a lossy codec memory holds what the disk gives back, so a chunk's values do
@@ -153,27 +199,38 @@ impl ChunkStore for TieredStore {
     fn remove(&self, key: &ChunkKey) -> Result<()> {
         // Local tiers only: the remote tier is shared, and one node's garbage collection
         // cannot know which entries other nodes' indexes still use. Remote entries expire by
-        // their TTL or Redis' eviction policy.
-        self.disk.remove(key)?;
+        // their TTL or Redis' eviction policy. A removal that fails leaves garbage, which the
+        // next collection removes.
+        if let Err(e) = self.disk.remove(key) {
+            self.degraded("remove", Some(key), &e);
+        }
         self.memory.remove(key)
     }
 
     /// Whether any tier holds `key`: an entry only the remote tier has counts (another node
     /// computed it; a get reads it through).
     fn contains(&self, key: &ChunkKey) -> Result<bool> {
-        if self.memory.contains(key)? || self.disk.contains(key)? {
+        let on_disk = self.disk.contains(key).unwrap_or_else(|e| {
+            self.degraded("contains", Some(key), &e);
+            false
+        });
+        if self.memory.contains(key)? || on_disk {
             return Ok(true);
         }
         Ok(self.remote.as_ref().is_some_and(|r| {
             r.contains(key).unwrap_or_else(|e| {
-                tracing::warn!(key = %key, "remote chunk store unavailable: {e}");
+                self.degraded("remote contains", Some(key), &e);
                 false
             })
         }))
     }
 
+    /// A failed flush is logged, not returned: what it did not make durable is recomputed.
     fn flush(&self) -> Result<()> {
-        self.disk.flush()
+        if let Err(e) = self.disk.flush() {
+            self.degraded("flush", None, &e);
+        }
+        Ok(())
     }
 
     fn stats(&self) -> StoreStats {
@@ -183,6 +240,7 @@ impl ChunkStore for TieredStore {
             memory_hits: memory.memory_hits,
             memory_misses: memory.memory_misses,
             memory_bytes: memory.memory_bytes,
+            remote_errors: self.remote.as_ref().map_or(0, |r| r.stats().errors),
             ..disk
         }
     }

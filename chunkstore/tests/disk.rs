@@ -278,7 +278,7 @@ fn a_store_in_use_is_an_error_naming_the_path() -> TestResult {
     let dir = tempfile::tempdir()?;
     let _first = DiskStore::open(dir.path())?;
     let err = DiskStore::open(dir.path()).err().ok_or("opened twice")?;
-    assert!(matches!(err, StoreError::Open { .. }), "{err}");
+    assert!(matches!(err, StoreError::InUse { .. }), "{err}");
     assert!(
         err.to_string().contains(&dir.path().display().to_string()),
         "{err}"
@@ -292,7 +292,7 @@ fn a_missing_directory_is_created() -> TestResult {
     let path = dir.path().join("a/b/store");
     let store = DiskStore::open(&path)?;
     store.put(&key(1), Arc::new(small(1)))?;
-    assert!(path.join("db").exists());
+    assert!(path.join("STORE").is_file());
     Ok(())
 }
 
@@ -325,7 +325,7 @@ fn six_megabyte_chunks_on_disk_speed() -> TestResult {
     let get_s = t.elapsed().as_secs_f64() / f64::from(n);
     eprintln!(
         "{n} x 6 MiB on disk: put {:.1} ms each, flush {:.1} ms, reopen {:.1} ms, get {:.1} ms \
-         each (decode included); {} bytes stored, {} in sled's files",
+         each (decode included); {} bytes stored, {} in the store's files",
         put_s * 1e3,
         flush_s * 1e3,
         open_s * 1e3,
