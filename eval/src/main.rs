@@ -590,6 +590,7 @@ impl PairingRun<'_> {
         let store = gateway::corpus::StoreOptions {
             codec: self.args.kv_codec,
             remote: None,
+            ..Default::default()
         };
         let corpus = Corpus::open_with(&dir, 1 << 30, &store)
             .with_context(|| format!("opening data directory {}", dir.display()))?;

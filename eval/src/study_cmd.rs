@@ -105,6 +105,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         let store = gateway::corpus::StoreOptions {
             codec: args.kv_codec,
             remote: None,
+            ..Default::default()
         };
         let corpus = Corpus::open_with(&dir, 1 << 30, &store)
             .with_context(|| format!("opening data directory {}", dir.display()))?;

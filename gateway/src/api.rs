@@ -403,8 +403,12 @@ pub struct CollectionInfo {
 /// `GET /health` answer.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Health {
-    /// `ok`.
+    /// `ok`, or `degraded` when the chunk store failed within the last
+    /// [`STORE_DEGRADED_SECS`] seconds or was reset at startup (answers still come: failed
+    /// store operations cost recomputes; `store` says more).
     pub status: String,
+    /// The chunk KV store's condition.
+    pub store: StoreHealth,
     pub target: ModelInfo,
     pub speculator: Option<ModelInfo>,
     pub collections: Vec<CollectionInfo>,
@@ -414,6 +418,27 @@ pub struct Health {
     /// With `--kv-remote`: the last document log entry this node has applied (`0-0`: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_position: Option<String>,
+}
+
+/// How long after a chunk store failure `/health` says `degraded`.
+pub const STORE_DEGRADED_SECS: u64 = 300;
+
+/// The chunk KV store's condition in `/health`.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StoreHealth {
+    /// `ok`, or `degraded` (a failure within the last 300 seconds, or a reset at startup).
+    pub status: String,
+    /// Store operations that failed since startup (each answered as a miss or skipped, and
+    /// logged with its chunk key).
+    pub errors: u64,
+    /// Seconds since the last failure, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error_secs: Option<u64>,
+    /// Set when the store could not be opened at startup and was reset
+    /// (`--on-damaged-store reset`): where the damaged one was moved (admin keys see the
+    /// path; others `moved aside`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_at_startup: Option<String>,
 }
 
 /// An error, as `application/problem+json` (RFC 9457).

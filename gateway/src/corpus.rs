@@ -1,6 +1,6 @@
 //! A data directory (tantivy index + chunk KV store) and the models that fill and read it.
 //!
-//! Layout of `--data DIR`: `DIR/index/` (tantivy), `DIR/kv/` (sled). Chunk KV is addressed by
+//! Layout of `--data DIR`: `DIR/index/` (tantivy), `DIR/kv/` (one file per chunk). Chunk KV is addressed by
 //! content ([`chunkstore::ChunkKey`] over the target's fingerprint, the collection, the
 //! precompute mode with the template prefix hash, and the chunk's token ids), so a cache is never
 //! reused across models, collections, texts or templates, and a chunk whose cache is missing or
@@ -319,6 +319,9 @@ pub struct Corpus {
     pub store: TieredStore,
     /// The document log shared with other nodes (with `--kv-remote`).
     pub doclog: Option<Arc<crate::doclog::DocLog>>,
+    /// Where a damaged chunk store went when this corpus was opened
+    /// ([`OnDamagedStore::Reset`]); `/health` reports it.
+    pub store_reset: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Corpus {
@@ -327,11 +330,24 @@ impl std::fmt::Debug for Corpus {
     }
 }
 
-/// How the chunk store writes and where its remote tier is.
+/// How the chunk store writes, where its remote tier is, and what happens to a damaged one.
 #[derive(Debug, Clone, Default)]
 pub struct StoreOptions {
     pub codec: chunkstore::Codec,
     pub remote: Option<RemoteOptions>,
+    pub on_damaged: OnDamagedStore,
+}
+
+/// What opening a data directory does with a chunk store that is damaged (its `STORE` file
+/// unreadable, or an earlier sled-layout store that sled cannot read).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnDamagedStore {
+    /// Move it aside (`kv.damaged-<unix seconds>`), start an empty one and recompute chunk KV
+    /// as queries need it: the store is a cache.
+    #[default]
+    Reset,
+    /// Refuse to start, explaining the choice (to inspect the store first).
+    Refuse,
 }
 
 /// A Redis/Valkey remote tier shared by several nodes.
@@ -362,7 +378,23 @@ impl Corpus {
             source,
         })?;
         let index = retriever::Index::open(dir.join("index"))?;
-        let mut store = TieredStore::open_with(&dir.join("kv"), memory_bytes, opts.codec)?;
+        let kv = dir.join("kv");
+        let (mut store, store_reset) = match opts.on_damaged {
+            OnDamagedStore::Reset => TieredStore::open_or_reset(&kv, memory_bytes, opts.codec)?,
+            OnDamagedStore::Refuse => match TieredStore::open_with(&kv, memory_bytes, opts.codec) {
+                Ok(store) => (store, None),
+                Err(chunkstore::StoreError::Damaged { path, reason }) => {
+                    return Err(GatewayError::Internal(format!(
+                        "the chunk KV store at {} is damaged ({reason}); it is only a cache of \
+                         recomputable KV, so starting with `--on-damaged-store reset` (the \
+                         default) moves it aside and recomputes chunk KV as queries need it; \
+                         deleting the directory does the same. The index is not affected.",
+                        path.display()
+                    )))
+                }
+                Err(e) => return Err(e.into()),
+            },
+        };
         let mut doclog = None;
         if let Some(r) = &opts.remote {
             doclog = Some(Arc::new(crate::doclog::DocLog::open(
@@ -378,6 +410,7 @@ impl Corpus {
             index,
             store,
             doclog,
+            store_reset,
         })
     }
 
@@ -389,7 +422,8 @@ impl Corpus {
     /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
     /// committing the index, by replaced or deleted documents, or by another model or
     /// template), then flushes. The speculator KV of an indexed chunk ([`Engines::spec_key`])
-    /// is kept with it. Returns how many were removed.
+    /// is kept with it. Returns how many were removed. The store is a cache, so a store that
+    /// cannot list its keys skips the collection (logged) rather than failing the caller.
     pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
         let mut referenced = self.referenced_keys()?;
         let companions: Vec<String> = referenced
@@ -399,9 +433,17 @@ impl Corpus {
             .map(|k| k.to_string())
             .collect();
         referenced.extend(companions);
+        let keys = match self.store.keys() {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!("skipping the chunk store's garbage collection: {e}");
+                return Ok(0);
+            }
+        };
         let mut removed = 0;
-        for key in self.store.keys()? {
+        for key in keys {
             if !referenced.contains(&key.to_string()) {
+                // Never fails: a removal the disk refuses is logged and retried next time.
                 self.store.remove(&key)?;
                 removed += 1;
             }

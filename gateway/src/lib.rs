@@ -24,6 +24,7 @@ pub mod models;
 pub mod openai;
 pub mod pipeline;
 pub mod process;
+pub mod request_limits;
 pub mod server;
 
 pub use error::{Fault, GatewayError, Result};

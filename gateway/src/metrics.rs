@@ -28,6 +28,7 @@ const REJECTED: &str = "specrag_rejected_total";
 const LOOKUPS: &str = "specrag_store_lookups_total";
 const CORRUPT: &str = "specrag_store_corrupt_total";
 const BYTES: &str = "specrag_store_bytes";
+const STORE_ERRORS: &str = "specrag_store_errors_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 
@@ -74,6 +75,10 @@ impl Default for Metrics {
             describe_counter!(LOOKUPS, "Chunk store lookups by tier and result.");
             describe_counter!(CORRUPT, "Stored blobs found damaged and dropped.");
             describe_gauge!(BYTES, "Bytes held by each store tier.");
+            describe_counter!(
+                STORE_ERRORS,
+                "Chunk store operations that failed, by tier (answered as misses or skipped)."
+            );
             describe_histogram!(
                 INTER_TOKEN,
                 "Mean time between generated tokens of each answer, by method."
@@ -83,7 +88,7 @@ impl Default for Metrics {
             for tier in ["memory", "disk", "remote", "recomputed"] {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(0);
             }
-            for reason in ["queue_full", "deadline"] {
+            for reason in ["queue_full", "deadline", "connections", "body_timeout"] {
                 metrics::counter!(REJECTED, "reason" => reason).increment(0);
             }
             metrics::counter!(TOKENS).increment(0);
@@ -140,6 +145,16 @@ impl Metrics {
         self.with(|| metrics::counter!(REJECTED, "reason" => "queue_full").increment(1));
     }
 
+    /// A connection refused at the connection cap.
+    pub fn connection_refused(&self) {
+        self.with(|| metrics::counter!(REJECTED, "reason" => "connections").increment(1));
+    }
+
+    /// A request whose body did not arrive within `--body-timeout-secs`.
+    pub fn body_timeout(&self) {
+        self.with(|| metrics::counter!(REJECTED, "reason" => "body_timeout").increment(1));
+    }
+
     /// A request that ran past its deadline.
     pub fn timeout(&self) {
         self.with(|| metrics::counter!(REJECTED, "reason" => "deadline").increment(1));
@@ -158,6 +173,8 @@ impl Metrics {
                 metrics::counter!(LOOKUPS, "tier" => tier, "result" => result).absolute(n);
             }
             metrics::counter!(CORRUPT).absolute(store.corrupt);
+            metrics::counter!(STORE_ERRORS, "tier" => "disk").absolute(store.errors);
+            metrics::counter!(STORE_ERRORS, "tier" => "remote").absolute(store.remote_errors);
             metrics::gauge!(BYTES, "tier" => "memory").set(store.memory_bytes as f64);
             metrics::gauge!(BYTES, "tier" => "disk").set(store.disk_bytes as f64);
         });
@@ -221,7 +238,8 @@ mod tests {
     }
 
     /// The families, types, labels and buckets of the hand-written exposition this replaced
-    /// (2026-11-23), plus the two histograms added with the exporter.
+    /// (2026-11-23), plus the two histograms added with the exporter and the store's error
+    /// counter (2026-11-26).
     #[test]
     fn families_types_labels_and_buckets_are_those_of_before_plus_two() {
         let m = Metrics::default();
@@ -252,6 +270,7 @@ mod tests {
             (REJECTED, "counter", set(&["reason"]), vec![]),
             (LOOKUPS, "counter", set(&["tier", "result"]), vec![]),
             (CORRUPT, "counter", set(&[]), vec![]),
+            (STORE_ERRORS, "counter", set(&["tier"]), vec![]),
             (BYTES, "gauge", set(&["tier"]), vec![]),
             (
                 INTER_TOKEN,

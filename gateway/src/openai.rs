@@ -201,7 +201,7 @@ impl OaiError {
             StatusCode::UNAUTHORIZED => (status, "authentication_error"),
             StatusCode::NOT_FOUND => (status, "not_found_error"),
             StatusCode::TOO_MANY_REQUESTS => (status, "rate_limit_error"),
-            StatusCode::GATEWAY_TIMEOUT => (status, "timeout_error"),
+            StatusCode::GATEWAY_TIMEOUT | StatusCode::REQUEST_TIMEOUT => (status, "timeout_error"),
             StatusCode::INTERNAL_SERVER_ERROR => (status, "server_error"),
             _ => (status, "invalid_request_error"),
         };
@@ -240,6 +240,10 @@ impl IntoResponse for OaiError {
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         r
     }
@@ -620,6 +624,9 @@ pub(crate) async fn chat_completions(
 ) -> Result<Response, OaiError> {
     let grant = authorize(&state, &headers)?;
     let Json(req) = body.map_err(|r| {
+        if crate::request_limits::is_body_timeout(&r) {
+            return OaiError::from_api(ApiError::BodyTimeout, &id);
+        }
         let status = match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,

@@ -69,6 +69,9 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Time a client has to send a request's headers (and an idle connection stays open).
     pub header_read_timeout: Duration,
+    /// Time a client has to send a request's body once its headers are in; a body not
+    /// received by then is answered 408 and the connection closed.
+    pub body_timeout: Duration,
     /// Ingestion also stores the speculator's own chunk KV (`spec_attn` reads it).
     pub speculator_kv: bool,
 }
@@ -89,6 +92,7 @@ impl Default for ServerConfig {
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
             max_connections: 256,
             header_read_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             speculator_kv: false,
         }
     }
@@ -138,6 +142,8 @@ pub enum ApiError {
     Unauthorized,
     Busy,
     Deadline,
+    /// The body did not arrive within `--body-timeout-secs` (408, connection closed).
+    BodyTimeout,
 }
 
 impl From<GatewayError> for ApiError {
@@ -175,6 +181,9 @@ impl From<JobError> for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
+        if crate::request_limits::is_body_timeout(&r) {
+            return Self::BodyTimeout;
+        }
         let status = match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -216,6 +225,13 @@ impl ApiError {
             Self::Deadline => (
                 StatusCode::GATEWAY_TIMEOUT,
                 "the request did not finish within the server's deadline".into(),
+                None,
+            ),
+            Self::BodyTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body was not received within the server's body timeout \
+                 (--body-timeout-secs); the connection is closed"
+                    .into(),
                 None,
             ),
         };
@@ -286,6 +302,11 @@ impl IntoResponse for ApiError {
                 r.headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
+            Self::BodyTimeout => {
+                // The rest of the body may still trickle in: this connection is done.
+                r.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
             _ => {}
         }
         r
@@ -326,6 +347,10 @@ pub fn app(state: AppState) -> Router {
         .route("/docs/{file}", get(docs_asset))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::request_limits::limits,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         .with_state(state)
 }
@@ -372,6 +397,9 @@ async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Res
     }
     let status = resp.status().as_u16();
     state.metrics.request(&route, status);
+    if resp.status() == StatusCode::REQUEST_TIMEOUT {
+        state.metrics.body_timeout();
+    }
     tracing::info!(request_id = %id, %method, route = %route, status, ms = t.elapsed().as_secs_f64() * 1e3, "request");
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
@@ -737,7 +765,7 @@ async fn delete_document(
     validate_collection("collection", &collection)?;
     reach(&grant, &collection)?;
     if id.trim().is_empty() || id.chars().count() > 512 {
-        return Err(GatewayError::bad("id", "must be 1 to 512 bytes").into());
+        return Err(GatewayError::bad("id", "must be 1 to 512 characters, not only spaces").into());
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     submit(
@@ -791,8 +819,10 @@ async fn health(
         .filter(|(name, _)| grant.as_ref().is_some_and(|g| g.allows(name)))
         .map(|(name, chunks)| CollectionInfo { name, chunks })
         .collect();
+    let store = store_health(&state.pipeline.corpus, admin);
     Ok(Json(Health {
-        status: "ok".into(),
+        status: store.status.clone(),
+        store,
         target: model_info(&p.engines.target, admin),
         speculator: p
             .engines
@@ -804,6 +834,32 @@ async fn health(
         queue_capacity: state.engine.capacity(),
         log_position: state.pipeline.corpus.doclog.as_ref().map(|l| l.position()),
     }))
+}
+
+/// The chunk store's part of `/health`.
+fn store_health(corpus: &crate::corpus::Corpus, admin: bool) -> crate::api::StoreHealth {
+    use chunkstore::ChunkStore;
+    let stats = corpus.store.stats();
+    let last_error_secs = corpus.store.last_error().map(|t| t.elapsed().as_secs());
+    let recent = last_error_secs.is_some_and(|s| s < crate::api::STORE_DEGRADED_SECS);
+    let reset = corpus.store_reset.as_ref().map(|p| {
+        if admin {
+            p.display().to_string()
+        } else {
+            "moved aside".to_string()
+        }
+    });
+    crate::api::StoreHealth {
+        status: if recent || reset.is_some() {
+            "degraded"
+        } else {
+            "ok"
+        }
+        .into(),
+        errors: stats.errors,
+        last_error_secs,
+        reset_at_startup: reset,
+    }
 }
 
 /// Prometheus metrics.
@@ -961,11 +1017,12 @@ pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std
     let max_connections = state.config.max_connections;
     let permits = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let header_timeout = state.config.header_read_timeout;
+    let metrics = state.metrics.clone();
     let app = app(state);
     let shutdown = tokio::signal::ctrl_c();
     tokio::pin!(shutdown);
     loop {
-        let (stream, _peer) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(e) => {
@@ -978,9 +1035,13 @@ pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std
             _ = &mut shutdown => break,
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
+            metrics.connection_refused();
+            metrics.request("connection_cap", 503);
+            tracing::info!(route = "connection_cap", status = 503u16, peer = %peer, "request");
             tokio::spawn(refuse_connection(stream));
             continue;
         };
+        let metrics = metrics.clone();
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         tokio::spawn(async move {
             let _permit = permit;
@@ -992,10 +1053,19 @@ pub async fn serve_on(state: AppState, listener: tokio::net::TcpListener) -> std
             builder
                 .http1()
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(header_timeout);
+                .header_read_timeout(header_timeout)
+                // Above our own limits, so that `request_limits` answers those as problems.
+                .max_headers(crate::request_limits::HYPER_MAX_HEADERS);
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = builder.serve_connection(io, service).await {
-                tracing::debug!("connection ended: {e}");
+                // A request hyper could not parse: it answered a bare status and closed.
+                match crate::request_limits::hyper_status(&*e) {
+                    Some(status) => {
+                        metrics.request("unparsed", status);
+                        tracing::info!(route = "unparsed", status, reason = %e, "request");
+                    }
+                    None => tracing::debug!("connection ended: {e}"),
+                }
             }
         });
     }

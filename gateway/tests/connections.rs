@@ -89,3 +89,123 @@ async fn connections_are_capped_and_slow_clients_are_timed_out() -> TestResult {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     Ok(())
 }
+
+/// A POST to `/rag/query` announcing a 1000-byte body, of which only `{` is sent now.
+fn slow_body_head(addr: std::net::SocketAddr) -> String {
+    format!(
+        "POST /rag/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: 1000\r\n\r\n{{"
+    )
+}
+
+/// Regression (issue 38): a body sent one byte at a time (or not at all) held its connection
+/// forever, past the header timeout and the request deadline, so 256 of them answered every
+/// other client 503. Now each is answered 408 (a problem) and closed once the body timeout
+/// passes, and a normal client is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_are_answered_408_and_cannot_starve_the_server() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let body_timeout = Duration::from_secs(2);
+    let s = server(
+        dir.path(),
+        ServerConfig {
+            // The default cap: the attack takes every connection.
+            max_connections: 256,
+            body_timeout,
+            ..Default::default()
+        },
+    )?;
+    let addr = gateway::server::spawn_loopback(s).await?;
+    let t0 = Instant::now();
+    let mut attackers = Vec::new();
+    for i in 0..256 {
+        let mut conn = TcpStream::connect(addr).await?;
+        conn.write_all(slow_body_head(addr).as_bytes()).await?;
+        // Half trickle a byte every 200 ms until the server hangs up; half send nothing more.
+        let trickle = i % 2 == 0;
+        attackers.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let step = tokio::time::timeout(Duration::from_millis(200), conn.read(&mut buf));
+                match step.await {
+                    Ok(Ok(0)) | Ok(Err(_)) => break,
+                    Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+                    Err(_) => {
+                        if t0.elapsed() > Duration::from_secs(30) {
+                            break; // never closed: the assertion below says so
+                        }
+                        if trickle && conn.write_all(b" ").await.is_err() {
+                            // The server closed its side; read what it answered.
+                        }
+                    }
+                }
+            }
+            (String::from_utf8_lossy(&out).into_owned(), t0.elapsed())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A normal client during the attack: refused while every connection is held, served as
+    // soon as the body timeout frees them.
+    let mut served = None;
+    while t0.elapsed() < body_timeout * 4 {
+        let mut conn = TcpStream::connect(addr).await?;
+        conn.write_all(health_request(addr, false).as_bytes())
+            .await?;
+        let answer = read_to_close(&mut conn, Duration::from_secs(5)).await?;
+        if answer.starts_with("HTTP/1.1 200") {
+            served = Some(t0.elapsed());
+            break;
+        }
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let served = served.ok_or("a normal client was never served during the attack")?;
+    for attacker in attackers {
+        let (answer, closed_at) = attacker.await?;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("application/problem+json"), "{answer}");
+        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(
+            closed_at < body_timeout + Duration::from_secs(3),
+            "closed only after {closed_at:?}"
+        );
+    }
+    eprintln!("a normal client was served {served:?} into the attack");
+    Ok(())
+}
+
+/// Requests over the server's own limits, which hyper would answer with a bare status and no
+/// body, are answered as problems: a target over 8 KiB 414, over 100 headers 431, a path that
+/// is not %-encoding 400 (a `%ZZ` id was looked up and answered 404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_malformed_requests_are_answered_as_problems() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = server(dir.path(), ServerConfig::default())?;
+    let addr = gateway::server::spawn_loopback(s).await?;
+    let long_target = format!(
+        "GET /health?x={} HTTP/1.1\r\nhost: {addr}\r\n\r\n",
+        "a".repeat(9000)
+    );
+    let many_headers = format!(
+        "GET /health HTTP/1.1\r\nhost: {addr}\r\n{}\r\n",
+        (0..150)
+            .map(|i| format!("x-h{i}: v\r\n"))
+            .collect::<String>()
+    );
+    let bad_escape = format!("DELETE /documents/%ZZ HTTP/1.1\r\nhost: {addr}\r\n\r\n");
+    for (request, status) in [(long_target, 414), (many_headers, 431), (bad_escape, 400)] {
+        let mut conn = TcpStream::connect(addr).await?;
+        conn.write_all(request.as_bytes()).await?;
+        let mut out = vec![0u8; 8192];
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut out)).await??;
+        let answer = String::from_utf8_lossy(&out[..n]).into_owned();
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{answer}"
+        );
+        assert!(answer.contains("application/problem+json"), "{answer}");
+        assert!(answer.contains(&format!("\"status\":{status}")), "{answer}");
+    }
+    Ok(())
+}

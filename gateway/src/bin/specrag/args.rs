@@ -219,6 +219,11 @@ pub struct ServeArgs {
     /// stays open (1..=300), so slow or silent clients cannot hold the connections.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=300))]
     pub header_timeout_secs: u64,
+    /// Seconds a client has to send a request's whole body once its headers are in
+    /// (1..=3600); a body still incomplete then is answered 408 and the connection closed, so
+    /// slow bodies cannot hold the connections.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub body_timeout_secs: u64,
     /// Memory tier of the chunk KV store, in MiB (1..=16777216).
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
     pub memory_mb: u64,
@@ -308,6 +313,19 @@ pub struct DataArgs {
     /// Remote entries expire after this many seconds (0: never; Redis' eviction policy decides).
     #[arg(long, env = "SPECRAG_KV_REMOTE_TTL_SECS", default_value_t = 0)]
     pub kv_remote_ttl_secs: u64,
+    /// What to do with a chunk KV store (DIR/kv) that is damaged (its STORE file unreadable,
+    /// or a store of the earlier sled layout that cannot be read): `reset` moves it aside to
+    /// DIR/kv.damaged-<unix seconds> and starts an empty one (the KV is a cache, recomputed as
+    /// queries need it; /health reports the reset), `refuse` stops with an explanation.
+    /// Damage to single chunk files never stops anything: such a chunk is recomputed. A
+    /// damaged index (DIR/index) is always refused: it is not a cache.
+    #[arg(
+        long,
+        env = "SPECRAG_ON_DAMAGED_STORE",
+        value_enum,
+        default_value_t = gateway::corpus::OnDamagedStore::Reset
+    )]
+    pub on_damaged_store: gateway::corpus::OnDamagedStore,
 }
 
 impl DataArgs {
@@ -324,6 +342,7 @@ impl DataArgs {
                     ttl: (self.kv_remote_ttl_secs > 0)
                         .then(|| std::time::Duration::from_secs(self.kv_remote_ttl_secs)),
                 }),
+            on_damaged: self.on_damaged_store,
         }
     }
 }

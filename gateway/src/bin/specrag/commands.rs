@@ -180,6 +180,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
         max_connections: a.max_connections as usize,
         header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
+        body_timeout: std::time::Duration::from_secs(a.body_timeout_secs),
         speculator_kv: a.speculator_kv,
     };
     let state = gateway::server::AppState::new(Arc::new(pipeline), config);

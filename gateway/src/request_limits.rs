@@ -1,0 +1,212 @@
+//! Limits every request meets before a handler sees it: the size of its target and headers,
+//! %-encoding of its path, and a deadline for its body.
+//!
+//! hyper refuses what it cannot parse with a bare status and no body. Our own limits sit below
+//! hyper's (which are raised in `serve_on`), so every request of ordinary shape that is too
+//! big is answered here, as a problem, and logged like any other response.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body::{Frame, SizeHint};
+
+use crate::server::{ApiError, AppState};
+
+/// Longest request target (path and query) answered; longer gets 414.
+pub const MAX_URI_BYTES: usize = 8 * 1024;
+/// Most request headers answered; more gets 431.
+pub const MAX_HEADERS: usize = 100;
+/// Most bytes of header names and values together; more gets 431.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// hyper's own header count limit, above ours so that ours answers first.
+pub const HYPER_MAX_HEADERS: usize = 4 * MAX_HEADERS;
+
+/// The request body did not arrive within the server's body timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body was not received within {0:?}")]
+pub struct BodyTimeout(pub Duration);
+
+/// Whether `e` or an error below it is a [`BodyTimeout`].
+pub fn is_body_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<BodyTimeout>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// A request body that fails with [`BodyTimeout`] once its deadline passes before its end,
+/// however slowly or steadily it trickles in.
+struct DeadlineBody {
+    inner: Body,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    timeout: Duration,
+    expired: bool,
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if self.expired {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        if self.sleep.as_mut().poll(cx).is_ready() {
+            self.expired = true;
+            let timeout = self.timeout;
+            return Poll::Ready(Some(Err(axum::Error::new(BodyTimeout(timeout)))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.expired || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Refuses requests over the target/header limits or with a path that is not valid
+/// %-encoding (each a problem naming the limit), and puts the body under the deadline
+/// `--body-timeout-secs`.
+pub async fn limits(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let uri_len = req
+        .uri()
+        .path_and_query()
+        .map_or(req.uri().path().len(), |pq| pq.as_str().len());
+    if uri_len > MAX_URI_BYTES {
+        return ApiError::Body(
+            StatusCode::URI_TOO_LONG,
+            format!("the request target is {uri_len} bytes; at most {MAX_URI_BYTES} are accepted"),
+        )
+        .into_response();
+    }
+    let headers = req.headers();
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES {
+        return ApiError::Body(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "{} headers of {header_bytes} bytes; at most {MAX_HEADERS} headers of \
+                 {MAX_HEADER_BYTES} bytes together are accepted",
+                headers.len()
+            ),
+        )
+        .into_response();
+    }
+    if let Some(bad) = bad_percent_escape(req.uri().path()) {
+        return ApiError::Body(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "the path is not valid %-encoding: `{bad}` is not `%` followed by two hex digits"
+            ),
+        )
+        .into_response();
+    }
+    let timeout = state.config.body_timeout;
+    let req = req.map(|inner| {
+        Body::new(DeadlineBody {
+            inner,
+            sleep: Box::pin(tokio::time::sleep(timeout)),
+            timeout,
+            expired: false,
+        })
+    });
+    next.run(req).await
+}
+
+/// The first `%` escape of `path` that is not `%` and two hex digits (shown with what
+/// follows it, at most two characters).
+fn bad_percent_escape(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let ok = bytes.len() >= i + 3
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit();
+            if !ok {
+                let end = (i + 3).min(bytes.len());
+                return Some(String::from_utf8_lossy(&bytes[i..end]).into_owned());
+            }
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    None
+}
+
+/// The status hyper answered a connection it could not parse a request from (it writes the
+/// status line with no body and closes): for the request log.
+pub fn hyper_status(e: &(dyn std::error::Error + 'static)) -> Option<u16> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            if h.is_parse_too_large() {
+                return Some(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE.as_u16());
+            }
+            if h.is_parse() {
+                // hyper's only other parse statuses: 414 for a target over 64 KiB, else 400.
+                let uri = h.to_string().to_ascii_lowercase().contains("uri");
+                return Some(if uri { 414 } else { 400 });
+            }
+            if h.is_timeout() {
+                return Some(StatusCode::REQUEST_TIMEOUT.as_u16());
+            }
+            return None;
+        }
+        cur = err.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_percent_escapes_are_found() {
+        for good in ["/documents/a%20b", "/documents/%FF", "/x", "/a%2fb%2F"] {
+            assert_eq!(bad_percent_escape(good), None, "{good}");
+        }
+        for (bad, shown) in [
+            ("/documents/%ZZ", "%ZZ"),
+            ("/documents/a%2", "%2"),
+            ("/documents/%", "%"),
+            ("/d/%g1", "%g1"),
+        ] {
+            assert_eq!(bad_percent_escape(bad).as_deref(), Some(shown), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_timeout_is_found_below_other_errors() {
+        let inner = axum::Error::new(BodyTimeout(Duration::from_secs(1)));
+        assert!(is_body_timeout(&inner));
+        let other = axum::Error::new(std::io::Error::other("reset"));
+        assert!(!is_body_timeout(&other));
+    }
+}
