@@ -153,6 +153,9 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
         seed: 0,
         verify: false,
         options,
+        // Selectors are measured as they select: the fidelity guard would answer some cases
+        // from the full cache.
+        fidelity: gateway::fidelity::Fidelity::Fast,
         ..Default::default()
     }
 }

@@ -234,6 +234,9 @@ fn ask(
             order: ds.order,
             ..options
         },
+        // Selectors are measured as they select: the fidelity guard would answer some cases
+        // from the full cache.
+        fidelity: gateway::fidelity::Fidelity::Fast,
         ..Default::default()
     };
     pipeline

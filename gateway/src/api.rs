@@ -85,6 +85,13 @@ pub struct QueryRequest {
     /// `verify` object of the answer says how many were accepted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<bool>,
+    /// How much quality the answer may trade for speed (default: the server's
+    /// `--fidelity`, `balanced` unless set): `fast` reuses as the method selects, unguarded;
+    /// `balanced` guards the decode (a decode from the reused cache that falls into a loop
+    /// moves to the full cache and answers as full recompute; `reuse.guard` says what
+    /// happened); `exact` is `verify: true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fidelity: Option<crate::fidelity::Fidelity>,
     /// Answer with server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
@@ -146,8 +153,14 @@ fn served_method(m: &str) -> Result<Method> {
 }
 
 impl QueryRequest {
-    /// Checks every field and fills in the defaults.
+    /// Checks every field and fills in the defaults (fidelity `balanced`).
     pub fn validate(&self) -> Result<Query> {
+        self.validate_with(crate::fidelity::Fidelity::default())
+    }
+
+    /// [`QueryRequest::validate`] with the server's default fidelity.
+    pub fn validate_with(&self, default_fidelity: crate::fidelity::Fidelity) -> Result<Query> {
+        use crate::fidelity::Fidelity;
         let d = Query::default();
         let query = self.query.trim();
         if query.is_empty() {
@@ -175,6 +188,21 @@ impl QueryRequest {
         let temperature = self.temperature.unwrap_or(d.temperature);
         let temperature = within("temperature", temperature, 0.0, 2.0)?;
         let seed = within("seed", self.seed.unwrap_or(0), 0, MAX_SEED)?;
+        let verify = self.verify.unwrap_or(false);
+        let fidelity = match (self.fidelity, verify) {
+            (Some(f), true) if f != Fidelity::Exact => {
+                return Err(GatewayError::bad(
+                    "fidelity",
+                    format!(
+                        "`{}` contradicts `verify: true` (which is `exact`); send one of them",
+                        f.name()
+                    ),
+                ))
+            }
+            (_, true) => Fidelity::Exact,
+            (Some(f), false) => f,
+            (None, false) => default_fidelity,
+        };
         Ok(Query {
             query: query.to_string(),
             collection,
@@ -184,7 +212,8 @@ impl QueryRequest {
             max_tokens: max_tokens as usize,
             temperature,
             seed,
-            verify: self.verify.unwrap_or(false),
+            verify: verify || fidelity == Fidelity::Exact,
+            fidelity,
             ..d
         })
     }
@@ -489,6 +518,9 @@ pub struct Reuse {
     #[serde(default)]
     pub chunks_from_remote: usize,
     pub chunks_recomputed: usize,
+    /// What the fidelity guard measured and decided (absent in records written before it).
+    #[serde(default)]
+    pub guard: crate::fidelity::GuardReport,
 }
 
 /// A retrieved chunk as reported with the answer.

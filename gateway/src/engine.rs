@@ -24,6 +24,8 @@ pub enum QueryEvent {
     Draft(String),
     Commit(String),
     Retract(usize),
+    /// The fidelity guard moved to the full cache: the text so far is this text.
+    Replace(String),
     /// The finished answer.
     Done(Box<Answer>),
     /// The query failed or ran past its deadline.
@@ -351,6 +353,7 @@ fn run_query(
                 Piece::Draft(t) => QueryEvent::Draft(t.to_string()),
                 Piece::Commit(t) => QueryEvent::Commit(t.to_string()),
                 Piece::Retract(n) => QueryEvent::Retract(n),
+                Piece::Replace(t) => QueryEvent::Replace(t.to_string()),
             };
             send_within(events, event, SEND_TIMEOUT)
         })

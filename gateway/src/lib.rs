@@ -16,6 +16,7 @@ pub mod corpus;
 pub mod doclog;
 pub mod engine;
 pub mod error;
+pub mod fidelity;
 pub mod ingest;
 pub mod input;
 pub mod method;

@@ -29,6 +29,7 @@ const LOOKUPS: &str = "specrag_store_lookups_total";
 const CORRUPT: &str = "specrag_store_corrupt_total";
 const BYTES: &str = "specrag_store_bytes";
 const STORE_ERRORS: &str = "specrag_store_errors_total";
+const GUARD: &str = "specrag_guard_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 
@@ -75,6 +76,11 @@ impl Default for Metrics {
             describe_counter!(LOOKUPS, "Chunk store lookups by tier and result.");
             describe_counter!(CORRUPT, "Stored blobs found damaged and dropped.");
             describe_gauge!(BYTES, "Bytes held by each store tier.");
+            describe_counter!(
+                GUARD,
+                "Answers by fidelity and what the guard did (kept: answered from the reused \
+                 cache; escalated: moved to the full cache)."
+            );
             describe_counter!(
                 STORE_ERRORS,
                 "Chunk store operations that failed, by tier (answered as misses or skipped)."
@@ -132,6 +138,10 @@ impl Metrics {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(n as u64);
             }
             metrics::counter!(TOKENS).increment(a.tokens as u64);
+            let g = a.reuse.guard;
+            let outcome = if g.escalated { "escalated" } else { "kept" };
+            metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
+                .increment(1);
         });
     }
 
@@ -238,8 +248,8 @@ mod tests {
     }
 
     /// The families, types, labels and buckets of the hand-written exposition this replaced
-    /// (2026-11-23), plus the two histograms added with the exporter and the store's error
-    /// counter (2026-11-26).
+    /// (2026-11-23), plus the two histograms added with the exporter, the store's error
+    /// counter and the guard's outcomes (2026-11-26).
     #[test]
     fn families_types_labels_and_buckets_are_those_of_before_plus_two() {
         let m = Metrics::default();
@@ -271,6 +281,7 @@ mod tests {
             (LOOKUPS, "counter", set(&["tier", "result"]), vec![]),
             (CORRUPT, "counter", set(&[]), vec![]),
             (STORE_ERRORS, "counter", set(&["tier"]), vec![]),
+            (GUARD, "counter", set(&["fidelity", "outcome"]), vec![]),
             (BYTES, "gauge", set(&["tier"]), vec![]),
             (
                 INTER_TOKEN,

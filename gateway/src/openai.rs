@@ -130,6 +130,9 @@ pub struct RagOptions {
     /// Answer exactly as full recompute would (streams only committed text).
     #[serde(default)]
     pub verify: Option<bool>,
+    /// `fast`, `balanced` or `exact`, as `/rag/query`'s `fidelity` (default: the server's).
+    #[serde(default)]
+    pub fidelity: Option<crate::fidelity::Fidelity>,
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -517,10 +520,11 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         temperature: req.temperature,
         seed,
         verify: rag.verify,
+        fidelity: rag.fidelity,
         stream: None,
     };
     let mut q = base
-        .validate()
+        .validate_with(state.config.fidelity)
         .map_err(|e| OaiError::from_api(ApiError::Gateway(e), ""))?;
     q.context = context;
     q.top_p = top_p;
@@ -721,13 +725,47 @@ fn completion(meta: Meta, a: &Answer) -> Response {
     .into_response()
 }
 
+/// What a streamed answer has sent so far.
+#[derive(Debug, Default)]
+struct Sent {
+    text: String,
+    /// The fidelity guard replaced text this stream had already sent: an OpenAI stream cannot
+    /// take text back, so it sends nothing more of the answer (the loop is never shown; the
+    /// full answer is what a non-streamed request, or `specrag.verify`, returns).
+    diverged: bool,
+}
+
 /// The chunks an engine event becomes: none (drafts while verifying), one, or two (the
 /// finish chunk and the usage chunk).
-fn event_chunks(meta: &Meta, e: QueryEvent, verify: bool, include_usage: bool) -> Vec<Value> {
+fn event_chunks(
+    meta: &Meta,
+    e: QueryEvent,
+    verify: bool,
+    include_usage: bool,
+    sent: &mut Sent,
+) -> Vec<Value> {
     match e {
-        QueryEvent::Text(t) if !verify => vec![meta.chunk(json!({ "content": t }), None)],
+        QueryEvent::Text(t) if !verify && !sent.diverged => {
+            sent.text.push_str(&t);
+            vec![meta.chunk(json!({ "content": t }), None)]
+        }
+        QueryEvent::Replace(t) if !sent.diverged => match t.strip_prefix(sent.text.as_str()) {
+            Some(rest) if !rest.is_empty() => {
+                let chunk = meta.chunk(json!({ "content": rest }), None);
+                sent.text = t;
+                vec![chunk]
+            }
+            Some(_) => Vec::new(),
+            None => {
+                sent.diverged = true;
+                Vec::new()
+            }
+        },
         QueryEvent::Commit(t) => vec![meta.chunk(json!({ "content": t }), None)],
-        QueryEvent::Text(_) | QueryEvent::Draft(_) | QueryEvent::Retract(_) => Vec::new(),
+        QueryEvent::Text(_)
+        | QueryEvent::Replace(_)
+        | QueryEvent::Draft(_)
+        | QueryEvent::Retract(_) => Vec::new(),
         QueryEvent::Done(a) => {
             let mut last = meta.chunk(json!({}), Some(finish(&a)));
             last["specrag"] = rag_info(&a);
@@ -757,6 +795,7 @@ fn stream_chunks(
     let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Value>(crate::api::MAX_TOKENS as usize + 8);
     tokio::spawn(async move {
         let mut send = vec![meta.chunk(json!({"role": "assistant", "content": ""}), None)];
+        let mut sent = Sent::default();
         loop {
             for v in send.drain(..) {
                 if out_tx.send(v).await.is_err() {
@@ -764,7 +803,7 @@ fn stream_chunks(
                 }
             }
             let Some(e) = rx.recv().await else { return };
-            send = event_chunks(&meta, e, verify, include_usage);
+            send = event_chunks(&meta, e, verify, include_usage, &mut sent);
         }
     });
     let stream = tokio_stream::wrappers::ReceiverStream::new(out_rx)
@@ -784,6 +823,43 @@ mod tests {
             role: role.into(),
             content: Some(content),
         }
+    }
+
+    /// The guard's `replace` in an OpenAI stream: the rest is sent when it extends what was
+    /// sent; otherwise nothing more of the answer is (a stream cannot take text back).
+    #[test]
+    fn a_guard_replacement_extends_the_stream_or_ends_its_content() {
+        let meta = Meta {
+            id: "c".into(),
+            created: 0,
+            model: "m".into(),
+            request_id: "r".into(),
+        };
+        let content = |chunks: Vec<Value>| -> Vec<String> {
+            chunks
+                .iter()
+                .filter_map(|c| {
+                    c["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(str::to_string)
+                })
+                .collect()
+        };
+        let mut sent = Sent::default();
+        let mut step = |e: QueryEvent| content(event_chunks(&meta, e, false, false, &mut sent));
+        assert_eq!(step(QueryEvent::Text("The cat".into())), ["The cat"]);
+        assert_eq!(step(QueryEvent::Replace("The cat sat".into())), [" sat"]);
+        assert_eq!(
+            step(QueryEvent::Replace("The cat sat".into())),
+            Vec::<String>::new()
+        );
+        assert_eq!(step(QueryEvent::Text(" down".into())), [" down"]);
+        assert_eq!(
+            step(QueryEvent::Replace("The dog".into())),
+            Vec::<String>::new()
+        );
+        assert_eq!(step(QueryEvent::Text(" ran".into())), Vec::<String>::new());
+        assert!(sent.diverged);
     }
 
     #[test]

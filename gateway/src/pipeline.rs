@@ -5,6 +5,7 @@
 
 use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
 use crate::error::{GatewayError, Result};
+use crate::fidelity::{Fidelity, GuardReport};
 use serde::{Deserialize, Serialize};
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
@@ -81,6 +82,8 @@ pub struct Query {
     pub stop: Vec<String>,
     pub seed: u64,
     pub verify: bool,
+    /// How much quality the request may trade for speed; `Exact` goes with `verify`.
+    pub fidelity: Fidelity,
     pub options: QueryOptions,
 }
 
@@ -105,6 +108,7 @@ impl Default for Query {
             stop: Vec::new(),
             seed: 0,
             verify: false,
+            fidelity: Fidelity::default(),
             options: QueryOptions::default(),
         }
     }
@@ -148,6 +152,9 @@ pub enum Piece<'a> {
     Commit(&'a str),
     /// The last `n` drafted tokens were wrong and are withdrawn (verification).
     Retract(usize),
+    /// The text streamed so far is replaced by this text, and the answer goes on from it (the
+    /// fidelity guard moved the request to the full cache).
+    Replace(&'a str),
 }
 
 /// Full KV caches of exact contexts (template + the ordered chunk set + question), so a
@@ -207,6 +214,38 @@ struct FullPrefill {
     rx: std::sync::mpsc::Receiver<target_engine::Result<(KvCache, Vec<f32>)>>,
     hit: bool,
     ms: Arc<std::sync::Mutex<f64>>,
+}
+
+/// What decoding starts from: the prefill's output, the verification's full prefill when the
+/// request verifies, and the prompt's ids (for an escalation's full prefill).
+struct DecodeInput<'a> {
+    out: BlendOutput,
+    full_prefill: Option<FullPrefill>,
+    prompt: &'a [u32],
+}
+
+/// How `q` samples and stops.
+fn generate_params(q: &Query) -> GenerateParams {
+    GenerateParams {
+        max_tokens: q.max_tokens,
+        sampling: SamplingParams {
+            temperature: q.temperature,
+            top_p: q.top_p,
+            seed: q.seed,
+        },
+        stop: q.stop.clone(),
+    }
+}
+
+/// A generation the client stopped while the guard escalated.
+fn cancelled(ids: &[u32], tok: &target_engine::Tokenizer) -> target_engine::Generation {
+    target_engine::Generation {
+        text: tok.decode(ids, false),
+        ids: ids.to_vec(),
+        prefill_ms: 0.0,
+        decode_ms_per_token: 0.0,
+        finish: FinishReason::Cancelled,
+    }
 }
 
 /// The models and the data directory behind every query.
@@ -445,7 +484,13 @@ impl Pipeline {
         let forcing = !q.options.forced.is_empty() || q.options.force_answer;
         let kept = forcing.then(|| out.cache.clone());
         let td = Instant::now();
-        let (g, verify) = self.decode(q, out, full_prefill, &timings, on_piece)?;
+        let input = DecodeInput {
+            out,
+            full_prefill,
+            prompt: &asm.ids,
+        };
+        let (g, verify, guard) = self.decode(q, input, &timings, on_piece)?;
+        reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
         let mut forced = Vec::new();
@@ -647,44 +692,147 @@ impl Pipeline {
         Ok(out)
     }
 
-    /// Step 3: decoding from the prefill's cache, or drafting and verification against the
-    /// full cache.
+    /// Step 3: decoding from the prefill's cache under the fidelity guard, or drafting and
+    /// verification against the full cache.
     fn decode(
         &self,
         q: &Query,
-        out: BlendOutput,
-        full_prefill: Option<FullPrefill>,
+        input: DecodeInput<'_>,
         timings: &Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<(target_engine::Generation, Option<VerifyStats>)> {
+    ) -> Result<(target_engine::Generation, Option<VerifyStats>, GuardReport)> {
+        let DecodeInput {
+            out,
+            full_prefill,
+            prompt,
+        } = input;
+        let mut report = GuardReport {
+            fidelity: if q.verify {
+                Fidelity::Exact
+            } else {
+                q.fidelity
+            },
+            ..Default::default()
+        };
         if let Some(full) = full_prefill {
             let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
-            return Ok((g, Some(stats)));
+            return Ok((g, Some(stats), report));
         }
-        let params = GenerateParams {
-            max_tokens: q.max_tokens,
-            sampling: SamplingParams {
-                temperature: q.temperature,
-                top_p: q.top_p,
-                seed: q.seed,
-            },
-            stop: q.stop.clone(),
-        };
+        let params = generate_params(q);
+        // Full recompute decodes from the full cache already: nothing to guard.
+        let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
+        let detector = target_engine::LoopDetector::default();
         let mut cache = out.cache;
-        let g = self.engines.target.decode_stream(
+        let (g, looped) = self.engines.target.decode_watched(
             &mut cache,
             out.logits,
             timings.prefill_ms,
             &params,
             &mut |t| on_piece(Piece::Token(t)),
+            &mut |ids| guarded && detector.fires(ids),
         )?;
         let stats = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,
             ..Default::default()
         });
-        Ok((g, stats))
+        if !looped {
+            return Ok((g, stats, report));
+        }
+        drop(cache);
+        report.loop_detected = true;
+        report.escalated = true;
+        let g = self.escalate(q, prompt, &g.ids, &mut report, on_piece)?;
+        Ok((g, stats, report))
+    }
+
+    /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
+    /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
+    /// decoding continued from the full cache. Greedy, the answer is full recompute's token
+    /// for token; sampled, it is full recompute's sample with the same seed (decoded anew).
+    fn escalate(
+        &self,
+        q: &Query,
+        prompt: &[u32],
+        generated: &[u32],
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<target_engine::Generation> {
+        let target = &self.engines.target;
+        let tok = target.tokenizer();
+        let t = Instant::now();
+        let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
+        let (cache, logits) = match self.contexts.inner.get(&key) {
+            Some(c) => (c.0.clone(), c.1.clone()),
+            None => {
+                let (cache, logits) = target.prefill(prompt)?;
+                report.full_prefill_ms = ms(t);
+                self.contexts
+                    .inner
+                    .insert(key, Arc::new((cache.clone(), logits.clone())));
+                (cache, logits)
+            }
+        };
+        if q.temperature > 0.0 {
+            // Sampled tokens cannot be checked against the full cache's greedy choice.
+            report.withdrawn_tokens = generated.len();
+            if !on_piece(Piece::Replace("")) {
+                return Ok(cancelled(generated, tok));
+            }
+            let mut cache = cache;
+            let g =
+                target.decode_stream(&mut cache, logits, 0.0, &generate_params(q), &mut |t| {
+                    on_piece(Piece::Token(t))
+                })?;
+            return Ok(g);
+        }
+        let mut replaced = false;
+        let vg = target.continue_exact((cache, logits), generated, q.max_tokens, &mut |e| {
+            if !replaced {
+                // What stays of the streamed text, before anything new: the kept prefix.
+                replaced = true;
+                let withdrawn = match &e {
+                    VerifyEvent::Retract { n } => *n,
+                    _ => 0,
+                };
+                let kept = generated.len().min(q.max_tokens) - withdrawn;
+                if !on_piece(Piece::Replace(&tok.decode(&generated[..kept], false))) {
+                    return false;
+                }
+            }
+            match e {
+                VerifyEvent::Commit { ids } => on_piece(Piece::Token(&tok.decode(&ids, false))),
+                VerifyEvent::Draft { .. } | VerifyEvent::Retract { .. } => true,
+            }
+        })?;
+        report.kept_tokens = vg.accepted;
+        report.withdrawn_tokens = vg.drafted - vg.accepted;
+        let mut text = tok.decode(&vg.ids, false);
+        let mut finish = if vg.cancelled {
+            FinishReason::Cancelled
+        } else if vg.eos {
+            FinishReason::Eos
+        } else {
+            FinishReason::Length
+        };
+        if let Some(at) = q
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            text.truncate(at);
+            finish = FinishReason::Stop;
+        }
+        Ok(target_engine::Generation {
+            text,
+            ids: vg.ids,
+            prefill_ms: 0.0,
+            decode_ms_per_token: 0.0,
+            finish,
+        })
     }
 
     /// The SpecCache selector for `q` (its layer range, if the query sets one).

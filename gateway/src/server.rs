@@ -74,6 +74,8 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Ingestion also stores the speculator's own chunk KV (`spec_attn` reads it).
     pub speculator_kv: bool,
+    /// The fidelity of requests that do not say (`--fidelity`).
+    pub fidelity: crate::fidelity::Fidelity,
 }
 
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
@@ -94,6 +96,7 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             speculator_kv: false,
+            fidelity: crate::fidelity::Fidelity::default(),
         }
     }
 }
@@ -467,7 +470,7 @@ async fn rag_query(
     body: Result<Json<QueryRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let query = req.validate()?;
+    let query = req.validate_with(state.config.fidelity)?;
     reach(&grant, &query.collection)?;
     state.pipeline.check(&query)?;
     let deadline = Instant::now() + state.config.request_timeout;
@@ -497,6 +500,9 @@ async fn rag_query(
                 QueryEvent::Retract(n) => Event::default()
                     .event("retract")
                     .data(serde_json::json!({ "tokens": n }).to_string()),
+                QueryEvent::Replace(t) => Event::default()
+                    .event("replace")
+                    .data(serde_json::json!({ "text": t }).to_string()),
                 QueryEvent::Done(a) => Event::default()
                     .event("done")
                     .data(serde_json::to_string(&a).unwrap_or_default()),
@@ -522,7 +528,8 @@ async fn rag_query(
                 QueryEvent::Text(_)
                 | QueryEvent::Draft(_)
                 | QueryEvent::Commit(_)
-                | QueryEvent::Retract(_),
+                | QueryEvent::Retract(_)
+                | QueryEvent::Replace(_),
             )) => {}
             Ok(Some(QueryEvent::Done(a))) => return Ok(Json::<Answer>(*a).into_response()),
             Ok(Some(QueryEvent::Failed(e))) => return Err(e.into()),

@@ -1033,3 +1033,128 @@ async fn openai_routes_take_the_same_keys_and_list_their_models() -> TestResult 
     assert_eq!(send(&keyed, req).await.0, StatusCode::OK);
     Ok(())
 }
+
+/// `v` with `key` set to `value`.
+fn with(v: &Value, key: &str, value: Value) -> Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.insert(key.into(), value);
+    }
+    v
+}
+
+/// The text a `/rag/query` stream shows: `token` events appended, a `replace` event's text in
+/// place of everything before it.
+fn shown_text(sse: &str) -> String {
+    let mut shown = String::new();
+    for event in sse.split("\n\n") {
+        let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+        let Some(v) = data.and_then(|d| serde_json::from_str::<Value>(d).ok()) else {
+            continue;
+        };
+        if event.contains("event: token") {
+            shown.push_str(v["text"].as_str().unwrap_or(""));
+        } else if event.contains("event: replace") {
+            shown = v["text"].as_str().unwrap_or("").to_string();
+        }
+    }
+    shown
+}
+
+/// A `/rag/query` request for `q` with `extra` fields and 64 tokens to generate.
+fn ask(q: &str, extra: Value) -> Request<Body> {
+    let mut body = json!({"query": q, "max_tokens": 64});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    post("/rag/query", &body)
+}
+
+/// Issue 39's guard on tiny random models (which fall into loops readily): under `balanced`
+/// (the default), a decode from the reused cache that loops moves to the full cache and the
+/// answer is full recompute's, plain and streamed; one that does not loop is the unguarded
+/// (`fast`) answer; `reuse.guard` reports each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fidelity_guard_answers_a_looping_decode_as_full_recompute() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let mut escalated = 0;
+    for q in [
+        "the thin ant?",
+        "where is the antenna?",
+        "what is in the tin?",
+    ] {
+        for method in ["full_reuse", "cacheblend", "target_probe"] {
+            let m = json!({"method": method, "recompute_ratio": 0.0});
+            let (_, full, _) = send(&s, ask(q, json!({"method": "full_recompute"}))).await;
+            let full: Value = serde_json::from_str(&full)?;
+            let (status, fast, _) = send(&s, ask(q, with(&m, "fidelity", json!("fast")))).await;
+            assert_eq!(status, StatusCode::OK, "{fast}");
+            let fast: Value = serde_json::from_str(&fast)?;
+            assert_eq!(fast["reuse"]["guard"]["escalated"], false, "{fast}");
+            let (status, guarded, _) = send(&s, ask(q, m.clone())).await;
+            assert_eq!(status, StatusCode::OK, "{guarded}");
+            let guarded: Value = serde_json::from_str(&guarded)?;
+            let guard = &guarded["reuse"]["guard"];
+            assert_eq!(guard["fidelity"], "balanced", "{guarded}");
+            if guard["escalated"] == true {
+                escalated += 1;
+                assert_eq!(guarded["answer"], full["answer"], "{q} {method}: {guarded}");
+                assert_eq!(guard["loop_detected"], true);
+            } else {
+                assert_eq!(guarded["answer"], fast["answer"], "{q} {method}");
+            }
+            // Streamed: what the stream shows is the final answer.
+            let (_, sse, _) = send(&s, ask(q, with(&m, "stream", json!(true)))).await;
+            let answer = guarded["answer"].as_str().unwrap_or("");
+            assert_eq!(shown_text(&sse), answer, "{q} {method}: {sse}");
+        }
+    }
+    assert!(
+        escalated > 0,
+        "no decode looped: the guard was never exercised"
+    );
+    Ok(())
+}
+
+/// Sampled, an escalation answers full recompute's sample with that seed; `exact` is
+/// verification; `fidelity` contradicting `verify: true` is refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fidelity_guard_sampled_and_exact() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let sampled = |method: &str, seed: u64| {
+        let extra =
+            json!({"method": method, "recompute_ratio": 0.0, "temperature": 0.7, "seed": seed});
+        ask("the thin ant?", extra)
+    };
+    let mut escalated = 0;
+    for seed in 0..6 {
+        let (_, full, _) = send(&s, sampled("full_recompute", seed)).await;
+        let (_, got, _) = send(&s, sampled("full_reuse", seed)).await;
+        let (full, got): (Value, Value) =
+            (serde_json::from_str(&full)?, serde_json::from_str(&got)?);
+        if got["reuse"]["guard"]["escalated"] == true {
+            escalated += 1;
+            assert_eq!(got["answer"], full["answer"], "seed {seed}");
+        }
+    }
+    eprintln!("{escalated} of 6 sampled answers escalated");
+    let reused = json!({"method": "full_reuse", "fidelity": "exact"});
+    let (_, exact, _) = send(&s, ask("the thin ant?", reused)).await;
+    let (_, full, _) = send(
+        &s,
+        ask("the thin ant?", json!({"method": "full_recompute"})),
+    )
+    .await;
+    let (exact, full): (Value, Value) =
+        (serde_json::from_str(&exact)?, serde_json::from_str(&full)?);
+    assert_eq!(exact["answer"], full["answer"]);
+    assert!(exact["verify"]["drafted"].is_number(), "{exact}");
+    assert_eq!(exact["reuse"]["guard"]["fidelity"], "exact");
+    let contradiction = json!({"verify": true, "fidelity": "fast"});
+    let (status, body, _) = send(&s, ask("the thin ant?", contradiction)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.contains("\"field\":\"fidelity\""), "{body}");
+    Ok(())
+}

@@ -117,11 +117,30 @@ impl Model {
     pub fn decode_stream(
         &self,
         cache: &mut KvCache,
-        mut logits: Vec<f32>,
+        logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
+        let (g, _) =
+            self.decode_watched(cache, logits, prefill_ms, params, on_text, &mut |_| false)?;
+        Ok(g)
+    }
+
+    /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
+    /// there; when it says so, generation ends before that token's text is handed out and the
+    /// second value is `true` (the caller takes over, e.g. the fidelity guard moving to the
+    /// full cache). The ids include the token that made `watch` stop.
+    pub fn decode_watched(
+        &self,
+        cache: &mut KvCache,
+        mut logits: Vec<f32>,
+        prefill_ms: f64,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        watch: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<(Generation, bool)> {
+        let mut watched = false;
         let tok = self.tokenizer();
         let mut sampler = Sampler::new(params.sampling);
         let mut ids = Vec::new();
@@ -138,6 +157,10 @@ impl Model {
             ids.push(next);
             if tok.is_end_of_generation(next) {
                 finish = FinishReason::Eos;
+                break;
+            }
+            if watch(&ids) {
+                watched = true;
                 break;
             }
             text = tok.decode(&ids, false);
@@ -176,11 +199,15 @@ impl Model {
         if finish == FinishReason::Eos {
             text = tok.decode(&ids, false);
         }
-        if finish != FinishReason::Cancelled && text.len() > sent && text.is_char_boundary(sent) {
+        if !watched
+            && finish != FinishReason::Cancelled
+            && text.len() > sent
+            && text.is_char_boundary(sent)
+        {
             on_text(&text[sent..]);
         }
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-        Ok(Generation {
+        let g = Generation {
             ids,
             text,
             prefill_ms,
@@ -190,6 +217,7 @@ impl Model {
                 0.0
             },
             finish,
-        })
+        };
+        Ok((g, watched))
     }
 }

@@ -17,6 +17,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+pub mod repetition;
 pub mod sampling;
 pub mod select;
 pub mod stop;
@@ -34,6 +35,7 @@ pub use generate::{
 };
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
+pub use repetition::LoopDetector;
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use select::{
     budget, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching, Random,

@@ -263,16 +263,7 @@ impl Model {
             draft_pending = out.ids.last().copied();
             drafts.clear();
             if params.mode == VerifyMode::FromFull {
-                while !out.eos && out.ids.len() < params.max_tokens {
-                    let (next, _) = self.verify_drafts(&mut f, &[])?;
-                    let Some(&t) = next.first() else { break };
-                    out.ids.push(t);
-                    out.eos = tok.is_end_of_generation(t);
-                    if !on_event(VerifyEvent::Commit { ids: vec![t] }) {
-                        out.cancelled = true;
-                        break;
-                    }
-                }
+                self.decode_full(&mut f, &mut out, params.max_tokens, on_event)?;
             }
             full = Some(f);
             if out.cancelled {
@@ -280,6 +271,78 @@ impl Model {
             }
         }
         Ok(out)
+    }
+
+    /// Greedy decoding from the full cache that keeps what a decode from an approximate cache
+    /// already produced, as far as the full cache agrees: `generated` is checked against the
+    /// full prefill `full` in verification passes, the agreeing prefix kept, the rest withdrawn
+    /// ([`VerifyEvent::Retract`]) and decoding goes on from the full cache ([`VerifyEvent::Commit`]
+    /// carries only the tokens after the kept prefix). The output equals greedy decoding from
+    /// the full prefill, token for token: the fidelity guard's way out of a reused cache.
+    pub fn continue_exact(
+        &self,
+        (cache, logits): (KvCache, Vec<f32>),
+        generated: &[u32],
+        max_tokens: usize,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<VerifiedGeneration> {
+        let t0 = Instant::now();
+        let tok = self.tokenizer();
+        let mut out = VerifiedGeneration::default();
+        let mut f = Full {
+            cache,
+            next: Some(argmax(&logits)),
+            pending: None,
+        };
+        let drafts = &generated[..generated.len().min(max_tokens)];
+        let (mut commit, agreed) = self.verify_drafts(&mut f, drafts)?;
+        out.drafted = drafts.len();
+        out.accepted = agreed;
+        out.rounds = 1;
+        out.corrected = usize::from(agreed < drafts.len());
+        out.full_ready_ms = 0.0;
+        let wrong = drafts.len() - agreed;
+        if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
+            out.cancelled = true;
+            return Ok(out);
+        }
+        commit.truncate(max_tokens);
+        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+            commit.truncate(at + 1);
+            out.eos = true;
+        }
+        out.ids = commit;
+        out.first_commit_ms = ms(t0);
+        let fresh = out.ids[agreed.min(out.ids.len())..].to_vec();
+        if !fresh.is_empty() && !on_event(VerifyEvent::Commit { ids: fresh }) {
+            out.cancelled = true;
+            return Ok(out);
+        }
+        self.decode_full(&mut f, &mut out, max_tokens, on_event)?;
+        Ok(out)
+    }
+
+    /// Greedy decode steps from the full cache until an end token or `max_tokens`, each
+    /// committed as it comes.
+    fn decode_full(
+        &self,
+        f: &mut Full,
+        out: &mut VerifiedGeneration,
+        max_tokens: usize,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<()> {
+        let tok = self.tokenizer();
+        while !out.eos && out.ids.len() < max_tokens {
+            let (next, _) = self.verify_drafts(f, &[])?;
+            let Some(&t) = next.first() else { break };
+            out.ids.push(t);
+            out.eos = tok.is_end_of_generation(t);
+            if !on_event(VerifyEvent::Commit { ids: vec![t] }) {
+                out.cancelled = true;
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// One decode step on `cache`: feeds `id` at the next position, returns the logits.

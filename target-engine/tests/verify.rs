@@ -130,6 +130,60 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
     }
 }
 
+/// The fidelity guard's continuation: whatever was decoded before (the full output's own
+/// prefix, a prefix that goes wrong, unrelated tokens, more than `max_tokens`), the result
+/// equals full recompute's greedy output, the agreeing prefix is kept, the rest withdrawn.
+#[test]
+fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
+    let (_d, m) = tiny();
+    let c = case(
+        &m,
+        &[
+            "the thin ant ran in the sand",
+            "a hint: the antenna is in the attic",
+        ],
+        "where is the antenna?",
+    );
+    let max = 40;
+    let want = reference(&m, &c.asm.ids, max);
+    let wrong = |t: u32| (t + 1) % 200;
+    let mut diverging = want[..5].to_vec();
+    diverging.extend(want[5..12].iter().map(|&t| wrong(t)));
+    let mut too_long = want.clone();
+    too_long.extend([1, 2, 3]);
+    let cases: Vec<(Vec<u32>, usize)> = vec![
+        (Vec::new(), 0),
+        (want[..10].to_vec(), 10),
+        (diverging, 5),
+        (want.iter().map(|&t| wrong(t)).take(8).collect(), 0),
+        (too_long, max),
+    ];
+    for (generated, agreeing) in cases {
+        let mut events = Vec::new();
+        let full = m.prefill(&c.asm.ids).expect("prefill");
+        let g = m
+            .continue_exact(full, &generated, max, &mut |e| {
+                events.push(e);
+                true
+            })
+            .expect("continue");
+        assert_eq!(g.ids, want, "after {generated:?}");
+        assert_eq!(g.accepted, agreeing, "after {generated:?}");
+        let withdrawn: usize = events
+            .iter()
+            .map(|e| match e {
+                VerifyEvent::Retract { n } => *n,
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(withdrawn, generated.len().min(max) - agreeing);
+        // The kept prefix plus what was committed is the whole output.
+        let mut stream = want[..agreeing].to_vec();
+        stream.extend(committed_from(&events));
+        assert_eq!(stream, want, "after {generated:?}");
+    }
+}
+
 #[test]
 fn verified_output_equals_full_recompute_with_bf16_attention() {
     if !kernels::AttentionPrecision::Bf16.supported() {

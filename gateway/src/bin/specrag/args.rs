@@ -234,6 +234,11 @@ pub struct ServeArgs {
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     pub spec_scores: ScoreSource,
+    /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
+    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop
+    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
+    #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
+    pub fidelity: gateway::fidelity::Fidelity,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
@@ -270,6 +275,12 @@ pub struct QueryArgs {
     /// Verify the answer equals full recompute's token for token.
     #[arg(long)]
     pub verify: bool,
+    /// How much quality the answer may trade for speed: `fast` (reuse as the method selects),
+    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop
+    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
+    #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
+    pub fidelity: gateway::fidelity::Fidelity,
+
     /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]

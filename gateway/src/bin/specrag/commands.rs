@@ -103,6 +103,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         temperature: Some(a.temperature),
         seed: Some(a.seed),
         verify: Some(a.verify),
+        fidelity: (!a.verify).then_some(a.fidelity),
         stream: None,
     }
     .validate()?;
@@ -123,6 +124,10 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
                 Piece::Token(t) | Piece::Commit(t) => print!("{t}"),
                 Piece::Draft(t) => eprint!("\x1b[2m{t}\x1b[0m"),
                 Piece::Retract(n) => eprint!("\x1b[2m[-{n}]\x1b[0m"),
+                Piece::Replace(t) => {
+                    eprint!("\n\x1b[2m[fidelity guard: the answer so far is replaced by the full cache's]\x1b[0m\n");
+                    print!("{t}");
+                }
             }
             let _ = std::io::stdout().flush();
         }
@@ -181,6 +186,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         max_connections: a.max_connections as usize,
         header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
         body_timeout: std::time::Duration::from_secs(a.body_timeout_secs),
+        fidelity: a.fidelity,
         speculator_kv: a.speculator_kv,
     };
     let state = gateway::server::AppState::new(Arc::new(pipeline), config);

@@ -1,0 +1,97 @@
+//! How much answer quality a request may trade for speed (`fidelity`), and what the fidelity
+//! guard measured and decided for it (`reuse.guard`).
+//!
+//! A fixed ρ cannot promise quality for the request in front of the user. The guard watches
+//! the request itself: today one exact signal, a decode from the reused cache that falls into
+//! a loop (a run of [`target_engine::repetition::DEFAULT_LOOP_TOKENS`] tokens repeated, as
+//! the README's demo question did under reuse and not under full recompute). When it fires,
+//! the full prefill of the same prompt is computed, the tokens decoded so far are checked
+//! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
+//! answer is the full-recompute answer and the user never sees a loop full recompute would
+//! not have produced.
+
+use serde::{Deserialize, Serialize};
+
+/// The quality a request asks for (`fidelity` in the API, `--fidelity` on the command line).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
+    utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum Fidelity {
+    /// Reuse as the method selects; no guard.
+    Fast,
+    /// Reuse, guarded: a decode that falls into a loop moves to the full cache and answers as
+    /// full recompute would (the default).
+    #[default]
+    Balanced,
+    /// Verified decoding: token for token the full-recompute answer (`verify: true`).
+    Exact,
+}
+
+impl Fidelity {
+    /// Every level, in the order of the API's documentation.
+    pub const ALL: [Fidelity; 3] = [Self::Fast, Self::Balanced, Self::Exact];
+
+    /// The API's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Fast => "fast",
+            Self::Balanced => "balanced",
+            Self::Exact => "exact",
+        }
+    }
+
+    /// The level an API or CLI name stands for.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == s)
+    }
+}
+
+/// What the fidelity guard measured and decided for one request (`reuse.guard`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GuardReport {
+    /// The request's fidelity.
+    pub fidelity: Fidelity,
+    /// The decode from the reused cache fell into a loop.
+    pub loop_detected: bool,
+    /// The request moved to the full cache (its answer is full recompute's).
+    pub escalated: bool,
+    /// Tokens decoded from the reused cache that the full cache agreed with and were kept.
+    pub kept_tokens: usize,
+    /// Tokens decoded from the reused cache that were withdrawn.
+    pub withdrawn_tokens: usize,
+    /// Time of the full prefill the escalation ran (0 without one, or from the context cache).
+    pub full_prefill_ms: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_through_parse_serde_and_clap() {
+        use clap::ValueEnum;
+        for f in Fidelity::ALL {
+            assert_eq!(Fidelity::parse(f.name()), Some(f));
+            assert_eq!(
+                serde_json::to_string(&f).ok(),
+                Some(format!("\"{}\"", f.name()))
+            );
+            let pv = f.to_possible_value().map(|v| v.get_name().to_string());
+            assert_eq!(pv.as_deref(), Some(f.name()));
+        }
+        assert_eq!(Fidelity::parse("lossless"), None);
+        assert_eq!(Fidelity::default(), Fidelity::Balanced);
+    }
+}
