@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Convert HotpotQA / 2WikiMultihopQA (distractor format) to the LongBench JSONL that
+`specrag-eval` reads, with a seeded sample of the questions.
+
+Input: a JSON-lines file (or a JSON list) of records in the HotpotQA shape shared by both
+datasets: `_id`, `question`, `answer`, `context` ([[title, [sentence, ...]], ...]) and
+`supporting_facts` ([[title, sentence index], ...]). Records without a context, with fewer
+than --min-passages passages or without an answer are left out before sampling.
+
+Output, one line per question, LongBench's fields (`input`, `context`, `answers`, `length`,
+`dataset`, `language`, `all_classes`, `_id`) plus `supporting` (the titles of the passages the
+answer needs). `context` is LongBench's passage layout: "Passage 1:\\n<title>\\n<text>\\n
+Passage 2:\\n...", which the harness splits back into one document per passage.
+
+Run once by hand from a fetched snapshot (see eval/data/README.md); nothing in the build or the
+tests runs it.
+
+    python3 scripts/convert_multihop.py --input hotpot.json --dataset hotpotqa \\
+        --sample 150 --seed 39 --out eval/data/hotpotqa.jsonl
+"""
+
+import argparse
+import ast
+import json
+import random
+import re
+import sys
+
+PASSAGE_HEADER = re.compile(r"^Passage \d+:$")
+
+
+def read_records(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def as_list(value):
+    """Some copies store nested lists as their Python repr; accept both."""
+    if isinstance(value, str):
+        return ast.literal_eval(value)
+    return value
+
+
+def paragraph_text(sentences):
+    """HotpotQA keeps each sentence's leading space, 2WikiMultihopQA does not."""
+    out = ""
+    for s in sentences:
+        if out and not s.startswith((" ", "\n")):
+            out += " "
+        out += s
+    return out.strip()
+
+
+def convert(rec, dataset):
+    context = as_list(rec.get("context") or [])
+    passages = []
+    for title, sentences in context:
+        body = paragraph_text(sentences)
+        if not body:
+            continue
+        lines = [title.strip()] + body.splitlines()
+        if any(PASSAGE_HEADER.match(line) for line in lines):
+            raise ValueError(f"{rec['_id']}: a passage line looks like a passage header")
+        passages.append((title.strip(), body))
+    supporting = sorted({t for t, _ in as_list(rec.get("supporting_facts") or [])})
+    ctx = "\n".join(
+        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
+    )
+    return {
+        "_id": f"{dataset}-{rec['_id']}",
+        "input": rec["question"].strip(),
+        "context": ctx,
+        "answers": [str(rec["answer"]).strip()],
+        "length": len(ctx.split()),
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "supporting": [t for t in supporting if any(t == p for p, _ in passages)],
+    }, len(passages)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--dataset", required=True, help="name written into each line")
+    ap.add_argument("--sample", type=int, default=150)
+    ap.add_argument("--seed", type=int, default=39)
+    ap.add_argument("--min-passages", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    usable = []
+    for rec in read_records(a.input):
+        if not rec.get("context") or not str(rec.get("answer", "")).strip():
+            continue
+        line, n = convert(rec, a.dataset)
+        if n >= a.min_passages and line["supporting"]:
+            usable.append(line)
+    if len(usable) < a.sample:
+        sys.exit(f"{a.input}: {len(usable)} usable records, fewer than --sample {a.sample}")
+    # Seeded sample, written in the source's order.
+    keep = sorted(random.Random(a.seed).sample(range(len(usable)), a.sample))
+    with open(a.out, "w", encoding="utf-8") as f:
+        for i in keep:
+            f.write(json.dumps(usable[i], ensure_ascii=False) + "\n")
+    print(f"{a.out}: {a.sample} of {len(usable)} usable records (seed {a.seed})")
+
+
+if __name__ == "__main__":
+    main()
