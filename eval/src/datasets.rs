@@ -330,6 +330,142 @@ pub fn load_longbench(path: &Path) -> Result<Vec<Case>, DatasetError> {
         .collect()
 }
 
+/// The passages of a LongBench multi-document context ("Passage 1:\n<title>\n<text>\n
+/// Passage 2:\n..."), each without its header line; a context without headers is one passage.
+pub fn split_passages(context: &str) -> Vec<String> {
+    let is_header = |l: &str| {
+        l.strip_prefix("Passage ")
+            .and_then(|r| r.strip_suffix(':'))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut out: Vec<Vec<&str>> = Vec::new();
+    for line in context.lines() {
+        if is_header(line.trim_end()) {
+            out.push(Vec::new());
+        } else if let Some(last) = out.last_mut() {
+            last.push(line);
+        } else {
+            out.push(vec![line]);
+        }
+    }
+    out.into_iter()
+        .map(|p| p.join("\n").trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
+/// LongBench JSONL of a multi-document QA task (`input`, `context`, `answers`, `_id`?,
+/// `supporting`?): each passage of the context becomes a document `<id>-p<n>` (its first line,
+/// the title, stays in its text), retrieved like any document. `supporting` (titles of the
+/// passages the answer needs, an addition of `scripts/convert_multihop.py`) names the gold
+/// documents.
+pub fn load_longbench_passages(path: &Path) -> Result<Vec<Case>, DatasetError> {
+    #[derive(Deserialize)]
+    struct Line {
+        input: String,
+        context: String,
+        answers: Vec<String>,
+        #[serde(default, rename = "_id")]
+        id: Option<String>,
+        #[serde(default)]
+        supporting: Vec<String>,
+    }
+    let name = path.display().to_string();
+    read_lines(path)?
+        .into_iter()
+        .map(|(n, l)| {
+            let line: Line = serde_json::from_str(&l).map_err(|e| DatasetError::Line {
+                path: name.clone(),
+                line: n,
+                message: format!("not a LongBench line ({e}); expected input, context, answers"),
+            })?;
+            has_answer(&name, n, &line.answers)?;
+            let id = line.id.unwrap_or_else(|| format!("line{n}"));
+            let documents: Vec<CaseDoc> = split_passages(&line.context)
+                .into_iter()
+                .enumerate()
+                .map(|(i, text)| CaseDoc {
+                    id: format!("{id}-p{}", i + 1),
+                    text,
+                })
+                .collect();
+            if documents.is_empty() {
+                return Err(DatasetError::Line {
+                    path: name.clone(),
+                    line: n,
+                    message: "`context` holds no passage".into(),
+                });
+            }
+            let gold = documents
+                .iter()
+                .filter(|d| {
+                    let title = d.text.lines().next().unwrap_or("").trim();
+                    line.supporting.iter().any(|s| s.trim() == title)
+                })
+                .map(|d| d.id.clone())
+                .collect();
+            Ok(Case {
+                documents,
+                gold,
+                id,
+                question: line.input,
+                answers: line.answers,
+                collection: None,
+            })
+        })
+        .collect()
+}
+
+/// Questions about a shared set of documents (`input`, `answers`, `_id`, `source`?: the id of
+/// the document that states the answer): every case carries `docs` and runs against the one
+/// collection `collection`, which the runner ingests once.
+pub fn load_doc_questions(
+    path: &Path,
+    docs: &[CaseDoc],
+    collection: &str,
+) -> Result<Vec<Case>, DatasetError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        input: String,
+        answers: Vec<String>,
+        #[serde(rename = "_id")]
+        id: String,
+        #[serde(default)]
+        source: Option<String>,
+    }
+    let name = path.display().to_string();
+    read_lines(path)?
+        .into_iter()
+        .map(|(n, l)| {
+            let bad = |message: String| DatasetError::Line {
+                path: name.clone(),
+                line: n,
+                message,
+            };
+            let line: Line = serde_json::from_str(&l).map_err(|e| {
+                bad(format!(
+                    "{e}; expected {{\"_id\", \"input\", \"answers\", \"source\"?}}"
+                ))
+            })?;
+            has_answer(&name, n, &line.answers)?;
+            if let Some(s) = &line.source {
+                if !docs.iter().any(|d| &d.id == s) {
+                    return Err(bad(format!("`source` {s} is not one of the documents")));
+                }
+            }
+            Ok(Case {
+                id: line.id,
+                question: line.input,
+                answers: line.answers,
+                documents: docs.to_vec(),
+                gold: line.source.into_iter().collect(),
+                collection: Some(collection.into()),
+            })
+        })
+        .collect()
+}
+
 /// `{"query", "answers", "collection"?}` JSONL, run against an ingested collection.
 pub fn load_queries(path: &Path, default_collection: &str) -> Result<Vec<Case>, DatasetError> {
     #[derive(Deserialize)]
@@ -460,6 +596,55 @@ mod tests {
             let rel = pos / (c.documents.len() - 1).max(1) as f64;
             assert!((rel - depth).abs() <= 0.35, "{}: at {rel}", c.id);
         }
+    }
+
+    #[test]
+    fn longbench_passages_become_documents() -> Result<(), Box<dyn std::error::Error>> {
+        assert_eq!(
+            split_passages("Passage 1:\nA\nfirst.\nPassage 2:\nB\nsecond.\n\nPassage x:\nstill B"),
+            vec!["A\nfirst.", "B\nsecond.\n\nPassage x:\nstill B"]
+        );
+        assert_eq!(
+            split_passages("no headers\nat all"),
+            vec!["no headers\nat all"]
+        );
+        let dir = tempfile::tempdir()?;
+        let lb = dir.path().join("lb.jsonl");
+        std::fs::write(
+            &lb,
+            "{\"input\":\"q?\",\"context\":\"Passage 1:\\nA\\none\\nPassage 2:\\nB\\ntwo\",\"answers\":[\"a\"],\"_id\":\"x\",\"supporting\":[\"B\"]}\n",
+        )?;
+        let c = &load_longbench_passages(&lb)?[0];
+        let ids: Vec<&str> = c.documents.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["x-p1", "x-p2"]);
+        assert_eq!(c.gold, ["x-p2"]);
+        std::fs::write(
+            &lb,
+            "{\"input\":\"q\",\"context\":\" \",\"answers\":[\"a\"]}\n",
+        )?;
+        let err = load_longbench_passages(&lb).expect_err("no passage");
+        assert!(err.to_string().contains("lb.jsonl:1: `context`"), "{err}");
+        let docs = [CaseDoc {
+            id: "README.md".into(),
+            text: "t".into(),
+        }];
+        let q = dir.path().join("q.jsonl");
+        std::fs::write(
+            &q,
+            "{\"_id\":\"d1\",\"input\":\"q?\",\"answers\":[\"a\"],\"source\":\"README.md\"}\n{\"_id\":\"d2\",\"input\":\"q?\",\"answers\":[\"a\"],\"source\":\"nope.md\"}\n",
+        )?;
+        let err = load_doc_questions(&q, &docs, "c").expect_err("unknown source");
+        assert!(err.to_string().contains("q.jsonl:2: `source`"), "{err}");
+        std::fs::write(
+            &q,
+            "{\"_id\":\"d1\",\"input\":\"q?\",\"answers\":[\"a\"],\"source\":\"README.md\"}\n",
+        )?;
+        let c = &load_doc_questions(&q, &docs, "c")?[0];
+        assert_eq!(
+            (c.gold.clone(), c.collection.as_deref()),
+            (vec!["README.md".to_string()], Some("c"))
+        );
+        Ok(())
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! answers and how much worse, the way SpecCache and CacheBlend report it.
 //!
 //! - [`datasets`]: seeded bridge-entity and needle cases, LongBench and query JSONL loaders.
+//! - [`real`]: the committed real-text datasets (multi-hop QA, questions on the docs) by name.
 //! - [`profiles`]: seeded multi-hop cases over long profiles, and lookups over alike records.
 //! - [`plan`]: the method configurations, pairings and the quick / default budgets.
 //! - [`run`]: ingestion of each case and its answers through `gateway::pipeline`, scored
@@ -19,6 +20,7 @@ pub mod metrics;
 pub mod plan;
 pub mod plot;
 pub mod profiles;
+pub mod real;
 pub mod report;
 pub mod run;
 pub mod stats;

@@ -72,7 +72,8 @@ struct Args {
     /// `large`) [default: a temporary one, removed after].
     #[arg(long, value_name = "DIR")]
     data: Option<PathBuf>,
-    /// Leave out the generated bridge and needle cases (run only --longbench / --queries).
+    /// Leave out the generated bridge and needle cases (run only --datasets / --longbench /
+    /// --queries).
     #[arg(long)]
     no_synthetic: bool,
     /// Skip the Poisson load test.
@@ -83,6 +84,13 @@ struct Args {
     /// read in document order.
     #[arg(long, value_name = "FILE")]
     longbench: Vec<PathBuf>,
+    /// Real-text datasets committed in eval/data (eval/data/README.md): `hotpotqa`,
+    /// `2wikimqa` (multi-hop QA, each passage a document) and `repo_docs` (questions on this
+    /// repository's docs, over the demo corpus). Retrieved as the server does (top 4 by BM25,
+    /// 512-token chunks); --limit caps each, --max-tokens bounds the answers.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES",
+          value_parser = clap::builder::PossibleValuesParser::new(eval::real::NAMES))]
+    datasets: Vec<String>,
     /// `{"query","answers","collection"?}` JSONL, run against --queries-data.
     #[arg(long, value_name = "FILE", requires = "queries_data")]
     queries: Option<PathBuf>,
@@ -134,7 +142,9 @@ struct Args {
     /// sweep's) still run on the first --sweep-cases cases only.
     #[arg(long, value_delimiter = ',', requires = "study")]
     study_configs: Vec<String>,
-    /// Run only these study datasets (`profiles`, `records`) [default: both].
+    /// Run only these study datasets: `profiles`, `records` (synthetic) and the real-text
+    /// `hotpotqa`, `2wikimqa`, `repo_docs` (see --datasets; at most --study-cases of each)
+    /// [default: profiles, records].
     #[arg(long, value_delimiter = ',', requires = "study")]
     study_datasets: Vec<String>,
     /// The configuration the study report compares with every baseline, head to head.
@@ -473,6 +483,13 @@ fn read_datasets(args: &Args, budget: &Budget) -> anyhow::Result<(Vec<Dataset>, 
             max_tokens: args.max_tokens as usize,
         });
     }
+    for name in &args.datasets {
+        sets.push(eval::real::dataset(
+            name,
+            args.limit.map(|n| n as usize),
+            args.max_tokens as usize,
+        )?);
+    }
     let queries = match &args.queries {
         Some(f) => Some(Dataset {
             name: format!("queries:{}", file_name(f)),
@@ -485,7 +502,9 @@ fn read_datasets(args: &Args, budget: &Budget) -> anyhow::Result<(Vec<Dataset>, 
         None => None,
     };
     if sets.is_empty() && queries.is_none() {
-        anyhow::bail!("nothing to evaluate: --no-synthetic without --longbench or --queries");
+        anyhow::bail!(
+            "nothing to evaluate: --no-synthetic without --datasets, --longbench or --queries"
+        );
     }
     let all_sets = || sets.iter().chain(queries.as_ref());
     if all_sets().all(|d| d.cases.is_empty()) {
@@ -589,7 +608,6 @@ impl PairingRun<'_> {
         let dir = self.data_root.join(pairing.name());
         let store = gateway::corpus::StoreOptions {
             codec: self.args.kv_codec,
-            remote: None,
             ..Default::default()
         };
         let corpus = Corpus::open_with(&dir, 1 << 30, &store)

@@ -84,7 +84,8 @@ pub fn collection_of(case: &Case) -> String {
 }
 
 /// Ingests the documents of every case of `ds` (cases that run against an existing collection
-/// bring none), each case into its own collection. `on_case` is called after each case.
+/// bring none), each case into its own collection; cases that share a named collection and
+/// bring its documents (`repo_docs`) ingest them once. `on_case` is called after each case.
 pub fn ingest(
     pipeline: &Pipeline,
     pairing: &str,
@@ -96,8 +97,13 @@ pub fn ingest(
         dataset: ds.name.clone(),
         ..Default::default()
     };
+    let mut shared = std::collections::HashSet::new();
     for case in &ds.cases {
-        if case.documents.is_empty() {
+        let again = case
+            .collection
+            .as_ref()
+            .is_some_and(|c| !shared.insert(c.clone()));
+        if case.documents.is_empty() || again {
             on_case();
             continue;
         }

@@ -18,9 +18,10 @@ const RHO: f64 = 0.15;
 /// The ratios of the sweep (besides the main one).
 const SWEEP: [f64; 4] = [0.05, 0.10, 0.25, 0.40];
 
-/// The study's datasets with `n` cases each.
-fn datasets(n: usize, seed: u64) -> Vec<Dataset> {
-    vec![
+/// The study's datasets with `n` cases each: the synthetic ones, and the real-text ones of
+/// `real` (at most `n` cases each).
+fn datasets(n: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Dataset>> {
+    let mut sets = vec![
         Dataset {
             name: "profiles".into(),
             cases: profile_cases(&ProfileParams {
@@ -45,7 +46,11 @@ fn datasets(n: usize, seed: u64) -> Vec<Dataset> {
             chunk_tokens: 512,
             max_tokens: study::MAX_TOKENS,
         },
-    ]
+    ];
+    for name in real {
+        sets.push(eval::real::dataset(name, Some(n), study::MAX_TOKENS)?);
+    }
+    Ok(sets)
 }
 
 /// `--study --render`: `<out>/study.md` from the answers in `from`, loading no model.
@@ -104,7 +109,6 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         let dir = data_root.join(pairing.name());
         let store = gateway::corpus::StoreOptions {
             codec: args.kv_codec,
-            remote: None,
             ..Default::default()
         };
         let corpus = Corpus::open_with(&dir, 1 << 30, &store)
@@ -124,7 +128,11 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
         );
         let wanted =
             |d: &Dataset| args.study_datasets.is_empty() || args.study_datasets.contains(&d.name);
-        for ds in datasets(n, args.seed).into_iter().filter(wanted) {
+        let real: Vec<&str> = eval::real::NAMES
+            .into_iter()
+            .filter(|r| args.study_datasets.iter().any(|d| d == r))
+            .collect();
+        for ds in datasets(n, args.seed, &real)?.into_iter().filter(wanted) {
             run_dataset(
                 &pipeline,
                 pairing.name(),
@@ -211,12 +219,19 @@ fn check_selection(args: &Args) -> anyhow::Result<()> {
             known.join(", ")
         );
     }
+    let known: Vec<&str> = ["profiles", "records"]
+        .into_iter()
+        .chain(eval::real::NAMES)
+        .collect();
     if let Some(bad) = args
         .study_datasets
         .iter()
-        .find(|d| !["profiles", "records"].contains(&d.as_str()))
+        .find(|d| !known.contains(&d.as_str()))
     {
-        anyhow::bail!("--study-datasets: unknown dataset `{bad}` (profiles, records)");
+        anyhow::bail!(
+            "--study-datasets: unknown dataset `{bad}` ({})",
+            known.join(", ")
+        );
     }
     // A named sweep configuration is not an error, but it runs on fewer cases than the main
     // ones: say so rather than leave a user wondering where its rows went.
@@ -273,6 +288,7 @@ fn run_dataset(
     let with_sweep = kept(with_sweep);
     let lines = !std::io::stderr().is_terminal();
     let b = bar(ds.cases.len() as u64, &format!("{pairing} {}", ds.name));
+    let mut ingested = HashSet::new();
     for (i, case) in ds.cases.iter().enumerate() {
         b.inc(1);
         let wanted = if i < sweep_cases { &with_sweep } else { &main };
@@ -295,7 +311,14 @@ fn run_dataset(
             cases: vec![case.clone()],
             ..ds.clone()
         };
-        run::ingest(pipeline, pairing, &one, &mut || {})?;
+        // A shared collection (`repo_docs`) is ingested with the first case that runs.
+        if case
+            .collection
+            .as_ref()
+            .is_none_or(|c| ingested.insert(c.clone()))
+        {
+            run::ingest(pipeline, pairing, &one, &mut || {})?;
+        }
         let (mut recs, ids) = study::run_case(pipeline, pairing, &one, case, &missing, run)?;
         recs.retain(|r| !have.contains(r.label.as_str()));
         study::append(&path, &recs)?;
