@@ -6,8 +6,8 @@
 use crate::datasets::Case;
 use crate::metrics::{self, RequestOutcome};
 use crate::run::{collection_of, Dataset};
+use gateway::http::{AppState, ServerConfig};
 use gateway::pipeline::{Answer, Method, Pipeline};
-use gateway::server::{AppState, ServerConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -116,8 +116,8 @@ pub fn run(
         anyhow::bail!("the load test needs at least one case");
     }
     let state = AppState::new(pipeline, ServerConfig::default());
-    gateway::server::runtime()?.block_on(async move {
-        let addr = gateway::server::spawn_loopback(state).await?;
+    gateway::http::runtime()?.block_on(async move {
+        let addr = gateway::http::spawn_loopback(state).await?;
         let mut out = Vec::new();
         for &(method, ratio) in &plan.methods {
             for (ri, &(factor, rate)) in plan.rates.iter().enumerate() {

@@ -169,6 +169,10 @@ struct Args {
 
 fn main() {
     gateway::process::init();
+    if let Err(e) = gateway::process::attention_from_env() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let args = Args::parse();
     match run_all(args) {
         Ok(true) => {}
@@ -182,8 +186,12 @@ fn main() {
 
 fn load_model(path: &Path) -> anyhow::Result<Arc<Model>> {
     eprintln!("loading {}", path.display());
-    let m = Model::load(path, &LoadOptions::default())
-        .with_context(|| format!("loading {}", path.display()))?;
+    // SPECRAG_ATTENTION, checked at startup.
+    let opts = LoadOptions {
+        attention: gateway::process::attention_from_env().map_err(anyhow::Error::msg)?,
+        ..LoadOptions::default()
+    };
+    let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
     Ok(Arc::new(m))
 }
 

@@ -3,8 +3,8 @@
 //! and what the server answers (`Answer` and its parts, documents, problems).
 
 use crate::error::{GatewayError, Result};
-use crate::pipeline::{Method, Query};
-use target_engine::FinishReason;
+use crate::method::Method;
+use crate::pipeline::Query;
 
 use serde::{Deserialize, Serialize};
 
@@ -484,102 +484,6 @@ pub struct Problem {
     pub field: Option<String>,
 }
 
-/// Where the time of one query went (milliseconds).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Timings {
-    pub retrieve_ms: f64,
-    /// Loading chunk KV (memory, disk, or recompute on a miss).
-    pub kv_load_ms: f64,
-    /// The speculator's pass (runs in parallel with the KV load).
-    pub speculate_ms: f64,
-    /// Selection (top-K, spans, budget) and mapping onto target tokens.
-    pub align_ms: f64,
-    /// Blended (or full) prefill, including a baseline's own selection.
-    pub prefill_ms: f64,
-    /// From the start of the request until the first token's logits are ready.
-    pub ttft_ms: f64,
-    pub decode_ms: f64,
-    pub total_ms: f64,
-}
-
-/// How much of the prompt was reused.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Reuse {
-    /// Chunk tokens in the prompt.
-    pub chunk_tokens: usize,
-    /// Chunk tokens the target recomputed.
-    pub recomputed_tokens: usize,
-    /// `recomputed_tokens / chunk_tokens` (0 with no chunks).
-    pub ratio: f64,
-    /// Chunks whose KV came from memory, from disk, or had to be computed now.
-    pub chunks_from_memory: usize,
-    pub chunks_from_disk: usize,
-    /// Chunks read from the remote tier (`--kv-remote`) because no local tier had them.
-    #[serde(default)]
-    pub chunks_from_remote: usize,
-    pub chunks_recomputed: usize,
-    /// What the fidelity guard measured and decided (absent in records written before it).
-    #[serde(default)]
-    pub guard: crate::fidelity::GuardReport,
-}
-
-/// A retrieved chunk as reported with the answer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct ChunkRef {
-    /// Chunk id (stable across re-ingestion of the same document).
-    pub id: String,
-    pub doc_id: String,
-    pub title: Option<String>,
-    /// BM25 score.
-    pub score: f32,
-    /// Position of the chunk within its document.
-    pub position: usize,
-    pub tokens: usize,
-    pub text: String,
-}
-
-/// The answer to a query.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Answer {
-    pub answer: String,
-    pub method: Method,
-    /// `eos`, `stop`, `length` or `cancelled`.
-    #[schema(value_type = String, example = "eos")]
-    pub finish_reason: FinishReason,
-    /// Generated tokens.
-    pub tokens: usize,
-    /// Tokens of the prompt (template, chunks, question).
-    #[serde(default)]
-    pub prompt_tokens: usize,
-    pub chunks: Vec<ChunkRef>,
-    pub timings: Timings,
-    pub reuse: Reuse,
-    /// With `verify: true`: what drafting and verification did. The answer is the
-    /// full-recompute answer token for token (with `temperature > 0` it is decoded from the
-    /// full cache: the same samples full recompute draws with that seed, nothing drafted).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub verify: Option<VerifyStats>,
-}
-
-/// What verification did: tokens drafted from the reused cache, accepted by the full cache,
-/// and corrected by it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct VerifyStats {
-    pub drafted: usize,
-    pub accepted: usize,
-    pub corrected: usize,
-    /// Verification passes over the full cache.
-    pub rounds: usize,
-    /// Mean drafted tokens accepted per pass.
-    pub mean_accepted: f64,
-    /// From the request's start to the first committed (final) token.
-    pub first_commit_ms: f64,
-    /// What the full prefill took (0 when the exact-context cache had it).
-    pub full_prefill_ms: f64,
-    /// The full cache of this exact context was already cached.
-    pub context_cache_hit: bool,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,7 +498,7 @@ mod tests {
     #[test]
     fn every_collection_pattern_in_the_openapi_document_is_the_one_constant() {
         // utoipa takes only literals in attributes: this keeps the copies equal.
-        let doc = crate::server::openapi_json_text();
+        let doc = crate::http::openapi_json_text();
         let copies = doc.matches("A-Za-z0-9._-").count();
         let exact = doc
             .matches(&COLLECTION_PATTERN.replace('\\', "\\\\"))

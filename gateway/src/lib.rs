@@ -9,6 +9,7 @@
 
 #![warn(clippy::too_many_lines, clippy::too_many_arguments)]
 
+pub mod answer;
 pub mod api;
 pub mod auth;
 pub mod client;
@@ -17,15 +18,14 @@ pub mod doclog;
 pub mod engine;
 pub mod error;
 pub mod fidelity;
+pub mod http;
 pub mod ingest;
 pub mod input;
 pub mod method;
 pub mod metrics;
 pub mod models;
-pub mod openai;
 pub mod pipeline;
 pub mod process;
-pub mod request_limits;
-pub mod server;
+pub mod replication;
 
 pub use error::{Fault, GatewayError, Result};

@@ -117,7 +117,7 @@ impl Metrics {
     }
 
     /// One answered query.
-    pub fn answer(&self, a: &crate::pipeline::Answer) {
+    pub fn answer(&self, a: &crate::answer::Answer) {
         self.with(|| {
             let method = a.method.name();
             metrics::histogram!(TTFT, "method" => method).record(a.timings.ttft_ms / 1e3);
@@ -236,7 +236,7 @@ mod tests {
         out
     }
 
-    fn answer(tokens: usize) -> crate::pipeline::Answer {
+    fn answer(tokens: usize) -> crate::answer::Answer {
         serde_json::from_value(serde_json::json!({
             "answer": "x", "method": "epic", "finish_reason": "eos", "tokens": tokens,
             "chunks": [], "timings": {"retrieve_ms": 1.0, "kv_load_ms": 1.0, "speculate_ms": 0.0,

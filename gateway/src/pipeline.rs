@@ -15,7 +15,7 @@ use target_engine::{
     SelectInput, VerifyEvent, VerifyMode, VerifyParams,
 };
 
-pub use crate::api::{Answer, ChunkRef, Reuse, Timings, VerifyStats};
+pub use crate::answer::{Answer, ChunkRef, Reuse, Timings, VerifyStats};
 pub use crate::method::{Method, SelectorInputs};
 
 /// Where SpecCache's scores come from.

@@ -41,18 +41,16 @@ pub fn init() {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = attention_precision_from_env() {
-        eprintln!("error: {e}");
-        std::process::exit(2);
-    }
 }
 
 /// The environment variable choosing the attention's precision (`f32`, the default, or `bf16`).
 pub const ATTENTION_VAR: &str = "SPECRAG_ATTENTION";
 
-/// Sets the precision models load with from [`ATTENTION_VAR`]: `f32` (the default) or `bf16`
-/// (AVX-512 BF16 products, ~1.5-2x faster attention at 8-bit mantissas; docs/performance.md).
-pub fn attention_precision_from_env() -> Result<(), String> {
+/// The attention precision [`ATTENTION_VAR`] names: `f32` (the default) or `bf16` (AVX-512
+/// BF16 products, ~1.5-2x faster attention at 8-bit mantissas; docs/performance.md), for the
+/// binaries to put into the `LoadOptions` of every model they load. An error names the variable
+/// and what it accepts, or that this CPU cannot run bf16.
+pub fn attention_from_env() -> Result<kernels::AttentionPrecision, String> {
     let p = match std::env::var(ATTENTION_VAR).as_deref() {
         Err(_) | Ok("" | "f32") => kernels::AttentionPrecision::F32,
         Ok("bf16") => kernels::AttentionPrecision::Bf16,
@@ -62,7 +60,12 @@ pub fn attention_precision_from_env() -> Result<(), String> {
             ))
         }
     };
-    kernels::set_default_attention_precision(p).map_err(|e| format!("{ATTENTION_VAR}={p:?}: {e}"))
+    if !p.supported() {
+        return Err(format!(
+            "{ATTENTION_VAR}={p:?} needs a CPU with AVX-512 BF16; this one has none"
+        ));
+    }
+    Ok(p)
 }
 
 /// Returns the heap's free pages to the system. Loading a model frees what it read from the

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{server, TestResult};
-use gateway::server::ServerConfig;
+use gateway::http::ServerConfig;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -46,7 +46,7 @@ async fn connections_are_capped_and_slow_clients_are_timed_out() -> TestResult {
             ..Default::default()
         },
     )?;
-    let addr = gateway::server::spawn_loopback(s).await?;
+    let addr = gateway::http::spawn_loopback(s).await?;
 
     // Two clients hold the two connections: one sends half a header, one nothing at all.
     let t0 = Instant::now();
@@ -115,7 +115,7 @@ async fn slow_bodies_are_answered_408_and_cannot_starve_the_server() -> TestResu
             ..Default::default()
         },
     )?;
-    let addr = gateway::server::spawn_loopback(s).await?;
+    let addr = gateway::http::spawn_loopback(s).await?;
     let t0 = Instant::now();
     let mut attackers = Vec::new();
     for i in 0..256 {
@@ -182,7 +182,7 @@ async fn slow_bodies_are_answered_408_and_cannot_starve_the_server() -> TestResu
 async fn oversized_and_malformed_requests_are_answered_as_problems() -> TestResult {
     let dir = tempfile::tempdir()?;
     let s = server(dir.path(), ServerConfig::default())?;
-    let addr = gateway::server::spawn_loopback(s).await?;
+    let addr = gateway::http::spawn_loopback(s).await?;
     let long_target = format!(
         "GET /health?x={} HTTP/1.1\r\nhost: {addr}\r\n\r\n",
         "a".repeat(9000)

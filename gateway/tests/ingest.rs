@@ -736,7 +736,6 @@ fn lossy_kv_is_keyed_apart_and_the_same_from_memory_or_disk() -> TestResult {
     );
     let store = gateway::corpus::StoreOptions {
         codec: chunkstore::Codec::Int4,
-        remote: None,
         ..Default::default()
     };
     let lossy = gateway::pipeline::Pipeline::new(

@@ -7,7 +7,7 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chunkstore::ChunkStore;
-use gateway::server::{app, AppState, ServerConfig};
+use gateway::http::{app, AppState, ServerConfig};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;

@@ -7,9 +7,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use gateway::corpus::{Corpus, Engines};
 use gateway::engine::{Job, QueryEvent};
+use gateway::http::{app, AppState, ServerConfig};
 use gateway::input::SourceDoc;
 use gateway::pipeline::{Pipeline, Query, ScoreSource};
-use gateway::server::{app, AppState, ServerConfig};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -538,7 +538,7 @@ async fn a_real_socket_answers_http() -> TestResult {
     let s = state(pipeline(dir.path())?, ServerConfig::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    tokio::spawn(gateway::server::serve_on(s, listener));
+    tokio::spawn(gateway::http::serve_on(s, listener));
     let body = json!({"query": "where is the antenna?", "max_tokens": 4}).to_string();
     let mut conn = tokio::net::TcpStream::connect(addr).await?;
     conn.write_all(
@@ -563,7 +563,7 @@ fn committed_openapi_document_is_current() -> TestResult {
     let committed = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json"),
     )?;
-    let current = gateway::server::openapi_json_text();
+    let current = gateway::http::openapi_json_text();
     assert!(
         committed.trim_end() == current.trim_end(),
         "docs/openapi.json is stale: run `cargo specrag openapi > docs/openapi.json`"

@@ -226,33 +226,6 @@ impl AttentionPrecision {
     }
 }
 
-/// The process's default attention precision: 0 = f32, 1 = bf16.
-static PRECISION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Sets the process's default attention precision ([`default_attention_precision`]), e.g. from
-/// a binary's configuration before models load. Refuses a precision this CPU cannot run.
-pub fn set_default_attention_precision(p: AttentionPrecision) -> Result<()> {
-    if !p.supported() {
-        return Err(crate::error::KernelError::Unsupported(format!(
-            "attention precision {p:?} needs a CPU with AVX-512 BF16; this one has none"
-        )));
-    }
-    PRECISION.store(
-        u8::from(p == AttentionPrecision::Bf16),
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    Ok(())
-}
-
-/// The precision a model loads with unless told otherwise (f32 until
-/// [`set_default_attention_precision`]). The kernels themselves take theirs as an argument.
-pub fn default_attention_precision() -> AttentionPrecision {
-    match PRECISION.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => AttentionPrecision::F32,
-        _ => AttentionPrecision::Bf16,
-    }
-}
-
 /// Computes `softmax(q kᵀ / sqrt(d)) v` causally by position in f32; returns
 /// `(n_q, n_head, head_dim)`. [`causal_attention_with`] chooses the precision.
 ///

@@ -15,8 +15,7 @@ pub mod rope;
 
 pub use attention::{
     attention_mass, attention_mass_reference, causal_attention, causal_attention_packed,
-    causal_attention_reference, causal_attention_with, default_attention_precision,
-    set_default_attention_precision, AttentionPrecision, AttentionShape, Bf16Kv,
+    causal_attention_reference, causal_attention_with, AttentionPrecision, AttentionShape, Bf16Kv,
 };
 pub use error::{KernelError, Result};
 pub use quant::{Isa, PackedMatrix, QMatrix, QType};

@@ -49,10 +49,9 @@ pub struct LoadOptions {
     /// kernels, which keep their own repacked copy beside the file's bytes: ~0.55x the 1.5B
     /// target's RSS, decode ~0.7x the time, prefill within noise (docs/performance.md).
     pub pack_k_quants: bool,
-    /// Precision of the attention products: f32, or bf16 on CPUs with AVX-512 BF16 (~1.5-2x
-    /// faster attention at 8-bit mantissas; head dimensions other than 64 and 128 stay f32).
-    /// Defaults to the process's ([`kernels::default_attention_precision`], which the
-    /// binaries set from `SPECRAG_ATTENTION`).
+    /// Precision of the attention products: f32 (the default), or bf16 on CPUs with AVX-512
+    /// BF16 (~1.5-2x faster attention at 8-bit mantissas; head dimensions other than 64 and
+    /// 128 stay f32). The binaries set it from `--attention` / `SPECRAG_ATTENTION`.
     pub attention: kernels::AttentionPrecision,
 }
 
@@ -66,7 +65,7 @@ impl Default for LoadOptions {
             decode_q8: true,
             packed: true,
             pack_k_quants: true,
-            attention: kernels::default_attention_precision(),
+            attention: kernels::AttentionPrecision::F32,
         }
     }
 }

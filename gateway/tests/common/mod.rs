@@ -2,8 +2,8 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 use gateway::corpus::{Corpus, Engines};
+use gateway::http::{AppState, ServerConfig};
 use gateway::pipeline::{Pipeline, ScoreSource};
-use gateway::server::{AppState, ServerConfig};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command};

@@ -88,6 +88,18 @@ pub enum Pairing {
 }
 
 impl ModelArgs {
+    /// How every model a command loads is loaded: `--candle-k-quants` and `--attention`.
+    pub fn load_options(&self) -> target_engine::LoadOptions {
+        target_engine::LoadOptions {
+            pack_k_quants: !self.candle_k_quants,
+            attention: match self.attention {
+                Attention::F32 => kernels::AttentionPrecision::F32,
+                Attention::Bf16 => kernels::AttentionPrecision::Bf16,
+            },
+            ..target_engine::LoadOptions::default()
+        }
+    }
+
     /// The default roles of the target and the speculator under `--pairing`.
     fn roles(&self) -> (Role, Role) {
         match self.pairing {

@@ -521,7 +521,7 @@ pub fn prefill_cmd(m: &ModelArgs, a: PrefillArgs) -> anyhow::Result<()> {
         paths.push(m.speculator_path()?);
     }
     for path in paths {
-        let model = load(&path)?;
+        let model = load(&path, m)?;
         let bar = spinner(String::new());
         let report = prefill_report(&model, &lengths, a.reps, a.decode_steps, |msg| {
             bar.set_message(format!("{}: {msg}", model.config().name))

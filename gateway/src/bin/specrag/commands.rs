@@ -177,7 +177,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     pipeline.verify_mode = a.verify_mode;
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
-    let config = gateway::server::ServerConfig {
+    let config = gateway::http::ServerConfig {
         api_keys,
         queue_capacity: a.queue as usize,
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
@@ -189,11 +189,11 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         fidelity: a.fidelity,
         speculator_kv: a.speculator_kv,
     };
-    let state = gateway::server::AppState::new(Arc::new(pipeline), config);
+    let state = gateway::http::AppState::new(Arc::new(pipeline), config);
     if let Some(log) = state.pipeline.corpus.doclog.clone() {
-        gateway::doclog::follow(state.engine.clone(), log);
+        gateway::replication::follow(state.engine.clone(), log);
     }
-    gateway::server::runtime()?.block_on(async move {
+    gateway::http::runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(a.addr)
             .await
             .with_context(|| format!("binding {}", a.addr))?;
@@ -201,7 +201,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
             "specrag listening on http://{} (API docs at /docs)",
             listener.local_addr()?
         );
-        gateway::server::serve_on(state, listener).await?;
+        gateway::http::serve_on(state, listener).await?;
         anyhow::Ok(())
     })
 }
@@ -268,13 +268,13 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         "      {} chunks, {} tokens ({} already stored) in {:.1} s",
         report.chunks, report.tokens, report.reused_chunks, report.seconds
     );
-    let state = gateway::server::AppState::new(Arc::new(pipeline), Default::default());
-    gateway::server::runtime()?.block_on(ask_demo_question(state, a))
+    let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
+    gateway::http::runtime()?.block_on(ask_demo_question(state, a))
 }
 
 /// The demo's question over HTTP to a loopback server, and the answer printed.
-async fn ask_demo_question(state: gateway::server::AppState, a: DemoArgs) -> anyhow::Result<()> {
-    let addr = gateway::server::spawn_loopback(state).await?;
+async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyhow::Result<()> {
+    let addr = gateway::http::spawn_loopback(state).await?;
     eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
     let body = json!({
         "query": a.question, "collection": "demo", "method": a.method.name(),

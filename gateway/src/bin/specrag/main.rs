@@ -22,7 +22,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 use std::path::Path;
 use std::sync::Arc;
-use target_engine::{LoadOptions, Model};
+use target_engine::Model;
 
 /// Exit code of a run that skipped some inputs.
 const EXIT_PARTIAL: i32 = 3;
@@ -30,16 +30,8 @@ const EXIT_PARTIAL: i32 = 3;
 fn main() {
     gateway::process::init();
     let cli = Cli::parse();
-    CANDLE_K_QUANTS.store(
-        cli.models.candle_k_quants,
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    let attention = match cli.models.attention {
-        args::Attention::F32 => kernels::AttentionPrecision::F32,
-        args::Attention::Bf16 => kernels::AttentionPrecision::Bf16,
-    };
-    if let Err(e) = kernels::set_default_attention_precision(attention) {
-        eprintln!("error: --attention: {e}");
+    if !cli.models.load_options().attention.supported() {
+        eprintln!("error: --attention bf16 needs a CPU with AVX-512 BF16; this one has none");
         std::process::exit(2);
     }
     if let Err(e) = run(cli) {
@@ -58,7 +50,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Query(a) => commands::query(m, a),
         Cmd::Ingest(a) => commands::ingest(m, a),
         Cmd::Openapi => {
-            println!("{}", gateway::server::openapi_json_text());
+            println!("{}", gateway::http::openapi_json_text());
             Ok(())
         }
         Cmd::TinyModels { dir } => tools::tiny_models(&dir),
@@ -72,16 +64,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// `--candle-k-quants`, for every model a command loads.
-static CANDLE_K_QUANTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Loads one model with a spinner.
-fn load(path: &Path) -> anyhow::Result<Model> {
+/// Loads one model with a spinner, as the model flags say (`--candle-k-quants`,
+/// `--attention`).
+fn load(path: &Path, m: &ModelArgs) -> anyhow::Result<Model> {
     let spinner = spinner(format!("loading {}", path.display()));
-    let opts = LoadOptions {
-        pack_k_quants: !CANDLE_K_QUANTS.load(std::sync::atomic::Ordering::Relaxed),
-        ..LoadOptions::default()
-    };
+    let opts = m.load_options();
     let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
     gateway::process::release_free_memory();
     spinner.finish_and_clear();
@@ -98,13 +85,13 @@ fn spinner(message: String) -> ProgressBar {
 
 /// The target the flags (or the default) name.
 fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
-    load(&m.target_path()?)
+    load(&m.target_path()?, m)
 }
 
 /// The target and the speculator the flags (or defaults) name.
 fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
     let target = load_target(m)?;
-    let spec = load(&m.speculator_path()?)?;
+    let spec = load(&m.speculator_path()?, m)?;
     Ok((target, Arc::new(spec)))
 }
 

@@ -5,10 +5,13 @@
 //! messages and earlier turns go after the retrieved chunks, as plain text before the
 //! question, never into the template prefix that chunk KV was precomputed after.
 
-use crate::api::{Answer, QueryRequest, MAX_QUERY_CHARS};
-use crate::engine::{Job, QueryEvent};
-use crate::error::{Fault, GatewayError};
-use crate::server::{ApiError, AppState, RequestId};
+use super::error::{ApiError, RequestId};
+use super::query::{await_answer, submit_query};
+use super::state::AppState;
+use crate::answer::Answer;
+use crate::api::{QueryRequest, MAX_QUERY_CHARS};
+use crate::engine::QueryEvent;
+use crate::error::Fault;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -18,7 +21,7 @@ use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokio_stream::StreamExt;
 
 /// Most characters of the system messages and earlier turns together: they are recomputed on
@@ -628,7 +631,7 @@ pub(crate) async fn chat_completions(
 ) -> Result<Response, OaiError> {
     let grant = authorize(&state, &headers)?;
     let Json(req) = body.map_err(|r| {
-        if crate::request_limits::is_body_timeout(&r) {
+        if super::error::is_body_timeout(&r) {
             return OaiError::from_api(ApiError::BodyTimeout, &id);
         }
         let status = match r.status() {
@@ -639,23 +642,8 @@ pub(crate) async fn chat_completions(
     })?;
     let query = to_query(&state, &req)?;
     let api = |e: ApiError| OaiError::from_api(e, &id);
-    crate::server::reach(&grant, &query.collection).map_err(api)?;
-    state
-        .pipeline
-        .check(&query)
-        .map_err(|e| api(ApiError::Gateway(e)))?;
     let verify = query.verify;
-    let deadline = Instant::now() + state.config.request_timeout;
-    let (tx, mut rx) = tokio::sync::mpsc::channel(crate::api::MAX_TOKENS as usize + 8);
-    crate::server::submit(
-        &state,
-        Job::Query {
-            query,
-            deadline,
-            events: tx,
-        },
-    )
-    .map_err(api)?;
+    let submitted = submit_query(&state, &grant, query).map_err(api)?;
     let meta = Meta {
         id: format!("chatcmpl-{:016x}", rand::random::<u64>()),
         created: unix_now(),
@@ -668,22 +656,10 @@ pub(crate) async fn chat_completions(
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
-        return Ok(stream_chunks(rx, meta, verify, include_usage));
+        return Ok(stream_chunks(submitted.rx, meta, verify, include_usage));
     }
-    let until = tokio::time::Instant::from_std(deadline + Duration::from_secs(1));
-    loop {
-        match tokio::time::timeout_at(until, rx.recv()).await {
-            Err(_) => return Err(api(ApiError::Deadline)),
-            Ok(None) => {
-                return Err(api(ApiError::Gateway(GatewayError::Internal(
-                    "a worker failed while running this request".into(),
-                ))))
-            }
-            Ok(Some(QueryEvent::Done(a))) => return Ok(completion(meta, &a)),
-            Ok(Some(QueryEvent::Failed(e))) => return Err(api(e.into())),
-            Ok(Some(_)) => {}
-        }
-    }
+    let answer = await_answer(submitted).await.map_err(api)?;
+    Ok(completion(meta, &answer))
 }
 
 /// What every object of one completion repeats.

@@ -17,7 +17,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 
-use crate::server::{ApiError, AppState};
+use super::error::{ApiError, BodyTimeout};
+use super::state::AppState;
 
 /// Longest request target (path and query) answered; longer gets 414.
 pub const MAX_URI_BYTES: usize = 8 * 1024;
@@ -27,23 +28,6 @@ pub const MAX_HEADERS: usize = 100;
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// hyper's own header count limit, above ours so that ours answers first.
 pub const HYPER_MAX_HEADERS: usize = 4 * MAX_HEADERS;
-
-/// The request body did not arrive within the server's body timeout.
-#[derive(Debug, thiserror::Error)]
-#[error("the request body was not received within {0:?}")]
-pub struct BodyTimeout(pub Duration);
-
-/// Whether `e` or an error below it is a [`BodyTimeout`].
-pub fn is_body_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.is::<BodyTimeout>() {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
-}
 
 /// A request body that fails with [`BodyTimeout`] once its deadline passes before its end,
 /// however slowly or steadily it trickles in.
@@ -185,6 +169,7 @@ pub fn hyper_status(e: &(dyn std::error::Error + 'static)) -> Option<u16> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::error::is_body_timeout;
     use super::*;
 
     #[test]

@@ -1,0 +1,92 @@
+//! What every handler shares: the server's settings and state.
+
+use crate::auth::ApiKey;
+use crate::engine::EngineHandle;
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Accepted bearer tokens and their reach; empty means no authentication.
+    pub api_keys: Vec<ApiKey>,
+    /// Jobs that may wait for the engine before requests are refused with 429.
+    pub queue_capacity: usize,
+    /// A request not finished within this time is answered 504 (and its work stopped).
+    pub request_timeout: Duration,
+    /// Most tokens one `POST /documents` may precompute (413 above).
+    pub max_request_tokens: usize,
+    /// Most tokens a collection may hold (413 for a request that would pass it).
+    pub max_collection_tokens: usize,
+    /// Most open connections; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// Time a client has to send a request's headers (and an idle connection stays open).
+    pub header_read_timeout: Duration,
+    /// Time a client has to send a request's body once its headers are in; a body not
+    /// received by then is answered 408 and the connection closed.
+    pub body_timeout: Duration,
+    /// Ingestion also stores the speculator's own chunk KV (`spec_attn` reads it).
+    pub speculator_kv: bool,
+    /// The fidelity of requests that do not say (`--fidelity`).
+    pub fidelity: crate::fidelity::Fidelity,
+}
+
+/// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
+/// Qwen-0.5B on 2 cores.
+pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;
+/// Default of [`ServerConfig::max_collection_tokens`]: ~50 GB of f16 KV for Qwen-0.5B.
+pub const DEFAULT_MAX_COLLECTION_TOKENS: usize = 4 * 1024 * 1024;
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: Vec::new(),
+            queue_capacity: 8,
+            request_timeout: Duration::from_secs(300),
+            max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
+            max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            speculator_kv: false,
+            fidelity: crate::fidelity::Fidelity::default(),
+        }
+    }
+}
+
+/// Shared state of every handler.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub pipeline: Arc<Pipeline>,
+    pub engine: EngineHandle,
+    pub metrics: Arc<Metrics>,
+    pub config: Arc<ServerConfig>,
+    /// When the server started, Unix seconds (`/v1/models`' `created`).
+    pub started_unix: u64,
+}
+
+impl AppState {
+    /// Starts the engine thread over `pipeline`.
+    pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Self {
+        let metrics = Arc::new(Metrics::default());
+        let engine = crate::engine::start(pipeline.clone(), config.queue_capacity, metrics.clone());
+        Self {
+            pipeline,
+            engine,
+            metrics,
+            config: Arc::new(config),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+}
+
+/// Largest `/rag/query` body (the question is at most 8192 characters).
+pub(crate) const QUERY_BODY_LIMIT: usize = 64 * 1024;
+/// Largest `/v1/chat/completions` body (the question, 16 Ki characters of earlier turns).
+pub(crate) const OPENAI_BODY_LIMIT: usize = 256 * 1024;
+/// Largest `/documents` body.
+pub(crate) const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;

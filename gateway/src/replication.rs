@@ -1,0 +1,116 @@
+//! Following the document log: a thread that applies, through the engine, every entry other
+//! nodes append (an ingestion that finds its KV in the remote tier, or a deletion). Apart
+//! from `doclog.rs` so the log itself (which the corpus holds) needs neither the engine nor
+//! ingestion.
+
+use crate::doclog::{DocLog, LogEntry};
+use std::time::Duration;
+
+/// Follows the log in a thread of its own: every entry another node appended is applied
+/// through the engine (an ingestion that finds its KV in the remote tier, or a deletion), then
+/// recorded as applied. Redis being away is retried every second.
+pub fn follow(engine: crate::engine::EngineHandle, log: std::sync::Arc<DocLog>) {
+    let spawned = std::thread::Builder::new()
+        .name("specrag-doclog".into())
+        .spawn(move || loop {
+            match log.read(Duration::from_secs(2)) {
+                Err(e) => {
+                    tracing::warn!("document log unavailable, retrying: {e}");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                Ok(entries) => {
+                    for (id, node, entry) in entries {
+                        if node != log.node() {
+                            if let Some(entry) = entry {
+                                apply(&engine, &id, entry);
+                            }
+                        }
+                        if let Err(e) = log.applied(&id) {
+                            tracing::error!("cannot record the document log position: {e}");
+                        }
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("cannot start the document log follower: {e}");
+    }
+}
+
+/// Submits `job` to the engine, waiting while its queue is full.
+fn submit(
+    engine: &crate::engine::EngineHandle,
+    mut make: impl FnMut() -> crate::engine::Job,
+) -> bool {
+    loop {
+        match engine.submit(make()) {
+            Ok(()) => return true,
+            Err(crate::engine::SubmitError::Busy) => std::thread::sleep(Duration::from_millis(200)),
+            Err(crate::engine::SubmitError::Stopped) => return false,
+        }
+    }
+}
+
+/// Applies one entry of another node; a failure is logged and the entry passed over (the log
+/// must not stall on one bad entry).
+fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
+    use crate::engine::Job;
+    match entry {
+        LogEntry::Put {
+            collection,
+            chunk_tokens,
+            docs,
+        } => {
+            let mut reply = None;
+            let sent = submit(engine, || {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                reply = Some(rx);
+                Job::Ingest {
+                    docs: docs.iter().map(|d| d.source(id)).collect(),
+                    cfg: crate::ingest::IngestConfig {
+                        collection: collection.clone(),
+                        chunk_tokens,
+                        log: false,
+                        ..Default::default()
+                    },
+                    reply: tx,
+                    progress: None,
+                }
+            });
+            match reply.filter(|_| sent).map(|r| r.blocking_recv()) {
+                Some(Ok(Ok((report, _)))) => tracing::info!(
+                    entry = id,
+                    documents = report.documents,
+                    reused = report.reused_chunks,
+                    "applied a document log entry"
+                ),
+                Some(Ok(Err(e))) => {
+                    tracing::warn!(entry = id, "document log entry not applied: {e}")
+                }
+                _ => tracing::warn!(
+                    entry = id,
+                    "document log entry not applied: the engine stopped"
+                ),
+            }
+        }
+        LogEntry::Delete {
+            collection,
+            id: doc,
+        } => {
+            let mut reply = None;
+            let sent = submit(engine, || {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                reply = Some(rx);
+                Job::Delete {
+                    collection: collection.clone(),
+                    id: doc.clone(),
+                    log: false,
+                    reply: tx,
+                }
+            });
+            if let Some(Ok(Err(e))) = reply.filter(|_| sent).map(|r| r.blocking_recv()) {
+                tracing::warn!(entry = id, "document log deletion not applied: {e}");
+            }
+        }
+    }
+}
