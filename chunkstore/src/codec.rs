@@ -22,7 +22,7 @@ const ZSTD_LEVEL: i32 = 1;
 pub enum Codec {
     /// Little-endian f16 values, K of every layer then V of every layer (format version 1's
     /// only payload; blobs written before codecs existed read as this). The default: measured
-    /// on real chunks, `lossless` saves ~5% and decodes ~4x slower (see the README).
+    /// on real chunks, `lossless` saves ~5% and decodes ~4x slower (see docs/usage.md, *Ingest*).
     #[default]
     Raw,
     /// The same values, channel-major, byte planes, zstd: bit-identical after decoding.

@@ -90,7 +90,7 @@ pub struct Query {
 /// The default ρ. The fidelity study found no selector, the oracle bound included, identical to
 /// full recompute in 80% of the multi-hop profile cases at ρ = 0.15; `target_probe` at 0.25 was
 /// the highest-identity setting whose median TTFT stays within 0.4 of full recompute's
-/// (README, "Results of the fidelity study").
+/// (docs/evaluation.md, "Results of the fidelity study").
 pub const DEFAULT_RATIO: f64 = 0.25;
 
 impl Default for Query {

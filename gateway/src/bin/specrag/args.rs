@@ -78,7 +78,7 @@ pub enum Attention {
     Bf16,
 }
 
-/// The default target/speculator pairs (README, *Models*).
+/// The default target/speculator pairs (docs/usage.md, *Models*).
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pairing {
     /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B.

@@ -1,0 +1,90 @@
+//! The README is a front door (issue 40): at most 15,000 characters, and every relative link in
+//! it and in the other documents resolves to a file of this repository (a clone has nothing
+//! beside it, so no link leaves the repository).
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The Markdown documents: README, ARCHITECTURE, CONTRIBUTING and everything under docs/.
+fn documents() -> Vec<PathBuf> {
+    let root = root();
+    let mut out: Vec<PathBuf> = ["README.md", "ARCHITECTURE.md", "CONTRIBUTING.md"]
+        .iter()
+        .map(|f| root.join(f))
+        .collect();
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("docs/ lists") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// The targets of the `[text](target)` links outside fenced code.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("](") {
+            let after = &rest[at + 2..];
+            let Some(end) = after.find(')') else { break };
+            out.push(after[..end].to_string());
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+#[test]
+fn the_readme_is_a_front_door() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    let chars = readme.chars().count();
+    assert!(
+        chars <= 15_000,
+        "README.md is {chars} characters; move details to docs/"
+    );
+}
+
+#[test]
+fn every_relative_link_resolves_inside_the_repository() {
+    let root = root().canonicalize().expect("the repository");
+    let mut broken = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).expect("a document");
+        if text.contains("../shared/") {
+            broken.push(format!(
+                "{}: links ../shared/, which a clone lacks",
+                doc.display()
+            ));
+        }
+        for target in links(&text) {
+            let path = target.split('#').next().unwrap_or_default();
+            if path.is_empty() || path.contains("://") || path.starts_with("mailto:") {
+                continue;
+            }
+            let resolved = doc.parent().unwrap_or(&root).join(path).canonicalize();
+            match resolved {
+                Ok(p) if p.starts_with(&root) => {}
+                _ => broken.push(format!("{}: {target}", doc.display())),
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
