@@ -9,6 +9,7 @@ use crate::datasets::Case;
 use crate::run::{self, Dataset};
 use crate::stats::{self, Interval, McNemar};
 use chunkstore::Codec;
+use gateway::fidelity::{Fidelity, GuardReport};
 use gateway::pipeline::{
     Method, Pipeline, Query, QueryOptions, Selected, Timings, Traced, VerifyStats,
 };
@@ -28,15 +29,41 @@ const RESAMPLES: usize = 2000;
 pub struct StudyConfig {
     pub method: Method,
     pub ratio: f64,
+    /// The request's fidelity; `fast` (the default, and every row written before the guard)
+    /// measures the selector as it selects.
+    #[serde(default = "fast", skip_serializing_if = "is_fast")]
+    pub fidelity: Fidelity,
+}
+
+fn fast() -> Fidelity {
+    Fidelity::Fast
+}
+
+fn is_fast(f: &Fidelity) -> bool {
+    *f == Fidelity::Fast
 }
 
 impl StudyConfig {
-    /// `method@ratio` (the ratio-free methods by name).
+    /// `method` at `ratio`, unguarded (`fidelity: fast`).
+    pub fn at(method: Method, ratio: f64) -> Self {
+        Self {
+            method,
+            ratio,
+            fidelity: Fidelity::Fast,
+        }
+    }
+
+    /// `method@ratio` (the ratio-free methods by name), then `:balanced` or `:exact` when the
+    /// configuration is not `fast`.
     pub fn label(&self) -> String {
-        if self.method.budgeted() {
+        let base = if self.method.budgeted() {
             format!("{}@{:.2}", self.method.name(), self.ratio)
         } else {
             self.method.name().to_string()
+        };
+        match self.fidelity {
+            Fidelity::Fast => base,
+            f => format!("{base}:{}", f.name()),
         }
     }
 
@@ -45,17 +72,21 @@ impl StudyConfig {
     ///
     /// [`label`]: StudyConfig::label
     pub fn parse(label: &str) -> Option<Self> {
-        let c = match label.split_once('@') {
-            Some((m, r)) => Self {
-                method: Method::parse(m).filter(Method::budgeted)?,
-                ratio: r.parse().ok().filter(|r| *r > 0.0 && *r <= 1.0)?,
-            },
+        let (base, fidelity) = match label.split_once(':') {
+            Some((b, f)) => (b, Fidelity::parse(f).filter(|f| *f != Fidelity::Fast)?),
+            None => (label, Fidelity::Fast),
+        };
+        let mut c = match base.split_once('@') {
+            Some((m, r)) => Self::at(
+                Method::parse(m).filter(Method::budgeted)?,
+                r.parse().ok().filter(|r| *r > 0.0 && *r <= 1.0)?,
+            ),
             None => {
-                let method = Method::parse(label).filter(|m| !m.budgeted())?;
-                let ratio = if method.is_full() { 1.0 } else { 0.0 };
-                Self { method, ratio }
+                let method = Method::parse(base).filter(|m| !m.budgeted())?;
+                Self::at(method, if method.is_full() { 1.0 } else { 0.0 })
             }
         };
+        c.fidelity = fidelity;
         (c.label() == label).then_some(c)
     }
 
@@ -79,16 +110,10 @@ fn raw_codec() -> String {
 /// The configurations every case runs at `ratio` (full recompute first): the bounds, the
 /// default method and the baselines it must beat.
 pub fn main_configs(ratio: f64) -> Vec<StudyConfig> {
-    let at = |method| StudyConfig { method, ratio };
+    let at = |method| StudyConfig::at(method, ratio);
     let mut out = vec![
-        StudyConfig {
-            method: Method::FullRecompute,
-            ratio: 1.0,
-        },
-        StudyConfig {
-            method: Method::FullReuse,
-            ratio: 0.0,
-        },
+        StudyConfig::at(Method::FullRecompute, 1.0),
+        StudyConfig::at(Method::FullReuse, 0.0),
     ];
     out.extend(
         [
@@ -112,7 +137,7 @@ pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
         Method::SpecAttnFull,
         Method::Speccache,
     ]
-    .map(|method| StudyConfig { method, ratio })
+    .map(|method| StudyConfig::at(method, ratio))
     .to_vec();
     for &ratio in ratios {
         for method in [
@@ -123,7 +148,7 @@ pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
             Method::Epic,
             Method::Speccache,
         ] {
-            out.push(StudyConfig { method, ratio });
+            out.push(StudyConfig::at(method, ratio));
         }
     }
     out
@@ -166,6 +191,9 @@ pub struct StudyRecord {
     /// (`--study-verify-mode`; rows written before it was recorded ran `full`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify_mode: Option<String>,
+    /// What the fidelity guard did (configurations that are not `fast`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guard: Option<GuardReport>,
 }
 
 /// A case's prompt as the target reads it in a full prefill (template, chunks, question), so
@@ -234,9 +262,9 @@ fn ask(
             order: ds.order,
             ..options
         },
-        // Selectors are measured as they select: the fidelity guard would answer some cases
-        // from the full cache.
-        fidelity: gateway::fidelity::Fidelity::Fast,
+        // Selectors are measured as they select (`fast`) unless the configuration names a
+        // fidelity (`target_probe@0.25:balanced`).
+        fidelity: config.fidelity,
         ..Default::default()
     };
     pipeline
@@ -329,6 +357,7 @@ pub fn run_case(
             verify: verified.as_ref().and_then(|v| v.answer.verify),
             verify_mode: verified.as_ref().map(|_| pipeline.verify_mode.to_string()),
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
+            guard: (config.fidelity != Fidelity::Fast).then_some(t.answer.reuse.guard),
         });
     }
     Ok((out, reference.prompt_ids))
@@ -842,7 +871,23 @@ mod tests {
         }
         let c = StudyConfig::parse("target_probe@0.30").expect("a ratio outside the sweep");
         assert_eq!((c.method, c.ratio), (Method::TargetProbe, 0.3));
+        let g = StudyConfig::parse("target_probe@0.25:balanced").expect("a guarded one");
+        assert_eq!(
+            (g.method, g.fidelity),
+            (Method::TargetProbe, Fidelity::Balanced)
+        );
+        assert_eq!(g.label(), "target_probe@0.25:balanced");
+        // Old rows (no fidelity) read as fast, and fast configurations write no fidelity.
+        let old: StudyConfig =
+            serde_json::from_str(r#"{"method":"epic","ratio":0.15}"#).expect("an old row");
+        assert_eq!(old, StudyConfig::at(Method::Epic, 0.15));
+        assert_eq!(
+            serde_json::to_string(&old).ok().as_deref(),
+            Some(r#"{"method":"epic","ratio":0.15}"#)
+        );
         for bad in [
+            "target_probe@0.25:fast",
+            "target_probe@0.25:lossless",
             "epic@0.2",
             "epic@1.50",
             "epic@0.00",
@@ -867,7 +912,7 @@ mod tests {
             pairing: "small".into(),
             dataset: dataset.into(),
             case: case.into(),
-            config: StudyConfig { method, ratio },
+            config: StudyConfig::at(method, ratio),
             label: label.into(),
             answer: String::new(),
             correct: identical,
@@ -883,6 +928,7 @@ mod tests {
             verify: None,
             verified_identical: None,
             verify_mode: None,
+            guard: None,
         }
     }
 
