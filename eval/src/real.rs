@@ -41,19 +41,9 @@ pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("data")
 }
 
-/// The demo corpus under `root`, as `specrag demo` lists it: README.md, ARCHITECTURE.md and
-/// docs/*.md (sorted), not the data reports under docs/.
+/// The demo corpus under `root`, as `specrag demo` lists it.
 pub fn demo_paths(root: &Path) -> Vec<PathBuf> {
-    let mut paths = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
-    if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
-        let mut md: Vec<PathBuf> = dir
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "md"))
-            .collect();
-        md.sort();
-        paths.extend(md);
-    }
-    paths
+    gateway::input::demo_paths(root)
 }
 
 /// The demo corpus as documents, ids and texts as `specrag demo` ingests them.

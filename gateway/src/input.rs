@@ -240,6 +240,21 @@ fn parse_json_line(line: &str) -> Result<(String, Option<String>, String), Strin
     Ok((id, doc.title.filter(|t| !t.trim().is_empty()), doc.text))
 }
 
+/// The demo corpus under `root` (`specrag demo`'s default documents, also the evaluation's
+/// `repo_docs`): README.md, ARCHITECTURE.md and docs/*.md, sorted.
+pub fn demo_paths(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut paths = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
+    if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
+        let mut md: Vec<std::path::PathBuf> = dir
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "md"))
+            .collect();
+        md.sort();
+        paths.extend(md);
+    }
+    paths
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

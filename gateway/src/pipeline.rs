@@ -816,14 +816,7 @@ impl Pipeline {
         } else {
             FinishReason::Length
         };
-        if let Some(at) = q
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| text.find(s.as_str()))
-            .min()
-        {
-            text.truncate(at);
+        if target_engine::generate::cut_at_stop(&mut text, &q.stop) {
             finish = FinishReason::Stop;
         }
         Ok(target_engine::Generation {

@@ -164,14 +164,7 @@ impl Model {
                 break;
             }
             text = tok.decode(&ids, false);
-            if let Some(at) = params
-                .stop
-                .iter()
-                .filter(|s| !s.is_empty())
-                .filter_map(|s| text.find(s.as_str()))
-                .min()
-            {
-                text.truncate(at);
+            if cut_at_stop(&mut text, &params.stop) {
                 finish = FinishReason::Stop;
                 break;
             }
@@ -220,4 +213,17 @@ impl Model {
         };
         Ok((g, watched))
     }
+}
+
+/// Cuts `text` before the first occurrence of any non-empty string of `stop`; whether it did.
+pub fn cut_at_stop(text: &mut String, stop: &[String]) -> bool {
+    let at = stop
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min();
+    if let Some(at) = at {
+        text.truncate(at);
+    }
+    at.is_some()
 }

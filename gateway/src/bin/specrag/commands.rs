@@ -8,7 +8,6 @@ use gateway::ingest::{IngestConfig, IngestReport};
 use gateway::pipeline::{Answer, Piece, ScoreSource};
 use serde_json::json;
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Memory tier of an ingestion run (blobs are written through to disk).
@@ -206,25 +205,10 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// The demo's corpus: README.md, ARCHITECTURE.md and the prose of `docs/` (`docs/*.md`), not
-/// its data reports (`docs/study`, `docs/results`: tables of numbers, half the tokens).
-fn demo_paths() -> Vec<PathBuf> {
-    let mut paths = vec![PathBuf::from("README.md"), PathBuf::from("ARCHITECTURE.md")];
-    if let Ok(dir) = std::fs::read_dir("docs") {
-        let mut md: Vec<PathBuf> = dir
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "md"))
-            .collect();
-        md.sort();
-        paths.extend(md);
-    }
-    paths
-}
-
 /// `specrag demo`: ingest, serve on loopback, ask over HTTP, print the answer.
 pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
     let paths = if a.paths.is_empty() {
-        demo_paths()
+        gateway::input::demo_paths(std::path::Path::new("."))
     } else {
         a.paths.clone()
     };
