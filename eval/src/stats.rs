@@ -202,6 +202,31 @@ pub fn kl_from_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     target_engine::fidelity::kl_divergence(p_logits, q_logits)
 }
 
+/// How sure a next-token distribution is: softmax probability of its most likely token minus
+/// that of the second (0 for fewer than two logits). A per-request signal the fidelity guard
+/// can read without a full prefill (issue 39).
+pub fn top2_margin(logits: &[f32]) -> f64 {
+    if logits.len() < 2 {
+        return 0.0;
+    }
+    let max = logits
+        .iter()
+        .map(|&x| f64::from(x))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let (mut first, mut second, mut sum) = (f64::NEG_INFINITY, f64::NEG_INFINITY, 0.0);
+    for &x in logits {
+        let x = f64::from(x);
+        sum += (x - max).exp();
+        if x > first {
+            second = first;
+            first = x;
+        } else if x > second {
+            second = x;
+        }
+    }
+    ((first - max).exp() - (second - max).exp()) / sum
+}
+
 /// −ln softmax(logits)[token] in nats (f64, log-sum-exp); NaN if `token` is out of range.
 pub fn nll_from_logits(logits: &[f32], token: usize) -> f64 {
     let Some(&t) = logits.get(token) else {
@@ -251,6 +276,15 @@ pub fn wilson(successes: usize, n: usize) -> Interval {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_top2_margin_is_the_gap_between_the_two_likeliest_tokens() {
+        assert!((top2_margin(&[0.0, 0.0]) - 0.0).abs() < 1e-12);
+        // softmax([ln 3, 0, 0]) = (0.6, 0.2, 0.2): margin 0.4, whatever the order.
+        let l = [0.0, 3f32.ln(), 0.0];
+        assert!((top2_margin(&l) - 0.4).abs() < 1e-6, "{}", top2_margin(&l));
+        assert_eq!(top2_margin(&[1.0]), 0.0);
+    }
 
     fn close(got: f64, want: f64, tol: f64) {
         assert!((got - want).abs() <= tol, "got {got}, want {want} ± {tol}");

@@ -194,6 +194,10 @@ pub struct StudyRecord {
     /// What the fidelity guard did (configurations that are not `fast`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard: Option<GuardReport>,
+    /// The first token's top-2 probability margin after this configuration's prefill (for full
+    /// recompute: how sure the reference is), a per-request signal for the guard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub margin_first: Option<f64>,
 }
 
 /// A case's prompt as the target reads it in a full prefill (template, chunks, question), so
@@ -358,6 +362,7 @@ pub fn run_case(
             verify_mode: verified.as_ref().map(|_| pipeline.verify_mode.to_string()),
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
             guard: (config.fidelity != Fidelity::Fast).then_some(t.answer.reuse.guard),
+            margin_first: Some(stats::top2_margin(&t.first_logits)),
         });
     }
     Ok((out, reference.prompt_ids))
@@ -929,6 +934,7 @@ mod tests {
             verified_identical: None,
             verify_mode: None,
             guard: None,
+            margin_first: None,
         }
     }
 
