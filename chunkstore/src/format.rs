@@ -169,94 +169,146 @@ fn get_f16s(bytes: &[u8]) -> Vec<f16> {
 /// shapes, in that order.
 pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
     let mut c = Cursor { bytes, pos: 0 };
-    let magic: [u8; 4] = c.array("magic")?;
-    if magic != MAGIC {
-        return Err(FormatError::ForeignMagic {
-            found: magic,
-            expected: MAGIC,
-        });
-    }
-    let version = u16::from_le_bytes(c.array("format version")?);
-    if version != FORMAT_VERSION {
-        return Err(FormatError::UnsupportedVersion {
-            found: version,
-            supported: FORMAT_VERSION,
-        });
-    }
-    let stored_crc = c.u32("header")?;
-    let dtype = u16::from_le_bytes(c.array("header")?);
-    let n_layer = c.u32("header")?;
-    let row = c.u32("header")?;
-    let n_tokens = c.u32("header")?;
-    let base_pos = c.u32("header")?;
-    let meta_len = c.u32("header")?;
-    let n_offsets = c.u32("header")?;
-    let n_values = c.u32("header")?;
-    let payload_len = u64::from_le_bytes(c.array("header")?);
-
-    // All in u64: the sum of u32 products and one u64 cannot overflow except via payload_len.
-    let total = (HEADER_LEN as u64
-        + u64::from(meta_len)
-        + u64::from(n_tokens) * 4
-        + u64::from(n_offsets) * 8
-        + u64::from(n_values) * 4)
-        .checked_add(payload_len)
-        .ok_or_else(|| FormatError::Shape(format!("payload length {payload_len} overflows")))?;
-    if (bytes.len() as u64) < total {
-        return Err(FormatError::Truncated {
-            what: "blob",
-            needed: total,
-            available: bytes.len(),
-        });
-    }
-    if bytes.len() as u64 > total {
-        return Err(FormatError::TrailingBytes {
-            expected: total,
-            actual: bytes.len(),
-        });
-    }
-    let computed = crc32fast::hash(&bytes[CRC_END..]);
-    if computed != stored_crc {
-        return Err(FormatError::ChecksumMismatch {
-            stored: stored_crc,
-            computed,
-        });
-    }
-    let Some(codec) = Codec::from_tag(dtype) else {
-        return Err(FormatError::UnsupportedDtype {
-            found: dtype,
-            expected: DTYPE_F16,
-        });
-    };
-    if n_layer > MAX_LAYERS {
-        return Err(FormatError::Shape(format!(
-            "{n_layer} layers, at most {MAX_LAYERS} supported"
-        )));
-    }
-    // Cannot overflow: each factor is at most 2^32 and n_layer at most 2^16.
-    let layer_bytes = u64::from(n_tokens) * u64::from(row) * 2;
-    let expected_payload = 2 * u64::from(n_layer) * layer_bytes;
-    if expected_payload > MAX_PAYLOAD {
-        return Err(FormatError::Shape(format!(
-            "payload of {expected_payload} bytes, at most {MAX_PAYLOAD} supported"
-        )));
-    }
-    if codec == Codec::Raw && payload_len != expected_payload {
-        return Err(FormatError::Shape(format!(
-            "payload holds {payload_len} bytes, expected 2 x {n_layer} layers x {n_tokens} tokens \
-             x row {row} x 2 bytes = {expected_payload}"
-        )));
-    }
-
+    let h = Header::read(&mut c)?;
+    let (codec, layer_bytes) = h.check(bytes)?;
     // Past the length check every section is in bounds and fits in usize.
-    let meta: Meta = serde_json::from_slice(c.take(meta_len as usize, "metadata")?)?;
+    let meta: Meta = serde_json::from_slice(c.take(h.meta_len as usize, "metadata")?)?;
     let ids = c
-        .take(n_tokens as usize * 4, "token ids")?
+        .take(h.n_tokens as usize * 4, "token ids")?
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
+    let scores = read_scores(&mut c, &h, meta.scores)?;
+    let (k, v) = read_payload(&mut c, &h, codec, layer_bytes)?;
+    let blob = KvBlob {
+        fingerprint: meta.fingerprint,
+        ids,
+        base_pos: h.base_pos,
+        mode: meta.mode,
+        row: h.row,
+        k,
+        v,
+        scores,
+    };
+    blob.validate()?;
+    Ok(blob)
+}
+
+/// The fixed-size header of a blob.
+struct Header {
+    stored_crc: u32,
+    dtype: u16,
+    n_layer: u32,
+    row: u32,
+    n_tokens: u32,
+    base_pos: u32,
+    meta_len: u32,
+    n_offsets: u32,
+    n_values: u32,
+    payload_len: u64,
+}
+
+impl Header {
+    /// Magic and version first (a foreign or newer blob says so), then the fields.
+    fn read(c: &mut Cursor<'_>) -> Result<Self, FormatError> {
+        let magic: [u8; 4] = c.array("magic")?;
+        if magic != MAGIC {
+            return Err(FormatError::ForeignMagic {
+                found: magic,
+                expected: MAGIC,
+            });
+        }
+        let version = u16::from_le_bytes(c.array("format version")?);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        Ok(Self {
+            stored_crc: c.u32("header")?,
+            dtype: u16::from_le_bytes(c.array("header")?),
+            n_layer: c.u32("header")?,
+            row: c.u32("header")?,
+            n_tokens: c.u32("header")?,
+            base_pos: c.u32("header")?,
+            meta_len: c.u32("header")?,
+            n_offsets: c.u32("header")?,
+            n_values: c.u32("header")?,
+            payload_len: u64::from_le_bytes(c.array("header")?),
+        })
+    }
+
+    /// Length, checksum, codec and shape checks against the whole blob `bytes`: the codec and
+    /// the bytes of one raw layer.
+    fn check(&self, bytes: &[u8]) -> Result<(Codec, u64), FormatError> {
+        let (n_layer, n_tokens, row) = (self.n_layer, self.n_tokens, self.row);
+        let payload_len = self.payload_len;
+        // All in u64: the sum of u32 products and one u64 cannot overflow except via payload_len.
+        let total = (HEADER_LEN as u64
+            + u64::from(self.meta_len)
+            + u64::from(n_tokens) * 4
+            + u64::from(self.n_offsets) * 8
+            + u64::from(self.n_values) * 4)
+            .checked_add(payload_len)
+            .ok_or_else(|| FormatError::Shape(format!("payload length {payload_len} overflows")))?;
+        if (bytes.len() as u64) < total {
+            return Err(FormatError::Truncated {
+                what: "blob",
+                needed: total,
+                available: bytes.len(),
+            });
+        }
+        if bytes.len() as u64 > total {
+            return Err(FormatError::TrailingBytes {
+                expected: total,
+                actual: bytes.len(),
+            });
+        }
+        let computed = crc32fast::hash(&bytes[CRC_END..]);
+        if computed != self.stored_crc {
+            return Err(FormatError::ChecksumMismatch {
+                stored: self.stored_crc,
+                computed,
+            });
+        }
+        let Some(codec) = Codec::from_tag(self.dtype) else {
+            return Err(FormatError::UnsupportedDtype {
+                found: self.dtype,
+                expected: DTYPE_F16,
+            });
+        };
+        if n_layer > MAX_LAYERS {
+            return Err(FormatError::Shape(format!(
+                "{n_layer} layers, at most {MAX_LAYERS} supported"
+            )));
+        }
+        // Cannot overflow: each factor is at most 2^32 and n_layer at most 2^16.
+        let layer_bytes = u64::from(n_tokens) * u64::from(row) * 2;
+        let expected_payload = 2 * u64::from(n_layer) * layer_bytes;
+        if expected_payload > MAX_PAYLOAD {
+            return Err(FormatError::Shape(format!(
+                "payload of {expected_payload} bytes, at most {MAX_PAYLOAD} supported"
+            )));
+        }
+        if codec == Codec::Raw && payload_len != expected_payload {
+            return Err(FormatError::Shape(format!(
+                "payload holds {payload_len} bytes, expected 2 x {n_layer} layers x {n_tokens} \
+                 tokens x row {row} x 2 bytes = {expected_payload}"
+            )));
+        }
+        Ok((codec, layer_bytes))
+    }
+}
+
+/// The speculator's scores section: offsets and values, with the metadata that names them.
+fn read_scores(
+    c: &mut Cursor<'_>,
+    h: &Header,
+    meta: Option<ScoresMeta>,
+) -> Result<Option<SpecScores>, FormatError> {
     let offsets: Vec<(u32, u32)> = c
-        .take(n_offsets as usize * 8, "score offsets")?
+        .take(h.n_offsets as usize * 8, "score offsets")?
         .chunks_exact(8)
         .map(|b| {
             (
@@ -266,27 +318,38 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
         })
         .collect();
     let values: Vec<f32> = c
-        .take(n_values as usize * 4, "score values")?
+        .take(h.n_values as usize * 4, "score values")?
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let scores = match meta.scores {
-        Some(s) => Some(SpecScores {
+    match meta {
+        Some(s) => Ok(Some(SpecScores {
             fingerprint: s.fingerprint,
             layers: s.layers,
             offsets,
             values,
-        }),
-        None if offsets.is_empty() && values.is_empty() => None,
-        None => {
-            return Err(FormatError::Shape(format!(
-                "{} score offsets and {} score values but no scores metadata",
-                offsets.len(),
-                values.len()
-            )))
-        }
-    };
-    let (k, v) = match codec {
+        })),
+        None if offsets.is_empty() && values.is_empty() => Ok(None),
+        None => Err(FormatError::Shape(format!(
+            "{} score offsets and {} score values but no scores metadata",
+            offsets.len(),
+            values.len()
+        ))),
+    }
+}
+
+/// One f16 vector per layer (K or V).
+type Layers = Vec<Vec<f16>>;
+
+/// The K and V payload per layer, decoded by `codec`.
+fn read_payload(
+    c: &mut Cursor<'_>,
+    h: &Header,
+    codec: Codec,
+    layer_bytes: u64,
+) -> Result<(Layers, Layers), FormatError> {
+    let (n_layer, n_tokens, row) = (h.n_layer as usize, h.n_tokens as usize, h.row as usize);
+    Ok(match codec {
         Codec::Raw => {
             let mut layers = |name| -> Result<Vec<Vec<f16>>, FormatError> {
                 (0..n_layer)
@@ -296,39 +359,16 @@ pub fn decode(bytes: &[u8]) -> Result<KvBlob, FormatError> {
             (layers("K payload")?, layers("V payload")?)
         }
         Codec::Lossless => {
-            let packed = c.take(payload_len as usize, "payload")?;
-            let mut all = codec::decompress(
-                packed,
-                2 * n_layer as usize,
-                n_tokens as usize,
-                row as usize,
-            )?;
-            let v = all.split_off(n_layer as usize);
+            let packed = c.take(h.payload_len as usize, "payload")?;
+            let mut all = codec::decompress(packed, 2 * n_layer, n_tokens, row)?;
+            let v = all.split_off(n_layer);
             (all, v)
         }
         Codec::Int8 | Codec::Int4 => {
-            let packed = c.take(payload_len as usize, "payload")?;
-            codec::dequantize(
-                packed,
-                n_layer as usize,
-                n_tokens as usize,
-                row as usize,
-                codec.bits().unwrap_or(8),
-            )?
+            let packed = c.take(h.payload_len as usize, "payload")?;
+            codec::dequantize(packed, n_layer, n_tokens, row, codec.bits().unwrap_or(8))?
         }
-    };
-    let blob = KvBlob {
-        fingerprint: meta.fingerprint,
-        ids,
-        base_pos,
-        mode: meta.mode,
-        row,
-        k,
-        v,
-        scores,
-    };
-    blob.validate()?;
-    Ok(blob)
+    })
 }
 
 /// Reads fields front to back; running out of bytes is a truncation naming the field.

@@ -12,8 +12,6 @@
 //! - [`metrics`], [`plot`]: LongBench's scoring and dependency-free charts (pure functions).
 //! - [`stats`]: paired bootstrap intervals, exact McNemar, Wilson intervals, logit KL / NLL.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 pub mod datasets;
 pub mod load;
 pub mod metrics;

@@ -2,8 +2,6 @@
 //! Poisson load through the real server. Writes `results.json`, `report.md` and SVG charts to
 //! `--out`.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use anyhow::Context as _;
 use clap::Parser;
 use eval::datasets::{self, BridgeParams, Case, NeedleParams};

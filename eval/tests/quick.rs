@@ -2,8 +2,6 @@
 //! structure and the ρ = 1 identity (every ρ = 1 configuration answers exactly as full
 //! recompute), not speed.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use eval::plan::Group;
 use eval::report::Results;
 use std::path::PathBuf;

@@ -2,8 +2,6 @@
 //! every configuration paired with full recompute, the sweep runs on the first cases, a run
 //! resumes where it stopped, and the report has its tables.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use eval::study::{self, PromptRecord, StudyRecord};
 use std::path::Path;
 use std::process::{Command, Output};

@@ -2,8 +2,6 @@
 //! quality): a LongBench-format file, then a query file against the data directory that run
 //! left behind, and a bad line named before any model loads.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use eval::report::Results;
 use std::path::Path;
 use std::process::{Command, Output};

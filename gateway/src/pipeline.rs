@@ -724,14 +724,14 @@ impl Pipeline {
         let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
         let detector = target_engine::LoopDetector::default();
         let mut cache = out.cache;
-        let (g, looped) = self.engines.target.decode_watched(
+        let (mut g, looped) = self.engines.target.decode_watched(
             &mut cache,
             out.logits,
-            timings.prefill_ms,
             &params,
             &mut |t| on_piece(Piece::Token(t)),
             &mut |ids| guarded && detector.fires(ids),
         )?;
+        g.prefill_ms = timings.prefill_ms;
         let stats = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,

@@ -2,8 +2,6 @@
 //! answered 503 at once) and a header-read timeout that frees the connections of slow or
 //! silent clients.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 mod common;
 
 use common::{server, TestResult};

@@ -6,8 +6,6 @@
 //!
 //! `SPECRAG_FUZZ_EXAMPLES` (default 40) sets schemathesis' examples per operation.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 mod common;
 
 use common::tiny_server;

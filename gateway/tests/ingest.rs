@@ -1,8 +1,6 @@
 //! `specrag ingest` end to end on tiny random models: bad inputs, crash durability (a real
 //! `kill -9`), and chunk loading from memory, disk, or recompute.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use chunkstore::ChunkStore;
 use gateway::corpus::{Corpus, Engines, Tier};
 use std::io::{BufRead, BufReader};

@@ -2,8 +2,6 @@
 //! 413 before model work, progress streamed as JSON lines, and queries answered between the
 //! chunks of a long ingestion.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chunkstore::ChunkStore;

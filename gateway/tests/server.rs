@@ -1,8 +1,6 @@
 //! The HTTP API on tiny random models: routes through `oneshot`, one test over a real socket,
 //! and the committed OpenAPI document.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use gateway::corpus::{Corpus, Engines};

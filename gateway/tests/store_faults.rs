@@ -8,8 +8,6 @@
 //!
 //! Real `specrag serve` on tiny random models, loopback only.
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 mod common;
 
 use common::{redis_server, run, serve, tiny_models, Server, BIN};

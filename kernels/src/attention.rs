@@ -75,6 +75,11 @@ impl AttentionShape {
 /// Softmax probabilities of query rows `start..start + rows` of head `h` over cache rows
 /// `0..kmax` (`kmax` = one past the furthest position of the tile), masked causally: a
 /// `rows x kmax` block. One GEMM for the scores, then an in-place masked softmax.
+#[allow(
+    clippy::too_many_lines,
+    clippy::too_many_arguments,
+    reason = "one tile of the masked softmax: GEMM, mask and normalisation share their row buffers; split, each part would re-walk the tile"
+)]
 fn tile_probs(
     q: &[f32],
     pos: &[usize],

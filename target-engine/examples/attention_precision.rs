@@ -11,6 +11,10 @@ use std::io::BufRead;
 use std::time::Instant;
 use target_engine::{GenerateParams, LoadOptions, Model};
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a measurement script that reads top to bottom: parse, run, print"
+)]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str, default: usize| -> Result<usize, Box<dyn std::error::Error>> {

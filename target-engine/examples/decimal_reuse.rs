@@ -82,6 +82,10 @@ fn decimal_margins(
     Ok(out)
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a measurement script that reads top to bottom: parse, run, print"
+)]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let model = args.first().ok_or("usage: decimal_reuse MODEL.gguf")?;

@@ -122,20 +122,20 @@ impl Model {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
-        let (g, _) =
-            self.decode_watched(cache, logits, prefill_ms, params, on_text, &mut |_| false)?;
+        let (mut g, _) = self.decode_watched(cache, logits, params, on_text, &mut |_| false)?;
+        g.prefill_ms = prefill_ms;
         Ok(g)
     }
 
     /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
     /// there; when it says so, generation ends before that token's text is handed out and the
     /// second value is `true` (the caller takes over, e.g. the fidelity guard moving to the
-    /// full cache). The ids include the token that made `watch` stop.
+    /// full cache). The ids include the token that made `watch` stop. The generation's
+    /// `prefill_ms` is 0: the caller timed its prefill.
     pub fn decode_watched(
         &self,
         cache: &mut KvCache,
         mut logits: Vec<f32>,
-        prefill_ms: f64,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32]) -> bool,
@@ -145,11 +145,7 @@ impl Model {
         let mut sampler = Sampler::new(params.sampling);
         let mut ids = Vec::new();
         let mut finish = FinishReason::Length;
-        let mut text = String::new();
-        // Bytes of `text` already handed to `on_text`.
-        let mut sent = 0usize;
-        // Longest stop string: text within that distance of the end may still become one.
-        let hold = params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut out = Streamed::new(&params.stop);
         let t0 = Instant::now();
         let mut steps = 0usize;
         while ids.len() < params.max_tokens {
@@ -163,47 +159,30 @@ impl Model {
                 watched = true;
                 break;
             }
-            text = tok.decode(&ids, false);
-            if cut_at_stop(&mut text, &params.stop) {
-                finish = FinishReason::Stop;
+            if let Some(end) = out.update(tok.decode(&ids, false), &params.stop, on_text) {
+                finish = end;
                 break;
-            }
-            if !text.ends_with('\u{FFFD}') {
-                let mut upto = text.len().saturating_sub(hold);
-                while !text.is_char_boundary(upto) {
-                    upto -= 1;
-                }
-                if upto > sent {
-                    if !on_text(&text[sent..upto]) {
-                        finish = FinishReason::Cancelled;
-                        break;
-                    }
-                    sent = upto;
-                }
             }
             if ids.len() == params.max_tokens {
                 break;
             }
             let pos = cache.len();
-            let out = self.forward(&[next], &[pos], cache, false)?;
-            logits = self.last_logits(&out)?;
+            let forward = self.forward(&[next], &[pos], cache, false)?;
+            logits = self.last_logits(&forward)?;
             steps += 1;
         }
         if finish == FinishReason::Eos {
-            text = tok.decode(&ids, false);
+            out.text = tok.decode(&ids, false);
         }
-        if !watched
-            && finish != FinishReason::Cancelled
-            && text.len() > sent
-            && text.is_char_boundary(sent)
-        {
-            on_text(&text[sent..]);
+        if !watched && finish != FinishReason::Cancelled {
+            out.flush(on_text);
         }
+        let text = out.text;
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
         let g = Generation {
             ids,
             text,
-            prefill_ms,
+            prefill_ms: 0.0,
             decode_ms_per_token: if steps > 0 {
                 decode_ms / steps as f64
             } else {
@@ -212,6 +191,61 @@ impl Model {
             finish,
         };
         Ok((g, watched))
+    }
+}
+
+/// A generation's text as it is handed out: held back while it may still become a stop string
+/// or ends inside a character, and cut at a stop string.
+struct Streamed {
+    text: String,
+    /// Bytes of `text` already handed out.
+    sent: usize,
+    /// Longest stop string: text within that distance of the end may still become one.
+    hold: usize,
+}
+
+impl Streamed {
+    fn new(stop: &[String]) -> Self {
+        Self {
+            text: String::new(),
+            sent: 0,
+            hold: stop.iter().map(|s| s.len()).max().unwrap_or(0),
+        }
+    }
+
+    /// Takes the text after a new token and hands out what is final; `Stop` when the text
+    /// reached a stop string (cut before it), `Cancelled` when the consumer said stop.
+    fn update(
+        &mut self,
+        text: String,
+        stop: &[String],
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Option<FinishReason> {
+        self.text = text;
+        if cut_at_stop(&mut self.text, stop) {
+            return Some(FinishReason::Stop);
+        }
+        if self.text.ends_with('\u{FFFD}') {
+            return None;
+        }
+        let mut upto = self.text.len().saturating_sub(self.hold);
+        while !self.text.is_char_boundary(upto) {
+            upto -= 1;
+        }
+        if upto > self.sent {
+            if !on_text(&self.text[self.sent..upto]) {
+                return Some(FinishReason::Cancelled);
+            }
+            self.sent = upto;
+        }
+        None
+    }
+
+    /// Hands out the rest.
+    fn flush(&self, on_text: &mut dyn FnMut(&str) -> bool) {
+        if self.text.len() > self.sent && self.text.is_char_boundary(self.sent) {
+            on_text(&self.text[self.sent..]);
+        }
     }
 }
 

@@ -70,6 +70,57 @@ impl Default for LoadOptions {
     }
 }
 
+/// A norm's weights, dequantized to f32.
+fn load_norm(f: &mut GgufFile, name: &str) -> Result<Tensor> {
+    Ok(f.tensor(name)?
+        .dequantize(&Device::Cpu)?
+        .to_dtype(DType::F32)?)
+}
+
+/// Every transformer block's weights (`blk.N.*`), each projection in the forms `opts` asks for.
+fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Result<Vec<Layer>> {
+    let bias = config.arch == Architecture::Qwen2;
+    let mut layers = Vec::with_capacity(config.n_layer);
+    for i in 0..config.n_layer {
+        let p = format!("blk.{i}");
+        layers.push(Layer {
+            attn_norm: load_norm(f, &format!("{p}.attn_norm.weight"))?,
+            wq: Linear::load(f, &format!("{p}.attn_q"), bias, opts)?,
+            wk: Linear::load(f, &format!("{p}.attn_k"), bias, opts)?,
+            wv: Linear::load(f, &format!("{p}.attn_v"), bias, opts)?,
+            wo: Linear::load(f, &format!("{p}.attn_output"), false, opts)?,
+            ffn_norm: load_norm(f, &format!("{p}.ffn_norm.weight"))?,
+            gate: Linear::load(f, &format!("{p}.ffn_gate"), false, opts)?,
+            up: Linear::load(f, &format!("{p}.ffn_up"), false, opts)?,
+            down: Linear::load(f, &format!("{p}.ffn_down"), false, opts)?,
+        });
+    }
+    Ok(layers)
+}
+
+/// The token embedding and the LM head (the same tensor when the file ties them).
+fn load_embeddings(f: &mut GgufFile, opts: &LoadOptions) -> Result<(Arc<Quant>, Arc<Quant>)> {
+    // A separate LM head leaves the embedding to lookups: no reason to repack it.
+    let tied = !f.has_tensor("output.weight");
+    let embed = Arc::new(Quant::new(
+        f.tensor("token_embd.weight")?,
+        opts.decode_q8,
+        opts.packed && tied,
+        opts.pack_k_quants,
+    )?);
+    let lm_head = if tied {
+        embed.clone()
+    } else {
+        Arc::new(Quant::new(
+            f.tensor("output.weight")?,
+            opts.decode_q8,
+            opts.packed,
+            opts.pack_k_quants,
+        )?)
+    };
+    Ok((embed, lm_head))
+}
+
 /// The attention head layout of a model.
 fn shape_of(c: &ModelConfig) -> AttentionShape {
     AttentionShape {
@@ -408,46 +459,9 @@ impl Model {
             config.head_dim,
             config.rope_theta,
         )?;
-        let bias = config.arch == Architecture::Qwen2;
-        let norm = |f: &mut GgufFile, name: &str| -> Result<Tensor> {
-            Ok(f.tensor(name)?
-                .dequantize(&Device::Cpu)?
-                .to_dtype(DType::F32)?)
-        };
-        let mut layers = Vec::with_capacity(config.n_layer);
-        for i in 0..config.n_layer {
-            let p = format!("blk.{i}");
-            layers.push(Layer {
-                attn_norm: norm(&mut f, &format!("{p}.attn_norm.weight"))?,
-                wq: Linear::load(&mut f, &format!("{p}.attn_q"), bias, opts)?,
-                wk: Linear::load(&mut f, &format!("{p}.attn_k"), bias, opts)?,
-                wv: Linear::load(&mut f, &format!("{p}.attn_v"), bias, opts)?,
-                wo: Linear::load(&mut f, &format!("{p}.attn_output"), false, opts)?,
-                ffn_norm: norm(&mut f, &format!("{p}.ffn_norm.weight"))?,
-                gate: Linear::load(&mut f, &format!("{p}.ffn_gate"), false, opts)?,
-                up: Linear::load(&mut f, &format!("{p}.ffn_up"), false, opts)?,
-                down: Linear::load(&mut f, &format!("{p}.ffn_down"), false, opts)?,
-            });
-        }
-        // A separate LM head leaves the embedding to lookups: no reason to repack it.
-        let tied = !f.has_tensor("output.weight");
-        let embed = Arc::new(Quant::new(
-            f.tensor("token_embd.weight")?,
-            opts.decode_q8,
-            opts.packed && tied,
-            opts.pack_k_quants,
-        )?);
-        let lm_head = if tied {
-            embed.clone()
-        } else {
-            Arc::new(Quant::new(
-                f.tensor("output.weight")?,
-                opts.decode_q8,
-                opts.packed,
-                opts.pack_k_quants,
-            )?)
-        };
-        let output_norm = norm(&mut f, "output_norm.weight")?;
+        let layers = load_layers(&mut f, &config, opts)?;
+        let (embed, lm_head) = load_embeddings(&mut f, opts)?;
+        let output_norm = load_norm(&mut f, "output_norm.weight")?;
         // Many-row forwards stay on int8 when every layer's format has a tiled int8 kernel
         // that is exact per row (the k-quants): ~2x the f32 panels' prefill speed on the 1.5B
         // target. A model with any other format keeps f32 panels for all of them, because

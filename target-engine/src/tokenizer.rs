@@ -251,36 +251,23 @@ impl Tokenizer {
             f.get("tokenizer.ggml.add_bos_token"),
             Some(Value::Bool(true))
         );
-        Self::build(
+        Self::build(Parts {
             pre_name,
             pre,
             tokens,
             types,
-            &merge_list,
-            opt_id("tokenizer.ggml.bos_token_id"),
-            opt_id("tokenizer.ggml.eos_token_id"),
+            merges: &merge_list,
+            bos: opt_id("tokenizer.ggml.bos_token_id"),
+            eos: opt_id("tokenizer.ggml.eos_token_id"),
             add_bos,
-        )
+        })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn build(
-        pre_name: String,
-        pre: Vec<PreSplit>,
-        tokens: Vec<String>,
-        types: Vec<TokenType>,
-        merge_list: &[&str],
-        bos: Option<u32>,
-        eos: Option<u32>,
-        add_bos: bool,
-    ) -> Result<Self> {
+    /// The tokenizer of a vocabulary, its types and merges as a GGUF file lists them.
+    fn build(p: Parts<'_>) -> Result<Self> {
         let alphabet = byte_alphabet();
-        let inverse: HashMap<char, u8> = alphabet
-            .iter()
-            .enumerate()
-            .map(|(b, &c)| (c, b as u8))
-            .collect();
-        let vocab: HashMap<&str, u32> = tokens
+        let vocab: HashMap<&str, u32> = p
+            .tokens
             .iter()
             .enumerate()
             .map(|(i, t)| (t.as_str(), i as u32))
@@ -298,70 +285,30 @@ impl Tokenizer {
                 "vocabulary is not byte-level: most byte symbols are missing".into(),
             ));
         }
-        let mut merges = HashMap::with_capacity(merge_list.len());
-        for (rank, m) in merge_list.iter().enumerate() {
-            let Some((l, r)) = m.split_once(' ') else {
-                return Err(EngineError::Tokenizer(format!(
-                    "merge {rank} `{m}` has no space"
-                )));
-            };
-            if let (Some(&li), Some(&ri), Some(&mi)) = (
-                vocab.get(l),
-                vocab.get(r),
-                vocab.get(format!("{l}{r}").as_str()),
-            ) {
-                merges.entry((li, ri)).or_insert((rank as u32, mi));
-            }
-        }
-        let token_bytes = tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, ty)| match ty {
-                TokenType::Normal | TokenType::Byte | TokenType::Unknown => t
-                    .chars()
-                    .flat_map(|c| match inverse.get(&c) {
-                        Some(&b) => vec![b],
-                        None => c.to_string().into_bytes(),
-                    })
-                    .collect(),
-                _ => t.as_bytes().to_vec(),
-            })
-            .collect();
-        let mut specials: Vec<u32> = (0..tokens.len() as u32)
+        let merges = merge_ranks(&vocab, p.merges)?;
+        let token_bytes = token_bytes(&alphabet, &p.tokens, &p.types);
+        let mut specials: Vec<u32> = (0..p.tokens.len() as u32)
             .filter(|&i| {
                 matches!(
-                    types[i as usize],
+                    p.types[i as usize],
                     TokenType::Control | TokenType::UserDefined
-                ) && !tokens[i as usize].is_empty()
+                ) && !p.tokens[i as usize].is_empty()
             })
             .collect();
-        specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
-        const END_OF_GENERATION: [&str; 6] = [
-            "<|im_end|>",
-            "<|endoftext|>",
-            "<|eot_id|>",
-            "<|end|>",
-            "<end_of_turn>",
-            "<|end_of_text|>",
-        ];
-        let mut eog: HashSet<u32> = eos.into_iter().collect();
-        for (i, t) in tokens.iter().enumerate() {
-            if END_OF_GENERATION.contains(&t.as_str()) && types[i] == TokenType::Control {
-                eog.insert(i as u32);
-            }
-        }
+        specials.sort_by_key(|&i| std::cmp::Reverse(p.tokens[i as usize].len()));
+        let eog = end_of_generation(p.eos, &p.tokens, &p.types);
         Ok(Self {
-            pre_name,
-            pre,
-            token_text: tokens,
+            pre_name: p.pre_name,
+            pre: p.pre,
+            token_text: p.tokens,
             token_bytes,
-            types,
+            types: p.types,
             merges,
             byte_token,
             specials,
-            bos,
-            eos,
-            add_bos,
+            bos: p.bos,
+            eos: p.eos,
+            add_bos: p.add_bos,
             eog,
         })
     }
@@ -634,6 +581,87 @@ struct Candidate {
     merged: u32,
 }
 
+/// What a tokenizer is built from (a GGUF file's tokenizer metadata).
+struct Parts<'a> {
+    pre_name: String,
+    pre: Vec<PreSplit>,
+    tokens: Vec<String>,
+    types: Vec<TokenType>,
+    /// `"left right"` pairs, best first.
+    merges: &'a [&'a str],
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+}
+
+/// The merges as `(left, right) -> (rank, merged id)`; pairs naming tokens the vocabulary
+/// lacks are skipped, and the first rank of a pair listed twice wins.
+fn merge_ranks(
+    vocab: &HashMap<&str, u32>,
+    merge_list: &[&str],
+) -> Result<HashMap<(u32, u32), (u32, u32)>> {
+    let mut merges = HashMap::with_capacity(merge_list.len());
+    for (rank, m) in merge_list.iter().enumerate() {
+        let Some((l, r)) = m.split_once(' ') else {
+            return Err(EngineError::Tokenizer(format!(
+                "merge {rank} `{m}` has no space"
+            )));
+        };
+        if let (Some(&li), Some(&ri), Some(&mi)) = (
+            vocab.get(l),
+            vocab.get(r),
+            vocab.get(format!("{l}{r}").as_str()),
+        ) {
+            merges.entry((li, ri)).or_insert((rank as u32, mi));
+        }
+    }
+    Ok(merges)
+}
+
+/// The bytes each token stands for: byte-level symbols mapped back through `alphabet` for
+/// ordinary tokens, the text itself for control and user-defined ones.
+fn token_bytes(alphabet: &[char], tokens: &[String], types: &[TokenType]) -> Vec<Vec<u8>> {
+    let inverse: HashMap<char, u8> = alphabet
+        .iter()
+        .enumerate()
+        .map(|(b, &c)| (c, b as u8))
+        .collect();
+    tokens
+        .iter()
+        .zip(types)
+        .map(|(t, ty)| match ty {
+            TokenType::Normal | TokenType::Byte | TokenType::Unknown => t
+                .chars()
+                .flat_map(|c| match inverse.get(&c) {
+                    Some(&b) => vec![b],
+                    None => c.to_string().into_bytes(),
+                })
+                .collect(),
+            _ => t.as_bytes().to_vec(),
+        })
+        .collect()
+}
+
+/// The tokens that end a generation: the EOS token and the control tokens chat templates end
+/// a turn with.
+fn end_of_generation(eos: Option<u32>, tokens: &[String], types: &[TokenType]) -> HashSet<u32> {
+    const END_OF_GENERATION: [&str; 6] = [
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|eot_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|end_of_text|>",
+    ];
+    let mut eog: HashSet<u32> = eos.into_iter().collect();
+    for (i, t) in tokens.iter().enumerate() {
+        if END_OF_GENERATION.contains(&t.as_str()) && types[i] == TokenType::Control {
+            eog.insert(i as u32);
+        }
+    }
+    eog
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -661,16 +689,16 @@ mod tests {
         let merges = ["h e", "l l", "ll o", "he llo", &format!("{space} w")];
         let pre =
             vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
-        Tokenizer::build(
-            "qwen2".into(),
+        Tokenizer::build(Parts {
+            pre_name: "qwen2".into(),
             pre,
             tokens,
             types,
-            &merges,
-            None,
-            None,
-            false,
-        )
+            merges: &merges,
+            bos: None,
+            eos: None,
+            add_bos: false,
+        })
         .expect("tiny tokenizer builds")
     }
 
@@ -744,16 +772,16 @@ mod tests {
         let merges: Vec<&str> = merges.iter().map(String::as_str).collect();
         let pre =
             vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
-        Tokenizer::build(
-            "qwen2".into(),
+        Tokenizer::build(Parts {
+            pre_name: "qwen2".into(),
             pre,
             tokens,
             types,
-            &merges,
-            None,
-            None,
-            false,
-        )
+            merges: &merges,
+            bos: None,
+            eos: None,
+            add_bos: false,
+        })
         .expect("overlapping tokenizer builds")
     }
 

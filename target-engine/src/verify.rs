@@ -125,6 +125,35 @@ impl VerifiedGeneration {
     }
 }
 
+/// The draft side of a verification: the reused cache and its last logits, the drafts not
+/// yet verified, and the last committed token when it is not yet fed to the draft cache.
+struct Draft {
+    /// When the verified generation started (for `first_commit_ms`).
+    t0: Instant,
+    cache: KvCache,
+    logits: Vec<f32>,
+    drafts: Vec<u32>,
+    pending: Option<u32>,
+    prompt_len: usize,
+}
+
+/// The full prefill as it arrives from its thread, checked against the prompt's length.
+fn receive_full(r: Option<Result<(KvCache, Vec<f32>)>>, prompt_len: usize) -> Result<Full> {
+    let (cache, logits) =
+        r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
+    if cache.len() != prompt_len {
+        return Err(EngineError::Internal(format!(
+            "full prefill has {} rows, the draft {prompt_len}",
+            cache.len()
+        )));
+    }
+    Ok(Full {
+        cache,
+        next: Some(argmax(&logits)),
+        pending: None,
+    })
+}
+
 /// The full cache during verification. Its rows are exact up to `cache.len()`; then either
 /// `next` is the full cache's greedy token for the next position, or `pending` is a committed
 /// token not yet fed (exactly one of them is set).
@@ -159,62 +188,33 @@ impl Model {
     /// (started as early as the caller can, e.g. before the chunk KV is even loaded).
     pub fn verified_generate_from(
         &self,
-        (mut dcache, mut dlogits): (KvCache, Vec<f32>),
+        (cache, logits): (KvCache, Vec<f32>),
         rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration> {
         let t0 = Instant::now();
-        let tok = self.tokenizer();
-        let prompt_len = dcache.len();
-        let mut out = VerifiedGeneration::default();
-        let mut drafts: Vec<u32> = Vec::new();
-        // The last committed token, not yet fed to the draft cache.
-        let mut draft_pending: Option<u32> = None;
-        let mut full: Option<Full> = None;
-        let receive = |r: Option<Result<(KvCache, Vec<f32>)>>| -> Result<Full> {
-            let (cache, logits) =
-                r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
-            if cache.len() != prompt_len {
-                return Err(EngineError::Internal(format!(
-                    "full prefill has {} rows, the draft {prompt_len}",
-                    cache.len()
-                )));
-            }
-            Ok(Full {
-                cache,
-                next: Some(argmax(&logits)),
-                pending: None,
-            })
+        let mut d = Draft {
+            t0,
+            prompt_len: cache.len(),
+            cache,
+            logits,
+            drafts: Vec::new(),
+            pending: None,
         };
+        let mut out = VerifiedGeneration::default();
+        let mut full: Option<Full> = None;
         while !out.eos && out.ids.len() < params.max_tokens {
             if full.is_none() {
                 if let Ok(r) = rx.try_recv() {
-                    full = Some(receive(Some(r))?);
+                    full = Some(receive_full(Some(r), d.prompt_len)?);
                     out.full_ready_ms = ms(t0);
                 }
             }
-            let room = params.max_tokens - out.ids.len();
-            let draft_ended =
-                drafts.len() >= room || drafts.last().is_some_and(|&d| tok.is_end_of_generation(d));
-            let verify_now = draft_ended
-                || match (&full, params.mode) {
-                    (None, _) => drafts.len() >= params.max_early_drafts,
-                    (Some(_), VerifyMode::FromFull) => true,
-                    (Some(_), VerifyMode::DraftEvery(n)) => {
-                        drafts.len() >= n.clamp(1, MAX_VERIFY_ROWS - 1)
-                    }
-                };
-            if !verify_now {
-                if let Some(p) = draft_pending.take() {
-                    dlogits = self.step(&mut dcache, p)?;
-                } else if let Some(&last) = drafts.last() {
-                    dlogits = self.step(&mut dcache, last)?;
-                }
-                let d = argmax(&dlogits);
-                drafts.push(d);
+            if !self.verify_now(&d, full.is_some(), params, out.ids.len()) {
+                let id = self.draft_next(&mut d)?;
                 out.drafted += 1;
-                if !on_event(VerifyEvent::Draft { id: d }) {
+                if !on_event(VerifyEvent::Draft { id }) {
                     out.cancelled = true;
                     break;
                 }
@@ -223,46 +223,13 @@ impl Model {
             let mut f = match full.take() {
                 Some(f) => f,
                 None => {
-                    let f = receive(rx.recv().ok())?;
+                    let f = receive_full(rx.recv().ok(), d.prompt_len)?;
                     out.full_ready_ms = ms(t0);
                     f
                 }
             };
-            let (mut commit, agreed) = self.verify_drafts(&mut f, &drafts)?;
-            let wrong = drafts.len() - agreed;
-            out.rounds += usize::from(!drafts.is_empty());
-            out.accepted += agreed;
-            out.corrected += usize::from(wrong > 0);
-            if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
-                out.cancelled = true;
-                break;
-            }
-            commit.truncate(room);
-            if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-                commit.truncate(at + 1);
-                out.eos = true;
-            }
-            if out.ids.is_empty() && !commit.is_empty() {
-                out.first_commit_ms = ms(t0);
-            }
-            out.ids.extend(&commit);
-            if !on_event(VerifyEvent::Commit { ids: commit }) {
-                out.cancelled = true;
-                break;
-            }
-            // The draft cache keeps the prompt and every committed token but the last, which
-            // is fed at the next draft step. (Rows of accepted drafts were computed against
-            // the reused cache: fine for drafting, never for committing.)
-            let need = prompt_len + out.ids.len() - 1;
-            dcache.truncate(need);
-            while dcache.len() < need {
-                // The last draft had not been fed yet (all drafts agreed).
-                let j = dcache.len() - prompt_len;
-                self.step(&mut dcache, out.ids[j])?;
-            }
-            draft_pending = out.ids.last().copied();
-            drafts.clear();
-            if params.mode == VerifyMode::FromFull {
+            self.verify_round(&mut f, &mut d, &mut out, params.max_tokens, on_event)?;
+            if !out.cancelled && params.mode == VerifyMode::FromFull {
                 self.decode_full(&mut f, &mut out, params.max_tokens, on_event)?;
             }
             full = Some(f);
@@ -271,6 +238,89 @@ impl Model {
             }
         }
         Ok(out)
+    }
+
+    /// Whether the drafts go to verification now: the draft ended (room used up or an end
+    /// token), or enough were drafted for the mode (before the full cache is ready: the early
+    /// drafts' cap).
+    fn verify_now(&self, d: &Draft, full_ready: bool, params: &VerifyParams, done: usize) -> bool {
+        let room = params.max_tokens - done;
+        let tok = self.tokenizer();
+        let ended = d.drafts.len() >= room
+            || d.drafts
+                .last()
+                .is_some_and(|&t| tok.is_end_of_generation(t));
+        ended
+            || match (full_ready, params.mode) {
+                (false, _) => d.drafts.len() >= params.max_early_drafts,
+                (true, VerifyMode::FromFull) => true,
+                (true, VerifyMode::DraftEvery(n)) => {
+                    d.drafts.len() >= n.clamp(1, MAX_VERIFY_ROWS - 1)
+                }
+            }
+    }
+
+    /// One draft step from the reused cache: feeds the pending committed token (or the last
+    /// draft) and drafts the next greedy token.
+    fn draft_next(&self, d: &mut Draft) -> Result<u32> {
+        if let Some(p) = d.pending.take() {
+            d.logits = self.step(&mut d.cache, p)?;
+        } else if let Some(&last) = d.drafts.last() {
+            d.logits = self.step(&mut d.cache, last)?;
+        }
+        let id = argmax(&d.logits);
+        d.drafts.push(id);
+        Ok(id)
+    }
+
+    /// One verification round: the drafts checked against the full cache, the agreeing prefix
+    /// and the correction committed, the wrong drafts retracted, and the draft cache brought
+    /// back to the committed tokens. Sets `out.cancelled` when the consumer says stop.
+    fn verify_round(
+        &self,
+        f: &mut Full,
+        d: &mut Draft,
+        out: &mut VerifiedGeneration,
+        max_tokens: usize,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<()> {
+        let tok = self.tokenizer();
+        let room = max_tokens - out.ids.len();
+        let (mut commit, agreed) = self.verify_drafts(f, &d.drafts)?;
+        let wrong = d.drafts.len() - agreed;
+        out.rounds += usize::from(!d.drafts.is_empty());
+        out.accepted += agreed;
+        out.corrected += usize::from(wrong > 0);
+        if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
+            out.cancelled = true;
+            return Ok(());
+        }
+        commit.truncate(room);
+        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+            commit.truncate(at + 1);
+            out.eos = true;
+        }
+        if out.ids.is_empty() && !commit.is_empty() {
+            out.first_commit_ms = ms(d.t0);
+        }
+        out.ids.extend(&commit);
+        if !on_event(VerifyEvent::Commit { ids: commit }) {
+            out.cancelled = true;
+            return Ok(());
+        }
+        // The draft cache keeps the prompt and every committed token but the last, which is
+        // fed at the next draft step. (Rows of accepted drafts were computed against the
+        // reused cache: fine for drafting, never for committing.)
+        let need = d.prompt_len + out.ids.len() - 1;
+        d.cache.truncate(need);
+        while d.cache.len() < need {
+            // The last draft had not been fed yet (all drafts agreed).
+            let j = d.cache.len() - d.prompt_len;
+            self.step(&mut d.cache, out.ids[j])?;
+        }
+        d.pending = out.ids.last().copied();
+        d.drafts.clear();
+        Ok(())
     }
 
     /// Greedy decoding from the full cache that keeps what a decode from an approximate cache

@@ -160,6 +160,11 @@ pub(super) struct Packed {
 impl Packed {
     /// Repacks KV head `g`'s rows from `from` (a multiple of 16) to `n` and sizes the buffers
     /// for `n` rows.
+    #[allow(
+        clippy::too_many_lines,
+        clippy::too_many_arguments,
+        reason = "the packing loops of K and V pairs per lane, one pass over the new rows; they must stay in step"
+    )]
     fn update(
         &mut self,
         k: &[f32],
@@ -215,6 +220,11 @@ impl Packed {
 /// The CPU must have AVX-512F and AVX-512 BF16 ([`available`]), `handles(d)` must hold, and
 /// `kv` must hold every position of the rows.
 #[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(
+    clippy::too_many_lines,
+    clippy::too_many_arguments,
+    reason = "a SIMD tile: scores, softmax and outputs in registers of one loop nest, which a split would spill"
+)]
 pub(super) unsafe fn tile(
     q: &[f32],
     pos: &[usize],

@@ -191,6 +191,10 @@ impl QMatrix {
     /// The matrix repacked for [`PackedMatrix::matmul`]; `None` for a block whose scale or
     /// offset the packed encoding cannot hold exactly (a Q8_0/Q5_0/Q4_1 offset that overflows
     /// f16).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one match over the block formats, each arm a short unpack into the same planes"
+    )]
     pub fn pack(&self) -> Option<PackedMatrix> {
         let planes = match self.ty {
             QType::Q8_0 => Planes::Bytes,

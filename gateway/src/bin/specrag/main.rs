@@ -3,8 +3,6 @@
 //! tokenization, `bench` and `overlap` for the measurements, `fetch` for the default models).
 //! They share [`open_pipeline`] and [`IngestProgress`].
 
-#![warn(clippy::too_many_lines, clippy::too_many_arguments)]
-
 mod args;
 mod bench;
 mod commands;
