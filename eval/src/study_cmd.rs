@@ -1,6 +1,7 @@
 //! `specrag-eval --study`: the fidelity study's driver (cases, pairings, resume, report).
 
-use crate::{bar, file_name, load_model, Args};
+use crate::default_run::{bar, file_name, load_model};
+use crate::Args;
 use anyhow::Context as _;
 use eval::plan::PairingName;
 use eval::profiles::{profile_cases, record_cases, ProfileParams, RecordParams};

@@ -1,0 +1,165 @@
+//! Running one case of the study: full recompute first, then every configuration compared
+//! with it on the same prompt.
+
+use super::*;
+use crate::datasets::Case;
+use crate::run::{self, Dataset};
+use crate::stats::{self};
+use chunkstore::Codec;
+use gateway::fidelity::Fidelity;
+use gateway::pipeline::{Pipeline, Query, QueryOptions, Traced};
+
+/// A gold answer contained in the normalized prediction.
+pub fn contains_gold(prediction: &str, golds: &[String]) -> bool {
+    let p = crate::metrics::normalize_answer(prediction);
+    golds.iter().any(|g| {
+        let g = crate::metrics::normalize_answer(g);
+        !g.is_empty() && format!(" {p} ").contains(&format!(" {g} "))
+    })
+}
+
+pub(crate) fn mean_kl(reference: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
+    let n = reference.len().min(other.len());
+    if n == 0 {
+        return 0.0;
+    }
+    (0..n)
+        .map(|i| stats::kl_from_logits(&reference[i], &other[i]))
+        .sum::<f64>()
+        / n as f64
+}
+
+pub(crate) fn mean_nll(steps: &[Vec<f32>], ids: &[u32]) -> f64 {
+    let n = steps.len().min(ids.len());
+    if n == 0 {
+        return f64::NAN;
+    }
+    (0..n)
+        .map(|i| stats::nll_from_logits(&steps[i], ids[i] as usize))
+        .sum::<f64>()
+        / n as f64
+}
+
+pub(crate) fn ask(
+    pipeline: &Pipeline,
+    ds: &Dataset,
+    case: &Case,
+    config: StudyConfig,
+    verify: bool,
+    options: QueryOptions,
+) -> anyhow::Result<Traced> {
+    let q = Query {
+        query: case.question.clone(),
+        collection: run::collection_of(case),
+        top_k: ds.top_k,
+        method: config.method,
+        ratio: config.ratio,
+        max_tokens: MAX_TOKENS,
+        temperature: 0.0,
+        seed: 0,
+        verify,
+        options: QueryOptions {
+            order: ds.order,
+            ..options
+        },
+        // Selectors are measured as they select (`fast`) unless the configuration names a
+        // fidelity (`target_probe@0.25:balanced`).
+        fidelity: config.fidelity,
+        ..Default::default()
+    };
+    pipeline
+        .query_traced(&q, &mut |_| true)
+        .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.label()))
+}
+
+/// How a study run stores chunk KV and what it measures besides the answers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// The store's codec (labels of lossy and lossless runs carry it, see
+    /// [`StudyConfig::label_on`]).
+    pub codec: Codec,
+    /// Ask every servable configuration but the reference once more with `verify: true`.
+    pub verify: bool,
+}
+
+/// Answers `case` with every configuration (`configs[0]` is full recompute, the reference);
+/// also returns the reference's prompt token ids.
+pub fn run_case(
+    pipeline: &Pipeline,
+    pairing: &str,
+    ds: &Dataset,
+    case: &Case,
+    configs: &[StudyConfig],
+    run: RunOptions,
+) -> anyhow::Result<(Vec<StudyRecord>, Vec<u32>)> {
+    let gold = case.answers.first().map(String::as_str).unwrap_or("");
+    let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
+    let reference = ask(
+        pipeline,
+        ds,
+        case,
+        configs[0],
+        false,
+        QueryOptions {
+            forced: vec![gold_ids.clone()],
+            force_answer: true,
+            ..Default::default()
+        },
+    )?;
+    if reference.answer.chunks.is_empty() {
+        anyhow::bail!("case {} retrieved no chunk", case.id);
+    }
+    let ref_steps = reference.forced.get(1).cloned().unwrap_or_default();
+    let mut out = Vec::with_capacity(configs.len());
+    for (i, &config) in configs.iter().enumerate() {
+        let t = if i == 0 {
+            reference.clone()
+        } else {
+            let options = QueryOptions {
+                forced: vec![gold_ids.clone(), reference.ids.clone()],
+                ..Default::default()
+            };
+            ask(pipeline, ds, case, config, false, options)?
+        };
+        // The verified answer of the same query: drafts from this method's cache, checked
+        // against full recompute's. A cached full context would skip the drafting.
+        let verified = if run.verify && i > 0 && config.method.servable() {
+            pipeline.contexts.clear();
+            Some(ask(
+                pipeline,
+                ds,
+                case,
+                config,
+                true,
+                QueryOptions::default(),
+            )?)
+        } else {
+            None
+        };
+        let steps = t.forced.get(1).map(Vec::as_slice).unwrap_or(&[]);
+        out.push(StudyRecord {
+            pairing: pairing.into(),
+            dataset: ds.name.clone(),
+            case: case.id.clone(),
+            config,
+            label: config.label_on(run.codec),
+            answer: t.answer.answer.clone(),
+            correct: contains_gold(&t.answer.answer, &case.answers),
+            identical: t.answer.answer == reference.answer.answer,
+            kl_first: stats::kl_from_logits(&reference.first_logits, &t.first_logits),
+            kl_tf: mean_kl(&ref_steps, steps),
+            gold_nll: mean_nll(t.forced.first().map_or(&[], Vec::as_slice), &gold_ids),
+            ttft_ms: t.answer.timings.ttft_ms,
+            timings: t.answer.timings,
+            ratio: t.answer.reuse.ratio,
+            selected: t.selected.clone(),
+            codec: run.codec.name().into(),
+            verify: verified.as_ref().and_then(|v| v.answer.verify),
+            verify_mode: verified.as_ref().map(|_| pipeline.verify_mode.to_string()),
+            verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
+            guard: (config.fidelity != Fidelity::Fast).then_some(t.answer.reuse.guard),
+            margin_first: Some(stats::top2_margin(&t.first_logits)),
+        });
+    }
+    Ok((out, reference.prompt_ids))
+}

@@ -1,0 +1,151 @@
+//! The study's records: one row per case and configuration, the prompts, and the
+//! append-only `study.jsonl` they live in (resumable, repaired after a torn last line).
+
+use super::*;
+use chunkstore::Codec;
+use gateway::fidelity::GuardReport;
+use gateway::pipeline::{Selected, Timings, VerifyStats};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write as _;
+use std::path::Path;
+
+/// How the study's first rows were stored (before rows named their codec).
+pub(crate) fn raw_codec() -> String {
+    Codec::Raw.name().into()
+}
+
+/// One answer of one configuration to one case, measured against full recompute's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StudyRecord {
+    pub pairing: String,
+    pub dataset: String,
+    pub case: String,
+    pub config: StudyConfig,
+    pub label: String,
+    pub answer: String,
+    /// A gold answer is contained in the answer (normalized as LongBench does).
+    pub correct: bool,
+    /// The whole answer equals full recompute's.
+    pub identical: bool,
+    /// KL(full || this) of the first token's distribution.
+    pub kl_first: f64,
+    /// Mean over full recompute's answer tokens of KL(full || this), both teacher-forced.
+    pub kl_tf: f64,
+    /// Mean negative log-likelihood per token of the (first) gold answer.
+    pub gold_nll: f64,
+    pub ttft_ms: f64,
+    pub timings: Timings,
+    /// Recomputed chunk tokens over all chunk tokens.
+    pub ratio: f64,
+    pub selected: Vec<Selected>,
+    /// How the run stored chunk KV (`--kv-codec`).
+    #[serde(default = "raw_codec")]
+    pub codec: String,
+    /// With `--study-verify`: what the same query with `verify: true` drafted and accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<VerifyStats>,
+    /// With `--study-verify`: the verified answer equals full recompute's (it must).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified_identical: Option<bool>,
+    /// With `--study-verify`: how decoding went on once the full cache was ready
+    /// (`--study-verify-mode`; rows written before it was recorded ran `full`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_mode: Option<String>,
+    /// What the fidelity guard did (configurations that are not `fast`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guard: Option<GuardReport>,
+    /// The first token's top-2 probability margin after this configuration's prefill (for full
+    /// recompute: how sure the reference is), a per-request signal for the guard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub margin_first: Option<f64>,
+}
+
+/// A case's prompt as the target reads it in a full prefill (template, chunks, question), so
+/// that another engine can be timed on the same token ids
+/// (`scripts/compare_ttft_llamacpp.py`); one line per case in `<out>/prompts.jsonl`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptRecord {
+    pub pairing: String,
+    pub dataset: String,
+    pub case: String,
+    /// The target model's file name.
+    pub target: String,
+    pub ids: Vec<u32>,
+}
+
+/// Cases of `path` (a study.jsonl) already answered by every label of `labels`, per
+/// (pairing, dataset, case).
+pub fn done_cases(records: &[StudyRecord], labels: &[String]) -> HashSet<(String, String, String)> {
+    let mut have: BTreeMap<(String, String, String), HashSet<&str>> = BTreeMap::new();
+    for r in records {
+        have.entry((r.pairing.clone(), r.dataset.clone(), r.case.clone()))
+            .or_default()
+            .insert(&r.label);
+    }
+    have.into_iter()
+        .filter(|(_, got)| labels.iter().all(|l| got.contains(l.as_str())))
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// Reads a study.jsonl (missing file: nothing yet). A torn last line (a run killed while
+/// writing) is dropped; any other bad line is an error naming it.
+pub fn read_records(path: &Path) -> anyhow::Result<Vec<StudyRecord>> {
+    read_jsonl(path)
+}
+
+/// The lines of a JSON-lines file of `T` (see [`read_records`]).
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<Vec<T>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut out = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str(line) {
+            Ok(r) => out.push(r),
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => break,
+            Err(e) => anyhow::bail!("{}:{}: {e}", path.display(), i + 1),
+        }
+    }
+    Ok(out)
+}
+
+/// Cuts a torn last line (a run killed while writing) off a study.jsonl, so appends start on
+/// a fresh line. A missing file is fine.
+pub fn repair(path: &Path) -> anyhow::Result<()> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return Ok(());
+    };
+    if bytes.is_empty() || bytes.ends_with(b"\n") {
+        return Ok(());
+    }
+    let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    f.set_len(keep as u64)?;
+    f.sync_data()?;
+    Ok(())
+}
+
+/// Appends the records of one case (or any JSON lines) and flushes them to disk.
+pub fn append<T: Serialize>(path: &Path, records: &[T]) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    let mut buf = String::new();
+    for r in records {
+        buf.push_str(&serde_json::to_string(r)?);
+        buf.push('\n');
+    }
+    f.write_all(buf.as_bytes())?;
+    f.sync_data()?;
+    Ok(())
+}
