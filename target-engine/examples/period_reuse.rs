@@ -7,7 +7,8 @@
 //!
 //! `cargo run --release -p target-engine --example period_reuse -- MODEL.gguf [--case ID]
 //! [--passages 2,1,3,9] [--question Q] [--ratio 0.25] [--max-tokens 24] [--extra C:A-B] [--force 'A|B' [--candle]] [--show C]`
-//! `--extra C:A-B` also recomputes offsets `A..B` of chunk `C` in the reuse configurations;
+//! `--extra C:A-B[,…]` also recomputes offsets `A..B` of chunk `C` in the reuse configurations;
+//! `--first 'SET;SET'` prints only the first answer token's top two with each such set added;
 //! `--force 'A|B'` teacher-forces each answer start under every cache and decodes on from it
 //! (`--candle`: the next token after it from candle-transformers' Qwen2 over the full prompt).
 use target_engine::{
@@ -25,8 +26,11 @@ fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 /// The passages of the case (`Passage N:` blocks of its LongBench context) and its question.
-fn case(id: &str) -> Res<(Vec<String>, String)> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../eval/data/2wikimqa.jsonl");
+fn case(dataset: &str, id: &str) -> Res<(Vec<String>, String)> {
+    let path = format!(
+        "{}/../eval/data/{dataset}.jsonl",
+        env!("CARGO_MANIFEST_DIR")
+    );
     for line in std::fs::read_to_string(path)?.lines() {
         let v: serde_json::Value = serde_json::from_str(line)?;
         if !v["_id"].as_str().unwrap_or("").contains(id) {
@@ -103,14 +107,84 @@ fn decode(m: &Model, name: &str, out: BlendOutput, max_tokens: usize) -> Res<Run
     })
 }
 
-/// Chunk positions `A..B` of chunk `C` for `--extra C:A-B`.
+/// Chunk positions of `--extra C:A-B[,C:A-B...]` (offsets `A..B` of chunk `C`, clamped).
 fn extra(asm: &target_engine::Assembly, spec: Option<&str>) -> Res<Vec<usize>> {
-    let Some(s) = spec else { return Ok(Vec::new()) };
-    let (c, r) = s.split_once(':').ok_or("--extra C:A-B")?;
-    let (a, b) = r.split_once('-').ok_or("--extra C:A-B")?;
-    let seg = asm.chunks().nth(c.parse()?).ok_or("no such chunk")?;
-    let (a, b): (usize, usize) = (a.parse()?, b.parse()?);
-    Ok((seg.ids.start + a..(seg.ids.start + b).min(seg.ids.end)).collect())
+    let mut out = Vec::new();
+    for s in spec.unwrap_or("").split(',').filter(|s| !s.is_empty()) {
+        let (c, r) = s.split_once(':').ok_or("--extra C:A-B")?;
+        let (a, b) = r.split_once('-').ok_or("--extra C:A-B")?;
+        let seg = asm.chunks().nth(c.parse()?).ok_or("no such chunk")?;
+        let (a, b): (usize, usize) = (a.parse()?, b.parse()?);
+        out.extend((seg.ids.start + a).min(seg.ids.end)..(seg.ids.start + b).min(seg.ids.end));
+    }
+    Ok(out)
+}
+
+/// The chunks (never the exact first one) where at least `fraction` of the tokens are among
+/// `picked`: all their tokens.
+fn dense_chunks(input: &SelectInput, picked: &[usize], fraction: f64) -> Vec<usize> {
+    let skip = usize::from(input.first_chunk_exact);
+    let mut out = Vec::new();
+    for seg in input.assembly.chunks().skip(skip) {
+        let n = picked.iter().filter(|p| seg.ids.contains(p)).count();
+        if n as f64 >= fraction * seg.ids.len() as f64 {
+            out.extend(seg.ids.clone());
+        }
+    }
+    out
+}
+
+/// `--complete F`: `target_probe`, and `target_probe` with every chunk it picked at least `F`
+/// of recomputed whole; both answers against full recompute's.
+fn complete_rule(m: &Model, input: &SelectInput, fraction: f64, max_tokens: usize) -> Res<()> {
+    let (asm, tok) = (input.assembly, m.tokenizer());
+    let params = GenerateParams {
+        max_tokens,
+        ..GenerateParams::default()
+    };
+    let (mut cache, logits) = m.prefill(&asm.ids)?;
+    let full = m.decode_from(&mut cache, logits, 0.0, &params)?;
+    let picked = TargetProbe::default().prefill(input)?.recomputed;
+    let mut completed = picked.clone();
+    completed.extend(dense_chunks(input, &picked, fraction));
+    completed.sort_unstable();
+    completed.dedup();
+    println!("full: {:?}", full.text);
+    for (name, pos) in [("probe", &picked), ("completed", &completed)] {
+        let mut out = m.blend_prefill(asm, input.prefix, input.chunks, pos)?;
+        let g = m.decode_from(&mut out.cache, out.logits, 0.0, &params)?;
+        let same = g.ids == full.ids;
+        println!(
+            "{name}: {} tokens, identical {same}: {:?}",
+            pos.len(),
+            g.text
+        );
+    }
+    let _ = tok;
+    Ok(())
+}
+
+/// `--first 'SET;SET'`: the first answer token's top two under reuse and under `target_probe`,
+/// each with the chunk tokens of SET (an `--extra` list) recomputed too.
+fn first_tokens(m: &Model, input: &SelectInput, picked: &[usize], sets: &str) -> Res<()> {
+    let tok = m.tokenizer();
+    let show = |id: u32| format!("{id}{:?}", tok.decode(&[id], false));
+    for set in sets.split(';') {
+        let more = extra(input.assembly, Some(set))?;
+        for (name, base) in [("reuse", &[][..]), ("probe", picked)] {
+            let mut pos = base.to_vec();
+            pos.extend(&more);
+            let out = m.blend_prefill(input.assembly, input.prefix, input.chunks, &pos)?;
+            let (a, b, margin, _) = force(m, m.new_cache(), out.logits, &[0])?[0];
+            println!(
+                "{set:>24} {name}+{:>3}: {} > {} by {margin:.2}",
+                more.len(),
+                show(a),
+                show(b)
+            );
+        }
+    }
+    Ok(())
 }
 
 fn report(m: &Model, runs: &[Run]) -> Res<()> {
@@ -142,7 +216,8 @@ fn report(m: &Model, runs: &[Run]) -> Res<()> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let model = args.first().ok_or("usage: period_reuse MODEL.gguf")?;
-    let (passages, q) = case(arg(&args, "--case").unwrap_or("07aae62e"))?;
+    let dataset = arg(&args, "--dataset").unwrap_or("2wikimqa");
+    let (passages, q) = case(dataset, arg(&args, "--case").unwrap_or("07aae62e"))?;
     let order: Vec<usize> = arg(&args, "--passages")
         .unwrap_or("2,1,3,9")
         .split(',')
@@ -166,6 +241,15 @@ fn main() -> Res<()> {
     let refs: Vec<&ChunkKv> = kvs.iter().collect();
     println!("{} tokens; question {question:?}", asm.ids.len());
     let more = extra(&asm, arg(&args, "--extra"))?;
+    if let Some(sets) = arg(&args, "--first") {
+        let input = SelectInput::new(&m, &asm, &prefix, &refs, ratio);
+        let picked = TargetProbe::default().prefill(&input)?.recomputed;
+        return first_tokens(&m, &input, &picked, sets);
+    }
+    if let Some(f) = arg(&args, "--complete") {
+        let input = SelectInput::new(&m, &asm, &prefix, &refs, ratio);
+        return complete_rule(&m, &input, f.parse()?, max_tokens);
+    }
     if let Some(seg) = arg(&args, "--show").and_then(|c| asm.chunks().nth(c.parse().ok()?)) {
         let toks = asm.ids[seg.ids.clone()].iter().enumerate();
         let shown: Vec<String> = toks
