@@ -232,6 +232,9 @@ pub(crate) fn render(from: &Path, out: &Path) -> anyhow::Result<bool> {
 }
 
 pub(crate) fn run_all(args: Args) -> anyhow::Result<bool> {
+    if let Some(from) = &args.guard_curve {
+        return study_cmd::guard_curve(from, &args.guard_curve_label, args.guard_horizon);
+    }
     if args.study {
         return match &args.render {
             Some(from) => study_cmd::render(from, &args.out, &args.study_best),

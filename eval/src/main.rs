@@ -149,6 +149,26 @@ struct Args {
     /// drafting N tokens ahead to the end, so acceptance covers the whole answer.
     #[arg(long, default_value = "full", requires = "study_verify")]
     study_verify_mode: target_engine::VerifyMode,
+    /// Skip the first N cases of every study dataset (a held-out slice: calibrate the guard
+    /// on the first cases, confirm it on the next).
+    #[arg(long, default_value_t = 0, requires = "study")]
+    study_skip: usize,
+    /// The fidelity guard's margin for `:balanced` study configurations (as `specrag serve
+    /// --guard-margin`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_MARGIN)]
+    guard_margin: f32,
+    /// The fidelity guard's horizon for `:balanced` study configurations (as `specrag serve
+    /// --guard-horizon`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
+    guard_horizon: usize,
+    /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
+    /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
+    /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens.
+    #[arg(long, value_name = "FILE")]
+    guard_curve: Option<PathBuf>,
+    /// The reused (`fast`) configuration --guard-curve guards.
+    #[arg(long, default_value = "target_probe@0.25")]
+    guard_curve_label: String,
     /// Target of the large pairing (its speculator is the small pairing's target)
     /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
     #[arg(long, value_name = "PATH")]

@@ -21,7 +21,15 @@ const SWEEP: [f64; 4] = [0.05, 0.10, 0.25, 0.40];
 
 /// The study's datasets with `n` cases each: the synthetic ones, and the real-text ones of
 /// `real` (at most `n` cases each).
-fn datasets(n: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Dataset>> {
+fn datasets(n: usize, skip: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Dataset>> {
+    let mut sets = first_datasets(n + skip, seed, real)?;
+    for ds in &mut sets {
+        ds.cases.drain(..skip.min(ds.cases.len()));
+    }
+    Ok(sets)
+}
+
+fn first_datasets(n: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Dataset>> {
     let mut sets = vec![
         Dataset {
             name: "profiles".into(),
@@ -52,6 +60,24 @@ fn datasets(n: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Dataset>> 
         sets.push(eval::real::dataset(name, Some(n), study::MAX_TOKENS)?);
     }
     Ok(sets)
+}
+
+/// `--guard-curve`: the fidelity guard's operating curve on `label`'s rows of `from`.
+pub fn guard_curve(from: &Path, label: &str, horizon: usize) -> anyhow::Result<bool> {
+    let records = study::read_records(from)
+        .with_context(|| format!("{} is not a study.jsonl", from.display()))?;
+    let margins = [
+        0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0,
+    ];
+    let curves = study::guard_curve::curve(&records, label, &margins, horizon);
+    if curves.values().all(|p| p.iter().all(|p| p.cases == 0)) {
+        anyhow::bail!(
+            "{} has no `{label}` rows with margins paired with full recompute",
+            from.display()
+        );
+    }
+    print!("{}", study::guard_curve::markdown(&curves, label, horizon));
+    Ok(true)
 }
 
 /// `--study --render`: `<out>/study.md` from the answers in `from`, loading no model.
@@ -116,6 +142,10 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let mut pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
         pipeline.verify_mode = args.study_verify_mode;
+        pipeline.guard = gateway::fidelity::GuardPolicy {
+            margin: args.guard_margin,
+            horizon: args.guard_horizon,
+        };
         eprintln!(
             "study {pairing}: {} -> {}, {n} cases per dataset, chunk KV stored {}{}",
             file_name(&spec),
@@ -133,7 +163,10 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             .into_iter()
             .filter(|r| args.study_datasets.iter().any(|d| d == r))
             .collect();
-        for ds in datasets(n, args.seed, &real)?.into_iter().filter(wanted) {
+        for ds in datasets(n, args.study_skip, args.seed, &real)?
+            .into_iter()
+            .filter(wanted)
+        {
             run_dataset(
                 &pipeline,
                 pairing.name(),

@@ -65,6 +65,13 @@ pub struct GuardReport {
     pub fidelity: Fidelity,
     /// The decode from the reused cache fell into a loop.
     pub loop_detected: bool,
+    /// A token decoded from the reused cache was chosen by less than the guard's margin
+    /// (and no loop was seen first).
+    pub uncertain: bool,
+    /// The smallest top-2 logit gap among the tokens decoded from the reused cache (absent
+    /// when nothing was: full recompute, verified decoding).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_margin: Option<f32>,
     /// The request moved to the full cache (its answer is full recompute's).
     pub escalated: bool,
     /// Tokens decoded from the reused cache that the full cache agreed with and were kept.
@@ -73,6 +80,40 @@ pub struct GuardReport {
     pub withdrawn_tokens: usize,
     /// Time of the full prefill the escalation ran (0 without one, or from the context cache).
     pub full_prefill_ms: f64,
+}
+
+/// When the guard of a `balanced` request escalates besides a loop: a token among the first
+/// `horizon` decoded from the reused cache whose top-2 logit gap is below `margin`. Reuse
+/// moves the logits a little; where the model was nearly undecided, a little is enough to
+/// choose another token than full recompute would (docs/fidelity-guard.md measures it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuardPolicy {
+    /// Top-2 logit gap under which a token counts as uncertain (0: loops only).
+    pub margin: f32,
+    /// How many of the answer's first tokens are watched for it.
+    pub horizon: usize,
+}
+
+/// The default [`GuardPolicy::margin`].
+pub const DEFAULT_GUARD_MARGIN: f32 = 0.0;
+/// The default [`GuardPolicy::horizon`].
+pub const DEFAULT_GUARD_HORIZON: usize = 1024;
+
+impl Default for GuardPolicy {
+    fn default() -> Self {
+        Self {
+            margin: DEFAULT_GUARD_MARGIN,
+            horizon: DEFAULT_GUARD_HORIZON,
+        }
+    }
+}
+
+impl GuardPolicy {
+    /// Whether the `n`th generated token (1-based), chosen with top-2 gap `gap`, is too
+    /// uncertain to keep decoding from the reused cache.
+    pub fn doubts(&self, n: usize, gap: f32) -> bool {
+        n <= self.horizon && gap < self.margin
+    }
 }
 
 #[cfg(test)]
@@ -93,5 +134,22 @@ mod tests {
         }
         assert_eq!(Fidelity::parse("lossless"), None);
         assert_eq!(Fidelity::default(), Fidelity::Balanced);
+    }
+
+    #[test]
+    fn the_policy_doubts_only_small_gaps_within_its_horizon() {
+        let p = GuardPolicy {
+            margin: 1.5,
+            horizon: 4,
+        };
+        assert!(p.doubts(1, 1.0));
+        assert!(p.doubts(4, 1.49));
+        assert!(!p.doubts(4, 1.5));
+        assert!(!p.doubts(5, 0.1));
+        let off = GuardPolicy {
+            margin: 0.0,
+            horizon: usize::MAX,
+        };
+        assert!(!off.doubts(1, 0.0));
     }
 }

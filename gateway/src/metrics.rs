@@ -79,7 +79,8 @@ impl Default for Metrics {
             describe_counter!(
                 GUARD,
                 "Answers by fidelity and what the guard did (kept: answered from the reused \
-                 cache; escalated: moved to the full cache)."
+                 cache; loop, uncertain: moved to the full cache because the decode looped or a \
+                 token's margin fell below --guard-margin)."
             );
             describe_counter!(
                 STORE_ERRORS,
@@ -139,7 +140,11 @@ impl Metrics {
             }
             metrics::counter!(TOKENS).increment(a.tokens as u64);
             let g = a.reuse.guard;
-            let outcome = if g.escalated { "escalated" } else { "kept" };
+            let outcome = match (g.escalated, g.loop_detected) {
+                (false, _) => "kept",
+                (true, true) => "loop",
+                (true, false) => "uncertain",
+            };
             metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
                 .increment(1);
         });

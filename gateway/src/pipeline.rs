@@ -5,7 +5,7 @@
 
 use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
 use crate::error::{GatewayError, Result};
-use crate::fidelity::{Fidelity, GuardReport};
+use crate::fidelity::{Fidelity, GuardPolicy, GuardReport};
 use serde::{Deserialize, Serialize};
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
@@ -129,6 +129,9 @@ pub struct Traced {
     pub forced: Vec<Vec<Vec<f32>>>,
     /// The chunk tokens the method recomputed.
     pub selected: Vec<Selected>,
+    /// Per generated token decoded one by one, the top-2 logit gap it was chosen with
+    /// ([`target_engine::generate::top2_gap`]); empty for verified or escalated answers.
+    pub margins: Vec<f32>,
 }
 
 /// A recomputed chunk token: which chunk of the prompt, where in it, and its text.
@@ -245,6 +248,7 @@ fn cancelled(ids: &[u32], tok: &target_engine::Tokenizer) -> target_engine::Gene
         prefill_ms: 0.0,
         decode_ms_per_token: 0.0,
         finish: FinishReason::Cancelled,
+        margins: Vec::new(),
     }
 }
 
@@ -256,6 +260,8 @@ pub struct Pipeline {
     pub score_source: ScoreSource,
     /// How decoding continues once the full cache is ready (`verify: true`).
     pub verify_mode: VerifyMode,
+    /// When the fidelity guard of `balanced` requests escalates.
+    pub guard: GuardPolicy,
     pub contexts: ContextCache,
 }
 
@@ -276,6 +282,7 @@ impl Pipeline {
             corpus,
             score_source,
             verify_mode: VerifyMode::FromFull,
+            guard: GuardPolicy::default(),
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }
@@ -335,6 +342,7 @@ impl Pipeline {
             prefill_ms: 0.0,
             decode_ms_per_token: 0.0,
             finish,
+            margins: Vec::new(),
         };
         Ok((generation, stats))
     }
@@ -501,6 +509,7 @@ impl Pipeline {
             }
         }
         let ids = g.ids.clone();
+        let margins = g.margins.clone();
         let answer = Answer {
             answer: g.text,
             method: q.method,
@@ -530,6 +539,7 @@ impl Pipeline {
             prompt_ids: asm.ids.clone(),
             forced,
             selected,
+            margins,
         })
     }
 
@@ -723,25 +733,35 @@ impl Pipeline {
         // Full recompute decodes from the full cache already: nothing to guard.
         let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
         let detector = target_engine::LoopDetector::default();
+        let policy = self.guard;
+        let (mut looped, mut uncertain) = (false, false);
         let mut cache = out.cache;
-        let (mut g, looped) = self.engines.target.decode_watched(
+        let (mut g, escalate) = self.engines.target.decode_watched(
             &mut cache,
             out.logits,
             &params,
             &mut |t| on_piece(Piece::Token(t)),
-            &mut |ids| guarded && detector.fires(ids),
+            &mut |ids, gap| {
+                looped = guarded && detector.fires(ids);
+                uncertain = guarded && policy.doubts(ids.len(), gap);
+                looped || uncertain
+            },
         )?;
         g.prefill_ms = timings.prefill_ms;
+        if !q.method.is_full() {
+            report.min_margin = g.margins.iter().copied().reduce(f32::min);
+        }
         let stats = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,
             ..Default::default()
         });
-        if !looped {
+        if !escalate {
             return Ok((g, stats, report));
         }
         drop(cache);
-        report.loop_detected = true;
+        report.loop_detected = looped;
+        report.uncertain = uncertain && !looped;
         report.escalated = true;
         let g = self.escalate(q, prompt, &g.ids, &mut report, on_piece)?;
         Ok((g, stats, report))
@@ -825,6 +845,7 @@ impl Pipeline {
             prefill_ms: 0.0,
             decode_ms_per_token: 0.0,
             finish,
+            margins: Vec::new(),
         })
     }
 

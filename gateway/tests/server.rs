@@ -1115,6 +1115,53 @@ async fn the_fidelity_guard_answers_a_looping_decode_as_full_recompute() -> Test
     Ok(())
 }
 
+/// The guard's margin: with a threshold above every gap, a reused decode escalates at its
+/// first token (`uncertain`) and answers as full recompute; with a horizon of 0 tokens the
+/// margin watches nothing. `min_margin` reports the smallest gap decoded from the reused cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut p = pipeline(dir.path())?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        margin: 100.0,
+        horizon: 1024,
+    };
+    let s = state(p, ServerConfig::default());
+    let dir2 = tempfile::tempdir()?;
+    let mut p = pipeline(dir2.path())?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        margin: 100.0,
+        horizon: 0,
+    };
+    let blind = state(p, ServerConfig::default());
+    for q in ["the thin ant?", "what is in the tin?"] {
+        let (_, full, _) = send(&s, ask(q, json!({"method": "full_recompute"}))).await;
+        let full: Value = serde_json::from_str(&full)?;
+        assert!(full["reuse"]["guard"].get("min_margin").is_none(), "{full}");
+        let m = json!({"method": "target_probe", "recompute_ratio": 0.0});
+        let (_, got, _) = send(&s, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["escalated"], true, "{got}");
+        assert_eq!(guard["uncertain"], true, "{got}");
+        assert_eq!(guard["loop_detected"], false, "{got}");
+        assert!(guard["kept_tokens"].as_u64() <= Some(1), "{got}");
+        assert!(guard["min_margin"].as_f64() < Some(100.0), "{got}");
+        assert_eq!(got["answer"], full["answer"], "{q}");
+        let (_, sse, _) = send(&s, ask(q, with(&m, "stream", json!(true)))).await;
+        assert_eq!(shown_text(&sse), full["answer"].as_str().unwrap_or(""));
+        // Horizon 0: the margin is not watched (a loop still would be).
+        let (_, b, _) = send(&blind, ask(q, m.clone())).await;
+        let b: Value = serde_json::from_str(&b)?;
+        assert_eq!(b["reuse"]["guard"]["uncertain"], false, "{b}");
+        let (_, fast, _) = send(&s, ask(q, with(&m, "fidelity", json!("fast")))).await;
+        let fast: Value = serde_json::from_str(&fast)?;
+        assert_eq!(fast["reuse"]["guard"]["escalated"], false, "{fast}");
+        assert!(fast["reuse"]["guard"]["min_margin"].is_number(), "{fast}");
+    }
+    Ok(())
+}
+
 /// Sampled, an escalation answers full recompute's sample with that seed; `exact` is
 /// verification; `fidelity` contradicting `verify: true` is refused naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,29 @@ pub struct Generation {
     /// Mean time of one decode step (0 when nothing was decoded).
     pub decode_ms_per_token: f64,
     pub finish: FinishReason,
+    /// Per generated token, the gap between the two largest logits of the distribution it
+    /// was chosen from ([`top2_gap`]): how far the model was from choosing another token.
+    /// Empty where the tokens were not decoded one by one (verification, escalation).
+    pub margins: Vec<f32>,
+}
+
+/// The gap between the largest and second largest logit (0 with fewer than two): the
+/// smallest change to the logits that would make greedy decoding choose another token.
+pub fn top2_gap(logits: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > first {
+            second = first;
+            first = x;
+        } else if x > second {
+            second = x;
+        }
+    }
+    if second.is_finite() && first.is_finite() {
+        first - second
+    } else {
+        0.0
+    }
 }
 
 /// ChatML prompt ids for one user turn: role headers and control tokens are parsed as
@@ -122,28 +145,30 @@ impl Model {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
-        let (mut g, _) = self.decode_watched(cache, logits, params, on_text, &mut |_| false)?;
+        let (mut g, _) = self.decode_watched(cache, logits, params, on_text, &mut |_, _| false)?;
         g.prefill_ms = prefill_ms;
         Ok(g)
     }
 
     /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
-    /// there; when it says so, generation ends before that token's text is handed out and the
-    /// second value is `true` (the caller takes over, e.g. the fidelity guard moving to the
-    /// full cache). The ids include the token that made `watch` stop. The generation's
-    /// `prefill_ms` is 0: the caller timed its prefill.
+    /// there, showing it the ids so far and the [`top2_gap`] of the distribution the last one
+    /// was chosen from; when it says so, generation ends before that token's text is handed
+    /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard
+    /// moving to the full cache). The ids include the token that made `watch` stop. The
+    /// generation's `prefill_ms` is 0: the caller timed its prefill.
     pub fn decode_watched(
         &self,
         cache: &mut KvCache,
         mut logits: Vec<f32>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32]) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool)> {
         let mut watched = false;
         let tok = self.tokenizer();
         let mut sampler = Sampler::new(params.sampling);
         let mut ids = Vec::new();
+        let mut margins = Vec::new();
         let mut finish = FinishReason::Length;
         let mut out = Streamed::new(&params.stop);
         let t0 = Instant::now();
@@ -151,12 +176,14 @@ impl Model {
         while ids.len() < params.max_tokens {
             let next = sampler.sample(&logits);
             ids.push(next);
-            if tok.is_end_of_generation(next) {
-                finish = FinishReason::Eos;
+            margins.push(top2_gap(&logits));
+            // Asked before the end is taken: ending the answer is a choice like any other.
+            if watch(&ids, margins[margins.len() - 1]) {
+                watched = true;
                 break;
             }
-            if watch(&ids) {
-                watched = true;
+            if tok.is_end_of_generation(next) {
+                finish = FinishReason::Eos;
                 break;
             }
             if let Some(end) = out.update(tok.decode(&ids, false), &params.stop, on_text) {
@@ -189,6 +216,7 @@ impl Model {
                 0.0
             },
             finish,
+            margins,
         };
         Ok((g, watched))
     }
@@ -260,4 +288,17 @@ pub fn cut_at_stop(text: &mut String, stop: &[String]) -> bool {
         text.truncate(at);
     }
     at.is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top2_gap;
+
+    #[test]
+    fn the_top2_gap_is_what_separates_greedy_from_the_runner_up() {
+        assert_eq!(top2_gap(&[1.0, 3.5, -2.0, 3.0]), 0.5);
+        assert_eq!(top2_gap(&[2.0, 2.0]), 0.0);
+        assert_eq!(top2_gap(&[5.0]), 0.0);
+        assert_eq!(top2_gap(&[]), 0.0);
+    }
 }

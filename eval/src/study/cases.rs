@@ -159,6 +159,8 @@ pub fn run_case(
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
             guard: (config.fidelity != Fidelity::Fast).then_some(t.answer.reuse.guard),
             margin_first: Some(stats::top2_margin(&t.first_logits)),
+            margins: (!t.margins.is_empty()).then(|| t.margins.clone()),
+            f1: Some(crate::metrics::best_f1(&t.answer.answer, &case.answers)),
         });
     }
     Ok((out, reference.prompt_ids))

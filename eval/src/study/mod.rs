@@ -6,9 +6,10 @@
 //! `study.jsonl` a case at a time, so a long run can be stopped and resumed (`--resume`).
 //!
 //! `mod.rs` holds the configurations; `cases.rs` runs a case, `records.rs` keeps the rows,
-//! `summary.rs` reports them.
+//! `summary.rs` reports them, `guard_curve.rs` derives the fidelity guard's operating curve.
 
 mod cases;
+pub mod guard_curve;
 mod records;
 mod summary;
 
@@ -225,6 +226,8 @@ mod tests {
             verify_mode: None,
             guard: None,
             margin_first: None,
+            margins: None,
+            f1: None,
         }
     }
 

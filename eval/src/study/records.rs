@@ -59,6 +59,14 @@ pub struct StudyRecord {
     /// recompute: how sure the reference is), a per-request signal for the guard.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub margin_first: Option<f64>,
+    /// Per generated token decoded one by one, the top-2 logit gap it was chosen with (what
+    /// the fidelity guard's margin watches); absent for verified or escalated answers and in
+    /// rows written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub margins: Option<Vec<f32>>,
+    /// Best token F1 of the answer against the gold answers (LongBench's normalization).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f1: Option<f64>,
 }
 
 /// A case's prompt as the target reads it in a full prefill (template, chunks, question), so

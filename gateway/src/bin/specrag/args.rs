@@ -251,6 +251,8 @@ pub struct ServeArgs {
     /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
+    #[command(flatten)]
+    pub guard: GuardArgs,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
@@ -292,6 +294,8 @@ pub struct QueryArgs {
     /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
+    #[command(flatten)]
+    pub guard: GuardArgs,
 
     /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
@@ -304,6 +308,37 @@ pub struct QueryArgs {
     /// Print the API's JSON answer object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// When the fidelity guard of `balanced` requests moves to the full cache besides a loop.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct GuardArgs {
+    /// Escalate a `balanced` request when a token decoded from the reused cache was chosen by
+    /// a top-2 logit gap below this (0: on loops only). docs/fidelity-guard.md has the
+    /// measured operating curve (identity with full recompute against TTFT).
+    #[arg(long, env = "SPECRAG_GUARD_MARGIN", default_value_t = gateway::fidelity::DEFAULT_GUARD_MARGIN, value_parser = parse_margin)]
+    pub guard_margin: f32,
+    /// Watch only the answer's first N tokens for --guard-margin (loops are watched
+    /// throughout).
+    #[arg(long, env = "SPECRAG_GUARD_HORIZON", default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
+    pub guard_horizon: usize,
+}
+
+impl GuardArgs {
+    /// The pipeline's guard policy.
+    pub fn policy(&self) -> gateway::fidelity::GuardPolicy {
+        gateway::fidelity::GuardPolicy {
+            margin: self.guard_margin,
+            horizon: self.guard_horizon,
+        }
+    }
+}
+
+fn parse_margin(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(m) if m.is_finite() && (0.0..=100.0).contains(&m) => Ok(m),
+        _ => Err(format!("{s:?} is not a logit gap between 0 and 100")),
+    }
 }
 
 #[derive(Args, Debug)]

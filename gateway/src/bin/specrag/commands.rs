@@ -115,6 +115,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         a.spec_scores,
     )?;
     pipeline.verify_mode = a.verify_mode;
+    pipeline.guard = a.guard.policy();
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
         if !json_out {
@@ -174,6 +175,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         a.spec_scores,
     )?;
     pipeline.verify_mode = a.verify_mode;
+    pipeline.guard = a.guard.policy();
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
     let config = gateway::http::ServerConfig {

@@ -1,0 +1,266 @@
+//! The fidelity guard's operating curve from a study run (`specrag-eval --guard-curve`):
+//! for each margin threshold, what a `balanced` request would have answered, at what cost.
+//!
+//! A study row of a reused configuration (`fast`) records the top-2 logit gap of every token
+//! it decoded; its case's full-recompute row records full recompute's answer and timings. The
+//! guard escalates at the first watched token whose gap is below the threshold, and an
+//! escalated answer is full recompute's token for token (the pipeline's tested invariant), so
+//! each threshold's answers follow from the two rows. Costs are charged conservatively: an
+//! escalated request's first token counts as arriving after the reused prefill *and* full
+//! recompute's prefill, its total as the reused decode up to the escalation plus full
+//! recompute's whole request. A run with `:balanced` configurations checks the simulation
+//! against the real guard.
+
+use super::StudyRecord;
+use crate::metrics::median;
+use crate::stats::{wilson, Interval};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// What a guarded request would have been for one case.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuardedCase {
+    pub escalated: bool,
+    pub identical: bool,
+    /// TTFT over full recompute's.
+    pub ttft_ratio: f64,
+    /// Whole request time over full recompute's.
+    pub total_ratio: f64,
+    pub f1: f64,
+    pub full_f1: f64,
+}
+
+/// One threshold's outcome over a set of cases.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CurvePoint {
+    pub margin: f32,
+    pub cases: usize,
+    pub escalated: usize,
+    pub identical: usize,
+    pub identity: Interval,
+    pub median_ttft_ratio: f64,
+    pub mean_total_ratio: f64,
+    /// Mean F1 of the guarded answers over full recompute's mean F1.
+    pub f1_ratio: f64,
+}
+
+/// The guard's decision on `row` (a reused configuration's answer) with full recompute's
+/// `full` row of the same case; `None` when `row` has no margins recorded.
+pub fn guard_case(
+    row: &StudyRecord,
+    full: &StudyRecord,
+    margin: f32,
+    horizon: usize,
+) -> Option<GuardedCase> {
+    let margins = row.margins.as_ref()?;
+    let fire = margins.iter().take(horizon).position(|&m| m < margin);
+    let (full_ttft, full_total) = (full.ttft_ms.max(1e-9), full.timings.total_ms.max(1e-9));
+    let (ttft, total) = match fire {
+        Some(i) => {
+            let per_token = (row.timings.total_ms - row.ttft_ms).max(0.0) / margins.len() as f64;
+            (
+                row.ttft_ms + full.timings.prefill_ms,
+                row.ttft_ms + i as f64 * per_token + full.timings.total_ms,
+            )
+        }
+        None => (row.ttft_ms, row.timings.total_ms),
+    };
+    let full_f1 = full.f1.unwrap_or(0.0);
+    Some(GuardedCase {
+        escalated: fire.is_some(),
+        identical: fire.is_some() || row.identical,
+        ttft_ratio: ttft / full_ttft,
+        total_ratio: total / full_total,
+        f1: if fire.is_some() {
+            full_f1
+        } else {
+            row.f1.unwrap_or(0.0)
+        },
+        full_f1,
+    })
+}
+
+/// Summarizes guarded cases at one threshold.
+pub fn point(margin: f32, cases: &[GuardedCase]) -> CurvePoint {
+    let n = cases.len();
+    let identical = cases.iter().filter(|c| c.identical).count();
+    let ttft: Vec<f64> = cases.iter().map(|c| c.ttft_ratio).collect();
+    let total: f64 = cases.iter().map(|c| c.total_ratio).sum();
+    let (f1, full_f1): (f64, f64) = cases
+        .iter()
+        .fold((0.0, 0.0), |(a, b), c| (a + c.f1, b + c.full_f1));
+    CurvePoint {
+        margin,
+        cases: n,
+        escalated: cases.iter().filter(|c| c.escalated).count(),
+        identical,
+        identity: wilson(identical, n),
+        median_ttft_ratio: median(&ttft),
+        mean_total_ratio: if n == 0 { f64::NAN } else { total / n as f64 },
+        f1_ratio: if full_f1 > 0.0 {
+            f1 / full_f1
+        } else {
+            f64::NAN
+        },
+    }
+}
+
+/// Per dataset (and `pooled`), the curve of configuration `label` over `margins`, watching
+/// the first `horizon` tokens. Cases without a full-recompute row or margins are skipped.
+pub fn curve(
+    records: &[StudyRecord],
+    label: &str,
+    margins: &[f32],
+    horizon: usize,
+) -> BTreeMap<String, Vec<CurvePoint>> {
+    let key = |r: &StudyRecord| (r.pairing.clone(), r.dataset.clone(), r.case.clone());
+    let full: BTreeMap<_, &StudyRecord> = records
+        .iter()
+        .filter(|r| r.label == "full_recompute")
+        .map(|r| (key(r), r))
+        .collect();
+    let pairs: Vec<(&StudyRecord, &StudyRecord)> = records
+        .iter()
+        .filter(|r| r.label == label)
+        .filter_map(|r| full.get(&key(r)).map(|f| (r, *f)))
+        .collect();
+    let mut out = BTreeMap::new();
+    let mut datasets: Vec<String> = pairs.iter().map(|(r, _)| r.dataset.clone()).collect();
+    datasets.dedup();
+    datasets.sort();
+    datasets.dedup();
+    datasets.push("pooled".into());
+    for ds in datasets {
+        let points = margins
+            .iter()
+            .map(|&m| {
+                let cases: Vec<GuardedCase> = pairs
+                    .iter()
+                    .filter(|(r, _)| ds == "pooled" || r.dataset == ds)
+                    .filter_map(|(r, f)| guard_case(r, f, m, horizon))
+                    .collect();
+                point(m, &cases)
+            })
+            .collect();
+        out.insert(ds, points);
+    }
+    out
+}
+
+/// The curve as markdown tables, one per dataset.
+pub fn markdown(curves: &BTreeMap<String, Vec<CurvePoint>>, label: &str, horizon: usize) -> String {
+    let mut md = format!(
+        "Guard on `{label}`, watching the first {horizon} tokens: escalate when a token's \
+         top-2 logit gap is below the margin (0 = never).\n"
+    );
+    for (ds, points) in curves {
+        let _ = writeln!(md, "\n### {ds}\n");
+        md.push_str("| margin | cases | escalated | identical | median TTFT ÷ full | mean total ÷ full | F1 ÷ full's |\n");
+        md.push_str("|---:|---:|---:|---:|---:|---:|---:|\n");
+        for p in points {
+            let pct = |k: usize| 100.0 * k as f64 / p.cases.max(1) as f64;
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} ({:.0}%) | {} ({:.0}% [{:.0}, {:.0}]) | {:.2} | {:.2} | {:.3} |",
+                p.margin,
+                p.cases,
+                p.escalated,
+                pct(p.escalated),
+                p.identical,
+                pct(p.identical),
+                100.0 * p.identity.lo,
+                100.0 * p.identity.hi,
+                p.median_ttft_ratio,
+                p.mean_total_ratio,
+                p.f1_ratio,
+            );
+        }
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::study::StudyConfig;
+    use gateway::pipeline::{Method, Timings};
+
+    fn row(label: &str, case: &str, identical: bool, margins: Option<Vec<f32>>) -> StudyRecord {
+        let full = label == "full_recompute";
+        StudyRecord {
+            pairing: "large".into(),
+            dataset: "hotpotqa".into(),
+            case: case.into(),
+            config: StudyConfig {
+                method: if full {
+                    Method::FullRecompute
+                } else {
+                    Method::TargetProbe
+                },
+                ratio: if full { 1.0 } else { 0.25 },
+                fidelity: Default::default(),
+            },
+            label: label.into(),
+            answer: String::new(),
+            correct: false,
+            identical,
+            kl_first: 0.0,
+            kl_tf: 0.0,
+            gold_nll: 0.0,
+            ttft_ms: if full { 1000.0 } else { 300.0 },
+            timings: Timings {
+                prefill_ms: if full { 990.0 } else { 250.0 },
+                total_ms: if full { 1400.0 } else { 700.0 },
+                ..Default::default()
+            },
+            ratio: 0.25,
+            selected: Vec::new(),
+            codec: "raw".into(),
+            verify: None,
+            verified_identical: None,
+            verify_mode: None,
+            guard: None,
+            margin_first: None,
+            margins,
+            f1: Some(if identical || full { 1.0 } else { 0.0 }),
+        }
+    }
+
+    #[test]
+    fn escalation_at_a_small_gap_answers_as_full_recompute_at_both_prefills_cost() {
+        let full = row("full_recompute", "a", true, None);
+        let reused = row("tp", "a", false, Some(vec![3.0, 0.5, 4.0, 2.0]));
+        let kept = guard_case(&reused, &full, 0.4, usize::MAX).unwrap();
+        assert!(!kept.escalated && !kept.identical);
+        assert!((kept.ttft_ratio - 0.3).abs() < 1e-12);
+        assert!((kept.total_ratio - 0.5).abs() < 1e-12);
+        let esc = guard_case(&reused, &full, 1.0, usize::MAX).unwrap();
+        assert!(esc.escalated && esc.identical);
+        assert!((esc.ttft_ratio - (300.0 + 990.0) / 1000.0).abs() < 1e-12);
+        // Fired at the second token: one of four decode steps spent before the move.
+        assert!((esc.total_ratio - (300.0 + 100.0 + 1400.0) / 1400.0).abs() < 1e-12);
+        assert_eq!(esc.f1, 1.0);
+        // Outside the horizon the gap is not watched.
+        assert!(!guard_case(&reused, &full, 1.0, 1).unwrap().escalated);
+        assert!(guard_case(&row("tp", "a", true, None), &full, 1.0, 9).is_none());
+    }
+
+    #[test]
+    fn the_curve_pairs_rows_by_case_and_pools_datasets() {
+        let recs = vec![
+            row("full_recompute", "a", true, None),
+            row("tp", "a", true, Some(vec![5.0, 5.0])),
+            row("full_recompute", "b", true, None),
+            row("tp", "b", false, Some(vec![5.0, 0.2])),
+            row("tp", "orphan", false, Some(vec![0.1])),
+        ];
+        let c = curve(&recs, "tp", &[0.0, 1.0], usize::MAX);
+        let pooled = &c["pooled"];
+        assert_eq!(pooled[0].cases, 2);
+        assert_eq!((pooled[0].escalated, pooled[0].identical), (0, 1));
+        assert_eq!((pooled[1].escalated, pooled[1].identical), (1, 2));
+        assert_eq!(c["hotpotqa"], *pooled);
+        assert!((pooled[0].f1_ratio - 0.5).abs() < 1e-12);
+        assert!(markdown(&c, "tp", 32).contains("| 1 | 2 | 1 (50%) | 2 (100%"));
+    }
+}
