@@ -497,7 +497,7 @@ impl Pipeline {
             full_prefill,
             prompt: &asm.ids,
         };
-        let (g, verify, guard) = self.decode(q, input, &timings, on_piece)?;
+        let (g, verify, guard) = self.decode(q, input, &mut timings, on_piece)?;
         reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
@@ -708,9 +708,10 @@ impl Pipeline {
         &self,
         q: &Query,
         input: DecodeInput<'_>,
-        timings: &Timings,
+        timings: &mut Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, Option<VerifyStats>, GuardReport)> {
+        let started = Instant::now();
         let DecodeInput {
             out,
             full_prefill,
@@ -763,7 +764,15 @@ impl Pipeline {
         report.loop_detected = looped;
         report.uncertain = uncertain && !looped;
         report.escalated = true;
-        let g = self.escalate(q, prompt, &g.ids, &mut report, on_piece)?;
+        let mut ready = None;
+        let g = self.escalate(q, prompt, &g.ids, &mut report, &mut ready, on_piece)?;
+        if report.kept_tokens == 0 {
+            // Every token shown so far was withdrawn: the answer's first token is the full
+            // cache's, so time to first token runs until that cache was ready.
+            if let Some(r) = ready {
+                timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
+            }
+        }
         Ok((g, stats, report))
     }
 
@@ -777,6 +786,7 @@ impl Pipeline {
         prompt: &[u32],
         generated: &[u32],
         report: &mut GuardReport,
+        ready: &mut Option<Instant>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<target_engine::Generation> {
         let target = &self.engines.target;
@@ -794,6 +804,7 @@ impl Pipeline {
                 (cache, logits)
             }
         };
+        *ready = Some(Instant::now());
         if q.temperature > 0.0 {
             // Sampled tokens cannot be checked against the full cache's greedy choice.
             report.withdrawn_tokens = generated.len();

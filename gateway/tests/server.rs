@@ -1148,6 +1148,19 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         assert!(guard["kept_tokens"].as_u64() <= Some(1), "{got}");
         assert!(guard["min_margin"].as_f64() < Some(100.0), "{got}");
         assert_eq!(got["answer"], full["answer"], "{q}");
+        // When the first token shown was withdrawn, time to first token includes the full
+        // prefill; a kept one arrived from the reused cache.
+        let ttft = got["timings"]["ttft_ms"].as_f64().unwrap_or(0.0);
+        let prefill = got["timings"]["prefill_ms"].as_f64().unwrap_or(f64::MAX);
+        let full_prefill = guard["full_prefill_ms"].as_f64().unwrap_or(f64::MAX);
+        if guard["kept_tokens"] == 0 {
+            assert!(ttft >= prefill + full_prefill, "{got}");
+        } else {
+            assert!(
+                ttft < prefill + full_prefill + got["timings"]["decode_ms"].as_f64().unwrap_or(0.0),
+                "{got}"
+            );
+        }
         let (_, sse, _) = send(&s, ask(q, with(&m, "stream", json!(true)))).await;
         assert_eq!(shown_text(&sse), full["answer"].as_str().unwrap_or(""));
         // Horizon 0: the margin is not watched (a loop still would be).

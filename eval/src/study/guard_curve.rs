@@ -5,11 +5,12 @@
 //! it decoded; its case's full-recompute row records full recompute's answer and timings. The
 //! guard escalates at the first watched token whose gap is below the threshold, and an
 //! escalated answer is full recompute's token for token (the pipeline's tested invariant), so
-//! each threshold's answers follow from the two rows. Costs are charged conservatively: an
-//! escalated request's first token counts as arriving after the reused prefill *and* full
-//! recompute's prefill, its total as the reused decode up to the escalation plus full
-//! recompute's whole request. A run with `:balanced` configurations checks the simulation
-//! against the real guard.
+//! each threshold's answers follow from the two rows. Costs are charged as the pipeline does,
+//! erring high: an escalated request's total is the reused decode up to the escalation plus
+//! full recompute's whole request; its first token is the reused one when the escalation
+//! came after it and the answers agree (the token stays), otherwise it arrives once the full
+//! prefill after the reused decode is done (a first token that may have agreed is charged
+//! too). A run with `:balanced` configurations checks the simulation against the real guard.
 
 use super::StudyRecord;
 use crate::metrics::median;
@@ -58,10 +59,16 @@ pub fn guard_case(
     let (ttft, total) = match fire {
         Some(i) => {
             let per_token = (row.timings.total_ms - row.ttft_ms).max(0.0) / margins.len() as f64;
-            (
-                row.ttft_ms + full.timings.prefill_ms,
-                row.ttft_ms + i as f64 * per_token + full.timings.total_ms,
-            )
+            let moved = row.ttft_ms + i as f64 * per_token;
+            // The tokens shown before the move stay when they agree with full recompute:
+            // certainly when the whole answer does (and something was shown); otherwise the
+            // first token is charged as arriving once the full cache is ready.
+            let ttft = if i > 0 && row.identical {
+                row.ttft_ms
+            } else {
+                moved + full.timings.prefill_ms
+            };
+            (ttft, moved + full.timings.total_ms)
         }
         None => (row.ttft_ms, row.timings.total_ms),
     };
@@ -236,13 +243,19 @@ mod tests {
         assert!((kept.total_ratio - 0.5).abs() < 1e-12);
         let esc = guard_case(&reused, &full, 1.0, usize::MAX).unwrap();
         assert!(esc.escalated && esc.identical);
-        assert!((esc.ttft_ratio - (300.0 + 990.0) / 1000.0).abs() < 1e-12);
+        // The answers differ: the first token waits for the full prefill after one step.
+        assert!((esc.ttft_ratio - (300.0 + 100.0 + 990.0) / 1000.0).abs() < 1e-12);
         // Fired at the second token: one of four decode steps spent before the move.
         assert!((esc.total_ratio - (300.0 + 100.0 + 1400.0) / 1400.0).abs() < 1e-12);
         assert_eq!(esc.f1, 1.0);
         // Outside the horizon the gap is not watched.
         assert!(!guard_case(&reused, &full, 1.0, 1).unwrap().escalated);
         assert!(guard_case(&row("tp", "a", true, None), &full, 1.0, 9).is_none());
+        // Agreeing answers keep the first token shown, unless the move came before it.
+        let same = row("tp", "a", true, Some(vec![3.0, 0.5, 4.0, 2.0]));
+        assert!((guard_case(&same, &full, 1.0, 9).unwrap().ttft_ratio - 0.3).abs() < 1e-12);
+        let first = guard_case(&same, &full, 4.0, 9).unwrap();
+        assert!((first.ttft_ratio - 1.29).abs() < 1e-12);
     }
 
     #[test]
