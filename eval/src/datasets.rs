@@ -9,6 +9,13 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// The name of the bridge-entity dataset ([`bridge_cases`]) in runs, records and reports.
+/// Dataset names stay strings (files and `--datasets` add their own); code that picks a
+/// dataset by name compares with these constants, never with a literal.
+pub const BRIDGE: &str = "bridge";
+/// The name of the needle-in-a-haystack dataset ([`needle_cases`]).
+pub const NEEDLE: &str = "needle";
+
 /// A document of a case (synthetic cases bring their own chunks as documents).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CaseDoc {

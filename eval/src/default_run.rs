@@ -6,7 +6,7 @@ use crate::Args;
 use anyhow::Context as _;
 use eval::datasets::{self, BridgeParams, Case, NeedleParams};
 use eval::load::{self, LoadPlan};
-use eval::plan::{self, Budget, Config, Pairing, PairingName};
+use eval::plan::{self, Budget, Config, ConfigKey, Pairing, PairingName};
 use eval::report::{self, Meta, Results};
 use eval::run::{self, Dataset, Record};
 use gateway::corpus::{Corpus, Engines};
@@ -40,7 +40,7 @@ pub(crate) fn file_name(p: &Path) -> String {
 pub(crate) fn synthetic(b: &Budget, seed: u64) -> Vec<Dataset> {
     vec![
         Dataset {
-            name: "bridge".into(),
+            name: datasets::BRIDGE.into(),
             cases: datasets::bridge_cases(&BridgeParams {
                 cases: b.bridge_cases,
                 distractors: b.bridge_distractors,
@@ -53,7 +53,7 @@ pub(crate) fn synthetic(b: &Budget, seed: u64) -> Vec<Dataset> {
             max_tokens: 24,
         },
         Dataset {
-            name: "needle".into(),
+            name: datasets::NEEDLE.into(),
             cases: datasets::needle_cases(&NeedleParams {
                 lengths: b.needle_lengths.clone(),
                 depths: b.needle_depths.clone(),
@@ -87,7 +87,7 @@ pub(crate) fn bar(len: u64, prefix: &str) -> ProgressBar {
 /// configurations on the first `identity_cases` cases of each set).
 pub(crate) fn evaluate(
     pipeline: &Pipeline,
-    pairing: &str,
+    pairing: PairingName,
     sets: &[Dataset],
     configs: &[Config],
     identity_cases: usize,
@@ -95,7 +95,7 @@ pub(crate) fn evaluate(
 ) -> anyhow::Result<()> {
     for ds in sets {
         let b = bar(ds.cases.len() as u64, &format!("ingest {}", ds.name));
-        let info = run::ingest(pipeline, pairing, ds, &mut || b.inc(1))?;
+        let info = run::ingest(pipeline, pairing.name(), ds, &mut || b.inc(1))?;
         b.finish_and_clear();
         eprintln!(
             "{pairing}: ingested {} ({} documents, {} chunks, {} tokens) in {:.1} s",
@@ -148,7 +148,7 @@ pub(crate) fn evaluate(
 /// The Poisson load of the small pairing over the bridge cases.
 pub(crate) fn load_test(
     pipeline: Arc<Pipeline>,
-    pairing: &str,
+    pairing: PairingName,
     bridge: &Dataset,
     b: &Budget,
     seed: u64,
@@ -160,7 +160,7 @@ pub(crate) fn load_test(
         .filter(|r| {
             r.pairing == pairing
                 && r.dataset == bridge.name
-                && r.config == "full_recompute"
+                && r.config == ConfigKey::full_recompute()
                 && bridge.cases.iter().any(|c| c.id == r.case)
         })
         .collect();
@@ -176,7 +176,7 @@ pub(crate) fn load_test(
         .map(|f| (*f, f * 1000.0 / service_ms.max(1.0)))
         .collect();
     let lp = LoadPlan {
-        pairing: pairing.into(),
+        pairing,
         methods: b
             .load_methods
             .iter()
@@ -418,9 +418,9 @@ impl PairingRun<'_> {
             let s: Vec<Dataset> = self
                 .sets
                 .iter()
-                .filter(|d| d.name != "needle")
+                .filter(|d| d.name != datasets::NEEDLE)
                 .map(|d| Dataset {
-                    cases: if d.name == "bridge" {
+                    cases: if d.name == datasets::BRIDGE {
                         d.cases
                             .iter()
                             .take(self.budget.large_cases.max(1))
@@ -449,7 +449,7 @@ impl PairingRun<'_> {
         let target = load_model(&target_path)?;
         let spec = load_model(&spec_path)?;
         res.pairings.push(Pairing {
-            name: pairing.to_string(),
+            name: pairing,
             speculator: file_name(&spec_path),
             target: file_name(&target_path),
         });
@@ -463,10 +463,9 @@ impl PairingRun<'_> {
             .with_context(|| format!("opening data directory {}", dir.display()))?;
         let pipeline = Arc::new(Pipeline::new(engines, corpus, ScoreSource::Query));
         let (configs, my_sets, identity_cases) = self.plan(pairing);
-        let pairing = pairing.name();
         let mut listed = configs.clone();
         listed.extend(plan::identity_configs());
-        res.configs.push((pairing.to_string(), listed));
+        res.configs.push((pairing, listed));
         evaluate(&pipeline, pairing, &my_sets, &configs, identity_cases, res)?;
         if let Some(q) = self.queries {
             let qdir = self.args.queries_data.clone().unwrap_or_default();
@@ -478,8 +477,8 @@ impl PairingRun<'_> {
             );
             evaluate(&qp, pairing, std::slice::from_ref(q), &configs, 0, res)?;
         }
-        let bridge = my_sets.iter().find(|d| d.name == "bridge");
-        if pairing == "small" && !self.args.no_load && self.budget.load_requests > 0 {
+        let bridge = my_sets.iter().find(|d| d.name == datasets::BRIDGE);
+        if pairing == PairingName::Small && !self.args.no_load && self.budget.load_requests > 0 {
             if let Some(bridge) = bridge {
                 let mut load_set = bridge.clone();
                 load_set.cases.truncate(self.budget.load_requests.max(1));

@@ -5,6 +5,7 @@
 
 use crate::datasets::Case;
 use crate::metrics::{self, RequestOutcome};
+use crate::plan::PairingName;
 use crate::run::{collection_of, Dataset};
 use gateway::http::{AppState, ServerConfig};
 use gateway::pipeline::{Answer, Method, Pipeline};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 /// One (method, arrival rate) run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadPoint {
-    pub pairing: String,
+    pub pairing: PairingName,
     pub method: Method,
     pub ratio: f64,
     /// The rate as a multiple of full recompute's service rate.
@@ -87,7 +88,7 @@ pub fn quantile(v: &[f64], p: f64) -> f64 {
 /// What to send: a method at a ratio, at each rate.
 #[derive(Debug, Clone)]
 pub struct LoadPlan {
-    pub pairing: String,
+    pub pairing: PairingName,
     pub methods: Vec<(Method, f64)>,
     /// (factor, rate in requests per second).
     pub rates: Vec<(f64, f64)>,
@@ -216,7 +217,7 @@ fn summarize(
     let scores: Vec<f64> = outcomes.iter().map(|o| o.score).collect();
     let rejected = sent.iter().filter(|s| s.status == Some(429)).count();
     LoadPoint {
-        pairing: plan.pairing.clone(),
+        pairing: plan.pairing,
         method,
         ratio,
         factor,

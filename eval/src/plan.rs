@@ -8,9 +8,10 @@ use speculator::LayerRange;
 
 /// The ratios every budgeted method runs at (SpecCache's sweep).
 pub const RATIOS: [f64; 4] = [0.10, 0.15, 0.20, 0.25];
-/// The ratio of the single-ratio rows (layer ablation, ingestion-time scores, large pairing).
-/// A target/speculator pairing the evaluation runs (`--pairings`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+/// A target/speculator pairing the evaluation runs (`--pairings`); written in results.json as
+/// its [`name`](Self::name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
 pub enum PairingName {
     /// SmolLM2-135M -> Qwen2.5-Coder-0.5B (the default models).
     Small,
@@ -34,6 +35,7 @@ impl std::fmt::Display for PairingName {
     }
 }
 
+/// The ratio of the single-ratio rows (layer ablation, ingestion-time scores, large pairing).
 pub const MAIN_RATIO: f64 = 0.15;
 
 /// Why a configuration is in the run; the report groups rows by it.
@@ -52,31 +54,225 @@ pub enum Group {
     Identity,
 }
 
-/// One way of answering: a method and its settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Config {
-    /// Unique name in reports, e.g. `speccache@0.15`, `epic k=16`, `speccache@0.15 layers=all`.
+/// A configuration as answers name it, typed: what its label says (`full_recompute`,
+/// `speccache@0.15`, `epic k=16`, `speccache@0.15 layers=final`,
+/// `speccache@0.15 scores=ingest`). Records and identity rows carry it; results.json holds it
+/// as the label (written by [`Display`](std::fmt::Display), read back by [`FromStr`]), so two
+/// configurations are joined by their settings, and a label with a typo is an error where it
+/// is read instead of a comparison that never matches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConfigKey {
+    pub method: Method,
+    /// ρ to the label's two decimals (`0.15` for `@0.15`); `None` for the methods without a
+    /// budget and for EPIC at a fixed k.
+    pub ratio: Option<f64>,
+    /// EPIC recomputing the first k tokens of every chunk (`k=16`).
+    pub epic_k: Option<usize>,
+    /// SpecCache's layer range, when not the default (`layers=final`).
+    pub layers: Option<LayerRange>,
+    /// Where SpecCache's scores come from, when not the default (`scores=ingest`).
+    pub score_source: Option<ScoreSource>,
+}
+
+/// `ratio` as a label writes it (two decimals), so that a key built from a [`Config`] equals
+/// the key parsed back from its label.
+fn label_ratio(ratio: f64) -> f64 {
+    format!("{ratio:.2}").parse().unwrap_or(ratio)
+}
+
+fn score_source_name(s: ScoreSource) -> &'static str {
+    match s {
+        ScoreSource::Query => "query",
+        ScoreSource::Ingest => "ingest",
+    }
+}
+
+impl ConfigKey {
+    /// The key of `method` at ρ = `ratio` with no other setting (the ratio is dropped for the
+    /// methods without a budget).
+    pub fn at(method: Method, ratio: f64) -> Self {
+        Self {
+            method,
+            ratio: method.budgeted().then(|| label_ratio(ratio)),
+            epic_k: None,
+            layers: None,
+            score_source: None,
+        }
+    }
+
+    /// The reference, `full_recompute`.
+    pub fn full_recompute() -> Self {
+        Self::at(Method::FullRecompute, 1.0)
+    }
+}
+
+impl std::fmt::Display for ConfigKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.method.name())?;
+        if let Some(r) = self.ratio {
+            write!(f, "@{r:.2}")?;
+        }
+        if let Some(k) = self.epic_k {
+            write!(f, " k={k}")?;
+        }
+        if let Some(l) = self.layers {
+            write!(f, " layers={}", l.name())?;
+        }
+        if let Some(s) = self.score_source {
+            write!(f, " scores={}", score_source_name(s))?;
+        }
+        Ok(())
+    }
+}
+
+/// A label that does not name a configuration as [`ConfigKey`] writes it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{label}` is not a configuration label ({why}); labels read like `full_recompute`, `speccache@0.15`, `epic k=16`, `speccache@0.15 layers=final`")]
+pub struct BadLabel {
     pub label: String,
+    pub why: String,
+}
+
+impl std::str::FromStr for ConfigKey {
+    type Err = BadLabel;
+
+    /// Parses a label; only the form [`Display`](std::fmt::Display) writes is accepted (two
+    /// decimals, settings in order), so what is read is written back byte for byte.
+    fn from_str(label: &str) -> Result<Self, BadLabel> {
+        let bad = |why: String| BadLabel {
+            label: label.to_string(),
+            why,
+        };
+        let mut parts = label.split(' ');
+        let head = parts.next().unwrap_or_default();
+        let (name, ratio) = match head.split_once('@') {
+            Some((n, r)) => {
+                let r: f64 = r
+                    .parse()
+                    .map_err(|_| bad(format!("ratio `{r}` is not a number")))?;
+                (n, Some(r))
+            }
+            None => (head, None),
+        };
+        let method = Method::parse(name).ok_or_else(|| bad(format!("unknown method `{name}`")))?;
+        let mut key = Self {
+            method,
+            ratio,
+            epic_k: None,
+            layers: None,
+            score_source: None,
+        };
+        for part in parts {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| bad(format!("`{part}` is not a setting")))?;
+            match k {
+                "k" => {
+                    key.epic_k = Some(v.parse().map_err(|_| bad(format!("k `{v}`")))?);
+                }
+                "layers" => {
+                    key.layers = Some(
+                        LayerRange::parse(v).ok_or_else(|| bad(format!("layer range `{v}`")))?,
+                    );
+                }
+                "scores" => {
+                    key.score_source = Some(match v {
+                        "query" => ScoreSource::Query,
+                        "ingest" => ScoreSource::Ingest,
+                        _ => return Err(bad(format!("score source `{v}`"))),
+                    });
+                }
+                _ => return Err(bad(format!("unknown setting `{k}`"))),
+            }
+        }
+        if key.to_string() != label {
+            return Err(bad(format!("written `{key}`")));
+        }
+        Ok(key)
+    }
+}
+
+impl Serialize for ConfigKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ConfigKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let label = String::deserialize(d)?;
+        label.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// One way of answering: a method and its settings. In results.json it carries its label
+/// first ([`Config::label`]); reading checks that the label matches the settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "ConfigRepr", try_from = "ConfigRepr")]
+pub struct Config {
     pub method: Method,
     pub ratio: f64,
     pub group: Group,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epic_k: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<LayerRange>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score_source: Option<ScoreSource>,
+}
+
+/// [`Config`] as results.json writes it: its label, then its settings.
+#[derive(Serialize, Deserialize)]
+struct ConfigRepr {
+    label: ConfigKey,
+    method: Method,
+    ratio: f64,
+    group: Group,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    epic_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    layers: Option<LayerRange>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    score_source: Option<ScoreSource>,
+}
+
+impl From<Config> for ConfigRepr {
+    fn from(c: Config) -> Self {
+        Self {
+            label: c.key(),
+            method: c.method,
+            ratio: c.ratio,
+            group: c.group,
+            epic_k: c.epic_k,
+            layers: c.layers,
+            score_source: c.score_source,
+        }
+    }
+}
+
+impl TryFrom<ConfigRepr> for Config {
+    type Error = String;
+
+    fn try_from(r: ConfigRepr) -> Result<Self, String> {
+        let c = Self {
+            method: r.method,
+            ratio: r.ratio,
+            group: r.group,
+            epic_k: r.epic_k,
+            layers: r.layers,
+            score_source: r.score_source,
+        };
+        if c.key() != r.label {
+            return Err(format!(
+                "configuration label `{}` does not match its settings (`{}`)",
+                r.label,
+                c.key()
+            ));
+        }
+        Ok(c)
+    }
 }
 
 impl Config {
     fn new(method: Method, ratio: f64, group: Group) -> Self {
-        let label = if method.budgeted() {
-            format!("{}@{ratio:.2}", method.name())
-        } else {
-            method.name().to_string()
-        };
         Self {
-            label,
             method,
             ratio,
             group,
@@ -84,6 +280,23 @@ impl Config {
             layers: None,
             score_source: None,
         }
+    }
+
+    /// What the configuration's answers are filed under: method, ρ (when budgeted) and the
+    /// settings.
+    pub fn key(&self) -> ConfigKey {
+        ConfigKey {
+            method: self.method,
+            ratio: self.budgeted().then(|| label_ratio(self.ratio)),
+            epic_k: self.epic_k,
+            layers: self.layers,
+            score_source: self.score_source,
+        }
+    }
+
+    /// Unique name in reports, e.g. `speccache@0.15`, `epic k=16`, `speccache@0.15 layers=all`.
+    pub fn label(&self) -> String {
+        self.key().to_string()
     }
 
     /// The reference every other configuration is compared with.
@@ -99,7 +312,6 @@ impl Config {
     /// EPIC recomputing the first `k` tokens of every chunk.
     pub fn epic_k(k: usize) -> Self {
         Self {
-            label: format!("epic k={k}"),
             epic_k: Some(k),
             ..Self::new(Method::Epic, 0.0, Group::EpicK)
         }
@@ -108,7 +320,6 @@ impl Config {
     /// SpecCache at `ratio` with importance averaged over `layers`.
     pub fn layers(layers: LayerRange, ratio: f64) -> Self {
         let mut c = Self::new(Method::Speccache, ratio, Group::Ablation);
-        c.label = format!("{} layers={}", c.label, layers.name());
         c.layers = Some(layers);
         c
     }
@@ -116,7 +327,6 @@ impl Config {
     /// SpecCache at `ratio` with the speculator scores stored at ingestion.
     pub fn ingest_scores(ratio: f64) -> Self {
         let mut c = Self::new(Method::Speccache, ratio, Group::Ingest);
-        c.label = format!("{} scores=ingest", c.label);
         c.score_source = Some(ScoreSource::Ingest);
         c
     }
@@ -198,7 +408,7 @@ pub fn identity_configs() -> Vec<Config> {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pairing {
     /// `small` (SmolLM2 -> Qwen-0.5B, the default) or `large` (Qwen-0.5B -> Qwen-1.5B).
-    pub name: String,
+    pub name: PairingName,
     pub speculator: String,
     pub target: String,
 }
@@ -276,7 +486,7 @@ mod tests {
         for extras in [false, true] {
             let c = configs(&RATIOS, extras);
             assert!(c[0].is_reference());
-            let mut labels: Vec<&str> = c.iter().map(|c| c.label.as_str()).collect();
+            let mut labels: Vec<String> = c.iter().map(Config::label).collect();
             let n = labels.len();
             labels.sort();
             labels.dedup();
@@ -289,9 +499,68 @@ mod tests {
     }
 
     #[test]
+    fn labels_parse_back_into_their_configuration() {
+        let mut all = configs(&RATIOS, true);
+        all.extend(identity_configs());
+        for c in &all {
+            let label = c.label();
+            let key: ConfigKey = label.parse().expect("a label parses");
+            assert_eq!(key, c.key(), "{label}");
+            assert_eq!(key.to_string(), label);
+            let json = serde_json::to_string(&key).expect("serialize");
+            assert_eq!(json, format!("\"{label}\""));
+            assert_eq!(serde_json::from_str::<ConfigKey>(&json).ok(), Some(key));
+            let back: Config =
+                serde_json::from_str(&serde_json::to_string(c).expect("serialize")).expect("read");
+            assert_eq!(&back, c);
+        }
+        assert_eq!(Config::full_recompute().label(), "full_recompute");
+        assert_eq!(Config::epic_k(16).label(), "epic k=16");
+        assert_eq!(Config::at(Method::Speccache, 0.1).label(), "speccache@0.10");
+        assert_eq!(
+            Config::ingest_scores(0.15).label(),
+            "speccache@0.15 scores=ingest"
+        );
+        assert_eq!(Config::identity(Method::Epic).label(), "epic@1.00");
+        assert_eq!(
+            "target_probe@0.15".parse::<ConfigKey>(),
+            Ok(ConfigKey::at(Method::TargetProbe, 0.15))
+        );
+        // A typo is an error where the label is read, not a comparison that never matches.
+        for bad in [
+            "",
+            "full_recompute ",
+            "specache@0.15",
+            "speccache@0.1",
+            "speccache@x",
+            "epic k=x",
+            "speccache@0.15 layers=first",
+            "speccache@0.15 scores=later",
+            "speccache@0.15 depth=2",
+            "speccache@0.15 scores=ingest layers=all",
+        ] {
+            assert!(bad.parse::<ConfigKey>().is_err(), "`{bad}` parsed");
+            assert!(serde_json::from_str::<ConfigKey>(&format!("\"{bad}\"")).is_err());
+        }
+        // A label that disagrees with its settings is refused.
+        let wrong = r#"{"label":"epic@0.15","method":"epic","ratio":0.2,"group":"main"}"#;
+        assert!(serde_json::from_str::<Config>(wrong).is_err());
+    }
+
+    #[test]
+    fn pairing_names_are_written_as_their_names() {
+        for p in [PairingName::Small, PairingName::Large] {
+            let json = serde_json::to_string(&p).expect("serialize");
+            assert_eq!(json, format!("\"{}\"", p.name()));
+            assert_eq!(serde_json::from_str::<PairingName>(&json).ok(), Some(p));
+        }
+        assert!(serde_json::from_str::<PairingName>("\"medium\"").is_err());
+    }
+
+    #[test]
     fn options_follow_the_config() {
         let c = Config::layers(LayerRange::Final, 0.15);
-        assert_eq!(c.label, "speccache@0.15 layers=final");
+        assert_eq!(c.label(), "speccache@0.15 layers=final");
         assert_eq!(c.options().layers, Some(LayerRange::Final));
         let c = Config::epic_k(16);
         assert_eq!(c.options().epic_k, Some(16));

@@ -4,7 +4,7 @@
 
 use crate::load::LoadPoint;
 use crate::metrics::{mean, median};
-use crate::plan::{Config, Group, Pairing};
+use crate::plan::{Config, ConfigKey, Group, Pairing, PairingName};
 use crate::plot::{svg, Chart, Series};
 use crate::run::{IngestInfo, Record};
 use gateway::pipeline::Method;
@@ -23,10 +23,14 @@ pub struct Meta {
     pub seed: u64,
 }
 
-/// One configuration over the cases of one dataset (or `all`) of one pairing.
+/// The summary scope over every dataset of a pairing ([`SummaryRow::dataset`]).
+pub const ALL_DATASETS: &str = "all";
+
+/// One configuration over the cases of one dataset (or [`ALL_DATASETS`]) of one pairing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SummaryRow {
-    pub pairing: String,
+    pub pairing: PairingName,
+    /// A dataset's name, or [`ALL_DATASETS`].
     pub dataset: String,
     pub config: Config,
     pub n: usize,
@@ -56,8 +60,8 @@ pub struct SummaryRow {
 /// The ρ = 1 check of one configuration: every answer must equal full recompute's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IdentityRow {
-    pub pairing: String,
-    pub config: String,
+    pub pairing: PairingName,
+    pub config: ConfigKey,
     pub cases: usize,
     pub exact: usize,
     pub max_kl: f64,
@@ -72,8 +76,8 @@ pub const IDENTITY_MAX_KL: f64 = 1e-4;
 pub struct Results {
     pub meta: Meta,
     pub pairings: Vec<Pairing>,
-    /// Configurations per pairing name.
-    pub configs: Vec<(String, Vec<Config>)>,
+    /// Configurations per pairing.
+    pub configs: Vec<(PairingName, Vec<Config>)>,
     pub ingest: Vec<IngestInfo>,
     pub records: Vec<Record>,
     pub summary: Vec<SummaryRow>,
@@ -84,7 +88,7 @@ pub struct Results {
 }
 
 fn summarize_group(
-    pairing: &str,
+    pairing: PairingName,
     dataset: &str,
     config: &Config,
     rows: &[&Record],
@@ -94,7 +98,7 @@ fn summarize_group(
     let recalls: Vec<f64> = rows.iter().filter_map(|r| r.gold_recall).collect();
     let ttft = median(&f(|r| r.timings.ttft_ms));
     SummaryRow {
-        pairing: pairing.into(),
+        pairing,
         dataset: dataset.into(),
         config: config.clone(),
         n: rows.len(),
@@ -123,15 +127,15 @@ fn summarize_group(
 
 impl Results {
     /// Fills `summary` and `identity` from `records`: per pairing, one row per configuration
-    /// and dataset, and one over all datasets (`all`).
+    /// and dataset, and one over all datasets ([`ALL_DATASETS`]).
     pub fn summarize(&mut self) {
         let mut summary = Vec::new();
         let mut identity = Vec::new();
-        for (pairing, configs) in &self.configs {
+        for &(pairing, ref configs) in &self.configs {
             let mine: Vec<&Record> = self
                 .records
                 .iter()
-                .filter(|r| &r.pairing == pairing)
+                .filter(|r| r.pairing == pairing)
                 .collect();
             let mut datasets: Vec<String> = Vec::new();
             for r in &mine {
@@ -139,43 +143,37 @@ impl Results {
                     datasets.push(r.dataset.clone());
                 }
             }
-            let mut scopes = vec!["all".to_string()];
+            let mut scopes = vec![ALL_DATASETS.to_string()];
             if datasets.len() > 1 {
                 scopes.extend(datasets);
             }
             for scope in &scopes {
-                let in_scope = |r: &&&Record| scope == "all" || &r.dataset == scope;
-                let of = |label: &str| -> Vec<&Record> {
+                let in_scope = |r: &&&Record| scope == ALL_DATASETS || &r.dataset == scope;
+                let of = |c: &Config| -> Vec<&Record> {
+                    let key = c.key();
                     mine.iter()
                         .filter(in_scope)
-                        .filter(|r| r.config == label)
+                        .filter(|r| r.config == key)
                         .copied()
                         .collect()
                 };
                 let reference = configs.iter().find(|c| c.is_reference());
                 let ref_ttft = reference
-                    .map(|c| {
-                        median(
-                            &of(&c.label)
-                                .iter()
-                                .map(|r| r.timings.ttft_ms)
-                                .collect::<Vec<_>>(),
-                        )
-                    })
+                    .map(|c| median(&of(c).iter().map(|r| r.timings.ttft_ms).collect::<Vec<_>>()))
                     .unwrap_or(0.0);
                 for c in configs {
-                    let rows = of(&c.label);
+                    let rows = of(c);
                     if rows.is_empty() {
                         continue;
                     }
                     summary.push(summarize_group(pairing, scope, c, &rows, ref_ttft));
-                    if scope == "all" && c.group == Group::Identity {
+                    if scope == ALL_DATASETS && c.group == Group::Identity {
                         let exact = rows.iter().filter(|r| r.match_full).count();
                         let max_kl = rows.iter().map(|r| r.kl_first).fold(0.0, f64::max);
                         let finite = rows.iter().all(|r| r.kl_first.is_finite());
                         identity.push(IdentityRow {
-                            pairing: pairing.clone(),
-                            config: c.label.clone(),
+                            pairing,
+                            config: c.key(),
                             cases: rows.len(),
                             exact,
                             max_kl,
@@ -189,8 +187,8 @@ impl Results {
         self.identity = identity;
     }
 
-    /// The summary rows of `pairing` over `dataset`.
-    pub fn rows(&self, pairing: &str, dataset: &str) -> Vec<&SummaryRow> {
+    /// The summary rows of `pairing` over `dataset` (a dataset's name or [`ALL_DATASETS`]).
+    pub fn rows(&self, pairing: PairingName, dataset: &str) -> Vec<&SummaryRow> {
         self.summary
             .iter()
             .filter(|r| r.pairing == pairing && r.dataset == dataset)
@@ -224,7 +222,7 @@ fn main_table(out: &mut String, rows: &[&SummaryRow]) {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {:.4} | {} | {} | {} | {} | {} | {} | {} |",
-            r.config.label,
+            r.config.label(),
             r.n,
             f2(r.ratio),
             f2(r.f1),
@@ -270,7 +268,7 @@ fn add_point(series: &mut Vec<Series>, name: &str, pt: (f64, f64)) {
 pub fn charts(res: &Results) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for p in &res.pairings {
-        let rows = res.rows(&p.name, "all");
+        let rows = res.rows(p.name, ALL_DATASETS);
         if rows.is_empty() {
             continue;
         }
@@ -289,7 +287,7 @@ pub fn charts(res: &Results) -> Vec<(String, String)> {
             // EPIC at a fixed k joins EPIC at a budget: one colour per method.
             let name = match r.config.group {
                 Group::Main | Group::EpicK => r.config.method.name().to_string(),
-                _ => r.config.label.clone(),
+                _ => r.config.label(),
             };
             add_point(&mut by_method, &name, (r.ttft_ms / 1e3, r.f1));
             add_point(&mut fidelity, &name, (r.ttft_ms / 1e3, r.rouge_l_full));
@@ -438,7 +436,7 @@ pub fn markdown(res: &Results) -> String {
     }
     out.push('\n');
     for p in &res.pairings {
-        let all = res.rows(&p.name, "all");
+        let all = res.rows(p.name, ALL_DATASETS);
         if all.is_empty() {
             continue;
         }
@@ -458,7 +456,7 @@ pub fn markdown(res: &Results) -> String {
         let mut datasets: Vec<&str> = res
             .summary
             .iter()
-            .filter(|r| r.pairing == p.name && r.dataset != "all")
+            .filter(|r| r.pairing == p.name && r.dataset != ALL_DATASETS)
             .map(|r| r.dataset.as_str())
             .collect();
         datasets.dedup();
@@ -473,12 +471,12 @@ pub fn markdown(res: &Results) -> String {
             }
             out.push('\n');
             for r in &main {
-                let _ = write!(out, "| {} |", r.config.label);
+                let _ = write!(out, "| {} |", r.config.label());
                 for d in &datasets {
                     match res
-                        .rows(&p.name, d)
+                        .rows(p.name, d)
                         .into_iter()
-                        .find(|x| x.config.label == r.config.label)
+                        .find(|x| x.config.key() == r.config.key())
                     {
                         Some(x) => {
                             let _ = write!(
@@ -588,10 +586,10 @@ mod tests {
 
     fn record(config: &Config, case: &str, dataset: &str, ttft: f64, f1: f64) -> Record {
         Record {
-            pairing: "small".into(),
+            pairing: PairingName::Small,
             dataset: dataset.into(),
             case: case.into(),
-            config: config.label.clone(),
+            config: config.key(),
             answer: "x".into(),
             tokens: 1,
             finish_reason: FinishReason::Eos,
@@ -633,16 +631,81 @@ mod tests {
         }
         let mut r = Results {
             pairings: vec![Pairing {
-                name: "small".into(),
+                name: PairingName::Small,
                 speculator: "spec".into(),
                 target: "target".into(),
             }],
-            configs: vec![("small".into(), cs)],
+            configs: vec![(PairingName::Small, cs)],
             records,
             ..Default::default()
         };
         r.summarize();
         r
+    }
+
+    /// `line` split before the JSON number it ends with (a trailing comma aside): the rest of
+    /// the line and the number as serde_json reads it.
+    fn number_at_end(line: &str) -> Option<(String, u64)> {
+        let comma = line.ends_with(',');
+        let body = line.strip_suffix(',').unwrap_or(line);
+        let start = body.rfind(' ').map_or(0, |i| i + 1);
+        let x: f64 = serde_json::from_str(&body[start..]).ok()?;
+        let rest = format!("{}{}", &body[..start], if comma { "," } else { "" });
+        Some((rest, x.to_bits()))
+    }
+
+    /// The committed results.json (written by `serde_json::to_string_pretty`, as
+    /// `default_run::write` does) read into the typed records and written back is the same
+    /// text: typed pairings, configurations and labels change nothing in the format.
+    ///
+    /// Byte for byte, with two allowances that have nothing to do with these types:
+    /// - the file predates `reuse.guard` (gateway's `GuardReport`, read as its default when
+    ///   absent and always written): while the file has no `"guard"`, each default guard
+    ///   block written back is taken out before comparing (regenerating the file ends this);
+    /// - serde_json's default number parser (without its `float_roundtrip` feature) reads
+    ///   some long decimals 1 ulp off (`0.000049999999999999996` comes back as `0.00005`): a
+    ///   line may differ in its final number only, and both numbers must read as the same f64.
+    ///
+    /// Every other byte (keys and their order, strings, labels, indentation) must be the
+    /// committed one, and writing back what was read is stable.
+    #[test]
+    fn committed_results_json_round_trips() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/results/results.json");
+        let text = std::fs::read_to_string(&path).expect("docs/results/results.json");
+        let res: Results = serde_json::from_str(&text).expect("results.json reads");
+        assert!(!res.records.is_empty() && !res.identity.is_empty());
+        assert!(res
+            .records
+            .iter()
+            .any(|r| r.config == ConfigKey::full_recompute() && r.pairing == PairingName::Large));
+        let written = serde_json::to_string_pretty(&res).expect("results.json writes");
+        let mut again = written.clone();
+        if !text.contains("\"guard\"") {
+            let guard = serde_json::to_string_pretty(&gateway::fidelity::GuardReport::default())
+                .expect("guard writes")
+                .replace('\n', "\n        ");
+            again = again.replace(&format!(",\n        \"guard\": {guard}"), "");
+        }
+        assert_eq!(text.lines().count(), again.lines().count());
+        assert_eq!(text.ends_with('\n'), again.ends_with('\n'));
+        for (i, (a, b)) in text.lines().zip(again.lines()).enumerate() {
+            if a != b {
+                let (na, nb) = (number_at_end(a), number_at_end(b));
+                assert!(
+                    na.is_some() && na == nb,
+                    "results.json line {}: `{a}` written back as `{b}`",
+                    i + 1
+                );
+            }
+        }
+        let twice: Results = serde_json::from_str(&written).expect("written results.json reads");
+        assert!(twice == res, "what was written reads back as what was read");
+        assert_eq!(
+            serde_json::to_string_pretty(&twice).expect("writes"),
+            written,
+            "writing back is stable"
+        );
     }
 
     #[test]
@@ -661,7 +724,7 @@ mod tests {
     #[test]
     fn summary_takes_means_medians_and_the_ratio_to_full() {
         let r = results();
-        let all = r.rows("small", "all");
+        let all = r.rows(PairingName::Small, "all");
         let full = all
             .iter()
             .find(|x| x.config.is_reference())
@@ -672,14 +735,14 @@ mod tests {
         assert_eq!(full.ttft_ratio, 1.0);
         let reuse = all
             .iter()
-            .find(|x| x.config.label == "full_reuse")
+            .find(|x| x.config.key() == ConfigKey::at(Method::FullReuse, 0.0))
             .expect("full_reuse row");
         // full_reuse is config 1: TTFTs 101, 121, 303 -> median 121.
         assert!((reuse.ttft_ratio - 121.0 / 1020.0).abs() < 1e-12);
         assert!((reuse.kl_first - 0.01).abs() < 1e-12);
         assert_eq!(reuse.match_full, 0.0);
         // Per-dataset rows exist because there are two datasets.
-        let needle = r.rows("small", "needle");
+        let needle = r.rows(PairingName::Small, "needle");
         let n_full = needle
             .iter()
             .find(|x| x.config.is_reference())
@@ -692,7 +755,7 @@ mod tests {
     #[test]
     fn identity_fails_on_one_differing_answer() {
         let mut r = results();
-        let label = r.identity[0].config.clone();
+        let label = r.identity[0].config;
         if let Some(x) = r.records.iter_mut().find(|x| x.config == label) {
             x.match_full = false;
         }
@@ -705,7 +768,7 @@ mod tests {
     fn report_has_every_section_and_chart() {
         let mut r = results();
         r.load.push(LoadPoint {
-            pairing: "small".into(),
+            pairing: PairingName::Small,
             method: Method::Speccache,
             ratio: 0.15,
             factor: 1.0,

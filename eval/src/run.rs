@@ -5,7 +5,7 @@
 
 use crate::datasets::Case;
 use crate::metrics;
-use crate::plan::Config;
+use crate::plan::{Config, ConfigKey, PairingName};
 use gateway::ingest::{IngestConfig, IngestEvent};
 use gateway::input::SourceDoc;
 use gateway::pipeline::{ChunkOrder, Pipeline, Query, Reuse, Timings, Traced};
@@ -29,11 +29,12 @@ pub struct Dataset {
 /// One answer of one configuration to one case, scored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
-    pub pairing: String,
+    pub pairing: PairingName,
+    /// The dataset's name ([`Dataset::name`]).
     pub dataset: String,
     pub case: String,
-    /// The configuration's label.
-    pub config: String,
+    /// The configuration (written as its label).
+    pub config: ConfigKey,
     pub answer: String,
     pub tokens: usize,
     pub finish_reason: FinishReason,
@@ -170,7 +171,7 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
 /// reference). `on_done` is called after each answer with the configuration's label.
 pub fn run_case(
     pipeline: &Pipeline,
-    pairing: &str,
+    pairing: PairingName,
     ds: &Dataset,
     case: &Case,
     configs: &[Config],
@@ -181,7 +182,7 @@ pub fn run_case(
         .filter(|c| c.is_reference())
         .ok_or_else(|| anyhow::anyhow!("the first configuration must be full_recompute"))?;
     let reference = answer(pipeline, ds, case, first)?;
-    on_done(&first.label);
+    on_done(&first.label());
     if reference.answer.chunks.is_empty() {
         anyhow::bail!(
             "case {} retrieved no chunk from collection `{}`: wrong collection or data \
@@ -203,7 +204,7 @@ pub fn run_case(
     for config in &configs[1..] {
         let t = answer(pipeline, ds, case, config)?;
         out.push(score(pairing, ds, case, config, &t, &reference));
-        on_done(&config.label);
+        on_done(&config.label());
     }
     Ok(out)
 }
@@ -217,12 +218,12 @@ fn answer(
     let q = query(ds, case, config);
     pipeline
         .query_traced(&q, &mut |_| true)
-        .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.label))
+        .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.key()))
 }
 
 /// Scores `t` against the gold answers and the reference answer.
 pub fn score(
-    pairing: &str,
+    pairing: PairingName,
     ds: &Dataset,
     case: &Case,
     config: &Config,
@@ -239,10 +240,10 @@ pub fn score(
         found as f64 / case.gold.len() as f64
     });
     Record {
-        pairing: pairing.into(),
+        pairing,
         dataset: ds.name.clone(),
         case: case.id.clone(),
-        config: config.label.clone(),
+        config: config.key(),
         answer: a.answer.clone(),
         tokens: a.tokens,
         finish_reason: a.finish_reason,

@@ -2,8 +2,9 @@
 //! structure and the ρ = 1 identity (every ρ = 1 configuration answers exactly as full
 //! recompute), not speed.
 
-use eval::plan::Group;
+use eval::plan::{ConfigKey, Group, PairingName};
 use eval::report::Results;
+use gateway::pipeline::Method;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -31,7 +32,7 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
         serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json"))?)?;
     assert!(res.meta.quick);
     assert_eq!(res.pairings.len(), 1);
-    assert_eq!(res.pairings[0].name, "small");
+    assert_eq!(res.pairings[0].name, PairingName::Small);
     let (_, configs) = &res.configs[0];
     let main: Vec<_> = configs.iter().filter(|c| c.group == Group::Main).collect();
     assert_eq!(
@@ -56,11 +57,14 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
         assert!(r.kl_first.is_finite() && r.kl_first >= 0.0, "{r:?}");
         assert!((0.0..=1.0).contains(&r.f1) && (0.0..=1.0).contains(&r.rouge_l_full));
         assert!(r.timings.ttft_ms > 0.0 && r.timings.total_ms >= r.timings.ttft_ms);
-        if r.config == "full_recompute" {
+        if r.config == ConfigKey::full_recompute() {
             assert!(r.match_full && r.kl_first == 0.0);
             assert_eq!(r.reuse.ratio, 1.0);
         }
-        if r.config.starts_with("speccache@0.15") || r.config.starts_with("cacheblend@0.15") {
+        // Every label starting `speccache@0.15` or `cacheblend@0.15`.
+        if matches!(r.config.method, Method::Speccache | Method::Cacheblend)
+            && r.config.ratio == Some(0.15)
+        {
             assert!(
                 r.reuse.ratio > 0.0 && r.reuse.ratio < 0.5,
                 "{} recomputed {}",
@@ -71,7 +75,7 @@ fn quick_run_writes_a_complete_report_and_rho_one_is_full_recompute(
     }
     // Summary rows: every configuration over all cases and per dataset, and the ratio to full.
     for scope in ["all", "bridge", "needle"] {
-        let rows = res.rows("small", scope);
+        let rows = res.rows(PairingName::Small, scope);
         assert_eq!(rows.len(), configs.len(), "{scope}");
         let full = rows
             .iter()

@@ -2,6 +2,7 @@
 //! quality): a LongBench-format file, then a query file against the data directory that run
 //! left behind, and a bad line named before any model loads.
 
+use eval::plan::ConfigKey;
 use eval::report::Results;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -84,7 +85,7 @@ fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::
     let full = r
         .records
         .iter()
-        .find(|x| x.case == "lh1" && x.config == "full_recompute")
+        .find(|x| x.case == "lh1" && x.config == ConfigKey::full_recompute())
         .ok_or("no reference answer")?;
     assert!(
         full.reuse.chunk_tokens > 4 * 20 && full.reuse.chunk_tokens <= 4 * (32 + 16),
@@ -136,7 +137,7 @@ fn longbench_and_query_files_run_end_to_end() -> Result<(), Box<dyn std::error::
     let full2 = r2
         .records
         .iter()
-        .find(|x| x.config == "full_recompute")
+        .find(|x| x.config == ConfigKey::full_recompute())
         .ok_or("no reference answer")?;
     assert_eq!(
         full2.reuse.chunk_tokens, full.reuse.chunk_tokens,
