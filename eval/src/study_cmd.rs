@@ -62,6 +62,24 @@ fn first_datasets(n: usize, seed: u64, real: &[&str]) -> anyhow::Result<Vec<Data
     Ok(sets)
 }
 
+/// The pipeline a study of `target` (with `spec`) runs, its data under `dir`.
+fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow::Result<Pipeline> {
+    let engines = Engines::new(load_model(target)?, Some(load_model(spec)?))?;
+    let store = gateway::corpus::StoreOptions {
+        codec: args.kv_codec,
+        ..Default::default()
+    };
+    let corpus = Corpus::open_with(dir, 1 << 30, &store)
+        .with_context(|| format!("opening data directory {}", dir.display()))?;
+    let mut pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+    pipeline.verify_mode = args.study_verify_mode;
+    pipeline.guard = gateway::fidelity::GuardPolicy {
+        margin: args.guard_margin,
+        horizon: args.guard_horizon,
+    };
+    Ok(pipeline)
+}
+
 /// `--guard-curve`: the fidelity guard's operating curve on `label`'s rows of `from`.
 pub fn guard_curve(from: &Path, label: &str, horizon: usize) -> anyhow::Result<bool> {
     let records = study::read_records(from)
@@ -132,20 +150,7 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             args.study_large_cases
         };
         prompts.target = file_name(&target);
-        let engines = Engines::new(load_model(&target)?, Some(load_model(&spec)?))?;
-        let dir = data_root.join(pairing.name());
-        let store = gateway::corpus::StoreOptions {
-            codec: args.kv_codec,
-            ..Default::default()
-        };
-        let corpus = Corpus::open_with(&dir, 1 << 30, &store)
-            .with_context(|| format!("opening data directory {}", dir.display()))?;
-        let mut pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
-        pipeline.verify_mode = args.study_verify_mode;
-        pipeline.guard = gateway::fidelity::GuardPolicy {
-            margin: args.guard_margin,
-            horizon: args.guard_horizon,
-        };
+        let pipeline = study_pipeline(args, &target, &spec, &data_root.join(pairing.name()))?;
         eprintln!(
             "study {pairing}: {} -> {}, {n} cases per dataset, chunk KV stored {}{}",
             file_name(&spec),

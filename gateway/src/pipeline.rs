@@ -764,8 +764,7 @@ impl Pipeline {
         report.loop_detected = looped;
         report.uncertain = uncertain && !looped;
         report.escalated = true;
-        let mut ready = None;
-        let g = self.escalate(q, prompt, &g.ids, &mut report, &mut ready, on_piece)?;
+        let (g, ready) = self.escalate(q, prompt, &g.ids, &mut report, on_piece)?;
         if report.kept_tokens == 0 {
             // Every token shown so far was withdrawn: the answer's first token is the full
             // cache's, so time to first token runs until that cache was ready.
@@ -780,15 +779,15 @@ impl Pipeline {
     /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
     /// decoding continued from the full cache. Greedy, the answer is full recompute's token
     /// for token; sampled, it is full recompute's sample with the same seed (decoded anew).
+    /// Also returns when the full cache was ready.
     fn escalate(
         &self,
         q: &Query,
         prompt: &[u32],
         generated: &[u32],
         report: &mut GuardReport,
-        ready: &mut Option<Instant>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<target_engine::Generation> {
+    ) -> Result<(target_engine::Generation, Option<Instant>)> {
         let target = &self.engines.target;
         let tok = target.tokenizer();
         let t = Instant::now();
@@ -804,19 +803,19 @@ impl Pipeline {
                 (cache, logits)
             }
         };
-        *ready = Some(Instant::now());
+        let ready = Some(Instant::now());
         if q.temperature > 0.0 {
             // Sampled tokens cannot be checked against the full cache's greedy choice.
             report.withdrawn_tokens = generated.len();
             if !on_piece(Piece::Replace("")) {
-                return Ok(cancelled(generated, tok));
+                return Ok((cancelled(generated, tok), ready));
             }
             let mut cache = cache;
             let g =
                 target.decode_stream(&mut cache, logits, 0.0, &generate_params(q), &mut |t| {
                     on_piece(Piece::Token(t))
                 })?;
-            return Ok(g);
+            return Ok((g, ready));
         }
         let mut replaced = false;
         let vg = target.continue_exact((cache, logits), generated, q.max_tokens, &mut |e| {
@@ -850,14 +849,15 @@ impl Pipeline {
         if target_engine::generate::cut_at_stop(&mut text, &q.stop) {
             finish = FinishReason::Stop;
         }
-        Ok(target_engine::Generation {
+        let g = target_engine::Generation {
             text,
             ids: vg.ids,
             prefill_ms: 0.0,
             decode_ms_per_token: 0.0,
             finish,
             margins: Vec::new(),
-        })
+        };
+        Ok((g, ready))
     }
 
     /// The SpecCache selector for `q` (its layer range, if the query sets one).

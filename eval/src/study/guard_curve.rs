@@ -233,15 +233,22 @@ mod tests {
         }
     }
 
+    fn guarded(row: &StudyRecord, full: &StudyRecord, margin: f32, horizon: usize) -> GuardedCase {
+        match guard_case(row, full, margin, horizon) {
+            Some(c) => c,
+            None => panic!("the row has no margins"),
+        }
+    }
+
     #[test]
     fn escalation_at_a_small_gap_answers_as_full_recompute_at_both_prefills_cost() {
         let full = row("full_recompute", "a", true, None);
         let reused = row("tp", "a", false, Some(vec![3.0, 0.5, 4.0, 2.0]));
-        let kept = guard_case(&reused, &full, 0.4, usize::MAX).unwrap();
+        let kept = guarded(&reused, &full, 0.4, usize::MAX);
         assert!(!kept.escalated && !kept.identical);
         assert!((kept.ttft_ratio - 0.3).abs() < 1e-12);
         assert!((kept.total_ratio - 0.5).abs() < 1e-12);
-        let esc = guard_case(&reused, &full, 1.0, usize::MAX).unwrap();
+        let esc = guarded(&reused, &full, 1.0, usize::MAX);
         assert!(esc.escalated && esc.identical);
         // The answers differ: the first token waits for the full prefill after one step.
         assert!((esc.ttft_ratio - (300.0 + 100.0 + 990.0) / 1000.0).abs() < 1e-12);
@@ -249,12 +256,12 @@ mod tests {
         assert!((esc.total_ratio - (300.0 + 100.0 + 1400.0) / 1400.0).abs() < 1e-12);
         assert_eq!(esc.f1, 1.0);
         // Outside the horizon the gap is not watched.
-        assert!(!guard_case(&reused, &full, 1.0, 1).unwrap().escalated);
+        assert!(!guarded(&reused, &full, 1.0, 1).escalated);
         assert!(guard_case(&row("tp", "a", true, None), &full, 1.0, 9).is_none());
         // Agreeing answers keep the first token shown, unless the move came before it.
         let same = row("tp", "a", true, Some(vec![3.0, 0.5, 4.0, 2.0]));
-        assert!((guard_case(&same, &full, 1.0, 9).unwrap().ttft_ratio - 0.3).abs() < 1e-12);
-        let first = guard_case(&same, &full, 4.0, 9).unwrap();
+        assert!((guarded(&same, &full, 1.0, 9).ttft_ratio - 0.3).abs() < 1e-12);
+        let first = guarded(&same, &full, 4.0, 9);
         assert!((first.ttft_ratio - 1.29).abs() < 1e-12);
     }
 
