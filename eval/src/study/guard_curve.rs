@@ -154,6 +154,31 @@ pub fn curve(
     out
 }
 
+/// Whether `text` repeats a run of `n` words (a loop, seen in the text: the study keeps no ids).
+pub fn repeats_words(text: &str, n: usize) -> bool {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let mut seen = std::collections::HashSet::new();
+    n > 0 && words.windows(n).any(|w| !seen.insert(w))
+}
+
+/// Cases whose `label` answer repeats a run of `n` words where full recompute's does not.
+pub fn loops_absent_from_full(records: &[StudyRecord], label: &str, n: usize) -> Vec<String> {
+    let full: BTreeMap<(&str, &str, &str), &StudyRecord> = records
+        .iter()
+        .filter(|r| r.label == "full_recompute")
+        .map(|r| ((r.pairing.as_str(), r.dataset.as_str(), r.case.as_str()), r))
+        .collect();
+    records
+        .iter()
+        .filter(|r| r.label == label && repeats_words(&r.answer, n))
+        .filter(|r| {
+            full.get(&(r.pairing.as_str(), r.dataset.as_str(), r.case.as_str()))
+                .is_some_and(|f| !repeats_words(&f.answer, n))
+        })
+        .map(|r| r.case.clone())
+        .collect()
+}
+
 /// The curve as markdown tables, one per dataset.
 pub fn markdown(curves: &BTreeMap<String, Vec<CurvePoint>>, label: &str, horizon: usize) -> String {
     let mut md = format!(
@@ -282,5 +307,20 @@ mod tests {
         assert_eq!(c["hotpotqa"], *pooled);
         assert!((pooled[0].f1_ratio - 0.5).abs() < 1e-12);
         assert!(markdown(&c, "tp", 32).contains("| 1 | 2 | 1 (50%) | 2 (100%"));
+    }
+
+    #[test]
+    fn a_loop_is_a_repeated_run_of_words_full_recompute_did_not_write() {
+        assert!(repeats_words("a b c d a b c d", 4));
+        assert!(!repeats_words("a b c d a b c e", 4));
+        let mut looped = row("tp", "b", false, Some(vec![1.0]));
+        looped.answer = "x y z x y z".into();
+        let mut recs = vec![row("full_recompute", "b", true, None), looped.clone()];
+        assert_eq!(
+            loops_absent_from_full(&recs, "tp", 3),
+            vec!["b".to_string()]
+        );
+        recs[0].answer = looped.answer.clone();
+        assert!(loops_absent_from_full(&recs, "tp", 3).is_empty());
     }
 }
