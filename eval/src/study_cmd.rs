@@ -95,6 +95,11 @@ pub fn guard_curve(from: &Path, label: &str, horizon: usize) -> anyhow::Result<b
         );
     }
     print!("{}", study::guard_curve::markdown(&curves, label, horizon));
+    println!("\nAUC of each signal for an answer different from full recompute's:\n");
+    for (ds, aucs) in study::guard_curve::signal_aucs(&records, label) {
+        let cells: Vec<String> = aucs.iter().map(|(n, a)| format!("{n} {a:.2}")).collect();
+        println!("- {ds}: {}", cells.join(", "));
+    }
     let loops = study::guard_curve::loops_absent_from_full(&records, label, 6);
     println!(
         "\n`{label}` answers that repeat a run of 6 words full recompute's answer does not: {} {loops:?}",

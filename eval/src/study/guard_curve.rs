@@ -154,6 +154,74 @@ pub fn curve(
     out
 }
 
+/// The area under the ROC curve of `risk` separating `positive` cases from the others (ties
+/// count half): the chance a random positive scores above a random negative; NaN without both.
+pub fn auc(cases: &[(f64, bool)]) -> f64 {
+    let pos: Vec<f64> = cases.iter().filter(|c| c.1).map(|c| c.0).collect();
+    let neg: Vec<f64> = cases.iter().filter(|c| !c.1).map(|c| c.0).collect();
+    if pos.is_empty() || neg.is_empty() {
+        return f64::NAN;
+    }
+    let mut wins = 0.0;
+    for p in &pos {
+        for n in &neg {
+            wins += if p > n {
+                1.0
+            } else if p == n {
+                0.5
+            } else {
+                0.0
+            };
+        }
+    }
+    wins / (pos.len() * neg.len()) as f64
+}
+
+/// Per dataset (and `pooled`), how well each per-request signal the guard could watch ranks
+/// `label`'s answers that differ from full recompute's above those that do not (AUC): the
+/// smallest top-2 logit gap over the whole answer, over its first 4 tokens, the first token's
+/// gap, and the first token's top-2 probability margin. Each is negated (a small gap is risk).
+pub fn signal_aucs(
+    records: &[StudyRecord],
+    label: &str,
+) -> BTreeMap<String, [(&'static str, f64); 4]> {
+    let rows: Vec<&StudyRecord> = records
+        .iter()
+        .filter(|r| r.label == label && r.margins.as_ref().is_some_and(|m| !m.is_empty()))
+        .collect();
+    let min_of = |r: &StudyRecord, n: usize| -> f64 {
+        let m = r.margins.as_deref().unwrap_or(&[]);
+        f64::from(m.iter().take(n).copied().fold(f32::INFINITY, f32::min))
+    };
+    let mut names: Vec<String> = rows.iter().map(|r| r.dataset.clone()).collect();
+    names.sort();
+    names.dedup();
+    names.push("pooled".into());
+    names
+        .into_iter()
+        .map(|ds| {
+            let of = |f: &dyn Fn(&StudyRecord) -> f64| {
+                let cases: Vec<(f64, bool)> = rows
+                    .iter()
+                    .filter(|r| ds == "pooled" || r.dataset == ds)
+                    .map(|r| (-f(r), !r.identical))
+                    .collect();
+                auc(&cases)
+            };
+            let aucs = [
+                ("min gap, whole answer", of(&|r| min_of(r, usize::MAX))),
+                ("min gap, first 4 tokens", of(&|r| min_of(r, 4))),
+                ("first token's gap", of(&|r| min_of(r, 1))),
+                (
+                    "first token's probability margin",
+                    of(&|r| r.margin_first.unwrap_or(f64::NAN)),
+                ),
+            ];
+            (ds, aucs)
+        })
+        .collect()
+}
+
 /// Whether `text` repeats a run of `n` words (a loop, seen in the text: the study keeps no ids).
 pub fn repeats_words(text: &str, n: usize) -> bool {
     let words: Vec<&str> = text.split_whitespace().collect();
@@ -307,6 +375,23 @@ mod tests {
         assert_eq!(c["hotpotqa"], *pooled);
         assert!((pooled[0].f1_ratio - 0.5).abs() < 1e-12);
         assert!(markdown(&c, "tp", 32).contains("| 1 | 2 | 1 (50%) | 2 (100%"));
+    }
+
+    #[test]
+    fn auc_is_the_chance_a_positive_outranks_a_negative() {
+        assert_eq!(auc(&[(3.0, true), (2.0, false), (1.0, false)]), 1.0);
+        assert_eq!(auc(&[(1.0, true), (2.0, false)]), 0.0);
+        assert_eq!(auc(&[(2.0, true), (2.0, false)]), 0.5);
+        assert!(auc(&[(1.0, true)]).is_nan());
+        let mut a = row("tp", "a", true, Some(vec![3.0, 2.5]));
+        a.margin_first = Some(0.9);
+        let mut b = row("tp", "b", false, Some(vec![3.0, 0.1]));
+        b.margin_first = Some(0.95);
+        let aucs = signal_aucs(&[a, b], "tp");
+        let pooled = aucs["pooled"];
+        assert_eq!(pooled[0].1, 1.0);
+        assert_eq!(pooled[2].1, 0.5);
+        assert_eq!(pooled[3].1, 0.0);
     }
 
     #[test]
