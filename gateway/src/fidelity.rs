@@ -95,7 +95,7 @@ pub struct GuardPolicy {
 }
 
 /// The default [`GuardPolicy::margin`].
-pub const DEFAULT_GUARD_MARGIN: f32 = 0.0;
+pub const DEFAULT_GUARD_MARGIN: f32 = 0.5;
 /// The default [`GuardPolicy::horizon`].
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
 
