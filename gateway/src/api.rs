@@ -20,6 +20,85 @@ pub const MAX_TOKENS: u32 = 1024;
 /// Largest accepted seed (2^53 - 1: exact in every JSON implementation).
 pub const MAX_SEED: u64 = (1 << 53) - 1;
 
+/// Most passages one query may bring (`documents`).
+pub const MAX_QUERY_DOCUMENTS: usize = 64;
+/// Most characters of all the passages one query brings together (the prompt's token budget
+/// bounds them further).
+pub const MAX_QUERY_DOCUMENTS_CHARS: usize = 256 * 1024;
+/// Longest id of a passage a query brings.
+pub const MAX_PASSAGE_ID_CHARS: usize = 256;
+
+/// A passage the client retrieved itself (`documents` of `/rag/query`, `specrag.documents` of
+/// the OpenAI route): read instead of retrieving, its chunks' KV reused by content.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PassageInput {
+    /// The client's name for it (default `passage-<n>`, its place in the list from 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 256)]
+    pub id: Option<String>,
+    /// Its text, not only whitespace.
+    #[schema(min_length = 1, pattern = r"\S")]
+    pub text: String,
+}
+
+/// Checks the passages a query brings and names them.
+pub fn validate_passages(
+    field: &'static str,
+    docs: &[PassageInput],
+) -> Result<Vec<crate::pipeline::Passage>> {
+    if docs.is_empty() {
+        return Err(GatewayError::bad(
+            field,
+            "holds no passage; leave it out to retrieve from the collection",
+        ));
+    }
+    if docs.len() > MAX_QUERY_DOCUMENTS {
+        return Err(GatewayError::bad(
+            field,
+            format!(
+                "holds {} passages; at most {MAX_QUERY_DOCUMENTS} are read per query",
+                docs.len()
+            ),
+        ));
+    }
+    let chars: usize = docs.iter().map(|d| d.text.chars().count()).sum();
+    if chars > MAX_QUERY_DOCUMENTS_CHARS {
+        return Err(GatewayError::TooLarge {
+            field,
+            message: format!(
+                "the passages hold {chars} characters; at most {MAX_QUERY_DOCUMENTS_CHARS} are \
+                 read per query"
+            ),
+        });
+    }
+    docs.iter()
+        .enumerate()
+        .map(|(i, d)| {
+            if d.text.trim().is_empty() {
+                return Err(GatewayError::bad(
+                    field,
+                    format!("passage {} has no text", i + 1),
+                ));
+            }
+            let id = d.id.clone().unwrap_or_else(|| format!("passage-{}", i + 1));
+            if id.is_empty() || id.chars().count() > MAX_PASSAGE_ID_CHARS {
+                return Err(GatewayError::bad(
+                    field,
+                    format!(
+                        "passage {}'s id must be 1 to {MAX_PASSAGE_ID_CHARS} characters",
+                        i + 1
+                    ),
+                ));
+            }
+            Ok(crate::pipeline::Passage {
+                id,
+                text: d.text.clone(),
+            })
+        })
+        .collect()
+}
+
 /// An optional integer that JSON may spell `32` or `32.0` (JSON Schema counts both as
 /// integers, so clients and generated clients send either).
 pub(crate) fn de_opt_int<'de, D: serde::Deserializer<'de>>(
@@ -87,11 +166,18 @@ pub struct QueryRequest {
     pub verify: Option<bool>,
     /// How much quality the answer may trade for speed (default: the server's
     /// `--fidelity`, `balanced` unless set): `fast` reuses as the method selects, unguarded;
-    /// `balanced` guards the decode (a decode from the reused cache that falls into a loop
-    /// moves to the full cache and answers as full recompute; `reuse.guard` says what
-    /// happened); `exact` is `verify: true`.
+    /// `balanced` guards the decode (a decode from the reused cache that falls into a loop, or
+    /// chooses a token by a top-2 logit gap under the server's `--guard-margin`, moves to the
+    /// full cache and answers as full recompute; `reuse.guard` says what happened); `exact` is
+    /// `verify: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fidelity: Option<crate::fidelity::Fidelity>,
+    /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):
+    /// the question is answered over them, in this order, and each passage's chunks reuse
+    /// the KV stored the last time the same text was read in the same collection (computed
+    /// and stored now otherwise). `top_k` does not apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub documents: Option<Vec<PassageInput>>,
     /// Answer with server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
@@ -203,8 +289,13 @@ impl QueryRequest {
             (Some(f), false) => f,
             (None, false) => default_fidelity,
         };
+        let documents = match &self.documents {
+            Some(d) => validate_passages("documents", d)?,
+            None => Vec::new(),
+        };
         Ok(Query {
             query: query.to_string(),
+            documents,
             collection,
             top_k: top_k as usize,
             method,

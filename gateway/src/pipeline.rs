@@ -69,6 +69,9 @@ pub struct Query {
     /// Plain text placed before the question, after the chunks (an OpenAI client's system
     /// message and earlier turns); recomputed on every request.
     pub context: String,
+    /// Passages the client retrieved itself: read in this order instead of retrieving from
+    /// the collection (which still scopes their stored KV). Empty: retrieve `top_k`.
+    pub documents: Vec<Passage>,
     pub collection: String,
     pub top_k: usize,
     pub method: Method,
@@ -93,11 +96,19 @@ pub struct Query {
 /// (docs/evaluation.md, "Results of the fidelity study").
 pub const DEFAULT_RATIO: f64 = 0.25;
 
+/// A passage a query brings (validated: text not blank, id named).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Passage {
+    pub id: String,
+    pub text: String,
+}
+
 impl Default for Query {
     fn default() -> Self {
         Self {
             query: String::new(),
             context: String::new(),
+            documents: Vec::new(),
             collection: "default".into(),
             top_k: 4,
             method: Method::TargetProbe,
@@ -375,7 +386,11 @@ impl Pipeline {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let mut hits = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
+        let mut hits = if q.documents.is_empty() {
+            self.corpus.index.search(&q.collection, &q.query, q.top_k)?
+        } else {
+            self.passage_hits(q)?
+        };
         if q.options.order == ChunkOrder::Document {
             hits.sort_by(|a, b| {
                 (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
@@ -541,6 +556,43 @@ impl Pipeline {
             selected,
             margins,
         })
+    }
+
+    /// The chunks of the passages `q` brings, as retrieval hits in their order: each passage
+    /// cut as ingestion cuts documents, so a passage sent again (in any order, beside any
+    /// others) is the same chunks and its stored KV is found by content.
+    fn passage_hits(&self, q: &Query) -> Result<Vec<retriever::Hit>> {
+        let tok = self.engines.target.tokenizer();
+        let encode = |text: &str| {
+            let e = tok.encode(text, false);
+            (e.ids, e.offsets)
+        };
+        let params = retriever::ChunkParams {
+            max_tokens: crate::ingest::IngestConfig::default().chunk_tokens,
+        };
+        let mut hits = Vec::new();
+        for (i, p) in q.documents.iter().enumerate() {
+            let chunks = retriever::chunk_document(&p.id, &p.text, &encode, &params)
+                .map_err(|e| GatewayError::bad("documents", format!("passage {}: {e}", i + 1)))?;
+            for (position, c) in chunks.into_iter().enumerate() {
+                let (_, ids) = self.engines.segment(&c.text);
+                let key = self.engines.key(&q.collection, &ids);
+                hits.push(retriever::Hit {
+                    score: 0.0,
+                    record: retriever::ChunkRecord {
+                        chunk_id: key.to_string(),
+                        doc_id: p.id.clone(),
+                        collection: q.collection.clone(),
+                        title: None,
+                        text: c.text,
+                        position,
+                        key: key.to_string(),
+                        tokens: c.ids.len(),
+                    },
+                });
+            }
+        }
+        Ok(hits)
     }
 
     /// Where each recomputed position sits among the prompt's chunks.

@@ -286,7 +286,7 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
     assert!(text.contains("unknown field `topk`"), "{text}");
     let (status, _, _) = send(
         &s,
-        post("/rag/query", &json!({"query": "q".repeat(70_000)})),
+        post("/rag/query", &json!({"query": "q".repeat(2_200_000)})),
     )
     .await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
@@ -1115,6 +1115,114 @@ async fn the_fidelity_guard_answers_a_looping_decode_as_full_recompute() -> Test
         escalated > 0,
         "no decode looped: the guard was never exercised"
     );
+    Ok(())
+}
+
+/// Passages a client retrieved itself (`documents`): read instead of retrieving, in the
+/// order sent; sent again reordered beside a new one, the shared passages' KV comes from the
+/// store and only the new one is computed; another collection (another scope) computes its
+/// own; verified, the answer is full recompute's over the same passages; the OpenAI route
+/// takes them as `specrag.documents`; bad lists are refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passages_in_the_request_are_read_in_order_and_reused_by_content() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let (fox, bees, ships, owl) = (
+        "The red fox sleeps under the old oak tree.",
+        "Bees make honey in the summer meadow.",
+        "The lighthouse keeper counts ships at night.",
+        "An owl hunts mice in the barn.",
+    );
+    let reused = |v: &Value| {
+        let r = &v["reuse"];
+        (
+            r["chunks_from_memory"].as_u64().unwrap_or(0)
+                + r["chunks_from_disk"].as_u64().unwrap_or(0),
+            r["chunks_recomputed"].as_u64().unwrap_or(99),
+        )
+    };
+    let doc_ids = |v: &Value| -> Vec<String> {
+        v["chunks"]
+            .as_array()
+            .map(|c| {
+                c.iter()
+                    .map(|c| c["doc_id"].as_str().unwrap_or("").to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let first = json!([{"id": "fox", "text": fox}, {"id": "bees", "text": bees}, {"text": ships}]);
+    let (status, body, _) = send(&s, ask("who counts ships?", json!({"documents": first}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(doc_ids(&v), ["fox", "bees", "passage-3"], "{body}");
+    assert_eq!(reused(&v), (0, 3), "{body}");
+    let second = json!([{"id": "s", "text": ships}, {"text": owl}, {"id": "f", "text": fox}]);
+    let (_, body, _) = send(&s, ask("who counts ships?", json!({"documents": second}))).await;
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(doc_ids(&v), ["s", "passage-2", "f"], "{body}");
+    assert_eq!(reused(&v), (2, 1), "{body}");
+    let other = json!({"documents": second, "collection": "elsewhere"});
+    let (_, body, _) = send(&s, ask("who counts ships?", other)).await;
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(
+        reused(&v),
+        (0, 3),
+        "another collection reuses nothing: {body}"
+    );
+
+    let (_, full, _) = send(
+        &s,
+        ask(
+            "who counts ships?",
+            json!({"documents": second, "method": "full_recompute"}),
+        ),
+    )
+    .await;
+    let (_, exact, _) = send(
+        &s,
+        ask(
+            "who counts ships?",
+            json!({"documents": second, "verify": true}),
+        ),
+    )
+    .await;
+    let (full, exact): (Value, Value) =
+        (serde_json::from_str(&full)?, serde_json::from_str(&exact)?);
+    assert_eq!(exact["answer"], full["answer"]);
+
+    let chat = json!({
+        "model": "specrag",
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "who counts ships?"}],
+        "max_tokens": 8,
+        "specrag": {"documents": second},
+    });
+    let (status, body, _) = send(&s, post("/v1/chat/completions", &chat)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(doc_ids(&v["specrag"]), ["s", "passage-2", "f"], "{body}");
+    assert_eq!(reused(&v["specrag"]), (3, 0), "{body}");
+
+    let many: Vec<Value> = (0..65)
+        .map(|i| json!({"text": format!("passage {i}")}))
+        .collect();
+    for (docs, status) in [
+        (json!([]), StatusCode::UNPROCESSABLE_ENTITY),
+        (json!([{"text": "  "}]), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            json!([{"id": "", "text": "x"}]),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (json!(many), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            json!([{"text": "x".repeat(300 * 1024)}]),
+            StatusCode::PAYLOAD_TOO_LARGE,
+        ),
+    ] {
+        let (got, body, _) = send(&s, ask("q?", json!({"documents": docs}))).await;
+        assert_eq!(got, status, "{body}");
+        assert!(body.contains("\"field\":\"documents\""), "{body}");
+    }
     Ok(())
 }
 

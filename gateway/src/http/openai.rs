@@ -136,6 +136,11 @@ pub struct RagOptions {
     /// `fast`, `balanced` or `exact`, as `/rag/query`'s `fidelity` (default: the server's).
     #[serde(default)]
     pub fidelity: Option<crate::fidelity::Fidelity>,
+    /// Passages to answer from instead of retrieving, as `/rag/query`'s `documents`: their
+    /// chunks' KV is reused by content, in any order, under the collection's scope; the
+    /// messages' text stays the recomputed part of the prompt.
+    #[serde(default)]
+    pub documents: Option<Vec<crate::api::PassageInput>>,
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -524,6 +529,7 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         seed,
         verify: rag.verify,
         fidelity: rag.fidelity,
+        documents: rag.documents.clone(),
         stream: None,
     };
     let mut q = base

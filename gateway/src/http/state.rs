@@ -84,9 +84,11 @@ impl AppState {
     }
 }
 
-/// Largest `/rag/query` body (the question is at most 8192 characters).
-pub(crate) const QUERY_BODY_LIMIT: usize = 64 * 1024;
-/// Largest `/v1/chat/completions` body (the question, 16 Ki characters of earlier turns).
-pub(crate) const OPENAI_BODY_LIMIT: usize = 256 * 1024;
+/// Largest `/rag/query` body (the question is at most 8192 characters, the passages a query
+/// brings 256 Ki characters of up to 4 bytes, escaped).
+pub(crate) const QUERY_BODY_LIMIT: usize = 2 * 1024 * 1024;
+/// Largest `/v1/chat/completions` body (the question, 16 Ki characters of earlier turns and
+/// the passages of `specrag.documents`).
+pub(crate) const OPENAI_BODY_LIMIT: usize = 2 * 1024 * 1024;
 /// Largest `/documents` body.
 pub(crate) const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;

@@ -103,6 +103,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         seed: Some(a.seed),
         verify: Some(a.verify),
         fidelity: (!a.verify).then_some(a.fidelity),
+        documents: None,
         stream: None,
     }
     .validate()?;
