@@ -66,6 +66,32 @@ multi = client.chat.completions.create(
 assert multi.usage.prompt_tokens > plain.usage.prompt_tokens, (multi.usage, plain.usage)
 print("conversation:", multi.usage)
 
+# A LangChain-style request: passages the application retrieved itself, sent twice, reordered
+# with one replaced; the second reuses the stored KV of the shared ones.
+passages = [
+    {"id": f"p{i}", "text": f"Passage {i}: the keeper of lighthouse {i} counts {i * 7} ships."}
+    for i in range(5)
+]
+def ask_with(docs):
+    r = client.chat.completions.create(
+        model="specrag",
+        messages=[
+            {"role": "system", "content": "Answer from the passages."},
+            {"role": "user", "content": "How many ships does keeper 3 count?"},
+        ],
+        max_tokens=8,
+        extra_body={"specrag": {"documents": docs}},
+    )
+    return r.model_extra["specrag"]
+first = ask_with(passages)
+assert first["reuse"]["chunks_recomputed"] == 5, first["reuse"]
+again = list(reversed(passages[1:])) + [{"id": "new", "text": "An owl hunts mice in the barn."}]
+second = ask_with(again)
+reused = second["reuse"]["chunks_from_memory"] + second["reuse"]["chunks_from_disk"]
+assert (reused, second["reuse"]["chunks_recomputed"]) == (4, 1), second["reuse"]
+assert [c["doc_id"] for c in second["chunks"]] == [d["id"] for d in again], second["chunks"]
+print("own passages:", second["reuse"])
+
 # A bad request raises the client's documented error type, naming the parameter.
 try:
     client.chat.completions.create(
