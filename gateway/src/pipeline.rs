@@ -386,16 +386,7 @@ impl Pipeline {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let mut hits = if q.documents.is_empty() {
-            self.corpus.index.search(&q.collection, &q.query, q.top_k)?
-        } else {
-            self.passage_hits(q)?
-        };
-        if q.options.order == ChunkOrder::Document {
-            hits.sort_by(|a, b| {
-                (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
-            });
-        }
+        let hits = self.hits(q)?;
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
@@ -556,6 +547,22 @@ impl Pipeline {
             selected,
             margins,
         })
+    }
+
+    /// The chunks the prompt reads: the passages `q` brings, or the collection's `top_k` best
+    /// (in document order when the options say so).
+    fn hits(&self, q: &Query) -> Result<Vec<retriever::Hit>> {
+        let mut hits = if q.documents.is_empty() {
+            self.corpus.index.search(&q.collection, &q.query, q.top_k)?
+        } else {
+            self.passage_hits(q)?
+        };
+        if q.options.order == ChunkOrder::Document {
+            hits.sort_by(|a, b| {
+                (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
+            });
+        }
+        Ok(hits)
     }
 
     /// The chunks of the passages `q` brings, as retrieval hits in their order: each passage

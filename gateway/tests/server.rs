@@ -1118,6 +1118,27 @@ async fn the_fidelity_guard_answers_a_looping_decode_as_full_recompute() -> Test
     Ok(())
 }
 
+/// Chunks whose KV was loaded (memory or disk) and recomputed, of an answer.
+fn reused(v: &Value) -> (u64, u64) {
+    let r = &v["reuse"];
+    (
+        r["chunks_from_memory"].as_u64().unwrap_or(0) + r["chunks_from_disk"].as_u64().unwrap_or(0),
+        r["chunks_recomputed"].as_u64().unwrap_or(99),
+    )
+}
+
+/// The documents of an answer's chunks, in prompt order.
+fn doc_ids(v: &Value) -> Vec<String> {
+    v["chunks"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .map(|c| c["doc_id"].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Passages a client retrieved itself (`documents`): read instead of retrieving, in the
 /// order sent; sent again reordered beside a new one, the shared passages' KV comes from the
 /// store and only the new one is computed; another collection (another scope) computes its
@@ -1133,24 +1154,6 @@ async fn passages_in_the_request_are_read_in_order_and_reused_by_content() -> Te
         "The lighthouse keeper counts ships at night.",
         "An owl hunts mice in the barn.",
     );
-    let reused = |v: &Value| {
-        let r = &v["reuse"];
-        (
-            r["chunks_from_memory"].as_u64().unwrap_or(0)
-                + r["chunks_from_disk"].as_u64().unwrap_or(0),
-            r["chunks_recomputed"].as_u64().unwrap_or(99),
-        )
-    };
-    let doc_ids = |v: &Value| -> Vec<String> {
-        v["chunks"]
-            .as_array()
-            .map(|c| {
-                c.iter()
-                    .map(|c| c["doc_id"].as_str().unwrap_or("").to_string())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     let first = json!([{"id": "fox", "text": fox}, {"id": "bees", "text": bees}, {"text": ships}]);
     let (status, body, _) = send(&s, ask("who counts ships?", json!({"documents": first}))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -1203,6 +1206,14 @@ async fn passages_in_the_request_are_read_in_order_and_reused_by_content() -> Te
     assert_eq!(doc_ids(&v["specrag"]), ["s", "passage-2", "f"], "{body}");
     assert_eq!(reused(&v["specrag"]), (3, 0), "{body}");
 
+    Ok(())
+}
+
+/// A bad list of passages is refused naming `documents`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_passage_lists_are_refused_naming_the_field() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
     let many: Vec<Value> = (0..65)
         .map(|i| json!({"text": format!("passage {i}")}))
         .collect();
