@@ -35,7 +35,7 @@ pub const MAX_PASSAGE_ID_CHARS: usize = 256;
 pub struct PassageInput {
     /// The client's name for it (default `passage-<n>`, its place in the list from 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(max_length = 256)]
+    #[schema(min_length = 1, max_length = 256)]
     pub id: Option<String>,
     /// Its text, not only whitespace.
     #[schema(min_length = 1, pattern = r"\S")]
@@ -177,6 +177,7 @@ pub struct QueryRequest {
     /// the KV stored the last time the same text was read in the same collection (computed
     /// and stored now otherwise). `top_k` does not apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_items = 1, max_items = 64)]
     pub documents: Option<Vec<PassageInput>>,
     /// Answer with server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]

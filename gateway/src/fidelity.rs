@@ -2,9 +2,11 @@
 //! guard measured and decided for it (`reuse.guard`).
 //!
 //! A fixed ρ cannot promise quality for the request in front of the user. The guard watches
-//! the request itself: today one exact signal, a decode from the reused cache that falls into
+//! the request itself, with two free signals: a decode from the reused cache that falls into
 //! a loop (a run of [`target_engine::repetition::DEFAULT_LOOP_TOKENS`] tokens repeated, as
-//! the README's demo question did under reuse and not under full recompute). When it fires,
+//! the README's demo question did under reuse and not under full recompute), and a token
+//! chosen by a top-2 logit gap under [`GuardPolicy::margin`] (where reuse's small change to
+//! the logits can flip greedy's choice; docs/fidelity-guard.md measures it). When one fires,
 //! the full prefill of the same prompt is computed, the tokens decoded so far are checked
 //! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
 //! answer is the full-recompute answer and the user never sees a loop full recompute would
@@ -31,8 +33,9 @@ use serde::{Deserialize, Serialize};
 pub enum Fidelity {
     /// Reuse as the method selects; no guard.
     Fast,
-    /// Reuse, guarded: a decode that falls into a loop moves to the full cache and answers as
-    /// full recompute would (the default).
+    /// Reuse, guarded: a decode that falls into a loop, or chooses a token by a top-2 logit
+    /// gap under the guard's margin, moves to the full cache and answers as full recompute
+    /// would (the default).
     #[default]
     Balanced,
     /// Verified decoding: token for token the full-recompute answer (`verify: true`).

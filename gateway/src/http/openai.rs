@@ -140,6 +140,7 @@ pub struct RagOptions {
     /// chunks' KV is reused by content, in any order, under the collection's scope; the
     /// messages' text stays the recomputed part of the prompt.
     #[serde(default)]
+    #[schema(min_items = 1, max_items = 64)]
     pub documents: Option<Vec<crate::api::PassageInput>>,
 }
 

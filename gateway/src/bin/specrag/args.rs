@@ -247,8 +247,9 @@ pub struct ServeArgs {
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     pub spec_scores: ScoreSource,
     /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
-    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop
-    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
+    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop or
+    /// chooses a token by a logit gap under --guard-margin moves to the full cache and answers
+    /// as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
     #[command(flatten)]
@@ -290,8 +291,9 @@ pub struct QueryArgs {
     #[arg(long)]
     pub verify: bool,
     /// How much quality the answer may trade for speed: `fast` (reuse as the method selects),
-    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop
-    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
+    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop or
+    /// chooses a token by a logit gap under --guard-margin moves to the full cache and answers
+    /// as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
     #[command(flatten)]
