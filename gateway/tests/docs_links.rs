@@ -29,19 +29,24 @@ fn documents() -> Vec<PathBuf> {
     out
 }
 
+/// The lines of markdown `text` outside fenced code blocks.
+fn unfenced_lines(text: &str) -> Vec<&str> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|line| {
+            if line.trim_start().starts_with("```") {
+                fenced = !fenced;
+                return false;
+            }
+            !fenced
+        })
+        .collect()
+}
+
 /// The targets of the `[text](target)` links outside fenced code.
 fn links(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
-        let mut rest = line;
+    for mut rest in unfenced_lines(text) {
         while let Some(at) = rest.find("](") {
             let after = &rest[at + 2..];
             let Some(end) = after.find(')') else { break };
@@ -55,15 +60,7 @@ fn links(text: &str) -> Vec<String> {
 /// Inline code spans holding a relative path that starts with `../` (outside fenced code).
 fn climbing_paths(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in unfenced_lines(text) {
         for (i, span) in line.split('`').enumerate() {
             let path_like = !span.contains(char::is_whitespace) && span.starts_with("../");
             if i % 2 == 1 && path_like {
