@@ -112,6 +112,34 @@ pub fn point(margin: f32, cases: &[GuardedCase]) -> CurvePoint {
     }
 }
 
+/// `label`'s rows of `records`, each with full recompute's row of the same case (rows without
+/// one are left out).
+fn with_full<'a>(
+    records: &'a [StudyRecord],
+    label: &str,
+) -> Vec<(&'a StudyRecord, &'a StudyRecord)> {
+    let key = |r: &'a StudyRecord| (r.pairing.as_str(), r.dataset.as_str(), r.case.as_str());
+    let full: BTreeMap<_, &StudyRecord> = records
+        .iter()
+        .filter(|r| r.label == "full_recompute")
+        .map(|r| (key(r), r))
+        .collect();
+    records
+        .iter()
+        .filter(|r| r.label == label)
+        .filter_map(|r| full.get(&key(r)).map(|f| (r, *f)))
+        .collect()
+}
+
+/// The datasets of `rows`, sorted, then `pooled`.
+fn dataset_names<'a>(rows: impl Iterator<Item = &'a StudyRecord>) -> Vec<String> {
+    let mut names: Vec<String> = rows.map(|r| r.dataset.clone()).collect();
+    names.sort();
+    names.dedup();
+    names.push("pooled".into());
+    names
+}
+
 /// Per dataset (and `pooled`), the curve of configuration `label` over `margins`, watching
 /// the first `horizon` tokens. Cases without a full-recompute row or margins are skipped.
 pub fn curve(
@@ -120,24 +148,9 @@ pub fn curve(
     margins: &[f32],
     horizon: usize,
 ) -> BTreeMap<String, Vec<CurvePoint>> {
-    let key = |r: &StudyRecord| (r.pairing.clone(), r.dataset.clone(), r.case.clone());
-    let full: BTreeMap<_, &StudyRecord> = records
-        .iter()
-        .filter(|r| r.label == "full_recompute")
-        .map(|r| (key(r), r))
-        .collect();
-    let pairs: Vec<(&StudyRecord, &StudyRecord)> = records
-        .iter()
-        .filter(|r| r.label == label)
-        .filter_map(|r| full.get(&key(r)).map(|f| (r, *f)))
-        .collect();
+    let pairs = with_full(records, label);
     let mut out = BTreeMap::new();
-    let mut datasets: Vec<String> = pairs.iter().map(|(r, _)| r.dataset.clone()).collect();
-    datasets.dedup();
-    datasets.sort();
-    datasets.dedup();
-    datasets.push("pooled".into());
-    for ds in datasets {
+    for ds in dataset_names(pairs.iter().map(|(r, _)| *r)) {
         let points = margins
             .iter()
             .map(|&m| {
@@ -193,11 +206,7 @@ pub fn signal_aucs(
         let m = r.margins.as_deref().unwrap_or(&[]);
         f64::from(m.iter().take(n).copied().fold(f32::INFINITY, f32::min))
     };
-    let mut names: Vec<String> = rows.iter().map(|r| r.dataset.clone()).collect();
-    names.sort();
-    names.dedup();
-    names.push("pooled".into());
-    names
+    dataset_names(rows.iter().copied())
         .into_iter()
         .map(|ds| {
             let of = |f: &dyn Fn(&StudyRecord) -> f64| {
@@ -231,19 +240,10 @@ pub fn repeats_words(text: &str, n: usize) -> bool {
 
 /// Cases whose `label` answer repeats a run of `n` words where full recompute's does not.
 pub fn loops_absent_from_full(records: &[StudyRecord], label: &str, n: usize) -> Vec<String> {
-    let full: BTreeMap<(&str, &str, &str), &StudyRecord> = records
-        .iter()
-        .filter(|r| r.label == "full_recompute")
-        .map(|r| ((r.pairing.as_str(), r.dataset.as_str(), r.case.as_str()), r))
-        .collect();
-    records
-        .iter()
-        .filter(|r| r.label == label && repeats_words(&r.answer, n))
-        .filter(|r| {
-            full.get(&(r.pairing.as_str(), r.dataset.as_str(), r.case.as_str()))
-                .is_some_and(|f| !repeats_words(&f.answer, n))
-        })
-        .map(|r| r.case.clone())
+    with_full(records, label)
+        .into_iter()
+        .filter(|(r, f)| repeats_words(&r.answer, n) && !repeats_words(&f.answer, n))
+        .map(|(r, _)| r.case.clone())
         .collect()
 }
 
