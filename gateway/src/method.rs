@@ -53,6 +53,15 @@ pub enum Method {
     /// `spec_attn` with the speculator reading the whole prompt per query instead of its stored
     /// chunk KV (ablation: what the stored KV's missing cross-chunk context costs).
     SpecAttnFull,
+    /// `target_probe` with A^3's smoothing: scores averaged over 2 tokens on each side
+    /// (measurement only: refused by the API).
+    ProbeSmooth,
+    /// `target_probe` with ProphetKV's layer fusion: every layer probed, each normalized over
+    /// the candidates before they are summed (measurement only: refused by the API).
+    ProbeFused,
+    /// `target_probe` with QCFuse-style per-chunk anchors: the budget split evenly across
+    /// chunks (measurement only: refused by the API).
+    ProbeAnchors,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -61,10 +70,12 @@ pub enum Method {
 
 /// Tokens on each side of a `target_probe_span` pick.
 pub const PROBE_WINDOW: usize = 2;
+/// Tokens on each side averaged by `probe_smooth` (A^3's average pool of 5).
+pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 13] = [
+    pub const ALL: [Method; 16] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -76,6 +87,9 @@ impl Method {
         Method::TargetProbeSpan,
         Method::SpecAttn,
         Method::SpecAttnFull,
+        Method::ProbeSmooth,
+        Method::ProbeFused,
+        Method::ProbeAnchors,
         Method::Oracle,
         Method::Random,
     ];
@@ -94,6 +108,9 @@ impl Method {
             Self::TargetProbeSpan => "target_probe_span",
             Self::SpecAttn => "spec_attn",
             Self::SpecAttnFull => "spec_attn_full",
+            Self::ProbeSmooth => "probe_smooth",
+            Self::ProbeFused => "probe_fused",
+            Self::ProbeAnchors => "probe_anchors",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -106,7 +123,10 @@ impl Method {
 
     /// Methods the server answers with (`oracle` and `random` are measurement bounds).
     pub fn servable(&self) -> bool {
-        !matches!(self, Self::Oracle | Self::Random)
+        !matches!(
+            self,
+            Self::Oracle | Self::Random | Self::ProbeSmooth | Self::ProbeFused | Self::ProbeAnchors
+        )
     }
 
     /// True for the methods that need a speculator model and its scores.
@@ -151,6 +171,19 @@ impl Method {
             Self::TargetProbe => Box::new(TargetProbe::default()),
             Self::TargetProbeSpan => Box::new(TargetProbe {
                 window: PROBE_WINDOW,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeSmooth => Box::new(TargetProbe {
+                smooth: PROBE_SMOOTH,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeFused => Box::new(TargetProbe {
+                from_depth: 0.0,
+                per_layer: true,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeAnchors => Box::new(TargetProbe {
+                per_chunk: true,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

@@ -675,6 +675,24 @@ impl Model {
         cache: &mut KvCache,
         probe: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
+        let per_layer = self.forward_probe_layers(ids, positions, cache, probe)?;
+        let rows = per_layer.first().map_or(0, Vec::len);
+        let mut mass = vec![0.0f32; rows];
+        for layer in &per_layer {
+            mass.iter_mut().zip(layer).for_each(|(a, b)| *a += b);
+        }
+        Ok(mass)
+    }
+
+    /// [`Model::forward_probe`] with each probed layer's mass kept apart (in layer order), for
+    /// selectors that weigh the layers before summing them.
+    pub fn forward_probe_layers(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        probe: std::ops::Range<usize>,
+    ) -> Result<Vec<Vec<f32>>> {
         let x = self.embed(ids)?;
         let mut mass = Vec::new();
         let end = probe.end.min(self.config.n_layer);
@@ -778,9 +796,10 @@ impl Model {
             cache.write(l, positions, &k, &v);
             if let Some((probe_layers, mass)) = probe.as_mut() {
                 if probe_layers.contains(&l) {
-                    let m = kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
-                    mass.resize(rows, 0.0);
-                    mass.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+                    let mut m =
+                        kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
+                    m.resize(rows, 0.0);
+                    mass.push(m);
                 }
             }
             let attn = if self.bf16_attention {
@@ -845,8 +864,8 @@ struct Pass<'a> {
     collect_layers: bool,
     /// Use the dense weight copies for many rows (off on the decode path).
     allow_dense: bool,
-    /// Layers whose attention mass to accumulate, and where.
-    probe: Option<(std::ops::Range<usize>, &'a mut Vec<f32>)>,
+    /// Layers whose attention mass to record (one vector per layer), and where.
+    probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.

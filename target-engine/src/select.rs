@@ -153,6 +153,17 @@ pub struct TargetProbe {
     /// pass stops there, so a probe that ends halfway costs half a question pass.
     pub to_depth: f64,
     pub window: usize,
+    /// A^3's smoothing: a token's score is the mean over `smooth` tokens on each side of it
+    /// (within its chunk) before the top-k, so picks follow relevant passages rather than
+    /// isolated peaks (0: off).
+    pub smooth: usize,
+    /// ProphetKV's layer fusion: each probed layer's mass is normalized over the candidates
+    /// before the layers are summed, so no single layer (or its attention sinks) dominates.
+    pub per_layer: bool,
+    /// QCFuse-style anchors: the budget is split evenly across the inexact chunks (a chunk
+    /// shorter than its share gives the rest to the others) and each chunk recomputes its own
+    /// best-scored tokens, instead of one global top-k that can crowd a chunk out.
+    pub per_chunk: bool,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -176,6 +187,9 @@ impl Default for TargetProbe {
             from_depth: 0.5,
             to_depth: 1.0,
             window: 0,
+            smooth: 0,
+            per_layer: false,
+            per_chunk: false,
         }
     }
 }
@@ -342,6 +356,111 @@ fn question_attention(
     model.forward_probe(&q_ids, &q_pos, cache, layers)
 }
 
+impl TargetProbe {
+    /// The question's score of every position: its attention mass over `layers` (fused as
+    /// [`TargetProbe::per_layer`] says), then smoothed as [`TargetProbe::smooth`] says.
+    fn scores(
+        &self,
+        model: &Model,
+        asm: &Assembly,
+        cache: &mut crate::kv::KvCache,
+        candidates: &[usize],
+    ) -> Result<Vec<f32>> {
+        let layers = layer_span(model, self.from_depth, self.to_depth);
+        let mass = if self.per_layer {
+            let q_pos = asm.question_positions();
+            let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
+            let per_layer = model.forward_probe_layers(&q_ids, &q_pos, cache, layers)?;
+            fuse_layers(&per_layer, candidates)
+        } else {
+            question_attention(model, asm, cache, layers)?
+        };
+        Ok(match self.smooth {
+            0 => mass,
+            r => smooth_within_segments(asm, &mass, r),
+        })
+    }
+}
+
+/// Each layer's mass divided by its sum over `candidates` (a layer with none is skipped),
+/// summed over the layers in order.
+fn fuse_layers(per_layer: &[Vec<f32>], candidates: &[usize]) -> Vec<f32> {
+    let rows = per_layer.first().map_or(0, Vec::len);
+    let mut fused = vec![0.0f32; rows];
+    for layer in per_layer {
+        let total: f32 = candidates.iter().filter_map(|&p| layer.get(p)).sum();
+        if total > 0.0 {
+            for &p in candidates {
+                if let (Some(f), Some(m)) = (fused.get_mut(p), layer.get(p)) {
+                    *f += m / total;
+                }
+            }
+        }
+    }
+    fused
+}
+
+/// The mean of `score` over `radius` positions on each side, within each segment of `asm`
+/// (positions outside every segment keep their score).
+fn smooth_within_segments(asm: &Assembly, score: &[f32], radius: usize) -> Vec<f32> {
+    let mut out = score.to_vec();
+    for seg in &asm.segments {
+        let (lo, hi) = (seg.ids.start, seg.ids.end.min(score.len()));
+        for (p, o) in out.iter_mut().enumerate().take(hi).skip(lo) {
+            let (a, b) = (p.saturating_sub(radius).max(lo), (p + radius + 1).min(hi));
+            *o = score[a..b].iter().sum::<f32>() / (b - a) as f32;
+        }
+    }
+    out
+}
+
+/// `k` split across groups of the given sizes as evenly as their sizes allow: the smallest
+/// groups take their share first, so what a short group cannot use goes to the others. The
+/// shares sum to `min(k, total size)`.
+pub fn even_shares(sizes: &[usize], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| sizes[i]);
+    let mut shares = vec![0; sizes.len()];
+    let mut left = k;
+    for (done, &i) in order.iter().enumerate() {
+        let groups_left = sizes.len() - done;
+        shares[i] = sizes[i].min(left.div_ceil(groups_left));
+        left -= shares[i];
+    }
+    shares
+}
+
+/// The candidates of each segment scored apart, each segment's share of `k` given by
+/// [`even_shares`].
+fn top_k_per_segment(
+    asm: &Assembly,
+    candidates: &[usize],
+    score: &dyn Fn(usize) -> f32,
+    k: usize,
+    window: usize,
+) -> Vec<usize> {
+    let groups: Vec<Vec<usize>> = asm
+        .segments
+        .iter()
+        .map(|s| {
+            candidates
+                .iter()
+                .copied()
+                .filter(|p| s.ids.contains(p))
+                .collect::<Vec<_>>()
+        })
+        .filter(|g| !g.is_empty())
+        .collect();
+    let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+    let mut picked: Vec<usize> = groups
+        .iter()
+        .zip(even_shares(&sizes, k))
+        .flat_map(|(g, share)| top_k(asm, g, score, share, window))
+        .collect();
+    picked.sort_unstable();
+    picked
+}
+
 impl Selector for TargetProbe {
     fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
         Ok(self.prefill(input)?.recomputed)
@@ -354,10 +473,14 @@ impl Selector for TargetProbe {
         let picked = match input.spend() {
             0 => Vec::new(),
             k => {
-                let layers = layer_span(model, self.from_depth, self.to_depth);
-                let mass = question_attention(model, asm, &mut cache, layers)?;
+                let candidates = input.candidates();
+                let mass = self.scores(model, asm, &mut cache, &candidates)?;
                 let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
-                top_k(asm, &input.candidates(), score, k, self.window)
+                if self.per_chunk {
+                    top_k_per_segment(asm, &candidates, &score, k, self.window)
+                } else {
+                    top_k(asm, &candidates, score, k, self.window)
+                }
             }
         };
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -404,5 +527,40 @@ impl Selector for Oracle {
         let mut best = if kl(&b) < kl(&a) { b } else { a };
         best.select_ms = select_ms;
         Ok(best)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_shares_give_what_short_groups_cannot_use_to_the_others() {
+        assert_eq!(even_shares(&[10, 10, 10], 9), vec![3, 3, 3]);
+        assert_eq!(even_shares(&[10, 10, 10], 10), vec![4, 3, 3]);
+        assert_eq!(even_shares(&[1, 10, 10], 9), vec![1, 4, 4]);
+        assert_eq!(even_shares(&[2, 3], 9), vec![2, 3]);
+        assert_eq!(even_shares(&[], 4), Vec::<usize>::new());
+        assert_eq!(even_shares(&[5, 5], 0), vec![0, 0]);
+    }
+
+    #[test]
+    fn layer_fusion_weighs_each_layer_by_its_mass_on_the_candidates() {
+        // Layer 0 puts 9 units on a sink (position 0) and splits 1 between the candidates;
+        // layer 1 prefers position 2. Normalized, the sink does not count.
+        let layers = vec![vec![9.0, 0.75, 0.25], vec![0.0, 1.0, 3.0]];
+        let fused = fuse_layers(&layers, &[1, 2]);
+        assert_eq!(fused, vec![0.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn smoothing_averages_neighbours_within_a_segment_only() {
+        use crate::assembly::SegmentKind;
+        let mut asm = Assembly::default();
+        asm.push(SegmentKind::Chunk(0), "abc", &[1, 2, 3]);
+        asm.push(SegmentKind::Chunk(1), "de", &[4, 5]);
+        let s = smooth_within_segments(&asm, &[3.0, 0.0, 0.0, 6.0, 0.0], 1);
+        // Position 2 does not see position 3 across the chunk boundary.
+        assert_eq!(s, vec![1.5, 1.0, 0.0, 3.0, 3.0]);
     }
 }

@@ -2,8 +2,9 @@
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    budget, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, LoadOptions,
-    Model, Oracle, PrefixCaching, RagTemplate, Random, SelectInput, Selector, TargetProbe,
+    budget, even_shares, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse,
+    LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random, SelectInput, Selector,
+    TargetProbe,
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
@@ -312,6 +313,28 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
                 ..TargetProbe::default()
             }),
         ),
+        (
+            "probe_smooth",
+            Box::new(TargetProbe {
+                smooth: 2,
+                ..TargetProbe::default()
+            }),
+        ),
+        (
+            "probe_fused",
+            Box::new(TargetProbe {
+                from_depth: 0.0,
+                per_layer: true,
+                ..TargetProbe::default()
+            }),
+        ),
+        (
+            "probe_anchors",
+            Box::new(TargetProbe {
+                per_chunk: true,
+                ..TargetProbe::default()
+            }),
+        ),
         ("oracle", Box::new(Oracle)),
     ];
     for (name, sel) in &selectors {
@@ -339,6 +362,28 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
     let r = |seed| Random { seed }.select(&input).expect("random");
     assert_eq!(r(3), r(3));
     assert_ne!(r(3), r(4));
+}
+
+#[test]
+fn anchors_give_every_inexact_chunk_its_even_share_of_the_budget() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.3);
+    assert!(input.skips_exact());
+    let anchored = TargetProbe {
+        per_chunk: true,
+        ..TargetProbe::default()
+    }
+    .select(&input)
+    .expect("anchors");
+    let inexact: Vec<_> = s.asm.chunks().skip(1).map(|c| c.ids.clone()).collect();
+    let sizes: Vec<usize> = inexact.iter().map(|r| r.len()).collect();
+    let per_chunk: Vec<usize> = inexact
+        .iter()
+        .map(|r| anchored.iter().filter(|p| r.contains(p)).count())
+        .collect();
+    assert_eq!(per_chunk, even_shares(&sizes, input.spend()));
 }
 
 #[test]
@@ -376,6 +421,16 @@ fn a_probe_that_stops_early_measures_the_same_layers_as_a_whole_pass() {
     };
     // Layers 0..1 from a pass that stops after layer 0, plus layers 1..n, equal all layers.
     let (low, high, all) = (probe(0..1), probe(1..n), probe(0..n));
+    // Kept apart per layer, the layers sum to the same mass, bit for bit.
+    let layers = m
+        .forward_probe_layers(&ids, &pos, &mut fused.clone(), 0..n)
+        .expect("probe layers");
+    assert_eq!(layers.len(), n);
+    assert_eq!(layers[0], low);
+    let summed = layers.iter().fold(vec![0.0f32; all.len()], |acc, l| {
+        acc.iter().zip(l).map(|(a, b)| a + b).collect()
+    });
+    assert_eq!(summed, all);
     assert_eq!(all.len(), *pos.last().expect("a question") + 1);
     let sum: Vec<f32> = low.iter().zip(&high).map(|(a, b)| a + b).collect();
     assert!(max_diff(&sum, &all) < 1e-4, "{}", max_diff(&sum, &all));
