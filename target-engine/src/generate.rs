@@ -164,33 +164,13 @@ impl Model {
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool)> {
-        let mut watched = false;
-        let tok = self.tokenizer();
         let mut sampler = Sampler::new(params.sampling);
-        let mut ids = Vec::new();
-        let mut margins = Vec::new();
-        let mut finish = FinishReason::Length;
-        let mut out = Streamed::new(&params.stop);
+        let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let t0 = Instant::now();
         let mut steps = 0usize;
-        while ids.len() < params.max_tokens {
+        while !emit.ended() {
             let next = sampler.sample(&logits);
-            ids.push(next);
-            margins.push(top2_gap(&logits));
-            // Asked before the end is taken: ending the answer is a choice like any other.
-            if watch(&ids, margins[margins.len() - 1]) {
-                watched = true;
-                break;
-            }
-            if tok.is_end_of_generation(next) {
-                finish = FinishReason::Eos;
-                break;
-            }
-            if let Some(end) = out.update(tok.decode(&ids, false), &params.stop, on_text) {
-                finish = end;
-                break;
-            }
-            if ids.len() == params.max_tokens {
+            if emit.take(next, top2_gap(&logits)) {
                 break;
             }
             let pos = cache.len();
@@ -198,27 +178,106 @@ impl Model {
             logits = self.last_logits(&forward)?;
             steps += 1;
         }
-        if finish == FinishReason::Eos {
-            out.text = tok.decode(&ids, false);
+        Ok(emit.finish(t0.elapsed().as_secs_f64() * 1e3, steps))
+    }
+}
+
+/// Tokens on their way out of a decode, one at a time and in order, whatever produced them (a
+/// decode step, or a verified run of drafted tokens): the watch asked, then the end token, the
+/// stop strings and `max_tokens` checked, and the text handed out.
+pub(crate) struct Emit<'a> {
+    tok: &'a Tokenizer,
+    params: &'a GenerateParams,
+    on_text: &'a mut dyn FnMut(&str) -> bool,
+    watch: &'a mut dyn FnMut(&[u32], f32) -> bool,
+    ids: Vec<u32>,
+    margins: Vec<f32>,
+    finish: FinishReason,
+    out: Streamed,
+    watched: bool,
+    done: bool,
+}
+
+impl<'a> Emit<'a> {
+    pub(crate) fn new(
+        tok: &'a Tokenizer,
+        params: &'a GenerateParams,
+        on_text: &'a mut dyn FnMut(&str) -> bool,
+        watch: &'a mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Self {
+        Self {
+            tok,
+            params,
+            on_text,
+            watch,
+            ids: Vec::new(),
+            margins: Vec::new(),
+            finish: FinishReason::Length,
+            out: Streamed::new(&params.stop),
+            watched: false,
+            done: params.max_tokens == 0,
         }
-        if !watched && finish != FinishReason::Cancelled {
-            out.flush(on_text);
+    }
+
+    /// True once generation has ended (nothing more is taken).
+    pub(crate) fn ended(&self) -> bool {
+        self.done
+    }
+
+    /// Tokens taken so far.
+    pub(crate) fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Takes the next token, chosen from a distribution whose [`top2_gap`] was `gap`; true
+    /// when generation ends with it.
+    pub(crate) fn take(&mut self, id: u32, gap: f32) -> bool {
+        if self.done {
+            return true;
         }
-        let text = out.text;
-        let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.ids.push(id);
+        self.margins.push(gap);
+        // Asked before the end is taken: ending the answer is a choice like any other.
+        self.done = if (self.watch)(&self.ids, gap) {
+            self.watched = true;
+            true
+        } else if self.tok.is_end_of_generation(id) {
+            self.finish = FinishReason::Eos;
+            true
+        } else if let Some(end) = self.out.update(
+            self.tok.decode(&self.ids, false),
+            &self.params.stop,
+            self.on_text,
+        ) {
+            self.finish = end;
+            true
+        } else {
+            self.ids.len() == self.params.max_tokens
+        };
+        self.done
+    }
+
+    /// The generation (`prefill_ms` 0), and whether the watch stopped it.
+    pub(crate) fn finish(mut self, decode_ms: f64, steps: usize) -> (Generation, bool) {
+        if self.finish == FinishReason::Eos {
+            self.out.text = self.tok.decode(&self.ids, false);
+        }
+        if !self.watched && self.finish != FinishReason::Cancelled {
+            self.out.flush(self.on_text);
+        }
         let g = Generation {
-            ids,
-            text,
+            ids: self.ids,
+            text: self.out.text,
             prefill_ms: 0.0,
             decode_ms_per_token: if steps > 0 {
                 decode_ms / steps as f64
             } else {
                 0.0
             },
-            finish,
-            margins,
+            finish: self.finish,
+            margins: self.margins,
         };
-        Ok((g, watched))
+        (g, self.watched)
     }
 }
 

@@ -20,6 +20,7 @@ pub mod model;
 pub mod repetition;
 pub mod sampling;
 pub mod select;
+pub mod speculative;
 pub mod stop;
 pub mod testing;
 pub mod tokenizer;
@@ -38,8 +39,9 @@ pub use model::{ForwardOutput, LoadOptions, Model};
 pub use repetition::LoopDetector;
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use select::{
-    budget, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching, Random,
-    SelectInput, Selector, TargetProbe,
+    budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,
+    Random, SelectInput, Selector, TargetProbe,
 };
+pub use speculative::{DraftLength, Drafter, SpecDecodeStats};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

@@ -1,0 +1,226 @@
+//! Speculative decoding: with any drafter, the output equals plain greedy decoding over the
+//! same cache token for token (ids, gaps, the watch's calls, text and finish), on tiny models
+//! (a drafter that always agrees, one that rarely does) and on real prompts with the default
+//! pairing's drafter (Qwen2.5-Coder-0.5B) drafting for itself over a reused cache.
+
+mod common;
+
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    Architecture, ChunkKv, Drafter, GenerateParams, Generation, KvCache, LoadOptions, Model,
+    RagTemplate, SamplingParams, SelectInput, Selector, SpecDecodeStats, TargetProbe,
+};
+
+fn tiny(spec: TinySpec) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &spec).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
+    (dir, m)
+}
+
+/// What a decode handed out: the generation, whether the watch stopped it, the text pieces
+/// and every (ids so far, gap) the watch saw.
+type Decoded = (Generation, bool, String, Vec<(usize, f32)>);
+
+fn plain(m: &Model, prompt: &[u32], params: &GenerateParams, stop_at: usize) -> Decoded {
+    let (mut cache, logits) = m.prefill(prompt).expect("prefill");
+    let (mut text, mut seen) = (String::new(), Vec::new());
+    let (g, w) = m
+        .decode_watched(
+            &mut cache,
+            logits,
+            params,
+            &mut |t| {
+                text.push_str(t);
+                true
+            },
+            &mut |ids, gap| {
+                seen.push((ids.len(), gap));
+                ids.len() == stop_at
+            },
+        )
+        .expect("decode");
+    (g, w, text, seen)
+}
+
+fn speculative(
+    m: &Model,
+    prompt: &[u32],
+    drafter: (&Model, KvCache, Vec<f32>),
+    params: &GenerateParams,
+    stop_at: usize,
+) -> (Decoded, SpecDecodeStats) {
+    let (mut cache, logits) = m.prefill(prompt).expect("prefill");
+    let mut d = Drafter::new(drafter.0, drafter.1, drafter.2);
+    let (mut text, mut seen) = (String::new(), Vec::new());
+    let (g, w, stats) = m
+        .decode_speculative(
+            (&mut cache, logits),
+            &mut d,
+            params,
+            &mut |t| {
+                text.push_str(t);
+                true
+            },
+            &mut |ids, gap| {
+                seen.push((ids.len(), gap));
+                ids.len() == stop_at
+            },
+        )
+        .expect("speculative decode");
+    ((g, w, text, seen), stats)
+}
+
+fn assert_same(a: &Decoded, b: &Decoded, what: &str) {
+    assert_eq!(a.0.ids, b.0.ids, "{what}: ids");
+    assert_eq!(a.0.margins, b.0.margins, "{what}: gaps, bit for bit");
+    assert_eq!(a.0.text, b.0.text, "{what}: text");
+    assert_eq!(a.0.finish, b.0.finish, "{what}: finish");
+    assert_eq!(a.1, b.1, "{what}: watched");
+    assert_eq!(a.2, b.2, "{what}: streamed text");
+    assert_eq!(a.3, b.3, "{what}: the watch's calls");
+}
+
+#[test]
+fn speculative_decoding_hands_out_exactly_what_plain_decoding_does() {
+    let (_a, target) = tiny(TinySpec::new(Architecture::Qwen2));
+    // A smaller model of another architecture with the same vocabulary.
+    let (_b, other) = tiny(TinySpec {
+        seed: 99,
+        n_layer: 1,
+        n_embd: 32,
+        n_head: 2,
+        n_kv_head: 1,
+        ..TinySpec::new(Architecture::Llama)
+    });
+    let prompt = target
+        .tokenizer()
+        .encode("the ant sat in the tent", false)
+        .ids;
+    let mut totals = [(0, 0); 2];
+    for max_tokens in [0, 1, 2, 7, 40] {
+        for stop_at in [0, 3] {
+            let params = GenerateParams {
+                max_tokens,
+                ..Default::default()
+            };
+            let want = plain(&target, &prompt, &params, stop_at);
+            // The target drafting for itself over the same cache: every proposal agrees.
+            let (c, l) = target.prefill(&prompt).expect("prefill");
+            let (got, s) = speculative(&target, &prompt, (&target, c, l), &params, stop_at);
+            assert_same(
+                &got,
+                &want,
+                &format!("self, {max_tokens} tokens, stop {stop_at}"),
+            );
+            assert_eq!(
+                s.accepted, s.drafted,
+                "a drafter equal to the target agrees"
+            );
+            totals[0].0 += s.accepted;
+            totals[0].1 += s.drafted;
+            // Another model (random weights, so it agrees only by chance; the tiny models all
+            // settle on one token): the output is the target's all the same.
+            let (c, l) = other.prefill(&prompt).expect("prefill");
+            let (got, s) = speculative(&target, &prompt, (&other, c, l), &params, stop_at);
+            assert_same(
+                &got,
+                &want,
+                &format!("other, {max_tokens} tokens, stop {stop_at}"),
+            );
+            totals[1].0 += s.accepted;
+            totals[1].1 += s.drafted;
+            assert!(s.rounds <= got.0.ids.len(), "at most one pass per token");
+        }
+    }
+    assert!(totals[0].1 > 20, "the self-drafter drafted {:?}", totals[0]);
+    assert!(
+        totals[1].1 > 20,
+        "the other drafter drafted {:?}",
+        totals[1]
+    );
+}
+
+#[test]
+fn sampled_decoding_is_refused_rather_than_silently_greedy() {
+    let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
+    let prompt = m.tokenizer().encode("the ant", false).ids;
+    let (mut cache, logits) = m.prefill(&prompt).expect("prefill");
+    let (c, l) = m.prefill(&prompt).expect("prefill");
+    let params = GenerateParams {
+        sampling: SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let err = m
+        .decode_speculative(
+            (&mut cache, logits),
+            &mut Drafter::new(&m, c, l),
+            &params,
+            &mut |_| true,
+            &mut |_, _| false,
+        )
+        .expect_err("sampling refused");
+    assert!(err.to_string().contains("greedy"), "{err}");
+}
+
+#[test]
+fn a_real_drafter_over_a_reused_cache_leaves_the_answer_unchanged() {
+    let m = Model::load(
+        &common::model_path(common::QWEN_05B),
+        &LoadOptions::default(),
+    )
+    .expect("load");
+    const DOCS: [&str; 3] = [
+        "The Oskel bridge was rebuilt in 1847 by the guild of Varn after the spring flood.",
+        "Lady Imra keeps the salt ledger in the northern archive, next to two silver compasses.",
+        "Seventeen copper bells hang in the tower of Dunmere, the largest cast in 1790.",
+    ];
+    const QUESTIONS: [&str; 3] = [
+        "Who rebuilt the Oskel bridge, and when?",
+        "Where is the salt ledger kept? Describe the archive.",
+        "How many bells hang in the tower of Dunmere?",
+    ];
+    let (mut drafted, mut accepted) = (0, 0);
+    for q in QUESTIONS {
+        let asm = RagTemplate::default().assemble(m.tokenizer(), &DOCS, q);
+        let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+        let kvs: Vec<ChunkKv> = asm
+            .chunks()
+            .map(|s| {
+                m.precompute(&asm.ids[s.ids.clone()], Some(&prefix))
+                    .expect("kv")
+            })
+            .collect();
+        let refs: Vec<&ChunkKv> = kvs.iter().collect();
+        let params = GenerateParams {
+            max_tokens: 48,
+            ..Default::default()
+        };
+        // The target decodes from the full prefill; the drafter (the same weights) reads the
+        // reused cache, as a drafter reading stored chunk KV does: close, not equal.
+        let want = plain(&m, &asm.ids, &params, 0);
+        let blended = TargetProbe::default()
+            .prefill(&SelectInput::new(&m, &asm, &prefix, &refs, 0.0))
+            .expect("blend");
+        let (got, s) = speculative(
+            &m,
+            &asm.ids,
+            (&m, blended.cache, blended.logits),
+            &params,
+            0,
+        );
+        assert_same(&got, &want, q);
+        drafted += s.drafted;
+        accepted += s.accepted;
+    }
+    eprintln!("real prompts: {accepted} of {drafted} drafted tokens accepted");
+    assert!(accepted > 0, "the drafter guessed some tokens");
+    assert!(
+        accepted < drafted,
+        "and missed some, which the target corrected"
+    );
+}
