@@ -81,6 +81,48 @@ pub struct Answer {
     /// full cache: the same samples full recompute draws with that seed, nothing drafted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<VerifyStats>,
+    /// With speculative decoding (`spec_decode`, `--spec-decode`): what the drafter proposed
+    /// and the target kept. The answer is the one plain decoding gives, token for token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_decode: Option<SpecDecodeReport>,
+}
+
+/// What speculative decoding did for one answer: the speculator drafted tokens over its own
+/// cache of the prompt, the target checked them in one pass per round.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SpecDecodeReport {
+    /// Tokens the speculator proposed.
+    pub drafted: usize,
+    /// Proposals the target agreed with (each saves one target pass).
+    pub accepted: usize,
+    /// `accepted / drafted` (0 when nothing was drafted).
+    pub acceptance: f64,
+    /// Checking passes of the target.
+    pub rounds: usize,
+    /// The draft length at the end (it grows while proposals are accepted).
+    pub draft_len: usize,
+    /// Time spent drafting and checking (ms).
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    /// Why drafting stopped early (decoding went on one token per pass; the answer is the
+    /// same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter_error: Option<String>,
+}
+
+impl From<target_engine::SpecDecodeStats> for SpecDecodeReport {
+    fn from(s: target_engine::SpecDecodeStats) -> Self {
+        Self {
+            acceptance: s.acceptance(),
+            drafted: s.drafted,
+            accepted: s.accepted,
+            rounds: s.rounds,
+            draft_len: s.draft_len,
+            draft_ms: s.draft_ms,
+            verify_ms: s.verify_ms,
+            drafter_error: s.drafter_error,
+        }
+    }
 }
 
 /// What verification did: tokens drafted from the reused cache, accepted by the full cache,

@@ -172,6 +172,12 @@ pub struct QueryRequest {
     /// `verify: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fidelity: Option<crate::fidelity::Fidelity>,
+    /// Speculative decoding (default: the server's `--spec-decode`): the speculator drafts
+    /// tokens over its own stored chunk KV and the target checks several in one pass. The
+    /// answer is unchanged, token for token; only greedy answers (`temperature` 0) draft, and
+    /// `verify` answers never do. `spec_decode` in the answer says what was accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_decode: Option<bool>,
     /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):
     /// the question is answered over them, in this order, and each passage's chunks reuse
     /// the KV stored the last time the same text was read in the same collection (computed
@@ -306,6 +312,7 @@ impl QueryRequest {
             seed,
             verify: verify || fidelity == Fidelity::Exact,
             fidelity,
+            spec_decode: self.spec_decode,
             ..d
         })
     }

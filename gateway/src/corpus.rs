@@ -31,6 +31,9 @@ pub struct Engines {
     /// The store's codec when it is lossy (`int8`, `int4`): part of every chunk key, so lossy
     /// KV is never served where exact KV was stored, or the other way round.
     pub lossy_codec: Option<chunkstore::Codec>,
+    /// The speculator shares the target's vocabulary, token for token, so it can draft for
+    /// speculative decoding (false without a speculator).
+    pub drafts: bool,
 }
 
 impl std::fmt::Debug for Engines {
@@ -77,6 +80,9 @@ impl Engines {
             Some(s) => Some(s.prefix_state(&prefix_text)?),
             None => None,
         };
+        let drafts = spec
+            .as_ref()
+            .is_some_and(|s| s.speculator.tokenizer().same_vocabulary(target.tokenizer()));
         Ok(Self {
             target,
             spec,
@@ -85,6 +91,7 @@ impl Engines {
             spec_prefix,
             prefix_text,
             lossy_codec: None,
+            drafts,
         })
     }
 

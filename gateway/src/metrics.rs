@@ -32,6 +32,7 @@ const STORE_ERRORS: &str = "specrag_store_errors_total";
 const GUARD: &str = "specrag_guard_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
+const SPEC_DECODE: &str = "specrag_spec_decode_tokens_total";
 
 /// The server's metrics. Cheap to update from any thread.
 pub struct Metrics {
@@ -91,9 +92,17 @@ impl Default for Metrics {
                 "Mean time between generated tokens of each answer, by method."
             );
             describe_histogram!(QUEUE_TIME, "Time a job waited in the queue for the engine.");
+            describe_counter!(
+                SPEC_DECODE,
+                "Speculative decoding's tokens: drafted by the speculator, and accepted by the \
+                 target (accepted / drafted is the acceptance rate)."
+            );
             // Families with a fixed label set are present from the start.
             for tier in ["memory", "disk", "remote", "recomputed"] {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(0);
+            }
+            for kind in ["drafted", "accepted"] {
+                metrics::counter!(SPEC_DECODE, "kind" => kind).increment(0);
             }
             for reason in ["queue_full", "deadline", "connections", "body_timeout"] {
                 metrics::counter!(REJECTED, "reason" => reason).increment(0);
@@ -147,6 +156,10 @@ impl Metrics {
             };
             metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
                 .increment(1);
+            if let Some(s) = &a.spec_decode {
+                metrics::counter!(SPEC_DECODE, "kind" => "drafted").increment(s.drafted as u64);
+                metrics::counter!(SPEC_DECODE, "kind" => "accepted").increment(s.accepted as u64);
+            }
         });
     }
 
@@ -248,8 +261,22 @@ mod tests {
             "align_ms": 1.0, "prefill_ms": 300.0, "ttft_ms": 303.0, "decode_ms": 90.0,
             "total_ms": 393.0}, "reuse": {"chunk_tokens": 100, "recomputed_tokens": 15,
             "ratio": 0.15, "chunks_from_memory": 1, "chunks_from_disk": 2, "chunks_recomputed": 0},
+            "spec_decode": {"drafted": 10, "accepted": 7, "acceptance": 0.7, "rounds": 3,
+            "draft_len": 5, "draft_ms": 1.0, "verify_ms": 2.0},
         }))
         .expect("an answer")
+    }
+
+    #[test]
+    fn speculative_decoding_counts_drafted_and_accepted_tokens() {
+        let m = Metrics::default();
+        m.answer(&answer(4));
+        m.answer(&answer(4));
+        let text = m.render(0, &chunkstore::StoreStats::default());
+        for (kind, n) in [("drafted", 20), ("accepted", 14)] {
+            let line = format!("specrag_spec_decode_tokens_total{{kind=\"{kind}\"}} {n}");
+            assert!(text.contains(&line), "{line} in {text}");
+        }
     }
 
     /// The families, types, labels and buckets of the hand-written exposition this replaced
@@ -287,6 +314,7 @@ mod tests {
             (CORRUPT, "counter", set(&[]), vec![]),
             (STORE_ERRORS, "counter", set(&["tier"]), vec![]),
             (GUARD, "counter", set(&["fidelity", "outcome"]), vec![]),
+            (SPEC_DECODE, "counter", set(&["kind"]), vec![]),
             (BYTES, "gauge", set(&["tier"]), vec![]),
             (
                 INTER_TOKEN,

@@ -87,6 +87,8 @@ pub struct Query {
     pub verify: bool,
     /// How much quality the request may trade for speed; `Exact` goes with `verify`.
     pub fidelity: Fidelity,
+    /// Speculative decoding with the speculator as drafter; `None`: the pipeline's default.
+    pub spec_decode: Option<bool>,
     pub options: QueryOptions,
 }
 
@@ -120,6 +122,7 @@ impl Default for Query {
             seed: 0,
             verify: false,
             fidelity: Fidelity::default(),
+            spec_decode: None,
             options: QueryOptions::default(),
         }
     }
@@ -231,11 +234,21 @@ struct FullPrefill {
 }
 
 /// What decoding starts from: the prefill's output, the verification's full prefill when the
-/// request verifies, and the prompt's ids (for an escalation's full prefill).
+/// request verifies, and the assembled prompt (for an escalation's full prefill) with its
+/// chunks' texts (for a drafter's stored KV).
 struct DecodeInput<'a> {
     out: BlendOutput,
     full_prefill: Option<FullPrefill>,
-    prompt: &'a [u32],
+    asm: &'a Assembly,
+    texts: &'a [&'a str],
+}
+
+/// What decoding produced besides the answer's tokens.
+struct Decoded {
+    g: target_engine::Generation,
+    verify: Option<VerifyStats>,
+    guard: GuardReport,
+    spec: Option<crate::answer::SpecDecodeReport>,
 }
 
 /// How `q` samples and stops.
@@ -273,6 +286,8 @@ pub struct Pipeline {
     pub verify_mode: VerifyMode,
     /// When the fidelity guard of `balanced` requests escalates.
     pub guard: GuardPolicy,
+    /// Speculative decoding for requests that do not say (`--spec-decode`).
+    pub spec_decode: bool,
     pub contexts: ContextCache,
 }
 
@@ -294,6 +309,7 @@ impl Pipeline {
             score_source,
             verify_mode: VerifyMode::FromFull,
             guard: GuardPolicy::default(),
+            spec_decode: false,
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }
@@ -501,9 +517,15 @@ impl Pipeline {
         let input = DecodeInput {
             out,
             full_prefill,
-            prompt: &asm.ids,
+            asm,
+            texts: &texts,
         };
-        let (g, verify, guard) = self.decode(q, input, &mut timings, on_piece)?;
+        let Decoded {
+            g,
+            verify,
+            guard,
+            spec,
+        } = self.decode(q, input, &mut timings, on_piece)?;
         reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
@@ -537,6 +559,7 @@ impl Pipeline {
             timings,
             reuse,
             verify,
+            spec_decode: spec,
         };
         Ok(Traced {
             answer,
@@ -761,20 +784,22 @@ impl Pipeline {
         Ok(out)
     }
 
-    /// Step 3: decoding from the prefill's cache under the fidelity guard, or drafting and
-    /// verification against the full cache.
+    /// Step 3: decoding from the prefill's cache under the fidelity guard (with the
+    /// speculator drafting when speculative decoding is on), or drafting and verification
+    /// against the full cache.
     fn decode(
         &self,
         q: &Query,
         input: DecodeInput<'_>,
         timings: &mut Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<(target_engine::Generation, Option<VerifyStats>, GuardReport)> {
+    ) -> Result<Decoded> {
         let started = Instant::now();
         let DecodeInput {
             out,
             full_prefill,
-            prompt,
+            asm,
+            texts,
         } = input;
         let mut report = GuardReport {
             fidelity: if q.verify {
@@ -787,43 +812,55 @@ impl Pipeline {
         if let Some(full) = full_prefill {
             let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
-            return Ok((g, Some(stats), report));
+            return Ok(Decoded {
+                g,
+                verify: Some(stats),
+                guard: report,
+                spec: None,
+            });
         }
-        let params = generate_params(q);
         // Full recompute decodes from the full cache already: nothing to guard.
         let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
         let (mut looped, mut uncertain) = (false, false);
         let mut cache = out.cache;
-        let (mut g, escalate) = self.engines.target.decode_watched(
-            &mut cache,
-            out.logits,
-            &params,
-            &mut |t| on_piece(Piece::Token(t)),
-            &mut |ids, gap| {
+        let (mut g, escalate, spec) = {
+            let mut watch = |ids: &[u32], gap: f32| {
                 looped = guarded && detector.fires(ids);
                 uncertain = guarded && policy.doubts(ids.len(), gap);
                 looped || uncertain
-            },
-        )?;
+            };
+            self.decode_from(
+                q,
+                (&mut cache, out.logits),
+                (asm, texts),
+                on_piece,
+                &mut watch,
+            )?
+        };
         g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
         }
-        let stats = q.verify.then(|| VerifyStats {
+        let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,
             ..Default::default()
         });
         if !escalate {
-            return Ok((g, stats, report));
+            return Ok(Decoded {
+                g,
+                verify,
+                guard: report,
+                spec,
+            });
         }
         drop(cache);
         report.loop_detected = looped;
         report.uncertain = uncertain && !looped;
         report.escalated = true;
-        let (g, ready) = self.escalate(q, prompt, &g.ids, &mut report, on_piece)?;
+        let (g, ready) = self.escalate(q, &asm.ids, &g.ids, &mut report, on_piece)?;
         if report.kept_tokens == 0 {
             // Every token shown so far was withdrawn: the answer's first token is the full
             // cache's, so time to first token runs until that cache was ready.
@@ -831,7 +868,86 @@ impl Pipeline {
                 timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
             }
         }
-        Ok((g, stats, report))
+        Ok(Decoded {
+            g,
+            verify,
+            guard: report,
+            spec,
+        })
+    }
+
+    /// Greedy or sampled decoding from `cache` and its last `logits`, with the speculator
+    /// drafting when speculative decoding is on for `q`; `watch` is asked after every token
+    /// (see [`Model::decode_watched`](target_engine::Model::decode_watched)).
+    fn decode_from(
+        &self,
+        q: &Query,
+        (cache, logits): (&mut KvCache, Vec<f32>),
+        (asm, texts): (&Assembly, &[&str]),
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Result<(
+        target_engine::Generation,
+        bool,
+        Option<crate::answer::SpecDecodeReport>,
+    )> {
+        let target = &self.engines.target;
+        let params = generate_params(q);
+        let mut on_text = |t: &str| on_piece(Piece::Token(t));
+        Ok(match self.drafter(q, asm, texts) {
+            Some(mut d) => {
+                let (g, e, stats) = target.decode_speculative(
+                    (cache, logits),
+                    &mut d,
+                    &params,
+                    &mut on_text,
+                    watch,
+                )?;
+                (g, e, Some(stats.into()))
+            }
+            None => {
+                let (g, e) = target.decode_watched(cache, logits, &params, &mut on_text, watch)?;
+                (g, e, None)
+            }
+        })
+    }
+
+    /// The speculator as a drafter for `q`, when speculative decoding is on for it (the
+    /// request's `spec_decode`, else the server's), a speculator of the target's vocabulary
+    /// is loaded and the answer is greedy. Its cache (the speculator's stored KV of the
+    /// chunks `texts`, stored now where missing, and a pass over the question) is built once
+    /// drafting starts, after the first token.
+    fn drafter<'a>(
+        &'a self,
+        q: &'a Query,
+        asm: &'a Assembly,
+        texts: &'a [&'a str],
+    ) -> Option<target_engine::Drafter<'a>> {
+        let on = q.spec_decode.unwrap_or(self.spec_decode);
+        let spec = self.engines.spec.as_ref()?;
+        let prefix = self.engines.spec_prefix.as_ref()?;
+        if !on || q.temperature > 0.0 || !self.engines.drafts {
+            return None;
+        }
+        let build = move || -> target_engine::Result<(KvCache, Vec<f32>)> {
+            let internal = |e: GatewayError| target_engine::EngineError::Internal(e.to_string());
+            let mut kvs = Vec::with_capacity(texts.len());
+            for text in texts {
+                let (kv, _) = self
+                    .engines
+                    .load_spec_kv(&self.corpus.store, &q.collection, text)
+                    .map_err(internal)?
+                    .ok_or_else(|| internal(GatewayError::Internal("no speculator".into())))?;
+                kvs.push(kv);
+            }
+            let refs: Vec<&ChunkKv> = kvs.iter().collect();
+            spec.draft_state_stored(asm, prefix, &refs)
+                .map_err(|e| target_engine::EngineError::Internal(e.to_string()))
+        };
+        Some(target_engine::Drafter::deferred(
+            &spec.speculator,
+            Box::new(build),
+        ))
     }
 
     /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's

@@ -1338,3 +1338,74 @@ async fn the_fidelity_guard_sampled_and_exact() -> TestResult {
     assert!(body.contains("\"field\":\"fidelity\""), "{body}");
     Ok(())
 }
+
+/// Issue 42: with speculative decoding (the tiny speculator shares the target's vocabulary)
+/// every answer is the one plain decoding gives, plain and streamed, through the guard's
+/// escalations too; `spec_decode` says what was drafted and accepted, only where it ran
+/// (greedy, not verified), and `/metrics` counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let mut drafted = 0;
+    for q in ["the thin ant?", "what is in the tin?"] {
+        for m in [
+            json!({"method": "target_probe", "fidelity": "fast"}),
+            json!({"method": "target_probe"}),
+            json!({"method": "full_recompute"}),
+            json!({"method": "epic", "recompute_ratio": 0.0, "max_tokens": 3}),
+        ] {
+            let (_, plain, _) = send(&s, ask(q, with(&m, "spec_decode", json!(false)))).await;
+            let plain: Value = serde_json::from_str(&plain)?;
+            assert!(plain.get("spec_decode").is_none(), "{plain}");
+            let on = with(&m, "spec_decode", json!(true));
+            let (status, got, _) = send(&s, ask(q, on.clone())).await;
+            assert_eq!(status, StatusCode::OK, "{got}");
+            let got: Value = serde_json::from_str(&got)?;
+            for field in ["answer", "tokens", "finish_reason"] {
+                assert_eq!(got[field], plain[field], "{q} {m}: {field}");
+            }
+            // The same guard decisions (the second full prefill is the context cache's).
+            for field in [
+                "escalated",
+                "loop_detected",
+                "uncertain",
+                "kept_tokens",
+                "min_margin",
+            ] {
+                let (g, p) = (
+                    &got["reuse"]["guard"][field],
+                    &plain["reuse"]["guard"][field],
+                );
+                assert_eq!(g, p, "{q} {m}: {field}");
+            }
+            let sd = &got["spec_decode"];
+            let (d, a) = (sd["drafted"].as_u64(), sd["accepted"].as_u64());
+            assert!(a <= d && d.is_some(), "{got}");
+            drafted += d.unwrap_or(0);
+            let (_, sse, _) = send(&s, ask(q, with(&on, "stream", json!(true)))).await;
+            assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
+        }
+        // Sampled and verified answers do not draft.
+        for extra in [
+            json!({"temperature": 0.8, "seed": 3}),
+            json!({"verify": true}),
+        ] {
+            let mut body = with(&extra, "spec_decode", json!(true));
+            body = with(&body, "method", json!("target_probe"));
+            let (_, got, _) = send(&s, ask(q, body)).await;
+            let got: Value = serde_json::from_str(&got)?;
+            assert!(got.get("spec_decode").is_none(), "{got}");
+        }
+    }
+    assert!(drafted > 0, "something was drafted");
+    let (_, text, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("specrag_spec_decode_tokens_total{kind=\"drafted\"}"))
+        .ok_or("no drafted counter")?;
+    // Each drafting answer was asked twice, plain and streamed, and drafted the same.
+    let want = (2 * drafted).to_string();
+    assert_eq!(line.rsplit(' ').next(), Some(want.as_str()));
+    Ok(())
+}

@@ -261,11 +261,46 @@ impl SpecCache {
         chunks: &[&ChunkKv],
     ) -> Result<ScoredTokens> {
         let toks = self.speculator_tokens(asm);
-        let (ids, chunk_of, q) = (&toks.ids, &toks.chunk_of, toks.question_start);
-        let m = &self.speculator;
-        if q == 0 || q >= ids.len() {
+        let q = toks.question_start;
+        if q == 0 || q >= toks.ids.len() {
             return Ok(ScoredTokens::default());
         }
+        let mut cache = self.stored_cache(&toks, prefix, chunks)?;
+        self.question_attention(toks, &mut cache)
+    }
+
+    /// The speculator as a drafter for speculative decoding: its cache of the whole prompt
+    /// (the stored prefix and chunk KV placed as [`SpecCache::attention_scores_stored`] places
+    /// them, then the question computed over them) and the logits after its last token.
+    pub fn draft_state_stored(
+        &self,
+        asm: &Assembly,
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
+    ) -> Result<(KvCache, Vec<f32>)> {
+        let toks = self.speculator_tokens(asm);
+        let q = toks.question_start;
+        if q == 0 || q >= toks.ids.len() {
+            return Err(invalid("the prompt has no question to draft after".into()));
+        }
+        let mut cache = self.stored_cache(&toks, prefix, chunks)?;
+        let m = &self.speculator;
+        let rows: Vec<usize> = (q..toks.ids.len()).collect();
+        let out = m.forward(&toks.ids[q..], &rows, &mut cache, false)?;
+        let logits = m.last_logits(&out)?;
+        Ok((cache, logits))
+    }
+
+    /// The speculator's cache of everything before the question: the template prefix's KV
+    /// and each chunk's stored KV rotated into place (`chunks` in prompt order).
+    fn stored_cache(
+        &self,
+        toks: &SpecTokens,
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
+    ) -> Result<KvCache> {
+        let (ids, chunk_of, q) = (&toks.ids, &toks.chunk_of, toks.question_start);
+        let m = &self.speculator;
         let p = prefix.ids.len();
         if ids.get(..p) != Some(&prefix.ids[..]) || chunk_of[..p].iter().any(Option::is_some) {
             return Err(invalid(
@@ -296,7 +331,7 @@ impl SpecCache {
                 q - p
             )));
         }
-        self.question_attention(toks, &mut cache)
+        Ok(cache)
     }
 
     /// The question's pass (tokens `question_start..`) over `cache`, which holds everything

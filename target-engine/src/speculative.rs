@@ -21,12 +21,17 @@ use std::time::Instant;
 /// Longest draft one checking pass can take (the pass also feeds the token before it).
 pub const MAX_DRAFT: usize = MAX_VERIFY_ROWS - 1;
 
+/// How a drafter's cache of the prompt comes to be, when it is built only once drafting
+/// starts (after the first token is out, so it never delays it).
+pub type DraftBuild<'a> = Box<dyn FnOnce() -> Result<(KvCache, Vec<f32>)> + 'a>;
+
 /// The drafter's side: its model, its cache of the prompt (and of the tokens fed since),
 /// and the logits after the cache's last row.
 pub struct Drafter<'a> {
     pub model: &'a Model,
-    pub cache: KvCache,
-    pub logits: Vec<f32>,
+    build: Option<DraftBuild<'a>>,
+    cache: KvCache,
+    logits: Vec<f32>,
     /// Rows of the cache that hold the prompt.
     prompt_len: usize,
     /// The tokens fed after the prompt (committed ones, then proposals).
@@ -39,6 +44,7 @@ impl std::fmt::Debug for Drafter<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Drafter")
             .field("model", &self.model.fingerprint())
+            .field("built", &self.build.is_none())
             .field("cache_rows", &self.cache.len())
             .finish()
     }
@@ -49,12 +55,32 @@ impl<'a> Drafter<'a> {
     pub fn new(model: &'a Model, cache: KvCache, logits: Vec<f32>) -> Self {
         Self {
             model,
+            build: None,
             prompt_len: cache.len(),
             cache,
             logits,
             fed: Vec::new(),
             unfed: Vec::new(),
         }
+    }
+
+    /// A drafter whose cache `build` makes at the first proposal.
+    pub fn deferred(model: &'a Model, build: DraftBuild<'a>) -> Self {
+        Self {
+            build: Some(build),
+            ..Self::new(model, model.new_cache(), Vec::new())
+        }
+    }
+
+    /// Builds the cache of a deferred drafter (nothing when built already).
+    fn ensure_built(&mut self) -> Result<()> {
+        if let Some(build) = self.build.take() {
+            let (cache, logits) = build()?;
+            self.prompt_len = cache.len();
+            self.cache = cache;
+            self.logits = logits;
+        }
+        Ok(())
     }
 
     /// Feeds the committed tokens not yet fed, then proposes `k` greedy tokens. The proposals
@@ -77,6 +103,16 @@ impl<'a> Drafter<'a> {
             feed = vec![d];
         }
         Ok(drafts)
+    }
+
+    /// `k` proposals after the `committed` tokens (none asked: nothing is built or fed).
+    fn draft(&mut self, committed: &[u32], k: usize) -> Result<Vec<u32>> {
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        self.ensure_built()?;
+        self.settle(committed);
+        self.propose(k)
     }
 
     /// Brings the cache back to the prompt and the longest prefix of `committed` it holds;
@@ -129,7 +165,7 @@ impl DraftLength {
 }
 
 /// What speculative decoding did for one answer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SpecDecodeStats {
     /// Tokens the drafter proposed.
     pub drafted: usize,
@@ -142,6 +178,10 @@ pub struct SpecDecodeStats {
     /// Time spent drafting and checking (ms).
     pub draft_ms: f64,
     pub verify_ms: f64,
+    /// Why drafting stopped early (the drafter's cache could not be built, or a draft step
+    /// failed): decoding went on one token per pass, the output unchanged.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub drafter_error: Option<String>,
 }
 
 impl SpecDecodeStats {
@@ -196,10 +236,19 @@ impl Model {
             }
             // One round: `next` and up to `k` drafts after it, checked in one pass.
             let room = params.max_tokens - emit.len();
-            let k = len.current.min(room.saturating_sub(1));
+            let mut k = len.current.min(room.saturating_sub(1));
+            if stats.drafter_error.is_some() {
+                k = 0;
+            }
             let t = Instant::now();
-            drafter.settle(&committed);
-            let drafts = drafter.propose(k)?;
+            let drafts = match drafter.draft(&committed, k) {
+                Ok(d) => d,
+                Err(e) => {
+                    // The drafter only speeds decoding up: without it, one token per pass.
+                    stats.drafter_error = Some(e.to_string());
+                    Vec::new()
+                }
+            };
             stats.draft_ms += ms(t);
             let t = Instant::now();
             let mut feed = vec![next];

@@ -318,6 +318,13 @@ impl Tokenizer {
         self.token_text.len()
     }
 
+    /// True when `other` has the same vocabulary, id for id (same size, same tokens and
+    /// types): one model's token ids then mean the same text to the other, as speculative
+    /// decoding's drafter and target need.
+    pub fn same_vocabulary(&self, other: &Tokenizer) -> bool {
+        self.token_text == other.token_text && self.types == other.types
+    }
+
     /// The `tokenizer.ggml.pre` name this tokenizer splits text with.
     pub fn pre_tokenizer(&self) -> &str {
         &self.pre_name

@@ -143,6 +143,52 @@ fn speculative_decoding_hands_out_exactly_what_plain_decoding_does() {
 }
 
 #[test]
+fn a_drafter_that_cannot_be_built_costs_speed_not_the_answer() {
+    let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
+    let prompt = m.tokenizer().encode("the ant sat", false).ids;
+    let params = GenerateParams {
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let want = plain(&m, &prompt, &params, 0);
+    let (mut cache, logits) = m.prefill(&prompt).expect("prefill");
+    let mut built = false;
+    let mut d = Drafter::deferred(
+        &m,
+        Box::new(|| {
+            built = true;
+            Err(target_engine::EngineError::InvalidInput(
+                "no stored KV".into(),
+            ))
+        }),
+    );
+    let (mut text, mut seen) = (String::new(), Vec::new());
+    let (g, w, stats) = m
+        .decode_speculative(
+            (&mut cache, logits),
+            &mut d,
+            &params,
+            &mut |t| {
+                text.push_str(t);
+                true
+            },
+            &mut |ids, gap| {
+                seen.push((ids.len(), gap));
+                false
+            },
+        )
+        .expect("decode goes on without the drafter");
+    drop(d);
+    assert!(built, "the drafter was built once drafting started");
+    assert_same(&(g, w, text, seen), &want, "without a drafter");
+    assert_eq!(stats.drafted, 0);
+    assert_eq!(
+        stats.drafter_error.as_deref(),
+        Some("invalid input: no stored KV")
+    );
+}
+
+#[test]
 fn sampled_decoding_is_refused_rather_than_silently_greedy() {
     let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
     let prompt = m.tokenizer().encode("the ant", false).ids;

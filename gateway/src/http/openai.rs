@@ -136,6 +136,9 @@ pub struct RagOptions {
     /// `fast`, `balanced` or `exact`, as `/rag/query`'s `fidelity` (default: the server's).
     #[serde(default)]
     pub fidelity: Option<crate::fidelity::Fidelity>,
+    /// Speculative decoding, as `/rag/query`'s `spec_decode` (default: the server's).
+    #[serde(default)]
+    pub spec_decode: Option<bool>,
     /// Passages to answer from instead of retrieving, as `/rag/query`'s `documents`: their
     /// chunks' KV is reused by content, in any order, under the collection's scope; the
     /// messages' text stays the recomputed part of the prompt.
@@ -530,6 +533,7 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         seed,
         verify: rag.verify,
         fidelity: rag.fidelity,
+        spec_decode: rag.spec_decode,
         documents: rag.documents.clone(),
         stream: None,
     };

@@ -254,6 +254,12 @@ pub struct ServeArgs {
     pub fidelity: gateway::fidelity::Fidelity,
     #[command(flatten)]
     pub guard: GuardArgs,
+    /// Speculative decoding: the speculator (same vocabulary as the target) drafts tokens over
+    /// its stored chunk KV and the target checks several per pass; the answer is unchanged,
+    /// token for token (greedy answers only). `spec_decode` in the API overrides it per
+    /// request. docs/performance.md has the measured speed-up.
+    #[arg(long, env = "SPECRAG_SPEC_DECODE", value_enum, default_value_t = OnOff::DEFAULT_SPEC_DECODE)]
+    pub spec_decode: OnOff,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
@@ -298,6 +304,12 @@ pub struct QueryArgs {
     pub fidelity: gateway::fidelity::Fidelity,
     #[command(flatten)]
     pub guard: GuardArgs,
+    /// Speculative decoding: the speculator (same vocabulary as the target) drafts tokens over
+    /// its stored chunk KV and the target checks several per pass; the answer is unchanged,
+    /// token for token (greedy answers only). `spec_decode` in the API overrides it per
+    /// request. docs/performance.md has the measured speed-up.
+    #[arg(long, env = "SPECRAG_SPEC_DECODE", value_enum, default_value_t = OnOff::DEFAULT_SPEC_DECODE)]
+    pub spec_decode: OnOff,
 
     /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
@@ -310,6 +322,22 @@ pub struct QueryArgs {
     /// Print the API's JSON answer object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A switch on the command line.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl OnOff {
+    /// `--spec-decode` unless set.
+    pub const DEFAULT_SPEC_DECODE: OnOff = OnOff::Off;
+
+    pub fn on(self) -> bool {
+        self == OnOff::On
+    }
 }
 
 /// When the fidelity guard of `balanced` requests moves to the full cache besides a loop.

@@ -103,6 +103,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         seed: Some(a.seed),
         verify: Some(a.verify),
         fidelity: (!a.verify).then_some(a.fidelity),
+        spec_decode: None,
         documents: None,
         stream: None,
     }
@@ -117,6 +118,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     )?;
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
+    pipeline.spec_decode = a.spec_decode.on();
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
         if !json_out {
@@ -177,6 +179,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     )?;
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
+    pipeline.spec_decode = a.spec_decode.on();
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
     let config = gateway::http::ServerConfig {
