@@ -510,21 +510,30 @@ mod vnni {
     ) {
         let mut m0 = 0;
         while m0 < n {
-            let t = (n - m0).min(TILE_M);
+            // Two scales per block (H = 2) double the integer accumulators: 8 rows of them
+            // no longer fit the registers (measured: 8 rows cost 4x one row on Qwen-1.5B's
+            // q6_k matrices, 4 rows 1.4x), so those blocks go 4 rows at a time.
+            let t = (n - m0).min(if H == 2 { 4 } else { TILE_M });
             // SAFETY (all): the caller's contract.
-            match t {
+            // Every row's arithmetic is the same whatever tile it is in (rows never mix), so
+            // the split only decides how often the group's weights are unpacked: once per
+            // tile. Few rows (speculative decoding's checking passes) get tiles of their own.
+            let (head, rest) = match t {
+                TILE_M => (TILE_M, 0),
+                4..=7 => (4, t - 4),
+                _ => (0, t),
+            };
+            match head {
                 TILE_M => unsafe { tile::<TILE_M, H>(p, a, g, m0, width, out) },
-                4..=7 => {
-                    unsafe { tile::<4, H>(p, a, g, m0, width, out) };
-                    for r in 4..t {
-                        unsafe { tile::<1, H>(p, a, g, m0 + r, width, out) };
-                    }
-                }
-                _ => {
-                    for r in 0..t {
-                        unsafe { tile::<1, H>(p, a, g, m0 + r, width, out) };
-                    }
-                }
+                4 => unsafe { tile::<4, H>(p, a, g, m0, width, out) },
+                _ => {}
+            }
+            let m1 = m0 + head;
+            match rest {
+                3 => unsafe { tile::<3, H>(p, a, g, m1, width, out) },
+                2 => unsafe { tile::<2, H>(p, a, g, m1, width, out) },
+                1 => unsafe { tile::<1, H>(p, a, g, m1, width, out) },
+                _ => {}
             }
             m0 += t;
         }
@@ -741,7 +750,7 @@ mod tests {
                 "{ty:?}: {} vs {file}",
                 p.nbytes()
             );
-            for n in [1, 3, 8, 13] {
+            for n in [1, 2, 3, 6, 7, 8, 13] {
                 let x = input(n, cols);
                 let want: Vec<f32> = (0..n)
                     .flat_map(|r| {
