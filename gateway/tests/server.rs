@@ -1399,13 +1399,34 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
         }
     }
     assert!(drafted > 0, "something was drafted");
+    // The OpenAI route takes it in the `specrag` extension and reports it there.
+    let chat = |spec: bool| {
+        post(
+            "/v1/chat/completions",
+            &json!({"model": "specrag", "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "the thin ant?"}],
+                    "specrag": {"spec_decode": spec, "fidelity": "fast"}}),
+        )
+    };
+    let (_, on, _) = send(&s, chat(true)).await;
+    let (_, off, _) = send(&s, chat(false)).await;
+    let (on, off): (Value, Value) = (serde_json::from_str(&on)?, serde_json::from_str(&off)?);
+    assert!(on["specrag"]["spec_decode"]["drafted"].is_u64(), "{on}");
+    assert!(off["specrag"].get("spec_decode").is_none(), "{off}");
+    assert_eq!(
+        on["choices"][0]["message"]["content"],
+        off["choices"][0]["message"]["content"]
+    );
+    let chat_drafted = on["specrag"]["spec_decode"]["drafted"]
+        .as_u64()
+        .unwrap_or(0);
     let (_, text, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
     let line = text
         .lines()
         .find(|l| l.starts_with("specrag_spec_decode_tokens_total{kind=\"drafted\"}"))
         .ok_or("no drafted counter")?;
     // Each drafting answer was asked twice, plain and streamed, and drafted the same.
-    let want = (2 * drafted).to_string();
+    let want = (2 * drafted + chat_drafted).to_string();
     assert_eq!(line.rsplit(' ').next(), Some(want.as_str()));
     Ok(())
 }

@@ -607,6 +607,9 @@ fn rag_info(a: &Answer) -> Value {
     if let Some(verify) = &a.verify {
         v["verify"] = json!(verify);
     }
+    if let Some(spec) = &a.spec_decode {
+        v["spec_decode"] = json!(spec);
+    }
     v
 }
 

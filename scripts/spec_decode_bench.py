@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Speculative decoding on real RAG prompts: decode time per generated token with and without
+the speculator drafting, on the same prompts in one run (alternating which goes first), and
+whether the two answers are identical. Needs a running `specrag serve` (default models, an empty
+or unrelated data directory):
+
+    target/release/specrag serve --data /tmp/spec-bench --addr 127.0.0.1:8091 &
+    python3 scripts/spec_decode_bench.py --url http://127.0.0.1:8091 [--cases 20]
+
+Prompts: the first --cases questions of eval/data/hotpotqa.jsonl (HotpotQA dev, distractor
+setting, in LongBench's shape; see eval/data/README.md), each over its first --passages passages sent as
+`documents`, asking for a long answer. Each prompt is first asked once (1 token) so its chunks'
+KV, the target's and the speculator's, is stored: what is measured is decoding, not ingestion.
+Answers use `fidelity: fast` so that no request is moved to a full prefill mid-answer (which
+would mix a prefill into the decode time); the guard sees the same gaps either way.
+
+With --cold, what a first request pays instead: for prompts after the first --cases (so their
+speculator KV is not stored yet), the target's chunk KV is stored first, then one answer with
+drafting (the speculator's chunk KV computed on the way), one without, and one with drafting
+again (now stored); printed as request time (total_ms).
+"""
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def cases(n, passages):
+    out = []
+    with open(ROOT / "eval" / "data" / "hotpotqa.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            parts = [p.strip() for p in re.split(r"Passage \d+:\n", row["context"]) if p.strip()]
+            docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(parts[:passages])]
+            out.append((row["input"], docs))
+            if len(out) == n:
+                break
+    return out
+
+
+def ask(url, question, docs, max_tokens, spec):
+    body = {
+        "query": "Answer in detail, in several paragraphs, citing the passages: " + question,
+        "documents": docs,
+        "collection": "spec-bench",
+        "max_tokens": max_tokens,
+        "fidelity": "fast",
+        "spec_decode": spec,
+    }
+    req = urllib.request.Request(
+        url + "/rag/query",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        return json.load(r)
+
+
+def per_token(a):
+    return a["timings"]["decode_ms"] / max(a["tokens"] - 1, 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8091")
+    ap.add_argument("--cases", type=int, default=20)
+    ap.add_argument("--passages", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--cold", type=int, default=0, help="prompts for the cold-drafter run")
+    a = ap.parse_args()
+    if a.cold:
+        cold(a)
+        return
+    print("case | prompt tokens | tokens | ms/token off | ms/token on | ratio | drafted | accepted | draft len | identical")
+    rows = []
+    for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
+        ask(a.url, q, docs, 1, False)
+        ask(a.url, q, docs, 2, True)
+        order = [False, True] if i % 2 == 0 else [True, False]
+        got = {s: ask(a.url, q, docs, a.max_tokens, s) for s in order}
+        off, on = got[False], got[True]
+        sd = on.get("spec_decode") or {}
+        same = off["answer"] == on["answer"]
+        r = per_token(on) / per_token(off)
+        rows.append((off, on, sd, same, r))
+        print(
+            f"{i} | {off['prompt_tokens']} | {off['tokens']} | {per_token(off):.1f} | {per_token(on):.1f} | "
+            f"{r:.2f} | {sd.get('drafted', 0)} | {sd.get('accepted', 0)} | {sd.get('draft_len', 0)} | {same}",
+            flush=True,
+        )
+    ratios = sorted(r for *_, r in rows)
+    tok = sum(o["tokens"] - 1 for o, *_ in rows)
+    ms_off = sum(o["timings"]["decode_ms"] for o, *_ in rows)
+    ms_on = sum(n["timings"]["decode_ms"] for _, n, *_ in rows)
+    drafted = sum(s.get("drafted", 0) for _, _, s, *_ in rows)
+    accepted = sum(s.get("accepted", 0) for _, _, s, *_ in rows)
+    print()
+    print(f"cases: {len(rows)}, identical answers: {sum(1 for *_, s, _ in rows if s)}")
+    print(f"decode ms/token, pooled: off {ms_off / tok:.1f}, on {ms_on / tok:.1f}, ratio {ms_on / ms_off:.2f}")
+    print(f"per-case ratio: median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}")
+    print(f"tokens/s: off {1000 * tok / ms_off:.1f}, on {1000 * tok / ms_on:.1f}")
+    print(f"acceptance: {accepted}/{drafted} = {accepted / max(drafted, 1):.2f}")
+
+
+def cold(a):
+    print("case | tokens | total ms off | total ms on, cold drafter KV | on, stored | identical")
+    for i, (q, docs) in enumerate(cases(a.cases + a.cold, a.passages)[a.cases:]):
+        ask(a.url, q, docs, 1, False)
+        first = ask(a.url, q, docs, a.max_tokens, True)
+        off = ask(a.url, q, docs, a.max_tokens, False)
+        again = ask(a.url, q, docs, a.max_tokens, True)
+        same = first["answer"] == off["answer"] == again["answer"]
+        t = lambda x: x["timings"]["total_ms"]
+        print(f"{a.cases + i} | {off['tokens']} | {t(off):.0f} | {t(first):.0f} | {t(again):.0f} | {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
