@@ -332,8 +332,12 @@ pub enum OnOff {
 }
 
 impl OnOff {
-    /// `--spec-decode` unless set.
-    pub const DEFAULT_SPEC_DECODE: OnOff = OnOff::Off;
+    /// `--spec-decode` unless set (the pipeline's default).
+    pub const DEFAULT_SPEC_DECODE: OnOff = if gateway::pipeline::DEFAULT_SPEC_DECODE {
+        OnOff::On
+    } else {
+        OnOff::Off
+    };
 
     pub fn on(self) -> bool {
         self == OnOff::On
