@@ -14,6 +14,15 @@ KV, the target's and the speculator's, is stored: what is measured is decoding, 
 Answers use `fidelity: fast` so that no request is moved to a full prefill mid-answer (which
 would mix a prefill into the decode time); the guard sees the same gaps either way.
 
+With --llama-draft URL and --llama-plain URL (two `llama-server`s on the same GGUF files, 2
+threads each, the first started with `-md <speculator> --draft-max 3 --draft-p-min 0.75`, the
+second without a draft model), each case also asks both for the same prompt (the text
+specrag's template builds from the same passages and question, up to --max-tokens greedy
+tokens), in rotating order with specrag's two answers, and prints tokens/s of all four:
+
+    llama-server -m models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        -md models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf -t 2 -td 2 --port 8092 ...
+
 With --cold, what a first request pays instead: for prompts after the first --cases (so their
 speculator KV is not stored yet), the target's chunk KV is stored first, then one answer with
 drafting (the speculator's chunk KV computed on the way), one without, and one with drafting
@@ -60,6 +69,61 @@ def ask(url, question, docs, max_tokens, spec):
         return json.load(r)
 
 
+def rag_prompt(question, docs):
+    """The prompt text specrag's RagTemplate assembles (target-engine/src/assembly.rs)."""
+    text = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
+    for d in docs:
+        text += f"Document: {d['text'].strip()}\n\n"
+    q = "Answer in detail, in several paragraphs, citing the passages: " + question
+    return text + f"Question: {q.strip()}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def llama(url, prompt, max_tokens):
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False,
+            "seed": 0}
+    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        return json.load(r)
+
+
+def llama_compare(a):
+    print("case | specrag off tok/s | specrag on tok/s | llama plain tok/s | llama draft tok/s | llama drafted | llama accepted")
+    sums = {k: [0.0, 0] for k in ("off", "on", "plain", "draft")}
+    drafted = accepted = 0
+    for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
+        ask(a.url, q, docs, 1, False)
+        ask(a.url, q, docs, 2, True)
+        prompt = rag_prompt(q, docs)
+        jobs = [
+            ("off", lambda: ask(a.url, q, docs, a.max_tokens, False)),
+            ("on", lambda: ask(a.url, q, docs, a.max_tokens, True)),
+            ("plain", lambda: llama(a.llama_plain, prompt, a.max_tokens)),
+            ("draft", lambda: llama(a.llama_draft, prompt, a.max_tokens)),
+        ]
+        k = i % len(jobs)
+        got = {name: run() for name, run in jobs[k:] + jobs[:k]}
+        row = {}
+        for name in ("off", "on"):
+            ms, n = got[name]["timings"]["decode_ms"], got[name]["tokens"] - 1
+            sums[name][0] += ms
+            sums[name][1] += n
+            row[name] = 1000 * n / ms
+        for name in ("plain", "draft"):
+            t = got[name]["timings"]
+            sums[name][0] += t["predicted_ms"]
+            sums[name][1] += t["predicted_n"]
+            row[name] = 1000 * t["predicted_n"] / t["predicted_ms"]
+        d, acc = got["draft"]["timings"].get("draft_n", 0), got["draft"]["timings"].get("draft_n_accepted", 0)
+        drafted += d
+        accepted += acc
+        print(f"{i} | {row['off']:.1f} | {row['on']:.1f} | {row['plain']:.1f} | {row['draft']:.1f} | {d} | {acc}", flush=True)
+    print()
+    for name, (ms, n) in sums.items():
+        print(f"{name}: {n} tokens, {1000 * n / ms:.1f} tokens/s pooled")
+    print(f"llama-server draft acceptance: {accepted}/{drafted}")
+
+
 def per_token(a):
     return a["timings"]["decode_ms"] / max(a["tokens"] - 1, 1)
 
@@ -71,7 +135,12 @@ def main():
     ap.add_argument("--passages", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--cold", type=int, default=0, help="prompts for the cold-drafter run")
+    ap.add_argument("--llama-draft", help="URL of a llama-server with a draft model")
+    ap.add_argument("--llama-plain", help="URL of a llama-server without one")
     a = ap.parse_args()
+    if a.llama_draft and a.llama_plain:
+        llama_compare(a)
+        return
     if a.cold:
         cold(a)
         return
