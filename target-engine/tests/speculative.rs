@@ -23,24 +23,35 @@ fn tiny(spec: TinySpec) -> (tempfile::TempDir, Model) {
 /// and every (ids so far, gap) the watch saw.
 type Decoded = (Generation, bool, String, Vec<(usize, f32)>);
 
+/// The text callback and the watch a decode is given, recording what they are shown (the watch
+/// stops the decode at `stop_at` tokens; 0: never); returns `decode`'s result with the records.
+fn recorded<R>(
+    stop_at: usize,
+    decode: impl FnOnce(
+        &mut dyn FnMut(&str) -> bool,
+        &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> target_engine::Result<R>,
+) -> (R, String, Vec<(usize, f32)>) {
+    let (mut text, mut seen) = (String::new(), Vec::new());
+    let r = decode(
+        &mut |t| {
+            text.push_str(t);
+            true
+        },
+        &mut |ids, gap| {
+            seen.push((ids.len(), gap));
+            ids.len() == stop_at
+        },
+    )
+    .expect("decode");
+    (r, text, seen)
+}
+
 fn plain(m: &Model, prompt: &[u32], params: &GenerateParams, stop_at: usize) -> Decoded {
     let (mut cache, logits) = m.prefill(prompt).expect("prefill");
-    let (mut text, mut seen) = (String::new(), Vec::new());
-    let (g, w) = m
-        .decode_watched(
-            &mut cache,
-            logits,
-            params,
-            &mut |t| {
-                text.push_str(t);
-                true
-            },
-            &mut |ids, gap| {
-                seen.push((ids.len(), gap));
-                ids.len() == stop_at
-            },
-        )
-        .expect("decode");
+    let ((g, w), text, seen) = recorded(stop_at, |on_text, watch| {
+        m.decode_watched(&mut cache, logits, params, on_text, watch)
+    });
     (g, w, text, seen)
 }
 
@@ -53,22 +64,9 @@ fn speculative(
 ) -> (Decoded, SpecDecodeStats) {
     let (mut cache, logits) = m.prefill(prompt).expect("prefill");
     let mut d = Drafter::new(drafter.0, drafter.1, drafter.2);
-    let (mut text, mut seen) = (String::new(), Vec::new());
-    let (g, w, stats) = m
-        .decode_speculative(
-            (&mut cache, logits),
-            &mut d,
-            params,
-            &mut |t| {
-                text.push_str(t);
-                true
-            },
-            &mut |ids, gap| {
-                seen.push((ids.len(), gap));
-                ids.len() == stop_at
-            },
-        )
-        .expect("speculative decode");
+    let ((g, w, stats), text, seen) = recorded(stop_at, |on_text, watch| {
+        m.decode_speculative((&mut cache, logits), &mut d, params, on_text, watch)
+    });
     ((g, w, text, seen), stats)
 }
 
@@ -162,22 +160,9 @@ fn a_drafter_that_cannot_be_built_costs_speed_not_the_answer() {
             ))
         }),
     );
-    let (mut text, mut seen) = (String::new(), Vec::new());
-    let (g, w, stats) = m
-        .decode_speculative(
-            (&mut cache, logits),
-            &mut d,
-            &params,
-            &mut |t| {
-                text.push_str(t);
-                true
-            },
-            &mut |ids, gap| {
-                seen.push((ids.len(), gap));
-                false
-            },
-        )
-        .expect("decode goes on without the drafter");
+    let ((g, w, stats), text, seen) = recorded(0, |on_text, watch| {
+        m.decode_speculative((&mut cache, logits), &mut d, &params, on_text, watch)
+    });
     drop(d);
     assert!(built, "the drafter was built once drafting started");
     assert_same(&(g, w, text, seen), &want, "without a drafter");
