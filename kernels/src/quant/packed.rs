@@ -510,10 +510,7 @@ mod vnni {
     ) {
         let mut m0 = 0;
         while m0 < n {
-            // Two scales per block (H = 2) double the integer accumulators: 8 rows of them
-            // no longer fit the registers (measured: 8 rows cost 4x one row on Qwen-1.5B's
-            // q6_k matrices, 4 rows 1.4x), so those blocks go 4 rows at a time.
-            let t = (n - m0).min(if H == 2 { 4 } else { TILE_M });
+            let t = (n - m0).min(TILE_M);
             // SAFETY (all): the caller's contract.
             // Every row's arithmetic is the same whatever tile it is in (rows never mix), so
             // the split only decides how often the group's weights are unpacked: once per
