@@ -147,8 +147,8 @@ impl<'a> Drafter<'a> {
 /// The number of tokens drafted per round, adapted to the acceptance measured so far: it
 /// grows by two after a round whose drafts were all accepted and shrinks by one after a miss,
 /// within `min..=max`. The default keeps checking passes at 4 rows at most: on 2 cores a pass
-/// of 4 rows costs 1.4x one decode step of Qwen-1.5B, of 5 rows 2x (the int8 kernels unpack
-/// each weight group once per tile of 4 rows), and the 0.5B drafter's step costs 0.4x.
+/// of 4 rows costs 1.39x one decode step of Qwen-1.5B, of 5 rows 1.84x (the int8 kernels
+/// unpack each weight group once per tile of up to 4 rows), and the 0.5B drafter's step 0.41x.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftLength {
     pub current: usize,
