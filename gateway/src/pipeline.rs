@@ -292,7 +292,7 @@ pub struct Pipeline {
 }
 
 /// Speculative decoding unless a request says otherwise (`--spec-decode`): on, because on
-/// real RAG prompts it decoded in 0.88 of the time per token with identical answers
+/// real RAG prompts it decoded in 0.85-0.88 of the time per token with identical answers
 /// (docs/performance.md, *Speculative decoding*).
 pub const DEFAULT_SPEC_DECODE: bool = true;
 
