@@ -229,6 +229,11 @@ impl<'a> Emit<'a> {
         self.ids.len()
     }
 
+    /// The tokens taken so far.
+    pub(crate) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
     /// Takes the next token, chosen from a distribution whose [`top2_gap`] was `gap`; true
     /// when generation ends with it.
     pub(crate) fn take(&mut self, id: u32, gap: f32) -> bool {

@@ -238,12 +238,10 @@ impl Model {
         let mut stats = SpecDecodeStats::default();
         let mut len = DraftLength::default();
         let t0 = Instant::now();
-        let mut committed: Vec<u32> = Vec::new();
         // Tokens the target has chosen but not yet handed out, each with its gap.
         let mut ready: VecDeque<(u32, f32)> =
             VecDeque::from([(argmax(&logits), top2_gap(&logits))]);
         while let Some((next, gap)) = ready.pop_front() {
-            committed.push(next);
             if emit.take(next, gap) {
                 break;
             }
@@ -257,7 +255,7 @@ impl Model {
                 k = 0;
             }
             let t = Instant::now();
-            let drafts = match drafter.draft(&committed, k) {
+            let drafts = match drafter.draft(emit.ids(), k) {
                 Ok(d) => d,
                 Err(e) => {
                     // The drafter only speeds decoding up: without it, one token per pass.
@@ -270,10 +268,7 @@ impl Model {
             let mut feed = vec![next];
             feed.extend(&drafts);
             let base = cache.len();
-            let positions: Vec<usize> = (base..base + feed.len()).collect();
-            let out = self.forward_decode_path(&feed, &positions, cache)?;
-            let rows = self.logits(&out.hidden)?.to_vec2::<f32>()?;
-            let rows: Vec<&[f32]> = rows.iter().map(|r| &r[..vocab.min(r.len())]).collect();
+            let rows = self.rows_logits(cache, &feed)?;
             let agree = drafts
                 .iter()
                 .zip(&rows)

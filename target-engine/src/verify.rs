@@ -442,15 +442,23 @@ impl Model {
 
     /// Feeds `ids` to `cache` on the decode path; returns the greedy token after each.
     fn rows_argmax(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<u32>> {
+        Ok(self
+            .rows_logits(cache, ids)?
+            .iter()
+            .map(|row| argmax(row))
+            .collect())
+    }
+
+    /// Feeds `ids` to `cache` on the decode path (each row bit-identical to a one-token step);
+    /// returns the logits after each, cut to the vocabulary.
+    pub(crate) fn rows_logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
         let vocab = self.tokenizer().vocab_size();
         let start = cache.len();
         let positions: Vec<usize> = (start..start + ids.len()).collect();
         let out = self.forward_decode_path(ids, &positions, cache)?;
-        let logits = self.logits(&out.hidden)?.to_vec2::<f32>()?;
-        Ok(logits
-            .iter()
-            .map(|row| argmax(&row[..vocab.min(row.len())]))
-            .collect())
+        let mut logits = self.logits(&out.hidden)?.to_vec2::<f32>()?;
+        logits.iter_mut().for_each(|row| row.truncate(vocab));
+        Ok(logits)
     }
 }
 
