@@ -22,6 +22,7 @@ pub mod input;
 pub mod method;
 pub mod metrics;
 pub mod models;
+pub mod passages;
 pub mod pipeline;
 pub mod process;
 pub mod replication;

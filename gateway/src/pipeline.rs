@@ -72,6 +72,10 @@ pub struct Query {
     /// Passages the client retrieved itself: read in this order instead of retrieving from
     /// the collection (which still scopes their stored KV). Empty: retrieve `top_k`.
     pub documents: Vec<Passage>,
+    /// With `documents`: retrieve `top_k` from the collection as well, read after them (the
+    /// passages an OpenAI client pasted into its messages add to retrieval; `documents` sent
+    /// explicitly replace it).
+    pub retrieve_too: bool,
     pub collection: String,
     pub top_k: usize,
     pub method: Method,
@@ -111,6 +115,7 @@ impl Default for Query {
             query: String::new(),
             context: String::new(),
             documents: Vec::new(),
+            retrieve_too: false,
             collection: "default".into(),
             top_k: 4,
             method: Method::TargetProbe,
@@ -585,6 +590,16 @@ impl Pipeline {
         } else {
             self.passage_hits(q)?
         };
+        if !q.documents.is_empty() && q.retrieve_too {
+            let retrieved = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
+            let read: std::collections::HashSet<String> =
+                hits.iter().map(|h| h.record.key.clone()).collect();
+            hits.extend(
+                retrieved
+                    .into_iter()
+                    .filter(|h| !read.contains(&h.record.key)),
+            );
+        }
         if q.options.order == ChunkOrder::Document {
             hits.sort_by(|a, b| {
                 (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))

@@ -92,6 +92,34 @@ assert (reused, second["reuse"]["chunks_recomputed"]) == (4, 1), second["reuse"]
 assert [c["doc_id"] for c in second["chunks"]] == [d["id"] for d in again], second["chunks"]
 print("own passages:", second["reuse"])
 
+# The same, as LangChain's "stuff" chain sends it: the retrieved passages joined by blank lines
+# into the system message. specrag finds them there and reuses their KV by content.
+def passage(i):
+    return (
+        f"The keeper of lighthouse {i} counts {i * 7} ships every night and writes each one into "
+        "a ledger kept on the shelf by the lamp, beside the tide tables and the weather log of "
+        "the harbour master, who reads it each morning before the boats leave the harbour."
+    )
+def ask_pasted(ids):
+    context = "\n\n".join(passage(i) for i in ids)
+    r = client.chat.completions.create(
+        model="specrag",
+        messages=[
+            {"role": "system", "content": f"Answer from the context below.\n\n{context}"},
+            {"role": "user", "content": "How many ships does keeper 3 count?"},
+        ],
+        max_tokens=8,
+        extra_body={"specrag": {"collection": "own-retrieval"}},
+    )
+    return r.model_extra["specrag"]
+first = ask_pasted([0, 1, 2, 3, 4])
+assert [c["doc_id"] for c in first["chunks"]] == [f"messages[0]:{n}" for n in range(1, 6)], first
+assert first["reuse"]["chunks_recomputed"] == 5, first["reuse"]
+second = ask_pasted([4, 3, 9, 1, 0])
+reused = second["reuse"]["chunks_from_memory"] + second["reuse"]["chunks_from_disk"]
+assert (reused, second["reuse"]["chunks_recomputed"]) == (4, 1), second["reuse"]
+print("pasted passages:", second["reuse"])
+
 # A bad request raises the client's documented error type, naming the parameter.
 try:
     client.chat.completions.create(

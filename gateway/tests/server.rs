@@ -1209,6 +1209,93 @@ async fn passages_in_the_request_are_read_in_order_and_reused_by_content() -> Te
     Ok(())
 }
 
+/// Passages pasted into the messages (LangChain's "stuff" prompt: retrieved documents joined
+/// by blank lines into the system message) are found, read before the collection's retrieved
+/// chunks and reused by content when sent again reordered with one replaced; the short
+/// instruction paragraphs stay recomputed text, and `find_passages: false` reads none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passages_pasted_into_messages_are_reused_by_content() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let passage = |i: usize| {
+        format!(
+            "Source {i}\n\nThe keeper of lighthouse number {i} counts {} ships every night and \
+             writes each one into a ledger kept on the shelf by the lamp, beside the tide tables \
+             and the weather log of the harbour master, who reads it each morning before the boats leave.",
+            i * 7
+        )
+    };
+    let chat = |ids: &[usize], rag: Value| {
+        let context: Vec<String> = ids.iter().map(|&i| passage(i)).collect();
+        json!({
+            "model": "specrag",
+            "messages": [
+                {"role": "system", "content": format!(
+                    "Answer the question from the context below.\n\n{}", context.join("\n\n"))},
+                {"role": "user", "content": "How many ships does keeper 3 count in the tent?"},
+            ],
+            "max_tokens": 8,
+            "specrag": rag,
+        })
+    };
+    let own = json!({"collection": "own"});
+    let (status, body, _) = send(
+        &s,
+        post("/v1/chat/completions", &chat(&[0, 1, 2, 3, 4], own.clone())),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body)?;
+    let found: Vec<String> = (1..=5).map(|n| format!("messages[0]:{n}")).collect();
+    assert_eq!(doc_ids(&v["specrag"]), found, "{body}");
+    assert_eq!(reused(&v["specrag"]), (0, 5), "{body}");
+    let (_, body, _) = send(
+        &s,
+        post("/v1/chat/completions", &chat(&[4, 3, 9, 1, 0], own.clone())),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(reused(&v["specrag"]), (4, 1), "{body}");
+    // Another collection (another key scope) reuses nothing.
+    let (_, body, _) = send(
+        &s,
+        post(
+            "/v1/chat/completions",
+            &chat(&[4, 3], json!({"collection": "else"})),
+        ),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(reused(&v["specrag"]), (0, 2), "{body}");
+    // The default collection holds ingested chunks: they are read after the passages.
+    let (_, body, _) = send(
+        &s,
+        post("/v1/chat/completions", &chat(&[4, 3], json!({"top_k": 1}))),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body)?;
+    let ids = doc_ids(&v["specrag"]);
+    assert_eq!(ids.len(), 3, "{body}");
+    assert_eq!(ids[..2], ["messages[0]:1", "messages[0]:2"], "{body}");
+    // Off: the messages are plain text and the collection is searched alone.
+    let (_, body, _) = send(
+        &s,
+        post(
+            "/v1/chat/completions",
+            &chat(&[4, 3], json!({"top_k": 1, "find_passages": false})),
+        ),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body)?;
+    assert!(
+        !doc_ids(&v["specrag"])
+            .iter()
+            .any(|d| d.starts_with("messages")),
+        "{body}"
+    );
+    Ok(())
+}
+
 /// A bad list of passages is refused naming `documents`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_passage_lists_are_refused_naming_the_field() -> TestResult {

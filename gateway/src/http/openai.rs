@@ -145,6 +145,15 @@ pub struct RagOptions {
     #[serde(default)]
     #[schema(min_items = 1, max_items = 64)]
     pub documents: Option<Vec<crate::api::PassageInput>>,
+    /// Read the passages pasted into the messages as passages (default true, and off when
+    /// `documents` is sent): paragraphs of at least 200 characters in the system messages and
+    /// the question's message, each with the short paragraphs just before it, are read like
+    /// `documents` (stored KV reused by content, under the collection's scope), before the
+    /// collection's retrieved chunks (none from a collection with nothing ingested); the
+    /// other paragraphs stay the recomputed instructions. `false` sends the messages as plain
+    /// text.
+    #[serde(default)]
+    pub find_passages: Option<bool>,
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -337,27 +346,24 @@ pub(crate) async fn list_models(
     }))
 }
 
-/// The text of a message's content, or `None` when it is absent or empty.
-fn content_text(m: &ChatMessage, i: usize) -> Result<String, OaiError> {
+/// The text parts of a message's content (none when it is absent).
+fn content_parts(m: &ChatMessage, i: usize) -> Result<Vec<String>, OaiError> {
     let param = format!("messages[{i}].content");
     match &m.content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut out = Vec::new();
-            for p in parts {
-                match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => out.push(t.as_str()),
-                    _ => {
-                        return Err(OaiError::invalid(
-                            &param,
-                            "only text parts (`{\"type\": \"text\", \"text\": ...}`) are served",
-                        ))
-                    }
-                }
-            }
-            Ok(out.join("\n"))
-        }
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(
+                |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => Ok(t.clone()),
+                    _ => Err(OaiError::invalid(
+                        &param,
+                        "only text parts (`{\"type\": \"text\", \"text\": ...}`) are served",
+                    )),
+                },
+            )
+            .collect(),
         Some(_) => Err(OaiError::invalid(
             &param,
             "must be a string or a list of text parts",
@@ -365,8 +371,50 @@ fn content_text(m: &ChatMessage, i: usize) -> Result<String, OaiError> {
     }
 }
 
-/// The question (last user turn) and the context text (system messages, earlier turns).
-fn conversation(messages: &[ChatMessage]) -> Result<(String, String), OaiError> {
+/// What a chat request's messages hold.
+#[derive(Debug, Default)]
+struct Conversation {
+    /// The last user turn, less the passages found in it.
+    question: String,
+    /// System messages (less their passages) and earlier turns: recomputed on every request.
+    context: String,
+    /// Passages found in the system messages and the question's message
+    /// ([`crate::passages`]), in their order, named `messages[i]:n`.
+    passages: Vec<crate::api::PassageInput>,
+}
+
+impl Conversation {
+    /// Keeps `text`'s passages (when `find`) and returns the rest.
+    fn take_passages(&mut self, text: &str, i: usize, keep_last: bool, find: bool) -> String {
+        if !find {
+            return text.to_string();
+        }
+        let split = crate::passages::split(text, keep_last);
+        if split.passages.is_empty() {
+            return text.to_string();
+        }
+        let named = self
+            .passages
+            .iter()
+            .filter(|p| {
+                p.id.as_ref()
+                    .is_some_and(|id| id.starts_with(&format!("messages[{i}]:")))
+            })
+            .count();
+        let rest = split.rest_text();
+        for (n, p) in split.passages.into_iter().enumerate() {
+            self.passages.push(crate::api::PassageInput {
+                id: Some(format!("messages[{i}]:{}", named + n + 1)),
+                text: p,
+            });
+        }
+        rest
+    }
+}
+
+/// The question (last user turn), the context text (system messages, earlier turns) and,
+/// when `find`, the passages pasted into the system messages and the question's message.
+fn conversation(messages: &[ChatMessage], find: bool) -> Result<Conversation, OaiError> {
     if messages.is_empty() {
         return Err(OaiError::invalid(
             "messages",
@@ -380,22 +428,26 @@ fn conversation(messages: &[ChatMessage]) -> Result<(String, String), OaiError> 
         ));
     }
     let last = messages.len() - 1;
+    let mut out = Conversation::default();
     let mut instructions = Vec::new();
     let mut turns = Vec::new();
-    let mut question = String::new();
     for (i, m) in messages.iter().enumerate() {
-        let text = content_text(m, i)?;
+        let parts = content_parts(m, i)?;
         match (m.role.as_str(), i == last) {
-            ("user", true) => question = text,
+            ("user", true) => out.question = out.take_passages(&parts.join("\n"), i, true, find),
             (_, true) => {
                 return Err(OaiError::invalid(
                     &format!("messages[{i}].role"),
                     "the last message must be the user's question (role `user`)",
                 ))
             }
-            ("system" | "developer", false) => instructions.push(text),
-            ("user", false) => turns.push(format!("User: {}", text.trim())),
-            ("assistant", false) => turns.push(format!("Assistant: {}", text.trim())),
+            ("system" | "developer", false) => {
+                for part in &parts {
+                    instructions.push(out.take_passages(part, i, false, find));
+                }
+            }
+            ("user", false) => turns.push(format!("User: {}", parts.join("\n").trim())),
+            ("assistant", false) => turns.push(format!("Assistant: {}", parts.join("\n").trim())),
             (other, false) => {
                 return Err(OaiError::invalid(
                     &format!("messages[{i}].role"),
@@ -406,6 +458,20 @@ fn conversation(messages: &[ChatMessage]) -> Result<(String, String), OaiError> 
             }
         }
     }
+    out.context = context_text(&instructions, &turns)?;
+    let chars = out.question.chars().count();
+    if chars > MAX_QUERY_CHARS {
+        return Err(OaiError::invalid(
+            &format!("messages[{last}].content"),
+            format!("is {chars} characters; at most {MAX_QUERY_CHARS} are accepted"),
+        ));
+    }
+    Ok(out)
+}
+
+/// The recomputed context: instructions, then the earlier turns, within
+/// [`MAX_CONTEXT_CHARS`].
+fn context_text(instructions: &[String], turns: &[String]) -> Result<String, OaiError> {
     let mut context = instructions
         .iter()
         .map(|s| s.trim())
@@ -424,19 +490,13 @@ fn conversation(messages: &[ChatMessage]) -> Result<(String, String), OaiError> 
         return Err(OaiError::invalid(
             "messages",
             format!(
-                "the system messages and earlier turns are {chars} characters; at most \
-                 {MAX_CONTEXT_CHARS} are accepted (they are recomputed on every request)"
+                "the system messages and earlier turns are {chars} characters (passages found \
+                 in them not counted); at most {MAX_CONTEXT_CHARS} are accepted (they are \
+                 recomputed on every request)"
             ),
         ));
     }
-    let chars = question.chars().count();
-    if chars > MAX_QUERY_CHARS {
-        return Err(OaiError::invalid(
-            &format!("messages[{last}].content"),
-            format!("is {chars} characters; at most {MAX_QUERY_CHARS} are accepted"),
-        ));
-    }
-    Ok((question, context))
+    Ok(context)
 }
 
 fn stops(v: &Option<Value>) -> Result<Vec<String>, OaiError> {
@@ -513,8 +573,9 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         ));
     }
     let seed = req.seed;
-    let (question, context) = conversation(&req.messages)?;
     let rag = req.specrag.clone().unwrap_or_default();
+    let find = rag.documents.is_none() && rag.find_passages != Some(false);
+    let conv = conversation(&req.messages, find)?;
     let stop = stops(&req.stop)?;
     if rag.verify == Some(true) && !stop.is_empty() {
         return Err(OaiError::invalid(
@@ -523,7 +584,7 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         ));
     }
     let base = QueryRequest {
-        query: question,
+        query: conv.question,
         collection: rag.collection,
         top_k: rag.top_k,
         method: rag.method,
@@ -540,7 +601,12 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
     let mut q = base
         .validate_with(state.config.fidelity)
         .map_err(|e| OaiError::from_api(ApiError::Gateway(e), ""))?;
-    q.context = context;
+    if !conv.passages.is_empty() {
+        q.documents = crate::api::validate_passages("messages", &conv.passages)
+            .map_err(|e| OaiError::from_api(ApiError::Gateway(e), ""))?;
+        q.retrieve_too = true;
+    }
+    q.context = conv.context;
     q.top_p = top_p;
     q.stop = stop;
     Ok(q)
@@ -854,23 +920,62 @@ mod tests {
 
     #[test]
     fn the_last_user_turn_is_the_question_and_the_rest_is_context() {
-        let (q, ctx) = conversation(&[
-            msg("system", json!("Be brief.")),
-            msg("user", json!("Who wrote it?")),
-            msg("assistant", json!("Ada.")),
-            msg("user", json!([{"type": "text", "text": "When?"}])),
-        ])
+        let c = conversation(
+            &[
+                msg("system", json!("Be brief.")),
+                msg("user", json!("Who wrote it?")),
+                msg("assistant", json!("Ada.")),
+                msg("user", json!([{"type": "text", "text": "When?"}])),
+            ],
+            true,
+        )
         .expect("valid");
-        assert_eq!(q, "When?");
+        assert_eq!(c.question, "When?");
         assert_eq!(
-            ctx,
+            c.context,
             "Be brief.\n\nConversation so far:\nUser: Who wrote it?\nAssistant: Ada."
         );
+        assert!(c.passages.is_empty());
+    }
+
+    #[test]
+    fn passages_pasted_into_messages_are_found_and_named() {
+        let passage = |tag: &str| format!("{tag}: {}", "the keeper counts ships. ".repeat(10));
+        let (a, b, c) = (passage("A"), passage("B"), passage("C"));
+        let messages = [
+            msg(
+                "system",
+                json!([
+                    {"type": "text", "text": format!("Answer from the context.\n\n{a}\n\n{b}")},
+                    {"type": "text", "text": "Be brief."},
+                ]),
+            ),
+            msg("user", json!(format!("Context:\n\n{c}\n\nHow many ships?"))),
+        ];
+        let found = conversation(&messages, true).expect("valid");
+        let ids: Vec<_> = found.passages.iter().map(|p| p.id.clone()).collect();
+        let texts: Vec<_> = found.passages.iter().map(|p| p.text.clone()).collect();
+        assert_eq!(
+            ids,
+            ["messages[0]:1", "messages[0]:2", "messages[1]:1"].map(|s| Some(s.to_string()))
+        );
+        assert_eq!(texts, [&a, &b, &c].map(|t| t.trim().to_string()));
+        assert_eq!(found.context, "Answer from the context.\nBe brief.");
+        assert_eq!(found.question, "Context:\n\nHow many ships?");
+        // Off, the messages are plain text, as sent.
+        let plain = conversation(&messages, false).expect("valid");
+        assert!(plain.passages.is_empty());
+        assert!(plain.context.contains(a.trim()) && plain.question.contains(c.trim()));
+        // Passages do not count against the recomputed context's cap.
+        let big = "y ".repeat(MAX_CONTEXT_CHARS);
+        let m = [msg("system", json!(big)), msg("user", json!("q"))];
+        assert_eq!(conversation(&m, true).expect("a passage").passages.len(), 1);
+        assert!(conversation(&m, false).is_err());
     }
 
     #[test]
     fn bad_conversations_name_the_message() {
-        let err = |m: &[ChatMessage]| conversation(m).expect_err("invalid").body.param;
+        let err = |m: &[ChatMessage]| conversation(m, false).expect_err("invalid").body.param;
         assert_eq!(err(&[]), Some("messages".into()));
         assert_eq!(
             err(&[msg("user", json!("a")), msg("assistant", json!("b"))]),
