@@ -184,6 +184,11 @@ impl DiskStore {
         self.path.join(&hex[..2]).join(format!("{hex}.{EXT}"))
     }
 
+    /// The size of `key`'s file as this store knows it (`None`: not known to be stored).
+    pub fn stored_bytes(&self, key: &ChunkKey) -> Option<u64> {
+        self.sizes().get(key).copied()
+    }
+
     /// Stores bytes as they are, without checking that they decode (for tests and tools that
     /// need to place damaged or foreign data; a later `get` drops them if they do not decode).
     pub fn put_raw(&self, key: &ChunkKey, bytes: &[u8]) -> Result<()> {
@@ -613,7 +618,7 @@ fn rand_suffix() -> u64 {
     h.finish()
 }
 
-fn io_err(
+pub(crate) fn io_err(
     op: &'static str,
     key: Option<&ChunkKey>,
     file: &Path,

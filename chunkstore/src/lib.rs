@@ -14,6 +14,7 @@
 //! caches to and from [`KvBlob`].
 
 pub mod blob;
+pub mod budget;
 pub mod codec;
 pub mod disk;
 pub mod error;
@@ -26,6 +27,7 @@ pub mod store;
 pub mod tiered;
 
 pub use blob::{KvBlob, SpecScores};
+pub use budget::{DiskBudget, Eviction};
 pub use codec::Codec;
 pub use disk::DiskStore;
 pub use error::{FormatError, Result, StoreError};

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::blob::KvBlob;
+use crate::budget::{DiskBudget, Eviction};
 use crate::codec::Codec;
 use crate::disk::DiskStore;
 use crate::error::{Result, StoreError};
@@ -33,6 +34,9 @@ pub struct TieredStore {
     memory: MemoryStore,
     disk: DiskStore,
     remote: Option<RemoteStore>,
+    /// The byte budget of entries stored at query time ([`TieredStore::put_cached`]); `None`:
+    /// they are kept like pinned ones.
+    budget: Option<DiskBudget>,
     /// When a failure this store answered for last happened (the disk tier counts its own
     /// failures in its statistics; the remote tier in its own).
     last_error: Mutex<Option<Instant>>,
@@ -45,8 +49,95 @@ impl TieredStore {
             memory,
             disk,
             remote: None,
+            budget: None,
             last_error: Mutex::new(None),
         }
+    }
+
+    /// Puts entries stored with [`TieredStore::put_cached`] under a disk budget of `bytes`
+    /// evicted by `policy`; entries the ledger held beyond a budget lowered since are deleted
+    /// now, and ledger entries whose file is gone are dropped from it.
+    pub fn with_budget(mut self, bytes: u64, policy: Eviction) -> Result<Self> {
+        let (budget, gone) = DiskBudget::open(self.disk.path(), bytes, policy)?;
+        for key in budget.keys() {
+            if !self.disk.contains(&key).unwrap_or(false) {
+                budget.forget(&key);
+            }
+        }
+        self.budget = Some(budget);
+        self.delete_evicted(gone);
+        Ok(self)
+    }
+
+    /// The disk budget, when there is one.
+    pub fn budget(&self) -> Option<&DiskBudget> {
+        self.budget.as_ref()
+    }
+
+    fn delete_evicted(&self, keys: Vec<ChunkKey>) {
+        for key in keys {
+            let _ = self.disk.remove(&key);
+        }
+    }
+
+    /// Stores a blob computed while answering: like `put`, then under the disk budget (which
+    /// may evict it or others at once). Without a budget it is kept like any entry.
+    pub fn put_cached(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        let bytes = blob.payload_bytes() as u64;
+        self.put_inner(key, blob)?;
+        if let Some(b) = &self.budget {
+            let stored = self.disk.stored_bytes(key).unwrap_or(bytes);
+            self.delete_evicted(b.admit(key, stored));
+        }
+        Ok(())
+    }
+
+    /// Notes a read of `key` for the budget's policy (a hit of a budgeted entry).
+    pub fn touch(&self, key: &ChunkKey) {
+        if let Some(b) = &self.budget {
+            b.touch(key);
+        }
+    }
+
+    /// Takes `key` out of the budget: ingestion holds it now.
+    pub fn pin(&self, key: &ChunkKey) {
+        if let Some(b) = &self.budget {
+            b.forget(key);
+        }
+    }
+
+    /// Keys under the budget (garbage collection keeps them).
+    pub fn cached_keys(&self) -> Vec<ChunkKey> {
+        self.budget
+            .as_ref()
+            .map(DiskBudget::keys)
+            .unwrap_or_default()
+    }
+
+    fn put_inner(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        // A failed disk write leaves the blob in memory only: the request that computed it
+        // goes on, and the next one to miss both recomputes it.
+        // (The disk tier logs and counts its own failures.)
+        let _ = self.disk.put(key, Arc::clone(&blob));
+        if let Some(remote) = &self.remote {
+            if let Err(e) = remote.put(key, &blob) {
+                self.degraded("remote put", Some(key), &e);
+            }
+        }
+        // With a lossy codec memory holds what the disk gives back, so a chunk's values do
+        // not depend on which tier answers.
+        let codec = self.disk.codec();
+        let blob = if codec.is_lossy() {
+            Arc::new(crate::format::decode(&crate::format::encode_with(
+                &blob, codec,
+            ))?)
+        } else {
+            blob
+        };
+        self.memory.insert_valid(*key, blob);
+        Ok(())
     }
 
     /// Logs a remote tier failure the store answers for, and notes when (the disk tier logs,
@@ -169,29 +260,10 @@ impl ChunkStore for TieredStore {
         self.get_remote(key)
     }
 
+    /// Stores a pinned entry (what ingestion precomputes): out of the disk budget.
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
-        blob.validate()
-            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        // A failed disk write leaves the blob in memory only: the request that computed it
-        // goes on, and the next one to miss both recomputes it.
-        // (The disk tier logs and counts its own failures.)
-        let _ = self.disk.put(key, Arc::clone(&blob));
-        if let Some(remote) = &self.remote {
-            if let Err(e) = remote.put(key, &blob) {
-                self.degraded("remote put", Some(key), &e);
-            }
-        }
-        // With a lossy codec memory holds what the disk gives back, so a chunk's values do
-        // not depend on which tier answers.
-        let codec = self.disk.codec();
-        let blob = if codec.is_lossy() {
-            Arc::new(crate::format::decode(&crate::format::encode_with(
-                &blob, codec,
-            ))?)
-        } else {
-            blob
-        };
-        self.memory.insert_valid(*key, blob);
+        self.put_inner(key, blob)?;
+        self.pin(key);
         Ok(())
     }
 
@@ -200,6 +272,7 @@ impl ChunkStore for TieredStore {
         // cannot know which entries other nodes' indexes still use. Remote entries expire by
         // their TTL or Redis' eviction policy. A removal that fails leaves garbage, which the
         // next collection removes.
+        self.pin(key);
         let _ = self.disk.remove(key);
         self.memory.remove(key)
     }

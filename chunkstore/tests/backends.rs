@@ -336,3 +336,44 @@ fn tiered_survives_a_small_memory_tier() -> TestResult {
     assert!(s.disk_hits > 0, "evicted entries came from disk");
     Ok(())
 }
+
+/// KV stored at query time stays within the disk budget (least recently used out first);
+/// pinned entries are never counted or evicted, a put pins a budgeted key, and the budget is
+/// the same after a reopen.
+#[test]
+fn query_time_entries_are_kept_within_the_disk_budget() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let open = || -> Result<TieredStore, StoreError> {
+        TieredStore::open(dir.path(), 1 << 30)?.with_budget(0, chunkstore::Eviction::Lru)
+    };
+    let store = open()?;
+    store.put(&key(0), Arc::new(small(0)))?;
+    let size = store.disk().stored_bytes(&key(0)).unwrap_or(0);
+    assert!(size > 0);
+    drop(store);
+    let store =
+        TieredStore::open(dir.path(), 1 << 30)?.with_budget(3 * size, chunkstore::Eviction::Lru)?;
+    for i in 1..=3 {
+        store.put_cached(&key(i), Arc::new(small(i)))?;
+    }
+    store.touch(&key(1));
+    store.put_cached(&key(4), Arc::new(small(4)))?;
+    let on_disk = |i| store.disk().contains(&key(i)).unwrap_or(false);
+    assert_eq!(
+        (0..=4).map(on_disk).collect::<Vec<_>>(),
+        [true, true, false, true, true]
+    );
+    // Ingestion takes key 3 over: pinned, out of the budget.
+    store.put(&key(3), Arc::new(small(3)))?;
+    let mut cached: Vec<String> = store.cached_keys().iter().map(|k| k.to_string()).collect();
+    cached.sort();
+    let mut want: Vec<String> = [1, 4].iter().map(|&i| key(i).to_string()).collect();
+    want.sort();
+    assert_eq!(cached, want);
+    drop(store);
+    let store =
+        TieredStore::open(dir.path(), 1 << 30)?.with_budget(3 * size, chunkstore::Eviction::Lru)?;
+    assert_eq!(store.cached_keys().len(), 2);
+    assert!(store.disk().contains(&key(0))? && store.disk().contains(&key(3))?);
+    Ok(())
+}
