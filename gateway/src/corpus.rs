@@ -183,6 +183,7 @@ impl Engines {
             None
         };
         if let Some((blob, tier)) = stored {
+            store.touch(&key);
             let kv = from_blob(&blob)
                 .map(|(kv, _)| kv)
                 .filter(|kv| kv.ids == want && kv.fingerprint == spec.speculator.fingerprint());
@@ -192,7 +193,7 @@ impl Engines {
             tracing::warn!(%key, "speculator KV entry holds another chunk; recomputing it");
         }
         let kv = spec.chunk_kv(prefix, &text)?;
-        store.put(&key, Arc::new(to_blob(kv.clone(), None)))?;
+        store.put_cached(&key, Arc::new(to_blob(kv.clone(), None)))?;
         Ok(Some((kv, Tier::Recomputed)))
     }
 
@@ -215,9 +216,10 @@ impl Engines {
             (b, Tier::Remote)
         } else {
             let b = Arc::new(self.compute(&text, &ids)?);
-            store.put(&key, b.clone())?;
+            store.put_cached(&key, b.clone())?;
             (b, Tier::Recomputed)
         };
+        store.touch(&key);
         let fits =
             |(kv, _): &(ChunkKv, _)| kv.ids == ids && kv.fingerprint == self.target.fingerprint();
         let (kv, scores, tier) = match from_blob(&blob).filter(fits) {
@@ -227,7 +229,7 @@ impl Engines {
                 // know): never serve it; recompute and replace it.
                 tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
                 let fresh = Arc::new(self.compute(&text, &ids)?);
-                store.put(&key, fresh.clone())?;
+                store.put_cached(&key, fresh.clone())?;
                 let (kv, scores) = from_blob(&fresh).ok_or_else(|| {
                     GatewayError::Internal(format!("precompute mode `{}` unknown", fresh.mode))
                 })?;
@@ -337,12 +339,32 @@ impl std::fmt::Debug for Corpus {
     }
 }
 
+/// The default disk budget of KV computed while answering: 8 GiB (~300k tokens of the
+/// default 1.5B target's f16 KV).
+pub const DEFAULT_DISK_BUDGET: u64 = 8 << 30;
+
 /// How the chunk store writes, where its remote tier is, and what happens to a damaged one.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct StoreOptions {
     pub codec: chunkstore::Codec,
+    /// The disk byte budget of KV computed while answering (passages clients send, chunks
+    /// ingested with lazy KV) and what evicts it; ingested KV is not counted.
+    pub disk_budget: u64,
+    pub eviction: chunkstore::Eviction,
     pub remote: Option<RemoteOptions>,
     pub on_damaged: OnDamagedStore,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            codec: chunkstore::Codec::default(),
+            disk_budget: DEFAULT_DISK_BUDGET,
+            eviction: chunkstore::Eviction::default(),
+            remote: None,
+            on_damaged: OnDamagedStore::default(),
+        }
+    }
 }
 
 /// What opening a data directory does with a chunk store that is damaged (its `STORE` file
@@ -386,7 +408,7 @@ impl Corpus {
         })?;
         let index = retriever::Index::open(dir.join("index"))?;
         let kv = dir.join("kv");
-        let (mut store, store_reset) = match opts.on_damaged {
+        let (store, store_reset) = match opts.on_damaged {
             OnDamagedStore::Reset => TieredStore::open_or_reset(&kv, memory_bytes, opts.codec)?,
             OnDamagedStore::Refuse => match TieredStore::open_with(&kv, memory_bytes, opts.codec) {
                 Ok(store) => (store, None),
@@ -402,6 +424,7 @@ impl Corpus {
                 Err(e) => return Err(e.into()),
             },
         };
+        let mut store = store.with_budget(opts.disk_budget, opts.eviction)?;
         let mut doclog = None;
         if let Some(r) = &opts.remote {
             doclog = Some(Arc::new(crate::doclog::DocLog::open(
@@ -428,11 +451,13 @@ impl Corpus {
 
     /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
     /// committing the index, by replaced or deleted documents, or by another model or
-    /// template), then flushes. The speculator KV of an indexed chunk ([`Engines::spec_key`])
+    /// template), then flushes. KV stored at query time under the disk budget (passages
+    /// clients sent, lazily computed chunks) is kept: the budget evicts it. The speculator KV of an indexed chunk ([`Engines::spec_key`])
     /// is kept with it. Returns how many were removed. The store is a cache, so a store that
     /// cannot list its keys skips the collection (logged) rather than failing the caller.
     pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
         let mut referenced = self.referenced_keys()?;
+        referenced.extend(self.store.cached_keys().iter().map(ToString::to_string));
         let companions: Vec<String> = referenced
             .iter()
             .filter_map(|k| k.parse::<ChunkKey>().ok())

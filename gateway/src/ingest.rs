@@ -328,6 +328,8 @@ fn store_chunk(
     let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
     if cached {
         report.reused_chunks += 1;
+        // Computed at query time before (lazily, or as a passage): ingestion holds it now.
+        corpus.store.pin(&key);
         // Stored before with the target KV only: the speculator KV joins it.
         let missing = match spec_key {
             Some(sk) => !corpus.store.contains(&sk)?,

@@ -418,6 +418,54 @@ pub struct DataArgs {
         default_value_t = gateway::corpus::OnDamagedStore::Reset
     )]
     pub on_damaged_store: gateway::corpus::OnDamagedStore,
+    /// Disk bytes for KV computed while answering: passages clients send (`documents`, or
+    /// pasted into OpenAI messages) and chunks ingested with `--kv lazy`, stored on first use.
+    /// Past it, `--kv-eviction` deletes entries (they are recomputed when needed again).
+    /// Ingested (`--kv eager`) KV is not counted. A number with an optional unit: B, KB, MB,
+    /// GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024).
+    #[arg(long, env = "SPECRAG_KV_DISK_BUDGET", default_value = "8GiB", value_name = "SIZE", value_parser = parse_size)]
+    pub kv_disk_budget: u64,
+    /// Which budgeted entry goes first when `--kv-disk-budget` is full: `tinylfu` (W-TinyLFU:
+    /// a new entry must be estimated to be used more often than the one it pushes out) or
+    /// `lru` (least recently used).
+    #[arg(
+        long,
+        env = "SPECRAG_KV_EVICTION",
+        default_value = "tinylfu",
+        value_name = "POLICY"
+    )]
+    pub kv_eviction: chunkstore::Eviction,
+}
+
+/// A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        other => {
+            return Err(format!(
+                "`{other}` is not a unit: B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 0.0 && n * (scale as f64) < 1.8e19 => {
+            Ok((n * scale as f64).round() as u64)
+        }
+        _ => Err(format!("{s:?} is not a size such as 8GiB or 500MB")),
+    }
 }
 
 impl DataArgs {
@@ -425,6 +473,8 @@ impl DataArgs {
     pub fn store_options(&self) -> gateway::corpus::StoreOptions {
         gateway::corpus::StoreOptions {
             codec: self.kv_codec,
+            disk_budget: self.kv_disk_budget,
+            eviction: self.kv_eviction,
             remote: self
                 .kv_remote
                 .as_ref()
@@ -669,4 +719,20 @@ pub fn parse_ratio(s: &str) -> Result<f64, String> {
 /// A fraction in `(0, 1]`.
 pub fn parse_top_fraction(s: &str) -> Result<f64, String> {
     number_in(s, |r| r > 0.0 && r <= 1.0, "the fraction", "(0, 1]")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_decimal_and_binary_units() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("500 MB"), Ok(500_000_000));
+        assert_eq!(parse_size("1.5kib"), Ok(1536));
+        assert_eq!(parse_size("42"), Ok(42));
+        for bad in ["", "GiB", "8 GB GB", "-1GB", "8PB", "1e30"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
 }
