@@ -362,6 +362,10 @@ pub struct DocumentsRequest {
     /// 1 to 1000 documents with distinct ids.
     #[schema(min_items = 1, max_items = 1000)]
     pub documents: Vec<DocumentIn>,
+    /// `eager` (default): precompute every chunk's KV now; `lazy`: index the text only and
+    /// compute a chunk's KV at its first retrieval, kept under the server's disk budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv: Option<crate::ingest::KvMode>,
 }
 
 /// Most documents in one `POST /documents`.
@@ -463,6 +467,7 @@ impl DocumentsRequest {
             crate::ingest::IngestConfig {
                 collection,
                 chunk_tokens: chunk_tokens as usize,
+                kv: self.kv.unwrap_or_default(),
                 ..Default::default()
             },
             problems,
@@ -626,6 +631,7 @@ mod tests {
             collection: None,
             chunk_tokens: None,
             documents,
+            kv: None,
         };
         let field = |r: DocumentsRequest| match r.validate() {
             Err(GatewayError::BadInput { field, .. } | GatewayError::TooLarge { field, .. }) => {

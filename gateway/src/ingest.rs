@@ -33,6 +33,31 @@ pub struct IngestConfig {
     /// Append each committed batch to the shared document log (when the corpus has one);
     /// off when applying another node's entry.
     pub log: bool,
+    /// When chunk KV is computed: now (`eager`) or at a chunk's first retrieval (`lazy`).
+    pub kv: KvMode,
+}
+
+/// When ingestion computes chunk KV.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Deserialize,
+    serde::Serialize,
+    utoipa::ToSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum KvMode {
+    /// Precompute every chunk's KV now (pinned: kept while the chunk is indexed).
+    #[default]
+    Eager,
+    /// Index the text only; a chunk's KV is computed the first time a query reads it and kept
+    /// under the disk budget (`--kv-disk-budget`).
+    Lazy,
 }
 
 impl Default for IngestConfig {
@@ -45,6 +70,7 @@ impl Default for IngestConfig {
             max_collection_tokens: None,
             speculator_kv: false,
             log: true,
+            kv: KvMode::Eager,
         }
     }
 }
@@ -71,6 +97,8 @@ pub struct IngestReport {
     pub tokens: usize,
     /// Chunks whose KV was already stored (same text, model and collection).
     pub reused_chunks: usize,
+    /// Chunks indexed without KV (`kv: lazy`): computed at their first retrieval.
+    pub deferred_chunks: usize,
     /// KV payload bytes of the chunks of this run.
     pub kv_bytes: u64,
     /// KV payload bytes per 512 tokens (a full default chunk).
@@ -235,6 +263,9 @@ fn ingest_inner(
                     )));
                 }
                 let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)?;
+                if cached || cfg.kv == KvMode::Eager {
+                    keys.push(key);
+                }
                 report.chunks += 1;
                 report.tokens += chunk.ids.len();
                 on_event(IngestEvent::Chunk { cached });
@@ -242,7 +273,6 @@ fn ingest_inner(
                     chunk: chunk.clone(),
                     key: key.to_string(),
                 });
-                keys.push(key);
                 last_key = Some(key);
             }
             let meta = DocumentMeta {
@@ -325,6 +355,12 @@ fn store_chunk(
     let (text, ids) = engines.segment(chunk_text);
     let key = engines.key(&cfg.collection, &ids);
     let cached = corpus.store.contains(&key)?;
+    if cfg.kv == KvMode::Lazy {
+        if !cached {
+            report.deferred_chunks += 1;
+        }
+        return Ok((key, cached));
+    }
     let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
     if cached {
         report.reused_chunks += 1;

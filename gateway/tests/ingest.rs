@@ -754,3 +754,62 @@ fn lossy_kv_is_keyed_apart_and_the_same_from_memory_or_disk() -> TestResult {
     assert_ne!(disk.kv, fresh.kv, "int4 changed the values");
     Ok(())
 }
+
+/// `kv: lazy` indexes text only: no chunk KV is computed at ingestion; the first query over a
+/// chunk computes and stores it (under the disk budget), the next reads it, and the answers
+/// are those of an eager corpus (the KV is the same). Ingesting the same documents eagerly
+/// afterwards reuses the lazily computed KV and pins it.
+#[test]
+fn lazy_kv_is_computed_at_first_retrieval_and_answers_as_eager() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 6)?;
+    let lazy_cfg = gateway::ingest::IngestConfig {
+        kv: gateway::ingest::KvMode::Lazy,
+        ..Default::default()
+    };
+    let report = gateway::ingest::ingest(&corpus, &engines, docs.clone(), &lazy_cfg, |_| {})?;
+    assert_eq!(
+        (report.deferred_chunks, report.kv_bytes),
+        (report.chunks, 0)
+    );
+    assert!(corpus.store.keys()?.is_empty(), "lazy ingestion stored KV");
+    let lazy =
+        gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
+
+    std::fs::create_dir_all(dir.path().join("eager"))?;
+    let (engines, corpus, _) = tiny_setup(&dir.path().join("eager"), 0)?;
+    gateway::ingest::ingest(&corpus, &engines, docs.clone(), &Default::default(), |_| {})?;
+    let eager =
+        gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
+
+    let q = gateway::pipeline::Query {
+        query: "where did the ant near tent 3 run?".into(),
+        top_k: 2,
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let first = lazy.query(&q, &mut |_| true)?;
+    assert_eq!(first.reuse.chunks_recomputed, 2);
+    assert_eq!(lazy.corpus.store.cached_keys().len(), 2);
+    let again = lazy.query(&q, &mut |_| true)?;
+    assert_eq!(again.reuse.chunks_recomputed, 0);
+    let reference = eager.query(&q, &mut |_| true)?;
+    assert_eq!(
+        (&first.answer, &again.answer),
+        (&reference.answer, &reference.answer)
+    );
+
+    let report = gateway::ingest::ingest(
+        &lazy.corpus,
+        &lazy.engines,
+        docs,
+        &Default::default(),
+        |_| {},
+    )?;
+    assert_eq!(report.reused_chunks, 2);
+    assert!(
+        lazy.corpus.store.cached_keys().is_empty(),
+        "eager ingestion pins what it reuses"
+    );
+    Ok(())
+}

@@ -513,6 +513,12 @@ pub struct IngestArgs {
     /// Costs storage only: ~23 KB per token with SmolLM2-135M, ~1.9x Qwen-0.5B's chunk KV.
     #[arg(long)]
     pub speculator_kv: bool,
+    /// When chunk KV is computed: `eager` precomputes every chunk now (slow to ingest, every
+    /// query fast); `lazy` indexes the text only (seconds), and a chunk's KV is computed the
+    /// first time a query retrieves it, stored, and kept under `--kv-disk-budget` (evicted
+    /// ones are computed again when next needed).
+    #[arg(long, value_enum, default_value_t = gateway::ingest::KvMode::Eager)]
+    pub kv: gateway::ingest::KvMode,
     /// Print JSON lines: {"event":"committed","documents":[...]} per batch, problems, and a
     /// final {"event":"summary",...}.
     #[arg(long)]

@@ -33,6 +33,7 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
         chunk_tokens: a.chunk_tokens as usize,
         batch_docs: a.batch_docs as usize,
         speculator_kv: a.speculator_kv,
+        kv: a.kv,
         ..Default::default()
     };
     let report = gateway::ingest::ingest(&p.corpus, &p.engines, inputs.docs, &cfg, |e| {
@@ -59,12 +60,13 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
 
 fn print_ingest_summary(report: &IngestReport) {
     println!(
-        "ingested {} documents into `{}`: {} chunks, {} tokens ({} chunks already stored), {:.1} MB of KV in {:.1} s ({:.2} chunks/s, {:.0} tokens/s)",
+        "ingested {} documents into `{}`: {} chunks, {} tokens ({} chunks already stored, {} left for their first query), {:.1} MB of KV in {:.1} s ({:.2} chunks/s, {:.0} tokens/s)",
         report.documents,
         report.collection,
         report.chunks,
         report.tokens,
         report.reused_chunks,
+        report.deferred_chunks,
         report.kv_bytes as f64 / 1e6,
         report.seconds,
         report.chunks_per_s,
