@@ -263,9 +263,7 @@ fn ingest_inner(
                     )));
                 }
                 let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)?;
-                if cached || cfg.kv == KvMode::Eager {
-                    keys.push(key);
-                }
+                keys.extend((cached || cfg.kv == KvMode::Eager).then_some(key));
                 report.chunks += 1;
                 report.tokens += chunk.ids.len();
                 on_event(IngestEvent::Chunk { cached });
