@@ -449,6 +449,27 @@ impl Corpus {
         Ok(self.index.all_keys()?)
     }
 
+    /// Deletes the KV of `keys` (chunks that just left the index) and their speculator
+    /// companions, unless an indexed chunk still refers to them, whether pinned or under the
+    /// disk budget: garbage collection keeps budgeted entries, so this is what removes the
+    /// lazily computed KV of a deleted or replaced document. Returns how many were removed.
+    pub fn drop_chunks(&self, engines: &Engines, keys: &[String]) -> Result<usize> {
+        let referenced = self.referenced_keys()?;
+        let mut removed = 0;
+        for key in keys.iter().filter(|k| !referenced.contains(*k)) {
+            let Ok(key) = key.parse::<ChunkKey>() else {
+                continue;
+            };
+            for k in std::iter::once(key).chain(engines.spec_key(&key)) {
+                if self.store.budget().is_some_and(|b| b.contains(&k)) {
+                    self.store.remove(&k)?;
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
     /// committing the index, by replaced or deleted documents, or by another model or
     /// template), then flushes. KV stored at query time under the disk budget (passages

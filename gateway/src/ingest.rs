@@ -249,7 +249,7 @@ fn ingest_inner(
         tokens: total_tokens,
     });
     let mut last_key = None;
-    let mut replaced_any = false;
+    let mut replaced_keys = Vec::new();
     for batch in planned.chunks(cfg.batch_docs.max(1)) {
         let mut done = Vec::new();
         let mut keys = Vec::new();
@@ -280,7 +280,7 @@ fn ingest_inner(
             let replaced = corpus
                 .index
                 .add_document(&cfg.collection, &meta, &indexed)?;
-            replaced_any |= !replaced.is_empty();
+            replaced_keys.extend(replaced.into_iter().map(|r| r.key));
             done.push(p.doc.id.clone());
         }
         // Blobs first, then the index: an indexed chunk always has its KV on disk.
@@ -290,9 +290,10 @@ fn ingest_inner(
         report.documents += done.len();
         on_event(IngestEvent::Committed { documents: done });
     }
-    if replaced_any {
+    if !replaced_keys.is_empty() {
         // Chunks of replaced documents that no document uses any more.
-        report.garbage_removed += corpus.collect_garbage(engines)?;
+        report.garbage_removed +=
+            corpus.drop_chunks(engines, &replaced_keys)? + corpus.collect_garbage(engines)?;
     }
     report.seconds = t0.elapsed().as_secs_f64();
     report.kv_stored_bytes = corpus.store.disk().stats().disk_bytes as i64 - disk_before as i64;
@@ -441,6 +442,8 @@ pub fn delete_document(
         corpus.index.rollback()?;
         return Err(e.into());
     }
+    let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
+    corpus.drop_chunks(engines, &keys)?;
     corpus.collect_garbage(engines)?;
     if let Some(l) = corpus.doclog.as_ref().filter(|_| log) {
         l.append(&crate::doclog::LogEntry::Delete {
