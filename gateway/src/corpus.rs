@@ -449,36 +449,35 @@ impl Corpus {
         Ok(self.index.all_keys()?)
     }
 
-    /// Deletes the KV of `keys` (chunks that just left the index) and their speculator
-    /// companions, unless an indexed chunk still refers to them, whether pinned or under the
-    /// disk budget: garbage collection keeps budgeted entries, so this is what removes the
-    /// lazily computed KV of a deleted or replaced document. Returns how many were removed.
-    pub fn drop_chunks(&self, engines: &Engines, keys: &[String]) -> Result<usize> {
-        let referenced = self.referenced_keys()?;
-        let mut removed = 0;
-        for key in keys.iter().filter(|k| !referenced.contains(*k)) {
-            let Ok(key) = key.parse::<ChunkKey>() else {
-                continue;
-            };
-            for k in std::iter::once(key).chain(engines.spec_key(&key)) {
-                if self.store.budget().is_some_and(|b| b.contains(&k)) {
-                    self.store.remove(&k)?;
-                    removed += 1;
-                }
-            }
-        }
-        Ok(removed)
-    }
-
     /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
     /// committing the index, by replaced or deleted documents, or by another model or
     /// template), then flushes. KV stored at query time under the disk budget (passages
-    /// clients sent, lazily computed chunks) is kept: the budget evicts it. The speculator KV of an indexed chunk ([`Engines::spec_key`])
+    /// clients sent, lazily computed chunks) is kept: the budget evicts it.
+    pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
+        self.collect_garbage_after(engines, &[])
+    }
+
+    /// [`Corpus::collect_garbage`] after the chunks of `left` (store keys) left the index (a
+    /// document deleted or replaced): their KV and speculator companions go too, budgeted or
+    /// not, unless an indexed chunk still refers to them. The speculator KV of an indexed chunk ([`Engines::spec_key`])
     /// is kept with it. Returns how many were removed. The store is a cache, so a store that
     /// cannot list its keys skips the collection (logged) rather than failing the caller.
-    pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
+    pub fn collect_garbage_after(&self, engines: &Engines, left: &[String]) -> Result<usize> {
         let mut referenced = self.referenced_keys()?;
-        referenced.extend(self.store.cached_keys().iter().map(ToString::to_string));
+        let left: HashSet<String> = left
+            .iter()
+            .filter(|k| !referenced.contains(*k))
+            .filter_map(|k| k.parse::<ChunkKey>().ok())
+            .flat_map(|k| std::iter::once(k).chain(engines.spec_key(&k)))
+            .map(|k| k.to_string())
+            .collect();
+        let budgeted = self.store.cached_keys();
+        referenced.extend(
+            budgeted
+                .iter()
+                .map(ToString::to_string)
+                .filter(|k| !left.contains(k)),
+        );
         let companions: Vec<String> = referenced
             .iter()
             .filter_map(|k| k.parse::<ChunkKey>().ok())

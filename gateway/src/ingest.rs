@@ -292,8 +292,7 @@ fn ingest_inner(
     }
     if !replaced_keys.is_empty() {
         // Chunks of replaced documents that no document uses any more.
-        report.garbage_removed +=
-            corpus.drop_chunks(engines, &replaced_keys)? + corpus.collect_garbage(engines)?;
+        report.garbage_removed += corpus.collect_garbage_after(engines, &replaced_keys)?;
     }
     report.seconds = t0.elapsed().as_secs_f64();
     report.kv_stored_bytes = corpus.store.disk().stats().disk_bytes as i64 - disk_before as i64;
@@ -443,8 +442,7 @@ pub fn delete_document(
         return Err(e.into());
     }
     let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
-    corpus.drop_chunks(engines, &keys)?;
-    corpus.collect_garbage(engines)?;
+    corpus.collect_garbage_after(engines, &keys)?;
     if let Some(l) = corpus.doclog.as_ref().filter(|_| log) {
         l.append(&crate::doclog::LogEntry::Delete {
             collection: collection.to_string(),

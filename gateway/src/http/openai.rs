@@ -393,18 +393,17 @@ impl Conversation {
         if split.passages.is_empty() {
             return text.to_string();
         }
+        let prefix = format!("messages[{i}]:");
+        // Earlier text parts of the same message numbered theirs first.
         let named = self
             .passages
             .iter()
-            .filter(|p| {
-                p.id.as_ref()
-                    .is_some_and(|id| id.starts_with(&format!("messages[{i}]:")))
-            })
+            .filter(|p| p.id.as_ref().is_some_and(|id| id.starts_with(&prefix)))
             .count();
         let rest = split.rest_text();
         for (n, p) in split.passages.into_iter().enumerate() {
             self.passages.push(crate::api::PassageInput {
-                id: Some(format!("messages[{i}]:{}", named + n + 1)),
+                id: Some(format!("{prefix}{}", named + n + 1)),
                 text: p,
             });
         }
