@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Speculative decoding on real RAG prompts: decode time per generated token with and without
-the speculator drafting, on the same prompts in one run (alternating which goes first), and
-whether the two answers are identical. Needs a running `specrag serve` (default models, an empty
+"""Speculative decoding on real RAG prompts: decode time per generated token without drafting
+and with each drafter (`spec_draft`: model = the speculator, lookup = prompt lookup, both), on
+the same prompts in one run (rotating which goes first), and whether the answers are identical. Needs a running `specrag serve` (default models, an empty
 or unrelated data directory):
 
     target/release/specrag serve --data /tmp/spec-bench --addr 127.0.0.1:8091 &
@@ -51,7 +51,7 @@ def cases(n, passages):
     return out
 
 
-def ask(url, question, docs, max_tokens, spec):
+def ask(url, question, docs, max_tokens, spec, draft=None):
     body = {
         "query": "Answer in detail, in several paragraphs, citing the passages: " + question,
         "documents": docs,
@@ -60,6 +60,8 @@ def ask(url, question, docs, max_tokens, spec):
         "fidelity": "fast",
         "spec_decode": spec,
     }
+    if draft:
+        body["spec_draft"] = draft
     req = urllib.request.Request(
         url + "/rag/query",
         data=json.dumps(body).encode(),
@@ -143,35 +145,54 @@ def main():
     if a.cold:
         cold(a)
         return
-    print("case | prompt tokens | tokens | ms/token off | ms/token on | ratio | drafted | accepted | draft len | identical")
-    rows = []
+    drafts(a)
+
+
+MODES = ["off", "model", "lookup", "both"]
+
+
+def drafts(a):
+    """Each prompt answered without drafting and with each drafter, in rotating order."""
+    print("case | prompt tokens | tokens | ms/token off | " + " | ".join(
+        f"{m} ratio (accepted/drafted)" for m in MODES[1:]) + " | identical")
+    sums = {m: {"ms": 0.0, "tok": 0, "drafted": 0, "accepted": 0, "lookup": 0, "same": 0,
+                "ratios": []} for m in MODES}
     for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
         ask(a.url, q, docs, 1, False)
-        ask(a.url, q, docs, 2, True)
-        order = [False, True] if i % 2 == 0 else [True, False]
-        got = {s: ask(a.url, q, docs, a.max_tokens, s) for s in order}
-        off, on = got[False], got[True]
-        sd = on.get("spec_decode") or {}
-        same = off["answer"] == on["answer"]
-        r = per_token(on) / per_token(off)
-        rows.append((off, on, sd, same, r))
-        print(
-            f"{i} | {off['prompt_tokens']} | {off['tokens']} | {per_token(off):.1f} | {per_token(on):.1f} | "
-            f"{r:.2f} | {sd.get('drafted', 0)} | {sd.get('accepted', 0)} | {sd.get('draft_len', 0)} | {same}",
-            flush=True,
-        )
-    ratios = sorted(r for *_, r in rows)
-    tok = sum(o["tokens"] - 1 for o, *_ in rows)
-    ms_off = sum(o["timings"]["decode_ms"] for o, *_ in rows)
-    ms_on = sum(n["timings"]["decode_ms"] for _, n, *_ in rows)
-    drafted = sum(s.get("drafted", 0) for _, _, s, *_ in rows)
-    accepted = sum(s.get("accepted", 0) for _, _, s, *_ in rows)
+        ask(a.url, q, docs, 2, True, "model")
+        k = i % len(MODES)
+        order = MODES[k:] + MODES[:k]
+        got = {m: ask(a.url, q, docs, a.max_tokens, m != "off", None if m == "off" else m)
+               for m in order}
+        off = got["off"]
+        cells = []
+        for m in MODES:
+            g, sd = got[m], got[m].get("spec_decode") or {}
+            s = sums[m]
+            s["ms"] += g["timings"]["decode_ms"]
+            s["tok"] += g["tokens"] - 1
+            s["drafted"] += sd.get("drafted", 0)
+            s["accepted"] += sd.get("accepted", 0)
+            s["lookup"] += sd.get("lookup_accepted", 0)
+            s["same"] += g["answer"] == off["answer"]
+            r = per_token(g) / per_token(off)
+            s["ratios"].append(r)
+            if m != "off":
+                cells.append(f"{r:.2f} ({sd.get('accepted', 0)}/{sd.get('drafted', 0)})")
+        same = all(got[m]["answer"] == off["answer"] for m in MODES)
+        print(f"{i} | {off['prompt_tokens']} | {off['tokens']} | {per_token(off):.1f} | "
+              + " | ".join(cells) + f" | {same}", flush=True)
     print()
-    print(f"cases: {len(rows)}, identical answers: {sum(1 for *_, s, _ in rows if s)}")
-    print(f"decode ms/token, pooled: off {ms_off / tok:.1f}, on {ms_on / tok:.1f}, ratio {ms_on / ms_off:.2f}")
-    print(f"per-case ratio: median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}")
-    print(f"tokens/s: off {1000 * tok / ms_off:.1f}, on {1000 * tok / ms_on:.1f}")
-    print(f"acceptance: {accepted}/{drafted} = {accepted / max(drafted, 1):.2f}")
+    base = sums["off"]["ms"] / max(sums["off"]["tok"], 1)
+    print("mode | decode ms/token pooled | ratio to off | per-case median | acceptance | "
+          "accepted by lookup | identical to off")
+    for m in MODES:
+        s = sums[m]
+        per = s["ms"] / max(s["tok"], 1)
+        acc = s["accepted"] / max(s["drafted"], 1)
+        print(f"{m} | {per:.1f} | {per / base:.2f} | {statistics.median(s['ratios']):.2f} | "
+              f"{s['accepted']}/{s['drafted']} = {acc:.2f} | {s['lookup']} | "
+              f"{s['same']}/{len(s['ratios'])}")
 
 
 def cold(a):

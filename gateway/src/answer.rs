@@ -87,14 +87,20 @@ pub struct Answer {
     pub spec_decode: Option<SpecDecodeReport>,
 }
 
-/// What speculative decoding did for one answer: the speculator drafted tokens over its own
-/// cache of the prompt, the target checked them in one pass per round.
+/// What speculative decoding did for one answer: prompt lookup or the speculator (over its
+/// own cache of the prompt) drafted tokens, the target checked them in one pass per round.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SpecDecodeReport {
-    /// Tokens the speculator proposed.
+    /// Tokens proposed (by prompt lookup and the speculator).
     pub drafted: usize,
     /// Proposals the target agreed with (each saves one target pass).
     pub accepted: usize,
+    /// Of `drafted` and `accepted`, those prompt lookup proposed (copied from the prompt;
+    /// the rest came from the speculator).
+    #[serde(default)]
+    pub lookup_drafted: usize,
+    #[serde(default)]
+    pub lookup_accepted: usize,
     /// `accepted / drafted` (0 when nothing was drafted).
     pub acceptance: f64,
     /// Checking passes of the target.
@@ -116,6 +122,8 @@ impl From<target_engine::SpecDecodeStats> for SpecDecodeReport {
             acceptance: s.acceptance(),
             drafted: s.drafted,
             accepted: s.accepted,
+            lookup_drafted: s.lookup_drafted,
+            lookup_accepted: s.lookup_accepted,
             rounds: s.rounds,
             draft_len: s.draft_len,
             draft_ms: s.draft_ms,

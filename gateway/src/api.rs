@@ -178,6 +178,11 @@ pub struct QueryRequest {
     /// `verify` answers never do. `spec_decode` in the answer says what was accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_decode: Option<bool>,
+    /// What drafts with `spec_decode` (default: the server's `--spec-draft`): `both` (prompt
+    /// lookup, copying what followed the answer's last tokens in the prompt, then the
+    /// speculator where lookup finds nothing), `model` or `lookup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_draft: Option<crate::pipeline::SpecDraft>,
     /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):
     /// the question is answered over them, in this order, and each passage's chunks reuse
     /// the KV stored the last time the same text was read in the same collection (computed
@@ -313,6 +318,7 @@ impl QueryRequest {
             verify: verify || fidelity == Fidelity::Exact,
             fidelity,
             spec_decode: self.spec_decode,
+            spec_draft: self.spec_draft,
             ..d
         })
     }

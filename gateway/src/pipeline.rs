@@ -93,6 +93,8 @@ pub struct Query {
     pub fidelity: Fidelity,
     /// Speculative decoding with the speculator as drafter; `None`: the pipeline's default.
     pub spec_decode: Option<bool>,
+    /// What drafts for speculative decoding; `None`: the pipeline's default.
+    pub spec_draft: Option<SpecDraft>,
     pub options: QueryOptions,
 }
 
@@ -128,6 +130,7 @@ impl Default for Query {
             verify: false,
             fidelity: Fidelity::default(),
             spec_decode: None,
+            spec_draft: None,
             options: QueryOptions::default(),
         }
     }
@@ -293,7 +296,45 @@ pub struct Pipeline {
     pub guard: GuardPolicy,
     /// Speculative decoding for requests that do not say (`--spec-decode`).
     pub spec_decode: bool,
+    /// What drafts for requests that do not say (`--spec-draft`).
+    pub spec_draft: SpecDraft,
     pub contexts: ContextCache,
+}
+
+/// What proposes the tokens speculative decoding checks (`spec_draft`, `--spec-draft`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
+    utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum SpecDraft {
+    /// Prompt lookup first (the tokens that followed the answer's last 2-4 tokens where they
+    /// occur in the prompt: no model pass), the speculator where it finds nothing.
+    #[default]
+    Both,
+    /// The speculator only (a model of the target's vocabulary over its stored chunk KV).
+    Model,
+    /// Prompt lookup only (works with any speculator, or none).
+    Lookup,
+}
+
+impl SpecDraft {
+    fn uses_lookup(self) -> bool {
+        self != Self::Model
+    }
+
+    fn uses_model(self) -> bool {
+        self != Self::Lookup
+    }
 }
 
 /// Speculative decoding unless a request says otherwise (`--spec-decode`): on, because on
@@ -320,6 +361,7 @@ impl Pipeline {
             verify_mode: VerifyMode::FromFull,
             guard: GuardPolicy::default(),
             spec_decode: DEFAULT_SPEC_DECODE,
+            spec_draft: SpecDraft::default(),
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }
@@ -932,11 +974,12 @@ impl Pipeline {
         })
     }
 
-    /// The speculator as a drafter for `q`, when speculative decoding is on for it (the
-    /// request's `spec_decode`, else the server's), a speculator of the target's vocabulary
-    /// is loaded and the answer is greedy. Its cache (the speculator's stored KV of the
-    /// chunks `texts`, stored now where missing, and a pass over the question) is built once
-    /// drafting starts, after the first token.
+    /// The drafter for `q`, when speculative decoding is on for it (the request's
+    /// `spec_decode`, else the server's) and the answer is greedy: prompt lookup over the
+    /// prompt's tokens and/or the speculator (when it shares the target's vocabulary), as
+    /// `spec_draft` says. The speculator's cache (its stored KV of the chunks `texts`, stored
+    /// now where missing, and a pass over the question) is built once it is first asked to
+    /// draft, after the first token.
     fn drafter<'a>(
         &'a self,
         q: &'a Query,
@@ -944,9 +987,36 @@ impl Pipeline {
         texts: &'a [&'a str],
     ) -> Option<target_engine::Drafter<'a>> {
         let on = q.spec_decode.unwrap_or(self.spec_decode);
+        if !on || q.temperature > 0.0 {
+            return None;
+        }
+        let source = q.spec_draft.unwrap_or(self.spec_draft);
+        let model = source
+            .uses_model()
+            .then(|| self.model_drafter(q, asm, texts))
+            .flatten();
+        let lookup = source
+            .uses_lookup()
+            .then(|| target_engine::PromptLookup::new(asm.ids.clone()));
+        match (model, lookup) {
+            (Some(d), Some(l)) => Some(d.with_lookup(l)),
+            (Some(d), None) => Some(d),
+            (None, Some(l)) => Some(target_engine::Drafter::lookup_only(l)),
+            (None, None) => None,
+        }
+    }
+
+    /// The speculator as a drafter over its stored chunk KV, when one of the target's
+    /// vocabulary is loaded.
+    fn model_drafter<'a>(
+        &'a self,
+        q: &'a Query,
+        asm: &'a Assembly,
+        texts: &'a [&'a str],
+    ) -> Option<target_engine::Drafter<'a>> {
         let spec = self.engines.spec.as_ref()?;
         let prefix = self.engines.spec_prefix.as_ref()?;
-        if !on || q.temperature > 0.0 || !self.engines.drafts {
+        if !self.engines.drafts {
             return None;
         }
         let build = move || -> target_engine::Result<(KvCache, Vec<f32>)> {

@@ -1434,13 +1434,14 @@ async fn the_fidelity_guard_sampled_and_exact() -> TestResult {
 
 /// Issue 42: with speculative decoding (the tiny speculator shares the target's vocabulary)
 /// every answer is the one plain decoding gives, plain and streamed, through the guard's
-/// escalations too; `spec_decode` says what was drafted and accepted, only where it ran
-/// (greedy, not verified), and `/metrics` counts it.
+/// escalations too, whatever drafts (prompt lookup, the speculator, both); `spec_decode` says
+/// what was drafted and accepted, and how much of it by lookup, only where it ran (greedy, not
+/// verified), and `/metrics` counts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance() -> TestResult {
     let dir = tempfile::tempdir()?;
     let s = state(pipeline(dir.path())?, ServerConfig::default());
-    let mut drafted = 0;
+    let (mut drafted, mut looked_up) = (0, 0);
     for q in ["the thin ant?", "what is in the tin?"] {
         for m in [
             json!({"method": "target_probe", "fidelity": "fast"}),
@@ -1451,33 +1452,46 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
             let (_, plain, _) = send(&s, ask(q, with(&m, "spec_decode", json!(false)))).await;
             let plain: Value = serde_json::from_str(&plain)?;
             assert!(plain.get("spec_decode").is_none(), "{plain}");
-            let on = with(&m, "spec_decode", json!(true));
-            let (status, got, _) = send(&s, ask(q, on.clone())).await;
-            assert_eq!(status, StatusCode::OK, "{got}");
-            let got: Value = serde_json::from_str(&got)?;
-            for field in ["answer", "tokens", "finish_reason"] {
-                assert_eq!(got[field], plain[field], "{q} {m}: {field}");
-            }
-            // The same guard decisions (the second full prefill is the context cache's).
-            for field in [
-                "escalated",
-                "loop_detected",
-                "uncertain",
-                "kept_tokens",
-                "min_margin",
-            ] {
-                let (g, p) = (
-                    &got["reuse"]["guard"][field],
-                    &plain["reuse"]["guard"][field],
+            for draft in ["both", "model", "lookup"] {
+                let on = with(
+                    &with(&m, "spec_decode", json!(true)),
+                    "spec_draft",
+                    json!(draft),
                 );
-                assert_eq!(g, p, "{q} {m}: {field}");
+                let (status, got, _) = send(&s, ask(q, on.clone())).await;
+                assert_eq!(status, StatusCode::OK, "{got}");
+                let got: Value = serde_json::from_str(&got)?;
+                for field in ["answer", "tokens", "finish_reason"] {
+                    assert_eq!(got[field], plain[field], "{q} {m} {draft}: {field}");
+                }
+                // The same guard decisions (the second full prefill is the context cache's).
+                for field in [
+                    "escalated",
+                    "loop_detected",
+                    "uncertain",
+                    "kept_tokens",
+                    "min_margin",
+                ] {
+                    let (g, p) = (
+                        &got["reuse"]["guard"][field],
+                        &plain["reuse"]["guard"][field],
+                    );
+                    assert_eq!(g, p, "{q} {m} {draft}: {field}");
+                }
+                let sd = &got["spec_decode"];
+                let (d, a) = (sd["drafted"].as_u64(), sd["accepted"].as_u64());
+                assert!(a <= d && d.is_some(), "{got}");
+                let lookup = sd["lookup_drafted"].as_u64().ok_or("lookup_drafted")?;
+                match draft {
+                    "model" => assert_eq!(lookup, 0, "{got}"),
+                    "lookup" => assert_eq!(Some(lookup), d, "{got}"),
+                    _ => assert!(Some(lookup) <= d, "{got}"),
+                }
+                drafted += d.unwrap_or(0);
+                looked_up += lookup;
+                let (_, sse, _) = send(&s, ask(q, with(&on, "stream", json!(true)))).await;
+                assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
             }
-            let sd = &got["spec_decode"];
-            let (d, a) = (sd["drafted"].as_u64(), sd["accepted"].as_u64());
-            assert!(a <= d && d.is_some(), "{got}");
-            drafted += d.unwrap_or(0);
-            let (_, sse, _) = send(&s, ask(q, with(&on, "stream", json!(true)))).await;
-            assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
         }
         // Sampled and verified answers do not draft.
         for extra in [
@@ -1492,6 +1506,7 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
         }
     }
     assert!(drafted > 0, "something was drafted");
+    assert!(looked_up > 0, "prompt lookup drafted");
     // The OpenAI route takes it in the `specrag` extension and reports it there.
     let chat = |spec: bool| {
         post(

@@ -1,7 +1,8 @@
-//! Speculative decoding (Leviathan et al., 2023) with a smaller model of the same vocabulary
-//! as the drafter: the drafter proposes a few tokens greedily over its own cache of the prompt,
-//! the target checks them all in one forward over its cache, keeps the agreeing prefix and
-//! adds its own token after it. Greedy only: every kept token is the target's greedy token, so
+//! Speculative decoding (Leviathan et al., 2023): a drafter proposes a few tokens (prompt
+//! lookup, copying what followed the answer's last tokens where they occur in the prompt, or
+//! a smaller model of the same vocabulary, greedily over its own cache of the prompt), the
+//! target checks them all in one forward over its cache, keeps the agreeing prefix and adds its
+//! own token after it. Greedy only: every kept token is the target's greedy token, so
 //! the output equals [`Model::decode_watched`] over the same cache, token for token.
 //!
 //! Exactness rests on [`Model::forward_decode_path`]: the rows of one checking pass are
@@ -39,10 +40,75 @@ pub fn top_probability(logits: &[f32]) -> f32 {
 /// starts (after the first token is out, so it never delays it).
 pub type DraftBuild<'a> = Box<dyn FnOnce() -> Result<(KvCache, Vec<f32>)> + 'a>;
 
-/// The drafter's side: its model, its cache of the prompt (and of the tokens fed since),
+/// Prompt lookup (Saxena, 2023; llama.cpp's `--lookup`): the tokens that followed the latest
+/// earlier occurrence of the answer's last `n` tokens in the prompt or the answer so far, for
+/// the longest `n` in `min_n..=max_n` that occurs. A RAG answer copies names, dates and
+/// phrases from its passages, and such a draft costs no model pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptLookup {
+    context: Vec<u32>,
+    pub min_n: usize,
+    pub max_n: usize,
+}
+
+impl PromptLookup {
+    /// Shortest n-gram matched by default: one token repeats too often to predict the next.
+    pub const MIN_N: usize = 2;
+    /// Longest n-gram tried first by default.
+    pub const MAX_N: usize = 4;
+
+    /// A lookup over `context` (the prompt's token ids).
+    pub fn new(context: Vec<u32>) -> Self {
+        Self {
+            context,
+            min_n: Self::MIN_N,
+            max_n: Self::MAX_N,
+        }
+    }
+
+    /// Up to `k` tokens after the latest earlier occurrence of the last n tokens of the
+    /// prompt followed by `committed` (none found: none).
+    pub fn propose(&self, committed: &[u32], k: usize) -> Vec<u32> {
+        let len = self.context.len() + committed.len();
+        let at = |i: usize| {
+            if i < self.context.len() {
+                self.context[i]
+            } else {
+                committed[i - self.context.len()]
+            }
+        };
+        if k == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_n.max(1)..=self.max_n).rev() {
+            if n >= len {
+                continue;
+            }
+            let tail = len - n;
+            // Latest start `i < tail` whose n tokens equal the last n (the tail itself is not
+            // a match: nothing follows it yet).
+            let found = (0..tail)
+                .rev()
+                .find(|&i| (0..n).all(|j| at(i + j) == at(tail + j)));
+            if let Some(i) = found {
+                return (i + n..len).take(k).map(at).collect();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// Where a round's drafts came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Lookup,
+    Model,
+}
+
+/// A drafting model's side: the model, its cache of the prompt (and of the tokens fed since),
 /// and the logits after the cache's last row.
-pub struct Drafter<'a> {
-    pub model: &'a Model,
+struct ModelDraft<'a> {
+    model: &'a Model,
     build: Option<DraftBuild<'a>>,
     cache: KvCache,
     logits: Vec<f32>,
@@ -52,15 +118,26 @@ pub struct Drafter<'a> {
     fed: Vec<u32>,
     /// Committed tokens not yet fed.
     unfed: Vec<u32>,
+    /// Proposing stops at a token the model gives less probability than this.
+    min_prob: f32,
+}
+
+/// What proposes tokens for the target to check: prompt lookup, a smaller model of the same
+/// vocabulary over its own cache of the prompt, or both (lookup first: a match costs nothing).
+pub struct Drafter<'a> {
+    model: Option<ModelDraft<'a>>,
+    lookup: Option<PromptLookup>,
 }
 
 impl std::fmt::Debug for Drafter<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Drafter")
-            .field("model", &self.model.fingerprint())
-            .field("built", &self.build.is_none())
-            .field("cache_rows", &self.cache.len())
-            .finish()
+        let mut d = f.debug_struct("Drafter");
+        if let Some(m) = &self.model {
+            d.field("model", &m.model.fingerprint())
+                .field("built", &m.build.is_none())
+                .field("cache_rows", &m.cache.len());
+        }
+        d.field("lookup", &self.lookup.is_some()).finish()
     }
 }
 
@@ -68,24 +145,79 @@ impl<'a> Drafter<'a> {
     /// A drafter over `cache` (the prompt, as the drafter sees it) and its last logits.
     pub fn new(model: &'a Model, cache: KvCache, logits: Vec<f32>) -> Self {
         Self {
-            model,
-            build: None,
-            prompt_len: cache.len(),
-            cache,
-            logits,
-            fed: Vec::new(),
-            unfed: Vec::new(),
+            model: Some(ModelDraft {
+                model,
+                build: None,
+                prompt_len: cache.len(),
+                cache,
+                logits,
+                fed: Vec::new(),
+                unfed: Vec::new(),
+                min_prob: MIN_DRAFT_PROB,
+            }),
+            lookup: None,
         }
     }
 
     /// A drafter whose cache `build` makes at the first proposal.
     pub fn deferred(model: &'a Model, build: DraftBuild<'a>) -> Self {
+        let mut d = Self::new(model, model.new_cache(), Vec::new());
+        if let Some(m) = &mut d.model {
+            m.build = Some(build);
+        }
+        d
+    }
+
+    /// A drafter with no model: prompt lookup only.
+    pub fn lookup_only(lookup: PromptLookup) -> Self {
         Self {
-            build: Some(build),
-            ..Self::new(model, model.new_cache(), Vec::new())
+            model: None,
+            lookup: Some(lookup),
         }
     }
 
+    /// This drafter trying `lookup` first, its model where the lookup finds nothing.
+    pub fn with_lookup(mut self, lookup: PromptLookup) -> Self {
+        self.lookup = Some(lookup);
+        self
+    }
+
+    /// The drafting model stops at a token it gives less probability than `p` (default
+    /// [`MIN_DRAFT_PROB`]; 0: never).
+    pub fn with_min_prob(mut self, p: f32) -> Self {
+        if let Some(m) = &mut self.model {
+            m.min_prob = p;
+        }
+        self
+    }
+
+    /// The drafting model's vocabulary size (none without a model).
+    fn vocab_size(&self) -> Option<usize> {
+        self.model
+            .as_ref()
+            .map(|m| m.model.tokenizer().vocab_size())
+    }
+
+    /// `k` proposals after the `committed` tokens and where they came from (none asked:
+    /// nothing is built or fed).
+    fn draft(&mut self, committed: &[u32], k: usize) -> Result<(Vec<u32>, Source)> {
+        if k == 0 {
+            return Ok((Vec::new(), Source::Model));
+        }
+        if let Some(l) = &self.lookup {
+            let d = l.propose(committed, k);
+            if !d.is_empty() {
+                return Ok((d, Source::Lookup));
+            }
+        }
+        match &mut self.model {
+            Some(m) => Ok((m.draft(committed, k)?, Source::Model)),
+            None => Ok((Vec::new(), Source::Model)),
+        }
+    }
+}
+
+impl ModelDraft<'_> {
     /// Builds the cache of a deferred drafter (nothing when built already).
     fn ensure_built(&mut self) -> Result<()> {
         if let Some(build) = self.build.take() {
@@ -97,8 +229,9 @@ impl<'a> Drafter<'a> {
         Ok(())
     }
 
-    /// Feeds the committed tokens not yet fed, then proposes `k` greedy tokens. The proposals
-    /// but the last are fed too ([`Drafter::settle`] trims what was not committed).
+    /// Feeds the committed tokens not yet fed, then proposes up to `k` greedy tokens,
+    /// stopping at one the model gives less than `min_prob`. The proposals but the last are
+    /// fed too ([`ModelDraft::settle`] trims what was not committed).
     fn propose(&mut self, k: usize) -> Result<Vec<u32>> {
         let mut drafts = Vec::with_capacity(k);
         let mut feed = std::mem::take(&mut self.unfed);
@@ -112,6 +245,9 @@ impl<'a> Drafter<'a> {
                 self.logits = self.model.last_logits(&out)?;
                 self.fed.append(&mut feed);
             }
+            if self.min_prob > 0.0 && top_probability(&self.logits) < self.min_prob {
+                break;
+            }
             let d = argmax(&self.logits);
             drafts.push(d);
             feed = vec![d];
@@ -119,11 +255,7 @@ impl<'a> Drafter<'a> {
         Ok(drafts)
     }
 
-    /// `k` proposals after the `committed` tokens (none asked: nothing is built or fed).
     fn draft(&mut self, committed: &[u32], k: usize) -> Result<Vec<u32>> {
-        if k == 0 {
-            return Ok(Vec::new());
-        }
         self.ensure_built()?;
         self.settle(committed);
         self.propose(k)
@@ -187,6 +319,12 @@ pub struct SpecDecodeStats {
     pub drafted: usize,
     /// Proposals the target agreed with.
     pub accepted: usize,
+    /// Of `drafted` and `accepted`, those prompt lookup proposed (the rest came from the
+    /// drafting model).
+    #[serde(default)]
+    pub lookup_drafted: usize,
+    #[serde(default)]
+    pub lookup_accepted: usize,
     /// Checking passes of the target.
     pub rounds: usize,
     /// The draft length at the end (it adapts to the acceptance).
@@ -229,7 +367,7 @@ impl Model {
             ));
         }
         let vocab = self.tokenizer().vocab_size();
-        if drafter.model.tokenizer().vocab_size() != vocab {
+        if drafter.vocab_size().is_some_and(|v| v != vocab) {
             return Err(EngineError::InvalidInput(
                 "the drafter's vocabulary differs from the target's".into(),
             ));
@@ -250,17 +388,16 @@ impl Model {
             }
             // One round: `next` and up to `k` drafts after it, checked in one pass.
             let room = params.max_tokens - emit.len();
-            let mut k = len.current.min(room.saturating_sub(1));
-            if stats.drafter_error.is_some() {
-                k = 0;
-            }
+            let k = len.current.min(room.saturating_sub(1));
             let t = Instant::now();
-            let drafts = match drafter.draft(emit.ids(), k) {
+            let (drafts, source) = match drafter.draft(emit.ids(), k) {
                 Ok(d) => d,
                 Err(e) => {
-                    // The drafter only speeds decoding up: without it, one token per pass.
+                    // The drafting model only speeds decoding up: without it, prompt lookup
+                    // alone, or one token per pass.
                     stats.drafter_error = Some(e.to_string());
-                    Vec::new()
+                    drafter.model = None;
+                    (Vec::new(), Source::Model)
                 }
             };
             stats.draft_ms += ms(t);
@@ -284,6 +421,10 @@ impl Model {
             stats.rounds += 1;
             stats.drafted += drafts.len();
             stats.accepted += agree;
+            if source == Source::Lookup {
+                stats.lookup_drafted += drafts.len();
+                stats.lookup_accepted += agree;
+            }
             len.update(drafts.len(), agree);
         }
         stats.draft_len = len.current;
@@ -299,7 +440,31 @@ fn ms(t: Instant) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::DraftLength;
+    use super::{DraftLength, PromptLookup};
+
+    #[test]
+    fn prompt_lookup_copies_what_followed_the_latest_longest_match() {
+        // Prompt: 1 2 3 4 5 | 9 2 3 7 8 ; the answer so far ends in 2 3.
+        let l = PromptLookup::new(vec![1, 2, 3, 4, 5, 9, 2, 3, 7, 8]);
+        assert_eq!(
+            l.propose(&[2, 3], 3),
+            vec![7, 8, 2],
+            "the latest `2 3` wins"
+        );
+        // `1 2 3` is longer than the later `2 3`: the longest n-gram wins.
+        assert_eq!(l.propose(&[1, 2, 3], 2), vec![4, 5]);
+        // What follows may run into the answer itself, and ends where the answer does.
+        assert_eq!(l.propose(&[9, 2], 6), vec![3, 7, 8, 9, 2]);
+        // One shared token is below the shortest n-gram; nothing shared: nothing.
+        assert!(l.propose(&[6, 5], 3).is_empty());
+        assert!(l.propose(&[42, 43], 3).is_empty());
+        assert!(l.propose(&[2, 3], 0).is_empty());
+        // Repeats inside the answer count too.
+        let l = PromptLookup::new(vec![]);
+        assert_eq!(l.propose(&[5, 6, 1, 5, 6], 2), vec![1, 5]);
+        assert!(l.propose(&[5], 2).is_empty());
+        assert!(l.propose(&[], 2).is_empty());
+    }
 
     #[test]
     fn the_draft_length_grows_while_accepted_and_shrinks_after_a_miss() {

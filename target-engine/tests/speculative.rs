@@ -8,7 +8,7 @@ mod common;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     Architecture, ChunkKv, Drafter, GenerateParams, Generation, KvCache, LoadOptions, Model,
-    RagTemplate, SamplingParams, SelectInput, Selector, SpecDecodeStats, TargetProbe,
+    PromptLookup, RagTemplate, SamplingParams, SelectInput, Selector, SpecDecodeStats, TargetProbe,
 };
 
 fn tiny(spec: TinySpec) -> (tempfile::TempDir, Model) {
@@ -55,6 +55,12 @@ fn plain(m: &Model, prompt: &[u32], params: &GenerateParams, stop_at: usize) -> 
     (g, w, text, seen)
 }
 
+/// A drafting model over its cache of the prompt, proposing whatever probability it gives
+/// (the tiny models' distributions are flat: the default floor would stop every draft).
+fn model(drafter: (&Model, KvCache, Vec<f32>)) -> Drafter<'_> {
+    Drafter::new(drafter.0, drafter.1, drafter.2).with_min_prob(0.0)
+}
+
 fn speculative(
     m: &Model,
     prompt: &[u32],
@@ -62,8 +68,17 @@ fn speculative(
     params: &GenerateParams,
     stop_at: usize,
 ) -> (Decoded, SpecDecodeStats) {
+    speculative_with(m, prompt, model(drafter), params, stop_at)
+}
+
+fn speculative_with(
+    m: &Model,
+    prompt: &[u32],
+    mut d: Drafter<'_>,
+    params: &GenerateParams,
+    stop_at: usize,
+) -> (Decoded, SpecDecodeStats) {
     let (mut cache, logits) = m.prefill(prompt).expect("prefill");
-    let mut d = Drafter::new(drafter.0, drafter.1, drafter.2);
     let ((g, w, stats), text, seen) = recorded(stop_at, |on_text, watch| {
         m.decode_speculative((&mut cache, logits), &mut d, params, on_text, watch)
     });
@@ -141,6 +156,68 @@ fn speculative_decoding_hands_out_exactly_what_plain_decoding_does() {
 }
 
 #[test]
+fn prompt_lookup_drafts_change_nothing_but_the_passes() {
+    let (_a, target) = tiny(TinySpec::new(Architecture::Qwen2));
+    let prompt = target
+        .tokenizer()
+        .encode("the ant sat in the tent the ant sat in the tin", false)
+        .ids;
+    let (mut drafted, mut lookup) = (0, 0);
+    for max_tokens in [1, 5, 30] {
+        let params = GenerateParams {
+            max_tokens,
+            ..Default::default()
+        };
+        let want = plain(&target, &prompt, &params, 0);
+        let only = Drafter::lookup_only(PromptLookup::new(prompt.clone()));
+        let (got, s) = speculative_with(&target, &prompt, only, &params, 0);
+        assert_same(&got, &want, &format!("lookup, {max_tokens} tokens"));
+        assert_eq!(s.lookup_drafted, s.drafted, "only lookup drafted");
+        drafted += s.drafted;
+        // Lookup first, the model where it finds nothing.
+        let (c, l) = target.prefill(&prompt).expect("prefill");
+        let both = model((&target, c, l)).with_lookup(PromptLookup::new(prompt.clone()));
+        let (got, s) = speculative_with(&target, &prompt, both, &params, 0);
+        assert_same(&got, &want, &format!("both, {max_tokens} tokens"));
+        assert!(s.lookup_drafted <= s.drafted && s.lookup_accepted <= s.accepted);
+        assert_eq!(
+            s.accepted, s.drafted,
+            "both drafters agree with the target here"
+        );
+        lookup += s.lookup_drafted;
+    }
+    assert!(
+        drafted > 0 && lookup > 0,
+        "lookup drafted {drafted}, {lookup}"
+    );
+}
+
+#[test]
+fn a_drafting_model_stops_at_a_proposal_under_its_probability_floor() {
+    let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
+    let prompt = m.tokenizer().encode("the ant sat", false).ids;
+    let params = GenerateParams {
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let want = plain(&m, &prompt, &params, 0);
+    // No probability reaches 1.5: nothing is ever proposed, and the answer is the same.
+    let (c, l) = m.prefill(&prompt).expect("prefill");
+    let d = Drafter::new(&m, c, l).with_min_prob(1.5);
+    let (got, s) = speculative_with(&m, &prompt, d, &params, 0);
+    assert_same(&got, &want, "floor above every probability");
+    let passes = want.0.ids.len() - 1;
+    assert_eq!(
+        (s.drafted, s.rounds),
+        (0, passes),
+        "one pass per token after the first"
+    );
+    let (c, l) = m.prefill(&prompt).expect("prefill");
+    let (_, s) = speculative(&m, &prompt, (&m, c, l), &params, 0);
+    assert!(s.drafted > 0, "without a floor the same model drafts");
+}
+
+#[test]
 fn a_drafter_that_cannot_be_built_costs_speed_not_the_answer() {
     let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
     let prompt = m.tokenizer().encode("the ant sat", false).ids;
@@ -215,7 +292,7 @@ fn a_real_drafter_over_a_reused_cache_leaves_the_answer_unchanged() {
         "Where is the salt ledger kept? Describe the archive.",
         "How many bells hang in the tower of Dunmere?",
     ];
-    let (mut drafted, mut accepted) = (0, 0);
+    let (mut drafted, mut accepted, mut looked_up) = (0, 0, 0);
     for q in QUESTIONS {
         let asm = RagTemplate::default().assemble(m.tokenizer(), &DOCS, q);
         let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
@@ -247,8 +324,14 @@ fn a_real_drafter_over_a_reused_cache_leaves_the_answer_unchanged() {
         assert_same(&got, &want, q);
         drafted += s.drafted;
         accepted += s.accepted;
+        // Prompt lookup over the same prompt: the answer copies names and dates from it.
+        let only = Drafter::lookup_only(PromptLookup::new(asm.ids.clone()));
+        let (got, s) = speculative_with(&m, &asm.ids, only, &params, 0);
+        assert_same(&got, &want, &format!("{q} (lookup)"));
+        looked_up += s.lookup_accepted;
     }
-    eprintln!("real prompts: {accepted} of {drafted} drafted tokens accepted");
+    eprintln!("real prompts: {accepted} of {drafted} drafted tokens accepted, lookup {looked_up}");
+    assert!(looked_up > 0, "prompt lookup guessed some tokens");
     assert!(accepted > 0, "the drafter guessed some tokens");
     assert!(
         accepted < drafted,

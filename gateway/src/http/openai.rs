@@ -139,6 +139,9 @@ pub struct RagOptions {
     /// Speculative decoding, as `/rag/query`'s `spec_decode` (default: the server's).
     #[serde(default)]
     pub spec_decode: Option<bool>,
+    /// What drafts, as `/rag/query`'s `spec_draft` (default: the server's).
+    #[serde(default)]
+    pub spec_draft: Option<crate::pipeline::SpecDraft>,
     /// Passages to answer from instead of retrieving, as `/rag/query`'s `documents`: their
     /// chunks' KV is reused by content, in any order, under the collection's scope; the
     /// messages' text stays the recomputed part of the prompt.
@@ -594,6 +597,7 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         verify: rag.verify,
         fidelity: rag.fidelity,
         spec_decode: rag.spec_decode,
+        spec_draft: rag.spec_draft,
         documents: rag.documents.clone(),
         stream: None,
     };

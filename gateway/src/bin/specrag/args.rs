@@ -260,6 +260,13 @@ pub struct ServeArgs {
     /// request. docs/performance.md has the measured speed-up.
     #[arg(long, env = "SPECRAG_SPEC_DECODE", value_enum, default_value_t = OnOff::DEFAULT_SPEC_DECODE)]
     pub spec_decode: OnOff,
+    /// What drafts with --spec-decode: `both` (prompt lookup, copying the tokens that followed
+    /// the answer's last 2-4 tokens where they occur in the prompt, at no model cost; the
+    /// speculator where lookup finds nothing), `model` (the speculator only) or `lookup`
+    /// (lookup only: works with a speculator of another vocabulary, or none). `spec_draft` in
+    /// the API overrides it per request.
+    #[arg(long, env = "SPECRAG_SPEC_DRAFT", value_enum, default_value_t = gateway::pipeline::SpecDraft::default())]
+    pub spec_draft: gateway::pipeline::SpecDraft,
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
@@ -310,6 +317,13 @@ pub struct QueryArgs {
     /// request. docs/performance.md has the measured speed-up.
     #[arg(long, env = "SPECRAG_SPEC_DECODE", value_enum, default_value_t = OnOff::DEFAULT_SPEC_DECODE)]
     pub spec_decode: OnOff,
+    /// What drafts with --spec-decode: `both` (prompt lookup, copying the tokens that followed
+    /// the answer's last 2-4 tokens where they occur in the prompt, at no model cost; the
+    /// speculator where lookup finds nothing), `model` (the speculator only) or `lookup`
+    /// (lookup only: works with a speculator of another vocabulary, or none). `spec_draft` in
+    /// the API overrides it per request.
+    #[arg(long, env = "SPECRAG_SPEC_DRAFT", value_enum, default_value_t = gateway::pipeline::SpecDraft::default())]
+    pub spec_draft: gateway::pipeline::SpecDraft,
 
     /// Where SpecCache's scores come from: `query` (a speculator pass per query) or `ingest`
     /// (scores stored with the chunks; falls back to `query` for chunks without them).

@@ -106,6 +106,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         verify: Some(a.verify),
         fidelity: (!a.verify).then_some(a.fidelity),
         spec_decode: None,
+        spec_draft: None,
         documents: None,
         stream: None,
     }
@@ -121,6 +122,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
+    pipeline.spec_draft = a.spec_draft;
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
         if !json_out {
@@ -182,6 +184,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
+    pipeline.spec_draft = a.spec_draft;
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
     let config = gateway::http::ServerConfig {
