@@ -135,6 +135,8 @@ def main():
     ap.add_argument("--cases", type=int, default=20)
     ap.add_argument("--passages", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated: off (always measured), model, lookup, both")
     ap.add_argument("--cold", type=int, default=0, help="prompts for the cold-drafter run")
     ap.add_argument("--llama-draft", help="URL of a llama-server with a draft model")
     ap.add_argument("--llama-plain", help="URL of a llama-server without one")
@@ -153,20 +155,21 @@ MODES = ["off", "model", "lookup", "both"]
 
 def drafts(a):
     """Each prompt answered without drafting and with each drafter, in rotating order."""
+    modes = ["off"] + [m for m in a.modes.split(",") if m in MODES and m != "off"]
     print("case | prompt tokens | tokens | ms/token off | " + " | ".join(
-        f"{m} ratio (accepted/drafted)" for m in MODES[1:]) + " | identical")
+        f"{m} ratio (accepted/drafted)" for m in modes[1:]) + " | identical")
     sums = {m: {"ms": 0.0, "tok": 0, "drafted": 0, "accepted": 0, "lookup": 0, "same": 0,
-                "ratios": []} for m in MODES}
+                "ratios": []} for m in modes}
     for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
         ask(a.url, q, docs, 1, False)
         ask(a.url, q, docs, 2, True, "model")
-        k = i % len(MODES)
-        order = MODES[k:] + MODES[:k]
+        k = i % len(modes)
+        order = modes[k:] + modes[:k]
         got = {m: ask(a.url, q, docs, a.max_tokens, m != "off", None if m == "off" else m)
                for m in order}
         off = got["off"]
         cells = []
-        for m in MODES:
+        for m in modes:
             g, sd = got[m], got[m].get("spec_decode") or {}
             s = sums[m]
             s["ms"] += g["timings"]["decode_ms"]
@@ -179,14 +182,14 @@ def drafts(a):
             s["ratios"].append(r)
             if m != "off":
                 cells.append(f"{r:.2f} ({sd.get('accepted', 0)}/{sd.get('drafted', 0)})")
-        same = all(got[m]["answer"] == off["answer"] for m in MODES)
+        same = all(got[m]["answer"] == off["answer"] for m in modes)
         print(f"{i} | {off['prompt_tokens']} | {off['tokens']} | {per_token(off):.1f} | "
               + " | ".join(cells) + f" | {same}", flush=True)
     print()
     base = sums["off"]["ms"] / max(sums["off"]["tok"], 1)
     print("mode | decode ms/token pooled | ratio to off | per-case median | acceptance | "
           "accepted by lookup | identical to off")
-    for m in MODES:
+    for m in modes:
         s = sums[m]
         per = s["ms"] / max(s["tok"], 1)
         acc = s["accepted"] / max(s["drafted"], 1)

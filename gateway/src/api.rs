@@ -172,15 +172,15 @@ pub struct QueryRequest {
     /// `verify: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fidelity: Option<crate::fidelity::Fidelity>,
-    /// Speculative decoding (default: the server's `--spec-decode`): the speculator drafts
-    /// tokens over its own stored chunk KV and the target checks several in one pass. The
+    /// Speculative decoding (default: the server's `--spec-decode`): a drafter (`spec_draft`)
+    /// proposes tokens and the target checks several in one pass. The
     /// answer is unchanged, token for token; only greedy answers (`temperature` 0) draft, and
     /// `verify` answers never do. `spec_decode` in the answer says what was accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_decode: Option<bool>,
-    /// What drafts with `spec_decode` (default: the server's `--spec-draft`): `both` (prompt
-    /// lookup, copying what followed the answer's last tokens in the prompt, then the
-    /// speculator where lookup finds nothing), `model` or `lookup`.
+    /// What drafts with `spec_decode` (default: the server's `--spec-draft`, `lookup` unless
+    /// set): `lookup` (prompt lookup, copying what followed the answer's last tokens in the
+    /// prompt), `model` (the speculator) or `both` (lookup, then the speculator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_draft: Option<crate::pipeline::SpecDraft>,
     /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):

@@ -1432,6 +1432,55 @@ async fn the_fidelity_guard_sampled_and_exact() -> TestResult {
     Ok(())
 }
 
+/// One speculative answer of `q` with `extra` drafted by `draft`, checked against `plain`
+/// (the same answer without drafting): the same text, tokens, finish and guard decisions,
+/// plain and streamed; returns its drafted tokens and those by prompt lookup.
+async fn drafted_as_plain(
+    s: &AppState,
+    q: &str,
+    extra: &Value,
+    draft: &str,
+    plain: &Value,
+) -> Result<(u64, u64), Box<dyn std::error::Error>> {
+    let on = with(
+        &with(extra, "spec_decode", json!(true)),
+        "spec_draft",
+        json!(draft),
+    );
+    let (status, got, _) = send(s, ask(q, on.clone())).await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    let got: Value = serde_json::from_str(&got)?;
+    for field in ["answer", "tokens", "finish_reason"] {
+        assert_eq!(got[field], plain[field], "{q} {extra} {draft}: {field}");
+    }
+    // The same guard decisions (the second full prefill is the context cache's).
+    for field in [
+        "escalated",
+        "loop_detected",
+        "uncertain",
+        "kept_tokens",
+        "min_margin",
+    ] {
+        let (g, p) = (
+            &got["reuse"]["guard"][field],
+            &plain["reuse"]["guard"][field],
+        );
+        assert_eq!(g, p, "{q} {extra} {draft}: {field}");
+    }
+    let sd = &got["spec_decode"];
+    let d = sd["drafted"].as_u64().ok_or("drafted")?;
+    assert!(sd["accepted"].as_u64() <= Some(d), "{got}");
+    let lookup = sd["lookup_drafted"].as_u64().ok_or("lookup_drafted")?;
+    match draft {
+        "model" => assert_eq!(lookup, 0, "{got}"),
+        "lookup" => assert_eq!(lookup, d, "{got}"),
+        _ => assert!(lookup <= d, "{got}"),
+    }
+    let (_, sse, _) = send(s, ask(q, with(&on, "stream", json!(true)))).await;
+    assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
+    Ok((d, lookup))
+}
+
 /// Issue 42: with speculative decoding (the tiny speculator shares the target's vocabulary)
 /// every answer is the one plain decoding gives, plain and streamed, through the guard's
 /// escalations too, whatever drafts (prompt lookup, the speculator, both); `spec_decode` says
@@ -1453,44 +1502,9 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
             let plain: Value = serde_json::from_str(&plain)?;
             assert!(plain.get("spec_decode").is_none(), "{plain}");
             for draft in ["both", "model", "lookup"] {
-                let on = with(
-                    &with(&m, "spec_decode", json!(true)),
-                    "spec_draft",
-                    json!(draft),
-                );
-                let (status, got, _) = send(&s, ask(q, on.clone())).await;
-                assert_eq!(status, StatusCode::OK, "{got}");
-                let got: Value = serde_json::from_str(&got)?;
-                for field in ["answer", "tokens", "finish_reason"] {
-                    assert_eq!(got[field], plain[field], "{q} {m} {draft}: {field}");
-                }
-                // The same guard decisions (the second full prefill is the context cache's).
-                for field in [
-                    "escalated",
-                    "loop_detected",
-                    "uncertain",
-                    "kept_tokens",
-                    "min_margin",
-                ] {
-                    let (g, p) = (
-                        &got["reuse"]["guard"][field],
-                        &plain["reuse"]["guard"][field],
-                    );
-                    assert_eq!(g, p, "{q} {m} {draft}: {field}");
-                }
-                let sd = &got["spec_decode"];
-                let (d, a) = (sd["drafted"].as_u64(), sd["accepted"].as_u64());
-                assert!(a <= d && d.is_some(), "{got}");
-                let lookup = sd["lookup_drafted"].as_u64().ok_or("lookup_drafted")?;
-                match draft {
-                    "model" => assert_eq!(lookup, 0, "{got}"),
-                    "lookup" => assert_eq!(Some(lookup), d, "{got}"),
-                    _ => assert!(Some(lookup) <= d, "{got}"),
-                }
-                drafted += d.unwrap_or(0);
+                let (d, lookup) = drafted_as_plain(&s, q, &m, draft, &plain).await?;
+                drafted += d;
                 looked_up += lookup;
-                let (_, sse, _) = send(&s, ask(q, with(&on, "stream", json!(true)))).await;
-                assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
             }
         }
         // Sampled and verified answers do not draft.
