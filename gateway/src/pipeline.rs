@@ -994,10 +994,11 @@ impl Pipeline {
             return None;
         }
         let source = q.spec_draft.unwrap_or(self.spec_draft);
-        let model = source
-            .uses_model()
-            .then(|| self.model_drafter(q, asm, texts))
-            .flatten();
+        let model = if source.uses_model() {
+            self.model_drafter(q, asm, texts)
+        } else {
+            None
+        };
         let lookup = source
             .uses_lookup()
             .then(|| target_engine::PromptLookup::new(asm.ids.clone()));
