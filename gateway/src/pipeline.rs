@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
     Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, KvCache, SamplingParams,
-    SelectInput, VerifyEvent, VerifyMode, VerifyParams,
+    SelectInput, SpecDecodeStats as SpecStats, VerifyEvent, VerifyMode, VerifyParams,
 };
 
 pub use crate::answer::{Answer, ChunkRef, Reuse, Timings, VerifyStats};
@@ -376,9 +376,9 @@ impl Pipeline {
         &self,
         draft: BlendOutput,
         full: FullPrefill,
-        max_tokens: usize,
+        (max_tokens, drafter): (usize, Option<&mut target_engine::Drafter<'_>>),
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<(target_engine::Generation, VerifyStats)> {
+    ) -> Result<(target_engine::Generation, VerifyStats, SpecStats)> {
         let target = &self.engines.target;
         let tok = target.tokenizer();
         let hit = full.hit;
@@ -400,6 +400,7 @@ impl Pipeline {
                 VerifyEvent::Commit { ids } => on_piece(Piece::Commit(&tok.decode(&ids, false))),
                 VerifyEvent::Retract { n } => on_piece(Piece::Retract(n)),
             },
+            drafter,
         )?;
         let finish = if g.cancelled {
             FinishReason::Cancelled
@@ -426,7 +427,7 @@ impl Pipeline {
             finish,
             margins: Vec::new(),
         };
-        Ok((generation, stats))
+        Ok((generation, stats, g.spec))
     }
 
     /// Checks what the loaded models decide about a query (run before queueing it).
@@ -849,9 +850,9 @@ impl Pipeline {
         Ok(out)
     }
 
-    /// Step 3: decoding from the prefill's cache under the fidelity guard (with the
-    /// speculator drafting when speculative decoding is on), or drafting and verification
-    /// against the full cache.
+    /// Step 3: decoding from the prefill's cache under the fidelity guard, or drafting and
+    /// verification against the full cache; with speculative decoding on, one drafter
+    /// proposes tokens for the whole answer.
     fn decode(
         &self,
         q: &Query,
@@ -874,36 +875,28 @@ impl Pipeline {
             },
             ..Default::default()
         };
+        // The blended cache's decode, verification and escalation share the drafter.
+        let mut drafter = self.drafter(q, asm, texts);
+        let spec_of = |d: &Option<_>, s: SpecStats| d.as_ref().map(|_: &_| s.into());
         if let Some(full) = full_prefill {
-            let (g, mut stats) = self.verify(out, full, q.max_tokens, on_piece)?;
+            let (g, mut stats, spec) =
+                self.verify(out, full, (q.max_tokens, drafter.as_mut()), on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
             return Ok(Decoded {
                 g,
                 verify: Some(stats),
                 guard: report,
-                spec: None,
+                spec: spec_of(&drafter, spec),
             });
         }
-        // Full recompute decodes from the full cache already: nothing to guard.
-        let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
-        let detector = target_engine::LoopDetector::default();
-        let policy = self.guard;
-        let (mut looped, mut uncertain) = (false, false);
         let mut cache = out.cache;
-        let (mut g, escalate, spec) = {
-            let mut watch = |ids: &[u32], gap: f32| {
-                looped = guarded && detector.fires(ids);
-                uncertain = guarded && policy.doubts(ids.len(), gap);
-                looped || uncertain
-            };
-            self.decode_from(
-                q,
-                (&mut cache, out.logits),
-                (asm, texts),
-                on_piece,
-                &mut watch,
-            )?
-        };
+        let (mut g, mut spec) = self.decode_guarded(
+            q,
+            (&mut cache, out.logits),
+            drafter.as_mut(),
+            &mut report,
+            on_piece,
+        )?;
         g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
@@ -913,19 +906,23 @@ impl Pipeline {
             first_commit_ms: timings.ttft_ms,
             ..Default::default()
         });
-        if !escalate {
+        if !report.escalated {
             return Ok(Decoded {
                 g,
                 verify,
                 guard: report,
-                spec,
+                spec: spec_of(&drafter, spec),
             });
         }
         drop(cache);
-        report.loop_detected = looped;
-        report.uncertain = uncertain && !looped;
-        report.escalated = true;
-        let (g, ready) = self.escalate(q, &asm.ids, &g.ids, &mut report, on_piece)?;
+        let (g, ready, more) = self.escalate(
+            q,
+            (&asm.ids, &g.ids),
+            drafter.as_mut(),
+            &mut report,
+            on_piece,
+        )?;
+        spec.merge(&more);
         if report.kept_tokens == 0 {
             // Every token shown so far was withdrawn: the answer's first token is the full
             // cache's, so time to first token runs until that cache was ready.
@@ -937,48 +934,67 @@ impl Pipeline {
             g,
             verify,
             guard: report,
-            spec,
+            spec: spec_of(&drafter, spec),
         })
     }
 
-    /// Greedy or sampled decoding from `cache` and its last `logits`, with the speculator
-    /// drafting when speculative decoding is on for `q`; `watch` is asked after every token
-    /// (see [`Model::decode_watched`](target_engine::Model::decode_watched)).
+    /// [`Pipeline::decode_from`] under the fidelity guard (not for full recompute, which
+    /// decodes from the full cache already, nor `exact`): `report` says whether it stopped
+    /// the decode to escalate, and why.
+    fn decode_guarded(
+        &self,
+        q: &Query,
+        (cache, logits): (&mut KvCache, Vec<f32>),
+        drafter: Option<&mut target_engine::Drafter<'_>>,
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(target_engine::Generation, SpecStats)> {
+        let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
+        let detector = target_engine::LoopDetector::default();
+        let policy = self.guard;
+        let (mut looped, mut uncertain) = (false, false);
+        let mut watch = |ids: &[u32], gap: f32| {
+            looped = guarded && detector.fires(ids);
+            uncertain = guarded && policy.doubts(ids.len(), gap);
+            looped || uncertain
+        };
+        let (g, escalate, spec) =
+            self.decode_from(q, (cache, logits), drafter, on_piece, &mut watch)?;
+        if escalate {
+            report.loop_detected = looped;
+            report.uncertain = uncertain && !looped;
+            report.escalated = true;
+        }
+        Ok((g, spec))
+    }
+
+    /// Greedy or sampled decoding from `cache` and its last `logits`, with `drafter` (if any)
+    /// proposing tokens; `watch` is asked after every token (see
+    /// [`Model::decode_watched`](target_engine::Model::decode_watched)).
     fn decode_from(
         &self,
         q: &Query,
         (cache, logits): (&mut KvCache, Vec<f32>),
-        (asm, texts): (&Assembly, &[&str]),
+        drafter: Option<&mut target_engine::Drafter<'_>>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
-    ) -> Result<(
-        target_engine::Generation,
-        bool,
-        Option<crate::answer::SpecDecodeReport>,
-    )> {
+    ) -> Result<(target_engine::Generation, bool, SpecStats)> {
         let target = &self.engines.target;
         let params = generate_params(q);
         let mut on_text = |t: &str| on_piece(Piece::Token(t));
-        Ok(match self.drafter(q, asm, texts) {
-            Some(mut d) => {
-                let (g, e, stats) = target.decode_speculative(
-                    (cache, logits),
-                    &mut d,
-                    &params,
-                    &mut on_text,
-                    watch,
-                )?;
-                (g, e, Some(stats.into()))
+        Ok(match drafter {
+            Some(d) => {
+                target.decode_speculative((cache, logits), d, &params, &mut on_text, watch)?
             }
             None => {
                 let (g, e) = target.decode_watched(cache, logits, &params, &mut on_text, watch)?;
-                (g, e, None)
+                (g, e, SpecStats::default())
             }
         })
     }
 
     /// The drafter for `q`, when speculative decoding is on for it (the request's
-    /// `spec_decode`, else the server's) and the answer is greedy: prompt lookup over the
+    /// `spec_decode`, else the server's), greedy or sampled: prompt lookup over the
     /// prompt's tokens and/or the speculator (when it shares the target's vocabulary), as
     /// `spec_draft` says. The speculator's cache (its stored KV of the chunks `texts`, stored
     /// now where missing, and a pass over the question) is built once it is first asked to
@@ -989,8 +1005,7 @@ impl Pipeline {
         asm: &'a Assembly,
         texts: &'a [&'a str],
     ) -> Option<target_engine::Drafter<'a>> {
-        let on = q.spec_decode.unwrap_or(self.spec_decode);
-        if !on || q.temperature > 0.0 {
+        if !q.spec_decode.unwrap_or(self.spec_decode) {
             return None;
         }
         let source = q.spec_draft.unwrap_or(self.spec_draft);
@@ -1052,11 +1067,11 @@ impl Pipeline {
     fn escalate(
         &self,
         q: &Query,
-        prompt: &[u32],
-        generated: &[u32],
+        (prompt, generated): (&[u32], &[u32]),
+        drafter: Option<&mut target_engine::Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<(target_engine::Generation, Option<Instant>)> {
+    ) -> Result<(target_engine::Generation, Option<Instant>, SpecStats)> {
         let target = &self.engines.target;
         let tok = target.tokenizer();
         let t = Instant::now();
@@ -1077,17 +1092,17 @@ impl Pipeline {
             // Sampled tokens cannot be checked against the full cache's greedy choice.
             report.withdrawn_tokens = generated.len();
             if !on_piece(Piece::Replace("")) {
-                return Ok((cancelled(generated, tok), ready));
+                return Ok((cancelled(generated, tok), ready, SpecStats::default()));
             }
             let mut cache = cache;
-            let g =
-                target.decode_stream(&mut cache, logits, 0.0, &generate_params(q), &mut |t| {
-                    on_piece(Piece::Token(t))
+            let (g, _, spec) =
+                self.decode_from(q, (&mut cache, logits), drafter, on_piece, &mut |_, _| {
+                    false
                 })?;
-            return Ok((g, ready));
+            return Ok((g, ready, spec));
         }
         let mut replaced = false;
-        let vg = target.continue_exact((cache, logits), generated, q.max_tokens, &mut |e| {
+        let on_event = &mut |e: VerifyEvent| {
             if !replaced {
                 // What stays of the streamed text, before anything new: the kept prefix.
                 replaced = true;
@@ -1104,7 +1119,9 @@ impl Pipeline {
                 VerifyEvent::Commit { ids } => on_piece(Piece::Token(&tok.decode(&ids, false))),
                 VerifyEvent::Draft { .. } | VerifyEvent::Retract { .. } => true,
             }
-        })?;
+        };
+        let vg =
+            target.continue_exact((cache, logits), generated, q.max_tokens, on_event, drafter)?;
         report.kept_tokens = vg.accepted;
         report.withdrawn_tokens = vg.drafted - vg.accepted;
         let mut text = tok.decode(&vg.ids, false);
@@ -1126,7 +1143,7 @@ impl Pipeline {
             finish,
             margins: Vec::new(),
         };
-        Ok((g, ready))
+        Ok((g, ready, vg.spec))
     }
 
     /// The SpecCache selector for `q` (its layer range, if the query sets one).

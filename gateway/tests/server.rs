@@ -1484,13 +1484,13 @@ async fn drafted_as_plain(
 /// Issue 42: with speculative decoding (the tiny speculator shares the target's vocabulary)
 /// every answer is the one plain decoding gives, plain and streamed, through the guard's
 /// escalations too, whatever drafts (prompt lookup, the speculator, both); `spec_decode` says
-/// what was drafted and accepted, and how much of it by lookup, only where it ran (greedy, not
-/// verified), and `/metrics` counts it.
+/// what was drafted and accepted, and how much of it by lookup (verified and sampled answers
+/// draft too), and `/metrics` counts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance() -> TestResult {
     let dir = tempfile::tempdir()?;
     let s = state(pipeline(dir.path())?, ServerConfig::default());
-    let (mut drafted, mut looked_up) = (0, 0);
+    let (mut drafted, mut looked_up, mut once) = (0, 0, 0);
     for q in ["the thin ant?", "what is in the tin?"] {
         for m in [
             json!({"method": "target_probe", "fidelity": "fast"}),
@@ -1507,16 +1507,23 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
                 looked_up += lookup;
             }
         }
-        // Sampled and verified answers do not draft.
+        // Verified answers draft over the full cache (still full recompute's answer), sampled
+        // ones under the rejection rule.
         for extra in [
-            json!({"temperature": 0.8, "seed": 3}),
             json!({"verify": true}),
+            json!({"temperature": 0.8, "seed": 3}),
         ] {
-            let mut body = with(&extra, "spec_decode", json!(true));
-            body = with(&body, "method", json!("target_probe"));
-            let (_, got, _) = send(&s, ask(q, body)).await;
-            let got: Value = serde_json::from_str(&got)?;
-            assert!(got.get("spec_decode").is_none(), "{got}");
+            let body = with(&extra, "method", json!("target_probe"));
+            let (_, off, _) = send(&s, ask(q, with(&body, "spec_decode", json!(false)))).await;
+            let (_, on, _) = send(&s, ask(q, with(&body, "spec_decode", json!(true)))).await;
+            let (off, on): (Value, Value) =
+                (serde_json::from_str(&off)?, serde_json::from_str(&on)?);
+            assert!(off.get("spec_decode").is_none(), "{off}");
+            let d = on["spec_decode"]["drafted"].as_u64().ok_or("drafted")?;
+            if extra["verify"] == json!(true) {
+                assert_eq!(on["answer"], off["answer"], "{q}: verified with drafts");
+            }
+            once += d;
         }
     }
     assert!(drafted > 0, "something was drafted");
@@ -1548,7 +1555,7 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
         .find(|l| l.starts_with("specrag_spec_decode_tokens_total{kind=\"drafted\"}"))
         .ok_or("no drafted counter")?;
     // Each drafting answer was asked twice, plain and streamed, and drafted the same.
-    let want = (2 * drafted + chat_drafted).to_string();
+    let want = (2 * drafted + once + chat_drafted).to_string();
     assert_eq!(line.rsplit(' ').next(), Some(want.as_str()));
     Ok(())
 }

@@ -42,6 +42,6 @@ pub use select::{
     budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,
     Random, SelectInput, Selector, TargetProbe,
 };
-pub use speculative::{DraftLength, Drafter, PromptLookup, SpecDecodeStats};
+pub use speculative::{accept_sampled, DraftLength, Drafter, PromptLookup, SpecDecodeStats};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

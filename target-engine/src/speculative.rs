@@ -2,8 +2,10 @@
 //! lookup, copying what followed the answer's last tokens where they occur in the prompt, or
 //! a smaller model of the same vocabulary, greedily over its own cache of the prompt), the
 //! target checks them all in one forward over its cache, keeps the agreeing prefix and adds its
-//! own token after it. Greedy only: every kept token is the target's greedy token, so
-//! the output equals [`Model::decode_watched`] over the same cache, token for token.
+//! own token after it. Greedy: every kept token is the target's greedy token, so the output
+//! equals [`Model::decode_watched`] over the same cache, token for token. Sampled: the
+//! standard rejection rule ([`accept_sampled`]) keeps the output distributed as the target's
+//! own samples (the tokens themselves differ from a plain decode with the same seed).
 //!
 //! Exactness rests on [`Model::forward_decode_path`]: the rows of one checking pass are
 //! computed bit-identically to one-token decode steps (passes stay under
@@ -14,7 +16,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{top2_gap, Emit, GenerateParams, Generation};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sampling::argmax;
+use crate::sampling::{argmax, Sampler, SamplingParams};
 use crate::verify::MAX_VERIFY_ROWS;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -103,9 +105,9 @@ impl PromptLookup {
 /// so it always takes the longest length; the model's length adapts to its acceptance
 /// ([`DraftLength`]), each of its drafts costing a step of the drafting model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DraftRoom {
-    lookup: usize,
-    model: usize,
+pub(crate) struct DraftRoom {
+    pub(crate) lookup: usize,
+    pub(crate) model: usize,
 }
 
 /// Where a round's drafts came from.
@@ -130,6 +132,18 @@ struct ModelDraft<'a> {
     unfed: Vec<u32>,
     /// Proposing stops at a token the model gives less probability than this.
     min_prob: f32,
+    /// Sampled decoding: the model samples its proposals (with the target's temperature and
+    /// top-p, its own random stream) and keeps the distribution each was drawn from.
+    sampler: Option<Sampler>,
+}
+
+/// One round's proposals: the tokens, where they came from, and for sampled model drafts the
+/// distribution each was drawn from (empty: each proposal was certain, as a lookup's is).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Proposal {
+    pub(crate) ids: Vec<u32>,
+    source: Source,
+    q: Vec<Vec<f32>>,
 }
 
 /// What proposes tokens for the target to check: prompt lookup, a smaller model of the same
@@ -164,6 +178,7 @@ impl<'a> Drafter<'a> {
                 fed: Vec::new(),
                 unfed: Vec::new(),
                 min_prob: MIN_DRAFT_PROB,
+                sampler: None,
             }),
             lookup: None,
         }
@@ -208,24 +223,70 @@ impl<'a> Drafter<'a> {
             .map(|m| m.model.tokenizer().vocab_size())
     }
 
-    /// Proposals after the `committed` tokens and where they came from: up to `k.lookup`
-    /// from prompt lookup, else up to `k.model` from the model (none asked: nothing is built
-    /// or fed).
-    fn draft(&mut self, committed: &[u32], k: DraftRoom) -> Result<(Vec<u32>, Source)> {
+    /// The drafting model samples its proposals as `params` says (temperature 0: greedy).
+    fn sample_with(&mut self, params: SamplingParams) {
+        if let Some(m) = &mut self.model {
+            m.sampler = (params.temperature > 0.0).then(|| {
+                Sampler::new(SamplingParams {
+                    // Its own stream: the target's rejection rule draws from the other.
+                    seed: params.seed ^ 0x5EC0_DEC0_DE00_0001,
+                    ..params
+                })
+            });
+        }
+    }
+
+    /// Proposals after the `committed` tokens: up to `k.lookup` from prompt lookup, else up
+    /// to `k.model` from the model (none asked: nothing is built or fed). A model that fails
+    /// is dropped, its error kept in `stats` (drafting only speeds decoding up).
+    pub(crate) fn draft(
+        &mut self,
+        committed: &[u32],
+        k: DraftRoom,
+        stats: &mut SpecDecodeStats,
+    ) -> Proposal {
+        let t = Instant::now();
+        let p = self.propose(committed, k).unwrap_or_else(|e| {
+            stats.drafter_error = Some(e.to_string());
+            self.model = None;
+            self.propose(committed, k).unwrap_or(Proposal {
+                ids: Vec::new(),
+                source: Source::Model,
+                q: Vec::new(),
+            })
+        });
+        stats.draft_ms += ms(t);
+        p
+    }
+
+    fn propose(&mut self, committed: &[u32], k: DraftRoom) -> Result<Proposal> {
+        let none = |source| Proposal {
+            ids: Vec::new(),
+            source,
+            q: Vec::new(),
+        };
         if k.lookup > 0 {
             if let Some(l) = &self.lookup {
-                let d = l.propose(committed, k.lookup);
-                if !d.is_empty() {
-                    return Ok((d, Source::Lookup));
+                let ids = l.propose(committed, k.lookup);
+                if !ids.is_empty() {
+                    return Ok(Proposal {
+                        ids,
+                        source: Source::Lookup,
+                        q: Vec::new(),
+                    });
                 }
             }
         }
-        if k.model == 0 {
-            return Ok((Vec::new(), Source::Model));
-        }
         match &mut self.model {
-            Some(m) => Ok((m.draft(committed, k.model)?, Source::Model)),
-            None => Ok((Vec::new(), Source::Model)),
+            Some(m) if k.model > 0 => {
+                let (ids, q) = m.draft(committed, k.model)?;
+                Ok(Proposal {
+                    ids,
+                    source: Source::Model,
+                    q,
+                })
+            }
+            _ => Ok(none(Source::Model)),
         }
     }
 }
@@ -242,11 +303,13 @@ impl ModelDraft<'_> {
         Ok(())
     }
 
-    /// Feeds the committed tokens not yet fed, then proposes up to `k` greedy tokens,
-    /// stopping at one the model gives less than `min_prob`. The proposals but the last are
-    /// fed too ([`ModelDraft::settle`] trims what was not committed).
-    fn propose(&mut self, k: usize) -> Result<Vec<u32>> {
+    /// Feeds the committed tokens not yet fed, then proposes up to `k` tokens (greedy, or
+    /// sampled with the distributions they were drawn from), stopping where the model's top
+    /// probability is under `min_prob`. The proposals but the last are fed too
+    /// ([`ModelDraft::settle`] trims what was not committed).
+    fn propose(&mut self, k: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
         let mut drafts = Vec::with_capacity(k);
+        let mut dists = Vec::new();
         let mut feed = std::mem::take(&mut self.unfed);
         while drafts.len() < k {
             if !feed.is_empty() {
@@ -261,14 +324,22 @@ impl ModelDraft<'_> {
             if self.min_prob > 0.0 && top_probability(&self.logits) < self.min_prob {
                 break;
             }
-            let d = argmax(&self.logits);
+            let d = match &mut self.sampler {
+                Some(s) => {
+                    let q = s.distribution(&self.logits);
+                    let d = s.draw(&q);
+                    dists.push(q);
+                    d
+                }
+                None => argmax(&self.logits),
+            };
             drafts.push(d);
             feed = vec![d];
         }
-        Ok(drafts)
+        Ok((drafts, dists))
     }
 
-    fn draft(&mut self, committed: &[u32], k: usize) -> Result<Vec<u32>> {
+    fn draft(&mut self, committed: &[u32], k: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
         self.ensure_built()?;
         self.settle(committed);
         self.propose(k)
@@ -362,10 +433,97 @@ impl SpecDecodeStats {
     }
 }
 
+impl DraftRoom {
+    /// Room for a round with `room` tokens left to generate (the round's first token is the
+    /// target's, so drafts get one less).
+    pub(crate) fn new(len: &DraftLength, room: usize) -> Self {
+        Self {
+            lookup: len.max.min(room.saturating_sub(1)),
+            model: len.current.min(room.saturating_sub(1)),
+        }
+    }
+}
+
+impl SpecDecodeStats {
+    /// Counts one checking pass over `p`, of which `agree` were kept; the model's rounds
+    /// adapt its draft length `len`.
+    pub(crate) fn record(&mut self, p: &Proposal, agree: usize, len: &mut DraftLength) {
+        self.rounds += 1;
+        self.drafted += p.ids.len();
+        self.accepted += agree;
+        match p.source {
+            Source::Lookup => {
+                self.lookup_drafted += p.ids.len();
+                self.lookup_accepted += agree;
+            }
+            Source::Model => len.update(p.ids.len(), agree),
+        }
+    }
+
+    /// Adds what `other` counted (a decode continued elsewhere, e.g. after an escalation).
+    pub fn merge(&mut self, other: &SpecDecodeStats) {
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.lookup_drafted += other.lookup_drafted;
+        self.lookup_accepted += other.lookup_accepted;
+        self.rounds += other.rounds;
+        self.draft_len = other.draft_len;
+        self.draft_ms += other.draft_ms;
+        self.verify_ms += other.verify_ms;
+        if other.drafter_error.is_some() {
+            self.drafter_error.clone_from(&other.drafter_error);
+        }
+    }
+}
+
+/// The rejection rule of sampled speculative decoding (Leviathan et al., 2023, Algorithm 1):
+/// draft `i` is kept with probability `min(1, p_i(d) / q_i(d))`; at the first draft not kept,
+/// the token is drawn from the residual `max(0, p_i - q_i)` renormalized, and when every draft
+/// is kept one more is drawn from `p_k`. The tokens that come out are distributed as the
+/// target's own samples whatever the drafter proposes. `p` holds the target's distributions
+/// (one per draft and one after the last), `q` the drafter's (empty: each draft was certain,
+/// a point mass, as prompt lookup's are). Returns the tokens and how many drafts were kept.
+pub fn accept_sampled(
+    p: &[Vec<f32>],
+    drafts: &[u32],
+    q: &[Vec<f32>],
+    sampler: &mut Sampler,
+) -> (Vec<u32>, usize) {
+    let mut out = Vec::with_capacity(drafts.len() + 1);
+    for (i, &d) in drafts.iter().enumerate() {
+        let (pi, di) = (&p[i], d as usize);
+        let qd = q.get(i).map_or(1.0, |qi| qi[di]);
+        let pd = pi[di];
+        // u < p/q, written without the division (q(d) > 0: the drafter proposed d).
+        if sampler.uniform() * f64::from(qd) < f64::from(pd) {
+            out.push(d);
+            continue;
+        }
+        let residual: Vec<f32> = match q.get(i) {
+            Some(qi) => pi.iter().zip(qi).map(|(a, b)| (a - b).max(0.0)).collect(),
+            None => {
+                let mut r = pi.clone();
+                r[di] = 0.0;
+                r
+            }
+        };
+        let t = if residual.iter().any(|&x| x > 0.0) {
+            sampler.draw(&residual)
+        } else {
+            sampler.draw(pi)
+        };
+        out.push(t);
+        return (out, i);
+    }
+    out.push(sampler.draw(&p[drafts.len()]));
+    (out, drafts.len())
+}
+
 impl Model {
-    /// [`Model::decode_watched`] (greedy) with `drafter` proposing tokens that this model checks
-    /// in one pass: the same tokens, gaps, watch calls and text, in fewer target passes when
-    /// the drafter guesses well. Sampled decoding is refused (the rejection rule is not built).
+    /// [`Model::decode_watched`] with `drafter` proposing tokens that this model checks in one
+    /// pass. Greedy: the same tokens, gaps, watch calls and text, in fewer target passes when
+    /// the drafter guesses well. Sampled: tokens kept by [`accept_sampled`], distributed as
+    /// `decode_watched`'s (a different draw: the random stream is used differently).
     pub fn decode_speculative(
         &self,
         (cache, logits): (&mut KvCache, Vec<f32>),
@@ -374,24 +532,22 @@ impl Model {
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)> {
-        if params.sampling.temperature > 0.0 {
-            return Err(EngineError::InvalidInput(
-                "speculative decoding is greedy only (temperature 0)".into(),
-            ));
-        }
         let vocab = self.tokenizer().vocab_size();
         if drafter.vocab_size().is_some_and(|v| v != vocab) {
             return Err(EngineError::InvalidInput(
                 "the drafter's vocabulary differs from the target's".into(),
             ));
         }
+        let sampled = params.sampling.temperature > 0.0;
+        let mut sampler = Sampler::new(params.sampling);
+        drafter.sample_with(params.sampling);
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let mut stats = SpecDecodeStats::default();
         let mut len = DraftLength::default();
         let t0 = Instant::now();
         // Tokens the target has chosen but not yet handed out, each with its gap.
         let mut ready: VecDeque<(u32, f32)> =
-            VecDeque::from([(argmax(&logits), top2_gap(&logits))]);
+            VecDeque::from([(sampler.sample(&logits), top2_gap(&logits))]);
         while let Some((next, gap)) = ready.pop_front() {
             if emit.take(next, gap) {
                 break;
@@ -399,51 +555,33 @@ impl Model {
             if !ready.is_empty() {
                 continue;
             }
-            // One round: `next` and up to `k` drafts after it, checked in one pass.
-            let room = params.max_tokens - emit.len();
-            let k = DraftRoom {
-                lookup: len.max.min(room.saturating_sub(1)),
-                model: len.current.min(room.saturating_sub(1)),
-            };
-            let t = Instant::now();
-            let (drafts, source) = match drafter.draft(emit.ids(), k) {
-                Ok(d) => d,
-                Err(e) => {
-                    // The drafting model only speeds decoding up: without it, prompt lookup
-                    // alone, or one token per pass.
-                    stats.drafter_error = Some(e.to_string());
-                    drafter.model = None;
-                    (Vec::new(), Source::Model)
-                }
-            };
-            stats.draft_ms += ms(t);
+            // One round: `next` and the drafts after it, checked in one pass.
+            let room = DraftRoom::new(&len, params.max_tokens - emit.len());
+            let p = drafter.draft(emit.ids(), room, &mut stats);
             let t = Instant::now();
             let mut feed = vec![next];
-            feed.extend(&drafts);
+            feed.extend(&p.ids);
             let base = cache.len();
             let rows = self.rows_logits(cache, &feed)?;
-            let agree = drafts
-                .iter()
-                .zip(&rows)
-                .take_while(|(d, r)| **d == argmax(r))
-                .count();
+            let (ids, agree) = if sampled {
+                let dists: Vec<Vec<f32>> = rows.iter().map(|r| sampler.distribution(r)).collect();
+                accept_sampled(&dists, &p.ids, &p.q, &mut sampler)
+            } else {
+                let agree = p
+                    .ids
+                    .iter()
+                    .zip(&rows)
+                    .take_while(|(d, r)| **d == argmax(r))
+                    .count();
+                let mut ids = p.ids[..agree].to_vec();
+                ids.push(argmax(&rows[agree]));
+                (ids, agree)
+            };
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
-            for (j, row) in rows.iter().enumerate().take(agree + 1) {
-                let id = if j < agree { drafts[j] } else { argmax(row) };
-                ready.push_back((id, top2_gap(row)));
-            }
+            ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
             stats.verify_ms += ms(t);
-            stats.rounds += 1;
-            stats.drafted += drafts.len();
-            stats.accepted += agree;
-            if source == Source::Lookup {
-                stats.lookup_drafted += drafts.len();
-                stats.lookup_accepted += agree;
-            }
-            if source == Source::Model {
-                len.update(drafts.len(), agree);
-            }
+            stats.record(&p, agree, &mut len);
         }
         stats.draft_len = len.current;
         let steps = emit.len().saturating_sub(1);
@@ -452,13 +590,14 @@ impl Model {
     }
 }
 
-fn ms(t: Instant) -> f64 {
+pub(crate) fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{DraftLength, PromptLookup};
+    use super::{accept_sampled, DraftLength, PromptLookup};
+    use crate::sampling::{Sampler, SamplingParams};
 
     #[test]
     fn prompt_lookup_copies_what_followed_the_latest_longest_match() {
@@ -504,6 +643,67 @@ mod tests {
         assert_eq!(l.current, 1, "never below min");
         l.update(0, 0);
         assert_eq!(l.current, 1);
+    }
+
+    /// Draws of the rule's first token and, where the first draft was kept, its second:
+    /// frequencies over a vocabulary of 4 against `p0` and `p1` (the rows here do not depend
+    /// on earlier tokens, so the second follows `p1` whatever the first).
+    fn rule_frequencies(
+        q: &[Vec<f32>],
+        draft: impl Fn(&mut Sampler, usize) -> u32,
+    ) -> [Vec<f64>; 2] {
+        let p = vec![
+            vec![0.1, 0.6, 0.3, 0.0],
+            vec![0.25, 0.25, 0.0, 0.5],
+            vec![0.7, 0.1, 0.1, 0.1],
+        ];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 3,
+        });
+        let mut counts = [vec![0.0; 4], vec![0.0; 4]];
+        let n = 40_000;
+        for _ in 0..n {
+            let drafts = [draft(&mut s, 0), draft(&mut s, 1)];
+            let (ids, kept) = accept_sampled(&p, &drafts, q, &mut s);
+            assert_eq!(ids.len(), kept + 1);
+            assert!(
+                ids[..kept] == drafts[..kept],
+                "kept drafts come out as drafted"
+            );
+            counts[0][ids[0] as usize] += 1.0;
+            if kept >= 1 {
+                counts[1][ids[1] as usize] += 1.0;
+            }
+        }
+        for (c, want) in counts.iter().zip(&p) {
+            let total: f64 = c.iter().sum();
+            if total == 0.0 {
+                continue;
+            }
+            for (got, want) in c.iter().zip(want) {
+                // Binomial standard error at 10k-40k draws is under 0.005.
+                assert!(
+                    (got / total - f64::from(*want)).abs() < 0.02,
+                    "{c:?} against {want:?}"
+                );
+            }
+        }
+        counts
+    }
+
+    #[test]
+    fn the_rejection_rule_gives_the_targets_distribution_whatever_the_drafts() {
+        // A model drafter sampling from q, far from p (it even proposes p's impossible 3).
+        let q = vec![vec![0.4, 0.1, 0.1, 0.4], vec![0.1, 0.1, 0.7, 0.1]];
+        let qq = q.clone();
+        rule_frequencies(&q, move |s, i| s.draw(&qq[i]));
+        // Certain drafts (prompt lookup): always token 1, then always token 3.
+        rule_frequencies(&[], |_, i| [1, 3][i]);
+        // Certain drafts of a token the target never takes: always rejected.
+        let [first, _] = rule_frequencies(&[], |_, _| 3);
+        assert_eq!(first[3], 0.0);
     }
 
     #[test]

@@ -8,11 +8,16 @@
 //! Exactness rests on [`Model::forward_decode_path`]: a verification pass over several drafted
 //! tokens computes each row bit-identically to the one-token decode step full recompute would
 //! take there (batches are capped at [`MAX_VERIFY_ROWS`] to stay on that path).
+//!
+//! Once decoding goes on from the full cache (after the drafts were checked, or after the
+//! fidelity guard's escalation), a [`Drafter`] may propose tokens there too: speculative
+//! decoding over the full cache, each pass keeping only what the full cache would have chosen.
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sampling::argmax;
+use crate::speculative::{DraftLength, DraftRoom, Drafter, SpecDecodeStats};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -112,6 +117,8 @@ pub struct VerifiedGeneration {
     pub eos: bool,
     /// True when the consumer stopped it.
     pub cancelled: bool,
+    /// Speculative decoding from the full cache (a drafter given): what it drafted and kept.
+    pub spec: SpecDecodeStats,
 }
 
 impl VerifiedGeneration {
@@ -180,18 +187,22 @@ impl Model {
             s.spawn(move || {
                 let _ = tx.send(crate::stop::with_stop(stop, full));
             });
-            self.verified_generate_from(draft, rx, params, on_event)
+            self.verified_generate_from(draft, rx, params, on_event, None)
         })
     }
 
     /// [`Model::verified_generate`] with the full prefill delivered on `rx` by the caller
-    /// (started as early as the caller can, e.g. before the chunk KV is even loaded).
+    /// (started as early as the caller can, e.g. before the chunk KV is even loaded), and
+    /// `drafter` (if any) proposing tokens once decoding goes on from the full cache
+    /// ([`VerifyMode::FromFull`]): speculative decoding composed with verification, every
+    /// committed token still the full cache's greedy choice.
     pub fn verified_generate_from(
         &self,
         (cache, logits): (KvCache, Vec<f32>),
         rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+        mut drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
         let t0 = Instant::now();
         let mut d = Draft {
@@ -230,7 +241,8 @@ impl Model {
             };
             self.verify_round(&mut f, &mut d, &mut out, params.max_tokens, on_event)?;
             if !out.cancelled && params.mode == VerifyMode::FromFull {
-                self.decode_full(&mut f, &mut out, params.max_tokens, on_event)?;
+                let d = drafter.as_deref_mut();
+                self.decode_full(&mut f, &mut out, (params.max_tokens, d), on_event)?;
             }
             full = Some(f);
             if out.cancelled {
@@ -329,12 +341,14 @@ impl Model {
     /// ([`VerifyEvent::Retract`]) and decoding goes on from the full cache ([`VerifyEvent::Commit`]
     /// carries only the tokens after the kept prefix). The output equals greedy decoding from
     /// the full prefill, token for token: the fidelity guard's way out of a reused cache.
+    /// `drafter` (if any) proposes tokens for the decode from the full cache.
     pub fn continue_exact(
         &self,
         (cache, logits): (KvCache, Vec<f32>),
         generated: &[u32],
         max_tokens: usize,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+        drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
         let t0 = Instant::now();
         let tok = self.tokenizer();
@@ -368,30 +382,53 @@ impl Model {
             out.cancelled = true;
             return Ok(out);
         }
-        self.decode_full(&mut f, &mut out, max_tokens, on_event)?;
+        self.decode_full(&mut f, &mut out, (max_tokens, drafter), on_event)?;
         Ok(out)
     }
 
-    /// Greedy decode steps from the full cache until an end token or `max_tokens`, each
-    /// committed as it comes.
+    /// Greedy decoding from the full cache until an end token or `max_tokens`, committing as
+    /// it goes: one token per pass, or with a drafter the agreeing prefix of its proposals
+    /// and the full cache's own token after it, all checked in one pass.
     fn decode_full(
         &self,
         f: &mut Full,
         out: &mut VerifiedGeneration,
-        max_tokens: usize,
+        (max_tokens, mut drafter): (usize, Option<&mut Drafter<'_>>),
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<()> {
         let tok = self.tokenizer();
+        let mut len = DraftLength::default();
         while !out.eos && out.ids.len() < max_tokens {
-            let (next, _) = self.verify_drafts(f, &[])?;
-            let Some(&t) = next.first() else { break };
-            out.ids.push(t);
-            out.eos = tok.is_end_of_generation(t);
-            if !on_event(VerifyEvent::Commit { ids: vec![t] }) {
+            let room = max_tokens - out.ids.len();
+            // The last committed token is pending in the full cache: proposals follow it.
+            let p = match drafter.as_deref_mut() {
+                Some(d) if !out.ids.is_empty() => {
+                    Some(d.draft(&out.ids, DraftRoom::new(&len, room), &mut out.spec))
+                }
+                _ => None,
+            };
+            let t = Instant::now();
+            let drafts = p.as_ref().map_or(&[][..], |p| &p.ids[..]);
+            let (mut commit, agreed) = self.verify_drafts(f, drafts)?;
+            if let Some(p) = &p {
+                out.spec.verify_ms += ms(t);
+                out.spec.record(p, agreed, &mut len);
+            }
+            commit.truncate(room);
+            if commit.is_empty() {
+                break;
+            }
+            if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+                commit.truncate(at + 1);
+                out.eos = true;
+            }
+            out.ids.extend(&commit);
+            if !on_event(VerifyEvent::Commit { ids: commit }) {
                 out.cancelled = true;
                 break;
             }
         }
+        out.spec.draft_len = len.current;
         Ok(())
     }
 

@@ -1,9 +1,13 @@
 //! Speculative decoding: with any drafter, the output equals plain greedy decoding over the
 //! same cache token for token (ids, gaps, the watch's calls, text and finish), on tiny models
 //! (a drafter that always agrees, one that rarely does) and on real prompts with the default
-//! pairing's drafter (Qwen2.5-Coder-0.5B) drafting for itself over a reused cache.
+//! pairing's drafter (Qwen2.5-Coder-0.5B) drafting for itself over a reused cache. Sampled, the
+//! sequences it draws follow the target's exact distribution (a chi-square test that a wrong
+//! residual fails).
 
 mod common;
+
+use std::collections::HashMap;
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
@@ -250,29 +254,186 @@ fn a_drafter_that_cannot_be_built_costs_speed_not_the_answer() {
     );
 }
 
-#[test]
-fn sampled_decoding_is_refused_rather_than_silently_greedy() {
-    let (_a, m) = tiny(TinySpec::new(Architecture::Qwen2));
-    let prompt = m.tokenizer().encode("the ant", false).ids;
-    let (mut cache, logits) = m.prefill(&prompt).expect("prefill");
-    let (c, l) = m.prefill(&prompt).expect("prefill");
-    let params = GenerateParams {
+/// Sampled decoding at a temperature and nucleus that keep a few tokens per step.
+fn sampled(seed: u64, max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
         sampling: SamplingParams {
-            temperature: 0.7,
-            ..Default::default()
+            temperature: SAMPLE_T,
+            top_p: SAMPLE_TOP_P,
+            seed,
         },
         ..Default::default()
-    };
-    let err = m
-        .decode_speculative(
-            (&mut cache, logits),
-            &mut Drafter::new(&m, c, l),
-            &params,
-            &mut |_| true,
-            &mut |_, _| false,
-        )
-        .expect_err("sampling refused");
-    assert!(err.to_string().contains("greedy"), "{err}");
+    }
+}
+
+/// The tiny models put nearly all mass on one token at temperature 1: a high temperature and a
+/// narrow nucleus leave ~24k possible 3-token sequences, ~100 of them likely enough to count.
+const SAMPLE_T: f32 = 8.0;
+const SAMPLE_TOP_P: f32 = 0.4;
+
+/// The exact probability of every sequence of `n` tokens the target samples after `prompt`
+/// (enumerated over each step's nucleus; a sequence ends early at an end token).
+fn exact_sequences(m: &Model, prompt: &[u32], n: usize) -> HashMap<Vec<u32>, f64> {
+    let s = target_engine::Sampler::new(sampled(0, n).sampling);
+    let (cache, logits) = m.prefill(prompt).expect("prefill");
+    let mut out = HashMap::new();
+    let mut stack = vec![(Vec::new(), 1.0f64, cache, logits)];
+    while let Some((seq, prob, cache, logits)) = stack.pop() {
+        let ended = seq
+            .last()
+            .is_some_and(|&t| m.tokenizer().is_end_of_generation(t));
+        if seq.len() == n || ended {
+            out.insert(seq, prob);
+            continue;
+        }
+        for (id, p) in s.distribution(&logits).into_iter().enumerate() {
+            if p <= 0.0 {
+                continue;
+            }
+            let mut c = cache.clone();
+            let pos = c.len();
+            let f = m
+                .forward(&[id as u32], &[pos], &mut c, false)
+                .expect("step");
+            let l = m.last_logits(&f).expect("logits");
+            let mut next = seq.clone();
+            next.push(id as u32);
+            stack.push((next, prob * f64::from(p), c, l));
+        }
+    }
+    out
+}
+
+/// Pearson's chi-square of `counts` against `exact` (sequences under 5 expected draws pooled
+/// into one cell) and its 99.95% critical value (Wilson-Hilferty).
+fn chi_square(counts: &HashMap<Vec<u32>, usize>, exact: &HashMap<Vec<u32>, f64>) -> (f64, f64) {
+    let n: usize = counts.values().sum();
+    let n = n as f64;
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
+    for (seq, &p) in exact {
+        let obs = counts.get(seq).copied().unwrap_or(0) as f64;
+        if n * p < 5.0 {
+            pooled_obs += obs;
+            pooled_exp += n * p;
+        } else {
+            stat += (obs - n * p).powi(2) / (n * p);
+            cells += 1;
+        }
+    }
+    // Sequences the target never samples: any count of them is a failure.
+    let impossible: usize = counts
+        .iter()
+        .filter(|(s, _)| !exact.contains_key(*s))
+        .map(|(_, c)| c)
+        .sum();
+    pooled_obs += impossible as f64;
+    if pooled_exp > 0.0 {
+        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp.max(1e-9);
+        cells += 1;
+    } else if pooled_obs > 0.0 {
+        stat = f64::INFINITY;
+    }
+    let df = (cells.max(2) - 1) as f64;
+    let z = 3.29;
+    let crit = df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    (stat, crit)
+}
+
+#[test]
+fn sampled_speculative_decoding_samples_the_targets_distribution() {
+    let (_a, target) = tiny(TinySpec::new(Architecture::Qwen2));
+    let (_b, other) = tiny(TinySpec {
+        seed: 99,
+        n_layer: 1,
+        n_embd: 32,
+        n_head: 2,
+        n_kv_head: 1,
+        ..TinySpec::new(Architecture::Llama)
+    });
+    let tok = target.tokenizer();
+    let prompt = tok.encode("the ant sat in the tent", false).ids;
+    const N: u64 = 3000;
+    const LEN: usize = 3;
+    let exact = exact_sequences(&target, &prompt, LEN);
+    let (tc, tl) = target.prefill(&prompt).expect("prefill");
+    let (oc, ol) = other.prefill(&prompt).expect("prefill");
+    let mut counts: [HashMap<Vec<u32>, usize>; 3] = Default::default();
+    let (mut drafted, mut accepted, mut rejected) = (0, 0, 0);
+    for seed in 0..N {
+        let params = sampled(seed, LEN);
+        // The other model drafting (sampled from its own distribution), lookup first.
+        let mut d =
+            model((&other, oc.clone(), ol.clone())).with_lookup(PromptLookup::new(prompt.clone()));
+        let mut cache = tc.clone();
+        let (g, _, s) = target
+            .decode_speculative(
+                (&mut cache, tl.clone()),
+                &mut d,
+                &params,
+                &mut |_| true,
+                &mut |_, _| false,
+            )
+            .expect("decode");
+        drafted += s.drafted;
+        accepted += s.accepted;
+        rejected += s.drafted - s.accepted;
+        *counts[0].entry(g.ids).or_default() += 1;
+        // Plain sampling of the target, and of the drafter: the test's own sanity and power.
+        let mut cache = tc.clone();
+        let (g, _) = target
+            .decode_watched(
+                &mut cache,
+                tl.clone(),
+                &params,
+                &mut |_| true,
+                &mut |_, _| false,
+            )
+            .expect("plain");
+        *counts[1].entry(g.ids).or_default() += 1;
+        let mut cache = oc.clone();
+        let (g, _) = other
+            .decode_watched(
+                &mut cache,
+                ol.clone(),
+                &params,
+                &mut |_| true,
+                &mut |_, _| false,
+            )
+            .expect("drafter");
+        *counts[2].entry(g.ids).or_default() += 1;
+    }
+    check_chi_square(&counts, &exact, (drafted, accepted, rejected));
+}
+
+fn check_chi_square(
+    counts: &[HashMap<Vec<u32>, usize>; 3],
+    exact: &HashMap<Vec<u32>, f64>,
+    (drafted, accepted, rejected): (usize, usize, usize),
+) {
+    let [spec, plain, drafter] = [0, 1, 2].map(|i| chi_square(&counts[i], exact));
+    eprintln!(
+        "{} sequences possible; chi2 (stat, 99.95% crit): speculative {spec:?}, plain {plain:?}, \
+         drafter alone {drafter:?}; drafted {drafted}, accepted {accepted}",
+        exact.len()
+    );
+    assert!(
+        spec.0 < spec.1,
+        "speculative samples follow the target: {spec:?}"
+    );
+    assert!(
+        plain.0 < plain.1,
+        "plain samples follow the target: {plain:?}"
+    );
+    assert!(
+        drafter.0 > drafter.1,
+        "the drafter's own samples do not (the test can tell): {drafter:?}"
+    );
+    assert!(
+        accepted > 0 && rejected > 0,
+        "drafts were both kept and rejected: {accepted} of {drafted}"
+    );
 }
 
 #[test]

@@ -1,13 +1,13 @@
 //! Lossless verification: the verified output equals the full-recompute greedy output token for
 //! token, on tiny models (both modes, a corrupted draft cache) and on 20 real prompts with the
-//! default target at ρ = 0 and 0.15.
+//! default target at ρ = 0 and 0.15, also with a drafter proposing tokens over the full cache.
 
 mod common;
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    Architecture, ChunkKv, Epic, GenerateParams, KvCache, LoadOptions, Model, RagTemplate,
-    SelectInput, Selector, VerifyEvent, VerifyMode, VerifyParams,
+    Architecture, ChunkKv, Drafter, Epic, GenerateParams, KvCache, LoadOptions, Model,
+    PromptLookup, RagTemplate, SelectInput, Selector, VerifyEvent, VerifyMode, VerifyParams,
 };
 
 /// Greedy output of full recompute: full prefill, then one-token decode steps.
@@ -63,6 +63,33 @@ fn verified(
             events.push(e);
             true
         })
+        .expect("verify");
+    (g, events)
+}
+
+/// [`verified`] with `drafter` proposing tokens once decoding goes on from the full cache
+/// (which is ready from the start here).
+fn verified_drafting(
+    m: &Model,
+    c: &Case,
+    d: (KvCache, Vec<f32>),
+    params: &VerifyParams,
+    drafter: &mut Drafter<'_>,
+) -> (target_engine::VerifiedGeneration, Vec<VerifyEvent>) {
+    let mut events = Vec::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    tx.send(m.prefill(&c.asm.ids)).expect("send");
+    let g = m
+        .verified_generate_from(
+            d,
+            rx,
+            params,
+            &mut |e| {
+                events.push(e);
+                true
+            },
+            Some(drafter),
+        )
         .expect("verify");
     (g, events)
 }
@@ -128,6 +155,26 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
             );
         }
     }
+    // Speculative decoding from the full cache: prompt lookup, then the model drafting over
+    // the blended cache (close to the full one, not equal).
+    let params = VerifyParams {
+        max_tokens: 40,
+        mode: VerifyMode::FromFull,
+        max_early_drafts: 6,
+    };
+    let mut lookup = Drafter::lookup_only(PromptLookup::new(c.asm.ids.clone()));
+    let (g, events) = verified_drafting(&m, &c, draft(&m, &c, 0.0), &params, &mut lookup);
+    assert_eq!(g.ids, want, "with prompt lookup");
+    assert_eq!(committed_from(&events), g.ids);
+    let (cache, logits) = draft(&m, &c, 0.15);
+    let mut model = Drafter::new(&m, cache, logits).with_min_prob(0.0);
+    let (g, _) = verified_drafting(&m, &c, draft(&m, &c, 0.15), &params, &mut model);
+    assert_eq!(g.ids, want, "with the model drafting");
+    assert!(
+        g.spec.drafted > 0 && g.spec.rounds < want.len(),
+        "drafts saved passes: {:?}",
+        g.spec
+    );
 }
 
 /// The fidelity guard's continuation: whatever was decoded before (the full output's own
@@ -162,12 +209,30 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         let mut events = Vec::new();
         let full = m.prefill(&c.asm.ids).expect("prefill");
         let g = m
-            .continue_exact(full, &generated, max, &mut |e| {
-                events.push(e);
-                true
-            })
+            .continue_exact(
+                full,
+                &generated,
+                max,
+                &mut |e| {
+                    events.push(e);
+                    true
+                },
+                None,
+            )
             .expect("continue");
         assert_eq!(g.ids, want, "after {generated:?}");
+        // A drafter proposing for the decode after the kept prefix changes nothing.
+        let full = m.prefill(&c.asm.ids).expect("prefill");
+        let (cache, logits) = m.prefill(&c.asm.ids).expect("prefill");
+        let mut d = Drafter::new(&m, cache, logits).with_min_prob(0.0);
+        let drafted = m
+            .continue_exact(full, &generated, max, &mut |_| true, Some(&mut d))
+            .expect("continue");
+        assert_eq!(drafted.ids, want, "drafting, after {generated:?}");
+        assert_eq!(
+            drafted.spec.accepted, drafted.spec.drafted,
+            "a self-drafter agrees"
+        );
         assert_eq!(g.accepted, agreeing, "after {generated:?}");
         let withdrawn: usize = events
             .iter()
@@ -319,8 +384,7 @@ fn verified_output_equals_full_recompute_on_20_real_prompts() {
         "How many bells hang in the tower?",
         "Why does the ferry route close?",
     ];
-    let mut accepted = 0;
-    let mut drafted = 0;
+    let (mut accepted, mut drafted, mut looked_up) = (0, 0, 0);
     for p in 0..20 {
         let docs: Vec<&str> = (0..3).map(|j| FACTS[(p + 3 * j) % 10]).collect();
         let c = case(&m, &docs, QUESTIONS[p % 10]);
@@ -348,7 +412,20 @@ fn verified_output_equals_full_recompute_on_20_real_prompts() {
             accepted += g.accepted;
             drafted += g.drafted;
         }
+        // Composed with speculative decoding (prompt lookup over the full cache).
+        let params = VerifyParams {
+            max_tokens: 16,
+            mode: VerifyMode::FromFull,
+            max_early_drafts: 8,
+        };
+        let mut lookup = Drafter::lookup_only(PromptLookup::new(c.asm.ids.clone()));
+        let (g, _) = verified_drafting(&m, &c, draft(&m, &c, 0.0), &params, &mut lookup);
+        assert_eq!(g.ids, want, "prompt {p} with prompt lookup drafting");
+        looked_up += g.spec.accepted;
     }
-    eprintln!("real prompts: {accepted} of {drafted} drafted tokens accepted");
+    eprintln!(
+        "real prompts: {accepted} of {drafted} drafted tokens accepted; lookup kept {looked_up}"
+    );
     assert!(drafted > 0);
+    assert!(looked_up > 0, "prompt lookup drafted for the full cache");
 }
