@@ -33,11 +33,20 @@ pub enum Codec {
     Int8,
     /// [`Codec::Int8`] with 4 bits per value (15 steps per group).
     Int4,
+    /// The same values, bit for bit, entropy-coded under a prediction of each value
+    /// ([`crate::predictive`]): today each channel's mean and spread over the chunk's tokens.
+    Predictive,
 }
 
 impl Codec {
     /// Every codec, for `--help` texts and tests.
-    pub const ALL: [Codec; 4] = [Codec::Raw, Codec::Lossless, Codec::Int8, Codec::Int4];
+    pub const ALL: [Codec; 5] = [
+        Codec::Raw,
+        Codec::Lossless,
+        Codec::Int8,
+        Codec::Int4,
+        Codec::Predictive,
+    ];
 
     /// The tag in the blob header (the header field was the dtype tag: 1 = raw f16).
     pub fn tag(self) -> u16 {
@@ -46,6 +55,7 @@ impl Codec {
             Codec::Lossless => 2,
             Codec::Int8 => 3,
             Codec::Int4 => 4,
+            Codec::Predictive => 5,
         }
     }
 
@@ -59,7 +69,7 @@ impl Codec {
         match self {
             Codec::Int8 => Some(8),
             Codec::Int4 => Some(4),
-            Codec::Raw | Codec::Lossless => None,
+            Codec::Raw | Codec::Lossless | Codec::Predictive => None,
         }
     }
 
@@ -75,6 +85,7 @@ impl Codec {
             Codec::Lossless => "lossless",
             Codec::Int8 => "int8",
             Codec::Int4 => "int4",
+            Codec::Predictive => "predictive",
         }
     }
 }

@@ -7,7 +7,7 @@
 //! | 0  | 4 | magic `SRKV` |
 //! | 4  | 2 | format version (1) |
 //! | 6  | 4 | CRC32 of every byte from offset 10 to the end |
-//! | 10 | 2 | payload codec tag ([`Codec`]: 1 = raw f16, 2 = lossless f16, 3 = int8, 4 = int4) |
+//! | 10 | 2 | payload codec tag ([`Codec`]: 1 = raw f16, 2 = lossless f16, 3 = int8, 4 = int4, 5 = predictive f16) |
 //! | 12 | 4 | layers |
 //! | 16 | 4 | row (values per token per layer) |
 //! | 20 | 4 | tokens |
@@ -92,6 +92,10 @@ pub fn encode_with(blob: &KvBlob, codec: Codec) -> Vec<u8> {
     let packed = match codec {
         Codec::Raw => None,
         Codec::Lossless => Some(codec::compress(
+            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
+            blob.row as usize,
+        )),
+        Codec::Predictive => Some(crate::predictive::compress(
             blob.k.iter().chain(&blob.v).map(Vec::as_slice),
             blob.row as usize,
         )),
@@ -361,6 +365,12 @@ fn read_payload(
         Codec::Lossless => {
             let packed = c.take(h.payload_len as usize, "payload")?;
             let mut all = codec::decompress(packed, 2 * n_layer, n_tokens, row)?;
+            let v = all.split_off(n_layer);
+            (all, v)
+        }
+        Codec::Predictive => {
+            let packed = c.take(h.payload_len as usize, "payload")?;
+            let mut all = crate::predictive::decompress(packed, 2 * n_layer, n_tokens, row)?;
             let v = all.split_off(n_layer);
             (all, v)
         }

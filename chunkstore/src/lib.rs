@@ -21,6 +21,7 @@ pub mod error;
 pub mod format;
 pub mod key;
 pub mod memory;
+pub mod predictive;
 pub mod remote;
 pub mod stats;
 pub mod store;

@@ -174,8 +174,9 @@ pub struct QueryRequest {
     pub fidelity: Option<crate::fidelity::Fidelity>,
     /// Speculative decoding (default: the server's `--spec-decode`): a drafter (`spec_draft`)
     /// proposes tokens and the target checks several in one pass. The
-    /// answer is unchanged, token for token; only greedy answers (`temperature` 0) draft, and
-    /// `verify` answers never do. `spec_decode` in the answer says what was accepted.
+    /// answer is unchanged, token for token (sampled: drawn from the same distribution, by
+    /// the rejection rule); `verify` answers draft against the full cache and stay full
+    /// recompute's. `spec_decode` in the answer says what was accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_decode: Option<bool>,
     /// What drafts with `spec_decode` (default: the server's `--spec-draft`, `lookup` unless

@@ -3,6 +3,7 @@
 
 use chunkstore::ChunkStore;
 use gateway::corpus::{Corpus, Engines, Tier};
+use gateway::method::Method;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -811,5 +812,62 @@ fn lazy_kv_is_computed_at_first_retrieval_and_answers_as_eager() -> TestResult {
         lazy.corpus.store.cached_keys().is_empty(),
         "eager ingestion pins what it reuses"
     );
+    Ok(())
+}
+
+/// The `predictive` codec is lossless: a corpus stored with it answers, from disk, exactly as
+/// one stored raw, and its blobs give back the very KV the raw ones hold (issue 43).
+#[test]
+fn predictive_kv_answers_exactly_as_raw_kv() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (raw_engines, raw_corpus, docs) = tiny_setup(dir.path(), 5)?;
+    std::fs::create_dir_all(dir.path().join("p"))?;
+    let (engines, _, _) = tiny_setup(&dir.path().join("p"), 0)?;
+    let store = gateway::corpus::StoreOptions {
+        codec: chunkstore::Codec::Predictive,
+        ..Default::default()
+    };
+    let corpus = Corpus::open_with(&dir.path().join("p/data"), 1 << 30, &store)?;
+    for (e, c) in [(&raw_engines, &raw_corpus), (&engines, &corpus)] {
+        gateway::ingest::ingest(c, e, docs.clone(), &Default::default(), |_| {})?;
+        c.store.memory().clear();
+    }
+    for d in &docs {
+        let raw = raw_engines.load(&raw_corpus.store, "default", &d.text)?;
+        let coded = engines.load(&corpus.store, "default", &d.text)?;
+        assert_eq!((raw.tier, coded.tier), (Tier::Disk, Tier::Disk));
+        assert_eq!(
+            raw.kv, coded.kv,
+            "{}: the same KV from predictive blobs",
+            d.id
+        );
+    }
+    let raw = gateway::pipeline::Pipeline::new(
+        raw_engines,
+        raw_corpus,
+        gateway::pipeline::ScoreSource::Query,
+    );
+    let coded =
+        gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
+    for method in [Method::TargetProbe, Method::FullReuse, Method::Epic] {
+        let q = gateway::pipeline::Query {
+            query: "where did the ant near tent 3 run?".into(),
+            top_k: 3,
+            max_tokens: 12,
+            method,
+            ..Default::default()
+        };
+        raw.corpus.store.memory().clear();
+        coded.corpus.store.memory().clear();
+        let (a, b) = (
+            raw.query(&q, &mut |_| true)?,
+            coded.query(&q, &mut |_| true)?,
+        );
+        assert_eq!(a.answer, b.answer, "{method:?}");
+        assert_eq!(
+            b.reuse.chunks_from_disk, 3,
+            "{method:?}: read from predictive blobs"
+        );
+    }
     Ok(())
 }
