@@ -15,6 +15,18 @@ use target_engine::{
     PromptLookup, RagTemplate, SamplingParams, SelectInput, Selector, SpecDecodeStats, TargetProbe,
 };
 
+/// A smaller model of another architecture with the same vocabulary (random weights).
+fn other_tiny() -> (tempfile::TempDir, Model) {
+    tiny(TinySpec {
+        seed: 99,
+        n_layer: 1,
+        n_embd: 32,
+        n_head: 2,
+        n_kv_head: 1,
+        ..TinySpec::new(Architecture::Llama)
+    })
+}
+
 fn tiny(spec: TinySpec) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
@@ -102,15 +114,7 @@ fn assert_same(a: &Decoded, b: &Decoded, what: &str) {
 #[test]
 fn speculative_decoding_hands_out_exactly_what_plain_decoding_does() {
     let (_a, target) = tiny(TinySpec::new(Architecture::Qwen2));
-    // A smaller model of another architecture with the same vocabulary.
-    let (_b, other) = tiny(TinySpec {
-        seed: 99,
-        n_layer: 1,
-        n_embd: 32,
-        n_head: 2,
-        n_kv_head: 1,
-        ..TinySpec::new(Architecture::Llama)
-    });
+    let (_b, other) = other_tiny();
     let prompt = target
         .tokenizer()
         .encode("the ant sat in the tent", false)
@@ -344,14 +348,7 @@ fn chi_square(counts: &HashMap<Vec<u32>, usize>, exact: &HashMap<Vec<u32>, f64>)
 #[test]
 fn sampled_speculative_decoding_samples_the_targets_distribution() {
     let (_a, target) = tiny(TinySpec::new(Architecture::Qwen2));
-    let (_b, other) = tiny(TinySpec {
-        seed: 99,
-        n_layer: 1,
-        n_embd: 32,
-        n_head: 2,
-        n_kv_head: 1,
-        ..TinySpec::new(Architecture::Llama)
-    });
+    let (_b, other) = other_tiny();
     let tok = target.tokenizer();
     let prompt = tok.encode("the ant sat in the tent", false).ids;
     const N: u64 = 3000;

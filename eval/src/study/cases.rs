@@ -156,6 +156,7 @@ pub fn run_case(
             codec: run.codec.name().into(),
             verify: verified.as_ref().and_then(|v| v.answer.verify),
             verify_mode: verified.as_ref().map(|_| pipeline.verify_mode.to_string()),
+            verify_spec: verified.as_ref().and_then(|v| v.answer.spec_decode.clone()),
             verified_identical: verified.map(|v| v.answer.answer == reference.answer.answer),
             guard: (config.fidelity != Fidelity::Fast).then_some(t.answer.reuse.guard),
             margin_first: Some(stats::top2_margin(&t.first_logits)),

@@ -318,6 +318,7 @@ mod tests {
             codec: "raw".into(),
             verify: None,
             verified_identical: None,
+            verify_spec: None,
             verify_mode: None,
             guard: None,
             margin_first: None,

@@ -223,6 +223,7 @@ mod tests {
             codec: raw_codec(),
             verify: None,
             verified_identical: None,
+            verify_spec: None,
             verify_mode: None,
             guard: None,
             margin_first: None,

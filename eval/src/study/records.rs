@@ -48,6 +48,10 @@ pub struct StudyRecord {
     /// With `--study-verify`: the verified answer equals full recompute's (it must).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verified_identical: Option<bool>,
+    /// With `--study-verify`: what speculative decoding drafted for the verified answer
+    /// (prompt lookup and/or the speculator, checked against the full cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_spec: Option<gateway::answer::SpecDecodeReport>,
     /// With `--study-verify`: how decoding went on once the full cache was ready
     /// (`--study-verify-mode`; rows written before it was recorded ran `full`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

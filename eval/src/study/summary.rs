@@ -203,6 +203,8 @@ pub struct VerifyRow {
     pub all_accepted: Interval,
     /// Verified answers equal to full recompute's (must be all).
     pub identical: Interval,
+    /// Speculative decoding over the full cache: proposals accepted and drafted, summed.
+    pub spec: (usize, usize),
 }
 
 /// [`VerifyRow`]s of (`pairing`, `dataset`), in the order the labels first appear.
@@ -233,6 +235,10 @@ pub fn verify_rows(records: &[StudyRecord], pairing: &str, dataset: &str) -> Vec
                 per_pass: v.iter().map(|(s, _)| s.mean_accepted).sum::<f64>() / n as f64,
                 all_accepted: stats::wilson(v.iter().filter(|(s, _)| s.corrected == 0).count(), n),
                 identical: stats::wilson(v.iter().filter(|(_, same)| *same).count(), n),
+                spec: rs
+                    .values()
+                    .filter_map(|r| r.verify_spec.as_ref())
+                    .fold((0, 0), |(a, d), s| (a + s.accepted, d + s.drafted)),
             })
         })
         .collect();
@@ -422,20 +428,23 @@ pub(crate) fn write_verify_table(
              prefill): drafted tokens accepted, accepted per verification pass, answers whose \
              every draft was accepted, and verified answers equal to full recompute's (must \
              be 100); `full` drafts only while the full prefill runs, `draft-every-N` to the \
-             end:\n\n| config | mode | n | accepted % | per pass | all accepted % | verified \
-             identical % |\n|---|---|---|---|---|---|---|\n",
+             end; then what speculative decoding proposed once decoding went on from the full \
+             cache (accepted / drafted):\n\n| config | mode | n | accepted % | per pass | all \
+             accepted % | verified identical % | spec-decoded |\n|---|---|---|---|---|---|---|---|\n",
         );
         for r in verified {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {:.1} | {:.2} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {:.2} | {} | {} | {} / {} |",
                 r.label,
                 r.mode,
                 r.n,
                 r.accepted * 100.0,
                 r.per_pass,
                 iv(&r.all_accepted, 100.0, 0),
-                iv(&r.identical, 100.0, 0)
+                iv(&r.identical, 100.0, 0),
+                r.spec.0,
+                r.spec.1
             );
         }
     }
