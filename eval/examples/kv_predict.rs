@@ -216,6 +216,47 @@ struct Bits {
     rel: (f64, f64),
 }
 
+/// Fits every layer's map on `cal` and codes `eval` with it and with the static model.
+fn code_all(
+    target: &Model,
+    spec: &Model,
+    cal: &[Pair],
+    eval: &[Pair],
+) -> anyhow::Result<[Bits; 2]> {
+    let row = cal[0].target.row;
+    let layers = cal[0].target.k.len();
+    let mut out = [Bits::default(), Bits::default()];
+    for l in 0..layers {
+        for (kind, keys) in [(0, true), (1, false)] {
+            let map = fit(target, spec, cal, l, keys)?;
+            for p in eval {
+                let f = features(spec, &p.spec, l, layers)?;
+                let pred = predicted(target, &map, &f, row, keys)?;
+                let actual = if keys { &p.target.k[l] } else { &p.target.v[l] };
+                let bits: Vec<u16> = actual.iter().map(|v| v.to_bits()).collect();
+                let coded = predictive::encode(&bits, |i| (pred[i], map.sigma[i % row]))?;
+                let back =
+                    predictive::decode(&coded, bits.len(), |i| (pred[i], map.sigma[i % row]))?;
+                anyhow::ensure!(back == bits, "round trip");
+                let stats = predictive::channel_stats(actual, row);
+                let fixed = predictive::encode(&bits, |i| stats[i % row])?.len() + row * 8;
+                let b = &mut out[kind];
+                b.values += bits.len();
+                b.predicted += coded.len();
+                b.fixed += fixed;
+                for (i, a) in actual.iter().enumerate() {
+                    let a = f64::from(a.to_f32());
+                    b.rel.0 += (a - f64::from(pred[i])).powi(2);
+                    b.rel.1 += (a - f64::from(stats[i % row].0)).powi(2);
+                }
+            }
+        }
+        eprint!("\rlayer {l} fitted");
+    }
+    eprintln!();
+    Ok(out)
+}
+
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let (tp, sp) = (
@@ -244,37 +285,7 @@ fn main() -> anyhow::Result<()> {
     eprintln!();
     let eval: Vec<Pair> = pairs.split_off(pairs.len() / 2);
     let cal = pairs;
-    let row = cal[0].target.row;
-    let layers = cal[0].target.k.len();
-    let mut out = [Bits::default(), Bits::default()];
-    for l in 0..layers {
-        for (kind, keys) in [(0, true), (1, false)] {
-            let map = fit(&target, &spec, &cal, l, keys)?;
-            for p in &eval {
-                let f = features(&spec, &p.spec, l, layers)?;
-                let pred = predicted(&target, &map, &f, row, keys)?;
-                let actual = if keys { &p.target.k[l] } else { &p.target.v[l] };
-                let bits: Vec<u16> = actual.iter().map(|v| v.to_bits()).collect();
-                let coded = predictive::encode(&bits, |i| (pred[i], map.sigma[i % row]))?;
-                let back =
-                    predictive::decode(&coded, bits.len(), |i| (pred[i], map.sigma[i % row]))?;
-                anyhow::ensure!(back == bits, "round trip");
-                let stats = predictive::channel_stats(actual, row);
-                let fixed = predictive::encode(&bits, |i| stats[i % row])?.len() + row * 8;
-                let b = &mut out[kind];
-                b.values += bits.len();
-                b.predicted += coded.len();
-                b.fixed += fixed;
-                for (i, a) in actual.iter().enumerate() {
-                    let a = f64::from(a.to_f32());
-                    b.rel.0 += (a - f64::from(pred[i])).powi(2);
-                    b.rel.1 += (a - f64::from(stats[i % row].0)).powi(2);
-                }
-            }
-        }
-        eprint!("\rlayer {l} fitted");
-    }
-    eprintln!();
+    let out = code_all(&target, &spec, &cal, &eval)?;
     println!(
         "{} calibration and {} held-out chunks of {CHUNK} tokens; precompute: target {:.0} ms, speculator {:.0} ms per chunk",
         cal.len(),
