@@ -29,6 +29,7 @@ struct Totals {
     raw: usize,
     lossless: usize,
     int8: usize,
+    int8_predictive: usize,
     predictive: usize,
     encode_s: f64,
     decode_s: f64,
@@ -40,6 +41,54 @@ struct Totals {
 
 fn payload(blob: &KvBlob, codec: Codec, raw_total: usize, raw_payload: usize) -> usize {
     chunkstore::encode_with(blob, codec).len() - (raw_total - raw_payload)
+}
+
+/// Each group's codes' mean and standard deviation (`groups x len`, group-major), as f32.
+fn code_stats(codes: &[u8], groups: usize, len: usize, by_group: bool) -> Vec<(f32, f32)> {
+    let n = if by_group { groups } else { len };
+    (0..n)
+        .map(|g| {
+            let vals: Vec<f64> = if by_group {
+                codes[g * len..(g + 1) * len]
+                    .iter()
+                    .map(|&q| f64::from(q))
+                    .collect()
+            } else {
+                (0..groups).map(|t| f64::from(codes[t * len + g])).collect()
+            };
+            let m = vals.iter().sum::<f64>() / vals.len().max(1) as f64;
+            let v = vals.iter().map(|x| (x - m).powi(2)).sum::<f64>() / vals.len().max(1) as f64;
+            (m as f32, v.sqrt() as f32)
+        })
+        .collect()
+}
+
+/// The int8 payload with its codes entropy-coded (the source note's "on top of FP8"): K codes
+/// (grouped per channel) under each channel's code mean and spread, V codes (grouped per
+/// token) under each channel's, the statistics counted; checks the round trip. Bytes.
+fn int8_predictive(blob: &KvBlob) -> Result<usize, Box<dyn std::error::Error>> {
+    let (row, tokens, layers) = (blob.row as usize, blob.ids.len(), blob.k.len());
+    let bytes = chunkstore::encode_with(blob, Codec::Int8);
+    let codes_len = tokens * row;
+    let payload_len = layers * (row * 8 + codes_len) + layers * (tokens * 8 + codes_len);
+    let mut rest = &bytes[bytes.len() - payload_len..];
+    let mut size = 0;
+    for l in 0..2 * layers {
+        // K layers come first, grouped per channel; V layers are grouped per token, so their
+        // statistics run over each channel instead.
+        let keys = l < layers;
+        let (groups, len) = if keys { (row, tokens) } else { (tokens, row) };
+        let codes = &rest[groups * 8..groups * 8 + codes_len];
+        rest = &rest[groups * 8 + codes_len..];
+        let stats = code_stats(codes, groups, len, keys);
+        let predict = |i: usize| if keys { stats[i / len] } else { stats[i % len] };
+        let coded = predictive::encode_codes(codes, predict)?;
+        if predictive::decode_codes(&coded, codes.len(), predict)? != codes {
+            return Err("int8 + predictive round trip differs".into());
+        }
+        size += groups * 8 + coded.len() + stats.len() * 8;
+    }
+    Ok(size)
 }
 
 fn measure(blob: &KvBlob, t: &mut Totals) -> Result<(), Box<dyn std::error::Error>> {
@@ -60,6 +109,7 @@ fn measure(blob: &KvBlob, t: &mut Totals) -> Result<(), Box<dyn std::error::Erro
         *time += start.elapsed().as_secs_f64();
     }
     t.int8 += payload(blob, Codec::Int8, raw_total, values * 2);
+    t.int8_predictive += int8_predictive(blob)?;
     let start = Instant::now();
     let coded = chunkstore::encode_with(blob, Codec::Predictive);
     t.encode_s += start.elapsed().as_secs_f64();
@@ -116,6 +166,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("lossless (zstd byte planes)", t.lossless),
         ("predictive, static per-channel", t.predictive),
         ("int8 (lossy)", t.int8),
+        (
+            "int8, codes coded predictively (lossy as int8)",
+            t.int8_predictive,
+        ),
     ] {
         println!(
             "| {name} | {:.2} | {:.3} |",
