@@ -116,8 +116,10 @@ fn binade(e: u16) -> (f64, f64, f64) {
 
 type ClassModel = DefaultContiguousCategoricalEntropyModel;
 
-/// The models of each grid point met so far (encoding and decoding meet the same points in
-/// the same order, and a model depends only on its point).
+/// Most class models kept (~256 bytes each): per-value predictions meet many grid points.
+const MAX_CACHED: usize = 1 << 16;
+
+/// The models of the grid points met so far (a model depends only on its point).
 #[derive(Default)]
 struct Models {
     classes: HashMap<Key, ClassModel>,
@@ -125,6 +127,10 @@ struct Models {
 
 impl Models {
     fn class_model(&mut self, key: Key) -> Result<&ClassModel, FormatError> {
+        // A model is a function of its key: forgetting them bounds memory, changes nothing.
+        if self.classes.len() >= MAX_CACHED && !self.classes.contains_key(&key) {
+            self.classes.clear();
+        }
         Ok(match self.classes.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(class_model(key)?),
@@ -170,16 +176,13 @@ pub fn encode(
     let mut models = Models::default();
     let quantizer = DefaultLeakyQuantizer::new(0..=1023i32);
     let uniform = DefaultUniformModel::new(1024);
-    // Models are built in value order (as the decoder meets them), symbols pushed in reverse.
+    // Symbols are pushed last to first: the decoder pops them first to last.
     let keys: Vec<Key> = (0..values.len())
         .map(|i| {
             let (mu, sigma) = predict(i);
             Key::new(mu, sigma)
         })
         .collect();
-    for &k in &keys {
-        models.class_model(k)?;
-    }
     let mut coder = DefaultAnsCoder::new();
     let bad = |e| FormatError::Codec(format!("predictive encode: {e:?}"));
     for (i, &x) in values.iter().enumerate().rev() {
@@ -425,6 +428,17 @@ mod tests {
             let back = decode(&bytes, all.len(), |_| (mu, sigma)).expect("decode");
             assert!(back == all, "({mu}, {sigma})");
         }
+    }
+
+    #[test]
+    fn more_grid_points_than_the_cache_holds_still_round_trip() {
+        let n = MAX_CACHED + 5_000;
+        let mu = |i: usize| i as f32 * 0.01;
+        let bits: Vec<u16> = (0..n)
+            .map(|i| f16::from_f32(mu(i) + 0.003).to_bits())
+            .collect();
+        let bytes = encode(&bits, |i| (mu(i), 0.002)).expect("encode");
+        assert_eq!(decode(&bytes, n, |i| (mu(i), 0.002)).expect("decode"), bits);
     }
 
     #[test]
