@@ -198,10 +198,7 @@ pub fn encode(
             .encode_symbol(c, models.class_model(key)?)
             .map_err(bad)?;
     }
-    let words = coder
-        .into_compressed()
-        .map_err(|e| FormatError::Codec(format!("predictive encode: {e:?}")))?;
-    Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect())
+    into_bytes(coder, "predictive encode")
 }
 
 /// Decodes `n` values encoded by [`encode`] with the same predictions.
@@ -210,17 +207,7 @@ pub fn decode(
     n: usize,
     predict: impl Fn(usize) -> (f32, f32),
 ) -> Result<Vec<u16>, FormatError> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(FormatError::Codec(
-            "predictive payload is not whole words".into(),
-        ));
-    }
-    let words: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .collect();
-    let mut coder = DefaultAnsCoder::from_compressed(words)
-        .map_err(|_| FormatError::Codec("predictive payload: bad final word".into()))?;
+    let mut coder = coder_from(bytes, "predictive payload")?;
     let mut models = Models::default();
     let quantizer = DefaultLeakyQuantizer::new(0..=1023i32);
     let uniform = DefaultUniformModel::new(1024);
@@ -246,6 +233,27 @@ pub fn decode(
     Ok(out)
 }
 
+/// The coder's words as little-endian bytes.
+fn into_bytes(coder: DefaultAnsCoder, what: &str) -> Result<Vec<u8>, FormatError> {
+    let words = coder
+        .into_compressed()
+        .map_err(|e| FormatError::Codec(format!("{what}: {e:?}")))?;
+    Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect())
+}
+
+/// A coder over the words `bytes` holds (whole little-endian u32s).
+fn coder_from(bytes: &[u8], what: &str) -> Result<DefaultAnsCoder, FormatError> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(FormatError::Codec(format!("{what} is not whole words")));
+    }
+    let words: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect();
+    DefaultAnsCoder::from_compressed(words)
+        .map_err(|_| FormatError::Codec(format!("{what}: bad final word")))
+}
+
 /// Encodes 8-bit codes (a low-bit codec's, as the source note codes FP8 caches), code `i`
 /// under the Gaussian `predict(i)` = (mean, std) in code units, discretized to 0..=255.
 pub fn encode_codes(
@@ -260,10 +268,7 @@ pub fn encode_codes(
             .encode_symbol(i32::from(q), quantizer.quantize(Gaussian::new(mean, std)))
             .map_err(|e| FormatError::Codec(format!("predictive codes: {e:?}")))?;
     }
-    let words = coder
-        .into_compressed()
-        .map_err(|e| FormatError::Codec(format!("predictive codes: {e:?}")))?;
-    Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect())
+    into_bytes(coder, "predictive codes")
 }
 
 /// Decodes `n` codes encoded by [`encode_codes`] with the same predictions.
@@ -272,17 +277,7 @@ pub fn decode_codes(
     n: usize,
     predict: impl Fn(usize) -> (f32, f32),
 ) -> Result<Vec<u8>, FormatError> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(FormatError::Codec(
-            "predictive codes are not whole words".into(),
-        ));
-    }
-    let words: Vec<u32> = bytes
-        .chunks_exact(4)
-        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .collect();
-    let mut coder = DefaultAnsCoder::from_compressed(words)
-        .map_err(|_| FormatError::Codec("predictive codes: bad final word".into()))?;
+    let mut coder = coder_from(bytes, "predictive codes")?;
     let quantizer = DefaultLeakyQuantizer::new(0..=255i32);
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
