@@ -20,6 +20,7 @@ pub mod model;
 pub mod repetition;
 pub mod sampling;
 pub mod select;
+pub mod sparse;
 pub mod speculative;
 pub mod stop;
 pub mod testing;
@@ -42,6 +43,7 @@ pub use select::{
     budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,
     Random, SelectInput, Selector, TargetProbe,
 };
+pub use sparse::{kivi_cache, AttentionView, TopKConfig, TopKView, ViewGeneration, ViewParams};
 pub use speculative::{accept_sampled, DraftLength, Drafter, PromptLookup, SpecDecodeStats};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

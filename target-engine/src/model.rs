@@ -659,6 +659,7 @@ impl Model {
             collect_layers,
             allow_dense: true,
             probe: None,
+            view: None,
         };
         self.forward_layers_with(x, positions, cache, layers, pass)
     }
@@ -700,6 +701,7 @@ impl Model {
             collect_layers: false,
             allow_dense: true,
             probe: Some((probe, &mut mass)),
+            view: None,
         };
         self.forward_layers_with(x, positions, cache, 0..end, pass)?;
         Ok(mass)
@@ -715,11 +717,35 @@ impl Model {
         positions: &[usize],
         cache: &mut KvCache,
     ) -> Result<ForwardOutput> {
+        self.forward_decode_with(ids, positions, cache, None)
+    }
+
+    /// [`Model::forward_decode_path`] whose attention comes from `view` (an approximate view
+    /// of the cache: a long-context drafter's, see [`crate::sparse`]); the rows' K/V are
+    /// written to `cache` as usual.
+    pub fn forward_view(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        view: &mut (dyn crate::sparse::AttentionView + Send),
+    ) -> Result<ForwardOutput> {
+        self.forward_decode_with(ids, positions, cache, Some(view))
+    }
+
+    fn forward_decode_with(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        view: Option<&mut (dyn crate::sparse::AttentionView + Send)>,
+    ) -> Result<ForwardOutput> {
         let x = self.embed(ids)?;
         let pass = Pass {
             collect_layers: false,
             allow_dense: false,
             probe: None,
+            view,
         };
         let (x, layers) =
             self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
@@ -755,6 +781,7 @@ impl Model {
             collect_layers,
             allow_dense,
             mut probe,
+            mut view,
         } = pass;
         let c = &self.config;
         let (n, width) = x.dims2()?;
@@ -802,7 +829,9 @@ impl Model {
                     mass.push(m);
                 }
             }
-            let attn = if self.bf16_attention {
+            let attn = if let Some(view) = view.as_mut() {
+                view.attend(l, &q, positions, cache, shape)?
+            } else if self.bf16_attention {
                 kernels::causal_attention_packed(&q, positions, cache.bf16(l, rows, shape))?
             } else {
                 kernels::causal_attention(
@@ -866,6 +895,8 @@ struct Pass<'a> {
     allow_dense: bool,
     /// Layers whose attention mass to record (one vector per layer), and where.
     probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
+    /// Attention from an approximate view of the cache instead of all of it (a drafter's).
+    view: Option<&'a mut (dyn crate::sparse::AttentionView + Send)>,
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.

@@ -1,0 +1,516 @@
+//! Long contexts, losslessly: drafters that decode from an approximate view of the cache, and a
+//! verifier that checks their tokens against all of it (VeriCache's uniform interface for lossy
+//! KV: any [`AttentionView`] is a drafter, and the output is the full cache's greedy output).
+//!
+//! - [`TopKView`] (SpeCache, shared/papers/specache.txt): a low-bit copy of the keys
+//!   ([`kernels::LowBitKeys`], KIVI's per-channel quantization) is scored against each decode
+//!   step's query; the step attends exactly, at full precision, over the `top_k` best rows per
+//!   kv head (the largest softmax probability among the group's query heads, SpeContext's max
+//!   over a GQA group) plus a few sink rows and a recent window. With `top_k` 0 it is the
+//!   StreamingLLM window (sink + recent rows), a baseline.
+//!   SpeCache picks the next step's rows with a *speculative token* so that fetching them over
+//!   PCIe overlaps the step's compute; here the full-precision rows sit in the same RAM, a
+//!   fetch is the gather itself, and the step's own query picks its rows (the paper's
+//!   "non-speculative fetching", slightly more accurate in its Table 4).
+//! - [`kivi_cache`]: the whole cache quantized and dequantized (keys per channel, values per
+//!   token), the KIVI-only baseline.
+//!
+//! [`Model::view_verified_generate`] drafts a few tokens from a view, then checks them in one
+//! full-attention pass over the same cache ([`Model::forward_decode_path`], bit-identical to
+//! one-token steps): the agreeing prefix is kept, the first disagreement replaced by the full
+//! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
+
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::model::Model;
+use crate::sampling::argmax;
+use crate::speculative::{top_probability, DraftLength, MAX_DRAFT};
+use kernels::{AttentionShape, LowBitKeys};
+use rayon::prelude::*;
+use std::time::Instant;
+
+/// Attention for a forward's query rows from a view of the cache (a drafter's), in place of
+/// full attention over every row.
+pub trait AttentionView {
+    /// The attention output `(positions.len(), n_head, head_dim)` of queries `q` at
+    /// `positions`, layer `layer`, over `cache` (whose rows at `positions` are already
+    /// written for this layer).
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        positions: &[usize],
+        cache: &KvCache,
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>>;
+
+    /// Rows at or after `rows` were rewritten or dropped: forget anything derived from them.
+    fn invalidate_from(&mut self, rows: usize);
+
+    /// Bytes the view holds beside the cache.
+    fn held_bytes(&self) -> usize;
+
+    /// Cache rows read at full precision so far, summed over layers and kv heads, and the
+    /// rows full attention would have read in the same calls.
+    fn rows_read(&self) -> (u64, u64);
+}
+
+/// How [`TopKView`] chooses the rows a step attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopKConfig {
+    /// Bits per value of the low-bit keys (2 or 4).
+    pub bits: u32,
+    /// Positions per quantization block (KIVI's group along the tokens).
+    pub group: usize,
+    /// Rows chosen by score per kv head and layer (0: the window alone, StreamingLLM).
+    pub top_k: usize,
+    /// Most recent rows always attended.
+    pub window: usize,
+    /// First rows always attended (attention sinks).
+    pub sink: usize,
+}
+
+impl Default for TopKConfig {
+    fn default() -> Self {
+        Self {
+            bits: 4,
+            group: 32,
+            top_k: 1024,
+            window: 128,
+            sink: 4,
+        }
+    }
+}
+
+/// SpeCache's drafter view: top-k rows chosen on low-bit keys, attended exactly.
+#[derive(Debug, Clone)]
+pub struct TopKView {
+    config: TopKConfig,
+    keys: Vec<LowBitKeys>,
+    read: u64,
+    full: u64,
+}
+
+impl TopKView {
+    /// A view choosing rows as `config` says.
+    pub fn new(config: TopKConfig) -> Self {
+        Self {
+            config,
+            keys: Vec::new(),
+            read: 0,
+            full: 0,
+        }
+    }
+
+    /// The view's settings.
+    pub fn config(&self) -> TopKConfig {
+        self.config
+    }
+
+    /// The rows kv head `g` of one query row at position `p` attends to, in position order.
+    fn choose(&self, keys: &LowBitKeys, q: &[f32], p: usize, g: usize) -> Result<Vec<usize>> {
+        let c = self.config;
+        let n = p + 1;
+        let sink_end = c.sink.min(n);
+        let wstart = n.saturating_sub(c.window).max(sink_end);
+        let qrows = keys.rows().min(wstart).max(sink_end);
+        let mut chosen: Vec<usize> = (0..sink_end).collect();
+        let candidates = qrows - sink_end;
+        if candidates <= c.top_k {
+            chosen.extend(sink_end..qrows);
+        } else if c.top_k > 0 {
+            let mut s = Vec::new();
+            keys.scores(q, g, &mut s)?;
+            let rows = keys.rows();
+            let heads = s.len() / rows.max(1);
+            let mut importance = vec![0f32; candidates];
+            for h in 0..heads {
+                let sh = &s[h * rows + sink_end..h * rows + qrows];
+                let max = sh.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = sh.iter().map(|&x| (x - max).exp()).sum();
+                for (imp, &x) in importance.iter_mut().zip(sh) {
+                    *imp = imp.max((x - max).exp() / sum);
+                }
+            }
+            let mut order: Vec<usize> = (0..candidates).collect();
+            order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
+                importance[b].total_cmp(&importance[a])
+            });
+            order.truncate(c.top_k);
+            order.sort_unstable();
+            chosen.extend(order.into_iter().map(|i| sink_end + i));
+        }
+        chosen.extend(qrows..n);
+        Ok(chosen)
+    }
+
+    /// Exact attention of kv head `g`'s query heads (one row, position `p`) over `rows`.
+    fn attend_head(
+        cache: &KvCache,
+        layer: usize,
+        q: &[f32],
+        rows: &[usize],
+        g: usize,
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>> {
+        let d = shape.head_dim;
+        let heads = shape.n_head / shape.n_kv_head;
+        let row = shape.n_kv_head * d;
+        let (k, v) = (cache.k(layer), cache.v(layer));
+        let mut kg = Vec::with_capacity(rows.len() * d);
+        let mut vg = Vec::with_capacity(rows.len() * d);
+        for &t in rows {
+            kg.extend_from_slice(&k[t * row + g * d..t * row + (g + 1) * d]);
+            vg.extend_from_slice(&v[t * row + g * d..t * row + (g + 1) * d]);
+        }
+        let one = AttentionShape {
+            n_head: heads,
+            n_kv_head: 1,
+            head_dim: d,
+        };
+        let qg = &q[g * heads * d..(g + 1) * heads * d];
+        Ok(kernels::causal_attention(
+            qg,
+            &[rows.len() - 1],
+            &kg,
+            &vg,
+            one,
+        )?)
+    }
+}
+
+impl AttentionView for TopKView {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        positions: &[usize],
+        cache: &KvCache,
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>> {
+        if self.keys.is_empty() {
+            self.keys = (0..cache.n_layer())
+                .map(|_| LowBitKeys::new(shape, self.config.bits, self.config.group))
+                .collect::<std::result::Result<_, _>>()?;
+        }
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        self.keys[layer].update(cache.k_prefix(layer, rows))?;
+        let (n_head, d) = (shape.n_head, shape.head_dim);
+        let heads = n_head / shape.n_kv_head;
+        let mut out = vec![0f32; positions.len() * n_head * d];
+        for (i, &p) in positions.iter().enumerate() {
+            let qi = &q[i * n_head * d..(i + 1) * n_head * d];
+            let keys = &self.keys[layer];
+            let per_head = (0..shape.n_kv_head)
+                .into_par_iter()
+                .map(|g| {
+                    let chosen = self.choose(keys, qi, p, g)?;
+                    let o = Self::attend_head(cache, layer, qi, &chosen, g, shape)?;
+                    Ok((o, chosen.len()))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for (g, (o, read)) in per_head.into_iter().enumerate() {
+                let at = i * n_head * d + g * heads * d;
+                out[at..at + heads * d].copy_from_slice(&o);
+                self.read += read as u64;
+                self.full += (p + 1) as u64;
+            }
+        }
+        Ok(out)
+    }
+
+    fn invalidate_from(&mut self, rows: usize) {
+        self.keys.iter_mut().for_each(|k| k.truncate(rows));
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.keys.iter().map(LowBitKeys::bytes).sum()
+    }
+
+    fn rows_read(&self) -> (u64, u64) {
+        (self.read, self.full)
+    }
+}
+
+/// The cache as KIVI would hold it (`bits` per value): keys quantized per channel over blocks
+/// of `group` positions, values per position over groups of `group` channels, each block's
+/// values replaced by their dequantized ones; the rows after the last whole block stay exact
+/// (KIVI's full-precision residual). Rows written later (the answer's) are exact.
+pub fn kivi_cache(
+    cache: &KvCache,
+    shape: AttentionShape,
+    bits: u32,
+    group: usize,
+) -> Result<KvCache> {
+    let mut out = cache.clone();
+    let row = cache.row_len();
+    let levels = ((1u32 << bits) - 1) as f32;
+    for layer in 0..cache.n_layer() {
+        let mut keys = LowBitKeys::new(shape, bits, group)?;
+        keys.update(cache.k(layer))?;
+        let whole = keys.rows();
+        let positions: Vec<usize> = (0..whole).collect();
+        let mut k = Vec::with_capacity(whole * row);
+        for t in 0..whole {
+            for g in 0..shape.n_kv_head {
+                k.extend(keys.dequantize(t, g));
+            }
+        }
+        let mut v = cache.v(layer)[..whole * row].to_vec();
+        for values in v.chunks_mut(group.min(row).max(1)) {
+            let (lo, hi) = values
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
+            let step = if hi > lo { (hi - lo) / levels } else { 0.0 };
+            for x in values.iter_mut() {
+                if step > 0.0 {
+                    *x = lo + step * ((*x - lo) / step).round().clamp(0.0, levels);
+                }
+            }
+        }
+        out.set_rows(layer, &positions, &k, &v)?;
+    }
+    Ok(out)
+}
+
+/// Settings of [`Model::view_verified_generate`].
+#[derive(Debug, Clone, Copy)]
+pub struct ViewParams {
+    pub max_tokens: usize,
+    /// Drafts per round: starts at `current`, grows by 2 after a round wholly accepted, shrinks
+    /// by 1 after a miss, within `min..=max` (`max` at most [`MAX_DRAFT`]).
+    pub length: DraftLength,
+    /// A round ends early (is verified now) after a draft the view gave less probability than
+    /// this: the divergence signal.
+    pub min_prob: f32,
+}
+
+impl Default for ViewParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            length: DraftLength {
+                current: 4,
+                min: 1,
+                max: MAX_DRAFT,
+            },
+            min_prob: 0.0,
+        }
+    }
+}
+
+/// What a generation over a view did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ViewGeneration {
+    /// The committed ids (verified: full attention's greedy output).
+    pub ids: Vec<u32>,
+    /// Tokens drafted from the view.
+    pub drafted: usize,
+    /// Drafts full attention agreed with.
+    pub accepted: usize,
+    /// Verification passes.
+    pub rounds: usize,
+    /// True when the answer ended with an end-of-generation token.
+    pub eos: bool,
+    /// Decode time (ms), from the prompt's logits to the last token.
+    pub decode_ms: f64,
+}
+
+impl ViewGeneration {
+    /// Drafts accepted over drafts made.
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// Decode ms per committed token.
+    pub fn ms_per_token(&self) -> f64 {
+        self.decode_ms / self.ids.len().max(1) as f64
+    }
+}
+
+impl Model {
+    /// Greedy decoding whose output equals full attention's over `cache` (whose last logits
+    /// are `logits`), token for token, with tokens drafted from `view` and checked in one
+    /// full-attention pass per round.
+    pub fn view_verified_generate(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        view: &mut (dyn AttentionView + Send),
+        params: &ViewParams,
+    ) -> Result<ViewGeneration> {
+        let t0 = Instant::now();
+        let prompt_len = cache.len();
+        let mut g = ViewGeneration::default();
+        let mut length = params.length;
+        let mut next = argmax(logits);
+        loop {
+            g.ids.push(next);
+            if self.tokenizer().is_end_of_generation(next) {
+                g.eos = true;
+                break;
+            }
+            if g.ids.len() >= params.max_tokens {
+                break;
+            }
+            let p0 = cache.len();
+            let room = length.current.min(params.max_tokens - g.ids.len()).max(1);
+            let drafts = self.draft_round(cache, next, view, room, params.min_prob)?;
+            let (accepted, correction) = self.check_round(cache, p0, next, &drafts)?;
+            view.invalidate_from(p0);
+            cache.truncate(p0 + accepted + 1);
+            length.update(drafts.len(), accepted);
+            g.drafted += drafts.len();
+            g.accepted += accepted;
+            g.rounds += 1;
+            g.ids.extend_from_slice(&drafts[..accepted]);
+            if let Some(&last) = drafts[..accepted].last() {
+                if self.tokenizer().is_end_of_generation(last) {
+                    g.eos = true;
+                    break;
+                }
+            }
+            if g.ids.len() >= params.max_tokens {
+                break;
+            }
+            next = correction;
+        }
+        g.ids.truncate(params.max_tokens.max(1));
+        // As plain decoding leaves it: every committed token but the last fed.
+        cache.truncate(prompt_len + g.ids.len() - 1);
+        view.invalidate_from(cache.len());
+        g.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(g)
+    }
+
+    /// Up to `room` tokens drafted from `view` after `next` (fed at `cache.len()`), ending
+    /// early at an end token or a draft below `min_prob`.
+    fn draft_round(
+        &self,
+        cache: &mut KvCache,
+        next: u32,
+        view: &mut (dyn AttentionView + Send),
+        room: usize,
+        min_prob: f32,
+    ) -> Result<Vec<u32>> {
+        let mut drafts = Vec::with_capacity(room);
+        let mut tok = next;
+        while drafts.len() < room {
+            let pos = cache.len();
+            let out = self.forward_view(&[tok], &[pos], cache, view)?;
+            let l = self.last_logits(&out)?;
+            tok = argmax(&l);
+            drafts.push(tok);
+            if self.tokenizer().is_end_of_generation(tok) || top_probability(&l) < min_prob {
+                break;
+            }
+        }
+        Ok(drafts)
+    }
+
+    /// Feeds `next` and `drafts` at `p0..` with full attention; returns how many drafts agree
+    /// with the full cache's greedy tokens and the full cache's token after them.
+    fn check_round(
+        &self,
+        cache: &mut KvCache,
+        p0: usize,
+        next: u32,
+        drafts: &[u32],
+    ) -> Result<(usize, u32)> {
+        if drafts.len() > MAX_DRAFT {
+            return Err(EngineError::InvalidInput(format!(
+                "{} drafts in one round (at most {MAX_DRAFT})",
+                drafts.len()
+            )));
+        }
+        cache.truncate(p0);
+        let mut feed = vec![next];
+        feed.extend_from_slice(drafts);
+        let positions: Vec<usize> = (p0..p0 + feed.len()).collect();
+        let out = self.forward_decode_path(&feed, &positions, cache)?;
+        let vocab = self.tokenizer().vocab_size();
+        let all = self.logits(&out.hidden)?.to_vec2::<f32>()?;
+        let mut accepted = 0;
+        for (row, &d) in all.iter().zip(drafts) {
+            if argmax(&row[..vocab]) != d {
+                break;
+            }
+            accepted += 1;
+        }
+        Ok((accepted, argmax(&all[accepted][..vocab])))
+    }
+
+    /// Greedy decoding with every step from `view` (`None`: full attention), unverified: the
+    /// drafter's own answer, for measuring what it loses.
+    pub fn view_generate(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        mut view: Option<&mut (dyn AttentionView + Send)>,
+        max_tokens: usize,
+    ) -> Result<ViewGeneration> {
+        let t0 = Instant::now();
+        let mut g = ViewGeneration::default();
+        let mut next = argmax(logits);
+        while g.ids.len() < max_tokens {
+            g.ids.push(next);
+            if self.tokenizer().is_end_of_generation(next) {
+                g.eos = true;
+                break;
+            }
+            if g.ids.len() == max_tokens {
+                break;
+            }
+            let pos = cache.len();
+            let out = match view.as_deref_mut() {
+                Some(v) => self.forward_view(&[next], &[pos], cache, v)?,
+                None => self.forward_decode_path(&[next], &[pos], cache)?,
+            };
+            next = argmax(&self.last_logits(&out)?);
+        }
+        g.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(g)
+    }
+
+    /// Teacher forcing: the log-probabilities before each of `ids` (the first from `logits`,
+    /// the rest after feeding the ids before it through `view`, `None`: full attention).
+    pub fn view_log_probs(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        ids: &[u32],
+        mut view: Option<&mut (dyn AttentionView + Send)>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut out = vec![log_softmax(logits)];
+        for &id in ids.iter().take(ids.len().saturating_sub(1)) {
+            let pos = cache.len();
+            let f = match view.as_deref_mut() {
+                Some(v) => self.forward_view(&[id], &[pos], cache, v)?,
+                None => self.forward_decode_path(&[id], &[pos], cache)?,
+            };
+            out.push(log_softmax(&self.last_logits(&f)?));
+        }
+        Ok(out)
+    }
+}
+
+/// `log softmax(logits)`.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+    logits.iter().map(|&x| x - lse).collect()
+}
+
+/// `KL(p || q)` of two log-probability vectors (nats).
+pub fn kl(p: &[f32], q: &[f32]) -> f64 {
+    p.iter()
+        .zip(q)
+        .map(|(&a, &b)| f64::from(a.exp()) * f64::from(a - b))
+        .sum()
+}

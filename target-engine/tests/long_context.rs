@@ -1,0 +1,219 @@
+//! Long-context drafters (issue 44): decoding from an approximate view of the cache (SpeCache's
+//! top-k rows chosen on low-bit keys, a StreamingLLM window) and verified against full attention
+//! gives full attention's greedy output token for token, however poor the view; a view that
+//! sees every row answers as full attention does unverified; KIVI's quantized cache stays
+//! within half a quantization step of the exact one.
+
+use target_engine::sparse::{kl, log_softmax};
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    kivi_cache, Architecture, AttentionView, LoadOptions, Model, TopKConfig, TopKView, ViewParams,
+};
+
+fn tiny() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Architecture::Qwen2)).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
+    (dir, m)
+}
+
+fn prompt(m: &Model, seed: usize) -> Vec<u32> {
+    let text: String = (0..40)
+        .map(|i| format!("w{} ", (i * 7 + seed * 13) % 23))
+        .collect();
+    m.tokenizer().encode(&text, false).ids
+}
+
+/// A view that sees little: two rows by score, a window of four, one sink, 2-bit keys.
+fn poor() -> TopKView {
+    TopKView::new(TopKConfig {
+        bits: 2,
+        group: 8,
+        top_k: 2,
+        window: 4,
+        sink: 1,
+    })
+}
+
+/// A view whose attention is noise: its drafts are mostly wrong (the tiny model is too
+/// confident for a merely poor view to change its tokens), so verification must correct them.
+struct Noise(rand::rngs::StdRng);
+
+impl AttentionView for Noise {
+    fn attend(
+        &mut self,
+        _layer: usize,
+        q: &[f32],
+        _positions: &[usize],
+        _cache: &target_engine::KvCache,
+        _shape: kernels::AttentionShape,
+    ) -> target_engine::Result<Vec<f32>> {
+        use rand::Rng;
+        Ok(q.iter().map(|_| self.0.gen_range(-50.0..50.0)).collect())
+    }
+    fn invalidate_from(&mut self, _rows: usize) {}
+    fn held_bytes(&self) -> usize {
+        0
+    }
+    fn rows_read(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
+#[test]
+fn verified_drafting_corrects_wrong_drafts() {
+    use rand::SeedableRng;
+    let (_d, m) = tiny();
+    let (mut drafted, mut accepted) = (0, 0);
+    for seed in 0..4 {
+        let ids = prompt(&m, seed);
+        let (mut full_cache, logits) = m.prefill(&ids).expect("prefill");
+        let want = m
+            .view_generate(&mut full_cache, &logits, None, 40)
+            .expect("full attention");
+        let (mut cache, logits) = m.prefill(&ids).expect("prefill");
+        let mut noise = Noise(rand::rngs::StdRng::seed_from_u64(seed as u64));
+        let params = ViewParams {
+            max_tokens: 40,
+            ..ViewParams::default()
+        };
+        let got = m
+            .view_verified_generate(&mut cache, &logits, &mut noise, &params)
+            .expect("verified");
+        assert_eq!(got.ids, want.ids, "prompt {seed}");
+        assert_eq!(
+            cache.k(1),
+            full_cache.k(1),
+            "prompt {seed}: rows rewritten exactly"
+        );
+        drafted += got.drafted;
+        accepted += got.accepted;
+    }
+    assert!(
+        accepted * 2 < drafted,
+        "noise drafts must mostly be wrong ({accepted} of {drafted} accepted)"
+    );
+}
+
+#[test]
+fn verified_drafting_from_any_view_answers_as_full_attention() {
+    let (_d, m) = tiny();
+    for seed in 0..6 {
+        let ids = prompt(&m, seed);
+        let (mut full_cache, logits) = m.prefill(&ids).expect("prefill");
+        let want = m
+            .view_generate(&mut full_cache, &logits, None, 48)
+            .expect("full attention");
+        for view in [poor(), TopKView::new(TopKConfig::default())] {
+            let (mut cache, logits) = m.prefill(&ids).expect("prefill");
+            let mut view = view;
+            let params = ViewParams {
+                max_tokens: 48,
+                ..ViewParams::default()
+            };
+            let got = m
+                .view_verified_generate(&mut cache, &logits, &mut view, &params)
+                .expect("verified");
+            assert_eq!(got.ids, want.ids, "prompt {seed}, {:?}", view.config());
+            assert_eq!(got.eos, want.eos);
+            assert_eq!(cache.len(), full_cache.len(), "the same rows, all exact");
+            for l in 0..cache.n_layer() {
+                assert_eq!(cache.k(l), full_cache.k(l), "layer {l} keys");
+                assert_eq!(cache.v(l), full_cache.v(l), "layer {l} values");
+            }
+            if view.config().top_k == 2 {
+                let (read, all) = view.rows_read();
+                assert!(
+                    read < all,
+                    "the poor view reads fewer rows ({read} of {all})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_view_of_every_row_decodes_as_full_attention() {
+    let (_d, m) = tiny();
+    let ids = prompt(&m, 3);
+    let (mut a, logits) = m.prefill(&ids).expect("prefill");
+    let (mut b, _) = m.prefill(&ids).expect("prefill");
+    let mut all = TopKView::new(TopKConfig {
+        top_k: 4096,
+        ..TopKConfig::default()
+    });
+    let full = m.view_generate(&mut a, &logits, None, 24).expect("full");
+    let viewed = m
+        .view_generate(&mut b, &logits, Some(&mut all), 24)
+        .expect("view");
+    assert_eq!(viewed.ids, full.ids);
+    let (mut c, _) = m.prefill(&ids).expect("prefill");
+    let (mut d, _) = m.prefill(&ids).expect("prefill");
+    let p = m
+        .view_log_probs(&mut c, &logits, &full.ids, None)
+        .expect("full log-probs");
+    let q = m
+        .view_log_probs(&mut d, &logits, &full.ids, Some(&mut all))
+        .expect("view log-probs");
+    let worst = p.iter().zip(&q).map(|(p, q)| kl(p, q)).fold(0.0, f64::max);
+    assert!(worst < 1e-6, "KL {worst}");
+    let mut poor = poor();
+    let (mut e, _) = m.prefill(&ids).expect("prefill");
+    let r = m
+        .view_log_probs(&mut e, &logits, &full.ids, Some(&mut poor))
+        .expect("poor log-probs");
+    // The tiny model puts nearly all mass on one token (KL ~0 either way): compare the
+    // log-probabilities themselves.
+    let moved = p
+        .iter()
+        .zip(&r)
+        .flat_map(|(p, q)| p.iter().zip(q).map(|(a, b)| (a - b).abs()))
+        .fold(0.0f32, f32::max);
+    assert!(
+        moved > 1e-3,
+        "a poor view must change the log-probabilities ({moved})"
+    );
+    assert!((log_softmax(&[0.0, 0.0])[0] + std::f32::consts::LN_2).abs() < 1e-6);
+}
+
+#[test]
+fn kivi_keeps_every_value_within_half_a_step_and_the_residual_exact() {
+    let (_d, m) = tiny();
+    let ids = prompt(&m, 1);
+    let (cache, _) = m.prefill(&ids).expect("prefill");
+    let c = m.config();
+    let shape = kernels::AttentionShape {
+        n_head: c.n_head,
+        n_kv_head: c.n_kv_head,
+        head_dim: c.head_dim,
+    };
+    let group = 16;
+    let q = kivi_cache(&cache, shape, 4, group).expect("kivi");
+    let whole = cache.len() / group * group;
+    let row = cache.row_len();
+    for l in 0..cache.n_layer() {
+        let (k, qk) = (cache.k(l), q.k(l));
+        let (v, qv) = (cache.v(l), q.v(l));
+        assert_eq!(
+            &k[whole * row..],
+            &qk[whole * row..],
+            "the residual stays exact"
+        );
+        assert_eq!(&v[whole * row..], &qv[whole * row..]);
+        let span = |x: &[f32]| {
+            x.iter().copied().fold(f32::MIN, f32::max) - x.iter().copied().fold(f32::MAX, f32::min)
+        };
+        let bound = (span(k).max(span(v))) / 15.0 / 2.0 + 1e-5;
+        let worst = k[..whole * row]
+            .iter()
+            .zip(&qk[..whole * row])
+            .chain(v[..whole * row].iter().zip(&qv[..whole * row]))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst > 0.0 && worst <= bound,
+            "layer {l}: {worst} vs {bound}"
+        );
+    }
+}
