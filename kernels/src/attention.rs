@@ -179,7 +179,7 @@ fn softmax_in_place(row: &mut [f32]) {
 /// Branch-free and made of plain float operations, so it vectorizes (libm's `expf` is a call
 /// per score, ~40% of the attention's time before) and gives the same bits on every path.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

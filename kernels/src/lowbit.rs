@@ -11,6 +11,7 @@
 
 use crate::attention::AttentionShape;
 use crate::error::{shape_err, Result};
+use rayon::prelude::*;
 
 /// Keys of one layer at `bits` per value, quantized in blocks of `group` positions.
 #[derive(Debug, Clone)]
@@ -97,55 +98,68 @@ impl LowBitKeys {
             return Err(shape_err("low-bit keys", "keys must hold whole rows"));
         }
         let rows = k.len() / row;
-        while (self.blocks + 1) * self.group <= rows {
-            let start = self.blocks * self.group;
-            self.quantize_block(&k[start * row..(start + self.group) * row]);
-            self.blocks += 1;
+        let (start, end) = (self.blocks, rows / self.group);
+        if end <= start {
+            return Ok(());
         }
+        // Blocks are independent: a long prompt's are quantized on every core.
+        let span = self.group * row;
+        let parts: Vec<(Vec<u8>, Vec<f32>, Vec<f32>)> = k[start * span..end * span]
+            .par_chunks(span)
+            .map(|block| self.quantize_block(block))
+            .collect();
+        for (codes, lo, step) in parts {
+            self.codes.extend_from_slice(&codes);
+            self.lo.extend_from_slice(&lo);
+            self.step.extend_from_slice(&step);
+        }
+        self.blocks = end;
         Ok(())
     }
 
-    fn quantize_block(&mut self, block: &[f32]) {
+    /// One block's codes, minima and steps.
+    fn quantize_block(&self, block: &[f32]) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
         let AttentionShape {
-            n_kv_head,
-            head_dim,
-            ..
+            n_kv_head, head_dim, ..
         } = self.shape;
         let row = n_kv_head * head_dim;
         let levels = ((1u32 << self.bits) - 1) as f32;
-        let (lo0, step0) = (self.lo.len(), self.step.len());
-        for c in 0..row {
-            let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-            for t in 0..self.group {
-                let x = block[t * row + c];
-                lo = lo.min(x);
-                hi = hi.max(x);
+        // Channels are contiguous in a row: min and max over the block's rows, row by row.
+        let mut lo = block[..row].to_vec();
+        let mut hi = lo.clone();
+        for r in block.chunks_exact(row).skip(1) {
+            for ((lo, hi), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(r) {
+                *lo = lo.min(x);
+                *hi = hi.max(x);
             }
-            self.lo.push(lo);
-            self.step
-                .push(if hi > lo { (hi - lo) / levels } else { 0.0 });
         }
-        let (per_byte, hb) = (8 / self.bits as usize, self.head_bytes());
-        for t in 0..self.group {
-            for g in 0..n_kv_head {
-                let mut bytes = vec![0u8; hb];
-                for (j, byte) in bytes.iter_mut().enumerate() {
-                    for i in 0..per_byte {
-                        let c = g * head_dim + j + i * hb;
-                        let (lo, step) = (self.lo[lo0 + c], self.step[step0 + c]);
-                        let code = if step > 0.0 {
-                            ((block[t * row + c] - lo) / step)
-                                .round()
-                                .clamp(0.0, levels) as u8
-                        } else {
-                            0
-                        };
-                        *byte |= code << (i * self.bits as usize);
+        let step: Vec<f32> = lo
+            .iter()
+            .zip(&hi)
+            .map(|(&lo, &hi)| if hi > lo { (hi - lo) / levels } else { 0.0 })
+            .collect();
+        let inv: Vec<f32> = step
+            .iter()
+            .map(|&s| if s > 0.0 { 1.0 / s } else { 0.0 })
+            .collect();
+        let (bits, hb) = (self.bits as usize, self.head_bytes());
+        let mut out = Vec::with_capacity(self.group * self.row_bytes());
+        let mut codes = vec![0u8; row];
+        for r in block.chunks_exact(row) {
+            for (((c, &x), &lo), &inv) in codes.iter_mut().zip(r).zip(&lo).zip(&inv) {
+                *c = ((x - lo) * inv).round().clamp(0.0, levels) as u8;
+            }
+            for head in codes.chunks_exact(head_dim) {
+                let mut bytes = head[..hb].to_vec();
+                for (i, part) in head.chunks_exact(hb).enumerate().skip(1) {
+                    for (b, &c) in bytes.iter_mut().zip(part) {
+                        *b |= c << (i * bits);
                     }
                 }
-                self.codes.extend_from_slice(&bytes);
+                out.extend_from_slice(&bytes);
             }
         }
+        (out, lo, step)
     }
 
     /// The dequantized key of kv head `g` at position `t` (below [`LowBitKeys::rows`]).
@@ -191,6 +205,38 @@ impl LowBitKeys {
         Ok(())
     }
 
+    /// How much the query heads of kv head `g` would attend to each quantized position in
+    /// `from..to` (below [`LowBitKeys::rows`]): per head the softmax of the approximate scores
+    /// over those positions, then the largest over the group's heads (SpeContext's max over a
+    /// GQA group), `out[t - from]`.
+    pub fn importance(
+        &self,
+        q: &[f32],
+        g: usize,
+        from: usize,
+        to: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        if from > to || to > self.rows() {
+            return Err(shape_err(
+                "low-bit importance",
+                format!("rows {from}..{to} of {}", self.rows()),
+            ));
+        }
+        let mut s = Vec::new();
+        self.scores(q, g, &mut s)?;
+        out.clear();
+        out.resize(to - from, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if wide_available() {
+            // SAFETY: the CPU has the features `importance_wide` is compiled for.
+            unsafe { importance_wide(&s, self.rows(), from, to, out) };
+            return Ok(());
+        }
+        importance_all(&s, self.rows(), from, to, out);
+        Ok(())
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
     unsafe fn score_wide(&self, q: &[f32], g: usize, out: &mut [f32]) {
@@ -226,6 +272,31 @@ impl LowBitKeys {
                     out[h * rows + t] = bias[h] + dot(&a[h * d..(h + 1) * d], &x);
                 }
             }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn importance_wide(s: &[f32], rows: usize, from: usize, to: usize, out: &mut [f32]) {
+    importance_all(s, rows, from, to, out);
+}
+
+/// Per head softmax over `from..to` of the scores `s[h * rows + t]`, the maximum over heads.
+#[inline(always)]
+fn importance_all(s: &[f32], rows: usize, from: usize, to: usize, out: &mut [f32]) {
+    let mut e = vec![0f32; to - from];
+    for sh in s.chunks_exact(rows.max(1)) {
+        let sh = &sh[from..to];
+        let max = sh.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (e, &x) in e.iter_mut().zip(sh) {
+            *e = crate::attention::exp_nonpositive(x - max);
+            sum += *e;
+        }
+        let inv = 1.0 / sum;
+        for (o, &e) in out.iter_mut().zip(&e) {
+            *o = o.max(e * inv);
         }
     }
 }

@@ -115,23 +115,16 @@ impl TopKView {
         let wstart = n.saturating_sub(c.window).max(sink_end);
         let qrows = keys.rows().min(wstart).max(sink_end);
         let mut chosen: Vec<usize> = (0..sink_end).collect();
+        if c.top_k == 0 {
+            chosen.extend(wstart..n);
+            return Ok(chosen);
+        }
         let candidates = qrows - sink_end;
         if candidates <= c.top_k {
             chosen.extend(sink_end..qrows);
-        } else if c.top_k > 0 {
-            let mut s = Vec::new();
-            keys.scores(q, g, &mut s)?;
-            let rows = keys.rows();
-            let heads = s.len() / rows.max(1);
-            let mut importance = vec![0f32; candidates];
-            for h in 0..heads {
-                let sh = &s[h * rows + sink_end..h * rows + qrows];
-                let max = sh.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = sh.iter().map(|&x| (x - max).exp()).sum();
-                for (imp, &x) in importance.iter_mut().zip(sh) {
-                    *imp = imp.max((x - max).exp() / sum);
-                }
-            }
+        } else {
+            let mut importance = Vec::new();
+            keys.importance(q, g, sink_end, qrows, &mut importance)?;
             let mut order: Vec<usize> = (0..candidates).collect();
             order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
                 importance[b].total_cmp(&importance[a])
@@ -194,7 +187,9 @@ impl AttentionView for TopKView {
                 .collect::<std::result::Result<_, _>>()?;
         }
         let rows = positions.iter().max().map_or(0, |&p| p + 1);
-        self.keys[layer].update(cache.k_prefix(layer, rows))?;
+        if self.config.top_k > 0 {
+            self.keys[layer].update(cache.k_prefix(layer, rows))?;
+        }
         let (n_head, d) = (shape.n_head, shape.head_dim);
         let heads = n_head / shape.n_kv_head;
         let mut out = vec![0f32; positions.len() * n_head * d];
@@ -316,6 +311,9 @@ pub struct ViewGeneration {
     pub eos: bool,
     /// Decode time (ms), from the prompt's logits to the last token.
     pub decode_ms: f64,
+    /// Of it, drafting from the view and verification passes (verified generation only).
+    pub draft_ms: f64,
+    pub verify_ms: f64,
 }
 
 impl ViewGeneration {
@@ -361,8 +359,12 @@ impl Model {
             }
             let p0 = cache.len();
             let room = length.current.min(params.max_tokens - g.ids.len()).max(1);
+            let t = Instant::now();
             let drafts = self.draft_round(cache, next, view, room, params.min_prob)?;
+            g.draft_ms += t.elapsed().as_secs_f64() * 1e3;
+            let t = Instant::now();
             let (accepted, correction) = self.check_round(cache, p0, next, &drafts)?;
+            g.verify_ms += t.elapsed().as_secs_f64() * 1e3;
             view.invalidate_from(p0);
             cache.truncate(p0 + accepted + 1);
             length.update(drafts.len(), accepted);
@@ -403,8 +405,12 @@ impl Model {
         let mut tok = next;
         while drafts.len() < room {
             let pos = cache.len();
+            let tt = Instant::now();
             let out = self.forward_view(&[tok], &[pos], cache, view)?;
             let l = self.last_logits(&out)?;
+            if std::env::var_os("SPECRAG_DEBUG_STEPS").is_some() {
+                eprintln!("draft step {pos}: {:.1} ms", tt.elapsed().as_secs_f64() * 1e3);
+            }
             tok = argmax(&l);
             drafts.push(tok);
             if self.tokenizer().is_end_of_generation(tok) || top_probability(&l) < min_prob {

@@ -613,6 +613,13 @@ pub enum BenchCmd {
     /// average. Run it once per pairing, e.g. `--target models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
     /// --speculator models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` for the in-family pairing.
     Overlap(OverlapArgs),
+    /// Decoding over long contexts of real chunks (an ingested collection's stored KV, reused
+    /// as is): ms per token of full attention, and of each long-context drafter verified
+    /// against it (SpeCache: top-k rows chosen on low-bit keys; a StreamingLLM window), with
+    /// the check that every verified answer is full attention's, token for token. `--quality`
+    /// adds the drafters' unverified answers and teacher-forced KL, and KIVI 2-bit alone.
+    /// Example: `specrag bench long --data DATA --contexts 8192,16384,32000 --quality`.
+    Long(LongArgs),
 }
 
 #[derive(Args, Debug)]
@@ -682,6 +689,47 @@ pub struct BlendArgs {
     )]
     pub modes: Vec<BenchMode>,
     /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct LongArgs {
+    /// Data directory of an ingested collection (`specrag ingest ... --data DIR`).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Collection whose chunks fill the contexts.
+    #[arg(long, default_value = "default")]
+    pub collection: String,
+    /// Context lengths in tokens (each at most the target's context length minus the answer).
+    #[arg(long, value_delimiter = ',', default_value = "8192,16384,32000", value_parser = clap::value_parser!(u32).range(64..))]
+    pub contexts: Vec<u32>,
+    /// Questions (one context per question and length, chunks taken from a different offset
+    /// for each).
+    #[arg(
+        long = "question",
+        default_values_t = [
+            String::from("Summarize what these documents say about storing chunk KV."),
+            String::from("Which command ingests documents, and what does it report?"),
+        ]
+    )]
+    pub questions: Vec<String>,
+    /// Greedy answer tokens per case.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub max_tokens: u64,
+    /// SpeCache: rows chosen per kv head and layer.
+    #[arg(long, default_value_t = 1024)]
+    pub top_k: usize,
+    /// SpeCache: recent rows always attended.
+    #[arg(long, default_value_t = 128)]
+    pub window: usize,
+    /// SpeCache: bits per value of the low-bit keys (2 or 4).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=4))]
+    pub bits: u32,
+    /// Also measure unverified quality (answers and teacher-forced KL), with KIVI 2-bit.
+    #[arg(long)]
+    pub quality: bool,
+    /// One JSON object per case and line.
     #[arg(long)]
     pub json: bool,
 }

@@ -7,6 +7,7 @@ mod args;
 mod bench;
 mod commands;
 mod fetch;
+mod long;
 mod overlap;
 mod tools;
 
@@ -57,6 +58,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Generate(a) => tools::generate(m, a),
         Cmd::Tokenize(a) => tools::tokenize(m, a),
         Cmd::Bench(BenchCmd::Blend(a)) => bench::blend_cmd(m, a),
+        Cmd::Bench(BenchCmd::Long(a)) => long::long_cmd(m, a),
         Cmd::Bench(BenchCmd::Overlap(a)) => overlap::overlap_cmd(m, a),
         Cmd::Bench(BenchCmd::Prefill(a)) => bench::prefill_cmd(m, a),
     }

@@ -1,0 +1,327 @@
+//! `specrag bench long`: decoding over long contexts of real chunks (issue 44). For each context
+//! length, the chunks of an ingested collection (in index order, from a per-question offset)
+//! fill the prompt, their stored KV is reused as is (ρ = 0: only the question is computed, the
+//! decode phase is what is measured), and the same cache is decoded greedily by full attention,
+//! then by each drafter verified against it (SpeCache's top-k view, the StreamingLLM window),
+//! checking that every verified answer is full attention's, token for token. With `--quality`
+//! the drafters also answer unverified (agreement with full attention, teacher-forced KL), next
+//! to a KIVI-only cache.
+
+use crate::args::{LongArgs, ModelArgs};
+use crate::{load_target, spinner};
+use gateway::corpus::{Corpus, Engines};
+use serde::Serialize;
+use std::sync::Arc;
+use target_engine::sparse::kl;
+use target_engine::{
+    kivi_cache, AttentionView, ChunkKv, FullReuse, KvCache, Model, SelectInput, Selector,
+    TopKConfig, TopKView, ViewParams,
+};
+
+/// Unverified quality of a drafter against full attention on the same cache.
+#[derive(Debug, Clone, Serialize)]
+pub struct Quality {
+    /// The whole answer equals full attention's.
+    pub identical: bool,
+    /// Leading tokens equal to full attention's.
+    pub common_prefix: usize,
+    /// Mean teacher-forced KL(full || drafter) per token of full attention's answer (nats).
+    pub kl: f64,
+}
+
+/// One drafter, verified (and unverified with `--quality`).
+#[derive(Debug, Clone, Serialize)]
+pub struct DrafterRow {
+    pub drafter: String,
+    pub ms_per_token: f64,
+    /// Over full attention's ms per token in the same run.
+    pub rel: f64,
+    /// The verified answer equals full attention's, token for token.
+    pub identical: bool,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub rounds: usize,
+    /// Of the decode time, ms drafting and ms in verification passes.
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    /// Bytes the drafter holds beside the cache (the low-bit keys).
+    pub held_bytes: usize,
+    /// Cache rows a draft step read at full precision over the rows full attention reads.
+    pub read_fraction: f64,
+    pub unverified: Option<Quality>,
+}
+
+/// One context length and question.
+#[derive(Debug, Clone, Serialize)]
+pub struct LongPoint {
+    pub context_tokens: usize,
+    pub chunks: usize,
+    pub question: String,
+    pub answer_tokens: usize,
+    pub full_ms_per_token: f64,
+    /// The f32 KV the cache holds for the context (what full attention reads every step).
+    pub full_kv_bytes: usize,
+    pub drafters: Vec<DrafterRow>,
+    /// KIVI-only (2-bit keys and values, whole cache), unverified.
+    pub kivi2: Option<Quality>,
+}
+
+/// The drafters measured: name and view settings.
+fn drafters(a: &LongArgs) -> Vec<(String, TopKConfig)> {
+    let specache = TopKConfig {
+        bits: a.bits,
+        top_k: a.top_k,
+        window: a.window,
+        ..TopKConfig::default()
+    };
+    let window = TopKConfig {
+        top_k: 0,
+        window: a.top_k + a.window,
+        ..specache
+    };
+    vec![
+        (
+            format!("specache-{}bit-top{}", a.bits, a.top_k),
+            specache,
+        ),
+        (format!("window-{}", window.window), window),
+    ]
+}
+
+/// The prompt's cache: chunks of `texts` from `offset` on (wrapping) until the assembled
+/// prompt reaches `tokens`, their stored KV reused, the question computed.
+fn context(
+    engines: &Engines,
+    corpus: &Corpus,
+    collection: &str,
+    texts: &[String],
+    tokens: usize,
+    offset: usize,
+    question: &str,
+) -> anyhow::Result<(KvCache, Vec<f32>, usize)> {
+    let tok = engines.target.tokenizer();
+    let mut chosen: Vec<&str> = Vec::new();
+    let mut kvs: Vec<ChunkKv> = Vec::new();
+    let mut asm = engines.template.assemble(tok, &[], question);
+    while asm.ids.len() < tokens && chosen.len() < texts.len() {
+        let text = &texts[(offset + chosen.len()) % texts.len()];
+        let loaded = engines.load(&corpus.store, collection, text)?;
+        chosen.push(text);
+        kvs.push(loaded.kv);
+        asm = engines.template.assemble(tok, &chosen, question);
+    }
+    anyhow::ensure!(
+        asm.ids.len() >= tokens * 9 / 10,
+        "the collection holds {} tokens of chunks, fewer than the {tokens} asked for",
+        asm.ids.len()
+    );
+    let refs: Vec<&ChunkKv> = kvs.iter().collect();
+    let input = SelectInput::new(&engines.target, &asm, &engines.prefix, &refs, 0.0);
+    let out = FullReuse.prefill(&input)?;
+    Ok((out.cache, out.logits, chosen.len()))
+}
+
+/// A shorter-lived borrow of an optional view (an `Option` does not coerce by itself).
+fn reborrow<'a>(
+    view: &'a mut Option<&mut (dyn AttentionView + Send)>,
+) -> Option<&'a mut (dyn AttentionView + Send)> {
+    match view {
+        Some(v) => Some(&mut **v),
+        None => None,
+    }
+}
+
+/// Unverified answer and teacher-forced KL of `view` (`None` with `cache` already KIVI's).
+fn quality(
+    model: &Model,
+    cache: &KvCache,
+    logits: &[f32],
+    reference: &(Vec<u32>, Vec<Vec<f32>>),
+    mut view: Option<&mut (dyn AttentionView + Send)>,
+) -> anyhow::Result<Quality> {
+    let (ids, full_lp) = reference;
+    let mut c = cache.clone();
+    let got = model.view_generate(&mut c, logits, reborrow(&mut view), ids.len())?;
+    drop(c);
+    if let Some(v) = view.as_deref_mut() {
+        v.invalidate_from(0);
+    }
+    let mut c = cache.clone();
+    let lp = model.view_log_probs(&mut c, logits, ids, reborrow(&mut view))?;
+    let kls: Vec<f64> = full_lp.iter().zip(&lp).map(|(p, q)| kl(p, q)).collect();
+    Ok(Quality {
+        identical: got.ids == *ids,
+        common_prefix: got.ids.iter().zip(ids).take_while(|(a, b)| a == b).count(),
+        kl: kls.iter().sum::<f64>() / kls.len().max(1) as f64,
+    })
+}
+
+/// Full attention, then every drafter verified (and unverified with `--quality`).
+fn measure(
+    model: &Model,
+    cache: &KvCache,
+    logits: &[f32],
+    a: &LongArgs,
+    progress: &dyn Fn(&str),
+) -> anyhow::Result<(f64, Vec<u32>, Vec<DrafterRow>, Option<Quality>)> {
+    progress("full attention");
+    let mut c = cache.clone();
+    let full = model.view_generate(&mut c, logits, None, a.max_tokens as usize)?;
+    drop(c);
+    let reference = if a.quality {
+        progress("full attention, teacher-forced");
+        let mut c = cache.clone();
+        let lp = model.view_log_probs(&mut c, logits, &full.ids, None)?;
+        Some((full.ids.clone(), lp))
+    } else {
+        None
+    };
+    let mut rows = Vec::new();
+    for (name, config) in drafters(a) {
+        progress(&format!("{name}, verified"));
+        let mut view = TopKView::new(config);
+        let mut c = cache.clone();
+        let params = ViewParams {
+            max_tokens: a.max_tokens as usize,
+            ..ViewParams::default()
+        };
+        let g = model.view_verified_generate(&mut c, logits, &mut view, &params)?;
+        drop(c);
+        let (read, all) = view.rows_read();
+        let held_bytes = view.held_bytes();
+        let unverified = match &reference {
+            Some(r) => {
+                progress(&format!("{name}, unverified"));
+                let mut v = TopKView::new(config);
+                Some(quality(model, cache, logits, r, Some(&mut v))?)
+            }
+            None => None,
+        };
+        rows.push(DrafterRow {
+            drafter: name,
+            ms_per_token: g.ms_per_token(),
+            rel: g.ms_per_token() / full.ms_per_token(),
+            identical: g.ids == full.ids,
+            drafted: g.drafted,
+            accepted: g.accepted,
+            rounds: g.rounds,
+            draft_ms: g.draft_ms,
+            verify_ms: g.verify_ms,
+            held_bytes,
+            read_fraction: read as f64 / all.max(1) as f64,
+            unverified,
+        });
+    }
+    let kivi2 = match &reference {
+        Some(r) => {
+            progress("KIVI 2-bit, unverified");
+            let c = model.config();
+            let shape = kernels::AttentionShape {
+                n_head: c.n_head,
+                n_kv_head: c.n_kv_head,
+                head_dim: c.head_dim,
+            };
+            let kc = kivi_cache(cache, shape, 2, 32)?;
+            Some(quality(model, &kc, logits, r, None)?)
+        }
+        None => None,
+    };
+    Ok((full.ms_per_token(), full.ids, rows, kivi2))
+}
+
+/// `specrag bench long`.
+pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
+    let model = Arc::new(load_target(m)?);
+    let corpus = Corpus::open(&a.data, 64 << 20)?;
+    let engines = Engines::new(model.clone(), None)?;
+    let mut texts = Vec::new();
+    for doc in corpus.index.documents(Some(&a.collection))? {
+        for c in corpus.index.chunks_of(&a.collection, &doc.doc_id)? {
+            texts.push(c.text);
+        }
+    }
+    anyhow::ensure!(
+        !texts.is_empty(),
+        "collection `{}` in {} has no chunks (ingest documents first: `specrag ingest DIR --data {} --collection {}`)",
+        a.collection,
+        a.data.display(),
+        a.data.display(),
+        a.collection
+    );
+    let bar = spinner(String::new());
+    let mut points = Vec::new();
+    for &tokens in &a.contexts {
+        for (qi, question) in a.questions.iter().enumerate() {
+            let say = |s: &str| bar.set_message(format!("{tokens} tokens, question {qi}: {s}"));
+            say("loading chunks");
+            let offset = qi * texts.len() / a.questions.len().max(1);
+            let (cache, logits, chunks) = context(
+                &engines,
+                &corpus,
+                &a.collection,
+                &texts,
+                tokens as usize,
+                offset,
+                question,
+            )?;
+            let (full_ms, ids, drafters, kivi2) = measure(&model, &cache, &logits, &a, &say)?;
+            let point = LongPoint {
+                context_tokens: cache.len(),
+                chunks,
+                question: question.clone(),
+                answer_tokens: ids.len(),
+                full_ms_per_token: full_ms,
+                full_kv_bytes: cache.len() * cache.row_len() * 2 * 4 * cache.n_layer(),
+                drafters,
+                kivi2,
+            };
+            bar.suspend(|| print_point(&point, a.json));
+            points.push(point);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+fn print_point(p: &LongPoint, json: bool) {
+    if json {
+        if let Ok(s) = serde_json::to_string(p) {
+            println!("{s}");
+        }
+        return;
+    }
+    println!(
+        "{} tokens ({} chunks), {} answer tokens: full attention {:.1} ms/token, {:.0} MB of f32 KV",
+        p.context_tokens,
+        p.chunks,
+        p.answer_tokens,
+        p.full_ms_per_token,
+        p.full_kv_bytes as f64 / 1e6
+    );
+    let q = |q: &Option<Quality>| {
+        q.as_ref().map_or(String::from("-"), |q| {
+            format!("same={} prefix={} KL={:.4}", q.identical, q.common_prefix, q.kl)
+        })
+    };
+    for r in &p.drafters {
+        println!(
+            "  {:<24} {:>7.1} ms/token ({:.2}x)  identical={}  accepted {}/{} in {} rounds \
+             (draft {:.0} ms, verify {:.0} ms)  held {:.0} MB  read {:.3}  unverified: {}",
+            r.drafter,
+            r.ms_per_token,
+            r.rel,
+            r.identical,
+            r.accepted,
+            r.drafted,
+            r.rounds,
+            r.draft_ms,
+            r.verify_ms,
+            r.held_bytes as f64 / 1e6,
+            r.read_fraction,
+            q(&r.unverified)
+        );
+    }
+    if p.kivi2.is_some() {
+        println!("  {:<24} unverified: {}", "kivi-2bit", q(&p.kivi2));
+    }
+}
