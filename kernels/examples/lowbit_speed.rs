@@ -27,11 +27,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let score = t.elapsed().as_secs_f64() * 1e2;
         let t = Instant::now();
         for _ in 0..10 {
-            lb.importance(&q, 0, 0, lb.rows(), &mut s)?;
+            let all: Vec<usize> = (0..lb.rows() / 32).collect();
+            lb.importance(&q, 0, &all, (0, lb.rows()), &mut s)?;
         }
         let imp = t.elapsed().as_secs_f64() * 1e2;
+        let t = Instant::now();
+        let all: Vec<usize> = (0..lb.rows() / 32).collect();
+        for _ in 0..10 {
+            lb.block_bounds(&q, 0, &all)?;
+        }
+        let bounds = t.elapsed().as_secs_f64() * 1e2;
         println!(
-            "{bits} bits, {n} rows: quantize {quant:.1} ms, scores {score:.2} ms, importance (with scores) {imp:.2} ms per kv head"
+            "{bits} bits, {n} rows: quantize {quant:.1} ms, scores {score:.2} ms, importance (with scores) {imp:.2} ms, block bounds {bounds:.2} ms per kv head"
         );
     }
     Ok(())

@@ -21,12 +21,14 @@
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
 
 use crate::error::{EngineError, Result};
+use crate::generate::{top2_gap, Emit, FinishReason, GenerateParams, Generation};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sampling::argmax;
-use crate::speculative::{top_probability, DraftLength, MAX_DRAFT};
+use crate::sampling::{argmax, SamplingParams};
+use crate::speculative::{ms, top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
 use kernels::{AttentionShape, LowBitKeys};
 use rayon::prelude::*;
+use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Attention for a forward's query rows from a view of the cache (a drafter's), in place of
@@ -68,6 +70,12 @@ pub struct TopKConfig {
     pub window: usize,
     /// First rows always attended (attention sinks).
     pub sink: usize,
+    /// Score positions only in the `prefilter * top_k` positions' worth of blocks with the
+    /// highest bound ([`LowBitKeys::block_bounds`]); 0 scores every position.
+    pub prefilter: usize,
+    /// The first layers attend to every row (Quest keeps its first two dense; on the demo
+    /// corpus at 32k tokens two dense layers did not raise the acceptance: 0 by default).
+    pub full_layers: usize,
 }
 
 impl Default for TopKConfig {
@@ -78,6 +86,8 @@ impl Default for TopKConfig {
             top_k: 1024,
             window: 128,
             sink: 4,
+            prefilter: 4,
+            full_layers: 0,
         }
     }
 }
@@ -123,15 +133,34 @@ impl TopKView {
         if candidates <= c.top_k {
             chosen.extend(sink_end..qrows);
         } else {
+            let group = keys.group();
+            let mut blocks: Vec<usize> = (sink_end / group..qrows.div_ceil(group)).collect();
+            // Narrow the blocks by their bound first when scoring all would cost more.
+            let keep = (c.prefilter * c.top_k).div_ceil(group);
+            if c.prefilter > 0 && blocks.len() > keep {
+                let bound = keys.block_bounds(q, g, &blocks)?;
+                let mut order: Vec<usize> = (0..blocks.len()).collect();
+                order.select_nth_unstable_by(keep - 1, |&a, &b| bound[b].total_cmp(&bound[a]));
+                order.truncate(keep);
+                order.sort_unstable();
+                blocks = order.into_iter().map(|i| blocks[i]).collect();
+            }
             let mut importance = Vec::new();
-            keys.importance(q, g, sink_end, qrows, &mut importance)?;
-            let mut order: Vec<usize> = (0..candidates).collect();
-            order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
-                importance[b].total_cmp(&importance[a])
-            });
-            order.truncate(c.top_k);
-            order.sort_unstable();
-            chosen.extend(order.into_iter().map(|i| sink_end + i));
+            keys.importance(q, g, &blocks, (sink_end, qrows), &mut importance)?;
+            let at = |i: usize| blocks[i / group] * group + i % group;
+            let mut order: Vec<usize> = (0..importance.len())
+                .filter(|&i| (sink_end..qrows).contains(&at(i)))
+                .collect();
+            let top = c.top_k.min(order.len());
+            if top > 0 && top < order.len() {
+                order.select_nth_unstable_by(top - 1, |&a, &b| {
+                    importance[b].total_cmp(&importance[a])
+                });
+            }
+            order.truncate(top);
+            let mut picked: Vec<usize> = order.into_iter().map(at).collect();
+            picked.sort_unstable();
+            chosen.extend(picked);
         }
         chosen.extend(qrows..n);
         Ok(chosen)
@@ -187,6 +216,17 @@ impl AttentionView for TopKView {
                 .collect::<std::result::Result<_, _>>()?;
         }
         let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        if layer < self.config.full_layers {
+            self.read += (positions.len() * rows * shape.n_kv_head) as u64;
+            self.full += (positions.len() * rows * shape.n_kv_head) as u64;
+            return Ok(kernels::causal_attention(
+                q,
+                positions,
+                cache.k_prefix(layer, rows),
+                cache.v_prefix(layer, rows),
+                shape,
+            )?);
+        }
         if self.config.top_k > 0 {
             self.keys[layer].update(cache.k_prefix(layer, rows))?;
         }
@@ -335,7 +375,7 @@ impl ViewGeneration {
 impl Model {
     /// Greedy decoding whose output equals full attention's over `cache` (whose last logits
     /// are `logits`), token for token, with tokens drafted from `view` and checked in one
-    /// full-attention pass per round.
+    /// full-attention pass per round ([`Model::decode_view`] without text or watch).
     pub fn view_verified_generate(
         &self,
         cache: &mut KvCache,
@@ -344,51 +384,99 @@ impl Model {
         params: &ViewParams,
     ) -> Result<ViewGeneration> {
         let t0 = Instant::now();
-        let prompt_len = cache.len();
-        let mut g = ViewGeneration::default();
-        let mut length = params.length;
-        let mut next = argmax(logits);
-        loop {
-            g.ids.push(next);
-            if self.tokenizer().is_end_of_generation(next) {
-                g.eos = true;
-                break;
-            }
-            if g.ids.len() >= params.max_tokens {
-                break;
-            }
-            let p0 = cache.len();
-            let room = length.current.min(params.max_tokens - g.ids.len()).max(1);
-            let t = Instant::now();
-            let drafts = self.draft_round(cache, next, view, room, params.min_prob)?;
-            g.draft_ms += t.elapsed().as_secs_f64() * 1e3;
-            let t = Instant::now();
-            let (accepted, correction) = self.check_round(cache, p0, next, &drafts)?;
-            g.verify_ms += t.elapsed().as_secs_f64() * 1e3;
-            view.invalidate_from(p0);
-            cache.truncate(p0 + accepted + 1);
-            length.update(drafts.len(), accepted);
-            g.drafted += drafts.len();
-            g.accepted += accepted;
-            g.rounds += 1;
-            g.ids.extend_from_slice(&drafts[..accepted]);
-            if let Some(&last) = drafts[..accepted].last() {
-                if self.tokenizer().is_end_of_generation(last) {
-                    g.eos = true;
-                    break;
-                }
-            }
-            if g.ids.len() >= params.max_tokens {
-                break;
-            }
-            next = correction;
+        let gen = GenerateParams {
+            max_tokens: params.max_tokens,
+            sampling: SamplingParams::default(),
+            ..GenerateParams::default()
+        };
+        let (g, _, stats) = self.decode_view(
+            (cache, logits.to_vec()),
+            view,
+            (&gen, params.length, params.min_prob),
+            &mut |_| true,
+            &mut |_, _| false,
+        )?;
+        Ok(ViewGeneration {
+            eos: g.finish == FinishReason::Eos,
+            ids: g.ids,
+            drafted: stats.drafted,
+            accepted: stats.accepted,
+            rounds: stats.rounds,
+            decode_ms: t0.elapsed().as_secs_f64() * 1e3,
+            draft_ms: stats.draft_ms,
+            verify_ms: stats.verify_ms,
+        })
+    }
+
+    /// [`Model::decode_watched`] (greedy) with each round's tokens drafted from `view`, the
+    /// target over the same cache attending through it, and checked in one full-attention
+    /// pass ([`Model::forward_decode_path`], rows bit-identical to one-token steps): the
+    /// agreeing drafts and the full cache's own next token are handed out, with the gaps
+    /// full attention computed for them, so the text, the watch's calls and the cache left
+    /// behind are plain decoding's. `draft` is the starting draft length and the divergence
+    /// signal (a draft below that probability ends the round).
+    pub fn decode_view(
+        &self,
+        (cache, logits): (&mut KvCache, Vec<f32>),
+        view: &mut (dyn AttentionView + Send),
+        (params, mut len, min_prob): (&GenerateParams, DraftLength, f32),
+        on_text: &mut dyn FnMut(&str) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Result<(Generation, bool, SpecDecodeStats)> {
+        if params.sampling.temperature > 0.0 {
+            return Err(EngineError::InvalidInput(
+                "drafting from a view of the cache is greedy only".into(),
+            ));
         }
-        g.ids.truncate(params.max_tokens.max(1));
-        // As plain decoding leaves it: every committed token but the last fed.
-        cache.truncate(prompt_len + g.ids.len() - 1);
+        let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
+        let mut stats = SpecDecodeStats::default();
+        let t0 = Instant::now();
+        let prompt_len = cache.len();
+        let mut ready: VecDeque<(u32, f32)> =
+            VecDeque::from([(argmax(&logits), top2_gap(&logits))]);
+        while let Some((next, gap)) = ready.pop_front() {
+            if emit.take(next, gap) {
+                break;
+            }
+            if !ready.is_empty() {
+                continue;
+            }
+            let base = cache.len();
+            let room = len
+                .current
+                .min(params.max_tokens.saturating_sub(emit.len()));
+            let t = Instant::now();
+            let drafts = self.draft_round(cache, next, view, room.max(1), min_prob)?;
+            stats.draft_ms += ms(t);
+            let t = Instant::now();
+            cache.truncate(base);
+            view.invalidate_from(base);
+            let mut feed = vec![next];
+            feed.extend(&drafts);
+            let rows = self.rows_logits(cache, &feed)?;
+            let agree = drafts
+                .iter()
+                .zip(&rows)
+                .take_while(|(d, r)| **d == argmax(r))
+                .count();
+            let mut ids = drafts[..agree].to_vec();
+            ids.push(argmax(&rows[agree]));
+            // Rows after a disagreement followed a wrong token.
+            cache.truncate(base + 1 + agree);
+            ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
+            stats.verify_ms += ms(t);
+            stats.drafted += drafts.len();
+            stats.accepted += agree;
+            stats.rounds += 1;
+            len.update(drafts.len(), agree);
+        }
+        stats.draft_len = len.current;
+        let steps = emit.len().saturating_sub(1);
+        // As plain decoding leaves it: every token handed out but the last one fed.
+        cache.truncate(prompt_len + steps);
         view.invalidate_from(cache.len());
-        g.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-        Ok(g)
+        let (g, watched) = emit.finish(ms(t0), steps);
+        Ok((g, watched, stats))
     }
 
     /// Up to `room` tokens drafted from `view` after `next` (fed at `cache.len()`), ending
@@ -403,14 +491,10 @@ impl Model {
     ) -> Result<Vec<u32>> {
         let mut drafts = Vec::with_capacity(room);
         let mut tok = next;
-        while drafts.len() < room {
+        while drafts.len() < room.min(MAX_DRAFT) {
             let pos = cache.len();
-            let tt = Instant::now();
             let out = self.forward_view(&[tok], &[pos], cache, view)?;
             let l = self.last_logits(&out)?;
-            if std::env::var_os("SPECRAG_DEBUG_STEPS").is_some() {
-                eprintln!("draft step {pos}: {:.1} ms", tt.elapsed().as_secs_f64() * 1e3);
-            }
             tok = argmax(&l);
             drafts.push(tok);
             if self.tokenizer().is_end_of_generation(tok) || top_probability(&l) < min_prob {
@@ -418,38 +502,6 @@ impl Model {
             }
         }
         Ok(drafts)
-    }
-
-    /// Feeds `next` and `drafts` at `p0..` with full attention; returns how many drafts agree
-    /// with the full cache's greedy tokens and the full cache's token after them.
-    fn check_round(
-        &self,
-        cache: &mut KvCache,
-        p0: usize,
-        next: u32,
-        drafts: &[u32],
-    ) -> Result<(usize, u32)> {
-        if drafts.len() > MAX_DRAFT {
-            return Err(EngineError::InvalidInput(format!(
-                "{} drafts in one round (at most {MAX_DRAFT})",
-                drafts.len()
-            )));
-        }
-        cache.truncate(p0);
-        let mut feed = vec![next];
-        feed.extend_from_slice(drafts);
-        let positions: Vec<usize> = (p0..p0 + feed.len()).collect();
-        let out = self.forward_decode_path(&feed, &positions, cache)?;
-        let vocab = self.tokenizer().vocab_size();
-        let all = self.logits(&out.hidden)?.to_vec2::<f32>()?;
-        let mut accepted = 0;
-        for (row, &d) in all.iter().zip(drafts) {
-            if argmax(&row[..vocab]) != d {
-                break;
-            }
-            accepted += 1;
-        }
-        Ok((accepted, argmax(&all[accepted][..vocab])))
     }
 
     /// Greedy decoding with every step from `view` (`None`: full attention), unverified: the

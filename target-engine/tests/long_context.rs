@@ -33,6 +33,8 @@ fn poor() -> TopKView {
         top_k: 2,
         window: 4,
         sink: 1,
+        prefilter: 1,
+        full_layers: 0,
     })
 }
 
@@ -215,5 +217,53 @@ fn kivi_keeps_every_value_within_half_a_step_and_the_residual_exact() {
             worst > 0.0 && worst <= bound,
             "layer {l}: {worst} vs {bound}"
         );
+    }
+}
+
+#[test]
+fn streamed_view_decoding_hands_out_what_plain_decoding_does() {
+    use rand::SeedableRng;
+    let (_d, m) = tiny();
+    for (seed, stop_at) in [(0, 0), (1, 9), (2, 1)] {
+        let ids = prompt(&m, seed);
+        let params = target_engine::GenerateParams {
+            max_tokens: 30,
+            ..Default::default()
+        };
+        let run = |view: Option<&mut (dyn AttentionView + Send)>| {
+            let (mut cache, logits) = m.prefill(&ids).expect("prefill");
+            let (mut text, mut seen) = (String::new(), Vec::new());
+            let mut on_text = |t: &str| {
+                text.push_str(t);
+                true
+            };
+            let mut watch = |ids: &[u32], gap: f32| {
+                seen.push((ids.len(), gap));
+                ids.len() == stop_at
+            };
+            let (g, stopped) = match view {
+                Some(v) => {
+                    let length = ViewParams::default().length;
+                    let (g, s, _) = m
+                        .decode_view(
+                            (&mut cache, logits),
+                            v,
+                            (&params, length, 0.0),
+                            &mut on_text,
+                            &mut watch,
+                        )
+                        .expect("view");
+                    (g, s)
+                }
+                None => m
+                    .decode_watched(&mut cache, logits, &params, &mut on_text, &mut watch)
+                    .expect("plain"),
+            };
+            (g.ids, g.finish, stopped, text, seen, cache.len())
+        };
+        let want = run(None);
+        let mut noise = Noise(rand::rngs::StdRng::seed_from_u64(7));
+        assert_eq!(run(Some(&mut noise)), want, "noise view, stop at {stop_at}");
+        assert_eq!(run(Some(&mut poor())), want, "poor view, stop at {stop_at}");
     }
 }
