@@ -85,6 +85,11 @@ pub struct Answer {
     /// and the target kept. The answer is the one plain decoding gives, token for token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_decode: Option<SpecDecodeReport>,
+    /// With long-context drafting (`long_context`, `--long-context`): what SpeCache's view
+    /// of the cache drafted and full attention kept, in the same shape (`lookup_*` stay 0).
+    /// The answer is the one plain decoding gives, token for token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_context: Option<SpecDecodeReport>,
 }
 
 /// What speculative decoding did for one answer: prompt lookup or the speculator (over its

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 pub const MAX_QUERY_CHARS: usize = 8 * 1024;
 /// What a collection name may hold (also the OpenAPI pattern).
 pub const COLLECTION_PATTERN: &str = r"^[A-Za-z0-9._-]{1,128}$";
-/// Most chunks one query may retrieve.
-pub const MAX_TOP_K: u32 = 32;
+/// Most chunks one query may retrieve (the prompt must also fit `max_context_tokens`).
+pub const MAX_TOP_K: u32 = 256;
 /// Most tokens one answer may generate.
 pub const MAX_TOKENS: u32 = 1024;
 
@@ -129,9 +129,9 @@ pub struct QueryRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(pattern = r"^[A-Za-z0-9._-]{1,128}$")]
     pub collection: Option<String>,
-    /// Chunks to retrieve, 1 to 32 (default 4).
+    /// Chunks to retrieve, 1 to 256 (default 4; the prompt must fit `max_context_tokens`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 1, maximum = 32)]
+    #[schema(minimum = 1, maximum = 256)]
     #[serde(deserialize_with = "de_opt_int")]
     pub top_k: Option<u64>,
     /// How the tokens to recompute are chosen (default `target_probe`).
@@ -184,6 +184,20 @@ pub struct QueryRequest {
     /// prompt), `model` (the speculator) or `both` (lookup, then the speculator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_draft: Option<crate::pipeline::SpecDraft>,
+    /// Long-context drafting (default: the server's `--long-context`, on for prompts of at
+    /// least `--long-context-min-tokens`): a greedy answer drafts from SpeCache's view of the
+    /// cache (each step attends to the rows chosen on low-bit keys) and every round is checked
+    /// in one full-attention pass; the answer is unchanged, token for token. `true` turns it
+    /// on whatever the prompt's length, `false` off. `long_context` in the answer says what
+    /// was accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_context: Option<bool>,
+    /// Most tokens the prompt and the answer may take together (default and ceiling: the
+    /// server's `--max-context-tokens`, at most the target's context length). A prompt that
+    /// does not fit with `max_tokens` is refused (422, naming `top_k`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1)]
+    pub max_context_tokens: Option<u64>,
     /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):
     /// the question is answered over them, in this order, and each passage's chunks reuse
     /// the KV stored the last time the same text was read in the same collection (computed
@@ -306,6 +320,10 @@ impl QueryRequest {
             Some(d) => validate_passages("documents", d)?,
             None => Vec::new(),
         };
+        let max_context_tokens = match self.max_context_tokens {
+            Some(m) => Some(within("max_context_tokens", m, 1, u64::from(u32::MAX))? as usize),
+            None => None,
+        };
         Ok(Query {
             query: query.to_string(),
             documents,
@@ -320,6 +338,8 @@ impl QueryRequest {
             fidelity,
             spec_decode: self.spec_decode,
             spec_draft: self.spec_draft,
+            long_context: self.long_context,
+            max_context_tokens,
             ..d
         })
     }
@@ -583,7 +603,7 @@ pub struct StoreHealth {
 
 /// An error, as `application/problem+json` (RFC 9457).
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-#[schema(example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 32, got 0", "field": "top_k"}))]
+#[schema(example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 256, got 0", "field": "top_k"}))]
 pub struct Problem {
     #[serde(rename = "type")]
     pub kind: String,
@@ -694,7 +714,11 @@ mod tests {
             (with(|r| r.query = "  ".into()), "query"),
             (with(|r| r.query = "x".repeat(8193)), "query"),
             (with(|r| r.top_k = Some(0)), "top_k"),
-            (with(|r| r.top_k = Some(33)), "top_k"),
+            (with(|r| r.top_k = Some(257)), "top_k"),
+            (
+                with(|r| r.max_context_tokens = Some(0)),
+                "max_context_tokens",
+            ),
             (with(|r| r.method = Some("magic".into())), "method"),
             (with(|r| r.recompute_ratio = Some(1.5)), "recompute_ratio"),
             (

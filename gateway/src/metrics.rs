@@ -33,6 +33,7 @@ const GUARD: &str = "specrag_guard_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 const SPEC_DECODE: &str = "specrag_spec_decode_tokens_total";
+const LONG_CONTEXT: &str = "specrag_long_context_tokens_total";
 
 /// The server's metrics. Cheap to update from any thread.
 pub struct Metrics {
@@ -97,6 +98,11 @@ impl Default for Metrics {
                 "Speculative decoding's tokens: drafted by the speculator, and accepted by the \
                  target (accepted / drafted is the acceptance rate)."
             );
+            describe_counter!(
+                LONG_CONTEXT,
+                "Long-context drafting's tokens: drafted from SpeCache's view of the cache, and \
+                 accepted by full attention (accepted / drafted is the acceptance rate)."
+            );
             // Families with a fixed label set are present from the start.
             for tier in ["memory", "disk", "remote", "recomputed"] {
                 metrics::counter!(CHUNKS, "tier" => tier).increment(0);
@@ -159,6 +165,10 @@ impl Metrics {
             if let Some(s) = &a.spec_decode {
                 metrics::counter!(SPEC_DECODE, "kind" => "drafted").increment(s.drafted as u64);
                 metrics::counter!(SPEC_DECODE, "kind" => "accepted").increment(s.accepted as u64);
+            }
+            if let Some(s) = &a.long_context {
+                metrics::counter!(LONG_CONTEXT, "kind" => "drafted").increment(s.drafted as u64);
+                metrics::counter!(LONG_CONTEXT, "kind" => "accepted").increment(s.accepted as u64);
             }
         });
     }

@@ -95,6 +95,11 @@ pub struct Query {
     pub spec_decode: Option<bool>,
     /// What drafts for speculative decoding; `None`: the pipeline's default.
     pub spec_draft: Option<SpecDraft>,
+    /// Long-context drafting for this request; `None`: the pipeline's default.
+    pub long_context: Option<bool>,
+    /// Most tokens the prompt and the answer may take together; `None`: the pipeline's
+    /// `max_context_tokens` (never above it).
+    pub max_context_tokens: Option<usize>,
     pub options: QueryOptions,
 }
 
@@ -131,6 +136,8 @@ impl Default for Query {
             fidelity: Fidelity::default(),
             spec_decode: None,
             spec_draft: None,
+            long_context: None,
+            max_context_tokens: None,
             options: QueryOptions::default(),
         }
     }
@@ -257,6 +264,8 @@ struct Decoded {
     verify: Option<VerifyStats>,
     guard: GuardReport,
     spec: Option<crate::answer::SpecDecodeReport>,
+    /// Long-context drafting's rounds, when it drafted this answer.
+    long: Option<crate::answer::SpecDecodeReport>,
 }
 
 /// How `q` samples and stops.
@@ -298,7 +307,39 @@ pub struct Pipeline {
     pub spec_decode: bool,
     /// What drafts for requests that do not say (`--spec-draft`).
     pub spec_draft: SpecDraft,
+    /// Long-context drafting (`--long-context`).
+    pub long_context: LongContext,
+    /// Most tokens a request's prompt and answer may take together (`--max-context-tokens`;
+    /// at most the target's context length).
+    pub max_context_tokens: usize,
     pub contexts: ContextCache,
+}
+
+/// Long-context drafting (issue 44; `--long-context`, `long_context` per request): greedy
+/// answers over prompts of at least `min_tokens` draft from SpeCache's view of the cache (the
+/// rows a step attends to chosen on low-bit keys, [`target_engine::TopKView`]), every round
+/// checked in one full-attention pass, so the answer is plain decoding's, token for token.
+/// It replaces speculative decoding's drafter for those answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LongContext {
+    pub on: bool,
+    pub min_tokens: usize,
+    pub view: target_engine::TopKConfig,
+}
+
+/// Prompts from which long-context drafting is on by default: on the demo corpus's chunks it
+/// decoded 128-token answers in 0.66 of full attention's time per token at 32k tokens and
+/// broke even near 16k (docs/long-context.md).
+pub const DEFAULT_LONG_CONTEXT_MIN_TOKENS: usize = 24_576;
+
+impl Default for LongContext {
+    fn default() -> Self {
+        Self {
+            on: true,
+            min_tokens: DEFAULT_LONG_CONTEXT_MIN_TOKENS,
+            view: target_engine::TopKConfig::default(),
+        }
+    }
 }
 
 /// What proposes the tokens speculative decoding checks (`spec_draft`, `--spec-draft`). The
@@ -357,6 +398,7 @@ impl Pipeline {
     pub fn new(mut engines: Engines, corpus: Corpus, score_source: ScoreSource) -> Self {
         let codec = corpus.store.disk().codec();
         engines.lossy_codec = codec.is_lossy().then_some(codec);
+        let max_context_tokens = engines.target.config().context_length;
         Self {
             engines,
             corpus,
@@ -365,6 +407,8 @@ impl Pipeline {
             guard: GuardPolicy::default(),
             spec_decode: DEFAULT_SPEC_DECODE,
             spec_draft: SpecDraft::default(),
+            long_context: LongContext::default(),
+            max_context_tokens,
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }
@@ -441,6 +485,17 @@ impl Pipeline {
                 ),
             ));
         }
+        if let Some(m) = q.max_context_tokens {
+            if m > self.max_context_tokens {
+                return Err(GatewayError::bad(
+                    "max_context_tokens",
+                    format!(
+                        "{m} is above this server's limit of {} tokens (--max-context-tokens)",
+                        self.max_context_tokens
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -468,7 +523,10 @@ impl Pipeline {
             &q.context,
             &q.query,
         );
-        let context = target.config().context_length;
+        let context = q
+            .max_context_tokens
+            .unwrap_or(self.max_context_tokens)
+            .min(self.max_context_tokens);
         if asm.ids.len() + q.max_tokens > context {
             // With no chunk retrieved the question alone is too long: name the query.
             return Err(if texts.is_empty() {
@@ -476,7 +534,8 @@ impl Pipeline {
                     "query",
                     format!(
                         "the prompt ({} tokens, the question and no chunk) plus max_tokens ({}) \
-                         exceeds the target's context of {context} tokens; shorten the query",
+                         exceeds the context limit of {context} tokens (max_context_tokens); \
+                         shorten the query",
                         asm.ids.len(),
                         q.max_tokens
                     ),
@@ -486,7 +545,8 @@ impl Pipeline {
                     "top_k",
                     format!(
                         "the prompt ({} tokens with {} chunks) plus max_tokens ({}) exceeds the \
-                         target's context of {context} tokens; lower top_k or max_tokens",
+                         context limit of {context} tokens (max_context_tokens); lower top_k or \
+                         max_tokens",
                         asm.ids.len(),
                         hits.len(),
                         q.max_tokens
@@ -581,6 +641,7 @@ impl Pipeline {
             verify,
             guard,
             spec,
+            long,
         } = self.decode(q, input, &mut timings, on_piece)?;
         reuse.guard = guard;
         timings.decode_ms = ms(td);
@@ -616,6 +677,7 @@ impl Pipeline {
             reuse,
             verify,
             spec_decode: spec,
+            long_context: long,
         };
         Ok(Traced {
             answer,
@@ -875,9 +937,12 @@ impl Pipeline {
             },
             ..Default::default()
         };
-        // The blended cache's decode, verification and escalation share the drafter.
-        let mut drafter = self.drafter(q, asm, texts);
+        let long = self.long_context_for(q, asm.ids.len());
+        // The blended cache's decode, verification and escalation share the drafter (none
+        // where long-context drafting replaces it).
+        let mut drafter = self.drafter(q, asm, texts).filter(|_| !long);
         let spec_of = |d: &Option<_>, s: SpecStats| d.as_ref().map(|_: &_| s.into());
+        let long_of = |s: &SpecStats| long.then(|| s.clone().into());
         if let Some(full) = full_prefill {
             let (g, mut stats, spec) =
                 self.verify(out, full, (q.max_tokens, drafter.as_mut()), on_piece)?;
@@ -887,6 +952,7 @@ impl Pipeline {
                 verify: Some(stats),
                 guard: report,
                 spec: spec_of(&drafter, spec),
+                long: None,
             });
         }
         let mut cache = out.cache;
@@ -911,6 +977,7 @@ impl Pipeline {
                 g,
                 verify,
                 guard: report,
+                long: long_of(&spec),
                 spec: spec_of(&drafter, spec),
             });
         }
@@ -934,8 +1001,19 @@ impl Pipeline {
             g,
             verify,
             guard: report,
+            long: long_of(&spec),
             spec: spec_of(&drafter, spec),
         })
+    }
+
+    /// Whether `q`'s answer over a prompt of `prompt_tokens` drafts from the long-context
+    /// view: greedy, not `verify` (which drafts from the blended cache against the full
+    /// one), and the request's `long_context`, else the server's above its `min_tokens`.
+    fn long_context_for(&self, q: &Query, prompt_tokens: usize) -> bool {
+        q.temperature == 0.0
+            && !q.verify
+            && q.long_context
+                .unwrap_or(self.long_context.on && prompt_tokens >= self.long_context.min_tokens)
     }
 
     /// [`Pipeline::decode_from`] under the fidelity guard (not for full recompute, which
@@ -982,6 +1060,17 @@ impl Pipeline {
         let target = &self.engines.target;
         let params = generate_params(q);
         let mut on_text = |t: &str| on_piece(Piece::Token(t));
+        if self.long_context_for(q, cache.len()) {
+            let mut view = target_engine::TopKView::new(self.long_context.view);
+            let length = target_engine::ViewParams::default().length;
+            return Ok(target.decode_view(
+                (cache, logits),
+                &mut view,
+                (&params, length, 0.0),
+                &mut on_text,
+                watch,
+            )?);
+        }
         Ok(match drafter {
             Some(d) => {
                 target.decode_speculative((cache, logits), d, &params, &mut on_text, watch)?

@@ -255,7 +255,7 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
     // Validation: problem+json naming the field.
     for (body, field) in [
         (json!({"query": "q", "top_k": 0}), "top_k"),
-        (json!({"query": "q", "top_k": 33}), "top_k"),
+        (json!({"query": "q", "top_k": 257}), "top_k"),
         (
             json!({"query": "q", "recompute_ratio": -0.1}),
             "recompute_ratio",
@@ -1557,5 +1557,88 @@ async fn speculative_decoding_answers_as_plain_decoding_and_reports_acceptance()
     // Each drafting answer was asked twice, plain and streamed, and drafted the same.
     let want = (2 * drafted + once + chat_drafted).to_string();
     assert_eq!(line.rsplit(' ').next(), Some(want.as_str()));
+    Ok(())
+}
+
+/// Issue 44: `long_context: true` drafts from SpeCache's view of the cache and answers as
+/// plain decoding does (the tiny model's prompts are short, so the request turns it on),
+/// plain and streamed, through the guard; the answer reports the rounds and `/metrics` counts
+/// them. `max_context_tokens` lowers the context limit per request (422 naming `top_k` when
+/// the prompt does not fit) and may not exceed the server's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_context_drafting_answers_as_plain_decoding() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let mut drafted = 0;
+    for q in ["the thin ant?", "what is in the tin?"] {
+        for m in [
+            json!({"method": "target_probe", "fidelity": "fast", "spec_decode": false}),
+            json!({"method": "target_probe", "spec_decode": false}),
+            json!({"method": "full_recompute", "spec_decode": false}),
+        ] {
+            let (_, plain, _) = send(&s, ask(q, with(&m, "long_context", json!(false)))).await;
+            let plain: Value = serde_json::from_str(&plain)?;
+            assert!(plain.get("long_context").is_none(), "{plain}");
+            let on = with(&m, "long_context", json!(true));
+            let (status, got, _) = send(&s, ask(q, on.clone())).await;
+            assert_eq!(status, StatusCode::OK, "{got}");
+            let got: Value = serde_json::from_str(&got)?;
+            for field in ["answer", "tokens", "finish_reason"] {
+                assert_eq!(got[field], plain[field], "{q} {m}: {field}");
+            }
+            // The same guard decisions (the second full prefill is the context cache's).
+            for field in [
+                "escalated",
+                "loop_detected",
+                "uncertain",
+                "kept_tokens",
+                "min_margin",
+            ] {
+                let g = &got["reuse"]["guard"][field];
+                assert_eq!(g, &plain["reuse"]["guard"][field], "{q} {m}: {field}");
+            }
+            let lc = &got["long_context"];
+            let d = lc["drafted"].as_u64().ok_or("drafted")?;
+            assert!(lc["accepted"].as_u64() <= Some(d), "{got}");
+            assert!(
+                got.get("spec_decode").is_none(),
+                "it replaces the drafter: {got}"
+            );
+            drafted += d;
+            let (_, sse, _) = send(&s, ask(q, with(&on, "stream", json!(true)))).await;
+            assert_eq!(shown_text(&sse), plain["answer"].as_str().unwrap_or(""));
+        }
+    }
+    assert!(drafted > 0, "something was drafted");
+    let (_, text, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("specrag_long_context_tokens_total{kind=\"drafted\"}"))
+        .ok_or("no drafted counter")?;
+    assert_eq!(
+        line.rsplit(' ').next(),
+        Some((2 * drafted).to_string().as_str())
+    );
+    // The context limit per request.
+    let (status, body, _) = send(
+        &s,
+        ask(
+            "the thin ant?",
+            json!({"max_context_tokens": 20, "max_tokens": 8}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(
+        body.contains("\"field\":\"top_k\"") && body.contains("context limit of 20"),
+        "{body}"
+    );
+    let (status, body, _) = send(
+        &s,
+        ask("the thin ant?", json!({"max_context_tokens": 1_000_000})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.contains("\"field\":\"max_context_tokens\""), "{body}");
     Ok(())
 }

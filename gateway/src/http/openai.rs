@@ -119,9 +119,9 @@ pub struct RagOptions {
     /// Collection to retrieve from (default `default`).
     #[serde(default)]
     pub collection: Option<String>,
-    /// Chunks to retrieve, 1 to 32 (default 4).
+    /// Chunks to retrieve, 1 to 256 (default 4; the prompt must fit `max_context_tokens`).
     #[serde(default, deserialize_with = "crate::api::de_opt_int")]
-    #[schema(minimum = 1, maximum = 32)]
+    #[schema(minimum = 1, maximum = 256)]
     pub top_k: Option<u64>,
     /// How the tokens to recompute are chosen (as `/rag/query`'s `method`).
     #[serde(default)]
@@ -142,6 +142,13 @@ pub struct RagOptions {
     /// What drafts, as `/rag/query`'s `spec_draft` (default: the server's).
     #[serde(default)]
     pub spec_draft: Option<crate::pipeline::SpecDraft>,
+    /// Long-context drafting, as `/rag/query`'s `long_context` (default: the server's).
+    #[serde(default)]
+    pub long_context: Option<bool>,
+    /// As `/rag/query`'s `max_context_tokens` (default and ceiling: the server's).
+    #[serde(default)]
+    #[schema(minimum = 1)]
+    pub max_context_tokens: Option<u64>,
     /// Passages to answer from instead of retrieving, as `/rag/query`'s `documents`: their
     /// chunks' KV is reused by content, in any order, under the collection's scope; the
     /// messages' text stays the recomputed part of the prompt.
@@ -598,6 +605,8 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
         fidelity: rag.fidelity,
         spec_decode: rag.spec_decode,
         spec_draft: rag.spec_draft,
+        long_context: rag.long_context,
+        max_context_tokens: rag.max_context_tokens,
         documents: rag.documents.clone(),
         stream: None,
     };
@@ -678,6 +687,9 @@ fn rag_info(a: &Answer) -> Value {
     }
     if let Some(spec) = &a.spec_decode {
         v["spec_decode"] = json!(spec);
+    }
+    if let Some(long) = &a.long_context {
+        v["long_context"] = json!(long);
     }
     v
 }

@@ -40,7 +40,7 @@ pub(crate) struct SseEvent {
         (status = 413, description = "Body larger than 64 KiB", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
-            example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 32, got 0", "field": "top_k"})),
+            example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 256, got 0", "field": "top_k"})),
         (status = 429, description = "The engine queue is full; see Retry-After", body = Problem, content_type = "application/problem+json"),
         (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
     ),

@@ -270,6 +270,47 @@ pub struct ServeArgs {
     /// How verified requests go on once the full cache is ready (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
+    #[command(flatten)]
+    pub long_context: LongContextArgs,
+}
+
+/// Long prompts: the context limit and long-context drafting (`serve` and `query`).
+#[derive(Args, Debug, Clone)]
+pub struct LongContextArgs {
+    /// Most tokens a request's prompt and answer may take together (default: the target's
+    /// context length, which is also the ceiling); `max_context_tokens` in the API lowers it
+    /// per request. A retrieval of many chunks (`top_k` up to 256) must fit it.
+    #[arg(long, env = "SPECRAG_MAX_CONTEXT_TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_context_tokens: Option<u32>,
+    /// Long-context drafting: greedy answers over prompts of at least
+    /// --long-context-min-tokens draft from SpeCache's view of the cache (each step attends to
+    /// 1024 rows per kv head chosen on 4-bit keys, a 128-token window and 4 sink rows), every
+    /// round checked in one full-attention pass: the answer is unchanged, token for token.
+    /// Measured at 32k tokens: 0.66 of full attention's time per token (docs/long-context.md).
+    /// `long_context` in the API overrides it per request.
+    #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::On)]
+    pub long_context: OnOff,
+    /// Prompts from which --long-context drafts (below it, full attention is as fast).
+    #[arg(long, env = "SPECRAG_LONG_CONTEXT_MIN_TOKENS", default_value_t = gateway::pipeline::DEFAULT_LONG_CONTEXT_MIN_TOKENS as u32)]
+    pub long_context_min_tokens: u32,
+}
+
+impl LongContextArgs {
+    /// Sets the pipeline's context limit and long-context drafting; refuses a limit above the
+    /// target's context length.
+    pub fn apply(&self, pipeline: &mut gateway::pipeline::Pipeline) -> anyhow::Result<()> {
+        let model = pipeline.engines.target.config().context_length;
+        if let Some(m) = self.max_context_tokens {
+            anyhow::ensure!(
+                m as usize <= model,
+                "--max-context-tokens {m} is above the target's context length of {model} tokens"
+            );
+            pipeline.max_context_tokens = m as usize;
+        }
+        pipeline.long_context.on = self.long_context.on();
+        pipeline.long_context.min_tokens = self.long_context_min_tokens as usize;
+        Ok(())
+    }
 }
 
 #[derive(Args, Debug)]
@@ -288,7 +329,7 @@ pub struct QueryArgs {
     /// Share of chunk tokens to recompute (0..=1).
     #[arg(long, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
-    /// Chunks to retrieve (1..=32).
+    /// Chunks to retrieve (1..=256; the prompt must fit --max-context-tokens).
     #[arg(long, default_value_t = 4)]
     pub top_k: u32,
     /// Most tokens to generate (1..=1024).
@@ -333,6 +374,8 @@ pub struct QueryArgs {
     /// keeps drafting from the reused cache and verifies every N tokens in one pass.
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]
     pub verify_mode: target_engine::VerifyMode,
+    #[command(flatten)]
+    pub long_context: LongContextArgs,
     /// Print the API's JSON answer object.
     #[arg(long)]
     pub json: bool,
@@ -726,6 +769,16 @@ pub struct LongArgs {
     /// SpeCache: bits per value of the low-bit keys (2 or 4).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=4))]
     pub bits: u32,
+    /// SpeCache: score positions only in the blocks (32 positions each) whose bound is among
+    /// the best `prefilter * top_k` positions' worth; 0 scores every position.
+    #[arg(long, default_value_t = 4)]
+    pub prefilter: usize,
+    /// SpeCache: the first layers attend to every row (measured: no gain at 32k).
+    #[arg(long, default_value_t = 0)]
+    pub full_layers: usize,
+    /// A round ends (is verified) after a draft the drafter gave less probability than this.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_prob: f32,
     /// Also measure unverified quality (answers and teacher-forced KL), with KIVI 2-bit.
     #[arg(long)]
     pub quality: bool,

@@ -107,6 +107,8 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         fidelity: (!a.verify).then_some(a.fidelity),
         spec_decode: None,
         spec_draft: None,
+        long_context: None,
+        max_context_tokens: None,
         documents: None,
         stream: None,
     }
@@ -123,6 +125,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
     pipeline.spec_draft = a.spec_draft;
+    a.long_context.apply(&mut pipeline)?;
     let json_out = a.json;
     let answer = pipeline.query(&q, &mut |piece| {
         if !json_out {
@@ -185,6 +188,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
     pipeline.spec_draft = a.spec_draft;
+    a.long_context.apply(&mut pipeline)?;
     let mut api_keys = a.api_keys;
     api_keys.extend(a.admin_keys);
     let config = gateway::http::ServerConfig {

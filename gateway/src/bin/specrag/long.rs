@@ -72,33 +72,52 @@ fn drafters(a: &LongArgs) -> Vec<(String, TopKConfig)> {
         bits: a.bits,
         top_k: a.top_k,
         window: a.window,
+        prefilter: a.prefilter,
+        full_layers: a.full_layers,
         ..TopKConfig::default()
     };
+    // StreamingLLM: sink and window only, every layer, as many rows as SpeCache's exact ones.
     let window = TopKConfig {
         top_k: 0,
         window: a.top_k + a.window,
+        full_layers: 0,
         ..specache
     };
     vec![
-        (
-            format!("specache-{}bit-top{}", a.bits, a.top_k),
-            specache,
-        ),
+        (format!("specache-{}bit-top{}", a.bits, a.top_k), specache),
         (format!("window-{}", window.window), window),
     ]
 }
 
-/// The prompt's cache: chunks of `texts` from `offset` on (wrapping) until the assembled
+/// Where contexts come from: a collection's chunk texts, their KV in the corpus's store.
+struct Source<'a> {
+    corpus: &'a Corpus,
+    collection: &'a str,
+    texts: &'a [String],
+}
+
+/// What one case measured: full attention's ms per token and answer, each drafter, KIVI.
+struct Measured {
+    full_ms: f64,
+    ids: Vec<u32>,
+    drafters: Vec<DrafterRow>,
+    kivi2: Option<Quality>,
+}
+
+/// The prompt's cache: chunks of the source from `offset` on (wrapping) until the assembled
 /// prompt reaches `tokens`, their stored KV reused, the question computed.
 fn context(
     engines: &Engines,
-    corpus: &Corpus,
-    collection: &str,
-    texts: &[String],
+    src: &Source<'_>,
     tokens: usize,
     offset: usize,
     question: &str,
 ) -> anyhow::Result<(KvCache, Vec<f32>, usize)> {
+    let Source {
+        corpus,
+        collection,
+        texts,
+    } = *src;
     let tok = engines.target.tokenizer();
     let mut chosen: Vec<&str> = Vec::new();
     let mut kvs: Vec<ChunkKv> = Vec::new();
@@ -163,7 +182,7 @@ fn measure(
     logits: &[f32],
     a: &LongArgs,
     progress: &dyn Fn(&str),
-) -> anyhow::Result<(f64, Vec<u32>, Vec<DrafterRow>, Option<Quality>)> {
+) -> anyhow::Result<Measured> {
     progress("full attention");
     let mut c = cache.clone();
     let full = model.view_generate(&mut c, logits, None, a.max_tokens as usize)?;
@@ -183,6 +202,7 @@ fn measure(
         let mut c = cache.clone();
         let params = ViewParams {
             max_tokens: a.max_tokens as usize,
+            min_prob: a.min_prob,
             ..ViewParams::default()
         };
         let g = model.view_verified_generate(&mut c, logits, &mut view, &params)?;
@@ -226,7 +246,12 @@ fn measure(
         }
         None => None,
     };
-    Ok((full.ms_per_token(), full.ids, rows, kivi2))
+    Ok(Measured {
+        full_ms: full.ms_per_token(),
+        ids: full.ids,
+        drafters: rows,
+        kivi2,
+    })
 }
 
 /// `specrag bench long`.
@@ -248,35 +273,31 @@ pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
         a.data.display(),
         a.collection
     );
+    let src = Source {
+        corpus: &corpus,
+        collection: &a.collection,
+        texts: &texts,
+    };
     let bar = spinner(String::new());
-    let mut points = Vec::new();
     for &tokens in &a.contexts {
         for (qi, question) in a.questions.iter().enumerate() {
             let say = |s: &str| bar.set_message(format!("{tokens} tokens, question {qi}: {s}"));
             say("loading chunks");
             let offset = qi * texts.len() / a.questions.len().max(1);
-            let (cache, logits, chunks) = context(
-                &engines,
-                &corpus,
-                &a.collection,
-                &texts,
-                tokens as usize,
-                offset,
-                question,
-            )?;
-            let (full_ms, ids, drafters, kivi2) = measure(&model, &cache, &logits, &a, &say)?;
+            let (cache, logits, chunks) =
+                context(&engines, &src, tokens as usize, offset, question)?;
+            let m = measure(&model, &cache, &logits, &a, &say)?;
             let point = LongPoint {
                 context_tokens: cache.len(),
                 chunks,
                 question: question.clone(),
-                answer_tokens: ids.len(),
-                full_ms_per_token: full_ms,
+                answer_tokens: m.ids.len(),
+                full_ms_per_token: m.full_ms,
                 full_kv_bytes: cache.len() * cache.row_len() * 2 * 4 * cache.n_layer(),
-                drafters,
-                kivi2,
+                drafters: m.drafters,
+                kivi2: m.kivi2,
             };
             bar.suspend(|| print_point(&point, a.json));
-            points.push(point);
         }
     }
     bar.finish_and_clear();
@@ -300,7 +321,10 @@ fn print_point(p: &LongPoint, json: bool) {
     );
     let q = |q: &Option<Quality>| {
         q.as_ref().map_or(String::from("-"), |q| {
-            format!("same={} prefix={} KL={:.4}", q.identical, q.common_prefix, q.kl)
+            format!(
+                "same={} prefix={} KL={:.4}",
+                q.identical, q.common_prefix, q.kl
+            )
         })
     };
     for r in &p.drafters {
