@@ -1432,6 +1432,24 @@ async fn the_fidelity_guard_sampled_and_exact() -> TestResult {
     Ok(())
 }
 
+/// The guard made the same decisions for `got` as for `plain` (its second full prefill is the
+/// context cache's, so its time differs).
+fn same_guard(got: &Value, plain: &Value, what: &str) {
+    for field in [
+        "escalated",
+        "loop_detected",
+        "uncertain",
+        "kept_tokens",
+        "min_margin",
+    ] {
+        let (g, p) = (
+            &got["reuse"]["guard"][field],
+            &plain["reuse"]["guard"][field],
+        );
+        assert_eq!(g, p, "{what}: {field}");
+    }
+}
+
 /// One speculative answer of `q` with `extra` drafted by `draft`, checked against `plain`
 /// (the same answer without drafting): the same text, tokens, finish and guard decisions,
 /// plain and streamed; returns its drafted tokens and those by prompt lookup.
@@ -1453,20 +1471,7 @@ async fn drafted_as_plain(
     for field in ["answer", "tokens", "finish_reason"] {
         assert_eq!(got[field], plain[field], "{q} {extra} {draft}: {field}");
     }
-    // The same guard decisions (the second full prefill is the context cache's).
-    for field in [
-        "escalated",
-        "loop_detected",
-        "uncertain",
-        "kept_tokens",
-        "min_margin",
-    ] {
-        let (g, p) = (
-            &got["reuse"]["guard"][field],
-            &plain["reuse"]["guard"][field],
-        );
-        assert_eq!(g, p, "{q} {extra} {draft}: {field}");
-    }
+    same_guard(&got, plain, &format!("{q} {extra} {draft}"));
     let sd = &got["spec_decode"];
     let d = sd["drafted"].as_u64().ok_or("drafted")?;
     assert!(sd["accepted"].as_u64() <= Some(d), "{got}");
@@ -1586,17 +1591,7 @@ async fn long_context_drafting_answers_as_plain_decoding() -> TestResult {
             for field in ["answer", "tokens", "finish_reason"] {
                 assert_eq!(got[field], plain[field], "{q} {m}: {field}");
             }
-            // The same guard decisions (the second full prefill is the context cache's).
-            for field in [
-                "escalated",
-                "loop_detected",
-                "uncertain",
-                "kept_tokens",
-                "min_margin",
-            ] {
-                let g = &got["reuse"]["guard"][field];
-                assert_eq!(g, &plain["reuse"]["guard"][field], "{q} {m}: {field}");
-            }
+            same_guard(&got, &plain, &format!("{q} {m}"));
             let lc = &got["long_context"];
             let d = lc["drafted"].as_u64().ok_or("drafted")?;
             assert!(lc["accepted"].as_u64() <= Some(d), "{got}");

@@ -505,27 +505,25 @@ struct Folded {
     bytes: Vec<u8>,
 }
 
-/// Whether the CPU has AVX-512 VNNI (checked once).
+/// Whether the CPU has every one of `features`, checked once per call site.
 #[cfg(target_arch = "x86_64")]
-fn vnni_available() -> bool {
-    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VNNI.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vnni")
-    })
+macro_rules! detected {
+    ($($f:tt),+) => {{
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| true $(&& is_x86_feature_detected!($f))+)
+    }};
 }
 
-/// Whether the CPU runs the 512-bit scoring loop (checked once).
+/// Whether the CPU has AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+fn vnni_available() -> bool {
+    detected!("avx512f", "avx512bw", "avx512vnni")
+}
+
+/// Whether the CPU runs the 512-bit scoring loop.
 #[cfg(target_arch = "x86_64")]
 fn wide_available() -> bool {
-    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-    })
+    detected!("avx512f", "avx512bw", "avx2", "fma")
 }
 
 /// A dot product over 16 lanes (vectorizes without reassociation).
