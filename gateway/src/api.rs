@@ -184,9 +184,9 @@ pub struct QueryRequest {
     /// prompt), `model` (the speculator) or `both` (lookup, then the speculator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_draft: Option<crate::pipeline::SpecDraft>,
-    /// Long-context drafting (default: the server's `--long-context`, on for prompts of at
-    /// least `--long-context-min-tokens`): a greedy answer drafts from SpeCache's view of the
-    /// cache (each step attends to the rows chosen on low-bit keys) and every round is checked
+    /// Long-context drafting (default: the server's `--long-context`, off unless set; then for
+    /// prompts of at least `--long-context-min-tokens`): a greedy answer drafts from SpeCache's
+    /// view of the cache (each step attends to the rows chosen on low-bit keys) and every round is checked
     /// in one full-attention pass; the answer is unchanged, token for token. `true` turns it
     /// on whatever the prompt's length, `false` off. `long_context` in the answer says what
     /// was accepted.

@@ -286,9 +286,10 @@ pub struct LongContextArgs {
     /// --long-context-min-tokens draft from SpeCache's view of the cache (each step attends to
     /// 1024 rows per kv head chosen on 4-bit keys, a 128-token window and 4 sink rows), every
     /// round checked in one full-attention pass: the answer is unchanged, token for token.
-    /// Measured at 32k tokens: 0.66 of full attention's time per token (docs/long-context.md).
-    /// `long_context` in the API overrides it per request.
-    #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::On)]
+    /// Off by default: on 2 cores full attention decodes 8k-32k tokens faster (the drafter
+    /// took 1.18-1.39x its time per token, docs/long-context.md). `long_context` in the API
+    /// overrides it per request.
+    #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::DEFAULT_LONG_CONTEXT)]
     pub long_context: OnOff,
     /// Prompts from which --long-context drafts (below it, full attention is as fast).
     #[arg(long, env = "SPECRAG_LONG_CONTEXT_MIN_TOKENS", default_value_t = gateway::pipeline::DEFAULT_LONG_CONTEXT_MIN_TOKENS as u32)]
@@ -391,6 +392,13 @@ pub enum OnOff {
 impl OnOff {
     /// `--spec-decode` unless set (the pipeline's default).
     pub const DEFAULT_SPEC_DECODE: OnOff = if gateway::pipeline::DEFAULT_SPEC_DECODE {
+        OnOff::On
+    } else {
+        OnOff::Off
+    };
+
+    /// `--long-context` unless set (the pipeline's default).
+    pub const DEFAULT_LONG_CONTEXT: OnOff = if gateway::pipeline::DEFAULT_LONG_CONTEXT {
         OnOff::On
     } else {
         OnOff::Off
