@@ -392,10 +392,27 @@ pub fn causal_attention_packed(q: &[f32], pos: &[usize], kv: &Bf16Kv) -> Result<
         }
     }
     let group = n_head / shape.n_kv_head;
-    Ok(run_tiles(pos, shape, |h, start, rows, out| {
+    if group > 1 && pos.len() * group <= GQA_ROWS {
+        // Query head `g` of the grouped call is kv head `g` ([`grouped`]).
+        return Ok(grouped(q, pos, shape, |q, pos, one| {
+            packed_tiles(q, pos, one, kv, 1)
+        }));
+    }
+    Ok(packed_tiles(q, pos, shape, kv, group))
+}
+
+/// [`causal_attention_packed`]'s tiles, query head `h` reading kv head `h / group`.
+fn packed_tiles(
+    q: &[f32],
+    pos: &[usize],
+    shape: AttentionShape,
+    kv: &Bf16Kv,
+    group: usize,
+) -> Vec<f32> {
+    run_tiles(pos, shape, |h, start, rows, out| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX-512 BF16 and `d` is handled (`Bf16Kv::handles`); the mirror
-        // holds every position of the call (checked above).
+        // holds every position of the call (checked by the caller).
         unsafe {
             bf16::tile(
                 q,
@@ -408,8 +425,8 @@ pub fn causal_attention_packed(q: &[f32], pos: &[usize], kv: &Bf16Kv) -> Result<
             )
         };
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (h, start, rows, out, group);
-    }))
+        let _ = (h, start, rows, out, group, kv);
+    })
 }
 
 /// Runs `tile(h, start, rows, out)` for every (head, tile) pair of the call, on the thread
@@ -864,6 +881,34 @@ mod tests {
                 assert!(rows * (n_head / n_kv_head) <= GQA_ROWS);
                 let per_head = f32_tiles(&q, &pos, &k, &v, shape);
                 let grouped = causal_attention(&q, &pos, &k, &v, shape).expect("attention");
+                assert_eq!(grouped, per_head, "{shape:?}, {rows} rows");
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_query_heads_attend_bit_for_bit_at_bf16_too() {
+        let mut rng = StdRng::seed_from_u64(45);
+        for (n_head, n_kv_head, head_dim) in [(12, 2, 128), (14, 2, 64)] {
+            let shape = AttentionShape {
+                n_head,
+                n_kv_head,
+                head_dim,
+            };
+            if !Bf16Kv::handles(shape) {
+                eprintln!("skipped: no AVX-512 BF16 on this CPU");
+                return;
+            }
+            let ctx = 700;
+            let k = random(ctx * n_kv_head * head_dim, &mut rng);
+            let v = random(ctx * n_kv_head * head_dim, &mut rng);
+            let mut kv = Bf16Kv::new(shape);
+            kv.update(&k, &v, ctx);
+            for rows in [1, 3, 16] {
+                let pos: Vec<usize> = (0..rows).map(|i| ctx - rows + i).collect();
+                let q = random(rows * n_head * head_dim, &mut rng);
+                let per_head = packed_tiles(&q, &pos, shape, &kv, n_head / n_kv_head);
+                let grouped = causal_attention_packed(&q, &pos, &kv).expect("attention");
                 assert_eq!(grouped, per_head, "{shape:?}, {rows} rows");
             }
         }
