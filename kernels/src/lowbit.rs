@@ -220,21 +220,8 @@ impl LowBitKeys {
         blocks: &[usize],
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let AttentionShape {
-            n_head,
-            n_kv_head,
-            head_dim: d,
-        } = self.shape;
-        if q.len() != n_head * d || g >= n_kv_head || blocks.iter().any(|&b| b >= self.blocks) {
-            return Err(shape_err(
-                "low-bit scores",
-                format!(
-                    "{} query values for kv head {g} over blocks {blocks:?}",
-                    q.len()
-                ),
-            ));
-        }
-        let heads = n_head / n_kv_head;
+        let heads = self.check_query(q, g, blocks)?;
+        let d = self.shape.head_dim;
         let q = &q[g * heads * d..(g + 1) * heads * d];
         out.clear();
         out.resize(heads * blocks.len() * self.group, 0.0);
@@ -255,20 +242,33 @@ impl LowBitKeys {
         Ok(())
     }
 
-    /// An upper bound of each block's scores from its minima and steps alone (every key of
-    /// block `b` lies in the box `lo..=lo + levels * step`, Quest's page bound): per head the
-    /// bound less the largest over `blocks`, then the largest over the group's heads; one
-    /// value per block of `blocks`, at 1 / `group` of the cost of scoring its positions.
-    pub fn block_bounds(&self, q: &[f32], g: usize, blocks: &[usize]) -> Result<Vec<f32>> {
+    /// Checks one row of queries of every head against kv head `g` and quantized `blocks`;
+    /// returns the query heads per kv head.
+    fn check_query(&self, q: &[f32], g: usize, blocks: &[usize]) -> Result<usize> {
         let AttentionShape {
             n_head,
             n_kv_head,
             head_dim: d,
         } = self.shape;
         if q.len() != n_head * d || g >= n_kv_head || blocks.iter().any(|&b| b >= self.blocks) {
-            return Err(shape_err("low-bit bounds", format!("kv head {g}")));
+            return Err(shape_err(
+                "low-bit keys",
+                format!(
+                    "{} query values for kv head {g} over blocks {blocks:?}",
+                    q.len()
+                ),
+            ));
         }
-        let heads = n_head / n_kv_head;
+        Ok(n_head / n_kv_head)
+    }
+
+    /// An upper bound of each block's scores from its minima and steps alone (every key of
+    /// block `b` lies in the box `lo..=lo + levels * step`, Quest's page bound): per head the
+    /// bound less the largest over `blocks`, then the largest over the group's heads; one
+    /// value per block of `blocks`, at 1 / `group` of the cost of scoring its positions.
+    pub fn block_bounds(&self, q: &[f32], g: usize, blocks: &[usize]) -> Result<Vec<f32>> {
+        let heads = self.check_query(q, g, blocks)?;
+        let d = self.shape.head_dim;
         let mut out = vec![f32::NEG_INFINITY; blocks.len()];
         let mut per_head = vec![0f32; blocks.len()];
         for qh in q[g * heads * d..(g + 1) * heads * d].chunks_exact(d) {
