@@ -18,8 +18,8 @@ pub use bf16::Bf16Kv;
 /// Query rows per tile: small enough that the score block stays in cache.
 const TILE: usize = 32;
 
-/// Keys times heads from which a call with fewer rows than a tile (a decode step) still runs
-/// its heads on the thread pool.
+/// Keys times heads times rows from which a call with fewer rows than a tile (a decode step)
+/// still runs its heads on the thread pool.
 const PARALLEL_KEYS: usize = 2048;
 
 /// Head layout shared by queries and cache.
@@ -450,8 +450,10 @@ fn run_tiles(
     // to the thread pool costs more than it saves. Over a long one it streams the layer's
     // whole KV, which two cores read faster than one (SmolLM2's decode after 512 tokens:
     // ~12 -> ~11 ms/token; the 0.5B and 1.5B within noise).
+    // The work is keys x heads x rows: a grouped decode step (`grouped`) has 2 heads of 6 rows
+    // where the per-head one had 12 heads of 1.
     let keys = pos.iter().max().map_or(0, |&p| p + 1);
-    let blocks: Vec<Vec<f32>> = if n_q >= TILE || keys * n_head >= PARALLEL_KEYS {
+    let blocks: Vec<Vec<f32>> = if n_q >= TILE || keys * n_head * n_q >= PARALLEL_KEYS {
         tasks.par_iter().map(run).collect()
     } else {
         tasks.iter().map(run).collect()
