@@ -332,7 +332,7 @@ pub const DEFAULT_LONG_CONTEXT_MIN_TOKENS: usize = 24_576;
 
 /// Long-context drafting unless a request says otherwise (`--long-context`): off, because with
 /// decode attention grouped by kv head full attention decodes 8k-32k tokens faster than the
-/// drafter does verified on 2 cores (1.18-1.39x its time per token on the demo corpus,
+/// drafter does verified on 2 cores (1.18-1.51x its time per token on the demo corpus,
 /// docs/long-context.md).
 pub const DEFAULT_LONG_CONTEXT: bool = false;
 

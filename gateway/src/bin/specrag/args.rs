@@ -287,7 +287,7 @@ pub struct LongContextArgs {
     /// 1024 rows per kv head chosen on 4-bit keys, a 128-token window and 4 sink rows), every
     /// round checked in one full-attention pass: the answer is unchanged, token for token.
     /// Off by default: on 2 cores full attention decodes 8k-32k tokens faster (the drafter
-    /// took 1.18-1.39x its time per token, docs/long-context.md). `long_context` in the API
+    /// took 1.18-1.51x its time per token, docs/long-context.md). `long_context` in the API
     /// overrides it per request.
     #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::DEFAULT_LONG_CONTEXT)]
     pub long_context: OnOff,
