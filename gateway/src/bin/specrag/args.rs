@@ -291,7 +291,7 @@ pub struct LongContextArgs {
     /// overrides it per request.
     #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::DEFAULT_LONG_CONTEXT)]
     pub long_context: OnOff,
-    /// Prompts from which --long-context drafts (below it, full attention is as fast).
+    /// Prompts from which --long-context drafts, when it is on.
     #[arg(long, env = "SPECRAG_LONG_CONTEXT_MIN_TOKENS", default_value_t = gateway::pipeline::DEFAULT_LONG_CONTEXT_MIN_TOKENS as u32)]
     pub long_context_min_tokens: u32,
 }
