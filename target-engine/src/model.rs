@@ -733,7 +733,7 @@ impl Model {
         self.forward_decode_with(ids, positions, cache, Some(view))
     }
 
-    fn forward_decode_with(
+    pub(crate) fn forward_decode_with(
         &self,
         ids: &[u32],
         positions: &[usize],

@@ -526,10 +526,7 @@ impl Model {
                 break;
             }
             let pos = cache.len();
-            let out = match view.as_deref_mut() {
-                Some(v) => self.forward_view(&[next], &[pos], cache, v)?,
-                None => self.forward_decode_path(&[next], &[pos], cache)?,
-            };
+            let out = self.forward_decode_with(&[next], &[pos], cache, reborrow(&mut view))?;
             next = argmax(&self.last_logits(&out)?);
         }
         g.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -548,13 +545,20 @@ impl Model {
         let mut out = vec![log_softmax(logits)];
         for &id in ids.iter().take(ids.len().saturating_sub(1)) {
             let pos = cache.len();
-            let f = match view.as_deref_mut() {
-                Some(v) => self.forward_view(&[id], &[pos], cache, v)?,
-                None => self.forward_decode_path(&[id], &[pos], cache)?,
-            };
+            let f = self.forward_decode_with(&[id], &[pos], cache, reborrow(&mut view))?;
             out.push(log_softmax(&self.last_logits(&f)?));
         }
         Ok(out)
+    }
+}
+
+/// A shorter-lived borrow of an optional view (an `Option` does not coerce by itself).
+pub fn reborrow<'a>(
+    view: &'a mut Option<&mut (dyn AttentionView + Send)>,
+) -> Option<&'a mut (dyn AttentionView + Send)> {
+    match view {
+        Some(v) => Some(&mut **v),
+        None => None,
     }
 }
 

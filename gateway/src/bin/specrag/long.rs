@@ -12,7 +12,7 @@ use crate::{load_target, spinner};
 use gateway::corpus::{Corpus, Engines};
 use serde::Serialize;
 use std::sync::Arc;
-use target_engine::sparse::kl;
+use target_engine::sparse::{kl, reborrow};
 use target_engine::{
     kivi_cache, AttentionView, ChunkKv, FullReuse, KvCache, Model, SelectInput, Selector,
     TopKConfig, TopKView, ViewParams,
@@ -138,16 +138,6 @@ fn context(
     let input = SelectInput::new(&engines.target, &asm, &engines.prefix, &refs, 0.0);
     let out = FullReuse.prefill(&input)?;
     Ok((out.cache, out.logits, chosen.len()))
-}
-
-/// A shorter-lived borrow of an optional view (an `Option` does not coerce by itself).
-fn reborrow<'a>(
-    view: &'a mut Option<&mut (dyn AttentionView + Send)>,
-) -> Option<&'a mut (dyn AttentionView + Send)> {
-    match view {
-        Some(v) => Some(&mut **v),
-        None => None,
-    }
 }
 
 /// Unverified answer and teacher-forced KL of `view` (`None` with `cache` already KIVI's).
