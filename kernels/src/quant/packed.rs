@@ -27,6 +27,8 @@ const GROUP: usize = 16;
 const TILE_M: usize = 8;
 /// Bytes of one chunk: 16 features x 4 quants.
 const CHUNK: usize = GROUP * 4;
+/// How far ahead of the block being computed its weights are prefetched (bytes).
+const PREFETCH: usize = 4096;
 
 /// How the quants of a (group, block) are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -514,23 +516,19 @@ mod vnni {
             // SAFETY (all): the caller's contract.
             // Every row's arithmetic is the same whatever tile it is in (rows never mix), so
             // the split only decides how often the group's weights are unpacked: once per
-            // tile. Few rows (speculative decoding's checking passes) get tiles of their own.
-            let (head, rest) = match t {
-                TILE_M => (TILE_M, 0),
-                4..=7 => (4, t - 4),
-                _ => (0, t),
-            };
-            match head {
-                TILE_M => unsafe { tile::<TILE_M, H>(p, a, g, m0, width, out) },
-                4 => unsafe { tile::<4, H>(p, a, g, m0, width, out) },
-                _ => {}
-            }
-            let m1 = m0 + head;
-            match rest {
-                3 => unsafe { tile::<3, H>(p, a, g, m1, width, out) },
-                2 => unsafe { tile::<2, H>(p, a, g, m1, width, out) },
-                1 => unsafe { tile::<1, H>(p, a, g, m1, width, out) },
-                _ => {}
+            // tile. A tile of each size up to 8, so a checking pass of speculative decoding
+            // unpacks each weight group once whatever its number of rows.
+            unsafe {
+                match t {
+                    8 => tile::<8, H>(p, a, g, m0, width, out),
+                    7 => tile::<7, H>(p, a, g, m0, width, out),
+                    6 => tile::<6, H>(p, a, g, m0, width, out),
+                    5 => tile::<5, H>(p, a, g, m0, width, out),
+                    4 => tile::<4, H>(p, a, g, m0, width, out),
+                    3 => tile::<3, H>(p, a, g, m0, width, out),
+                    2 => tile::<2, H>(p, a, g, m0, width, out),
+                    _ => tile::<1, H>(p, a, g, m0, width, out),
+                }
             }
             m0 += t;
         }
@@ -622,57 +620,69 @@ mod vnni {
         let rows: [*const i8; M] =
             std::array::from_fn(|m| unsafe { a.q.as_ptr().add((m0 + m) * a.cols) });
         for b in 0..nb {
-            // One integer dot product per half when the scales are per 16 quants.
-            let mut dot = [[_mm512_setzero_si512(); M]; H];
             let wb = &p.q[(g * nb + b) * qb..][..qb];
-            match p.planes {
-                Planes::Bytes => {
-                    for c in 0..8 {
-                        // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
-                        let w = unsafe { _mm512_loadu_si512(wb.as_ptr().add(c * CHUNK).cast()) };
-                        let dot = &mut dot[usize::from(halves && c >= 4)];
-                        for (dm, row) in dot.iter_mut().zip(rows) {
-                            // SAFETY: chunk `c` of block `b` of a row of `a`.
-                            *dm = _mm512_dpbusd_epi32(*dm, w, unsafe { x4(row, b * 32 + c * 4) });
-                        }
-                    }
-                }
-                Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
-                    let hi = &p.hi[(g * nb + b) * masks..][..masks];
-                    for pair in 0..4 {
-                        // SAFETY: 64 bytes at `pair * 64` lie inside the block's 256.
-                        let raw =
-                            unsafe { _mm512_loadu_si512(wb.as_ptr().add(pair * CHUNK).cast()) };
-                        let mut w0 = _mm512_and_si512(raw, low);
-                        let mut w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                        if masks >= 8 {
-                            w0 = _mm512_mask_add_epi8(w0, hi[2 * pair], w0, sixteen);
-                            w1 = _mm512_mask_add_epi8(w1, hi[2 * pair + 1], w1, sixteen);
-                        }
-                        if masks == 16 {
-                            w0 = _mm512_mask_add_epi8(w0, hi[8 + 2 * pair], w0, thirty_two);
-                            w1 = _mm512_mask_add_epi8(w1, hi[9 + 2 * pair], w1, thirty_two);
-                        }
-                        let dot = &mut dot[usize::from(halves && pair >= 2)];
-                        let at = b * 32 + pair * 8;
-                        for (dm, row) in dot.iter_mut().zip(rows) {
-                            // SAFETY: chunks `2 pair` and `2 pair + 1` of block `b` of a row.
-                            let (x0, x1) = unsafe { (x4(row, at), x4(row, at + 4)) };
-                            *dm = _mm512_dpbusd_epi32(*dm, w0, x0);
-                            *dm = _mm512_dpbusd_epi32(*dm, w1, x1);
-                        }
-                    }
-                }
+            let hi = &p.hi[(g * nb + b) * masks..][..masks];
+            // The weights stream from memory once per pass; the hardware prefetcher alone
+            // leaves the reads waiting on compute and the compute on reads (a checking pass of
+            // 7 rows cost the one-row pass plus its compute). Asked for 4 KB ahead, they overlap:
+            // 24 products of a 8960 x 1536 Q4_K matrix (`examples/packed_rows`) 6.5 -> 4.1 ms
+            // for one row, 12.1 -> 7.3 ms for 8. A prefetch never faults, even past the end.
+            for c in (0..qb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().wrapping_add(PREFETCH + c).cast());
             }
             // SAFETY: the scales of the group's block (16 lanes each) lie inside the vectors.
             let sw = unsafe { scales(&p.scales, nb, g, b) };
-            for m in 0..M {
-                let i = (m0 + m) * nb + b;
-                for (h, (s, o)) in sw.iter().enumerate().take(H) {
+            // One integer dot product per half when the scales are per 16 quants, each added
+            // to the rows' sums before the next half's begins: M live dot products, not H x M
+            // (an 8-row tile of Q6_K would spill registers otherwise). The float operations
+            // per row are the same sequence either way.
+            for (h, (s, o)) in sw.iter().enumerate().take(H) {
+                let mut dot = [_mm512_setzero_si512(); M];
+                let parts = if halves { h * 2..h * 2 + 2 } else { 0..4 };
+                match p.planes {
+                    Planes::Bytes => {
+                        for c in parts.start * 2..parts.end * 2 {
+                            // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
+                            let w =
+                                unsafe { _mm512_loadu_si512(wb.as_ptr().add(c * CHUNK).cast()) };
+                            for (dm, row) in dot.iter_mut().zip(rows) {
+                                // SAFETY: chunk `c` of block `b` of a row of `a`.
+                                *dm =
+                                    _mm512_dpbusd_epi32(*dm, w, unsafe { x4(row, b * 32 + c * 4) });
+                            }
+                        }
+                    }
+                    Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
+                        for pair in parts {
+                            // SAFETY: 64 bytes at `pair * 64` lie inside the block's 256.
+                            let raw =
+                                unsafe { _mm512_loadu_si512(wb.as_ptr().add(pair * CHUNK).cast()) };
+                            let mut w0 = _mm512_and_si512(raw, low);
+                            let mut w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                            if masks >= 8 {
+                                w0 = _mm512_mask_add_epi8(w0, hi[2 * pair], w0, sixteen);
+                                w1 = _mm512_mask_add_epi8(w1, hi[2 * pair + 1], w1, sixteen);
+                            }
+                            if masks == 16 {
+                                w0 = _mm512_mask_add_epi8(w0, hi[8 + 2 * pair], w0, thirty_two);
+                                w1 = _mm512_mask_add_epi8(w1, hi[9 + 2 * pair], w1, thirty_two);
+                            }
+                            let at = b * 32 + pair * 8;
+                            for (dm, row) in dot.iter_mut().zip(rows) {
+                                // SAFETY: chunks `2 pair` and `2 pair + 1` of block `b` of a row.
+                                let (x0, x1) = unsafe { (x4(row, at), x4(row, at + 4)) };
+                                *dm = _mm512_dpbusd_epi32(*dm, w0, x0);
+                                *dm = _mm512_dpbusd_epi32(*dm, w1, x1);
+                            }
+                        }
+                    }
+                }
+                for (m, (acc, dot)) in acc.iter_mut().zip(dot).enumerate() {
+                    let i = (m0 + m) * nb + b;
                     let ds = if halves { a.ds2[2 * i + h] } else { a.ds[i] };
                     let scale = _mm512_mul_ps(*s, _mm512_set1_ps(a.d[i]));
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][m]), scale, acc[m]);
-                    acc[m] = _mm512_fmadd_ps(*o, _mm512_set1_ps(ds), acc[m]);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                    *acc = _mm512_fmadd_ps(*o, _mm512_set1_ps(ds), *acc);
                 }
             }
         }
