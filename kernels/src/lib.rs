@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod error;
+pub mod ffn;
 pub mod lowbit;
 pub mod quant;
 pub mod rope;
@@ -19,6 +20,7 @@ pub use attention::{
     causal_attention_reference, causal_attention_with, AttentionPrecision, AttentionShape, Bf16Kv,
 };
 pub use error::{KernelError, Result};
+pub use ffn::swiglu;
 pub use lowbit::LowBitKeys;
 pub use quant::{Isa, PackedMatrix, QMatrix, QType};
 pub use rope::{Rope, RopeTable, RopeVariant};

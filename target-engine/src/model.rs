@@ -19,7 +19,7 @@ use crate::gguf::GgufFile;
 use crate::kv::KvCache;
 use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor, D};
 use kernels::{AttentionShape, Isa, PackedMatrix, QMatrix, QType, Rope};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -846,8 +846,7 @@ impl Model {
             x = (x + layer.wo.forward(&attn, dense)?)?;
             let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
             let gu = Linear::forward_many(&[&layer.gate, &layer.up], &h, dense)?;
-            let g = gu[0].silu()?;
-            x = (&x + layer.down.forward(&(g * &gu[1])?, dense)?)?;
+            x = (&x + layer.down.forward(&swiglu(&gu[0], &gu[1])?, dense)?)?;
             if collect_layers {
                 collected.push(x.clone());
             }
@@ -897,6 +896,26 @@ struct Pass<'a> {
     probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
     /// Attention from an approximate view of the cache instead of all of it (a drafter's).
     view: Option<&'a mut (dyn crate::sparse::AttentionView + Send)>,
+}
+
+/// `silu(g) · u`: [`kernels::swiglu`] (on the kernels' pool, bit for bit candle's ops) for
+/// contiguous f32 tensors of one shape, candle's ops otherwise.
+fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if g.dims() == u.dims() {
+        let (gs, gl) = g.storage_and_layout();
+        let (us, ul) = u.storage_and_layout();
+        if let (
+            Storage::Cpu(CpuStorage::F32(gv)),
+            Storage::Cpu(CpuStorage::F32(uv)),
+            Some((g0, g1)),
+            Some((u0, u1)),
+        ) = (&*gs, &*us, gl.contiguous_offsets(), ul.contiguous_offsets())
+        {
+            let out = kernels::swiglu(&gv[g0..g1], &uv[u0..u1]);
+            return Ok(Tensor::from_vec(out, g.dims(), g.device())?);
+        }
+    }
+    Ok((g.silu()? * u)?)
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.
