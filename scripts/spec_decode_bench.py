@@ -7,7 +7,7 @@ or unrelated data directory):
     target/release/specrag serve --data /tmp/spec-bench --addr 127.0.0.1:8091 &
     python3 scripts/spec_decode_bench.py --url http://127.0.0.1:8091 [--cases 20]
 
-Prompts: the first --cases questions of eval/data/hotpotqa.jsonl (HotpotQA dev, distractor
+Prompts: the first --cases questions (after --skip) of eval/data/hotpotqa.jsonl (HotpotQA dev, distractor
 setting, in LongBench's shape; see eval/data/README.md), each over its first --passages passages sent as
 `documents`, asking for a long answer. Each prompt is first asked once (1 token) so its chunks'
 KV, the target's and the speculator's, is stored: what is measured is decoding, not ingestion.
@@ -38,10 +38,12 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def cases(n, passages):
+def cases(n, passages, skip=0):
     out = []
     with open(ROOT / "eval" / "data" / "hotpotqa.jsonl", encoding="utf-8") as f:
-        for line in f:
+        for j, line in enumerate(f):
+            if j < skip:
+                continue
             row = json.loads(line)
             parts = [p.strip() for p in re.split(r"Passage \d+:\n", row["context"]) if p.strip()]
             docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(parts[:passages])]
@@ -93,7 +95,7 @@ def llama_compare(a):
     print("case | specrag off tok/s | specrag on tok/s | llama plain tok/s | llama draft tok/s | specrag on = off")
     sums = {k: [0.0, 0] for k in ("off", "on", "plain", "draft")}
     identical = 0
-    for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
+    for i, (q, docs) in enumerate(cases(a.cases, a.passages, a.skip)):
         ask(a.url, q, docs, 1, False)
         ask(a.url, q, docs, 2, True)
         prompt = rag_prompt(q, docs)
@@ -133,6 +135,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8091")
     ap.add_argument("--cases", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=0,
+                    help="start after this many questions (held-out prompts for a choice "
+                         "tuned on the first ones)")
     ap.add_argument("--passages", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES),
@@ -160,7 +165,7 @@ def drafts(a):
         f"{m} ratio (accepted/drafted)" for m in modes[1:]) + " | identical")
     sums = {m: {"ms": 0.0, "tok": 0, "drafted": 0, "accepted": 0, "lookup": 0, "same": 0,
                 "ratios": []} for m in modes}
-    for i, (q, docs) in enumerate(cases(a.cases, a.passages)):
+    for i, (q, docs) in enumerate(cases(a.cases, a.passages, a.skip)):
         ask(a.url, q, docs, 1, False)
         ask(a.url, q, docs, 2, True, "model")
         k = i % len(modes)
@@ -200,7 +205,7 @@ def drafts(a):
 
 def cold(a):
     print("case | tokens | total ms off | total ms on, cold drafter KV | on, stored | identical")
-    for i, (q, docs) in enumerate(cases(a.cases + a.cold, a.passages)[a.cases:]):
+    for i, (q, docs) in enumerate(cases(a.cases + a.cold, a.passages, a.skip)[a.cases:]):
         ask(a.url, q, docs, 1, False)
         first = ask(a.url, q, docs, a.max_tokens, True)
         off = ask(a.url, q, docs, a.max_tokens, False)

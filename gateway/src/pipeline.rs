@@ -347,8 +347,8 @@ impl Default for LongContext {
 }
 
 /// What proposes the tokens speculative decoding checks (`spec_draft`, `--spec-draft`). The
-/// default is `lookup`: on 20 HotpotQA prompts with 256-token answers it decoded in 0.64 of
-/// plain decoding's time per token, `both` in 0.72 and `model` in 0.94, every answer
+/// default is `lookup`: on 20 HotpotQA prompts with 256-token answers it decoded in 0.55 of
+/// plain decoding's time per token, `both` in 0.67 and `model` in 0.88, every answer
 /// identical (docs/performance.md, *Speculative decoding*).
 #[derive(
     Debug,
@@ -365,13 +365,14 @@ impl Default for LongContext {
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
 pub enum SpecDraft {
-    /// Prompt lookup: the tokens that followed the answer's last 2-4 tokens where they occur
-    /// in the prompt or the answer so far (no model pass; works with any speculator, or none).
+    /// Prompt lookup: the tokens that followed the longest tail of the answer (1-16 tokens)
+    /// where it occurs in the prompt or the answer so far, more of them the longer the match
+    /// (no model pass; works with any speculator, or none).
     #[default]
     Lookup,
     /// The speculator only (a model of the target's vocabulary over its stored chunk KV).
     Model,
-    /// Prompt lookup first, the speculator where it finds nothing.
+    /// Prompt lookup first, the speculator where fewer than 2 tokens match.
     Both,
 }
 
@@ -386,7 +387,7 @@ impl SpecDraft {
 }
 
 /// Speculative decoding unless a request says otherwise (`--spec-decode`): on, because on
-/// real RAG prompts it decoded in 0.64 of the time per token with prompt lookup drafting, with
+/// real RAG prompts it decoded in 0.55-0.57 of the time per token with prompt lookup drafting, with
 /// identical answers (docs/performance.md, *Speculative decoding*).
 pub const DEFAULT_SPEC_DECODE: bool = true;
 
