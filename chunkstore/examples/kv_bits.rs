@@ -1,8 +1,9 @@
 //! Bits per stored value of chunk KV under each lossless option, on the blobs of a store:
 //! raw f16, `lossless` (byte planes through zstd), int8 (lossy, for scale) and predictive
 //! coding with the per-channel static model (each layer's channel mean and spread over the
-//! chunk's tokens, kept beside the payload and counted: the store's `predictive` codec). Every
-//! predictive blob is decoded and compared bit for bit.
+//! chunk's tokens, kept beside the payload and counted: the store's `predictive` codec), and
+//! `int8-predictive` (int8's codes coded the same way). Every predictive blob is decoded and
+//! compared bit for bit (int8-predictive against int8's values).
 //!
 //! `cargo run --release -p chunkstore --example kv_bits -- DATA/kv [MAX_CHUNKS]`
 
@@ -34,6 +35,9 @@ struct Totals {
     encode_s: f64,
     decode_s: f64,
     raw_decode_s: f64,
+    int8_decode_s: f64,
+    i8p_encode_s: f64,
+    i8p_decode_s: f64,
     lossless_decode_s: f64,
     k_pred: usize,
     k_values: usize,
@@ -43,52 +47,34 @@ fn payload(blob: &KvBlob, codec: Codec, raw_total: usize, raw_payload: usize) ->
     chunkstore::encode_with(blob, codec).len() - (raw_total - raw_payload)
 }
 
-/// Each group's codes' mean and standard deviation (`groups x len`, group-major), as f32.
-fn code_stats(codes: &[u8], groups: usize, len: usize, by_group: bool) -> Vec<(f32, f32)> {
-    let n = if by_group { groups } else { len };
-    (0..n)
-        .map(|g| {
-            let vals: Vec<f64> = if by_group {
-                codes[g * len..(g + 1) * len]
-                    .iter()
-                    .map(|&q| f64::from(q))
-                    .collect()
-            } else {
-                (0..groups).map(|t| f64::from(codes[t * len + g])).collect()
-            };
-            let m = vals.iter().sum::<f64>() / vals.len().max(1) as f64;
-            let v = vals.iter().map(|x| (x - m).powi(2)).sum::<f64>() / vals.len().max(1) as f64;
-            (m as f32, v.sqrt() as f32)
-        })
-        .collect()
-}
-
-/// The int8 payload with its codes entropy-coded (the source note's "on top of FP8"): K codes
-/// (grouped per channel) under each channel's code mean and spread, V codes (grouped per
-/// token) under each channel's, the statistics counted; checks the round trip. Bytes.
-fn int8_predictive(blob: &KvBlob) -> Result<usize, Box<dyn std::error::Error>> {
-    let (row, tokens, layers) = (blob.row as usize, blob.ids.len(), blob.k.len());
-    let bytes = chunkstore::encode_with(blob, Codec::Int8);
-    let codes_len = tokens * row;
-    let payload_len = layers * (row * 8 + codes_len) + layers * (tokens * 8 + codes_len);
-    let mut rest = &bytes[bytes.len() - payload_len..];
-    let mut size = 0;
-    for l in 0..2 * layers {
-        // K layers come first, grouped per channel; V layers are grouped per token, so their
-        // statistics run over each channel instead.
-        let keys = l < layers;
-        let (groups, len) = if keys { (row, tokens) } else { (tokens, row) };
-        let codes = &rest[groups * 8..groups * 8 + codes_len];
-        rest = &rest[groups * 8 + codes_len..];
-        let stats = code_stats(codes, groups, len, keys);
-        let predict = |i: usize| if keys { stats[i / len] } else { stats[i % len] };
-        let coded = predictive::encode_codes(codes, predict)?;
-        if predictive::decode_codes(&coded, codes.len(), predict)? != codes {
-            return Err("int8 + predictive round trip differs".into());
-        }
-        size += groups * 8 + coded.len() + stats.len() * 8;
+/// The `int8-predictive` payload's bytes (int8 with its codes entropy-coded, the source note's
+/// "on top of FP8"), after checking that it decodes to exactly int8's values.
+fn int8_predictive(
+    blob: &KvBlob,
+    (raw_total, raw_payload): (usize, usize),
+    t: &mut Totals,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let start = Instant::now();
+    let coded = chunkstore::encode_with(blob, Codec::Int8Predictive);
+    t.i8p_encode_s += start.elapsed().as_secs_f64();
+    let int8_bytes = chunkstore::encode_with(blob, Codec::Int8);
+    let start = Instant::now();
+    let int8 = chunkstore::decode(&int8_bytes)?;
+    t.int8_decode_s += start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let back = chunkstore::decode(&coded)?;
+    t.i8p_decode_s += start.elapsed().as_secs_f64();
+    let bits = |b: &KvBlob| -> Vec<u16> {
+        b.k.iter()
+            .chain(&b.v)
+            .flatten()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    if bits(&back) != bits(&int8) {
+        return Err("int8-predictive decodes to other values than int8".into());
     }
-    Ok(size)
+    Ok(coded.len() - (raw_total - raw_payload))
 }
 
 fn measure(blob: &KvBlob, t: &mut Totals) -> Result<(), Box<dyn std::error::Error>> {
@@ -109,7 +95,7 @@ fn measure(blob: &KvBlob, t: &mut Totals) -> Result<(), Box<dyn std::error::Erro
         *time += start.elapsed().as_secs_f64();
     }
     t.int8 += payload(blob, Codec::Int8, raw_total, values * 2);
-    t.int8_predictive += int8_predictive(blob)?;
+    t.int8_predictive += int8_predictive(blob, (raw_total, values * 2), t)?;
     let start = Instant::now();
     let coded = chunkstore::encode_with(blob, Codec::Predictive);
     t.encode_s += start.elapsed().as_secs_f64();
@@ -192,6 +178,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         per(t.decode_s),
         per(t.raw_decode_s),
         per(t.lossless_decode_s)
+    );
+    println!(
+        "int8-predictive encode {:.0} ms, decode {:.0} ms per chunk (int8 decode {:.1} ms)",
+        per(t.i8p_encode_s),
+        per(t.i8p_decode_s),
+        per(t.int8_decode_s)
     );
     Ok(())
 }

@@ -36,16 +36,20 @@ pub enum Codec {
     /// The same values, bit for bit, entropy-coded under a prediction of each value
     /// ([`crate::predictive`]): today each channel's mean and spread over the chunk's tokens.
     Predictive,
+    /// [`Codec::Int8`]'s values, its codes entropy-coded under each channel's code mean and
+    /// spread (the source note's coding "on top of FP8"): decodes to exactly `int8`'s values.
+    Int8Predictive,
 }
 
 impl Codec {
     /// Every codec, for `--help` texts and tests.
-    pub const ALL: [Codec; 5] = [
+    pub const ALL: [Codec; 6] = [
         Codec::Raw,
         Codec::Lossless,
         Codec::Int8,
         Codec::Int4,
         Codec::Predictive,
+        Codec::Int8Predictive,
     ];
 
     /// The tag in the blob header (the header field was the dtype tag: 1 = raw f16).
@@ -56,6 +60,7 @@ impl Codec {
             Codec::Int8 => 3,
             Codec::Int4 => 4,
             Codec::Predictive => 5,
+            Codec::Int8Predictive => 6,
         }
     }
 
@@ -67,7 +72,7 @@ impl Codec {
     /// Bits per value of a low-bit codec.
     pub(crate) fn bits(self) -> Option<u32> {
         match self {
-            Codec::Int8 => Some(8),
+            Codec::Int8 | Codec::Int8Predictive => Some(8),
             Codec::Int4 => Some(4),
             Codec::Raw | Codec::Lossless | Codec::Predictive => None,
         }
@@ -86,6 +91,7 @@ impl Codec {
             Codec::Int8 => "int8",
             Codec::Int4 => "int4",
             Codec::Predictive => "predictive",
+            Codec::Int8Predictive => "int8-predictive",
         }
     }
 }

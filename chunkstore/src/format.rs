@@ -69,6 +69,34 @@ pub fn encode(blob: &KvBlob) -> Vec<u8> {
     encode_with(blob, Codec::Raw)
 }
 
+/// The payload of every codec but `raw` (which writes the values as they are).
+fn packed_payload(blob: &KvBlob, codec: Codec) -> Option<Vec<u8>> {
+    match codec {
+        Codec::Raw => None,
+        Codec::Lossless => Some(codec::compress(
+            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
+            blob.row as usize,
+        )),
+        Codec::Predictive => Some(crate::predictive::compress(
+            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
+            blob.row as usize,
+        )),
+        Codec::Int8 | Codec::Int4 => Some(codec::quantize(
+            &blob.k,
+            &blob.v,
+            blob.ids.len(),
+            blob.row as usize,
+            codec.bits().unwrap_or(8),
+        )),
+        Codec::Int8Predictive => Some(crate::predictive::compress_int8(
+            &codec::quantize(&blob.k, &blob.v, blob.ids.len(), blob.row as usize, 8),
+            blob.k.len(),
+            blob.ids.len(),
+            blob.row as usize,
+        )),
+    }
+}
+
 /// Serializes a blob, its K/V payload stored with `codec`.
 ///
 /// The blob should pass [`KvBlob::validate`] (the stores check before they encode): the layer
@@ -89,24 +117,7 @@ pub fn encode_with(blob: &KvBlob, codec: Codec) -> Vec<u8> {
         Some(s) => (&s.offsets, &s.values),
         None => (&[], &[]),
     };
-    let packed = match codec {
-        Codec::Raw => None,
-        Codec::Lossless => Some(codec::compress(
-            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
-            blob.row as usize,
-        )),
-        Codec::Predictive => Some(crate::predictive::compress(
-            blob.k.iter().chain(&blob.v).map(Vec::as_slice),
-            blob.row as usize,
-        )),
-        Codec::Int8 | Codec::Int4 => Some(codec::quantize(
-            &blob.k,
-            &blob.v,
-            blob.ids.len(),
-            blob.row as usize,
-            codec.bits().unwrap_or(8),
-        )),
-    };
+    let packed = packed_payload(blob, codec);
     let payload = packed.as_ref().map_or(blob.payload_bytes(), Vec::len);
     let total = HEADER_LEN
         + meta.len()
@@ -377,6 +388,11 @@ fn read_payload(
         Codec::Int8 | Codec::Int4 => {
             let packed = c.take(h.payload_len as usize, "payload")?;
             codec::dequantize(packed, n_layer, n_tokens, row, codec.bits().unwrap_or(8))?
+        }
+        Codec::Int8Predictive => {
+            let packed = c.take(h.payload_len as usize, "payload")?;
+            let int8 = crate::predictive::decompress_int8(packed, n_layer, n_tokens, row)?;
+            codec::dequantize(&int8, n_layer, n_tokens, row, 8)?
         }
     })
 }

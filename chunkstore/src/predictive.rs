@@ -254,18 +254,60 @@ fn coder_from(bytes: &[u8], what: &str) -> Result<DefaultAnsCoder, FormatError> 
         .map_err(|_| FormatError::Codec(format!("{what}: bad final word")))
 }
 
+/// Mass every code keeps whatever the prediction (an outlier code costs ~20 bits).
+const CODE_FLOOR: f64 = 1e-6;
+
+/// The categorical model of a code prediction (its Gaussian's mass over each code's interval,
+/// the ends open, floored), built once per distinct prediction: a chunk's predictions are
+/// per channel, so a layer meets a few hundred.
+#[derive(Default)]
+struct CodeModels(HashMap<(u64, u64), ClassModel>);
+
+impl CodeModels {
+    fn get(&mut self, prediction: (f32, f32)) -> Result<&ClassModel, FormatError> {
+        let (mean, std) = code_gaussian(prediction);
+        if self.0.len() >= MAX_CACHED {
+            self.0.clear();
+        }
+        Ok(match self.0.entry((mean.to_bits(), std.to_bits())) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let g = Gaussian::new(mean, std);
+                let cdf = |q: i32| match q {
+                    q if q < 0 => 0.0,
+                    q if q > 255 => 1.0,
+                    q => g.distribution(f64::from(q) + 0.5),
+                };
+                let probs: Vec<f64> = (0..=255)
+                    .map(|q| (cdf(q) - cdf(q - 1)).max(0.0) + CODE_FLOOR)
+                    .collect();
+                e.insert(
+                    ClassModel::from_floating_point_probabilities_fast(&probs, None)
+                        .map_err(|()| FormatError::Codec("code model".into()))?,
+                )
+            }
+        })
+    }
+}
+
+/// The code model of each of `stats` (built once each; a chunk layer's predictions are per
+/// channel, so its codes index these by channel instead of hashing a prediction per code).
+fn code_models(stats: &[(f32, f32)]) -> Result<Vec<ClassModel>, FormatError> {
+    let mut models = CodeModels::default();
+    stats.iter().map(|&p| models.get(p).cloned()).collect()
+}
+
 /// Encodes 8-bit codes (a low-bit codec's, as the source note codes FP8 caches), code `i`
 /// under the Gaussian `predict(i)` = (mean, std) in code units, discretized to 0..=255.
 pub fn encode_codes(
     codes: &[u8],
     predict: impl Fn(usize) -> (f32, f32),
 ) -> Result<Vec<u8>, FormatError> {
-    let quantizer = DefaultLeakyQuantizer::new(0..=255i32);
+    let mut models = CodeModels::default();
     let mut coder = DefaultAnsCoder::new();
     for (i, &q) in codes.iter().enumerate().rev() {
-        let (mean, std) = code_gaussian(predict(i));
         coder
-            .encode_symbol(i32::from(q), quantizer.quantize(Gaussian::new(mean, std)))
+            .encode_symbol(usize::from(q), models.get(predict(i))?)
             .map_err(|e| FormatError::Codec(format!("predictive codes: {e:?}")))?;
     }
     into_bytes(coder, "predictive codes")
@@ -278,12 +320,11 @@ pub fn decode_codes(
     predict: impl Fn(usize) -> (f32, f32),
 ) -> Result<Vec<u8>, FormatError> {
     let mut coder = coder_from(bytes, "predictive codes")?;
-    let quantizer = DefaultLeakyQuantizer::new(0..=255i32);
+    let mut models = CodeModels::default();
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let (mean, std) = code_gaussian(predict(i));
         let q = coder
-            .decode_symbol(quantizer.quantize(Gaussian::new(mean, std)))
+            .decode_symbol(models.get(predict(i))?)
             .map_err(|e| FormatError::Codec(format!("predictive codes: {e:?}")))?;
         out.push(q as u8);
     }
@@ -402,6 +443,127 @@ pub(crate) fn decompress(
         ));
     }
     Ok(layers)
+}
+
+/// The mean and standard deviation of 8-bit codes laid out `groups x len` (group-major): per
+/// group (`by_group`) or per position within the groups, as f32 (f64 sums in order).
+pub fn code_stats(codes: &[u8], groups: usize, len: usize, by_group: bool) -> Vec<(f32, f32)> {
+    let n = if by_group { groups } else { len };
+    (0..n)
+        .map(|j| {
+            let at = |i: usize| {
+                if by_group {
+                    codes[j * len + i]
+                } else {
+                    codes[i * len + j]
+                }
+            };
+            let count = if by_group { len } else { groups };
+            let (mut sum, mut sq) = (0f64, 0f64);
+            for i in 0..count {
+                let q = f64::from(at(i));
+                sum += q;
+                sq += q * q;
+            }
+            let n = count.max(1) as f64;
+            let mean = sum / n;
+            ((mean) as f32, (sq / n - mean * mean).max(0.0).sqrt() as f32)
+        })
+        .collect()
+}
+
+/// Layers of an int8 payload ([`crate::Codec::Int8`]: K layers grouped per channel, then V
+/// layers grouped per token), as `(groups, len, by_group)`: the codes' statistics run over
+/// each channel either way.
+fn int8_layers(n_layer: usize, tokens: usize, row: usize) -> Vec<(usize, usize, bool)> {
+    let k = (0..n_layer).map(|_| (row, tokens, true));
+    k.chain((0..n_layer).map(|_| (tokens, row, false)))
+        .collect()
+}
+
+/// The `int8-predictive` payload: an int8 payload (the source note's "on top of FP8") whose
+/// codes are entropy-coded, per layer: the group parameters as they were, each channel's
+/// code mean and standard deviation (f32 pairs), the coded length (u64) and the codes coded
+/// under those Gaussians ([`encode_codes`]). Decodes to the same int8 payload, byte for byte.
+pub(crate) fn compress_int8(int8: &[u8], n_layer: usize, tokens: usize, row: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut rest = int8;
+    for (groups, len, by_group) in int8_layers(n_layer, tokens, row) {
+        let (params, tail) = rest.split_at(groups * 8);
+        let (codes, tail) = tail.split_at(groups * len);
+        rest = tail;
+        let stats = code_stats(codes, groups, len, by_group);
+        out.extend_from_slice(params);
+        for (m, s) in &stats {
+            out.extend_from_slice(&m.to_le_bytes());
+            out.extend_from_slice(&s.to_le_bytes());
+        }
+        // Every code keeps a nonzero probability: encoding cannot fail.
+        let models = code_models(&stats).expect("code models of finite statistics");
+        let which = |i: usize| if by_group { i / len } else { i % len };
+        let mut coder = DefaultAnsCoder::new();
+        for (i, &q) in codes.iter().enumerate().rev() {
+            coder
+                .encode_symbol(usize::from(q), &models[which(i)])
+                .expect("every code is encodable");
+        }
+        let coded = into_bytes(coder, "int8-predictive").expect("a finished coder's words");
+        out.extend_from_slice(&(coded.len() as u64).to_le_bytes());
+        out.extend_from_slice(&coded);
+    }
+    out
+}
+
+/// The int8 payload an `int8-predictive` payload of `n_layer` layers of `tokens x row` holds.
+pub(crate) fn decompress_int8(
+    bytes: &[u8],
+    n_layer: usize,
+    tokens: usize,
+    row: usize,
+) -> Result<Vec<u8>, FormatError> {
+    let short = || FormatError::Codec("int8-predictive payload is truncated".into());
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    for (groups, len, by_group) in int8_layers(n_layer, tokens, row) {
+        let n_stats = if by_group { groups } else { len };
+        let (params, tail) = rest.split_at_checked(groups * 8).ok_or_else(short)?;
+        let (head, tail) = tail.split_at_checked(n_stats * 8).ok_or_else(short)?;
+        let stats: Vec<(f32, f32)> = head
+            .chunks_exact(8)
+            .map(|b| {
+                (
+                    f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                    f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+                )
+            })
+            .collect();
+        let (n, tail) = tail.split_at_checked(8).ok_or_else(short)?;
+        let n = u64::from_le_bytes(n.try_into().map_err(|_| short())?);
+        let n = usize::try_from(n).map_err(|_| short())?;
+        let (coded, tail) = tail.split_at_checked(n).ok_or_else(short)?;
+        let models = code_models(&stats)?;
+        let which = |i: usize| if by_group { i / len } else { i % len };
+        let mut coder = coder_from(coded, "int8-predictive codes")?;
+        out.extend_from_slice(params);
+        for i in 0..groups * len {
+            let q = coder
+                .decode_symbol(&models[which(i)])
+                .map_err(|e| FormatError::Codec(format!("int8-predictive codes: {e:?}")))?;
+            out.push(q as u8);
+        }
+        if !coder.is_empty() {
+            return Err(FormatError::Codec(
+                "int8-predictive codes hold more than their values".into(),
+            ));
+        }
+        rest = tail;
+    }
+    if !rest.is_empty() {
+        return Err(FormatError::Codec(
+            "int8-predictive payload has trailing bytes".into(),
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -312,9 +312,21 @@ fn random_blobs_roundtrip_bit_exactly_with_every_codec() -> TestResult {
 }
 
 #[test]
+fn int8_predictive_blobs_decode_to_exactly_int8s_values() -> TestResult {
+    let mut rng = StdRng::seed_from_u64(0x1b18);
+    for case in 0..200 {
+        let b = random_blob(&mut rng);
+        let int8 = decode(&encode_with(&b, Codec::Int8))?;
+        let coded = decode(&encode_with(&b, Codec::Int8Predictive))?;
+        assert!(same_bits(&int8, &coded), "case {case}");
+    }
+    Ok(())
+}
+
+#[test]
 fn low_bit_blobs_keep_everything_but_the_values_exact_and_stay_within_a_step() -> TestResult {
     let mut rng = StdRng::seed_from_u64(0x1b17);
-    for codec in [Codec::Int8, Codec::Int4] {
+    for codec in [Codec::Int8, Codec::Int4, Codec::Int8Predictive] {
         for case in 0..100 {
             let b = random_blob(&mut rng);
             let back = decode(&encode_with(&b, codec))?;

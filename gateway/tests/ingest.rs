@@ -871,3 +871,71 @@ fn predictive_kv_answers_exactly_as_raw_kv() -> TestResult {
     }
     Ok(())
 }
+
+/// `int8-predictive` stores int8's values in fewer bytes: served from disk, every chunk's KV
+/// and every answer are int8's.
+#[test]
+fn int8_predictive_kv_answers_exactly_as_int8_kv() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut pipelines = Vec::new();
+    let mut docs = Vec::new();
+    for (sub, codec) in [
+        ("a", chunkstore::Codec::Int8),
+        ("b", chunkstore::Codec::Int8Predictive),
+    ] {
+        let root = dir.path().join(sub);
+        std::fs::create_dir_all(&root)?;
+        let (engines, _, d) = tiny_setup(&root, 5)?;
+        let store = gateway::corpus::StoreOptions {
+            codec,
+            ..Default::default()
+        };
+        let corpus = Corpus::open_with(&root.join("data2"), 1 << 30, &store)?;
+        // The pipeline puts the lossy codec into the chunk key before anything is stored.
+        let p = gateway::pipeline::Pipeline::new(
+            engines,
+            corpus,
+            gateway::pipeline::ScoreSource::Query,
+        );
+        gateway::ingest::ingest(
+            &p.corpus,
+            &p.engines,
+            d.clone(),
+            &Default::default(),
+            |_| {},
+        )?;
+        p.corpus.store.memory().clear();
+        pipelines.push(p);
+        docs = d;
+    }
+    let (int8, coded) = (&pipelines[0], &pipelines[1]);
+    for d in &docs {
+        let a = int8.engines.load(&int8.corpus.store, "default", &d.text)?;
+        let b = coded
+            .engines
+            .load(&coded.corpus.store, "default", &d.text)?;
+        assert_eq!((a.tier, b.tier), (Tier::Disk, Tier::Disk));
+        assert_eq!(a.kv, b.kv, "{}: int8's KV from int8-predictive blobs", d.id);
+    }
+    for method in [Method::TargetProbe, Method::FullReuse] {
+        let q = gateway::pipeline::Query {
+            query: "where did the ant near tent 3 run?".into(),
+            top_k: 3,
+            max_tokens: 12,
+            method,
+            ..Default::default()
+        };
+        int8.corpus.store.memory().clear();
+        coded.corpus.store.memory().clear();
+        let (a, b) = (
+            int8.query(&q, &mut |_| true)?,
+            coded.query(&q, &mut |_| true)?,
+        );
+        assert_eq!(a.answer, b.answer, "{method:?}");
+        assert_eq!(
+            b.reuse.chunks_from_disk, 3,
+            "{method:?}: read from coded blobs"
+        );
+    }
+    Ok(())
+}

@@ -449,8 +449,9 @@ pub struct DataArgs {
     /// bit for bit, byte planes through zstd: on Qwen-0.5B chunks 5% smaller and ~4x slower
     /// to load, so not the default yet), `predictive` (the same values bit for bit, each
     /// coded under its channel's Gaussian: 1.19x smaller on the demo corpus, decoding at
-    /// ~26 MB/s, docs/kv-coding.md), or lossy `int8` / `int4` (KIVI-style: keys per
-    /// channel, values per token; ~2x / ~4x smaller). Blobs of every codec are read whatever
+    /// ~26 MB/s, docs/kv-coding.md), lossy `int8` / `int4` (KIVI-style: keys per
+    /// channel, values per token; ~2x / ~4x smaller), or `int8-predictive` (int8's values,
+    /// its codes coded under each channel's Gaussian). Blobs of every codec are read whatever
     /// this says; a lossy codec is part of the chunk key, so lossy KV is stored and served
     /// apart from exact KV (`verify: true` still answers exactly as full recompute).
     #[arg(
