@@ -383,6 +383,36 @@ pub fn channel_stats(layer: &[f16], row: usize) -> Vec<(f32, f32)> {
         .collect()
 }
 
+/// Appends `(mean, std)` pairs as little-endian f32s.
+fn write_stats(out: &mut Vec<u8>, stats: &[(f32, f32)]) {
+    for (m, s) in stats {
+        out.extend_from_slice(&m.to_le_bytes());
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// A coded section's statistics, its coded bytes and what follows it.
+type Section<'a> = (Vec<(f32, f32)>, &'a [u8], &'a [u8]);
+
+/// A coded section of a payload: `n_stats` `(mean, std)` f32 pairs, the coded length (u64)
+/// and the coded bytes; returns them and what follows (`None`: truncated).
+fn read_section(bytes: &[u8], n_stats: usize) -> Option<Section<'_>> {
+    let (head, tail) = bytes.split_at_checked(n_stats.checked_mul(8)?)?;
+    let stats = head
+        .chunks_exact(8)
+        .map(|b| {
+            (
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            )
+        })
+        .collect();
+    let (len, tail) = tail.split_at_checked(8)?;
+    let len = usize::try_from(u64::from_le_bytes(len.try_into().ok()?)).ok()?;
+    let (coded, tail) = tail.split_at_checked(len)?;
+    Some((stats, coded, tail))
+}
+
 /// The `predictive` payload of `layers` (K of every layer, then V), each `tokens x row`:
 /// the predictor's byte, then per layer its channel statistics (mean and standard
 /// deviation as f32, per channel), the coded length (u64) and the coded values.
@@ -390,10 +420,7 @@ pub(crate) fn compress<'a>(layers: impl Iterator<Item = &'a [f16]>, row: usize) 
     let mut out = vec![Predictor::StaticChannel as u8];
     for layer in layers {
         let stats = channel_stats(layer, row);
-        for (m, s) in &stats {
-            out.extend_from_slice(&m.to_le_bytes());
-            out.extend_from_slice(&s.to_le_bytes());
-        }
+        write_stats(&mut out, &stats);
         let bits: Vec<u16> = layer.iter().map(|v| v.to_bits()).collect();
         // The models always hold every symbol: encoding a finite stream cannot fail.
         let coded = encode(&bits, |i| stats[i % row]).expect("every value is encodable");
@@ -419,20 +446,7 @@ pub(crate) fn decompress(
     }
     let mut layers = Vec::with_capacity(n_layers);
     for _ in 0..n_layers {
-        let (head, tail) = rest.split_at_checked(row * 8).ok_or_else(short)?;
-        let stats: Vec<(f32, f32)> = head
-            .chunks_exact(8)
-            .map(|b| {
-                (
-                    f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                    f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-                )
-            })
-            .collect();
-        let (len, tail) = tail.split_at_checked(8).ok_or_else(short)?;
-        let len = u64::from_le_bytes(len.try_into().map_err(|_| short())?);
-        let len = usize::try_from(len).map_err(|_| short())?;
-        let (coded, tail) = tail.split_at_checked(len).ok_or_else(short)?;
+        let (stats, coded, tail) = read_section(rest, row).ok_or_else(short)?;
         let bits = decode(coded, tokens * row, |i| stats[i % row])?;
         layers.push(bits.into_iter().map(f16::from_bits).collect());
         rest = tail;
@@ -494,10 +508,7 @@ pub(crate) fn compress_int8(int8: &[u8], n_layer: usize, tokens: usize, row: usi
         rest = tail;
         let stats = code_stats(codes, groups, len, by_group);
         out.extend_from_slice(params);
-        for (m, s) in &stats {
-            out.extend_from_slice(&m.to_le_bytes());
-            out.extend_from_slice(&s.to_le_bytes());
-        }
+        write_stats(&mut out, &stats);
         // Every code keeps a nonzero probability: encoding cannot fail.
         let models = code_models(&stats).expect("code models of finite statistics");
         let which = |i: usize| if by_group { i / len } else { i % len };
@@ -527,20 +538,7 @@ pub(crate) fn decompress_int8(
     for (groups, len, by_group) in int8_layers(n_layer, tokens, row) {
         let n_stats = if by_group { groups } else { len };
         let (params, tail) = rest.split_at_checked(groups * 8).ok_or_else(short)?;
-        let (head, tail) = tail.split_at_checked(n_stats * 8).ok_or_else(short)?;
-        let stats: Vec<(f32, f32)> = head
-            .chunks_exact(8)
-            .map(|b| {
-                (
-                    f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                    f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-                )
-            })
-            .collect();
-        let (n, tail) = tail.split_at_checked(8).ok_or_else(short)?;
-        let n = u64::from_le_bytes(n.try_into().map_err(|_| short())?);
-        let n = usize::try_from(n).map_err(|_| short())?;
-        let (coded, tail) = tail.split_at_checked(n).ok_or_else(short)?;
+        let (stats, coded, tail) = read_section(tail, n_stats).ok_or_else(short)?;
         let models = code_models(&stats)?;
         let which = |i: usize| if by_group { i / len } else { i % len };
         let mut coder = coder_from(coded, "int8-predictive codes")?;

@@ -849,7 +849,21 @@ fn predictive_kv_answers_exactly_as_raw_kv() -> TestResult {
     );
     let coded =
         gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
-    for method in [Method::TargetProbe, Method::FullReuse, Method::Epic] {
+    same_answers_from_disk(
+        &raw,
+        &coded,
+        &[Method::TargetProbe, Method::FullReuse, Method::Epic],
+    )
+}
+
+/// Each method answers the same from `a` and `b`, their chunks read from disk (the memory
+/// tier emptied first), three of them.
+fn same_answers_from_disk(
+    a: &gateway::pipeline::Pipeline,
+    b: &gateway::pipeline::Pipeline,
+    methods: &[Method],
+) -> TestResult {
+    for &method in methods {
         let q = gateway::pipeline::Query {
             query: "where did the ant near tent 3 run?".into(),
             top_k: 3,
@@ -857,17 +871,11 @@ fn predictive_kv_answers_exactly_as_raw_kv() -> TestResult {
             method,
             ..Default::default()
         };
-        raw.corpus.store.memory().clear();
-        coded.corpus.store.memory().clear();
-        let (a, b) = (
-            raw.query(&q, &mut |_| true)?,
-            coded.query(&q, &mut |_| true)?,
-        );
-        assert_eq!(a.answer, b.answer, "{method:?}");
-        assert_eq!(
-            b.reuse.chunks_from_disk, 3,
-            "{method:?}: read from predictive blobs"
-        );
+        a.corpus.store.memory().clear();
+        b.corpus.store.memory().clear();
+        let (x, y) = (a.query(&q, &mut |_| true)?, b.query(&q, &mut |_| true)?);
+        assert_eq!(x.answer, y.answer, "{method:?}");
+        assert_eq!(y.reuse.chunks_from_disk, 3, "{method:?}: read from disk");
     }
     Ok(())
 }
@@ -917,25 +925,5 @@ fn int8_predictive_kv_answers_exactly_as_int8_kv() -> TestResult {
         assert_eq!((a.tier, b.tier), (Tier::Disk, Tier::Disk));
         assert_eq!(a.kv, b.kv, "{}: int8's KV from int8-predictive blobs", d.id);
     }
-    for method in [Method::TargetProbe, Method::FullReuse] {
-        let q = gateway::pipeline::Query {
-            query: "where did the ant near tent 3 run?".into(),
-            top_k: 3,
-            max_tokens: 12,
-            method,
-            ..Default::default()
-        };
-        int8.corpus.store.memory().clear();
-        coded.corpus.store.memory().clear();
-        let (a, b) = (
-            int8.query(&q, &mut |_| true)?,
-            coded.query(&q, &mut |_| true)?,
-        );
-        assert_eq!(a.answer, b.answer, "{method:?}");
-        assert_eq!(
-            b.reuse.chunks_from_disk, 3,
-            "{method:?}: read from coded blobs"
-        );
-    }
-    Ok(())
+    same_answers_from_disk(int8, coded, &[Method::TargetProbe, Method::FullReuse])
 }
