@@ -6,13 +6,19 @@
 //! chunks are coded with it (`chunkstore::predictive`, sigma = each channel's calibration
 //! residual) next to the per-channel static model the store uses.
 //!
+//! Predictor (a), with `--requantize`: the target's own weights requantized to each listed
+//! format (`LoadOptions::requantize`) precompute the same chunks; their KV is the prediction
+//! as it is (sigma again each channel's calibration residual), and each forward is timed
+//! against the target's.
+//!
 //! `cargo run --release -p eval --example kv_predict -- TARGET.gguf SPECULATOR.gguf [CHUNKS]`
+//! `cargo run --release -p eval --example kv_predict -- --requantize Q8_0,Q4_0,Q3_K,Q2_K TARGET.gguf [CHUNKS]`
 
 use chunkstore::predictive;
 use half::f16;
 use std::path::PathBuf;
 use std::time::Instant;
-use target_engine::{ChunkKv, LoadOptions, Model};
+use target_engine::{ChunkKv, GgmlDType, LoadOptions, Model};
 
 const CHUNK: usize = 256;
 const FEATURES: usize = 257;
@@ -257,8 +263,128 @@ fn code_all(
     Ok(out)
 }
 
+/// A weight format by its GGUF name.
+fn format(name: &str) -> anyhow::Result<GgmlDType> {
+    Ok(match name {
+        "Q8_0" => GgmlDType::Q8_0,
+        "Q5_0" => GgmlDType::Q5_0,
+        "Q4_0" => GgmlDType::Q4_0,
+        "Q6_K" => GgmlDType::Q6K,
+        "Q5_K" => GgmlDType::Q5K,
+        "Q4_K" => GgmlDType::Q4K,
+        "Q3_K" => GgmlDType::Q3K,
+        "Q2_K" => GgmlDType::Q2K,
+        _ => anyhow::bail!("--requantize: unknown format {name} (Q8_0, Q5_0, Q4_0, Q6_K .. Q2_K)"),
+    })
+}
+
+/// Every chunk's KV under `m`, and the mean milliseconds one precompute took.
+fn precompute_all(m: &Model, all: &[Vec<u32>]) -> anyhow::Result<(Vec<ChunkKv>, f64)> {
+    let t = Instant::now();
+    let kv = all
+        .iter()
+        .map(|ids| m.precompute(ids, None))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((
+        kv,
+        t.elapsed().as_secs_f64() * 1e3 / all.len().max(1) as f64,
+    ))
+}
+
+/// Bits of the held-out chunks (`target[half..]`) coded under `pred`'s KV as the prediction,
+/// sigma each channel's residual over the calibration chunks (`target[..half]`): K then V.
+fn code_requantized(target: &[ChunkKv], pred: &[ChunkKv]) -> anyhow::Result<[Bits; 2]> {
+    let half = target.len() / 2;
+    let row = target[0].row;
+    let mut out = [Bits::default(), Bits::default()];
+    for l in 0..target[0].k.len() {
+        for (kind, pick) in [(0, true), (1, false)] {
+            let layer = |c: &ChunkKv| if pick { c.k[l].clone() } else { c.v[l].clone() };
+            let mut sq = vec![0f64; row];
+            let mut n = 0usize;
+            for (a, p) in target[..half].iter().zip(&pred[..half]) {
+                for (i, (x, y)) in layer(a).iter().zip(&layer(p)).enumerate() {
+                    sq[i % row] += (f64::from(x.to_f32()) - f64::from(y.to_f32())).powi(2);
+                }
+                n += a.len();
+            }
+            let sigma: Vec<f32> = sq
+                .iter()
+                .map(|s| (s / n.max(1) as f64).sqrt() as f32)
+                .collect();
+            for (a, p) in target[half..].iter().zip(&pred[half..]) {
+                let (actual, guess) = (layer(a), layer(p));
+                let mu: Vec<f32> = guess.iter().map(|v| v.to_f32()).collect();
+                let bits: Vec<u16> = actual.iter().map(|v| v.to_bits()).collect();
+                let at = |i: usize| (mu[i], sigma[i % row]);
+                let coded = predictive::encode(&bits, at)?;
+                anyhow::ensure!(
+                    predictive::decode(&coded, bits.len(), at)? == bits,
+                    "round trip"
+                );
+                let stats = predictive::channel_stats(&actual, row);
+                let fixed = predictive::encode(&bits, |i| stats[i % row])?.len() + row * 8;
+                let b = &mut out[kind];
+                b.values += bits.len();
+                b.predicted += coded.len();
+                b.fixed += fixed;
+                for (i, x) in actual.iter().enumerate() {
+                    let x = f64::from(x.to_f32());
+                    b.rel.0 += (x - f64::from(mu[i])).powi(2);
+                    b.rel.1 += (x - f64::from(stats[i % row].0)).powi(2);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Predictor (a): one table row per requantized format.
+fn requantize_main(formats: &str, tp: &str, n: usize) -> anyhow::Result<()> {
+    let target = Model::load(&PathBuf::from(tp), &LoadOptions::default())?;
+    let all = chunks(&target, n)?;
+    let (kv, ms) = precompute_all(&target, &all)?;
+    drop(target);
+    println!(
+        "{} calibration and {} held-out chunks of {CHUNK} tokens; the target precomputes one in {ms:.0} ms",
+        all.len() / 2,
+        all.len() - all.len() / 2
+    );
+    println!("| predictor | forward ms/chunk (x target) | K bits/value | V bits/value | both (ratio vs f16) | static per-channel | residual/static rms K, V |\n|---|---:|---:|---:|---:|---:|---:|");
+    for name in formats.split(',') {
+        let opts = LoadOptions {
+            requantize: Some(format(name)?),
+            ..LoadOptions::default()
+        };
+        let m = Model::load(&PathBuf::from(tp), &opts)?;
+        let (pred, pms) = precompute_all(&m, &all)?;
+        drop(m);
+        let out = code_requantized(&kv, &pred)?;
+        let values: usize = out.iter().map(|b| b.values).sum();
+        let bits = |bytes: usize, v: usize| bytes as f64 * 8.0 / v as f64;
+        let both = bits(out.iter().map(|b| b.predicted).sum(), values);
+        println!(
+            "| target at {name} | {pms:.0} ({:.2}x) | {:.2} | {:.2} | {both:.2} ({:.3}x) | {:.2} | {:.2}, {:.2} |",
+            pms / ms,
+            bits(out[0].predicted, out[0].values),
+            bits(out[1].predicted, out[1].values),
+            16.0 / both,
+            bits(out.iter().map(|b| b.fixed).sum(), values),
+            (out[0].rel.0 / out[0].rel.1).sqrt(),
+            (out[1].rel.0 / out[1].rel.1).sqrt(),
+        );
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
+    if std::env::args().nth(1).as_deref() == Some("--requantize") {
+        let formats = args.nth(1).unwrap_or_default();
+        let tp = args.next().unwrap_or_default();
+        let n: usize = args.next().map_or(Ok(24), |s| s.parse())?;
+        return requantize_main(&formats, &tp, n);
+    }
     let (tp, sp) = (
         args.next().unwrap_or_default(),
         args.next().unwrap_or_default(),

@@ -21,6 +21,7 @@ pub mod repetition;
 pub mod sampling;
 pub mod select;
 pub mod sparse;
+pub mod specontext;
 pub mod speculative;
 pub mod stop;
 pub mod testing;
@@ -29,6 +30,8 @@ pub mod verify;
 
 pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
 pub use blend::{kind_at, BlendOutput};
+/// Weight formats, for [`LoadOptions::requantize`].
+pub use candle_core::quantized::GgmlDType;
 pub use chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use config::{Architecture, ModelConfig};
 pub use error::{EngineError, Result};
@@ -44,6 +47,7 @@ pub use select::{
     Random, SelectInput, Selector, TargetProbe,
 };
 pub use sparse::{kivi_cache, AttentionView, TopKConfig, TopKView, ViewGeneration, ViewParams};
+pub use specontext::{RetrievalHead, SpeContextConfig, SpeContextView};
 pub use speculative::{accept_sampled, DraftLength, Drafter, PromptLookup, SpecDecodeStats};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

@@ -53,6 +53,11 @@ pub struct LoadOptions {
     /// BF16 (~1.5-2x faster attention at 8-bit mantissas; head dimensions other than 64 and
     /// 128 stay f32). The binaries set it from `--attention` / `SPECRAG_ATTENTION`.
     pub attention: kernels::AttentionPrecision,
+    /// Re-quantize every projection and the embedding to this format at load (Q8_0, Q4_0,
+    /// Q3_K, Q2_K, ...): the target's own weights at a lower bit width, a cheaper copy of it
+    /// (issue 43's predictor (a)). The fingerprint says so, so its KV never passes for the
+    /// file's. `None` (the default) keeps the file's formats.
+    pub requantize: Option<GgmlDType>,
 }
 
 impl Default for LoadOptions {
@@ -66,7 +71,25 @@ impl Default for LoadOptions {
             packed: true,
             pack_k_quants: true,
             attention: kernels::AttentionPrecision::F32,
+            requantize: None,
         }
+    }
+}
+
+/// `q` in `opts.requantize`'s format when one is asked for and its rows fit the format's
+/// blocks; otherwise `q` as the file has it.
+fn requantized(q: QTensor, opts: &LoadOptions) -> Result<QTensor> {
+    match opts.requantize {
+        Some(ty)
+            if ty != q.dtype()
+                && q.shape()
+                    .dims()
+                    .last()
+                    .is_some_and(|c| c % ty.block_size() == 0) =>
+        {
+            Ok(QTensor::quantize(&q.dequantize(&Device::Cpu)?, ty)?)
+        }
+        _ => Ok(q),
     }
 }
 
@@ -103,7 +126,7 @@ fn load_embeddings(f: &mut GgufFile, opts: &LoadOptions) -> Result<(Arc<Quant>, 
     // A separate LM head leaves the embedding to lookups: no reason to repack it.
     let tied = !f.has_tensor("output.weight");
     let embed = Arc::new(Quant::new(
-        f.tensor("token_embd.weight")?,
+        requantized(f.tensor("token_embd.weight")?, opts)?,
         opts.decode_q8,
         opts.packed && tied,
         opts.pack_k_quants,
@@ -112,7 +135,7 @@ fn load_embeddings(f: &mut GgufFile, opts: &LoadOptions) -> Result<(Arc<Quant>, 
         embed.clone()
     } else {
         Arc::new(Quant::new(
-            f.tensor("output.weight")?,
+            requantized(f.tensor("output.weight")?, opts)?,
             opts.decode_q8,
             opts.packed,
             opts.pack_k_quants,
@@ -327,7 +350,7 @@ struct Linear {
 
 impl Linear {
     fn load(f: &mut GgufFile, name: &str, bias: bool, opts: &LoadOptions) -> Result<Self> {
-        let q = f.tensor(&format!("{name}.weight"))?;
+        let q = requantized(f.tensor(&format!("{name}.weight"))?, opts)?;
         let dense_t = if opts.dense && opts.dense_copies {
             Some(q.dequantize(&Device::Cpu)?.t()?)
         } else {
@@ -453,7 +476,10 @@ impl Model {
         let mut f = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&f)?;
         let tokenizer = Tokenizer::from_gguf(&f)?;
-        let fingerprint = f.fingerprint();
+        let fingerprint = match opts.requantize {
+            Some(ty) => format!("{}+requantized-{ty:?}", f.fingerprint()),
+            None => f.fingerprint(),
+        };
         let rope = Rope::new(
             config.arch.rope_variant(),
             config.head_dim,
@@ -643,6 +669,51 @@ impl Model {
         self.embed.lookup(ids)
     }
 
+    /// Layer `layer`'s keys (and with `queries` its queries) of tokens `ids` at `positions`,
+    /// computed from their embeddings alone: the layer's norm and Q/K projections on the token
+    /// embedding, no layer before it, RoPE applied. SpeContext's lightweight retrieval head
+    /// (shared/papers/specontext.txt), run on a small model of the target's family: what a
+    /// token at a position looks for and offers, without the context. Returns `(k, q)`, rows
+    /// laid out `(tokens, heads, head_dim)`.
+    pub fn embedding_qk(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        positions: &[usize],
+        queries: bool,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        let l = self.layers.get(layer).ok_or_else(|| {
+            EngineError::InvalidInput(format!(
+                "layer {layer} is out of range: the model has {}",
+                self.config.n_layer
+            ))
+        })?;
+        if ids.len() != positions.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} token ids at {} positions",
+                ids.len(),
+                positions.len()
+            )));
+        }
+        let h = rms_norm(&self.embed(ids)?, &l.attn_norm, self.config.rms_eps)?;
+        let dense = self.has_dense && ids.len() >= self.dense_min_rows;
+        let table = self
+            .rope
+            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        let rotated = |lin: &Linear, heads: usize| -> Result<Vec<f32>> {
+            let mut x = lin.forward(&h, dense)?.flatten_all()?.to_vec1::<f32>()?;
+            self.rope.apply(&table, &mut x, heads)?;
+            Ok(x)
+        };
+        let k = rotated(&l.wk, self.config.n_kv_head)?;
+        let q = if queries {
+            Some(rotated(&l.wq, self.config.n_head)?)
+        } else {
+            None
+        };
+        Ok((k, q))
+    }
+
     /// Runs `layers` (a sub-range of the model's layers) for residual-stream rows `x`
     /// `(n, n_embd)` at `positions`, writing their K/V rows at those layers; returns the
     /// residual stream after the last layer run (not normed) and, on request, after each one.
@@ -738,8 +809,11 @@ impl Model {
         ids: &[u32],
         positions: &[usize],
         cache: &mut KvCache,
-        view: Option<&mut (dyn crate::sparse::AttentionView + Send)>,
+        mut view: Option<&mut (dyn crate::sparse::AttentionView + Send)>,
     ) -> Result<ForwardOutput> {
+        if let Some(v) = view.as_deref_mut() {
+            v.begin_step(ids, positions)?;
+        }
         let x = self.embed(ids)?;
         let pass = Pass {
             collect_layers: false,

@@ -46,6 +46,14 @@ pub trait AttentionView {
         shape: AttentionShape,
     ) -> Result<Vec<f32>>;
 
+    /// A forward pass of tokens `ids` at `positions` is about to run through the view: a view
+    /// that chooses rows from the tokens themselves (SpeContext's retrieval head) does it here,
+    /// before any layer. Nothing by default.
+    fn begin_step(&mut self, ids: &[u32], positions: &[usize]) -> Result<()> {
+        let _ = (ids, positions);
+        Ok(())
+    }
+
     /// Rows at or after `rows` were rewritten or dropped: forget anything derived from them.
     fn invalidate_from(&mut self, rows: usize);
 

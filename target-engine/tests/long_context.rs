@@ -9,7 +9,8 @@ mod common;
 use target_engine::sparse::{kl, log_softmax};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    kivi_cache, Architecture, AttentionView, LoadOptions, Model, TopKConfig, TopKView, ViewParams,
+    kivi_cache, Architecture, AttentionView, LoadOptions, Model, RetrievalHead, SpeContextConfig,
+    SpeContextView, TopKConfig, TopKView, ViewParams,
 };
 
 fn tiny() -> (tempfile::TempDir, Model) {
@@ -323,5 +324,115 @@ fn on_a_real_model_verified_drafting_answers_as_full_attention() {
     assert!(
         got.accepted < got.drafted,
         "some drafts were wrong, so corrections were checked: {got:?}"
+    );
+}
+
+/// SpeContext's view over the tiny model (its own layer 0 as the retrieval head): verified,
+/// any setting answers as full attention with every cache row exact; one that keeps every row
+/// resident answers as full attention unverified too, through its elastic loads.
+#[test]
+fn specontext_drafting_answers_as_full_attention() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Architecture::Qwen2)).expect("write");
+    let m = std::sync::Arc::new(Model::load(&path, &LoadOptions::default()).expect("load"));
+    let n_kv = m.config().n_kv_head;
+    let poor = SpeContextConfig {
+        layer: 1,
+        top_k: 2,
+        window: 3,
+        sink: 1,
+    };
+    let all = SpeContextConfig {
+        top_k: 4096,
+        ..SpeContextConfig::default()
+    };
+    for seed in 0..4 {
+        let ids = prompt(&m, seed);
+        let (mut full_cache, logits) = m.prefill(&ids).expect("prefill");
+        let want = m
+            .view_generate(&mut full_cache, &logits, None, 40)
+            .expect("full attention");
+        for config in [poor, all] {
+            let head = RetrievalHead::new(m.clone(), config.layer).expect("head");
+            let mut view = SpeContextView::new(head, config, &ids, n_kv).expect("view");
+            let (got, cache) = verified(&m, &ids, &mut view, 40);
+            assert_eq!(got.ids, want.ids, "prompt {seed}, {config:?}");
+            for l in 0..cache.n_layer() {
+                assert_eq!(cache.k(l), full_cache.k(l), "layer {l} keys");
+                assert_eq!(cache.v(l), full_cache.v(l), "layer {l} values");
+            }
+            let (read, every) = view.rows_read();
+            if config == poor {
+                assert!(
+                    read < every,
+                    "the poor view reads fewer rows ({read} of {every})"
+                );
+                assert!(view.rows_loaded() > 0);
+            }
+        }
+        let head = RetrievalHead::new(m.clone(), 0).expect("head");
+        let mut view = SpeContextView::new(head, all, &ids, n_kv).expect("view");
+        let (mut c, _) = m.prefill(&ids).expect("prefill");
+        let alone = m
+            .view_generate(&mut c, &logits, Some(&mut view), 40)
+            .expect("unverified");
+        assert_eq!(alone.ids, want.ids, "prompt {seed}: every row resident");
+    }
+    let head = RetrievalHead::new(m.clone(), 2);
+    assert!(head.is_err(), "the tiny model has two layers");
+}
+
+/// On the real Qwen-0.5B over ~1,500 tokens of the architecture notes, with a retrieval head
+/// cut from its own layer 0 keeping 64 rows per kv head: verified, full attention's answer
+/// token for token, the cache exact; elastic loading moves far fewer rows than attended.
+#[test]
+fn on_a_real_model_specontext_drafting_answers_as_full_attention() {
+    let m = std::sync::Arc::new(
+        Model::load(
+            &common::model_path(common::QWEN_05B),
+            &LoadOptions::default(),
+        )
+        .expect("load"),
+    );
+    let notes = include_str!("../../ARCHITECTURE.md");
+    let text: String = notes.chars().take(6000).collect();
+    let prompt = target_engine::chat_prompt(
+        m.tokenizer(),
+        None,
+        &format!("{text}\n\nWhat does the kernels crate hold? Answer in detail."),
+    );
+    let (full_cache, logits) = m.prefill(&prompt).expect("prefill");
+    let mut plain = full_cache.clone();
+    let want = m
+        .view_generate(&mut plain, &logits, None, 48)
+        .expect("full attention");
+    let config = SpeContextConfig {
+        layer: 0,
+        top_k: 64,
+        window: 32,
+        sink: 4,
+    };
+    let head = RetrievalHead::new(m.clone(), config.layer).expect("head");
+    let mut view = SpeContextView::new(head, config, &prompt, m.config().n_kv_head).expect("view");
+    let mut cache = full_cache.clone();
+    let params = ViewParams {
+        max_tokens: 48,
+        ..ViewParams::default()
+    };
+    let got = m
+        .view_verified_generate(&mut cache, &logits, &mut view, &params)
+        .expect("verified");
+    assert_eq!(got.ids, want.ids);
+    for l in 0..cache.n_layer() {
+        assert_eq!(cache.k(l), plain.k(l), "layer {l}");
+        assert_eq!(cache.v(l), plain.v(l), "layer {l}");
+    }
+    let (read, all) = view.rows_read();
+    assert!(read * 5 < all, "the view read {read} of {all} rows");
+    assert!(
+        view.rows_loaded() * 2 < read,
+        "elastic loading moved {} rows for {read} attended",
+        view.rows_loaded()
     );
 }
