@@ -9,11 +9,14 @@
 //! the kv group) and the window alone.
 //!
 //! `cargo run --release -p target-engine --example retrieval_layers -- TARGET.gguf
-//! SPECULATOR.gguf [--context 4096] [--steps 32] [--top-k 256] [--window 64]`
+//! SPECULATOR.gguf [--context 4096] [--steps 32] [--top-k 256] [--window 64] [--recent 1]`
+//! [--contextual]` (`--recent N`: the heads score with the mean of the last N steps' queries;
+//! `--contextual`: each layer's own attention as the speculator decodes the same tokens over
+//! its full cache of the context, what a head with the context behind it would see)
 
 use std::path::Path;
 use std::sync::Arc;
-use target_engine::specontext::{choose_rows, map_heads};
+use target_engine::specontext::{choose_rows, group_max, map_heads};
 use target_engine::{AttentionView, KvCache, LoadOptions, Model, RetrievalHead, SpeContextConfig};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -28,10 +31,61 @@ fn arg(args: &[String], name: &str, default: usize) -> Res<usize> {
     }
 }
 
+/// Full attention on the speculator that keeps, per layer and kv head, the rows its own
+/// attention would choose at the step (max over the group's query heads): the contextual
+/// head, the speculator's layers up to the chosen one run on its own cache.
+struct Recorder {
+    config: SpeContextConfig,
+    /// Per layer, per speculator kv head: the importance of every row at this step.
+    importance: Vec<Vec<Vec<f32>>>,
+}
+
+impl AttentionView for Recorder {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        positions: &[usize],
+        cache: &KvCache,
+        shape: kernels::AttentionShape,
+    ) -> target_engine::Result<Vec<f32>> {
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        let row = cache.row_len();
+        let (k, v) = (&cache.k(layer)[..rows * row], &cache.v(layer)[..rows * row]);
+        if let &[p] = positions {
+            if self.importance.len() <= layer {
+                self.importance.resize(layer + 1, Vec::new());
+            }
+            self.importance[layer] = group_max(q, p, k, shape)?;
+        }
+        let _ = self.config;
+        Ok(kernels::causal_attention(q, positions, k, v, shape)?)
+    }
+
+    fn invalidate_from(&mut self, _rows: usize) {}
+
+    fn held_bytes(&self) -> usize {
+        0
+    }
+
+    fn rows_read(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
+/// The speculator decoding the target's tokens on its own cache of the context.
+struct Contextual {
+    model: Arc<Model>,
+    cache: KvCache,
+    recorder: Recorder,
+}
+
 /// Full attention that records, per candidate head, the target's attention mass on the rows
 /// the head chose for the step.
 struct Probe {
     heads: Vec<RetrievalHead>,
+    /// With `--contextual`: the speculator's own attention, layer by layer, instead.
+    contextual: Option<Contextual>,
     config: SpeContextConfig,
     /// Per candidate head, per target kv head: this step's chosen rows.
     sets: Vec<Vec<Vec<usize>>>,
@@ -51,6 +105,17 @@ impl AttentionView for Probe {
             return Ok(());
         };
         let n_kv = self.sets.first().map_or(0, Vec::len);
+        if let Some(c) = self.contextual.as_mut() {
+            c.model
+                .forward_view(&[id], &[p], &mut c.cache, &mut c.recorder)?;
+            for (l, imp) in c.recorder.importance.iter().enumerate() {
+                self.sets[l] = map_heads(imp.clone(), n_kv)
+                    .iter()
+                    .map(|i| choose_rows(&self.config, i, p))
+                    .collect();
+            }
+            return Ok(());
+        }
         for (h, head) in self.heads.iter_mut().enumerate() {
             let imp = map_heads(head.importance(id, p)?, n_kv);
             self.sets[h] = imp
@@ -83,7 +148,7 @@ impl AttentionView for Probe {
             n_kv_head: 1,
             head_dim: d,
         };
-        let candidates = self.heads.len();
+        let candidates = self.sets.len();
         for g in 0..shape.n_kv_head {
             let kg: Vec<f32> = (0..rows)
                 .flat_map(|t| k[t * shape.n_kv_head * d + g * d..][..d].iter().copied())
@@ -99,10 +164,15 @@ impl AttentionView for Probe {
                 top.iter_mut().zip(pr).for_each(|(a, &b)| *a = a.max(b));
             }
             let oracle = choose_rows(&self.config, &top, p);
-            let window = choose_rows(
+            let wide = SpeContextConfig {
+                top_k: 0,
+                window: self.config.window + self.config.top_k,
+                ..self.config
+            };
+            let window = choose_rows(&wide, &top, p);
+            let fixed = choose_rows(
                 &SpeContextConfig {
                     top_k: 0,
-                    window: self.config.window + self.config.top_k,
                     ..self.config
                 },
                 &top,
@@ -114,6 +184,7 @@ impl AttentionView for Probe {
                 }
                 self.mass[candidates] += mass_on(pr, &oracle);
                 self.mass[candidates + 1] += mass_on(pr, &window);
+                self.mass[candidates + 2] += mass_on(pr, &fixed);
                 self.samples += 1;
             }
         }
@@ -137,6 +208,8 @@ fn main() -> Res<()> {
         return Err("usage: retrieval_layers TARGET.gguf SPECULATOR.gguf [--context N]".into());
     };
     let (context, steps) = (arg(&args, "--context", 4096)?, arg(&args, "--steps", 32)?);
+    let recent = arg(&args, "--recent", 1)?;
+    let contextual = args.iter().any(|a| a == "--contextual");
     let config = SpeContextConfig {
         top_k: arg(&args, "--top-k", 256)?,
         window: arg(&args, "--window", 64)?,
@@ -144,6 +217,46 @@ fn main() -> Res<()> {
     };
     let target = Model::load(Path::new(tp), &LoadOptions::default())?;
     let spec = Arc::new(Model::load(Path::new(sp), &LoadOptions::default())?);
+    let prompt = docs_prompt(&target, context)?;
+    eprintln!("prefilling {} tokens", prompt.len());
+    let (mut cache, logits) = target.prefill(&prompt)?;
+    let layers = spec.config().n_layer;
+    let mut heads = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let mut h = RetrievalHead::new(spec.clone(), l)?.with_recent(recent);
+        h.extend(0, &prompt)?;
+        heads.push(h);
+    }
+    let contextual = if contextual {
+        eprintln!("prefilling the speculator");
+        let (cache, _) = spec.prefill(&prompt)?;
+        heads.clear();
+        Some(Contextual {
+            model: spec.clone(),
+            cache,
+            recorder: Recorder {
+                config,
+                importance: Vec::new(),
+            },
+        })
+    } else {
+        None
+    };
+    let mut probe = Probe {
+        heads,
+        contextual,
+        config,
+        sets: vec![vec![Vec::new(); target.config().n_kv_head]; layers],
+        mass: vec![0.0; layers + 3],
+        samples: 0,
+    };
+    let g = target.view_generate(&mut cache, &logits, Some(&mut probe), steps)?;
+    report(&probe, prompt.len(), g.ids.len());
+    Ok(())
+}
+
+/// The first `context` tokens of ARCHITECTURE.md and docs/, and a question, as a chat prompt.
+fn docs_prompt(target: &Model, context: usize) -> Res<Vec<u32>> {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let mut text = std::fs::read_to_string(format!("{root}/ARCHITECTURE.md"))?;
     let mut docs: Vec<_> = std::fs::read_dir(format!("{root}/docs"))?
@@ -159,28 +272,19 @@ fn main() -> Res<()> {
     let body = target
         .tokenizer()
         .decode(&body[..context.min(body.len())], false);
-    let prompt = target_engine::chat_prompt(target.tokenizer(), None, &format!("{body}{question}"));
-    eprintln!("prefilling {} tokens", prompt.len());
-    let (mut cache, logits) = target.prefill(&prompt)?;
-    let layers = spec.config().n_layer;
-    let mut heads = Vec::with_capacity(layers);
-    for l in 0..layers {
-        let mut h = RetrievalHead::new(spec.clone(), l)?;
-        h.extend(0, &prompt)?;
-        heads.push(h);
-    }
-    let mut probe = Probe {
-        heads,
-        config,
-        sets: vec![vec![Vec::new(); target.config().n_kv_head]; layers],
-        mass: vec![0.0; layers + 2],
-        samples: 0,
-    };
-    let g = target.view_generate(&mut cache, &logits, Some(&mut probe), steps)?;
+    Ok(target_engine::chat_prompt(
+        target.tokenizer(),
+        None,
+        &format!("{body}{question}"),
+    ))
+}
+
+/// The table: mean mass per candidate layer, the bound and the windows.
+fn report(probe: &Probe, prompt: usize, decoded: usize) {
+    let config = probe.config;
+    let layers = probe.sets.len();
     println!(
-        "{} prompt tokens, {} decoded; top_k {}, window {}, 4 sinks: mean attention mass per step, layer and query head on the chosen rows",
-        prompt.len(),
-        g.ids.len(),
+        "{prompt} prompt tokens, {decoded} decoded; top_k {}, window {}, 4 sinks: mean attention mass per step, layer and query head on the chosen rows",
         config.top_k,
         config.window
     );
@@ -198,5 +302,9 @@ fn main() -> Res<()> {
         config.top_k + config.window,
         probe.mass[layers + 1] / n
     );
-    Ok(())
+    println!(
+        "| sinks and window of {} (no chosen rows) | {:.3} |",
+        config.window,
+        probe.mass[layers + 2] / n
+    );
 }

@@ -47,7 +47,7 @@ pub use select::{
     Random, SelectInput, Selector, TargetProbe,
 };
 pub use sparse::{kivi_cache, AttentionView, TopKConfig, TopKView, ViewGeneration, ViewParams};
-pub use specontext::{RetrievalHead, SpeContextConfig, SpeContextView};
+pub use specontext::{ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView};
 pub use speculative::{accept_sampled, DraftLength, Drafter, PromptLookup, SpecDecodeStats};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

@@ -735,6 +735,32 @@ impl Model {
         self.forward_layers_with(x, positions, cache, layers, pass)
     }
 
+    /// The first `layers` layers of a decode-path forward of `ids` at `positions` through
+    /// `view` (one-row steps of a model used only up to a layer, as SpeContext's contextual
+    /// retrieval head is): the rows count as computed, but only the layers run hold them, so
+    /// such a cache serves this call alone.
+    pub fn forward_view_layers(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        view: &mut (dyn crate::sparse::AttentionView + Send),
+        layers: usize,
+    ) -> Result<()> {
+        view.begin_step(ids, positions)?;
+        let x = self.embed(ids)?;
+        let pass = Pass {
+            collect_layers: false,
+            allow_dense: false,
+            probe: None,
+            view: Some(view),
+        };
+        let end = layers.min(self.config.n_layer);
+        self.forward_layers_with(x, positions, cache, 0..end, pass)?;
+        cache.mark_filled(positions);
+        Ok(())
+    }
+
     /// How much attention the rows `ids` at `positions` pay to every cache row at the layers
     /// `probe`: the attention mass summed over rows, heads and those layers, one value per
     /// position `0..max(positions)+1`. Only layers `0..probe.end` run (their K/V rows of

@@ -54,6 +54,13 @@ pub trait AttentionView {
         Ok(())
     }
 
+    /// A pass that did not run through the view wrote rows `start..` of the cache for tokens
+    /// `ids` (a checking pass's kept rows). Nothing by default.
+    fn rows_written(&mut self, start: usize, ids: &[u32]) -> Result<()> {
+        let _ = (start, ids);
+        Ok(())
+    }
+
     /// Rows at or after `rows` were rewritten or dropped: forget anything derived from them.
     fn invalidate_from(&mut self, rows: usize);
 
@@ -471,6 +478,7 @@ impl Model {
             ids.push(argmax(&rows[agree]));
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
+            view.rows_written(base, &feed[..1 + agree])?;
             ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
             stats.verify_ms += ms(t);
             stats.drafted += drafts.len();

@@ -9,8 +9,8 @@ mod common;
 use target_engine::sparse::{kl, log_softmax};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    kivi_cache, Architecture, AttentionView, LoadOptions, Model, RetrievalHead, SpeContextConfig,
-    SpeContextView, TopKConfig, TopKView, ViewParams,
+    kivi_cache, Architecture, AttentionView, ContextHead, LoadOptions, Model, RetrievalHead,
+    SpeContextConfig, SpeContextView, TopKConfig, TopKView, ViewParams,
 };
 
 fn tiny() -> (tempfile::TempDir, Model) {
@@ -354,8 +354,9 @@ fn specontext_drafting_answers_as_full_attention() {
             .view_generate(&mut full_cache, &logits, None, 40)
             .expect("full attention");
         for config in [poor, all] {
-            let head = RetrievalHead::new(m.clone(), config.layer).expect("head");
-            let mut view = SpeContextView::new(head, config, &ids, n_kv).expect("view");
+            let mut head = RetrievalHead::new(m.clone(), config.layer).expect("head");
+            head.extend(0, &ids).expect("keys");
+            let mut view = SpeContextView::new(Box::new(head), config, n_kv);
             let (got, cache) = verified(&m, &ids, &mut view, 40);
             assert_eq!(got.ids, want.ids, "prompt {seed}, {config:?}");
             for l in 0..cache.n_layer() {
@@ -371,8 +372,15 @@ fn specontext_drafting_answers_as_full_attention() {
                 assert!(view.rows_loaded() > 0);
             }
         }
-        let head = RetrievalHead::new(m.clone(), 0).expect("head");
-        let mut view = SpeContextView::new(head, all, &ids, n_kv).expect("view");
+        // The contextual head: the model's own layer 0 over its cache of the prompt.
+        let (own, _) = m.prefill(&ids).expect("prefill");
+        let head = ContextHead::new(m.clone(), 0, own, &ids).expect("head");
+        let mut view = SpeContextView::new(Box::new(head), poor, n_kv);
+        let (got, _) = verified(&m, &ids, &mut view, 40);
+        assert_eq!(got.ids, want.ids, "prompt {seed}, contextual head");
+        let mut head = RetrievalHead::new(m.clone(), 0).expect("head");
+        head.extend(0, &ids).expect("keys");
+        let mut view = SpeContextView::new(Box::new(head), all, n_kv);
         let (mut c, _) = m.prefill(&ids).expect("prefill");
         let alone = m
             .view_generate(&mut c, &logits, Some(&mut view), 40)
@@ -381,6 +389,10 @@ fn specontext_drafting_answers_as_full_attention() {
     }
     let head = RetrievalHead::new(m.clone(), 2);
     assert!(head.is_err(), "the tiny model has two layers");
+    let ids = prompt(&m, 0);
+    let (own, _) = m.prefill(&ids).expect("prefill");
+    assert!(ContextHead::new(m.clone(), 2, own.clone(), &ids).is_err());
+    assert!(ContextHead::new(m.clone(), 0, own, &ids[1..]).is_err());
 }
 
 /// On the real Qwen-0.5B over ~1,500 tokens of the architecture notes, with a retrieval head
@@ -413,8 +425,9 @@ fn on_a_real_model_specontext_drafting_answers_as_full_attention() {
         window: 32,
         sink: 4,
     };
-    let head = RetrievalHead::new(m.clone(), config.layer).expect("head");
-    let mut view = SpeContextView::new(head, config, &prompt, m.config().n_kv_head).expect("view");
+    let mut head = RetrievalHead::new(m.clone(), config.layer).expect("head");
+    head.extend(0, &prompt).expect("keys");
+    let mut view = SpeContextView::new(Box::new(head), config, m.config().n_kv_head);
     let mut cache = full_cache.clone();
     let params = ViewParams {
         max_tokens: 48,
