@@ -788,6 +788,25 @@ pub struct LongArgs {
     /// A round ends (is verified) after a draft the drafter gave less probability than this.
     #[arg(long, default_value_t = 0.0)]
     pub min_prob: f32,
+    /// SpeContext, embedding head: the speculator's layer whose norm and Q/K projections
+    /// score the context from the token embedding alone.
+    #[arg(long, default_value_t = target_engine::specontext::DEFAULT_LAYER)]
+    pub retrieval_layer: usize,
+    /// SpeContext, contextual head: the speculator's layer whose attention (its layers up
+    /// to it run on its own cache of the context) chooses the rows.
+    #[arg(long, default_value_t = target_engine::specontext::DEFAULT_CONTEXT_LAYER)]
+    pub context_layer: usize,
+    /// SpeContext's memory model: rows resident per kv head (its `top_k`) sized to this many
+    /// MiB for each context (the retrieval head's keys included) instead of `--top-k`.
+    #[arg(long)]
+    pub resident_mb: Option<u64>,
+    /// Leave SpeContext out (no speculator loaded).
+    #[arg(long)]
+    pub no_speculator: bool,
+    /// Measure only the drafters whose name starts with this (repeatable: `specache`,
+    /// `window`, `specontext`, `specontext-ctx`, ...); all of them by default.
+    #[arg(long = "drafter")]
+    pub drafter_names: Vec<String>,
     /// Also measure unverified quality (answers and teacher-forced KL), with KIVI 2-bit.
     #[arg(long)]
     pub quality: bool,

@@ -2,20 +2,22 @@
 //! length, the chunks of an ingested collection (in index order, from a per-question offset)
 //! fill the prompt, their stored KV is reused as is (ρ = 0: only the question is computed, the
 //! decode phase is what is measured), and the same cache is decoded greedily by full attention,
-//! then by each drafter verified against it (SpeCache's top-k view, the StreamingLLM window),
-//! checking that every verified answer is full attention's, token for token. With `--quality`
+//! then by each drafter verified against it (SpeCache's top-k view, the StreamingLLM window,
+//! and with a speculator of the target's vocabulary SpeContext's view under both retrieval
+//! heads: the speculator's embedding alone, and its layers over its own cache of the context
+//! built from the chunks' stored speculator KV), checking that every verified answer is full attention's, token for token. With `--quality`
 //! the drafters also answer unverified (agreement with full attention, teacher-forced KL), next
 //! to a KIVI-only cache.
 
 use crate::args::{LongArgs, ModelArgs};
-use crate::{load_target, spinner};
+use crate::{load_speculator, load_target, spinner};
 use gateway::corpus::{Corpus, Engines};
 use serde::Serialize;
 use std::sync::Arc;
 use target_engine::sparse::{kl, reborrow};
 use target_engine::{
-    kivi_cache, AttentionView, ChunkKv, FullReuse, KvCache, Model, SelectInput, Selector,
-    TopKConfig, TopKView, ViewParams,
+    kivi_cache, AttentionView, ChunkKv, ContextHead, FullReuse, KvCache, Model, RetrievalHead,
+    SelectInput, Selector, SpeContextConfig, SpeContextView, TopKConfig, TopKView, ViewParams,
 };
 
 /// Unverified quality of a drafter against full attention on the same cache.
@@ -44,7 +46,8 @@ pub struct DrafterRow {
     /// Of the decode time, ms drafting and ms in verification passes.
     pub draft_ms: f64,
     pub verify_ms: f64,
-    /// Bytes the drafter holds beside the cache (the low-bit keys).
+    /// Bytes the drafter holds beside the cache (SpeCache: the low-bit keys; SpeContext: the
+    /// retrieval head's keys or cache and the resident rows).
     pub held_bytes: usize,
     /// Cache rows a draft step read at full precision over the rows full attention reads.
     pub read_fraction: f64,
@@ -66,8 +69,20 @@ pub struct LongPoint {
     pub kivi2: Option<Quality>,
 }
 
-/// The drafters measured: name and view settings.
-fn drafters(a: &LongArgs) -> Vec<(String, TopKConfig)> {
+/// A drafter's view settings.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    TopK(TopKConfig),
+    /// SpeContext; `contextual`: the retrieval head runs the speculator's layers over its
+    /// cache of the context, otherwise the embedding alone.
+    SpeContext {
+        config: SpeContextConfig,
+        contextual: bool,
+    },
+}
+
+/// The drafters measured: name and view settings (SpeContext's with a speculator only).
+fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
     let specache = TopKConfig {
         bits: a.bits,
         top_k: a.top_k,
@@ -83,10 +98,83 @@ fn drafters(a: &LongArgs) -> Vec<(String, TopKConfig)> {
         full_layers: 0,
         ..specache
     };
-    vec![
-        (format!("specache-{}bit-top{}", a.bits, a.top_k), specache),
-        (format!("window-{}", window.window), window),
-    ]
+    let mut out = vec![
+        (
+            format!("specache-{}bit-top{}", a.bits, a.top_k),
+            Kind::TopK(specache),
+        ),
+        (format!("window-{}", window.window), Kind::TopK(window)),
+    ];
+    if speculator {
+        let spe = |layer| SpeContextConfig {
+            layer,
+            top_k: a.top_k,
+            window: a.window,
+            ..SpeContextConfig::default()
+        };
+        out.push((
+            format!("specontext-embed-l{}-top{}", a.retrieval_layer, a.top_k),
+            Kind::SpeContext {
+                config: spe(a.retrieval_layer),
+                contextual: false,
+            },
+        ));
+        out.push((
+            format!("specontext-ctx-l{}-top{}", a.context_layer, a.top_k),
+            Kind::SpeContext {
+                config: spe(a.context_layer),
+                contextual: true,
+            },
+        ));
+    }
+    out.retain(|(name, _)| {
+        a.drafter_names.is_empty() || a.drafter_names.iter().any(|p| name.starts_with(p.as_str()))
+    });
+    out
+}
+
+/// What SpeContext's heads need of a case: the prompt's tokens, and the speculator with its
+/// cache of the same prompt.
+struct Ctx<'a> {
+    prompt: &'a [u32],
+    spec: Option<(&'a Arc<Model>, &'a KvCache)>,
+}
+
+/// A fresh view of `kind` for a target with `n_kv` kv heads, sized by the memory model when
+/// `resident` (bytes) is set.
+fn view_for(
+    kind: Kind,
+    ctx: &Ctx<'_>,
+    target: &Model,
+    resident: Option<u64>,
+) -> anyhow::Result<Box<dyn AttentionView + Send>> {
+    let (mut config, contextual) = match kind {
+        Kind::TopK(c) => return Ok(Box::new(TopKView::new(c))),
+        Kind::SpeContext { config, contextual } => (config, contextual),
+    };
+    let (spec, spec_cache) = ctx
+        .spec
+        .ok_or_else(|| anyhow::anyhow!("SpeContext needs the speculator"))?;
+    if let Some(budget) = resident {
+        config = config.for_budget(budget, ctx.prompt.len(), target.config(), spec.config());
+    }
+    let head: Box<dyn target_engine::RowScorer + Send> = if contextual {
+        Box::new(ContextHead::new(
+            spec.clone(),
+            config.layer,
+            spec_cache.clone(),
+            ctx.prompt,
+        )?)
+    } else {
+        let mut h = RetrievalHead::new(spec.clone(), config.layer)?;
+        h.extend(0, ctx.prompt)?;
+        Box::new(h)
+    };
+    Ok(Box::new(SpeContextView::new(
+        head,
+        config,
+        target.config().n_kv_head,
+    )))
 }
 
 /// Where contexts come from: a collection's chunk texts, their KV in the corpus's store.
@@ -112,7 +200,7 @@ fn context(
     tokens: usize,
     offset: usize,
     question: &str,
-) -> anyhow::Result<(KvCache, Vec<f32>, usize)> {
+) -> anyhow::Result<Prompt> {
     let Source {
         corpus,
         collection,
@@ -137,7 +225,38 @@ fn context(
     let refs: Vec<&ChunkKv> = kvs.iter().collect();
     let input = SelectInput::new(&engines.target, &asm, &engines.prefix, &refs, 0.0);
     let out = FullReuse.prefill(&input)?;
-    Ok((out.cache, out.logits, chosen.len()))
+    // The speculator's cache of the same prompt, its stored chunk KV reused the same way.
+    let spec = match (&engines.spec, &engines.spec_prefix, engines.drafts) {
+        (Some(s), Some(prefix), true) => {
+            let mut skv = Vec::with_capacity(chosen.len());
+            for text in &chosen {
+                if let Some((kv, _)) = engines.load_spec_kv(&corpus.store, collection, text)? {
+                    skv.push(kv);
+                }
+            }
+            let refs: Vec<&ChunkKv> = skv.iter().collect();
+            let input = SelectInput::new(&s.speculator, &asm, prefix, &refs, 0.0);
+            Some(FullReuse.prefill(&input)?.cache)
+        }
+        _ => None,
+    };
+    Ok(Prompt {
+        cache: out.cache,
+        logits: out.logits,
+        chunks: chosen.len(),
+        ids: asm.ids,
+        spec,
+    })
+}
+
+/// A case's prompt: the target's cache and last logits, the chunks it holds, its tokens, and
+/// the speculator's cache of it (with a speculator of the target's vocabulary).
+struct Prompt {
+    cache: KvCache,
+    logits: Vec<f32>,
+    chunks: usize,
+    ids: Vec<u32>,
+    spec: Option<KvCache>,
 }
 
 /// Unverified answer and teacher-forced KL of `view` (`None` with `cache` already KIVI's).
@@ -168,11 +287,17 @@ fn quality(
 /// Full attention, then every drafter verified (and unverified with `--quality`).
 fn measure(
     model: &Model,
-    cache: &KvCache,
-    logits: &[f32],
+    prompt: &Prompt,
+    spec: Option<&Arc<Model>>,
     a: &LongArgs,
     progress: &dyn Fn(&str),
 ) -> anyhow::Result<Measured> {
+    let (cache, logits) = (&prompt.cache, &prompt.logits[..]);
+    let ctx = Ctx {
+        prompt: &prompt.ids,
+        spec: spec.zip(prompt.spec.as_ref()),
+    };
+    let resident = a.resident_mb.map(|mb| mb << 20);
     progress("full attention");
     let mut c = cache.clone();
     let full = model.view_generate(&mut c, logits, None, a.max_tokens as usize)?;
@@ -186,24 +311,24 @@ fn measure(
         None
     };
     let mut rows = Vec::new();
-    for (name, config) in drafters(a) {
+    for (name, kind) in drafters(a, ctx.spec.is_some()) {
         progress(&format!("{name}, verified"));
-        let mut view = TopKView::new(config);
+        let mut view = view_for(kind, &ctx, model, resident)?;
         let mut c = cache.clone();
         let params = ViewParams {
             max_tokens: a.max_tokens as usize,
             min_prob: a.min_prob,
             ..ViewParams::default()
         };
-        let g = model.view_verified_generate(&mut c, logits, &mut view, &params)?;
+        let g = model.view_verified_generate(&mut c, logits, view.as_mut(), &params)?;
         drop(c);
         let (read, all) = view.rows_read();
         let held_bytes = view.held_bytes();
         let unverified = match &reference {
             Some(r) => {
                 progress(&format!("{name}, unverified"));
-                let mut v = TopKView::new(config);
-                Some(quality(model, cache, logits, r, Some(&mut v))?)
+                let mut v = view_for(kind, &ctx, model, resident)?;
+                Some(quality(model, cache, logits, r, Some(v.as_mut()))?)
             }
             None => None,
         };
@@ -247,8 +372,17 @@ fn measure(
 /// `specrag bench long`.
 pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
     let model = Arc::new(load_target(m)?);
+    // SpeContext's retrieval heads are cut from the speculator (`--no-speculator`: none).
+    let spec = if a.no_speculator {
+        None
+    } else {
+        Some(Arc::new(load_speculator(m)?))
+    };
     let corpus = Corpus::open(&a.data, 64 << 20)?;
-    let engines = Engines::new(model.clone(), None)?;
+    let engines = Engines::new(model.clone(), spec.clone())?;
+    if spec.is_some() && !engines.drafts {
+        tracing::warn!("the speculator's vocabulary is not the target's: no SpeContext drafter");
+    }
     let mut texts = Vec::new();
     for doc in corpus.index.documents(Some(&a.collection))? {
         for c in corpus.index.chunks_of(&a.collection, &doc.doc_id)? {
@@ -274,9 +408,9 @@ pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
             let say = |s: &str| bar.set_message(format!("{tokens} tokens, question {qi}: {s}"));
             say("loading chunks");
             let offset = qi * texts.len() / a.questions.len().max(1);
-            let (cache, logits, chunks) =
-                context(&engines, &src, tokens as usize, offset, question)?;
-            let m = measure(&model, &cache, &logits, &a, &say)?;
+            let prompt = context(&engines, &src, tokens as usize, offset, question)?;
+            let m = measure(&model, &prompt, spec.as_ref(), &a, &say)?;
+            let (cache, chunks) = (&prompt.cache, prompt.chunks);
             let point = LongPoint {
                 context_tokens: cache.len(),
                 chunks,
@@ -319,7 +453,7 @@ fn print_point(p: &LongPoint, json: bool) {
     };
     for r in &p.drafters {
         println!(
-            "  {:<24} {:>7.1} ms/token ({:.2}x)  identical={}  accepted {}/{} in {} rounds \
+            "  {:<30} {:>7.1} ms/token ({:.2}x)  identical={}  accepted {}/{} in {} rounds \
              (draft {:.0} ms, verify {:.0} ms)  held {:.0} MB  read {:.3}  unverified: {}",
             r.drafter,
             r.ms_per_token,
@@ -336,6 +470,6 @@ fn print_point(p: &LongPoint, json: bool) {
         );
     }
     if p.kivi2.is_some() {
-        println!("  {:<24} unverified: {}", "kivi-2bit", q(&p.kivi2));
+        println!("  {:<30} unverified: {}", "kivi-2bit", q(&p.kivi2));
     }
 }

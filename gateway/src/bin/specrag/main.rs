@@ -88,10 +88,15 @@ fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
     load(&m.target_path()?, m)
 }
 
+/// The speculator the flags (or defaults) name.
+fn load_speculator(m: &ModelArgs) -> anyhow::Result<Model> {
+    load(&m.speculator_path()?, m)
+}
+
 /// The target and the speculator the flags (or defaults) name.
 fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
     let target = load_target(m)?;
-    let spec = load(&m.speculator_path()?, m)?;
+    let spec = load_speculator(m)?;
     Ok((target, Arc::new(spec)))
 }
 
