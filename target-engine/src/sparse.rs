@@ -70,6 +70,12 @@ pub trait AttentionView {
     /// Cache rows read at full precision so far, summed over layers and kv heads, and the
     /// rows full attention would have read in the same calls.
     fn rows_read(&self) -> (u64, u64);
+
+    /// Rows copied out of the cache into resident buffers so far, for a view that keeps its
+    /// rows resident and loads only the ones that change (SpeContext's elastic loading).
+    fn rows_loaded(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// How [`TopKView`] chooses the rows a step attends to.

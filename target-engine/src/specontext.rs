@@ -617,12 +617,6 @@ impl SpeContextView {
         self.config
     }
 
-    /// Rows loaded into the resident buffers so far (elastic loading's traffic), summed over
-    /// layers and kv heads.
-    pub fn rows_loaded(&self) -> u64 {
-        self.loaded
-    }
-
     /// Brings `buf` (layer `layer`, kv head `g`) to this step: its pending loads, or every
     /// slot when it missed a step; the row at `p` is reloaded always (written this layer).
     fn refresh(
@@ -754,6 +748,11 @@ impl AttentionView for SpeContextView {
 
     fn rows_read(&self) -> (u64, u64) {
         (self.read, self.full)
+    }
+
+    /// Elastic loading's traffic, summed over layers and kv heads.
+    fn rows_loaded(&self) -> Option<u64> {
+        Some(self.loaded)
     }
 }
 

@@ -51,6 +51,9 @@ pub struct DrafterRow {
     pub held_bytes: usize,
     /// Cache rows a draft step read at full precision over the rows full attention reads.
     pub read_fraction: f64,
+    /// Rows a view keeping its rows resident copied in (SpeContext's elastic loading) over
+    /// the rows it attended.
+    pub loaded_fraction: Option<f64>,
     pub unverified: Option<Quality>,
 }
 
@@ -323,6 +326,7 @@ fn measure(
         let g = model.view_verified_generate(&mut c, logits, view.as_mut(), &params)?;
         drop(c);
         let (read, all) = view.rows_read();
+        let loaded_fraction = view.rows_loaded().map(|n| n as f64 / read.max(1) as f64);
         let held_bytes = view.held_bytes();
         let unverified = match &reference {
             Some(r) => {
@@ -344,6 +348,7 @@ fn measure(
             verify_ms: g.verify_ms,
             held_bytes,
             read_fraction: read as f64 / all.max(1) as f64,
+            loaded_fraction,
             unverified,
         });
     }
@@ -454,7 +459,7 @@ fn print_point(p: &LongPoint, json: bool) {
     for r in &p.drafters {
         println!(
             "  {:<30} {:>7.1} ms/token ({:.2}x)  identical={}  accepted {}/{} in {} rounds \
-             (draft {:.0} ms, verify {:.0} ms)  held {:.0} MB  read {:.3}  unverified: {}",
+             (draft {:.0} ms, verify {:.0} ms)  held {:.0} MB  read {:.3}{}  unverified: {}",
             r.drafter,
             r.ms_per_token,
             r.rel,
@@ -466,6 +471,8 @@ fn print_point(p: &LongPoint, json: bool) {
             r.verify_ms,
             r.held_bytes as f64 / 1e6,
             r.read_fraction,
+            r.loaded_fraction
+                .map_or(String::new(), |f| format!(" (loaded {f:.3} of it)")),
             q(&r.unverified)
         );
     }
