@@ -344,6 +344,7 @@ fn specontext_drafting_answers_as_full_attention() {
         sink: 1,
     };
     let all = SpeContextConfig {
+        layer: 0,
         top_k: 4096,
         ..SpeContextConfig::default()
     };
