@@ -6,6 +6,9 @@
 //! `cargo run --release -p target-engine --example attention_precision -- MODEL.gguf
 //! PROMPTS.jsonl [--limit N] [--max-tokens N]`, where PROMPTS.jsonl holds one `{"ids": [...]}`
 //! per line (the fidelity study's `prompts.jsonl`; other fields are printed back).
+#[path = "common/flags.rs"]
+mod flags;
+
 use kernels::AttentionPrecision;
 use std::io::BufRead;
 use std::time::Instant;
@@ -17,15 +20,7 @@ use target_engine::{GenerateParams, LoadOptions, Model};
 )]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let flag = |name: &str, default: usize| -> Result<usize, Box<dyn std::error::Error>> {
-        match args.iter().position(|a| a == name) {
-            Some(i) => Ok(args
-                .get(i + 1)
-                .ok_or(format!("{name} needs a value"))?
-                .parse()?),
-            None => Ok(default),
-        }
-    };
+    let flag = |name: &str, default: usize| flags::number(&args, name, default);
     let (limit, max_tokens) = (flag("--limit", usize::MAX)?, flag("--max-tokens", 32)?);
     let [model, prompts, ..] = &args[..] else {
         return Err(

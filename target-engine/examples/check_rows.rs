@@ -11,15 +11,9 @@ use target_engine::{LoadOptions, Model};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn arg(args: &[String], name: &str, default: usize) -> Res<usize> {
-    match args.iter().position(|a| a == name) {
-        Some(i) => Ok(args
-            .get(i + 1)
-            .ok_or(format!("{name} needs a value"))?
-            .parse()?),
-        None => Ok(default),
-    }
-}
+#[path = "common/flags.rs"]
+mod flags;
+use flags::number as arg;
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

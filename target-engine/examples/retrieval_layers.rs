@@ -21,15 +21,9 @@ use target_engine::{AttentionView, KvCache, LoadOptions, Model, RetrievalHead, S
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn arg(args: &[String], name: &str, default: usize) -> Res<usize> {
-    match args.iter().position(|a| a == name) {
-        Some(i) => Ok(args
-            .get(i + 1)
-            .ok_or(format!("{name} needs a value"))?
-            .parse()?),
-        None => Ok(default),
-    }
-}
+#[path = "common/flags.rs"]
+mod flags;
+use flags::number as arg;
 
 /// Full attention on the speculator that keeps, per layer and kv head, the rows its own
 /// attention would choose at the step (max over the group's query heads): the contextual

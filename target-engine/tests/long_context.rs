@@ -286,6 +286,24 @@ fn on_a_real_model_verified_drafting_answers_as_full_attention() {
         &LoadOptions::default(),
     )
     .expect("load");
+    let prompt = architecture_prompt(&m);
+    let mut view = TopKView::new(TopKConfig {
+        top_k: 64,
+        window: 32,
+        prefilter: 2,
+        ..TopKConfig::default()
+    });
+    let got = verified_as_plain(&m, &prompt, &mut view);
+    let (read, all) = view.rows_read();
+    assert!(read * 5 < all, "the view read {read} of {all} rows");
+    assert!(
+        got.accepted < got.drafted,
+        "some drafts were wrong, so corrections were checked: {got:?}"
+    );
+}
+
+/// ~1,500 tokens of the architecture notes and a question, as a chat prompt.
+fn architecture_prompt(m: &Model) -> Vec<u32> {
     let notes = include_str!("../../ARCHITECTURE.md");
     let text: String = notes.chars().take(6000).collect();
     let prompt = target_engine::chat_prompt(
@@ -294,24 +312,28 @@ fn on_a_real_model_verified_drafting_answers_as_full_attention() {
         &format!("{text}\n\nWhat does the kernels crate hold? Answer in detail."),
     );
     assert!(prompt.len() > 1000, "{} tokens", prompt.len());
-    let (full_cache, logits) = m.prefill(&prompt).expect("prefill");
+    prompt
+}
+
+/// Verified drafting from `view` over `prompt`, 48 tokens, checked against plain decoding:
+/// the same tokens and every cache row equal.
+fn verified_as_plain(
+    m: &Model,
+    prompt: &[u32],
+    view: &mut (dyn AttentionView + Send),
+) -> target_engine::ViewGeneration {
+    let (full_cache, logits) = m.prefill(prompt).expect("prefill");
     let mut plain = full_cache.clone();
     let want = m
         .view_generate(&mut plain, &logits, None, 48)
         .expect("full attention");
-    let mut view = TopKView::new(TopKConfig {
-        top_k: 64,
-        window: 32,
-        prefilter: 2,
-        ..TopKConfig::default()
-    });
-    let mut cache = full_cache.clone();
+    let mut cache = full_cache;
     let params = ViewParams {
         max_tokens: 48,
         ..ViewParams::default()
     };
     let got = m
-        .view_verified_generate(&mut cache, &logits, &mut view, &params)
+        .view_verified_generate(&mut cache, &logits, view, &params)
         .expect("verified");
     assert_eq!(got.ids, want.ids);
     assert_eq!(cache.len(), plain.len());
@@ -319,12 +341,7 @@ fn on_a_real_model_verified_drafting_answers_as_full_attention() {
         assert_eq!(cache.k(l), plain.k(l), "layer {l}");
         assert_eq!(cache.v(l), plain.v(l), "layer {l}");
     }
-    let (read, all) = view.rows_read();
-    assert!(read * 5 < all, "the view read {read} of {all} rows");
-    assert!(
-        got.accepted < got.drafted,
-        "some drafts were wrong, so corrections were checked: {got:?}"
-    );
+    got
 }
 
 /// SpeContext's view over the tiny model (its own layer 0 as the retrieval head): verified,
@@ -408,18 +425,7 @@ fn on_a_real_model_specontext_drafting_answers_as_full_attention() {
         )
         .expect("load"),
     );
-    let notes = include_str!("../../ARCHITECTURE.md");
-    let text: String = notes.chars().take(6000).collect();
-    let prompt = target_engine::chat_prompt(
-        m.tokenizer(),
-        None,
-        &format!("{text}\n\nWhat does the kernels crate hold? Answer in detail."),
-    );
-    let (full_cache, logits) = m.prefill(&prompt).expect("prefill");
-    let mut plain = full_cache.clone();
-    let want = m
-        .view_generate(&mut plain, &logits, None, 48)
-        .expect("full attention");
+    let prompt = architecture_prompt(&m);
     let config = SpeContextConfig {
         layer: 0,
         top_k: 64,
@@ -429,19 +435,7 @@ fn on_a_real_model_specontext_drafting_answers_as_full_attention() {
     let mut head = RetrievalHead::new(m.clone(), config.layer).expect("head");
     head.extend(0, &prompt).expect("keys");
     let mut view = SpeContextView::new(Box::new(head), config, m.config().n_kv_head);
-    let mut cache = full_cache.clone();
-    let params = ViewParams {
-        max_tokens: 48,
-        ..ViewParams::default()
-    };
-    let got = m
-        .view_verified_generate(&mut cache, &logits, &mut view, &params)
-        .expect("verified");
-    assert_eq!(got.ids, want.ids);
-    for l in 0..cache.n_layer() {
-        assert_eq!(cache.k(l), plain.k(l), "layer {l}");
-        assert_eq!(cache.v(l), plain.v(l), "layer {l}");
-    }
+    verified_as_plain(&m, &prompt, &mut view);
     let (read, all) = view.rows_read();
     assert!(read * 5 < all, "the view read {read} of {all} rows");
     let loaded = view.rows_loaded().unwrap_or(u64::MAX);
