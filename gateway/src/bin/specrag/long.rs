@@ -16,8 +16,9 @@ use serde::Serialize;
 use std::sync::Arc;
 use target_engine::sparse::{kl, reborrow};
 use target_engine::{
-    kivi_cache, AttentionView, ChunkKv, ContextHead, FullReuse, KvCache, Model, RetrievalHead,
-    SelectInput, Selector, SpeContextConfig, SpeContextView, TopKConfig, TopKView, ViewParams,
+    kivi_cache, AttentionView, ChunkKv, ContextHead, Drafter, FullReuse, GenerateParams, KvCache,
+    Model, PromptLookup, RetrievalHead, SamplingParams, SelectInput, Selector, SpeContextConfig,
+    SpeContextView, TopKConfig, TopKView, ViewParams,
 };
 
 /// Unverified quality of a drafter against full attention on the same cache.
@@ -109,6 +110,10 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
         (format!("window-{}", window.window), Kind::TopK(window)),
     ];
     if speculator {
+        // The rows kept: `--top-k`, or what the memory model fits in `--resident-mb`.
+        let rows = a
+            .resident_mb
+            .map_or(format!("top{}", a.top_k), |mb| format!("resident{mb}MiB"));
         let spe = |layer| SpeContextConfig {
             layer,
             top_k: a.top_k,
@@ -116,14 +121,14 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
             ..SpeContextConfig::default()
         };
         out.push((
-            format!("specontext-embed-l{}-top{}", a.retrieval_layer, a.top_k),
+            format!("specontext-embed-l{}-{rows}", a.retrieval_layer),
             Kind::SpeContext {
                 config: spe(a.retrieval_layer),
                 contextual: false,
             },
         ));
         out.push((
-            format!("specontext-ctx-l{}-top{}", a.context_layer, a.top_k),
+            format!("specontext-ctx-l{}-{rows}", a.context_layer),
             Kind::SpeContext {
                 config: spe(a.context_layer),
                 contextual: true,
@@ -134,6 +139,68 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
         a.drafter_names.is_empty() || a.drafter_names.iter().any(|p| name.starts_with(p.as_str()))
     });
     out
+}
+
+/// Speculative decoding's drafters over the same cache, for comparison (they draft tokens,
+/// not views of the cache): prompt lookup over the prompt, and the speculator over its own
+/// cache of the prompt (reused chunk KV); each round checked as the views' are.
+fn token_rows(
+    model: &Model,
+    prompt: &Prompt,
+    spec: Option<&Arc<Model>>,
+    a: &LongArgs,
+    full: &target_engine::ViewGeneration,
+    progress: &dyn Fn(&str),
+) -> anyhow::Result<Vec<DrafterRow>> {
+    let wanted = |name: &str| {
+        a.drafter_names.is_empty() || a.drafter_names.iter().any(|p| name.starts_with(p.as_str()))
+    };
+    // Name, drafter, bytes it holds (the speculator: its f32 cache of the prompt).
+    let mut drafters: Vec<(&str, Drafter<'_>, usize)> = Vec::new();
+    if wanted("lookup") {
+        let lookup = PromptLookup::new(prompt.ids.clone());
+        drafters.push(("lookup", Drafter::lookup_only(lookup), 0));
+    }
+    if let (Some(s), Some((c, l)), true) = (spec, &prompt.spec, wanted("speculator")) {
+        let bytes = c.len() * c.row_len() * 2 * 4 * c.n_layer();
+        drafters.push(("speculator", Drafter::new(s, c.clone(), l.clone()), bytes));
+    }
+    let params = GenerateParams {
+        max_tokens: a.max_tokens as usize,
+        sampling: SamplingParams::default(),
+        ..GenerateParams::default()
+    };
+    let mut rows = Vec::new();
+    for (name, mut d, held_bytes) in drafters {
+        progress(&format!("{name}, verified"));
+        let mut c = prompt.cache.clone();
+        let t = std::time::Instant::now();
+        let (g, _, stats) = model.decode_speculative(
+            (&mut c, prompt.logits.clone()),
+            &mut d,
+            &params,
+            &mut |_| true,
+            &mut |_, _| false,
+        )?;
+        let ms = t.elapsed().as_secs_f64() * 1e3 / g.ids.len().max(1) as f64;
+        rows.push(DrafterRow {
+            drafter: name.to_string(),
+            ms_per_token: ms,
+            rel: ms / full.ms_per_token(),
+            identical: g.ids == full.ids,
+            drafted: stats.drafted,
+            accepted: stats.accepted,
+            rounds: stats.rounds,
+            draft_ms: stats.draft_ms,
+            verify_ms: stats.verify_ms,
+            held_bytes,
+            // Their draft steps read none of the target's cache.
+            read_fraction: 0.0,
+            loaded_fraction: None,
+            unverified: None,
+        });
+    }
+    Ok(rows)
 }
 
 /// What SpeContext's heads need of a case: the prompt's tokens, and the speculator with its
@@ -239,7 +306,8 @@ fn context(
             }
             let refs: Vec<&ChunkKv> = skv.iter().collect();
             let input = SelectInput::new(&s.speculator, &asm, prefix, &refs, 0.0);
-            Some(FullReuse.prefill(&input)?.cache)
+            let out = FullReuse.prefill(&input)?;
+            Some((out.cache, out.logits))
         }
         _ => None,
     };
@@ -259,7 +327,7 @@ struct Prompt {
     logits: Vec<f32>,
     chunks: usize,
     ids: Vec<u32>,
-    spec: Option<KvCache>,
+    spec: Option<(KvCache, Vec<f32>)>,
 }
 
 /// Unverified answer and teacher-forced KL of `view` (`None` with `cache` already KIVI's).
@@ -298,7 +366,7 @@ fn measure(
     let (cache, logits) = (&prompt.cache, &prompt.logits[..]);
     let ctx = Ctx {
         prompt: &prompt.ids,
-        spec: spec.zip(prompt.spec.as_ref()),
+        spec: spec.zip(prompt.spec.as_ref().map(|(c, _)| c)),
     };
     let resident = a.resident_mb.map(|mb| mb << 20);
     progress("full attention");
@@ -352,6 +420,7 @@ fn measure(
             unverified,
         });
     }
+    rows.extend(token_rows(model, prompt, spec, a, &full, progress)?);
     let kivi2 = match &reference {
         Some(r) => {
             progress("KIVI 2-bit, unverified");
