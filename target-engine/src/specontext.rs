@@ -2,7 +2,9 @@
 //! target's family is cut down to a *lightweight retrieval head* (its token embedding and one
 //! layer's norm and Q/K projections; [`Model::embedding_qk`]) that keeps a key for every
 //! context token and, before the target runs a decode step, scores the whole context with the
-//! step's token and picks the rows every layer of the target then attends to:
+//! step's token and picks the rows every layer of the target then attends to ([`RetrievalHead`];
+//! [`ContextHead`] puts the context behind the head instead: the small model's layers up to
+//! the chosen one run for each step token over its own cache of the context):
 //!
 //! - head-level selection: each of the head's query heads scores every position, the softmax
 //!   probabilities are reduced by their maximum over the query heads of a kv group (the paper's
@@ -62,8 +64,9 @@ pub const DEFAULT_LAYER: usize = 3;
 pub const DEFAULT_CONTEXT_LAYER: usize = 14;
 
 impl SpeContextConfig {
-    /// Bytes resident for a context of `context` tokens: the retrieval head's keys (f32, all
-    /// positions) and the rows every layer and kv head of the target keeps (f32 K and V).
+    /// Bytes resident for a context of `context` tokens: the embedding head's keys (f32, all
+    /// positions) and the rows every layer and kv head of the target keeps (f32 K and V). A
+    /// [`ContextHead`] holds its model's cache of the context instead of the keys.
     pub fn resident_bytes(&self, context: usize, target: &ModelConfig, head: &ModelConfig) -> u64 {
         let keys = (context * head.n_kv_head * head.head_dim * 4) as u64;
         let rows = (self.top_k + self.window + self.sink).min(context) as u64;

@@ -335,3 +335,34 @@ fn a_stop_condition_ends_a_forward_pass_at_the_next_layer() {
     assert_eq!(checks.load(Ordering::SeqCst), n_layer);
     assert_eq!(watched, plain);
 }
+
+/// A model loaded with its weights requantized (issue 43's predictor (a)) says so in its
+/// fingerprint, and its KV is close to the file's but not the same: a prediction, not a copy.
+#[test]
+fn requantized_weights_give_nearby_kv_under_another_fingerprint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Architecture::Qwen2)).expect("write tiny model");
+    let file = Model::load(&path, &LoadOptions::default()).expect("load");
+    let opts = LoadOptions {
+        requantize: Some(target_engine::GgmlDType::Q4_0),
+        ..LoadOptions::default()
+    };
+    let low = Model::load(&path, &opts).expect("load requantized");
+    assert_ne!(file.fingerprint(), low.fingerprint());
+    assert!(low.fingerprint().ends_with("+requantized-Q4_0"));
+    let ids: Vec<u32> = (0..40).map(|i| (i * 11 % 250) as u32).collect();
+    let (a, b) = (
+        file.precompute(&ids, None).expect("precompute"),
+        low.precompute(&ids, None).expect("precompute"),
+    );
+    let (mut err, mut norm) = (0f64, 0f64);
+    for (x, y) in a.k.iter().flatten().zip(b.k.iter().flatten()) {
+        let (x, y) = (f64::from(x.to_f32()), f64::from(y.to_f32()));
+        err += (x - y).powi(2);
+        norm += x * x;
+    }
+    let rel = (err / norm).sqrt();
+    assert!(rel > 0.0, "requantized weights must change the keys");
+    assert!(rel < 0.5, "the keys stay close: relative error {rel}");
+}
