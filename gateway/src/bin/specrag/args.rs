@@ -789,13 +789,15 @@ pub struct LongArgs {
     #[arg(long, default_value_t = 0.0)]
     pub min_prob: f32,
     /// SpeContext, embedding head: the speculator's layer whose norm and Q/K projections
-    /// score the context from the token embedding alone.
-    #[arg(long, default_value_t = target_engine::specontext::DEFAULT_LAYER)]
-    pub retrieval_layer: usize,
+    /// score the context from the token embedding alone [default: 3, the best measured for
+    /// the 0.5B speculator, or the speculator's last layer if it has fewer].
+    #[arg(long)]
+    pub retrieval_layer: Option<usize>,
     /// SpeContext, contextual head: the speculator's layer whose attention (its layers up
-    /// to it run on its own cache of the context) chooses the rows.
-    #[arg(long, default_value_t = target_engine::specontext::DEFAULT_CONTEXT_LAYER)]
-    pub context_layer: usize,
+    /// to it run on its own cache of the context) chooses the rows [default: 14, or the
+    /// speculator's last layer if it has fewer].
+    #[arg(long)]
+    pub context_layer: Option<usize>,
     /// SpeContext's memory model: rows resident per kv head (its `top_k`) sized to this many
     /// MiB for each context (the retrieval head's keys included) instead of `--top-k`.
     #[arg(long)]

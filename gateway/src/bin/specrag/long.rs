@@ -114,6 +114,13 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
         let rows = a
             .resident_mb
             .map_or(format!("top{}", a.top_k), |mb| format!("resident{mb}MiB"));
+        // Resolved against the speculator by `long_cmd`.
+        let embed_layer = a
+            .retrieval_layer
+            .unwrap_or(target_engine::specontext::DEFAULT_LAYER);
+        let context_layer = a
+            .context_layer
+            .unwrap_or(target_engine::specontext::DEFAULT_CONTEXT_LAYER);
         let spe = |layer| SpeContextConfig {
             layer,
             top_k: a.top_k,
@@ -121,16 +128,16 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
             ..SpeContextConfig::default()
         };
         out.push((
-            format!("specontext-embed-l{}-{rows}", a.retrieval_layer),
+            format!("specontext-embed-l{embed_layer}-{rows}"),
             Kind::SpeContext {
-                config: spe(a.retrieval_layer),
+                config: spe(embed_layer),
                 contextual: false,
             },
         ));
         out.push((
-            format!("specontext-ctx-l{}-{rows}", a.context_layer),
+            format!("specontext-ctx-l{context_layer}-{rows}"),
             Kind::SpeContext {
-                config: spe(a.context_layer),
+                config: spe(context_layer),
                 contextual: true,
             },
         ));
@@ -443,8 +450,40 @@ fn measure(
     })
 }
 
+/// SpeContext's layers in `a`: as asked (checked against the speculator `s`), or the
+/// defaults within its layers.
+fn resolve_layers(a: &mut LongArgs, s: &Model) -> anyhow::Result<()> {
+    let last = s.config().n_layer.saturating_sub(1);
+    let mut layers = (0, 0);
+    for (flag, asked, default, out) in [
+        (
+            "--retrieval-layer",
+            a.retrieval_layer,
+            target_engine::specontext::DEFAULT_LAYER,
+            &mut layers.0,
+        ),
+        (
+            "--context-layer",
+            a.context_layer,
+            target_engine::specontext::DEFAULT_CONTEXT_LAYER,
+            &mut layers.1,
+        ),
+    ] {
+        if let Some(l) = asked {
+            anyhow::ensure!(
+                l <= last,
+                "{flag} {l}: the speculator has layers 0..={last} ({})",
+                s.path().display()
+            );
+        }
+        *out = asked.unwrap_or(default.min(last));
+    }
+    (a.retrieval_layer, a.context_layer) = (Some(layers.0), Some(layers.1));
+    Ok(())
+}
+
 /// `specrag bench long`.
-pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
+pub fn long_cmd(m: &ModelArgs, mut a: LongArgs) -> anyhow::Result<()> {
     let model = Arc::new(load_target(m)?);
     // SpeContext's retrieval heads are cut from the speculator (`--no-speculator`: none).
     let spec = if a.no_speculator {
@@ -456,6 +495,9 @@ pub fn long_cmd(m: &ModelArgs, a: LongArgs) -> anyhow::Result<()> {
     let engines = Engines::new(model.clone(), spec.clone())?;
     if spec.is_some() && !engines.drafts {
         tracing::warn!("the speculator's vocabulary is not the target's: no SpeContext drafter");
+    }
+    if let Some(s) = &spec {
+        resolve_layers(&mut a, s)?;
     }
     let mut texts = Vec::new();
     for doc in corpus.index.documents(Some(&a.collection))? {
