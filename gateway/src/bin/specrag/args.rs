@@ -802,6 +802,9 @@ pub struct LongArgs {
     /// MiB for each context (the retrieval head's keys included) instead of `--top-k`.
     #[arg(long)]
     pub resident_mb: Option<u64>,
+    /// Prompt lookup's shortest match that drafts (the `lookup` row).
+    #[arg(long, default_value_t = target_engine::PromptLookup::MIN_N, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=16))]
+    pub lookup_min_n: usize,
     /// Leave SpeContext out (no speculator loaded).
     #[arg(long)]
     pub no_speculator: bool,

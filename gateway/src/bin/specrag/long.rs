@@ -165,7 +165,7 @@ fn token_rows(
     // Name, drafter, bytes it holds (the speculator: its f32 cache of the prompt).
     let mut drafters: Vec<(&str, Drafter<'_>, usize)> = Vec::new();
     if wanted("lookup") {
-        let lookup = PromptLookup::new(prompt.ids.clone());
+        let lookup = PromptLookup::new(prompt.ids.clone()).with_min_n(a.lookup_min_n);
         drafters.push(("lookup", Drafter::lookup_only(lookup), 0));
     }
     if let (Some(s), Some((c, l)), true) = (spec, &prompt.spec, wanted("speculator")) {
