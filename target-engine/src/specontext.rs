@@ -64,29 +64,33 @@ pub const DEFAULT_LAYER: usize = 3;
 pub const DEFAULT_CONTEXT_LAYER: usize = 14;
 
 impl SpeContextConfig {
-    /// Bytes resident for a context of `context` tokens: the embedding head's keys (f32, all
-    /// positions) and the rows every layer and kv head of the target keeps (f32 K and V). A
-    /// [`ContextHead`] holds its model's cache of the context instead of the keys.
-    pub fn resident_bytes(&self, context: usize, target: &ModelConfig, head: &ModelConfig) -> u64 {
-        let keys = (context * head.n_kv_head * head.head_dim * 4) as u64;
-        let rows = (self.top_k + self.window + self.sink).min(context) as u64;
-        keys + rows * row_bytes(target)
+    /// Bytes resident for a context of `context` tokens: what the retrieval head holds
+    /// (`head_bytes`: the embedding head's keys, or the contextual head's cache;
+    /// [`RowScorer::bytes`]) and the rows every layer and kv head of the target keeps (f32 K
+    /// and V).
+    pub fn resident_bytes(&self, context: usize, target: &ModelConfig, head_bytes: u64) -> u64 {
+        let kept = self
+            .top_k
+            .saturating_add(self.window)
+            .saturating_add(self.sink);
+        let rows = kept.min(context) as u64;
+        head_bytes.saturating_add(rows.saturating_mul(row_bytes(target)))
     }
 
     /// The memory model: `top_k` as large as fits `budget` bytes resident at `context` tokens
     /// (what [`Self::resident_bytes`] counts), at most the context; 0 (the window alone) when
-    /// not even the keys, sinks and window fit.
+    /// not even the head, sinks and window fit.
     pub fn for_budget(
         mut self,
         budget: u64,
         context: usize,
         target: &ModelConfig,
-        head: &ModelConfig,
+        head_bytes: u64,
     ) -> Self {
         self.top_k = 0;
-        let fixed = self.resident_bytes(context, target, head);
+        let fixed = self.resident_bytes(context, target, head_bytes);
         let spare = budget.saturating_sub(fixed) / row_bytes(target).max(1);
-        let room = context.saturating_sub(self.window + self.sink) as u64;
+        let room = context.saturating_sub(self.window.saturating_add(self.sink)) as u64;
         self.top_k = spare.min(room) as usize;
         self
     }
@@ -186,6 +190,7 @@ impl RetrievalHead {
         }
         self.known.resize(start, false);
         self.ids.resize(start, u32::MAX);
+        self.queries.retain(|(at, _)| *at < start);
     }
 
     /// Appends rows `(tokens, kv heads, head_dim)` of keys of tokens `ids`.
@@ -225,7 +230,6 @@ impl RetrievalHead {
         self.cut(pos);
         let (k, q) = self.model.embedding_qk(self.layer, &[id], &[pos], true)?;
         self.push(&k, &[id]);
-        self.queries.retain(|(at, _)| *at < pos);
         self.queries.push_back((pos, q.unwrap_or_default()));
         while self.queries.len() > self.recent {
             self.queries.pop_front();
@@ -373,6 +377,8 @@ pub struct ContextHead {
     /// The token at each cache row.
     ids: Vec<u32>,
     grab: Grab,
+    /// A step found rows never fed (warned once).
+    gap_reported: bool,
 }
 
 impl ContextHead {
@@ -389,6 +395,7 @@ impl ContextHead {
         if cache.n_layer() != c.n_layer
             || cache.row_len() != c.n_kv_head * c.head_dim
             || cache.len() != ids.len()
+            || !cache.is_complete()
         {
             return Err(EngineError::InvalidInput(format!(
                 "the retrieval head's cache is not its model's over the {} tokens given",
@@ -399,6 +406,7 @@ impl ContextHead {
             model,
             cache,
             ids: ids.to_vec(),
+            gap_reported: false,
             grab: Grab {
                 layer,
                 importance: Vec::new(),
@@ -432,17 +440,30 @@ impl RowScorer for ContextHead {
             self.ids.truncate(pos);
             self.cache.truncate(pos);
         }
+        // Only this step's attention counts (a pass fed without a step leaves its own).
+        self.grab.importance.clear();
         self.feed(pos, &[id])?;
         if self.grab.importance.is_empty() {
-            // Rows before `pos` were never fed: every row is worth keeping.
+            // Rows before `pos` were never fed (a caller skipped `feed`): the head cannot
+            // score, so every row is kept: exact, and as slow as full attention.
+            if !self.gap_reported {
+                self.gap_reported = true;
+                tracing::warn!(
+                    pos,
+                    fed = self.ids.len(),
+                    "contextual retrieval head missed rows: its view attends to every row"
+                );
+            }
             let n_kv = self.model.config().n_kv_head;
             return Ok(vec![vec![f32::INFINITY; pos + 1]; n_kv]);
         }
         Ok(std::mem::take(&mut self.grab.importance))
     }
 
+    /// The whole cache it holds (every layer's rows, though only the first `layer + 1` are
+    /// computed for the step tokens).
     fn bytes(&self) -> usize {
-        self.cache.len() * self.cache.row_len() * 2 * 4 * (self.grab.layer + 1)
+        self.cache.len() * self.cache.row_len() * 2 * 4 * self.cache.n_layer()
     }
 }
 
@@ -662,6 +683,10 @@ impl AttentionView for SpeContextView {
     fn begin_step(&mut self, ids: &[u32], positions: &[usize]) -> Result<()> {
         let (&[id], &[p]) = (ids, positions) else {
             self.active = false;
+            // Those rows are rewritten by this pass: none of them stays resident.
+            if let Some(&first) = positions.iter().min() {
+                self.invalidate_from(first);
+            }
             if let (Some(&start), true) = (positions.first(), ids.len() == positions.len()) {
                 self.head.feed(start, ids)?;
             }
@@ -831,7 +856,7 @@ mod tests {
             rms_eps: 0.0,
             context_length: 32_768,
         };
-        let (target, head) = (shape(28, 2, 128), shape(24, 2, 64));
+        let target = shape(28, 2, 128);
         let base = SpeContextConfig::default();
         for (budget, context) in [
             (1u64 << 20, 4000usize),
@@ -839,8 +864,10 @@ mod tests {
             (1 << 30, 500),
             (10, 9000),
         ] {
-            let c = base.for_budget(budget, context, &target, &head);
-            let used = c.resident_bytes(context, &target, &head);
+            // The embedding head's keys: 2 kv heads x 64 values x f32 per position.
+            let head = (context * 2 * 64 * 4) as u64;
+            let c = base.for_budget(budget, context, &target, head);
+            let used = c.resident_bytes(context, &target, head);
             let room = context.saturating_sub(base.window + base.sink);
             if c.top_k > 0 {
                 assert!(used <= budget, "{budget} bytes at {context}: {used}");
@@ -850,7 +877,7 @@ mod tests {
                 ..c
             };
             assert!(
-                c.top_k == room || more.resident_bytes(context, &target, &head) > budget,
+                c.top_k == room || more.resident_bytes(context, &target, head) > budget,
                 "{budget} bytes at {context}: top_k {} leaves room",
                 c.top_k
             );

@@ -444,3 +444,28 @@ fn on_a_real_model_specontext_drafting_answers_as_full_attention() {
         "elastic loading moved {loaded} rows for {read} attended"
     );
 }
+
+/// A contextual head asked to score past the rows it was fed cannot score: it keeps every
+/// row (exact, never a panic), and scores again once asked at the row after its last.
+#[test]
+fn a_contextual_head_that_missed_rows_keeps_every_row() {
+    use target_engine::RowScorer;
+    let (_d, m) = tiny();
+    let m = std::sync::Arc::new(m);
+    let ids = prompt(&m, 2);
+    let (own, _) = m.prefill(&ids).expect("prefill");
+    let mut head = ContextHead::new(m.clone(), 1, own, &ids).expect("head");
+    // A one-row pass fed without a step leaves attention behind; it must not leak.
+    head.feed(ids.len(), &[9]).expect("feed");
+    let far = ids.len() + 4;
+    let imp = head.importance(5, far).expect("importance past a gap");
+    assert_eq!(imp.len(), m.config().n_kv_head);
+    assert!(imp
+        .iter()
+        .all(|v| v.len() == far + 1 && v.iter().all(|x| x.is_infinite())));
+    let next = ids.len() + 1;
+    let imp = head.importance(7, next).expect("importance");
+    assert!(imp
+        .iter()
+        .all(|v| v.len() == next + 1 && v.iter().all(|x| x.is_finite())));
+}

@@ -232,9 +232,6 @@ fn view_for(
     let (spec, spec_cache) = ctx
         .spec
         .ok_or_else(|| anyhow::anyhow!("SpeContext needs the speculator"))?;
-    if let Some(budget) = resident {
-        config = config.for_budget(budget, ctx.prompt.len(), target.config(), spec.config());
-    }
     let head: Box<dyn target_engine::RowScorer + Send> = if contextual {
         Box::new(ContextHead::new(
             spec.clone(),
@@ -247,6 +244,10 @@ fn view_for(
         h.extend(0, ctx.prompt)?;
         Box::new(h)
     };
+    if let Some(budget) = resident {
+        let held = head.bytes() as u64;
+        config = config.for_budget(budget, ctx.prompt.len(), target.config(), held);
+    }
     Ok(Box::new(SpeContextView::new(
         head,
         config,
@@ -375,7 +376,7 @@ fn measure(
         prompt: &prompt.ids,
         spec: spec.zip(prompt.spec.as_ref().map(|(c, _)| c)),
     };
-    let resident = a.resident_mb.map(|mb| mb << 20);
+    let resident = a.resident_mb.map(|mb| mb.saturating_mul(1 << 20));
     progress("full attention");
     let mut c = cache.clone();
     let full = model.view_generate(&mut c, logits, None, a.max_tokens as usize)?;
