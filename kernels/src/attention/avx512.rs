@@ -1,10 +1,13 @@
 //! [`Tile::compute`] on 512-bit registers, bit for bit the AVX2 result.
 //!
 //! The AVX2 tile is load-bound: every score is a dot product over freshly loaded query and key
-//! values, reduced on its own. Here a pair of query rows stays in registers while 8 keys stream
-//! past (two FMAs per key load), the 8 scores of a row are reduced together by a shuffle tree
-//! (three instructions per halving for eight sums at once), and the output accumulates 64 lanes
-//! of 4 rows per value load. Every lane still sees the same fused multiply-adds in the same
+//! values, reduced on its own. Here a pair of query rows stays in registers while the keys
+//! stream past (two FMAs per key load; 8 keys at a time for heads of 64, 4 for heads of 128,
+//! whose two queries take 16 of the 32 registers), 8 scores are reduced together by a shuffle
+//! tree (three instructions per halving for eight sums at once), and the output accumulates
+//! 64 lanes of 4 rows per value load. The rows that read a block of keys or values first
+//! (from memory, over a long context) fetch ahead, so that the block's arithmetic and the next
+//! rows' loads overlap. Every lane still sees the same fused multiply-adds in the same
 //! order, and the tree adds the same lane pairs (`l` and `l + w` for w = 8, 4, 2, 1) as
 //! [`super::Lanes::dot`]; float addition is commutative, so the scores, the softmax and the
 //! outputs are the AVX2 path's exactly (tested), and a row's result still does not depend on
@@ -70,7 +73,7 @@ pub(super) unsafe fn tile(t: &Tile<'_>, out: &mut [f32]) {
             let je = jb + KEY_BLOCK;
             let mut r = 0;
             while r < t.rows {
-                let n = if d == 64 && r + 1 < t.rows { 2 } else { 1 };
+                let n = if r + 1 < t.rows { 2 } else { 1 };
                 // Two rows share the key loads up to the shorter one's last whole block of 8.
                 let common = if n == 2 {
                     (tile_pos[r].min(tile_pos[r + 1]) + 1) / 8 * 8
@@ -79,13 +82,18 @@ pub(super) unsafe fn tile(t: &Tile<'_>, out: &mut [f32]) {
                 };
                 let (pa, pb) = (base.add(r * kmax), base.add((r + 1) * kmax));
                 for j in (jb..je.min(common)).step_by(8) {
-                    scores.block::<2, 4>([query(r), query(r + 1)], j, [pa.add(j), pb.add(j)]);
+                    let (q, o) = ([query(r), query(r + 1)], [pa.add(j), pb.add(j)]);
+                    if d == 64 {
+                        scores.block::<2, 4>(q, j, o, r == 0);
+                    } else {
+                        scores.pair_wide(q, j, o, r == 0);
+                    }
                 }
                 for i in r..r + n {
                     let whole = (tile_pos[i] + 1) / 8 * 8;
                     let o = base.add(i * kmax);
                     for j in (jb.max(common)..je.min(whole)).step_by(8) {
-                        scores.one(query(i), d, j, o.add(j));
+                        scores.one(query(i), d, j, o.add(j), i == 0);
                     }
                 }
                 r += n;
@@ -109,18 +117,15 @@ pub(super) unsafe fn tile(t: &Tile<'_>, out: &mut [f32]) {
                 let o = out[r0 * d..].as_mut_ptr();
                 for c in (0..d).step_by(64) {
                     let (v, o) = (values.add(c), |r: usize| o.add(r * d + c));
-                    let ks = keys.clone();
+                    // The first row group reads the values from memory: it fetches ahead.
+                    let (ks, at) = (keys.clone(), (v, row, r0 == 0));
                     match n {
-                        4 => weighted_sum(
-                            [p(0), p(1), p(2), p(3)],
-                            ks,
-                            v,
-                            row,
-                            [o(0), o(1), o(2), o(3)],
-                        ),
-                        3 => weighted_sum([p(0), p(1), p(2)], ks, v, row, [o(0), o(1), o(2)]),
-                        2 => weighted_sum([p(0), p(1)], ks, v, row, [o(0), o(1)]),
-                        _ => weighted_sum([p(0)], ks, v, row, [o(0)]),
+                        4 => {
+                            weighted_sum([p(0), p(1), p(2), p(3)], ks, at, [o(0), o(1), o(2), o(3)])
+                        }
+                        3 => weighted_sum([p(0), p(1), p(2)], ks, at, [o(0), o(1), o(2)]),
+                        2 => weighted_sum([p(0), p(1)], ks, at, [o(0), o(1)]),
+                        _ => weighted_sum([p(0)], ks, at, [o(0)]),
                     }
                 }
                 r0 += n;
@@ -132,6 +137,24 @@ pub(super) unsafe fn tile(t: &Tile<'_>, out: &mut [f32]) {
 /// Keys per block: 16 KB of keys or values at d = 64, which stay in L1 while the tile's rows
 /// pass over them (at 2048 tokens a head's keys and values no longer fit in L2).
 const KEY_BLOCK: usize = 64;
+
+/// Rows ahead of the one being read whose lines are fetched first. A long context's keys and
+/// values come from memory, and without this a tile's arithmetic waited for its loads: a decode
+/// step over 32k tokens of the 1.5B target took about the sum of its memory time and its
+/// arithmetic per layer (~2.5 ms), with it ~2.0. Measured at 8, 16, 32 and 64 rows ahead
+/// (`examples/attn --context 32768`): 8-16 best, 64 (64 KB, past L1) worst.
+const AHEAD: usize = 16;
+
+/// Fetches the `lines` cache lines of 16 values at `at + AHEAD * row` into L1. A hint: it
+/// never faults (the address may lie past the cache's end) and changes no result.
+#[inline(always)]
+unsafe fn prefetch(at: *const f32, row: usize, lines: usize) {
+    let ahead = at.wrapping_add(AHEAD * row) as *const i8;
+    for l in 0..lines {
+        // SAFETY: a prefetch of any address is allowed; it does not fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l)) };
+    }
+}
 
 /// Scaled scores of query rows against the keys of one head group.
 struct Scores {
@@ -149,6 +172,7 @@ impl Scores {
         q: [*const f32; R],
         j: usize,
         out: [*mut f32; R],
+        fetch: bool,
     ) {
         // SAFETY: `q` rows hold `16 * C` values, keys `j..j + 8` lie inside the cache and
         // `out` rows have 8 values from `out[r]` (the caller's bounds).
@@ -158,6 +182,9 @@ impl Scores {
             let mut acc = [[_mm512_setzero_ps(); 8]; R];
             for kk in 0..8 {
                 let kp = self.keys.add((j + kk) * self.row);
+                if fetch {
+                    prefetch(kp, self.row, C);
+                }
                 for c in 0..C {
                     let kv = _mm512_loadu_ps(kp.add(16 * c));
                     for r in 0..R {
@@ -172,15 +199,53 @@ impl Scores {
         }
     }
 
+    /// Scores of two rows of 128 values against keys `j..j + 8`, written to `out[r][0..8]`:
+    /// [`Scores::block`]'s `<2, 8>` (the same fused multiply-adds and tree per score) in two
+    /// halves of 4 keys, so that both rows' queries (16 registers) and the accumulators (8) fit
+    /// in the 32 registers. Each key load then feeds two multiply-adds instead of one.
+    #[inline(always)]
+    unsafe fn pair_wide(&self, q: [*const f32; 2], j: usize, out: [*mut f32; 2], fetch: bool) {
+        // SAFETY: as for `block`, with 128 values per query row.
+        unsafe {
+            let qv: [[__m512; 8]; 2] =
+                std::array::from_fn(|r| std::array::from_fn(|c| _mm512_loadu_ps(q[r].add(16 * c))));
+            let scale = _mm_set1_ps(self.scale);
+            for half in [0, 4] {
+                let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+                for kk in 0..4 {
+                    let kp = self.keys.add((j + half + kk) * self.row);
+                    if fetch {
+                        prefetch(kp, self.row, 8);
+                    }
+                    for c in 0..8 {
+                        let kv = _mm512_loadu_ps(kp.add(16 * c));
+                        for r in 0..2 {
+                            acc[r][kk] = _mm512_fmadd_ps(qv[r][c], kv, acc[r][kk]);
+                        }
+                    }
+                }
+                // Lanes 0-3: row 0's four sums; lanes 4-7: row 1's.
+                let sums = reduce8([
+                    acc[0][0], acc[0][1], acc[0][2], acc[0][3], acc[1][0], acc[1][1], acc[1][2],
+                    acc[1][3],
+                ]);
+                let lo = _mm256_castps256_ps128(sums);
+                let hi = _mm256_extractf128_ps::<1>(sums);
+                _mm_storeu_ps(out[0].add(half), _mm_mul_ps(lo, scale));
+                _mm_storeu_ps(out[1].add(half), _mm_mul_ps(hi, scale));
+            }
+        }
+    }
+
     /// Scores of one row against keys `j..j + 8`, written to `out[0..8]`.
     #[inline(always)]
-    unsafe fn one(&self, q: *const f32, d: usize, j: usize, out: *mut f32) {
+    unsafe fn one(&self, q: *const f32, d: usize, j: usize, out: *mut f32, fetch: bool) {
         // SAFETY: as for `block`.
         unsafe {
             if d == 64 {
-                self.block::<1, 4>([q], j, [out]);
+                self.block::<1, 4>([q], j, [out], fetch);
             } else {
-                self.block::<1, 8>([q], j, [out]);
+                self.block::<1, 8>([q], j, [out], fetch);
             }
         }
     }
@@ -246,8 +311,7 @@ unsafe fn reduce8(a: [__m512; 8]) -> __m256 {
 unsafe fn weighted_sum<const N: usize>(
     probs: [*const f32; N],
     keys: std::ops::Range<usize>,
-    v: *const f32,
-    row: usize,
+    (v, row, fetch): (*const f32, usize, bool),
     out: [*mut f32; N],
 ) {
     // SAFETY: probability rows hold the keys' values, value rows of `keys` lie inside the
@@ -257,6 +321,9 @@ unsafe fn weighted_sum<const N: usize>(
             std::array::from_fn(|r| std::array::from_fn(|l| _mm512_loadu_ps(out[r].add(16 * l))));
         for j in keys {
             let vp = v.add(j * row);
+            if fetch {
+                prefetch(vp, row, 4);
+            }
             let vv: [__m512; 4] = std::array::from_fn(|l| _mm512_loadu_ps(vp.add(16 * l)));
             for r in 0..N {
                 let pb = _mm512_set1_ps(*probs[r].add(j));
