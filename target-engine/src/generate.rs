@@ -166,6 +166,7 @@ impl Model {
     ) -> Result<(Generation, bool)> {
         let mut sampler = Sampler::new(params.sampling);
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
+        cache.reserve(params.max_tokens);
         let t0 = Instant::now();
         let mut steps = 0usize;
         while !emit.ended() {

@@ -451,6 +451,7 @@ impl Model {
         }
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let mut stats = SpecDecodeStats::default();
+        cache.reserve(params.max_tokens + MAX_DRAFT + 1);
         let t0 = Instant::now();
         let prompt_len = cache.len();
         let mut ready: VecDeque<(u32, f32)> =
@@ -535,6 +536,7 @@ impl Model {
         mut view: Option<&mut (dyn AttentionView + Send)>,
         max_tokens: usize,
     ) -> Result<ViewGeneration> {
+        cache.reserve(max_tokens);
         let t0 = Instant::now();
         let mut g = ViewGeneration::default();
         let mut next = argmax(logits);

@@ -578,6 +578,8 @@ impl Model {
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let mut stats = SpecDecodeStats::default();
         let mut len = DraftLength::default();
+        // The answer's rows and a checking pass's beyond it.
+        cache.reserve(params.max_tokens + MAX_VERIFY_ROWS);
         let t0 = Instant::now();
         // Tokens the target has chosen but not yet handed out, each with its gap.
         let mut ready: VecDeque<(u32, f32)> =
