@@ -102,6 +102,11 @@ impl PromptLookup {
     /// Up to `k` tokens (fewer as [`PromptLookup::draft_len`] says) after the latest earlier
     /// occurrence of the longest tail of the prompt followed by `committed` (none found: none).
     pub fn propose(&self, committed: &[u32], k: usize) -> Vec<u32> {
+        self.propose_match(committed, k).0
+    }
+
+    /// [`PromptLookup::propose`] with the length of the match it followed (0: none).
+    pub fn propose_match(&self, committed: &[u32], k: usize) -> (Vec<u32>, usize) {
         let len = self.context.len() + committed.len();
         let at = |i: usize| {
             if i < self.context.len() {
@@ -111,7 +116,7 @@ impl PromptLookup {
             }
         };
         if k == 0 {
-            return Vec::new();
+            return (Vec::new(), 0);
         }
         for n in (self.min_n.max(1)..=self.max_n).rev() {
             if n >= len {
@@ -125,22 +130,104 @@ impl PromptLookup {
                 .find(|&i| (0..n).all(|j| at(i + j) == at(tail + j)));
             if let Some(i) = found {
                 let take = k.min(Self::draft_len(n));
-                return (i + n..len).take(take).map(at).collect();
+                return ((i + n..len).take(take).map(at).collect(), n);
             }
         }
-        Vec::new()
+        (Vec::new(), 0)
+    }
+}
+
+/// Whether a prompt lookup draft is worth its rows, from what this answer's own checking
+/// passes cost and how often its lookup drafts of each kind were kept.
+///
+/// A drafted token costs a row of the checking pass whether or not it is kept, and saves a
+/// step of the target only if it and every draft before it are kept. Over a short prompt an
+/// extra row costs little next to the step (the weights dominate, and a pass reads them once
+/// for all its rows), so any draft pays. Over a long one each row computes its scores over
+/// every position: at 32k tokens of the 1.5B target on 2 cores an extra row costs ~0.3 of a
+/// step, and a single token matched in 32k tokens of prompt predicts the next much less often
+/// than that, so plain prompt lookup decoded *slower* than no drafting there (1.07-1.30x).
+///
+/// The gate keeps the first `j` tokens of a proposal, where `j` counts the positions `i`
+/// whose chance of being kept, `p^i` (each draft kept with probability `p`, the answer's
+/// measured rate for drafts after a match of that length), is above the measured cost of a
+/// row over a step. Until both costs are measured (the first round is a plain step) lookup
+/// drafts as it always did. It changes which tokens are drafted, never the answer.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LookupGate {
+    /// A one-row pass (a plain step), ms, as a moving average.
+    step_ms: Option<f64>,
+    /// What each row past the first added to a pass, ms, as a moving average.
+    row_ms: Option<f64>,
+    /// Per kind of match (1 token, 2-7, 8 and more): drafts kept, and rounds that rejected one.
+    kept: [usize; 3],
+    rejected: [usize; 3],
+}
+
+impl LookupGate {
+    /// Weight of the newest pass in the moving averages.
+    const ALPHA: f64 = 0.3;
+
+    fn class(n: usize) -> usize {
+        match n {
+            0 | 1 => 0,
+            n if n < PromptLookup::LONG_MATCH => 1,
+            _ => 2,
+        }
+    }
+
+    /// A checking pass of `rows` rows took `ms`.
+    pub(crate) fn passed(&mut self, rows: usize, ms: f64) {
+        let avg = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
+        if rows <= 1 {
+            self.step_ms = avg(self.step_ms, ms);
+        } else if let Some(step) = self.step_ms {
+            self.row_ms = avg(self.row_ms, ((ms - step) / (rows - 1) as f64).max(0.0));
+        }
+    }
+
+    /// `agree` of a lookup proposal of `drafted` tokens after a match of `n` were kept.
+    pub(crate) fn judged(&mut self, n: usize, drafted: usize, agree: usize) {
+        let c = Self::class(n);
+        self.kept[c] += agree;
+        self.rejected[c] += usize::from(agree < drafted);
+    }
+
+    /// How many of `k` tokens proposed after a match of `n` are worth checking.
+    pub(crate) fn keep(&self, n: usize, k: usize) -> usize {
+        let Some(step) = self.step_ms else {
+            // The first round measures a plain step.
+            return 0;
+        };
+        let Some(row) = self.row_ms else {
+            return k;
+        };
+        let c = Self::class(n);
+        // Kept over kept-or-rejected, with one of each assumed (p = 0.5 before any data).
+        let p = (self.kept[c] + 1) as f64 / (self.kept[c] + self.rejected[c] + 2) as f64;
+        let cost = row / step.max(f64::MIN_POSITIVE);
+        let mut chance = 1.0;
+        (0..k)
+            .take_while(|_| {
+                chance *= p;
+                chance > cost
+            })
+            .count()
     }
 }
 
 /// How many tokens a round may draft from each source. A lookup draft costs no model pass,
 /// only rows of the checking pass (on 2 cores 2, 4 and 8 rows cost 1.0, 1.27 and 1.9x one),
-/// so its length follows its match ([`PromptLookup::draft_len`]); the model's length adapts
+/// so its length follows its match ([`PromptLookup::draft_len`]), cut where the answer's
+/// [`LookupGate`] finds the rows cost more than they save; the model's length adapts
 /// to its acceptance ([`DraftLength`]), each of its drafts costing a step of the drafting
 /// model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct DraftRoom {
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DraftRoom<'g> {
     pub(crate) lookup: usize,
     pub(crate) model: usize,
+    /// Decides how much of a lookup proposal to check (none: all of it).
+    pub(crate) gate: Option<&'g LookupGate>,
 }
 
 /// Where a round's drafts came from.
@@ -177,6 +264,8 @@ pub(crate) struct Proposal {
     pub(crate) ids: Vec<u32>,
     source: Source,
     q: Vec<Vec<f32>>,
+    /// A lookup proposal's match length (0 for the model's).
+    matched: usize,
 }
 
 /// What proposes tokens for the target to check: prompt lookup, a smaller model of the same
@@ -287,6 +376,7 @@ impl<'a> Drafter<'a> {
                 ids: Vec::new(),
                 source: Source::Model,
                 q: Vec::new(),
+                matched: 0,
             })
         });
         stats.draft_ms += ms(t);
@@ -298,15 +388,20 @@ impl<'a> Drafter<'a> {
             ids: Vec::new(),
             source,
             q: Vec::new(),
+            matched: 0,
         };
         if k.lookup > 0 {
             if let Some(l) = &self.lookup {
-                let ids = l.propose(committed, k.lookup);
+                let (mut ids, matched) = l.propose_match(committed, k.lookup);
+                if let Some(gate) = k.gate {
+                    ids.truncate(gate.keep(matched, ids.len()));
+                }
                 if !ids.is_empty() {
                     return Ok(Proposal {
                         ids,
                         source: Source::Lookup,
                         q: Vec::new(),
+                        matched,
                     });
                 }
             }
@@ -318,6 +413,7 @@ impl<'a> Drafter<'a> {
                     ids,
                     source: Source::Model,
                     q,
+                    matched: 0,
                 })
             }
             _ => Ok(none(Source::Model)),
@@ -467,13 +563,14 @@ impl SpecDecodeStats {
     }
 }
 
-impl DraftRoom {
+impl DraftRoom<'_> {
     /// Room for a round with `room` tokens left to generate (the round's first token is the
     /// target's, so drafts get one less).
     pub(crate) fn new(len: &DraftLength, room: usize) -> Self {
         Self {
             lookup: PromptLookup::LONG_DRAFT.min(room.saturating_sub(1)),
             model: len.current.min(room.saturating_sub(1)),
+            gate: None,
         }
     }
 }
@@ -578,6 +675,7 @@ impl Model {
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let mut stats = SpecDecodeStats::default();
         let mut len = DraftLength::default();
+        let mut gate = LookupGate::default();
         // The answer's rows and a checking pass's beyond it.
         cache.reserve(params.max_tokens + MAX_VERIFY_ROWS);
         let t0 = Instant::now();
@@ -592,7 +690,10 @@ impl Model {
                 continue;
             }
             // One round: `next` and the drafts after it, checked in one pass.
-            let room = DraftRoom::new(&len, params.max_tokens - emit.len());
+            let mut room = DraftRoom::new(&len, params.max_tokens - emit.len());
+            if drafter.model.is_none() {
+                room.gate = Some(&gate);
+            }
             let p = drafter.draft(emit.ids(), room, &mut stats);
             let t = Instant::now();
             let mut feed = vec![next];
@@ -616,7 +717,12 @@ impl Model {
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
             ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
-            stats.verify_ms += ms(t);
+            let pass_ms = ms(t);
+            gate.passed(feed.len(), pass_ms);
+            if p.source == Source::Lookup {
+                gate.judged(p.matched, p.ids.len(), agree);
+            }
+            stats.verify_ms += pass_ms;
             stats.record(&p, agree, &mut len);
         }
         stats.draft_len = len.current;
@@ -632,7 +738,7 @@ pub(crate) fn ms(t: Instant) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{accept_sampled, DraftLength, PromptLookup};
+    use super::{accept_sampled, DraftLength, LookupGate, PromptLookup};
     use crate::sampling::{Sampler, SamplingParams};
 
     #[test]
@@ -670,6 +776,46 @@ mod tests {
             l.propose(&copied[..PromptLookup::LONG_MATCH - 1], 16).len(),
             PromptLookup::SHORT_DRAFT
         );
+    }
+
+    /// The gate holds lookup back for the first round (it measures a plain step), then lets a
+    /// proposal through as far as each draft's chance of being kept beats a row's cost: over
+    /// a short prompt (cheap rows) single-token matches draft, over a long one (rows at ~0.3
+    /// of a step) they stop once they are seldom kept, while long matches that keep being
+    /// copied go on drafting.
+    #[test]
+    fn the_lookup_gate_checks_only_the_drafts_that_pay_for_their_rows() {
+        let mut g = LookupGate::default();
+        assert_eq!(g.keep(1, 1), 0, "the first round is a plain step");
+        g.passed(1, 100.0);
+        assert_eq!(g.keep(9, 7), 7, "no row cost measured yet: everything");
+        // Cheap rows: a 2-row pass costs 10% more than a step.
+        let mut cheap = g.clone();
+        cheap.passed(2, 110.0);
+        assert_eq!(cheap.keep(1, 1), 1);
+        assert_eq!(
+            cheap.keep(9, 7),
+            3,
+            "0.5, 0.25, 0.125 beat 0.1; 0.0625 does not"
+        );
+        // Expensive rows: each costs 0.31 of a step.
+        g.passed(3, 162.0);
+        for _ in 0..5 {
+            g.judged(1, 1, 0);
+        }
+        for _ in 0..3 {
+            g.judged(9, 7, 7);
+        }
+        assert_eq!(g.keep(1, 1), 0, "kept 0 of 5: p = 1/7");
+        assert_eq!(
+            g.keep(3, 3),
+            1,
+            "no data on medium matches: p = 0.5 beats 0.31 once"
+        );
+        assert_eq!(g.keep(9, 7), 7, "long matches kept 21 of 21");
+        // A slower step lowers a row's relative cost; the average moves towards it.
+        g.passed(1, 200.0);
+        assert!(g.keep(3, 3) >= 1);
     }
 
     #[test]
