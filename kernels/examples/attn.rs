@@ -38,15 +38,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         precisions.push(AttentionPrecision::Bf16);
     }
     for n_ctx in [512usize, 1024, 2048] {
-        let row = shape.n_kv_head * shape.head_dim;
-        let k: Vec<f32> = (0..n_ctx * row)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let v = k.iter().rev().copied().collect::<Vec<_>>();
+        let (k, v) = cache(shape, n_ctx);
         let width = shape.n_head * shape.head_dim;
-        let q: Vec<f32> = (0..n_ctx * width)
-            .map(|i| ((i * 104729) % 997) as f32 / 997.0 - 0.5)
-            .collect();
+        let q = queries(n_ctx * width);
         let pos: Vec<usize> = (0..n_ctx).collect();
         let mut outs = Vec::new();
         for &p in &precisions {
@@ -85,13 +79,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// One layer's attention for a checking pass of `rows` rows at the end of an `n_ctx` cache.
-fn checking_pass(shape: AttentionShape, n_ctx: usize) -> Result<(), Box<dyn std::error::Error>> {
+/// Keys and values of `n_ctx` positions (fixed pseudo-random values in -0.5..0.5).
+fn cache(shape: AttentionShape, n_ctx: usize) -> (Vec<f32>, Vec<f32>) {
     let row = shape.n_kv_head * shape.head_dim;
     let k: Vec<f32> = (0..n_ctx * row)
         .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
-    let v = k.iter().rev().copied().collect::<Vec<_>>();
+    let v = k.iter().rev().copied().collect();
+    (k, v)
+}
+
+/// `n` query values, as [`cache`]'s.
+fn queries(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 104729) % 997) as f32 / 997.0 - 0.5)
+        .collect()
+}
+
+/// One layer's attention for a checking pass of `rows` rows at the end of an `n_ctx` cache.
+fn checking_pass(shape: AttentionShape, n_ctx: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let (k, v) = cache(shape, n_ctx);
     let width = shape.n_head * shape.head_dim;
     let mut one = 0.0;
     // `--rows R`: only R rows, repeated (for a profiler).
@@ -101,9 +108,7 @@ fn checking_pass(shape: AttentionShape, n_ctx: usize) -> Result<(), Box<dyn std:
     };
     let counts = only.map_or(vec![1usize, 2, 4, 8, 16], |r| vec![r]);
     for rows in counts {
-        let q: Vec<f32> = (0..rows * width)
-            .map(|i| ((i * 104729) % 997) as f32 / 997.0 - 0.5)
-            .collect();
+        let q = queries(rows * width);
         let pos: Vec<usize> = (n_ctx - rows..n_ctx).collect();
         let reps = if only.is_some() { 200 } else { 10 };
         causal_attention_with(&q, &pos, &k, &v, shape, AttentionPrecision::F32)?;
