@@ -151,23 +151,21 @@ impl PromptLookup {
 /// The gate keeps the first `j` tokens of a proposal, where `j` counts the positions `i`
 /// whose chance of being kept, `p^i` (each draft kept with probability `p`, the answer's
 /// measured rate for drafts after a match of that length), is above the measured cost of a
-/// row over a step. Until both costs are measured (the first round is a plain step) lookup
-/// drafts as it always did. It changes which tokens are drafted, never the answer.
+/// row over a step. The costs are the fastest passes seen for each row count (other work on
+/// the cores only ever slows a pass, so a slow outlier cannot switch drafting off; noise
+/// errs towards drafting, lookup's old behaviour). Until both are measured (the first round
+/// is a plain step) lookup drafts as it always did. It changes which tokens are drafted,
+/// never the answer.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct LookupGate {
-    /// A one-row pass (a plain step), ms, as a moving average.
-    step_ms: Option<f64>,
-    /// What each row past the first added to a pass, ms, as a moving average.
-    row_ms: Option<f64>,
+    /// The fastest pass seen for each row count (index: rows), ms.
+    fastest: [Option<f64>; MAX_VERIFY_ROWS + 1],
     /// Per kind of match (1 token, 2-7, 8 and more): drafts kept, and rounds that rejected one.
     kept: [usize; 3],
     rejected: [usize; 3],
 }
 
 impl LookupGate {
-    /// Weight of the newest pass in the moving averages.
-    const ALPHA: f64 = 0.3;
-
     fn class(n: usize) -> usize {
         match n {
             0 | 1 => 0,
@@ -178,12 +176,20 @@ impl LookupGate {
 
     /// A checking pass of `rows` rows took `ms`.
     pub(crate) fn passed(&mut self, rows: usize, ms: f64) {
-        let avg = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
-        if rows <= 1 {
-            self.step_ms = avg(self.step_ms, ms);
-        } else if let Some(step) = self.step_ms {
-            self.row_ms = avg(self.row_ms, ((ms - step) / (rows - 1) as f64).max(0.0));
+        if let Some(f) = self.fastest.get_mut(rows.max(1)) {
+            *f = Some(f.map_or(ms, |f| f.min(ms)));
         }
+    }
+
+    /// A plain step's cost and the least that a row past the first was seen to add, ms.
+    fn costs(&self) -> (Option<f64>, Option<f64>) {
+        let step = self.fastest[1];
+        let row = step.and_then(|step| {
+            (2..self.fastest.len())
+                .filter_map(|r| Some((self.fastest[r]? - step).max(0.0) / (r - 1) as f64))
+                .min_by(f64::total_cmp)
+        });
+        (step, row)
     }
 
     /// `agree` of a lookup proposal of `drafted` tokens after a match of `n` were kept.
@@ -195,11 +201,12 @@ impl LookupGate {
 
     /// How many of `k` tokens proposed after a match of `n` are worth checking.
     pub(crate) fn keep(&self, n: usize, k: usize) -> usize {
-        let Some(step) = self.step_ms else {
+        let (step, row) = self.costs();
+        let Some(step) = step else {
             // The first round measures a plain step.
             return 0;
         };
-        let Some(row) = self.row_ms else {
+        let Some(row) = row else {
             return k;
         };
         let c = Self::class(n);
@@ -813,9 +820,14 @@ mod tests {
             "no data on medium matches: p = 0.5 beats 0.31 once"
         );
         assert_eq!(g.keep(9, 7), 7, "long matches kept 21 of 21");
-        // A slower step lowers a row's relative cost; the average moves towards it.
-        g.passed(1, 200.0);
-        assert!(g.keep(3, 3) >= 1);
+        // Passes slowed by other work change nothing: the fastest ones are the costs.
+        g.passed(1, 400.0);
+        g.passed(2, 900.0);
+        assert_eq!(g.keep(1, 1), 0);
+        assert_eq!(g.keep(3, 3), 1);
+        // A faster pass of 2 rows shows a row is cheaper than thought: 0.25 beats 0.2.
+        g.passed(2, 120.0);
+        assert_eq!(g.keep(3, 3), 2);
     }
 
     #[test]
