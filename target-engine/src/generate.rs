@@ -5,6 +5,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
+use crate::stream::{Flow, Shown, TextStream};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
@@ -164,13 +165,13 @@ impl Model {
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool)> {
-        let mut sampler = Sampler::new(params.sampling);
+        let sampler = Sampler::new(params.sampling);
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         cache.reserve(params.max_tokens);
         let t0 = Instant::now();
         let mut steps = 0usize;
         while !emit.ended() {
-            let next = sampler.sample(&logits);
+            let next = sampler.sample_at(&logits, emit.len());
             if emit.take(next, top2_gap(&logits)) {
                 break;
             }
@@ -194,7 +195,7 @@ pub(crate) struct Emit<'a> {
     ids: Vec<u32>,
     margins: Vec<f32>,
     finish: FinishReason,
-    out: Streamed,
+    out: TextStream<'a>,
     watched: bool,
     done: bool,
 }
@@ -214,7 +215,7 @@ impl<'a> Emit<'a> {
             ids: Vec::new(),
             margins: Vec::new(),
             finish: FinishReason::Length,
-            out: Streamed::new(&params.stop),
+            out: TextStream::new(tok, &params.stop),
             watched: false,
             done: params.max_tokens == 0,
         }
@@ -247,33 +248,43 @@ impl<'a> Emit<'a> {
         self.done = if (self.watch)(&self.ids, gap) {
             self.watched = true;
             true
-        } else if self.tok.is_end_of_generation(id) {
-            self.finish = FinishReason::Eos;
-            true
-        } else if let Some(end) = self.out.update(
-            self.tok.decode(&self.ids, false),
-            &self.params.stop,
-            self.on_text,
-        ) {
-            self.finish = end;
-            true
         } else {
-            self.ids.len() == self.params.max_tokens
+            let on_text = &mut *self.on_text;
+            match self.out.commit(&[id], &mut |s| final_text(s, on_text)) {
+                Flow::Stop => {
+                    self.finish = FinishReason::Stop;
+                    true
+                }
+                Flow::Cancel => {
+                    self.finish = FinishReason::Cancelled;
+                    true
+                }
+                Flow::Go if self.tok.is_end_of_generation(id) => {
+                    self.finish = FinishReason::Eos;
+                    true
+                }
+                Flow::Go => self.ids.len() == self.params.max_tokens,
+            }
         };
         self.done
     }
 
     /// The generation (`prefill_ms` 0), and whether the watch stopped it.
     pub(crate) fn finish(mut self, decode_ms: f64, steps: usize) -> (Generation, bool) {
-        if self.finish == FinishReason::Eos {
-            self.out.text = self.tok.decode(&self.ids, false);
+        if !self.watched {
+            let on_text = &mut *self.on_text;
+            if self.out.finish(&mut |s| final_text(s, on_text)) == Flow::Cancel {
+                self.finish = FinishReason::Cancelled;
+            }
         }
-        if !self.watched && self.finish != FinishReason::Cancelled {
-            self.out.flush(self.on_text);
+        if self.finish == FinishReason::Stop {
+            // The tokens after the one that completed the stop string never happened.
+            self.ids.truncate(self.out.ids().len());
+            self.margins.truncate(self.ids.len());
         }
         let g = Generation {
+            text: self.out.text(),
             ids: self.ids,
-            text: self.out.text,
             prefill_ms: 0.0,
             decode_ms_per_token: if steps > 0 {
                 decode_ms / steps as f64
@@ -287,57 +298,14 @@ impl<'a> Emit<'a> {
     }
 }
 
-/// A generation's text as it is handed out: held back while it may still become a stop string
-/// or ends inside a character, and cut at a stop string.
-struct Streamed {
-    text: String,
-    /// Bytes of `text` already handed out.
-    sent: usize,
-    /// Longest stop string: text within that distance of the end may still become one.
-    hold: usize,
-}
-
-impl Streamed {
-    fn new(stop: &[String]) -> Self {
-        Self {
-            text: String::new(),
-            sent: 0,
-            hold: stop.iter().map(|s| s.len()).max().unwrap_or(0),
-        }
-    }
-
-    /// Takes the text after a new token and hands out what is final; `Stop` when the text
-    /// reached a stop string (cut before it), `Cancelled` when the consumer said stop.
-    fn update(
-        &mut self,
-        text: String,
-        stop: &[String],
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Option<FinishReason> {
-        self.text = text;
-        if cut_at_stop(&mut self.text, stop) {
-            return Some(FinishReason::Stop);
-        }
-        if self.text.ends_with('\u{FFFD}') {
-            return None;
-        }
-        let mut upto = self.text.len().saturating_sub(self.hold);
-        while !self.text.is_char_boundary(upto) {
-            upto -= 1;
-        }
-        if upto > self.sent {
-            if !on_text(&self.text[self.sent..upto]) {
-                return Some(FinishReason::Cancelled);
-            }
-            self.sent = upto;
-        }
-        None
-    }
-
-    /// Hands out the rest.
-    fn flush(&self, on_text: &mut dyn FnMut(&str) -> bool) {
-        if self.text.len() > self.sent && self.text.is_char_boundary(self.sent) {
-            on_text(&self.text[self.sent..]);
+/// Hands final text to a consumer of final text only (what one token at a time produces:
+/// never a draft, never a withdrawal).
+fn final_text(s: Shown<'_>, on_text: &mut dyn FnMut(&str) -> bool) -> bool {
+    match s {
+        Shown::Final(t) => on_text(t),
+        Shown::Draft(_) | Shown::Retract(_) | Shown::Replace(_) => {
+            debug_assert!(false, "one token at a time shows only final text: {s:?}");
+            true
         }
     }
 }

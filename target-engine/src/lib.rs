@@ -24,6 +24,7 @@ pub mod sparse;
 pub mod specontext;
 pub mod speculative;
 pub mod stop;
+pub mod stream;
 pub mod testing;
 pub mod tokenizer;
 pub mod verify;
@@ -48,6 +49,7 @@ pub use select::{
 };
 pub use sparse::{kivi_cache, AttentionView, TopKConfig, TopKView, ViewGeneration, ViewParams};
 pub use specontext::{ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView};
-pub use speculative::{accept_sampled, DraftLength, Drafter, PromptLookup, SpecDecodeStats};
+pub use speculative::{DraftLength, Drafter, PromptLookup, SpecDecodeStats};
+pub use stream::{Flow, Shown, TextStream};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};

@@ -1,8 +1,5 @@
 //! Next-token choice: greedy, or seeded temperature / top-p sampling.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
 /// How the next token is picked from the logits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -24,11 +21,14 @@ impl Default for SamplingParams {
     }
 }
 
-/// A stateful sampler (its random stream advances with every token).
-#[derive(Debug)]
+/// A seeded sampler whose choice of an answer's `index`-th token depends only on the seed, the
+/// index and the logits, never on what was drawn before: plain decoding, speculative decoding
+/// (which checks a drafted token by drawing the target's own token at its index) and the
+/// fidelity guard's continuation from the full cache (which checks the tokens already sampled
+/// the same way) all give the same answer for the same seed wherever the logits agree.
+#[derive(Debug, Clone, Copy)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
 }
 
 /// Index of the largest value; the first one on ties (as llama.cpp's greedy sampler).
@@ -42,24 +42,42 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// SplitMix64's finalizer: a bijection of 64-bit values whose outputs look independent.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
-        Self {
-            params,
-            rng: StdRng::seed_from_u64(params.seed),
-        }
+        Self { params }
     }
 
-    /// Picks the next token.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature <= 0.0 || logits.is_empty() {
+    /// Whether this sampler draws at all (temperature above 0), or takes the argmax.
+    pub fn is_sampled(&self) -> bool {
+        self.params.temperature > 0.0
+    }
+
+    /// The uniform draw in `[0, 1)` for the answer's `index`-th token.
+    pub fn uniform_at(&self, index: usize) -> f64 {
+        let z = mix(mix(self.params.seed) ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The answer's `index`-th token from the logits before it: the argmax when greedy, else
+    /// the inverse of the nucleus's cumulative distribution (most probable first) at
+    /// [`Sampler::uniform_at`]`(index)`.
+    pub fn sample_at(&self, logits: &[f32], index: usize) -> u32 {
+        if !self.is_sampled() || logits.is_empty() {
             return argmax(logits);
         }
         let probs = self.nucleus(logits);
-        let kept: f32 = probs.iter().map(|p| p.1).sum();
-        let mut r = self.rng.gen::<f32>() * kept;
+        let kept: f64 = probs.iter().map(|p| f64::from(p.1)).sum();
+        let mut r = self.uniform_at(index) * kept;
         for &(id, p) in &probs {
+            let p = f64::from(p);
             if r < p {
                 return id;
             }
@@ -68,7 +86,7 @@ impl Sampler {
         probs.last().map_or(0, |p| p.0)
     }
 
-    /// The tokens `sample` draws from, most probable first, with their probabilities
+    /// The tokens `sample_at` draws from, most probable first, with their probabilities
     /// (softmax of `logits / temperature`, cut to the top-p nucleus, not renormalized).
     fn nucleus(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let SamplingParams {
@@ -96,15 +114,14 @@ impl Sampler {
         probs
     }
 
-    /// The distribution [`Sampler::sample`] draws from, over the whole vocabulary (summing to
-    /// 1; greedy: all of it on the argmax). Speculative decoding's rejection rule compares the
-    /// target's and the drafter's.
+    /// The distribution [`Sampler::sample_at`] draws from, over the whole vocabulary (summing
+    /// to 1; greedy: all of it on the argmax).
     pub fn distribution(&self, logits: &[f32]) -> Vec<f32> {
         let mut dist = vec![0.0f32; logits.len()];
         if logits.is_empty() {
             return dist;
         }
-        if self.params.temperature <= 0.0 {
+        if !self.is_sampled() {
             dist[argmax(logits) as usize] = 1.0;
             return dist;
         }
@@ -115,84 +132,59 @@ impl Sampler {
         }
         dist
     }
-
-    /// A token drawn in proportion to `weights` (not necessarily summing to 1; all zero: the
-    /// argmax, i.e. the first).
-    pub fn draw(&mut self, weights: &[f32]) -> u32 {
-        let total: f64 = weights.iter().map(|&w| f64::from(w.max(0.0))).sum();
-        if total <= 0.0 {
-            return argmax(weights);
-        }
-        let mut r = self.rng.gen::<f64>() * total;
-        let mut last = 0;
-        for (i, &w) in weights.iter().enumerate() {
-            let w = f64::from(w.max(0.0));
-            if w > 0.0 {
-                if r < w {
-                    return i as u32;
-                }
-                r -= w;
-                last = i;
-            }
-        }
-        last as u32
-    }
-
-    /// A uniform draw from `[0, 1)` off this sampler's stream.
-    pub fn uniform(&mut self) -> f64 {
-        self.rng.gen::<f64>()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn greedy_takes_first_maximum() {
-        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
-        let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&[0.0, 0.5, 0.2]), 1);
+    fn sampled(seed: u64, top_p: f32) -> Sampler {
+        Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p,
+            seed,
+        })
     }
 
     #[test]
-    fn same_seed_same_tokens_and_top_p_restricts_support() {
+    fn greedy_takes_first_maximum() {
+        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
+        let s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample_at(&[0.0, 0.5, 0.2], 7), 1);
+    }
+
+    #[test]
+    fn a_draw_depends_on_the_seed_and_the_index_not_on_earlier_draws() {
         let logits = [1.0, 2.0, 0.5, 1.5, 0.0];
-        let params = SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 7,
-        };
-        let a: Vec<u32> = {
-            let mut s = Sampler::new(params);
-            (0..50).map(|_| s.sample(&logits)).collect()
-        };
-        let b: Vec<u32> = {
-            let mut s = Sampler::new(params);
-            (0..50).map(|_| s.sample(&logits)).collect()
-        };
+        let s = sampled(7, 1.0);
+        let a: Vec<u32> = (0..50).map(|i| s.sample_at(&logits, i)).collect();
+        // The same indices in another order, after other draws: the same tokens.
+        let b: Vec<u32> = (0..50)
+            .rev()
+            .map(|i| {
+                let _ = s.sample_at(&[3.0, 0.0], i + 100);
+                s.sample_at(&logits, i)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
         assert_eq!(a, b);
         assert!(
             a.iter().collect::<std::collections::HashSet<_>>().len() > 2,
             "samples vary"
         );
+        let other: Vec<u32> = (0..50).map(|i| sampled(8, 1.0).sample_at(&logits, i)).collect();
+        assert_ne!(a, other, "another seed, other samples");
         // p(1) ≈ 0.41 and p(3) ≈ 0.25: top_p 0.5 keeps exactly these two.
-        let mut s = Sampler::new(SamplingParams {
-            top_p: 0.5,
-            ..params
-        });
-        assert!((0..200).all(|_| matches!(s.sample(&logits), 1 | 3)));
+        let s = sampled(7, 0.5);
+        assert!((0..200).all(|i| matches!(s.sample_at(&logits, i), 1 | 3)));
     }
 
     #[test]
-    fn the_distribution_is_the_one_sample_draws_from() {
+    fn the_distribution_is_the_one_sample_at_draws_from() {
         let logits = [1.0, 2.0, 0.5, 1.5, 0.0];
-        let s = Sampler::new(SamplingParams {
-            temperature: 1.0,
-            top_p: 0.5,
-            seed: 1,
-        });
-        let d = s.distribution(&logits);
+        let d = sampled(1, 0.5).distribution(&logits);
         // The nucleus of 1 and 3 (see above), renormalized.
         let e = (1.5f32 - 2.0).exp();
         assert!(
@@ -202,29 +194,22 @@ mod tests {
         assert_eq!((d[0], d[2], d[4]), (0.0, 0.0, 0.0));
         let greedy = Sampler::new(SamplingParams::default()).distribution(&logits);
         assert_eq!(greedy, vec![0.0, 1.0, 0.0, 0.0, 0.0]);
-        let mut s = Sampler::new(SamplingParams {
-            seed: 5,
-            ..Default::default()
-        });
-        let n = 20_000;
-        let threes = (0..n)
-            .filter(|_| s.draw(&[1.0, 0.0, 0.0, 3.0]) == 3)
-            .count();
-        assert!((threes as f64 / n as f64 - 0.75).abs() < 0.02, "{threes}");
-        assert_eq!(s.draw(&[0.0, 0.0]), 0, "no weight: the first");
     }
 
     #[test]
-    fn sampling_frequencies_follow_the_softmax() {
+    fn sampling_frequencies_follow_the_softmax_over_indices_and_seeds() {
         let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
-        let mut s = Sampler::new(SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 1,
-        });
         let n = 4000;
-        let ones = (0..n).filter(|_| s.sample(&logits) == 1).count() as f64 / n as f64;
+        let over_indices = (0..n)
+            .filter(|&i| sampled(1, 1.0).sample_at(&logits, i) == 1)
+            .count() as f64
+            / n as f64;
+        let over_seeds = (0..n as u64)
+            .filter(|&seed| sampled(seed, 1.0).sample_at(&logits, 0) == 1)
+            .count() as f64
+            / n as f64;
         // 4000 draws: standard error ≈ 0.007, so 0.03 is more than 4 sigma.
-        assert!((ones - 0.75).abs() < 0.03, "{ones}");
+        assert!((over_indices - 0.75).abs() < 0.03, "{over_indices}");
+        assert!((over_seeds - 0.75).abs() < 0.03, "{over_seeds}");
     }
 }

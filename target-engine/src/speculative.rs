@@ -3,9 +3,14 @@
 //! a smaller model of the same vocabulary, greedily over its own cache of the prompt), the
 //! target checks them all in one forward over its cache, keeps the agreeing prefix and adds its
 //! own token after it. Greedy: every kept token is the target's greedy token, so the output
-//! equals [`Model::decode_watched`] over the same cache, token for token. Sampled: the
-//! standard rejection rule ([`accept_sampled`]) keeps the output distributed as the target's
-//! own samples (the tokens themselves differ from a plain decode with the same seed).
+//! equals [`Model::decode_watched`] over the same cache, token for token. Sampled: the target
+//! draws its own token at each drafted position with the seeded sampler, whose draw for an
+//! answer's `i`-th token depends only on the seed, `i` and the logits
+//! ([`Sampler::sample_at`]), and keeps a draft where the two agree: the output is again
+//! `decode_watched`'s, token for token, for the same seed. (A draft is kept with the target's
+//! probability of it, as under Leviathan et al.'s rule for a certain draft; a model drafter
+//! samples with the same seed, so where its distribution is close to the target's its draws
+//! coincide.)
 //!
 //! Exactness rests on [`Model::forward_decode_path`]: the rows of one checking pass are
 //! computed bit-identically to one-token decode steps (passes stay under
@@ -259,18 +264,16 @@ struct ModelDraft<'a> {
     unfed: Vec<u32>,
     /// Proposing stops at a token the model gives less probability than this.
     min_prob: f32,
-    /// Sampled decoding: the model samples its proposals (with the target's temperature and
-    /// top-p, its own random stream) and keeps the distribution each was drawn from.
+    /// Sampled decoding: the model samples its proposals with the target's settings and seed
+    /// (so its draws coincide with the target's where their distributions are close).
     sampler: Option<Sampler>,
 }
 
-/// One round's proposals: the tokens, where they came from, and for sampled model drafts the
-/// distribution each was drawn from (empty: each proposal was certain, as a lookup's is).
+/// One round's proposals: the tokens and where they came from.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Proposal {
     pub(crate) ids: Vec<u32>,
     source: Source,
-    q: Vec<Vec<f32>>,
     /// A lookup proposal's match length (0 for the model's).
     matched: usize,
 }
@@ -356,13 +359,7 @@ impl<'a> Drafter<'a> {
     /// The drafting model samples its proposals as `params` says (temperature 0: greedy).
     fn sample_with(&mut self, params: SamplingParams) {
         if let Some(m) = &mut self.model {
-            m.sampler = (params.temperature > 0.0).then(|| {
-                Sampler::new(SamplingParams {
-                    // Its own stream: the target's rejection rule draws from the other.
-                    seed: params.seed ^ 0x5EC0_DEC0_DE00_0001,
-                    ..params
-                })
-            });
+            m.sampler = (params.temperature > 0.0).then(|| Sampler::new(params));
         }
     }
 
@@ -382,7 +379,6 @@ impl<'a> Drafter<'a> {
             self.propose(committed, k).unwrap_or(Proposal {
                 ids: Vec::new(),
                 source: Source::Model,
-                q: Vec::new(),
                 matched: 0,
             })
         });
@@ -394,7 +390,6 @@ impl<'a> Drafter<'a> {
         let none = |source| Proposal {
             ids: Vec::new(),
             source,
-            q: Vec::new(),
             matched: 0,
         };
         if k.lookup > 0 {
@@ -407,7 +402,6 @@ impl<'a> Drafter<'a> {
                     return Ok(Proposal {
                         ids,
                         source: Source::Lookup,
-                        q: Vec::new(),
                         matched,
                     });
                 }
@@ -415,11 +409,10 @@ impl<'a> Drafter<'a> {
         }
         match &mut self.model {
             Some(m) if k.model > 0 => {
-                let (ids, q) = m.draft(committed, k.model)?;
+                let ids = m.draft(committed, k.model)?;
                 Ok(Proposal {
                     ids,
                     source: Source::Model,
-                    q,
                     matched: 0,
                 })
             }
@@ -441,12 +434,11 @@ impl ModelDraft<'_> {
     }
 
     /// Feeds the committed tokens not yet fed, then proposes up to `k` tokens (greedy, or
-    /// sampled with the distributions they were drawn from), stopping where the model's top
-    /// probability is under `min_prob`. The proposals but the last are fed too
-    /// ([`ModelDraft::settle`] trims what was not committed).
-    fn propose(&mut self, k: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    /// sampled at their indices in the answer), stopping where the model's top probability
+    /// is under `min_prob`. The proposals but the last are fed too ([`ModelDraft::settle`]
+    /// trims what was not committed).
+    fn propose(&mut self, k: usize) -> Result<Vec<u32>> {
         let mut drafts = Vec::with_capacity(k);
-        let mut dists = Vec::new();
         let mut feed = std::mem::take(&mut self.unfed);
         while drafts.len() < k {
             if !feed.is_empty() {
@@ -461,22 +453,18 @@ impl ModelDraft<'_> {
             if self.min_prob > 0.0 && top_probability(&self.logits) < self.min_prob {
                 break;
             }
-            let d = match &mut self.sampler {
-                Some(s) => {
-                    let q = s.distribution(&self.logits);
-                    let d = s.draw(&q);
-                    dists.push(q);
-                    d
-                }
+            // Every token fed after the prompt is the answer's: the next is at that index.
+            let d = match &self.sampler {
+                Some(s) => s.sample_at(&self.logits, self.fed.len()),
                 None => argmax(&self.logits),
             };
             drafts.push(d);
             feed = vec![d];
         }
-        Ok((drafts, dists))
+        Ok(drafts)
     }
 
-    fn draft(&mut self, committed: &[u32], k: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    fn draft(&mut self, committed: &[u32], k: usize) -> Result<Vec<u32>> {
         self.ensure_built()?;
         self.settle(committed);
         self.propose(k)
@@ -614,54 +602,11 @@ impl SpecDecodeStats {
     }
 }
 
-/// The rejection rule of sampled speculative decoding (Leviathan et al., 2023, Algorithm 1):
-/// draft `i` is kept with probability `min(1, p_i(d) / q_i(d))`; at the first draft not kept,
-/// the token is drawn from the residual `max(0, p_i - q_i)` renormalized, and when every draft
-/// is kept one more is drawn from `p_k`. The tokens that come out are distributed as the
-/// target's own samples whatever the drafter proposes. `p` holds the target's distributions
-/// (one per draft and one after the last), `q` the drafter's (empty: each draft was certain,
-/// a point mass, as prompt lookup's are). Returns the tokens and how many drafts were kept.
-pub fn accept_sampled(
-    p: &[Vec<f32>],
-    drafts: &[u32],
-    q: &[Vec<f32>],
-    sampler: &mut Sampler,
-) -> (Vec<u32>, usize) {
-    let mut out = Vec::with_capacity(drafts.len() + 1);
-    for (i, &d) in drafts.iter().enumerate() {
-        let (pi, di) = (&p[i], d as usize);
-        let qd = q.get(i).map_or(1.0, |qi| qi[di]);
-        let pd = pi[di];
-        // u < p/q, written without the division (q(d) > 0: the drafter proposed d).
-        if sampler.uniform() * f64::from(qd) < f64::from(pd) {
-            out.push(d);
-            continue;
-        }
-        let residual: Vec<f32> = match q.get(i) {
-            Some(qi) => pi.iter().zip(qi).map(|(a, b)| (a - b).max(0.0)).collect(),
-            None => {
-                let mut r = pi.clone();
-                r[di] = 0.0;
-                r
-            }
-        };
-        let t = if residual.iter().any(|&x| x > 0.0) {
-            sampler.draw(&residual)
-        } else {
-            sampler.draw(pi)
-        };
-        out.push(t);
-        return (out, i);
-    }
-    out.push(sampler.draw(&p[drafts.len()]));
-    (out, drafts.len())
-}
-
 impl Model {
     /// [`Model::decode_watched`] with `drafter` proposing tokens that this model checks in one
     /// pass. Greedy: the same tokens, gaps, watch calls and text, in fewer target passes when
-    /// the drafter guesses well. Sampled: tokens kept by [`accept_sampled`], distributed as
-    /// `decode_watched`'s (a different draw: the random stream is used differently).
+    /// the drafter guesses well. Sampled: the same tokens too for the same seed (see the
+    /// module documentation).
     pub fn decode_speculative(
         &self,
         (cache, logits): (&mut KvCache, Vec<f32>),
@@ -676,8 +621,7 @@ impl Model {
                 "the drafter's vocabulary differs from the target's".into(),
             ));
         }
-        let sampled = params.sampling.temperature > 0.0;
-        let mut sampler = Sampler::new(params.sampling);
+        let sampler = Sampler::new(params.sampling);
         drafter.sample_with(params.sampling);
         let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
         let mut stats = SpecDecodeStats::default();
@@ -688,7 +632,7 @@ impl Model {
         let t0 = Instant::now();
         // Tokens the target has chosen but not yet handed out, each with its gap.
         let mut ready: VecDeque<(u32, f32)> =
-            VecDeque::from([(sampler.sample(&logits), top2_gap(&logits))]);
+            VecDeque::from([(sampler.sample_at(&logits, 0), top2_gap(&logits))]);
         while let Some((next, gap)) = ready.pop_front() {
             if emit.take(next, gap) {
                 break;
@@ -707,20 +651,21 @@ impl Model {
             feed.extend(&p.ids);
             let base = cache.len();
             let rows = self.rows_logits(cache, &feed)?;
-            let (ids, agree) = if sampled {
-                let dists: Vec<Vec<f32>> = rows.iter().map(|r| sampler.distribution(r)).collect();
-                accept_sampled(&dists, &p.ids, &p.q, &mut sampler)
-            } else {
-                let agree = p
-                    .ids
-                    .iter()
-                    .zip(&rows)
-                    .take_while(|(d, r)| **d == argmax(r))
-                    .count();
-                let mut ids = p.ids[..agree].to_vec();
-                ids.push(argmax(&rows[agree]));
-                (ids, agree)
-            };
+            // rows[j] comes before the answer's token at index `emit.len() + j`: the target's
+            // own choice there is what plain decoding would take; drafts stand where it agrees.
+            let at = emit.len();
+            let chosen: Vec<u32> = rows
+                .iter()
+                .enumerate()
+                .map(|(j, r)| sampler.sample_at(r, at + j))
+                .collect();
+            let agree = p
+                .ids
+                .iter()
+                .zip(&chosen)
+                .take_while(|(d, c)| d == c)
+                .count();
+            let ids = chosen[..=agree].to_vec();
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
             ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
@@ -745,8 +690,7 @@ pub(crate) fn ms(t: Instant) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{accept_sampled, DraftLength, LookupGate, PromptLookup};
-    use crate::sampling::{Sampler, SamplingParams};
+    use super::{DraftLength, LookupGate, PromptLookup};
 
     #[test]
     fn prompt_lookup_copies_what_followed_the_latest_longest_match() {
@@ -850,67 +794,6 @@ mod tests {
         assert_eq!(l.current, 1, "never below min");
         l.update(0, 0);
         assert_eq!(l.current, 1);
-    }
-
-    /// Draws of the rule's first token and, where the first draft was kept, its second:
-    /// frequencies over a vocabulary of 4 against `p0` and `p1` (the rows here do not depend
-    /// on earlier tokens, so the second follows `p1` whatever the first).
-    fn rule_frequencies(
-        q: &[Vec<f32>],
-        draft: impl Fn(&mut Sampler, usize) -> u32,
-    ) -> [Vec<f64>; 2] {
-        let p = vec![
-            vec![0.1, 0.6, 0.3, 0.0],
-            vec![0.25, 0.25, 0.0, 0.5],
-            vec![0.7, 0.1, 0.1, 0.1],
-        ];
-        let mut s = Sampler::new(SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 3,
-        });
-        let mut counts = [vec![0.0; 4], vec![0.0; 4]];
-        let n = 40_000;
-        for _ in 0..n {
-            let drafts = [draft(&mut s, 0), draft(&mut s, 1)];
-            let (ids, kept) = accept_sampled(&p, &drafts, q, &mut s);
-            assert_eq!(ids.len(), kept + 1);
-            assert!(
-                ids[..kept] == drafts[..kept],
-                "kept drafts come out as drafted"
-            );
-            counts[0][ids[0] as usize] += 1.0;
-            if kept >= 1 {
-                counts[1][ids[1] as usize] += 1.0;
-            }
-        }
-        for (c, want) in counts.iter().zip(&p) {
-            let total: f64 = c.iter().sum();
-            if total == 0.0 {
-                continue;
-            }
-            for (got, want) in c.iter().zip(want) {
-                // Binomial standard error at 10k-40k draws is under 0.005.
-                assert!(
-                    (got / total - f64::from(*want)).abs() < 0.02,
-                    "{c:?} against {want:?}"
-                );
-            }
-        }
-        counts
-    }
-
-    #[test]
-    fn the_rejection_rule_gives_the_targets_distribution_whatever_the_drafts() {
-        // A model drafter sampling from q, far from p (it even proposes p's impossible 3).
-        let q = vec![vec![0.4, 0.1, 0.1, 0.4], vec![0.1, 0.1, 0.7, 0.1]];
-        let qq = q.clone();
-        rule_frequencies(&q, move |s, i| s.draw(&qq[i]));
-        // Certain drafts (prompt lookup): always token 1, then always token 3.
-        rule_frequencies(&[], |_, i| [1, 3][i]);
-        // Certain drafts of a token the target never takes: always rejected.
-        let [first, _] = rule_frequencies(&[], |_, _| 3);
-        assert_eq!(first[3], 0.0);
     }
 
     #[test]

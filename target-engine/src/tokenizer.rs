@@ -670,7 +670,7 @@ fn end_of_generation(eos: Option<u32>, tokens: &[String], types: &[TokenType]) -
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A tiny vocabulary: the 256 byte symbols, a few merges and two specials.

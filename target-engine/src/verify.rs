@@ -16,7 +16,7 @@
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sampling::argmax;
+use crate::sampling::{argmax, Sampler};
 use crate::speculative::{DraftLength, DraftRoom, Drafter, SpecDecodeStats};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -154,20 +154,24 @@ fn receive_full(r: Option<Result<(KvCache, Vec<f32>)>>, prompt_len: usize) -> Re
             cache.len()
         )));
     }
+    let pick = Sampler::new(Default::default());
     Ok(Full {
+        next: Some(pick.sample_at(&logits, 0)),
         cache,
-        next: Some(argmax(&logits)),
         pending: None,
+        pick,
     })
 }
 
 /// The full cache during verification. Its rows are exact up to `cache.len()`; then either
-/// `next` is the full cache's greedy token for the next position, or `pending` is a committed
-/// token not yet fed (exactly one of them is set).
+/// `next` is the full cache's token for the next position, or `pending` is a committed token
+/// not yet fed (exactly one of them is set). `pick` chooses the full cache's tokens: greedy,
+/// or the seeded sampler's draw at each token's index in the answer.
 struct Full {
     cache: KvCache,
     next: Option<u32>,
     pending: Option<u32>,
+    pick: Sampler,
 }
 
 impl Model {
@@ -298,7 +302,7 @@ impl Model {
     ) -> Result<()> {
         let tok = self.tokenizer();
         let room = max_tokens - out.ids.len();
-        let (mut commit, agreed) = self.verify_drafts(f, &d.drafts)?;
+        let (mut commit, agreed) = self.verify_drafts(f, &d.drafts, out.ids.len())?;
         let wrong = d.drafts.len() - agreed;
         out.rounds += usize::from(!d.drafts.is_empty());
         out.accepted += agreed;
@@ -335,18 +339,20 @@ impl Model {
         Ok(())
     }
 
-    /// Greedy decoding from the full cache that keeps what a decode from an approximate cache
-    /// already produced, as far as the full cache agrees: `generated` is checked against the
-    /// full prefill `full` in verification passes, the agreeing prefix kept, the rest withdrawn
+    /// Decoding from the full cache that keeps what a decode from an approximate cache already
+    /// produced, as far as the full cache agrees: `generated` is checked against the full
+    /// prefill `full` in verification passes, the agreeing prefix kept, the rest withdrawn
     /// ([`VerifyEvent::Retract`]) and decoding goes on from the full cache ([`VerifyEvent::Commit`]
-    /// carries only the tokens after the kept prefix). The output equals greedy decoding from
-    /// the full prefill, token for token: the fidelity guard's way out of a reused cache.
-    /// `drafter` (if any) proposes tokens for the decode from the full cache.
+    /// carries only the tokens after the kept prefix). `pick` chooses the full cache's tokens
+    /// (greedy, or seeded sampling whose draw depends only on a token's index and logits), so
+    /// the output equals decoding from the full prefill with `pick`, token for token: the
+    /// fidelity guard's way out of a reused cache. `drafter` (if any) proposes tokens for the
+    /// decode from the full cache.
     pub fn continue_exact(
         &self,
         (cache, logits): (KvCache, Vec<f32>),
         generated: &[u32],
-        max_tokens: usize,
+        (max_tokens, pick): (usize, Sampler),
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
@@ -355,11 +361,12 @@ impl Model {
         let mut out = VerifiedGeneration::default();
         let mut f = Full {
             cache,
-            next: Some(argmax(&logits)),
+            next: Some(pick.sample_at(&logits, 0)),
             pending: None,
+            pick,
         };
         let drafts = &generated[..generated.len().min(max_tokens)];
-        let (mut commit, agreed) = self.verify_drafts(&mut f, drafts)?;
+        let (mut commit, agreed) = self.verify_drafts(&mut f, drafts, 0)?;
         out.drafted = drafts.len();
         out.accepted = agreed;
         out.rounds = 1;
@@ -386,9 +393,9 @@ impl Model {
         Ok(out)
     }
 
-    /// Greedy decoding from the full cache until an end token or `max_tokens`, committing as
-    /// it goes: one token per pass, or with a drafter the agreeing prefix of its proposals
-    /// and the full cache's own token after it, all checked in one pass.
+    /// Decoding from the full cache until an end token or `max_tokens`, committing as it goes:
+    /// one token per pass, or with a drafter the agreeing prefix of its proposals and the full
+    /// cache's own token after it, all checked in one pass.
     fn decode_full(
         &self,
         f: &mut Full,
@@ -409,7 +416,7 @@ impl Model {
             };
             let t = Instant::now();
             let drafts = p.as_ref().map_or(&[][..], |p| &p.ids[..]);
-            let (mut commit, agreed) = self.verify_drafts(f, drafts)?;
+            let (mut commit, agreed) = self.verify_drafts(f, drafts, out.ids.len())?;
             if let Some(p) = &p {
                 out.spec.verify_ms += ms(t);
                 out.spec.record(p, agreed, &mut len);
@@ -439,10 +446,16 @@ impl Model {
         self.last_logits(&out)
     }
 
-    /// Checks `drafts` against the full cache: returns the committed tokens (the agreeing
-    /// drafts, then the full cache's own token at the first disagreement or after the last
-    /// draft) and how many drafts agreed. The last committed token is left pending.
-    fn verify_drafts(&self, f: &mut Full, drafts: &[u32]) -> Result<(Vec<u32>, usize)> {
+    /// Checks `drafts` (the answer's tokens from index `start` on) against the full cache:
+    /// returns the committed tokens (the agreeing drafts, then the full cache's own token at
+    /// the first disagreement or after the last draft) and how many drafts agreed. The last
+    /// committed token is left pending.
+    fn verify_drafts(
+        &self,
+        f: &mut Full,
+        drafts: &[u32],
+        start: usize,
+    ) -> Result<(Vec<u32>, usize)> {
         let mut committed = Vec::new();
         let mut i = 0;
         loop {
@@ -451,10 +464,17 @@ impl Model {
             let take = (drafts.len() - i).min(MAX_VERIFY_ROWS - feed.len());
             feed.extend(&drafts[i..i + take]);
             let base = f.cache.len();
-            // preds[j]: the full cache's greedy token where drafts[i + j] stands (j <= take).
+            // preds[j]: the full cache's token where drafts[i + j] stands (j <= take), the
+            // answer's token at index start + i + j.
             let mut preds: Vec<u32> = f.next.take().into_iter().collect();
             if !feed.is_empty() {
-                preds.extend(self.rows_argmax(&mut f.cache, &feed)?);
+                let first = start + i + preds.len();
+                let rows = self.rows_logits(&mut f.cache, &feed)?;
+                preds.extend(
+                    rows.iter()
+                        .enumerate()
+                        .map(|(j, r)| f.pick.sample_at(r, first + j)),
+                );
             }
             if preds.len() != take + 1 {
                 return Err(EngineError::Internal(
@@ -475,15 +495,6 @@ impl Model {
             }
             f.next = Some(t);
         }
-    }
-
-    /// Feeds `ids` to `cache` on the decode path; returns the greedy token after each.
-    fn rows_argmax(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<u32>> {
-        Ok(self
-            .rows_logits(cache, ids)?
-            .iter()
-            .map(|row| argmax(row))
-            .collect())
     }
 
     /// Feeds `ids` to `cache` on the decode path (each row bit-identical to a one-token step);

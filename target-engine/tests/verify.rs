@@ -7,8 +7,13 @@ mod common;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     Architecture, ChunkKv, Drafter, Epic, GenerateParams, KvCache, LoadOptions, Model,
-    PromptLookup, RagTemplate, SelectInput, Selector, VerifyEvent, VerifyMode, VerifyParams,
+    PromptLookup, RagTemplate, Sampler, SamplingParams, SelectInput, Selector, VerifyEvent,
+    VerifyMode, VerifyParams,
 };
+
+fn greedy() -> Sampler {
+    Sampler::new(SamplingParams::default())
+}
 
 /// Greedy output of full recompute: full prefill, then one-token decode steps.
 fn reference(m: &Model, ids: &[u32], max_tokens: usize) -> Vec<u32> {
@@ -212,7 +217,7 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
             .continue_exact(
                 full,
                 &generated,
-                max,
+                (max, greedy()),
                 &mut |e| {
                     events.push(e);
                     true
@@ -226,7 +231,7 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         let (cache, logits) = m.prefill(&c.asm.ids).expect("prefill");
         let mut d = Drafter::new(&m, cache, logits).with_min_prob(0.0);
         let drafted = m
-            .continue_exact(full, &generated, max, &mut |_| true, Some(&mut d))
+            .continue_exact(full, &generated, (max, greedy()), &mut |_| true, Some(&mut d))
             .expect("continue");
         assert_eq!(drafted.ids, want, "drafting, after {generated:?}");
         assert_eq!(
@@ -247,6 +252,56 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         stream.extend(committed_from(&events));
         assert_eq!(stream, want, "after {generated:?}");
     }
+}
+
+/// The guard's continuation of a sampled answer (issue 57): the tokens sampled from a reused
+/// cache are checked against the full cache's own draws at the same indices with the same
+/// seed, the agreeing prefix kept, and the result is the full cache's sample for that seed,
+/// the one a plain sampled decode from the full prefill gives.
+#[test]
+fn a_sampled_continuation_is_full_recomputes_sample_for_the_seed() {
+    let (_d, m) = tiny();
+    let c = case(
+        &m,
+        &[
+            "the thin ant ran in the sand",
+            "a hint: the antenna is in the attic",
+        ],
+        "where is the antenna?",
+    );
+    let max = 24;
+    let (mut kept_some, mut withdrew_some) = (false, false);
+    for seed in 0..12u64 {
+        let params = GenerateParams {
+            max_tokens: max,
+            sampling: SamplingParams {
+                temperature: 8.0,
+                top_p: 0.4,
+                seed,
+            },
+            ..Default::default()
+        };
+        let want = m.generate(&c.asm.ids, &params).expect("full").ids;
+        // Sampled from the blended cache (close to the full one, not equal).
+        let (mut cache, logits) = draft(&m, &c, 0.0);
+        let (approx, _) = m
+            .decode_watched(&mut cache, logits, &params, &mut |_| true, &mut |_, _| false)
+            .expect("approx");
+        let got = m
+            .continue_exact(
+                m.prefill(&c.asm.ids).expect("prefill"),
+                &approx.ids,
+                (max, Sampler::new(params.sampling)),
+                &mut |_| true,
+                None,
+            )
+            .expect("continue");
+        assert_eq!(got.ids, want, "seed {seed}");
+        kept_some |= got.accepted > 0;
+        withdrew_some |= got.accepted < approx.ids.len().min(max);
+    }
+    assert!(kept_some, "some sampled tokens were kept");
+    assert!(withdrew_some, "the case crosses a withdrawal");
 }
 
 #[test]
