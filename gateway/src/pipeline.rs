@@ -11,8 +11,9 @@ use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
-    Assembly, BlendOutput, ChunkKv, FinishReason, GenerateParams, KvCache, SamplingParams,
-    SelectInput, SpecDecodeStats as SpecStats, VerifyEvent, VerifyMode, VerifyParams,
+    Assembly, BlendOutput, ChunkKv, FinishReason, Flow, GenerateParams, KvCache, SamplingParams,
+    SelectInput, Shown, SpecDecodeStats as SpecStats, TextStream, VerifyEvent, VerifyMode,
+    VerifyParams,
 };
 
 pub use crate::answer::{Answer, ChunkRef, Reuse, Timings, VerifyStats};
@@ -194,6 +195,7 @@ pub enum Piece<'a> {
 #[derive(Clone)]
 pub struct ContextCache {
     inner: moka::sync::Cache<[u8; 32], Arc<(KvCache, Vec<f32>)>>,
+    bytes: u64,
 }
 
 impl std::fmt::Debug for ContextCache {
@@ -217,11 +219,25 @@ impl ContextCache {
             inner: moka::sync::Cache::builder()
                 .max_capacity(bytes)
                 .weigher(|_, v: &Arc<(KvCache, Vec<f32>)>| {
-                    let c = &v.0;
-                    let b = 2 * 4 * c.n_layer() * c.row_len() * c.len() + 4 * v.1.len();
-                    u32::try_from(b).unwrap_or(u32::MAX)
+                    u32::try_from(Self::weight(&v.0, &v.1)).unwrap_or(u32::MAX)
                 })
                 .build(),
+            bytes,
+        }
+    }
+
+    /// What an entry counts against the budget: f32 K and V of every layer, and the logits.
+    fn weight(cache: &KvCache, logits: &[f32]) -> u64 {
+        let kv = 2 * 4 * cache.n_layer() * cache.row_len() * cache.len();
+        (kv + 4 * logits.len()) as u64
+    }
+
+    /// Keeps a copy of a context's full cache, unless it is larger than the whole budget (a
+    /// copy that would be dropped at once is not made: ~1.9 GB at 32k tokens of the 1.5B).
+    fn keep(&self, key: [u8; 32], cache: &KvCache, logits: &[f32]) {
+        if Self::weight(cache, logits) <= self.bytes.min(u64::from(u32::MAX)) {
+            self.inner
+                .insert(key, Arc::new((cache.clone(), logits.to_vec())));
         }
     }
 
@@ -281,15 +297,16 @@ fn generate_params(q: &Query) -> GenerateParams {
     }
 }
 
-/// A generation the client stopped while the guard escalated.
-fn cancelled(ids: &[u32], tok: &target_engine::Tokenizer) -> target_engine::Generation {
-    target_engine::Generation {
-        text: tok.decode(ids, false),
-        ids: ids.to_vec(),
-        prefill_ms: 0.0,
-        decode_ms_per_token: 0.0,
-        finish: FinishReason::Cancelled,
-        margins: Vec::new(),
+/// Why an answer that went through a [`TextStream`] ended.
+fn finish_reason(stream: &TextStream<'_>, cancelled: bool, eos: bool) -> FinishReason {
+    if stream.stopped() {
+        FinishReason::Stop
+    } else if cancelled {
+        FinishReason::Cancelled
+    } else if eos {
+        FinishReason::Eos
+    } else {
+        FinishReason::Length
     }
 }
 
@@ -425,9 +442,10 @@ impl Pipeline {
         &self,
         draft: BlendOutput,
         full: FullPrefill,
-        (max_tokens, drafter): (usize, Option<&mut target_engine::Drafter<'_>>),
+        (q, drafter): (&Query, Option<&mut target_engine::Drafter<'_>>),
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, VerifyStats, SpecStats)> {
+        let (max_tokens, stop) = (q.max_tokens, &q.stop);
         let target = &self.engines.target;
         let tok = target.tokenizer();
         let hit = full.hit;
@@ -440,24 +458,31 @@ impl Pipeline {
             },
             ..Default::default()
         };
+        // Drafts, commits and withdrawals reach the client through one text stream: stop
+        // strings end the answer, characters split across tokens are shown whole.
+        let mut stream = TextStream::new(tok, stop);
+        let mut show = |s: Shown<'_>| match s {
+            Shown::Final(t) => on_piece(Piece::Commit(t)),
+            Shown::Draft(t) => on_piece(Piece::Draft(t)),
+            Shown::Retract(n) => on_piece(Piece::Retract(n)),
+            Shown::Replace(t) => on_piece(Piece::Replace(t)),
+        };
         let g = target.verified_generate_from(
             (draft.cache, draft.logits),
             full.rx,
             &params,
-            &mut |e| match e {
-                VerifyEvent::Draft { id } => on_piece(Piece::Draft(&tok.decode(&[id], false))),
-                VerifyEvent::Commit { ids } => on_piece(Piece::Commit(&tok.decode(&ids, false))),
-                VerifyEvent::Retract { n } => on_piece(Piece::Retract(n)),
+            &mut |e| {
+                let flow = match e {
+                    VerifyEvent::Draft { id } => stream.draft(id, &mut show),
+                    VerifyEvent::Commit { ids } => stream.commit(&ids, &mut show),
+                    VerifyEvent::Retract { n } => stream.retract(n, &mut show),
+                };
+                flow == Flow::Go
             },
             drafter,
         )?;
-        let finish = if g.cancelled {
-            FinishReason::Cancelled
-        } else if g.eos {
-            FinishReason::Eos
-        } else {
-            FinishReason::Length
-        };
+        let flow = stream.finish(&mut show);
+        let finish = finish_reason(&stream, g.cancelled || flow == Flow::Cancel, g.eos);
         let stats = VerifyStats {
             drafted: g.drafted,
             accepted: g.accepted,
@@ -469,8 +494,8 @@ impl Pipeline {
             context_cache_hit: hit,
         };
         let generation = target_engine::Generation {
-            text: tok.decode(&g.ids, false),
-            ids: g.ids,
+            text: stream.text(),
+            ids: stream.ids().to_vec(),
             prefill_ms: 0.0,
             decode_ms_per_token: 0.0,
             finish,
@@ -559,8 +584,9 @@ impl Pipeline {
                 )
             });
         }
-        if q.verify && q.temperature == 0.0 {
-            // The full prefill starts now, beside KV load, speculation and the blend.
+        if q.verify && q.temperature == 0.0 && !q.method.is_full() {
+            // The full prefill starts now, beside KV load, speculation and the blend. (Full
+            // recompute decodes from a full prefill already: its answer is the exact one.)
             let key = ContextCache::key(target.fingerprint(), &q.collection, &asm.ids);
             let cached = self.contexts.inner.get(&key);
             let hit = cached.is_some();
@@ -579,9 +605,7 @@ impl Pipeline {
                             let r = target_engine::stop::with_stop(stop, || target.prefill(ids));
                             *ms_out.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
                             if let Ok((cache, logits)) = &r {
-                                contexts
-                                    .inner
-                                    .insert(key, Arc::new((cache.clone(), logits.clone())));
+                                contexts.keep(key, cache, logits);
                             }
                             let _ = tx.send(r);
                         });
@@ -949,8 +973,7 @@ impl Pipeline {
         let spec_of = |d: &Option<_>, s: SpecStats| d.as_ref().map(|_: &_| s.into());
         let long_of = |s: &SpecStats| long.then(|| s.clone().into());
         if let Some(full) = full_prefill {
-            let (g, mut stats, spec) =
-                self.verify(out, full, (q.max_tokens, drafter.as_mut()), on_piece)?;
+            let (g, mut stats, spec) = self.verify(out, full, (q, drafter.as_mut()), on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
             return Ok(Decoded {
                 g,
@@ -961,13 +984,23 @@ impl Pipeline {
             });
         }
         let mut cache = out.cache;
-        let (mut g, mut spec) = self.decode_guarded(
-            q,
-            (&mut cache, out.logits),
-            drafter.as_mut(),
-            &mut report,
-            on_piece,
-        )?;
+        // The text the client holds, should the guard move the request to the full cache.
+        let mut sent = String::new();
+        let (mut g, mut spec) = {
+            let mut track = |p: Piece<'_>| {
+                if let Piece::Token(t) = p {
+                    sent.push_str(t);
+                }
+                on_piece(p)
+            };
+            self.decode_guarded(
+                q,
+                (&mut cache, out.logits),
+                drafter.as_mut(),
+                &mut report,
+                &mut track,
+            )?
+        };
         g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
@@ -989,7 +1022,7 @@ impl Pipeline {
         drop(cache);
         let (g, ready, more) = self.escalate(
             q,
-            (&asm.ids, &g.ids),
+            (&asm.ids, &g.ids, &sent),
             drafter.as_mut(),
             &mut report,
             on_piece,
@@ -1155,13 +1188,15 @@ impl Pipeline {
 
     /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
     /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
-    /// decoding continued from the full cache. Greedy, the answer is full recompute's token
-    /// for token; sampled, it is full recompute's sample with the same seed (decoded anew).
-    /// Also returns when the full cache was ready.
+    /// decoding continued from the full cache. The full cache's tokens are chosen as a plain
+    /// decode from it would choose them (greedy, or the seeded sampler's draw at each index),
+    /// so the answer is full recompute's, token for token, for the same seed. The client,
+    /// which holds `shown` of the text of `generated`, sees the kept prefix extended, or
+    /// replaced where text it holds was withdrawn. Also returns when the full cache was ready.
     fn escalate(
         &self,
         q: &Query,
-        (prompt, generated): (&[u32], &[u32]),
+        (prompt, generated, shown): (&[u32], &[u32], &str),
         drafter: Option<&mut target_engine::Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
@@ -1175,66 +1210,44 @@ impl Pipeline {
             None => {
                 let (cache, logits) = target.prefill(prompt)?;
                 report.full_prefill_ms = ms(t);
-                self.contexts
-                    .inner
-                    .insert(key, Arc::new((cache.clone(), logits.clone())));
+                self.contexts.keep(key, &cache, &logits);
                 (cache, logits)
             }
         };
         let ready = Some(Instant::now());
-        if q.temperature > 0.0 {
-            // Sampled tokens cannot be checked against the full cache's greedy choice.
-            report.withdrawn_tokens = generated.len();
-            if !on_piece(Piece::Replace("")) {
-                return Ok((cancelled(generated, tok), ready, SpecStats::default()));
-            }
-            let mut cache = cache;
-            let (g, _, spec) =
-                self.decode_from(q, (&mut cache, logits), drafter, on_piece, &mut |_, _| {
-                    false
-                })?;
-            return Ok((g, ready, spec));
-        }
-        let mut replaced = false;
-        let on_event = &mut |e: VerifyEvent| {
-            if !replaced {
-                // What stays of the streamed text, before anything new: the kept prefix.
-                replaced = true;
-                let withdrawn = match &e {
-                    VerifyEvent::Retract { n } => *n,
-                    _ => 0,
-                };
-                let kept = generated.len().min(q.max_tokens) - withdrawn;
-                if !on_piece(Piece::Replace(&tok.decode(&generated[..kept], false))) {
-                    return false;
-                }
-            }
-            match e {
-                VerifyEvent::Commit { ids } => on_piece(Piece::Token(&tok.decode(&ids, false))),
-                VerifyEvent::Draft { .. } | VerifyEvent::Retract { .. } => true,
-            }
+        let checked = generated.len().min(q.max_tokens);
+        let mut stream = TextStream::resume(tok, &q.stop, generated, shown);
+        let mut show = |s: Shown<'_>| match s {
+            Shown::Final(t) => on_piece(Piece::Token(t)),
+            Shown::Replace(t) => on_piece(Piece::Replace(t)),
+            // Only final tokens come in below.
+            Shown::Draft(_) | Shown::Retract(_) => true,
         };
-        let vg =
-            target.continue_exact((cache, logits), generated, q.max_tokens, on_event, drafter)?;
+        let pick = target_engine::Sampler::new(generate_params(q).sampling);
+        let vg = target.continue_exact(
+            (cache, logits),
+            generated,
+            (q.max_tokens, pick),
+            &mut |e| {
+                let flow = match e {
+                    VerifyEvent::Retract { n } => stream.keep(checked - n, &mut show),
+                    VerifyEvent::Commit { ids } => stream.commit(&ids, &mut show),
+                    VerifyEvent::Draft { .. } => Flow::Go,
+                };
+                flow == Flow::Go
+            },
+            drafter,
+        )?;
+        // Also when nothing was withdrawn and nothing added: the text held back until now.
+        let flow = stream.finish(&mut show);
         report.kept_tokens = vg.accepted;
         report.withdrawn_tokens = vg.drafted - vg.accepted;
-        let mut text = tok.decode(&vg.ids, false);
-        let mut finish = if vg.cancelled {
-            FinishReason::Cancelled
-        } else if vg.eos {
-            FinishReason::Eos
-        } else {
-            FinishReason::Length
-        };
-        if target_engine::generate::cut_at_stop(&mut text, &q.stop) {
-            finish = FinishReason::Stop;
-        }
         let g = target_engine::Generation {
-            text,
-            ids: vg.ids,
+            text: stream.text(),
+            ids: stream.ids().to_vec(),
             prefill_ms: 0.0,
             decode_ms_per_token: 0.0,
-            finish,
+            finish: finish_reason(&stream, vg.cancelled || flow == Flow::Cancel, vg.eos),
             margins: Vec::new(),
         };
         Ok((g, ready, vg.spec))

@@ -403,6 +403,18 @@ impl Conversation {
         if split.passages.is_empty() {
             return text.to_string();
         }
+        // Detection is a convenience: passages past what a query reads leave the whole message
+        // prompt text, as with `find_passages: false`, rather than refusing the request.
+        let chars = |ps: &mut dyn Iterator<Item = &String>| -> usize {
+            ps.map(|p| p.chars().count()).sum()
+        };
+        let count = self.passages.len() + split.passages.len();
+        let total = chars(&mut self.passages.iter().map(|p| &p.text))
+            + chars(&mut split.passages.iter());
+        if count > crate::api::MAX_QUERY_DOCUMENTS || total > crate::api::MAX_QUERY_DOCUMENTS_CHARS
+        {
+            return text.to_string();
+        }
         let prefix = format!("messages[{i}]:");
         // Earlier text parts of the same message numbered theirs first.
         let named = self
@@ -586,12 +598,6 @@ fn to_query(state: &AppState, req: &ChatRequest) -> Result<crate::pipeline::Quer
     let find = rag.documents.is_none() && rag.find_passages != Some(false);
     let conv = conversation(&req.messages, find)?;
     let stop = stops(&req.stop)?;
-    if rag.verify == Some(true) && !stop.is_empty() {
-        return Err(OaiError::invalid(
-            "stop",
-            "stop strings are not served with `specrag.verify` (the verified answer is full recompute's, whole)",
-        ));
-    }
     let base = QueryRequest {
         query: conv.question,
         collection: rag.collection,
@@ -712,7 +718,7 @@ fn unix_now() -> u64 {
         (status = 400, description = "A field is invalid or not served; `error.param` names it", body = OpenAiError),
         (status = 401, description = "Missing or wrong API key", body = OpenAiError),
         (status = 404, description = "Unknown model (`model_not_found`) or collection", body = OpenAiError),
-        (status = 413, description = "Body larger than 256 KiB", body = OpenAiError),
+        (status = 413, description = "Body larger than 2 MiB", body = OpenAiError),
         (status = 429, description = "The engine queue is full; see Retry-After", body = OpenAiError),
         (status = 504, description = "Not finished within the server's deadline", body = OpenAiError),
     ),
@@ -737,7 +743,6 @@ pub(crate) async fn chat_completions(
     })?;
     let query = to_query(&state, &req)?;
     let api = |e: ApiError| OaiError::from_api(e, &id);
-    let verify = query.verify;
     let submitted = submit_query(&state, &grant, query).map_err(api)?;
     let meta = Meta {
         id: format!("chatcmpl-{:016x}", rand::random::<u64>()),
@@ -751,7 +756,7 @@ pub(crate) async fn chat_completions(
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
-        return Ok(stream_chunks(submitted.rx, meta, verify, include_usage));
+        return Ok(stream_chunks(submitted.rx, meta, include_usage));
     }
     let answer = await_answer(submitted).await.map_err(api)?;
     Ok(completion(meta, &answer))
@@ -796,50 +801,48 @@ fn completion(meta: Meta, a: &Answer) -> Response {
     .into_response()
 }
 
-/// What a streamed answer has sent so far.
+/// What a streamed answer has sent so far: the text a client holds after applying every
+/// chunk's `delta.content` and `specrag.replace`.
 #[derive(Debug, Default)]
 struct Sent {
     text: String,
-    /// The fidelity guard replaced text this stream had already sent: an OpenAI stream cannot
-    /// take text back, so it sends nothing more of the answer (the loop is never shown; the
-    /// full answer is what a non-streamed request, or `specrag.verify`, returns).
-    diverged: bool,
+    /// A `specrag.replace` chunk was sent.
+    replaced: bool,
 }
 
-/// The chunks an engine event becomes: none (drafts while verifying), one, or two (the
-/// finish chunk and the usage chunk).
-fn event_chunks(
-    meta: &Meta,
-    e: QueryEvent,
-    verify: bool,
-    include_usage: bool,
-    sent: &mut Sent,
-) -> Vec<Value> {
+/// The chunks an engine event becomes: none (drafts and withdrawals while verifying: only
+/// final text is sent), one, or two (the finish chunk and the usage chunk). Final text is a
+/// `delta.content`. When the fidelity guard withdrew text this stream had already sent (an
+/// OpenAI stream cannot take text back), a chunk with an empty delta and
+/// `specrag.replace` carries the whole answer so far; content deltas go on after it, and the
+/// finish chunk's `specrag.replaced` is true. A client that ignores the extension holds the
+/// sent text; one that applies it holds the answer.
+fn event_chunks(meta: &Meta, e: QueryEvent, include_usage: bool, sent: &mut Sent) -> Vec<Value> {
     match e {
-        QueryEvent::Text(t) if !verify && !sent.diverged => {
+        QueryEvent::Text(t) | QueryEvent::Commit(t) => {
             sent.text.push_str(&t);
             vec![meta.chunk(json!({ "content": t }), None)]
         }
-        QueryEvent::Replace(t) if !sent.diverged => match t.strip_prefix(sent.text.as_str()) {
-            Some(rest) if !rest.is_empty() => {
+        QueryEvent::Replace(t) => match t.strip_prefix(sent.text.as_str()) {
+            Some("") => Vec::new(),
+            Some(rest) => {
                 let chunk = meta.chunk(json!({ "content": rest }), None);
                 sent.text = t;
                 vec![chunk]
             }
-            Some(_) => Vec::new(),
             None => {
-                sent.diverged = true;
-                Vec::new()
+                let mut chunk = meta.chunk(json!({}), None);
+                chunk["specrag"] = json!({ "replace": t });
+                sent.text = t;
+                sent.replaced = true;
+                vec![chunk]
             }
         },
-        QueryEvent::Commit(t) => vec![meta.chunk(json!({ "content": t }), None)],
-        QueryEvent::Text(_)
-        | QueryEvent::Replace(_)
-        | QueryEvent::Draft(_)
-        | QueryEvent::Retract(_) => Vec::new(),
+        QueryEvent::Draft(_) | QueryEvent::Retract(_) => Vec::new(),
         QueryEvent::Done(a) => {
             let mut last = meta.chunk(json!({}), Some(finish(&a)));
             last["specrag"] = rag_info(&a);
+            last["specrag"]["replaced"] = json!(sent.replaced);
             let mut out = vec![last];
             if include_usage {
                 let mut u = meta.chunk(json!({}), None);
@@ -860,7 +863,6 @@ fn event_chunks(
 fn stream_chunks(
     mut rx: tokio::sync::mpsc::Receiver<QueryEvent>,
     meta: Meta,
-    verify: bool,
     include_usage: bool,
 ) -> Response {
     let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Value>(crate::api::MAX_TOKENS as usize + 8);
@@ -874,7 +876,7 @@ fn stream_chunks(
                 }
             }
             let Some(e) = rx.recv().await else { return };
-            send = event_chunks(&meta, e, verify, include_usage, &mut sent);
+            send = event_chunks(&meta, e, include_usage, &mut sent);
         }
     });
     let stream = tokio_stream::wrappers::ReceiverStream::new(out_rx)
@@ -896,41 +898,46 @@ mod tests {
         }
     }
 
-    /// The guard's `replace` in an OpenAI stream: the rest is sent when it extends what was
-    /// sent; otherwise nothing more of the answer is (a stream cannot take text back).
+    /// The guard's `replace` in an OpenAI stream: the rest is sent as content when it extends
+    /// what was sent; otherwise a `specrag.replace` chunk carries the answer so far and the
+    /// stream goes on (issue 57: a stream that went silent and ended as if complete).
     #[test]
-    fn a_guard_replacement_extends_the_stream_or_ends_its_content() {
+    fn a_guard_replacement_extends_the_stream_or_replaces_it_and_goes_on() {
         let meta = Meta {
             id: "c".into(),
             created: 0,
             model: "m".into(),
             request_id: "r".into(),
         };
-        let content = |chunks: Vec<Value>| -> Vec<String> {
-            chunks
-                .iter()
-                .filter_map(|c| {
-                    c["choices"][0]["delta"]["content"]
-                        .as_str()
-                        .map(str::to_string)
-                })
-                .collect()
-        };
         let mut sent = Sent::default();
-        let mut step = |e: QueryEvent| content(event_chunks(&meta, e, false, false, &mut sent));
-        assert_eq!(step(QueryEvent::Text("The cat".into())), ["The cat"]);
-        assert_eq!(step(QueryEvent::Replace("The cat sat".into())), [" sat"]);
+        let mut held = String::new();
+        let mut step = |e: QueryEvent| {
+            let chunks = event_chunks(&meta, e, false, &mut sent);
+            let mut content = Vec::new();
+            for c in chunks {
+                if let Some(t) = c["specrag"]["replace"].as_str() {
+                    held = t.to_string();
+                    content.push(format!("<replace {t}>"));
+                }
+                if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+                    held.push_str(t);
+                    content.push(t.to_string());
+                }
+            }
+            (content, held.clone())
+        };
+        assert_eq!(step(QueryEvent::Text("The cat".into())).0, ["The cat"]);
+        assert_eq!(step(QueryEvent::Replace("The cat sat".into())).0, [" sat"]);
+        assert!(step(QueryEvent::Replace("The cat sat".into())).0.is_empty());
+        assert_eq!(step(QueryEvent::Text(" down".into())).0, [" down"]);
+        assert!(step(QueryEvent::Draft(" x".into())).0.is_empty());
         assert_eq!(
-            step(QueryEvent::Replace("The cat sat".into())),
-            Vec::<String>::new()
+            step(QueryEvent::Replace("The dog".into())).0,
+            ["<replace The dog>"]
         );
-        assert_eq!(step(QueryEvent::Text(" down".into())), [" down"]);
-        assert_eq!(
-            step(QueryEvent::Replace("The dog".into())),
-            Vec::<String>::new()
-        );
-        assert_eq!(step(QueryEvent::Text(" ran".into())), Vec::<String>::new());
-        assert!(sent.diverged);
+        assert_eq!(step(QueryEvent::Commit(" ran".into())), (vec![" ran".to_string()], "The dog ran".to_string()));
+        assert_eq!(sent.text, "The dog ran");
+        assert!(sent.replaced);
     }
 
     #[test]
@@ -951,6 +958,23 @@ mod tests {
             "Be brief.\n\nConversation so far:\nUser: Who wrote it?\nAssistant: Ada."
         );
         assert!(c.passages.is_empty());
+    }
+
+    /// Issue 57: more pasted passages than a query reads (65 paragraphs of 210 characters in
+    /// a system message) were refused with 400; past detection's limits the message stays
+    /// prompt text, as with `find_passages: false`.
+    #[test]
+    fn too_many_pasted_passages_stay_prompt_text() {
+        let para = "word ".repeat(42);
+        let system = vec![para.trim(); crate::api::MAX_QUERY_DOCUMENTS + 1].join("\n\n");
+        let msgs = [msg("system", json!(system)), msg("user", json!("why?"))];
+        let c = conversation(&msgs, true).expect("served");
+        assert!(c.passages.is_empty(), "{} passages", c.passages.len());
+        assert_eq!(c.context, system);
+        let fits = vec![para.trim(); crate::api::MAX_QUERY_DOCUMENTS].join("\n\n");
+        let msgs = [msg("system", json!(fits)), msg("user", json!("why?"))];
+        let c = conversation(&msgs, true).expect("served");
+        assert_eq!(c.passages.len(), crate::api::MAX_QUERY_DOCUMENTS);
     }
 
     #[test]

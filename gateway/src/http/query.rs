@@ -33,11 +33,11 @@ pub(crate) struct SseEvent {
     tag = "query",
     request_body = QueryRequest,
     responses(
-        (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem). With `\"verify\": true` (greedy) the pieces come as `draft` (`{\"text\"}`, not final), `commit` (`{\"text\"}`, final) and `retract` (`{\"tokens\": n}`: the last n drafted tokens are withdrawn) events; the committed text is the full-recompute answer. When the fidelity guard moves an answer to the full cache, a `replace` event (`{\"text\"}`) carries the answer so far, which replaces what was streamed, and `token` events continue from it.",
+        (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem). With `\"verify\": true` (greedy) the pieces come as `draft` (`{\"text\"}`, not final), `commit` (`{\"text\"}`, final) and `retract` (`{\"tokens\": n}`: the last n `draft` events are withdrawn) events; the committed text is the full-recompute answer. When the fidelity guard moves an answer to the full cache and withdraws streamed text, a `replace` event (`{\"text\"}`) carries the answer so far, which replaces what was streamed, and `token` events continue from it. Applied in order, the events leave exactly the `done` event's `answer`.",
             content((Answer = "application/json"), (SseEvent = "text/event-stream"))),
         (status = 400, description = "The body is not JSON of this shape (an unknown field is named)", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body larger than 64 KiB", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 2 MiB", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
             example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 256, got 0", "field": "top_k"})),
