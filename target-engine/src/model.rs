@@ -183,6 +183,8 @@ impl AsRef<[u8]> for TensorBytes {
 struct Quant {
     /// `(rows, cols)`.
     dims: (usize, usize),
+    /// The block format the weights are multiplied in (after any re-quantization).
+    dtype: GgmlDType,
     weights: Weights,
 }
 
@@ -241,12 +243,14 @@ impl Quant {
             if let Some(p) = blocks.as_ref().and_then(QMatrix::pack) {
                 return Ok(Self {
                     dims: (rows, cols),
+                    dtype: tensor.dtype(),
                     weights: Weights::Packed(p),
                 });
             }
         }
         Ok(Self {
             dims: (rows, cols),
+            dtype: tensor.dtype(),
             weights: Weights::File {
                 candle: QMatMul::from_arc(tensor.clone())?,
                 own_kernels: matches!(ty, Some(QType::Q8_0 | QType::Q5_0 | QType::Q4_1)),
@@ -272,6 +276,18 @@ impl Quant {
     /// `(rows, cols)`.
     fn dims(&self) -> Result<(usize, usize)> {
         Ok(self.dims)
+    }
+
+    /// `kernel:format`: which kernel multiplies these weights, and their block format.
+    fn form(&self) -> String {
+        let kernel = match &self.weights {
+            Weights::Packed(_) => "packed",
+            Weights::File {
+                own_kernels: true, ..
+            } => "qmatrix",
+            Weights::File { .. } => "candle",
+        };
+        format!("{kernel}:{:?}", self.dtype)
     }
 
     /// Rows `ids` of the matrix, dequantized: an embedding lookup `(ids.len(), cols)`.
@@ -426,6 +442,81 @@ struct Layer {
     down: Linear,
 }
 
+/// How forwards over many rows (a chunk's precompute, a prefill) multiply the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ManyRows {
+    /// The same int8 kernels as few rows.
+    Int8,
+    /// Dense f32 GEMM on dequantized panels from this many rows on.
+    DensePanels(usize),
+    /// Dense f32 GEMM on dense copies of the weights from this many rows on.
+    DenseCopies(usize),
+}
+
+/// Everything besides the file that changes the numbers a forward produces, hence the bytes
+/// of stored KV: the model's part of its cache identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Numerics {
+    attention: &'static str,
+    requantize: Option<GgmlDType>,
+    many_rows: ManyRows,
+    /// `kernel:format` of every weight matrix with its count, sorted.
+    weights: std::collections::BTreeMap<String, usize>,
+}
+
+impl Numerics {
+    /// A stable, readable description (what [`Model::numerics`] shows).
+    fn describe(&self) -> String {
+        let requantize = self
+            .requantize
+            .map_or_else(|| "none".to_string(), |ty| format!("requantized-{ty:?}"));
+        let many_rows = match self.many_rows {
+            ManyRows::Int8 => "int8".to_string(),
+            ManyRows::DensePanels(n) => format!("dense-panels-from-{n}"),
+            ManyRows::DenseCopies(n) => format!("dense-copies-from-{n}"),
+        };
+        let weights: Vec<String> = self
+            .weights
+            .iter()
+            .map(|(form, n)| format!("{form}x{n}"))
+            .collect();
+        format!(
+            "attention={};requantize={requantize};many_rows={many_rows};weights={}",
+            self.attention,
+            weights.join(",")
+        )
+    }
+}
+
+/// The kernel each weight matrix runs on and its format, counted.
+fn weight_forms(
+    layers: &[Layer],
+    embed: &Quant,
+    lm_head: &Quant,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut forms = std::collections::BTreeMap::new();
+    let quants = layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].map(|x| &x.quant))
+        .chain([embed, lm_head]);
+    for q in quants {
+        *forms.entry(q.form()).or_insert(0) += 1;
+    }
+    forms
+}
+
+/// sha256 of the file's fingerprint and the numerics description, as 64 hex digits.
+fn identity(file_fingerprint: &str, numerics: &str) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"specrag-model\0");
+    for field in [file_fingerprint, numerics] {
+        h.update((field.len() as u64).to_le_bytes());
+        h.update(field.as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// What a forward returns.
 #[derive(Debug)]
 pub struct ForwardOutput {
@@ -441,6 +532,7 @@ pub struct Model {
     config: ModelConfig,
     tokenizer: Tokenizer,
     fingerprint: String,
+    numerics: String,
     path: PathBuf,
     rope: Rope,
     embed: Arc<Quant>,
@@ -476,10 +568,7 @@ impl Model {
         let mut f = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&f)?;
         let tokenizer = Tokenizer::from_gguf(&f)?;
-        let fingerprint = match opts.requantize {
-            Some(ty) => format!("{}+requantized-{ty:?}", f.fingerprint()),
-            None => f.fingerprint(),
-        };
+        let file_fingerprint = f.fingerprint();
         let rope = Rope::new(
             config.arch.rope_variant(),
             config.head_dim,
@@ -512,10 +601,24 @@ impl Model {
         }
         let bf16_attention = opts.attention == kernels::AttentionPrecision::Bf16
             && kernels::Bf16Kv::handles(shape_of(&config));
+        let has_dense = opts.dense && !int8_everywhere;
+        let numerics = Numerics {
+            attention: if bf16_attention { "bf16" } else { "f32" },
+            requantize: opts.requantize,
+            many_rows: match (has_dense, opts.dense_copies) {
+                (false, _) => ManyRows::Int8,
+                (true, false) => ManyRows::DensePanels(opts.dense_min_rows.max(1)),
+                (true, true) => ManyRows::DenseCopies(opts.dense_min_rows.max(1)),
+            },
+            weights: weight_forms(&layers, &embed, &lm_head),
+        }
+        .describe();
+        let fingerprint = identity(&file_fingerprint, &numerics);
         let model = Self {
             config,
             tokenizer,
             fingerprint,
+            numerics,
             path: path.to_path_buf(),
             rope,
             embed,
@@ -523,7 +626,7 @@ impl Model {
             output_norm,
             lm_head,
             dense_min_rows: opts.dense_min_rows.max(1),
-            has_dense: opts.dense && !int8_everywhere,
+            has_dense,
             rope_ok: false,
             bf16_attention,
         };
@@ -618,9 +721,20 @@ impl Model {
         &self.tokenizer
     }
 
-    /// Hash of the file's metadata and tensor table; binds caches to this exact model.
+    /// The identity every cache of this model is bound to (stored chunk KV, prefix hashes,
+    /// speculator scores): sha256 of the file's metadata and tensor table and of
+    /// [`Model::numerics`], the load choices that change the numbers a forward produces. Two
+    /// models with the same fingerprint write the same KV bytes for the same input.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
+    }
+
+    /// The load choices (and the CPU paths they led to) that change this model's numbers:
+    /// attention precision, re-quantized weights, how many-row products run, and which
+    /// kernel each weight matrix multiplies on (repacked int8 with AVX-512 VNNI, QMatrix,
+    /// candle's k-quant kernels), e.g. `attention=f32;requantize=none;many_rows=int8;weights=packed:Q8_0x168`.
+    pub fn numerics(&self) -> &str {
+        &self.numerics
     }
 
     /// Path the model was loaded from.
@@ -1028,6 +1142,59 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (issue 57): every load choice that changes a forward's numbers changes the
+    /// model's identity, bf16 attention included (this CPU may not load it, so the
+    /// description is checked directly).
+    #[test]
+    fn every_numerics_choice_changes_the_identity() {
+        let base = Numerics {
+            attention: "f32",
+            requantize: None,
+            many_rows: ManyRows::DensePanels(8),
+            weights: [("qmatrix:Q8_0".to_string(), 16)].into_iter().collect(),
+        };
+        let variants = [
+            Numerics {
+                attention: "bf16",
+                ..base.clone()
+            },
+            Numerics {
+                requantize: Some(GgmlDType::Q4_0),
+                ..base.clone()
+            },
+            Numerics {
+                many_rows: ManyRows::Int8,
+                ..base.clone()
+            },
+            Numerics {
+                many_rows: ManyRows::DenseCopies(8),
+                ..base.clone()
+            },
+            Numerics {
+                many_rows: ManyRows::DensePanels(9),
+                ..base.clone()
+            },
+            Numerics {
+                weights: [("packed:Q8_0".to_string(), 16)].into_iter().collect(),
+                ..base.clone()
+            },
+            Numerics {
+                weights: [("candle:Q6K".to_string(), 16)].into_iter().collect(),
+                ..base.clone()
+            },
+        ];
+        let id = |n: &Numerics| identity("file", &n.describe());
+        for v in &variants {
+            assert_ne!(id(&base), id(v), "{}", v.describe());
+        }
+        assert_ne!(
+            identity("file", &base.describe()),
+            identity("other", &base.describe())
+        );
+        assert_eq!(id(&base), id(&base.clone()));
+        assert_eq!(id(&base).len(), 64);
+    }
 
     fn values(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
