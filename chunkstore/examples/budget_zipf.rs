@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 b.touch(&key(c));
             } else {
                 stored.insert(c);
-                for k in b.admit(&key(c), size) {
+                for k in b.admit("docs", &key(c), size) {
                     if let Some(g) = index.get(&k) {
                         stored.remove(g);
                     }

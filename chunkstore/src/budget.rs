@@ -8,61 +8,35 @@
 //! more often than the one it would push out, or plain LRU; `docs/performance.md` has the two
 //! measured on a skewed query stream.
 //!
-//! Which entries are budgeted survives restarts in `BUDGET` beside the chunk files, an append
-//! log of `+<key> <bytes>` and `-<key>` lines, compacted at open (a torn last line from a
-//! crash is skipped); recency and frequency start afresh.
+//! The budget is shared fairly by collections ([`crate::shares`]): each collection with
+//! budgeted KV may hold an equal share of it, and its entries are evicted only to make room
+//! for its own (or for a collection that arrives and takes its share), so one tenant's
+//! traffic never flushes another tenant's KV.
+//!
+//! Which entries are budgeted, and for which collection, survives restarts in `BUDGET`
+//! beside the chunk files, an append log of `+<key> <bytes> <collection>` and `-<key>`
+//! lines, compacted at open (a torn last line from a crash is skipped; a line without a
+//! collection, written before budgets were shared, belongs to the collection `""`); recency
+//! and frequency start afresh.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
-use std::sync::{Arc, Mutex};
-
-use moka::notification::RemovalCause;
-use moka::policy::EvictionPolicy;
+use std::sync::Mutex;
 
 use crate::error::{Result, StoreError};
 use crate::key::ChunkKey;
+use crate::shares::Shares;
+
+pub use crate::shares::Eviction;
 
 /// The ledger's file name in the disk tier's directory.
 pub const LEDGER_FILE: &str = "BUDGET";
 
-/// Which budgeted entry goes first when the budget is full.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Eviction {
-    /// W-TinyLFU: frequency-aware admission over an LRU window.
-    #[default]
-    TinyLfu,
-    /// Least recently used.
-    Lru,
-}
-
-impl FromStr for Eviction {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "tinylfu" => Ok(Self::TinyLfu),
-            "lru" => Ok(Self::Lru),
-            _ => Err(format!("`{s}` is not an eviction policy: tinylfu or lru")),
-        }
-    }
-}
-
-impl std::fmt::Display for Eviction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::TinyLfu => "tinylfu",
-            Self::Lru => "lru",
-        })
-    }
-}
-
-/// Budgeted entries, their stored sizes, and the policy that evicts them.
+/// Budgeted entries, their stored sizes and collections, and the policy that evicts them.
 pub struct DiskBudget {
-    cache: moka::sync::Cache<ChunkKey, u32>,
-    /// Keys the policy evicted since the caller last drained them.
-    evicted: Arc<Mutex<Vec<ChunkKey>>>,
+    shares: Shares<u32>,
     ledger: Mutex<File>,
     path: PathBuf,
     budget: u64,
@@ -85,16 +59,22 @@ fn io(path: &Path, source: std::io::Error) -> StoreError {
     crate::disk::io_err("budget ledger", None, path, source)
 }
 
+/// A budgeted entry as the ledger records it: key, stored bytes, collection.
+type Entry = (ChunkKey, u64, String);
+
 /// The entries a ledger's lines leave, in the order they were first added.
-fn replay(text: &str) -> Vec<(ChunkKey, u64)> {
-    let mut live: HashMap<ChunkKey, (usize, u64)> = HashMap::new();
+fn replay(text: &str) -> Vec<Entry> {
+    let mut live: HashMap<ChunkKey, (usize, u64, String)> = HashMap::new();
     for (n, line) in text.lines().enumerate() {
         let (op, rest) = line.split_at(line.len().min(1));
         let mut words = rest.split(' ');
         let key = words.next().and_then(|k| k.parse::<ChunkKey>().ok());
-        match (op, key, words.next().and_then(|b| b.parse::<u64>().ok())) {
-            ("+", Some(k), Some(bytes)) => {
-                live.entry(k).or_insert((n, bytes)).1 = bytes;
+        let bytes = words.next().and_then(|b| b.parse::<u64>().ok());
+        let owner = words.next().unwrap_or_default().to_string();
+        match (op, key, bytes) {
+            ("+", Some(k), Some(bytes)) if words.next().is_none() => {
+                let e = live.entry(k).or_insert((n, bytes, String::new()));
+                (e.1, e.2) = (bytes, owner);
             }
             ("-", Some(k), None) => {
                 live.remove(&k);
@@ -103,8 +83,12 @@ fn replay(text: &str) -> Vec<(ChunkKey, u64)> {
         }
     }
     let mut out: Vec<_> = live.into_iter().collect();
-    out.sort_by_key(|(_, (n, _))| *n);
-    out.into_iter().map(|(k, (_, b))| (k, b)).collect()
+    out.sort_by_key(|(_, (n, _, _))| *n);
+    out.into_iter().map(|(k, (_, b, o))| (k, b, o)).collect()
+}
+
+fn weigh(bytes: &u32) -> u32 {
+    *bytes
 }
 
 impl DiskBudget {
@@ -119,7 +103,10 @@ impl DiskBudget {
             Err(e) => return Err(io(&path, e)),
         };
         let entries = replay(&text);
-        let compacted: String = entries.iter().map(|(k, b)| format!("+{k} {b}\n")).collect();
+        let compacted: String = entries
+            .iter()
+            .map(|(k, b, o)| format!("+{k} {b} {o}\n"))
+            .collect();
         let tmp = dir.join(format!("{LEDGER_FILE}.tmp"));
         std::fs::write(&tmp, compacted).map_err(|e| io(&tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
@@ -127,31 +114,15 @@ impl DiskBudget {
             .append(true)
             .open(&path)
             .map_err(|e| io(&path, e))?;
-        let evicted = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&evicted);
-        let cache = moka::sync::Cache::builder()
-            .max_capacity(budget)
-            .weigher(|_: &ChunkKey, bytes: &u32| *bytes)
-            .eviction_policy(match policy {
-                Eviction::TinyLfu => EvictionPolicy::tiny_lfu(),
-                Eviction::Lru => EvictionPolicy::lru(),
-            })
-            .eviction_listener(move |k: Arc<ChunkKey>, _, cause: RemovalCause| {
-                if cause.was_evicted() {
-                    lock(&sink).push(*k);
-                }
-            })
-            .build();
         let me = Self {
-            cache,
-            evicted,
+            shares: Shares::new(budget, policy, weigh),
             ledger: Mutex::new(ledger),
             path,
             budget,
         };
         let mut gone = Vec::new();
-        for (k, b) in entries {
-            gone.extend(me.admit(&k, b));
+        for (k, b, o) in entries {
+            gone.extend(me.admit(&o, &k, b));
         }
         Ok((me, gone))
     }
@@ -162,14 +133,14 @@ impl DiskBudget {
         }
     }
 
-    /// Budgets `key`, stored in `bytes` bytes. Returns the keys the policy evicted to make room
-    /// (possibly `key` itself): the caller deletes their files.
-    pub fn admit(&self, key: &ChunkKey, bytes: u64) -> Vec<ChunkKey> {
-        self.append(&format!("+{key} {bytes}\n"));
-        self.cache
-            .insert(*key, u32::try_from(bytes).unwrap_or(u32::MAX));
-        self.cache.run_pending_tasks();
-        let gone = std::mem::take(&mut *lock(&self.evicted));
+    /// Budgets `key` for `collection`, stored in `bytes` bytes. Returns the keys the policy
+    /// evicted to make room (possibly `key` itself; only `collection`'s own, unless it is new
+    /// to the budget and takes its share): the caller deletes their files.
+    pub fn admit(&self, collection: &str, key: &ChunkKey, bytes: u64) -> Vec<ChunkKey> {
+        self.append(&format!("+{key} {bytes} {collection}\n"));
+        let gone = self
+            .shares
+            .insert(collection, *key, u32::try_from(bytes).unwrap_or(u32::MAX));
         for k in &gone {
             self.append(&format!("-{k}\n"));
         }
@@ -178,30 +149,36 @@ impl DiskBudget {
 
     /// Notes a read of `key` (recency and frequency); nothing when it is not budgeted.
     pub fn touch(&self, key: &ChunkKey) {
-        let _ = self.cache.get(key);
+        let _ = self.shares.get(key);
     }
 
-    /// Stops budgeting `key` (it was pinned by ingestion, or removed); its file stays.
+    /// Stops budgeting `key` (it was pinned by ingestion, or removed); its file stays. A key
+    /// the policy evicted but the caller has not been told of yet is kept too: its file is
+    /// not deleted.
     pub fn forget(&self, key: &ChunkKey) {
-        if self.cache.remove(key).is_some() {
+        if self.shares.remove(key) {
             self.append(&format!("-{key}\n"));
         }
     }
 
     /// Whether `key` is budgeted.
     pub fn contains(&self, key: &ChunkKey) -> bool {
-        self.cache.contains_key(key)
+        self.shares.contains(key)
     }
 
     /// Every budgeted key.
     pub fn keys(&self) -> Vec<ChunkKey> {
-        self.cache.iter().map(|(k, _)| *k).collect()
+        self.shares.entries().into_iter().map(|(k, _)| k).collect()
     }
 
     /// Bytes the budgeted entries take, and the budget.
     pub fn usage(&self) -> (u64, u64) {
-        self.cache.run_pending_tasks();
-        (self.cache.weighted_size(), self.budget)
+        (self.shares.usage().0, self.budget)
+    }
+
+    /// Bytes each collection's budgeted entries take.
+    pub fn usage_by_collection(&self) -> Vec<(String, u64)> {
+        self.shares.usage().1
     }
 }
 
@@ -218,12 +195,12 @@ mod tests {
         let dir = tempfile::tempdir().map_err(|e| io(Path::new("tmp"), e))?;
         let (b, gone) = DiskBudget::open(dir.path(), 300, Eviction::Lru)?;
         assert!(gone.is_empty());
-        assert!(b.admit(&key(1), 100).is_empty());
-        assert!(b.admit(&key(2), 100).is_empty());
+        assert!(b.admit("c", &key(1), 100).is_empty());
+        assert!(b.admit("c", &key(2), 100).is_empty());
         b.touch(&key(1));
-        assert!(b.admit(&key(3), 100).is_empty());
+        assert!(b.admit("c", &key(3), 100).is_empty());
         // Full: the least recently used (2) goes.
-        assert_eq!(b.admit(&key(4), 100), vec![key(2)]);
+        assert_eq!(b.admit("c", &key(4), 100), vec![key(2)]);
         b.forget(&key(3));
         assert!(!b.contains(&key(3)) && b.contains(&key(1)));
         assert_eq!(b.usage(), (200, 300));
@@ -244,9 +221,15 @@ mod tests {
     #[test]
     fn a_torn_ledger_line_is_skipped() {
         let (a, b) = (key(1), key(2));
-        let text = format!("+{a} 10\n+{b} 20\n-{a}\n+{a} 3");
-        assert_eq!(replay(&text), vec![(b, 20), (a, 3)]);
-        assert_eq!(replay(&format!("+{b} 20\n+{a}")), vec![(b, 20)]);
+        let text = format!("+{a} 10 x\n+{b} 20\n-{a}\n+{a} 3 y");
+        assert_eq!(
+            replay(&text),
+            vec![(b, 20, String::new()), (a, 3, "y".to_string())]
+        );
+        assert_eq!(
+            replay(&format!("+{b} 20 x\n+{a}")),
+            vec![(b, 20, "x".to_string())]
+        );
         assert!("fifo".parse::<Eviction>().is_err());
         assert_eq!("lru".parse::<Eviction>(), Ok(Eviction::Lru));
     }

@@ -49,6 +49,25 @@ const SLED_FILES: [&str; 2] = ["conf", "db"];
 /// dropped it (a restart, a test) should not fail.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How the disk tier writes the bytes of a new chunk file: the file system ([`FsWriter`]), or
+/// in fault tests a disk that fails part way (full, say), to check what the store does then.
+pub trait BlobWriter: Send + Sync {
+    /// Creates `path`, writes `bytes` to it and makes them durable.
+    fn write_new(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()>;
+}
+
+/// Writes through the file system.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FsWriter;
+
+impl BlobWriter for FsWriter {
+    fn write_new(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        let mut f = File::create(path)?;
+        f.write_all(bytes)?;
+        f.sync_data()
+    }
+}
+
 /// Chunk KV caches stored on disk, one file each. A file that fails to decode is deleted and
 /// reported absent; a file that cannot be read at all is too.
 pub struct DiskStore {
@@ -57,6 +76,8 @@ pub struct DiskStore {
     _lock: File,
     /// How `put` stores payloads; `get` reads every codec.
     codec: Codec,
+    /// Writes the bytes of new files.
+    writer: Arc<dyn BlobWriter>,
     /// Shard directories whose entries changed since the last `flush` (synced by it).
     dirty: Mutex<BTreeSet<PathBuf>>,
     hits: Counter,
@@ -87,6 +108,12 @@ impl DiskStore {
         self
     }
 
+    /// The store writing new files through `writer` instead of the file system directly.
+    pub fn with_writer(mut self, writer: Arc<dyn BlobWriter>) -> Self {
+        self.writer = writer;
+        self
+    }
+
     /// The codec new blobs are written with.
     pub fn codec(&self) -> Codec {
         self.codec
@@ -111,6 +138,7 @@ impl DiskStore {
             path: path.to_path_buf(),
             _lock: lock,
             codec: Codec::default(),
+            writer: Arc::new(FsWriter),
             dirty: Mutex::new(BTreeSet::new()),
             hits: Counter::default(),
             misses: Counter::default(),
@@ -226,10 +254,7 @@ impl DiskStore {
             .join(format!("{key}.{:016x}", rand_suffix()));
         let result = (|| -> std::io::Result<()> {
             std::fs::create_dir_all(&shard)?;
-            let mut f = File::create(&tmp)?;
-            f.write_all(bytes)?;
-            f.sync_data()?;
-            drop(f);
+            self.writer.write_new(&tmp, bytes)?;
             std::fs::rename(&tmp, &file)
         })();
         match result {

@@ -1,37 +1,36 @@
-//! The in-memory tier: a moka cache bounded by payload bytes rather than entry count, since one
-//! chunk's KV is megabytes and chunk lengths vary.
+//! The in-memory tier: moka caches bounded by payload bytes rather than entry count, since one
+//! chunk's KV is megabytes and chunk lengths vary, shared fairly by collections.
 
 use std::sync::Arc;
-
-use moka::sync::Cache;
 
 use crate::blob::KvBlob;
 use crate::error::{Result, StoreError};
 use crate::key::ChunkKey;
+use crate::shares::{Eviction, Shares};
 use crate::stats::{Counter, StoreStats};
 use crate::store::ChunkStore;
 
 /// Chunk KV caches held in memory, evicted by moka's TinyLFU policy once their payload bytes
-/// exceed the capacity. A blob larger than the whole capacity is not kept.
+/// exceed the capacity. The capacity is shared by collections ([`crate::shares`]): each
+/// collection with entries here holds at most an equal share, and its inserts evict only
+/// its own entries, so one tenant's traffic cannot push another's chunks out to disk. Entries
+/// inserted without a collection ([`ChunkStore::put`], a disk hit read by key alone) share
+/// the bucket `""`. A blob larger than its share is not kept.
 pub struct MemoryStore {
-    cache: Cache<ChunkKey, Arc<KvBlob>>,
-    capacity_bytes: u64,
+    shares: Shares<Arc<KvBlob>>,
     hits: Counter,
     misses: Counter,
+}
+
+fn weigh(blob: &Arc<KvBlob>) -> u32 {
+    u32::try_from(blob.payload_bytes()).unwrap_or(u32::MAX)
 }
 
 impl MemoryStore {
     /// An empty store holding at most `capacity_bytes` of K/V payload.
     pub fn new(capacity_bytes: u64) -> Self {
-        let cache = Cache::builder()
-            .max_capacity(capacity_bytes)
-            .weigher(|_key, blob: &Arc<KvBlob>| {
-                u32::try_from(blob.payload_bytes()).unwrap_or(u32::MAX)
-            })
-            .build();
         Self {
-            cache,
-            capacity_bytes,
+            shares: Shares::new(capacity_bytes, Eviction::TinyLfu, weigh),
             hits: Counter::default(),
             misses: Counter::default(),
         }
@@ -39,28 +38,41 @@ impl MemoryStore {
 
     /// The configured capacity in payload bytes.
     pub fn capacity_bytes(&self) -> u64 {
-        self.capacity_bytes
+        self.shares.capacity()
     }
 
-    /// Applies pending evictions now; moka otherwise does this lazily during later operations.
-    pub fn run_pending_tasks(&self) {
-        self.cache.run_pending_tasks();
-    }
+    /// Applies pending evictions now (they are applied at every insert).
+    pub fn run_pending_tasks(&self) {}
 
-    /// Inserts without validating (for blobs that were just decoded, hence already valid).
+    /// Inserts without validating (for blobs that were just decoded, hence already valid),
+    /// under the collection that holds `key` already, or `""`.
     pub(crate) fn insert_valid(&self, key: ChunkKey, blob: Arc<KvBlob>) {
-        self.cache.insert(key, blob);
+        let owner = self.shares.owner(&key).unwrap_or_default();
+        self.shares.insert(&owner, key, blob);
+    }
+
+    /// Inserts a blob read for `collection` (counted in its share).
+    pub fn put_for(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        self.shares.insert(collection, *key, blob);
+        Ok(())
+    }
+
+    /// Payload bytes each collection holds here.
+    pub fn usage_by_collection(&self) -> Vec<(String, u64)> {
+        self.shares.usage().1
     }
 
     /// Empties the tier; the counters are kept.
     pub fn clear(&self) {
-        self.cache.invalidate_all();
+        self.shares.clear();
     }
 }
 
 impl ChunkStore for MemoryStore {
     fn get(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
-        let found = self.cache.get(key);
+        let found = self.shares.get(key);
         match found {
             Some(_) => self.hits.add(1),
             None => self.misses.add(1),
@@ -71,17 +83,17 @@ impl ChunkStore for MemoryStore {
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
         blob.validate()
             .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        self.cache.insert(*key, blob);
+        self.insert_valid(*key, blob);
         Ok(())
     }
 
     fn remove(&self, key: &ChunkKey) -> Result<()> {
-        self.cache.invalidate(key);
+        self.shares.remove(key);
         Ok(())
     }
 
     fn contains(&self, key: &ChunkKey) -> Result<bool> {
-        Ok(self.cache.contains_key(key))
+        Ok(self.shares.contains(key))
     }
 
     fn flush(&self) -> Result<()> {
@@ -89,19 +101,17 @@ impl ChunkStore for MemoryStore {
     }
 
     fn stats(&self) -> StoreStats {
-        // Sizes are only exact once pending inserts and evictions are applied.
-        self.cache.run_pending_tasks();
         StoreStats {
             memory_hits: self.hits.get(),
             memory_misses: self.misses.get(),
-            memory_bytes: self.cache.weighted_size(),
-            entries: self.cache.entry_count(),
+            memory_bytes: self.shares.usage().0,
+            entries: self.shares.len(),
             ..StoreStats::default()
         }
     }
 
     /// The keys currently held; moka may evict any of them at any time.
     fn keys(&self) -> Result<Vec<ChunkKey>> {
-        Ok(self.cache.iter().map(|(k, _)| *k).collect())
+        Ok(self.shares.entries().into_iter().map(|(k, _)| k).collect())
     }
 }

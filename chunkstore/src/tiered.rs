@@ -16,20 +16,30 @@ use crate::stats::StoreStats;
 use crate::store::ChunkStore;
 
 /// A [`MemoryStore`] in front of a [`DiskStore`], optionally over a [`RemoteStore`] shared
-/// with other nodes. Every entry is on disk; memory holds the hot subset, filled by puts and
-/// by disk hits; a local miss reads through to the remote tier and fills both local tiers,
-/// and puts write through to it; `remove` leaves it alone (other nodes may use the entry).
-/// A remote failure is logged and counted, never an error of the store: the local tiers (or
-/// a recompute) answer instead.
+/// with other nodes. Memory holds the hot subset, filled by puts and by disk hits; a local
+/// miss reads through to the remote tier and fills both local tiers (on disk under the
+/// budget), and puts write through to it; `remove` leaves it alone (other nodes may use the
+/// entry). A remote failure is logged and counted, never an error of the store: the local
+/// tiers (or a recompute) answer instead.
 ///
-/// The whole store is a cache, and every tier's failure degrades the same way: a get that
-/// fails is a miss, a put or remove that fails is skipped (logged with the key, counted in
+/// Entries are pinned (what ingestion precomputes, [`ChunkStore::put`] and
+/// [`TieredStore::hold`]: on disk for as long as their chunk is indexed) or budgeted (KV
+/// computed while answering, [`TieredStore::put_cached`]: on disk while the budget, shared
+/// fairly by collections, keeps it). Every byte the disk tier writes is one or the other: no
+/// write, a remote tier's read-through included, leaves a file outside both, and no budgeted
+/// entry exists without its file.
+///
+/// The whole store is a cache, and a tier's failure degrades the same way: a get that fails
+/// is a miss, a cached put or a remove that fails is skipped (logged with the key, counted in
 /// [`StoreStats::errors`]), so a damaged file costs a recompute, never a failed request, and
-/// one key's failure never touches another key. Only a blob that is itself inconsistent is
-/// refused (that is the caller's bug).
+/// one key's failure never touches another key. Two things are refused: an inconsistent
+/// blob (the caller's bug), and a pinned put whose file cannot be written (a full disk, say):
+/// ingestion must not index a chunk whose KV is not on disk.
 ///
 /// The tiers are not updated atomically together. That is harmless because keys are content
 /// addresses: a get racing a put of the same key can only leave an equal blob in memory.
+/// Budget evictions and pins are serialized, so a key pinned while the budget evicts it keeps
+/// its file.
 pub struct TieredStore {
     memory: MemoryStore,
     disk: DiskStore,
@@ -40,6 +50,13 @@ pub struct TieredStore {
     /// When a failure this store answered for last happened (the disk tier counts its own
     /// failures in its statistics; the remote tier in its own).
     last_error: Mutex<Option<Instant>>,
+    /// Held while budget evictions are applied and while a key is pinned, so a key cannot be
+    /// pinned between its eviction and the deletion of its file.
+    evicting: Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl TieredStore {
@@ -51,6 +68,7 @@ impl TieredStore {
             remote: None,
             budget: None,
             last_error: Mutex::new(None),
+            evicting: Mutex::new(()),
         }
     }
 
@@ -74,22 +92,38 @@ impl TieredStore {
         self.budget.as_ref()
     }
 
+    /// Deletes what the budget evicted: the file and the memory copy (an evicted entry is
+    /// gone, not demoted to memory).
     fn delete_evicted(&self, keys: Vec<ChunkKey>) {
         for key in keys {
             let _ = self.disk.remove(&key);
+            let _ = self.memory.remove(&key);
         }
     }
 
-    /// Stores a blob computed while answering: like `put`, then under the disk budget (which
-    /// may evict it or others at once). Without a budget it is kept like any entry.
-    pub fn put_cached(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
-        let bytes = blob.payload_bytes() as u64;
-        self.put_inner(key, blob)?;
-        if let Some(b) = &self.budget {
-            let stored = self.disk.stored_bytes(key).unwrap_or(bytes);
-            self.delete_evicted(b.admit(key, stored));
+    /// Stores a blob computed while answering a query of `collection`: in memory, on disk
+    /// under the disk budget (which may evict it or the collection's others at once), and in
+    /// the remote tier. Without a budget it is kept like any entry. A disk write that fails
+    /// leaves it in memory only and out of the budget (the request that computed it goes on;
+    /// the next one to miss both tiers recomputes it); a key already pinned on disk stays
+    /// pinned.
+    pub fn put_cached(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+        let _serial = lock(&self.evicting);
+        let pinned = self.budget.as_ref().is_some_and(|b| !b.contains(key))
+            && self.disk.contains(key).unwrap_or(false);
+        let written = self.put_inner(collection, key, blob)?;
+        if !pinned && written {
+            self.budget_admit(collection, key);
         }
         Ok(())
+    }
+
+    /// Puts `key`, just written to disk, under the budget for `collection`, and deletes what
+    /// that evicts. The caller holds `evicting`.
+    fn budget_admit(&self, collection: &str, key: &ChunkKey) {
+        if let (Some(b), Some(stored)) = (&self.budget, self.disk.stored_bytes(key)) {
+            self.delete_evicted(b.admit(collection, key, stored));
+        }
     }
 
     /// Notes a read of `key` for the budget's policy (a hit of a budgeted entry).
@@ -99,11 +133,39 @@ impl TieredStore {
         }
     }
 
-    /// Takes `key` out of the budget: ingestion holds it now.
-    pub fn pin(&self, key: &ChunkKey) {
+    /// Takes `key` out of the budget (its file stays).
+    fn unbudget(&self, key: &ChunkKey) {
         if let Some(b) = &self.budget {
             b.forget(key);
         }
+    }
+
+    /// Pins `key` for ingestion when some tier holds it: out of the budget and on disk
+    /// (written from memory or the remote tier when the disk lacks it). `Ok(false)` when no
+    /// tier holds it (the caller computes it and [`ChunkStore::put`]s it); an error when the
+    /// disk cannot take it.
+    pub fn hold(&self, key: &ChunkKey) -> Result<bool> {
+        let _serial = lock(&self.evicting);
+        self.unbudget(key);
+        if self.disk.contains(key).unwrap_or(false) {
+            return Ok(true);
+        }
+        let found = match self.memory.get(key)? {
+            Some(b) => Some(b),
+            None => match &self.remote {
+                Some(r) => r.get(key).unwrap_or_else(|e| {
+                    self.degraded("remote get", Some(key), &e);
+                    None
+                }),
+                None => None,
+            },
+        };
+        let Some(blob) = found else {
+            return Ok(false);
+        };
+        self.disk.put(key, Arc::clone(&blob))?;
+        self.memory.insert_valid(*key, blob);
+        Ok(true)
     }
 
     /// Keys under the budget (garbage collection keeps them).
@@ -114,13 +176,19 @@ impl TieredStore {
             .unwrap_or_default()
     }
 
-    fn put_inner(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
+    /// Writes `blob` to every tier; whether the disk took it (a failure there is logged and
+    /// counted by the disk tier).
+    fn put_inner(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<bool> {
         blob.validate()
             .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        // A failed disk write leaves the blob in memory only: the request that computed it
-        // goes on, and the next one to miss both recomputes it.
-        // (The disk tier logs and counts its own failures.)
-        let _ = self.disk.put(key, Arc::clone(&blob));
+        let written = self.disk.put(key, Arc::clone(&blob)).is_ok();
+        self.spread(collection, key, blob)?;
+        Ok(written)
+    }
+
+    /// Writes `blob`, already on disk (or refused there), to the remote tier and to memory
+    /// (in `collection`'s share).
+    fn spread(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
         if let Some(remote) = &self.remote {
             if let Err(e) = remote.put(key, &blob) {
                 self.degraded("remote put", Some(key), &e);
@@ -136,8 +204,7 @@ impl TieredStore {
         } else {
             blob
         };
-        self.memory.insert_valid(*key, blob);
-        Ok(())
+        self.memory.put_for(collection, key, blob)
     }
 
     /// Logs a remote tier failure the store answers for, and notes when (the disk tier logs,
@@ -184,17 +251,16 @@ impl TieredStore {
         remote.put(key, &blob)
     }
 
-    /// The blob under `key` from the remote tier, filling disk and memory; `None` without a
-    /// remote tier, on a miss, or when Redis fails (logged).
-    pub fn get_remote(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
+    /// The blob under `key` from the remote tier, filling memory and the disk (under the
+    /// budget, for `collection`, like KV computed while answering); `None` without a remote
+    /// tier, on a miss, or when Redis fails (logged).
+    pub fn get_remote(&self, collection: &str, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
         let Some(remote) = &self.remote else {
             return Ok(None);
         };
         match remote.get(key) {
             Ok(Some(blob)) => {
-                // A failure is logged and counted by the disk tier itself.
-                let _ = self.disk.put(key, Arc::clone(&blob));
-                self.memory.insert_valid(*key, Arc::clone(&blob));
+                self.put_local_cached(collection, key, Arc::clone(&blob));
                 Ok(Some(blob))
             }
             Ok(None) => Ok(None),
@@ -202,6 +268,17 @@ impl TieredStore {
                 self.degraded("remote get", Some(key), &e);
                 Ok(None)
             }
+        }
+    }
+
+    /// A blob read from the remote tier into memory and onto disk under the budget (a disk
+    /// write that fails is logged and counted by the disk tier, and leaves no budget entry).
+    fn put_local_cached(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) {
+        let _serial = lock(&self.evicting);
+        let written = self.disk.put(key, Arc::clone(&blob)).is_ok();
+        let _ = self.memory.put_for(collection, key, blob);
+        if written {
+            self.budget_admit(collection, key);
         }
     }
 
@@ -257,14 +334,20 @@ impl ChunkStore for TieredStore {
             self.memory.insert_valid(*key, Arc::clone(blob));
             return Ok(found);
         }
-        self.get_remote(key)
+        // Which collection reads it is not known here: the budget's shared bucket.
+        self.get_remote("", key)
     }
 
-    /// Stores a pinned entry (what ingestion precomputes): out of the disk budget.
+    /// Stores a pinned entry (what ingestion precomputes): on disk, out of the disk budget.
+    /// A disk write that fails is an error here (after it is logged and counted): the caller
+    /// must not index a chunk whose KV is not on disk.
     fn put(&self, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
-        self.put_inner(key, blob)?;
-        self.pin(key);
-        Ok(())
+        let _serial = lock(&self.evicting);
+        self.unbudget(key);
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        self.disk.put(key, Arc::clone(&blob))?;
+        self.spread("", key, blob)
     }
 
     fn remove(&self, key: &ChunkKey) -> Result<()> {
@@ -272,7 +355,7 @@ impl ChunkStore for TieredStore {
         // cannot know which entries other nodes' indexes still use. Remote entries expire by
         // their TTL or Redis' eviction policy. A removal that fails leaves garbage, which the
         // next collection removes.
-        self.pin(key);
+        self.unbudget(key);
         let _ = self.disk.remove(key);
         self.memory.remove(key)
     }

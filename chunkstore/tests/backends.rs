@@ -354,10 +354,10 @@ fn query_time_entries_are_kept_within_the_disk_budget() -> TestResult {
     let store =
         TieredStore::open(dir.path(), 1 << 30)?.with_budget(3 * size, chunkstore::Eviction::Lru)?;
     for i in 1..=3 {
-        store.put_cached(&key(i), Arc::new(small(i)))?;
+        store.put_cached("docs", &key(i), Arc::new(small(i)))?;
     }
     store.touch(&key(1));
-    store.put_cached(&key(4), Arc::new(small(4)))?;
+    store.put_cached("docs", &key(4), Arc::new(small(4)))?;
     let on_disk = |i| store.disk().contains(&key(i)).unwrap_or(false);
     assert_eq!(
         (0..=4).map(on_disk).collect::<Vec<_>>(),

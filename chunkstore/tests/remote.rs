@@ -163,3 +163,44 @@ fn redis_going_away_costs_misses_and_coming_back_serves_again() -> TestResult {
     assert_eq!(b.get(&key(3))?.as_deref(), Some(&x));
     Ok(())
 }
+
+/// Regression (issue 57): a remote hit was written to the local disk neither budgeted nor
+/// pinned, so reads through the remote tier grew `kv/` past the disk budget. Now it is
+/// budgeted like KV computed while answering: under a full budget it evicts, and every file
+/// on disk is pinned or budgeted.
+#[test]
+fn a_remote_hit_under_a_full_budget_stays_within_it() -> TestResult {
+    let tmp = tempfile::tempdir()?;
+    let port = free_port();
+    let _redis = redis(port, tmp.path());
+    let a = node(&tmp.path().join("a"), port)?;
+    let size = {
+        let probe = chunkstore::DiskStore::open(&tmp.path().join("probe"))?;
+        probe.put(&key(0), Arc::new(blob(2, 16, 8, 0)))?;
+        probe.stored_bytes(&key(0)).unwrap_or(0)
+    };
+    let b = node(&tmp.path().join("b"), port)?.with_budget(2 * size, chunkstore::Eviction::Lru)?;
+    b.put_cached("docs", &key(1), Arc::new(blob(2, 16, 8, 1)))?;
+    b.put_cached("docs", &key(2), Arc::new(blob(2, 16, 8, 2)))?;
+    for i in 3..8 {
+        a.put(&key(i), Arc::new(blob(2, 16, 8, i)))?;
+    }
+    for i in 3..8 {
+        assert!(b.get_remote("docs", &key(i))?.is_some(), "remote hit {i}");
+    }
+    let budget = b.budget().ok_or("budget")?;
+    assert!(budget.usage().0 <= 2 * size, "{:?}", budget.usage());
+    let files = b.disk().keys()?;
+    assert!(
+        files.len() <= 2,
+        "{} files for a budget of two",
+        files.len()
+    );
+    for k in files {
+        assert!(
+            budget.contains(&k),
+            "{k} on disk neither pinned nor budgeted"
+        );
+    }
+    Ok(())
+}

@@ -549,7 +549,7 @@ pub struct ModelInfo {
     /// The model file (shown to admin keys, or when the server has no keys).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// sha256 of the GGUF metadata and tensor table.
+    /// sha256 of the GGUF file's metadata and tensor table and of every load choice that changes the model's numbers (attention precision, re-quantization, the kernels its weights run on): stored KV is bound to it.
     pub fingerprint: String,
 }
 

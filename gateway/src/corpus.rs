@@ -177,7 +177,7 @@ impl Engines {
         let stored = if let Some(b) = store.memory().get(&key)? {
             Some((b, Tier::Memory))
         } else if let Some(b) = store.disk().get(&key)? {
-            store.memory().put(&key, b.clone())?;
+            store.memory().put_for(collection, &key, b.clone())?;
             Some((b, Tier::Disk))
         } else {
             None
@@ -193,12 +193,14 @@ impl Engines {
             tracing::warn!(%key, "speculator KV entry holds another chunk; recomputing it");
         }
         let kv = spec.chunk_kv(prefix, &text)?;
-        store.put_cached(&key, Arc::new(to_blob(kv.clone(), None)))?;
+        store.put_cached(collection, &key, Arc::new(to_blob(kv.clone(), None)))?;
         Ok(Some((kv, Tier::Recomputed)))
     }
 
     /// Loads the KV of a chunk with text `chunk_text` in `collection`: from memory, from disk,
-    /// or recomputed and stored back (a miss or a damaged blob).
+    /// from the remote tier, or recomputed and stored back (a miss or a damaged blob). What
+    /// it reads into memory or writes to disk counts in `collection`'s share of the memory
+    /// tier and of the disk budget.
     pub fn load(
         &self,
         store: &TieredStore,
@@ -210,13 +212,13 @@ impl Engines {
         let (blob, tier) = if let Some(b) = store.memory().get(&key)? {
             (b, Tier::Memory)
         } else if let Some(b) = store.disk().get(&key)? {
-            store.memory().put(&key, b.clone())?;
+            store.memory().put_for(collection, &key, b.clone())?;
             (b, Tier::Disk)
-        } else if let Some(b) = store.get_remote(&key)? {
+        } else if let Some(b) = store.get_remote(collection, &key)? {
             (b, Tier::Remote)
         } else {
             let b = Arc::new(self.compute(&text, &ids)?);
-            store.put_cached(&key, b.clone())?;
+            store.put_cached(collection, &key, b.clone())?;
             (b, Tier::Recomputed)
         };
         store.touch(&key);
@@ -229,7 +231,7 @@ impl Engines {
                 // know): never serve it; recompute and replace it.
                 tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
                 let fresh = Arc::new(self.compute(&text, &ids)?);
-                store.put_cached(&key, fresh.clone())?;
+                store.put_cached(collection, &key, fresh.clone())?;
                 let (kv, scores) = from_blob(&fresh).ok_or_else(|| {
                     GatewayError::Internal(format!("precompute mode `{}` unknown", fresh.mode))
                 })?;
@@ -348,7 +350,9 @@ pub const DEFAULT_DISK_BUDGET: u64 = 8 << 30;
 pub struct StoreOptions {
     pub codec: chunkstore::Codec,
     /// The disk byte budget of KV computed while answering (passages clients send, chunks
-    /// ingested with lazy KV) and what evicts it; ingested KV is not counted.
+    /// ingested with lazy KV, entries read through the remote tier) and what evicts it;
+    /// ingested KV is not counted. Collections share it fairly: each with budgeted KV may
+    /// hold an equal share, and only its own writes evict its entries.
     pub disk_budget: u64,
     pub eviction: chunkstore::Eviction,
     pub remote: Option<RemoteOptions>,

@@ -10,6 +10,7 @@
 
 use crate::error::{GatewayError, Result};
 use crate::input::SourceDoc;
+use crate::kvmode::KvMode;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -23,6 +24,10 @@ pub enum LogEntry {
     Put {
         collection: String,
         chunk_tokens: usize,
+        /// When their chunks' KV is computed: followers ingest the same way (an entry
+        /// written before the log carried it reads as `eager`).
+        #[serde(default)]
+        kv: KvMode,
         docs: Vec<LogDoc>,
     },
     /// A document deleted from `collection`.

@@ -37,28 +37,7 @@ pub struct IngestConfig {
     pub kv: KvMode,
 }
 
-/// When ingestion computes chunk KV.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    clap::ValueEnum,
-    serde::Deserialize,
-    serde::Serialize,
-    utoipa::ToSchema,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum KvMode {
-    /// Precompute every chunk's KV now (pinned: kept while the chunk is indexed).
-    #[default]
-    Eager,
-    /// Index the text only; a chunk's KV is computed the first time a query reads it and kept
-    /// under the disk budget (`--kv-disk-budget`).
-    Lazy,
-}
+pub use crate::kvmode::KvMode;
 
 impl Default for IngestConfig {
     fn default() -> Self {
@@ -342,7 +321,9 @@ fn plan(
 
 /// Makes sure the store holds the KV of the chunk with text `chunk_text` (and, with
 /// `speculator_kv`, the speculator's): computed now unless stored before. Returns its key and
-/// whether it was stored before.
+/// whether it was stored before. Eagerly ingested KV is pinned on disk before this returns
+/// (a copy only memory or the remote tier held is written to disk; a disk that cannot take it
+/// is an error, so the batch is rolled back rather than indexed without its KV).
 fn store_chunk(
     corpus: &Corpus,
     engines: &Engines,
@@ -352,28 +333,32 @@ fn store_chunk(
 ) -> Result<(ChunkKey, bool)> {
     let (text, ids) = engines.segment(chunk_text);
     let key = engines.key(&cfg.collection, &ids);
-    let cached = corpus.store.contains(&key)?;
     if cfg.kv == KvMode::Lazy {
+        let cached = corpus.store.contains(&key)?;
         if !cached {
             report.deferred_chunks += 1;
         }
         return Ok((key, cached));
     }
     let spec_key = engines.spec_key(&key).filter(|_| cfg.speculator_kv);
+    // Computed at query time before (lazily, as a passage, or by another node): ingestion
+    // holds it now.
+    let cached = corpus.store.hold(&key)?;
     if cached {
         report.reused_chunks += 1;
-        // Computed at query time before (lazily, or as a passage): ingestion holds it now.
-        corpus.store.pin(&key);
         // Stored before with the target KV only: the speculator KV joins it.
-        let missing = match spec_key {
-            Some(sk) => !corpus.store.contains(&sk)?,
-            None => false,
-        };
-        if missing {
-            if let Some((kv, _)) =
-                engines.load_spec_kv(&corpus.store, &cfg.collection, chunk_text)?
-            {
-                report.speculator_kv_bytes += kv.bytes() as u64;
+        if let Some(sk) = spec_key {
+            if !corpus.store.hold(&sk)? {
+                if let Some((kv, _)) =
+                    engines.load_spec_kv(&corpus.store, &cfg.collection, chunk_text)?
+                {
+                    report.speculator_kv_bytes += kv.bytes() as u64;
+                }
+                if !corpus.store.hold(&sk)? {
+                    return Err(crate::GatewayError::Internal(format!(
+                        "the speculator KV of chunk {key} could not be stored"
+                    )));
+                }
             }
         }
     } else {
@@ -407,6 +392,7 @@ fn share(corpus: &Corpus, cfg: &IngestConfig, batch: &[Planned], keys: &[ChunkKe
     let entry = crate::doclog::LogEntry::Put {
         collection: cfg.collection.clone(),
         chunk_tokens: cfg.chunk_tokens,
+        kv: cfg.kv,
         docs: batch
             .iter()
             .map(|p| crate::doclog::LogDoc {

@@ -19,6 +19,7 @@ pub mod fidelity;
 pub mod http;
 pub mod ingest;
 pub mod input;
+pub mod kvmode;
 pub mod method;
 pub mod metrics;
 pub mod models;

@@ -51,6 +51,22 @@ fn submit(
     }
 }
 
+/// How a follower ingests another node's batch: as that node did (same collection, chunk
+/// size and KV mode: a lazily ingested batch stays lazy), without logging it again.
+fn follower_config(
+    collection: &str,
+    chunk_tokens: usize,
+    kv: crate::kvmode::KvMode,
+) -> crate::ingest::IngestConfig {
+    crate::ingest::IngestConfig {
+        collection: collection.to_string(),
+        chunk_tokens,
+        kv,
+        log: false,
+        ..Default::default()
+    }
+}
+
 /// Applies one entry of another node; a failure is logged and the entry passed over (the log
 /// must not stall on one bad entry).
 fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
@@ -59,6 +75,7 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
         LogEntry::Put {
             collection,
             chunk_tokens,
+            kv,
             docs,
         } => {
             let mut reply = None;
@@ -67,12 +84,7 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                 reply = Some(rx);
                 Job::Ingest {
                     docs: docs.iter().map(|d| d.source(id)).collect(),
-                    cfg: crate::ingest::IngestConfig {
-                        collection: collection.clone(),
-                        chunk_tokens,
-                        log: false,
-                        ..Default::default()
-                    },
+                    cfg: follower_config(&collection, chunk_tokens, kv),
                     reply: tx,
                     progress: None,
                 }
@@ -112,5 +124,48 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                 tracing::warn!(entry = id, "document log deletion not applied: {e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmode::KvMode;
+
+    /// Regression (issue 57): the log's `Put` carried no KV mode, so followers precomputed
+    /// and pinned every chunk of a collection the ingesting node had ingested lazily.
+    #[test]
+    fn a_lazy_batch_is_applied_lazily() -> Result<(), serde_json::Error> {
+        let entry = LogEntry::Put {
+            collection: "c".into(),
+            chunk_tokens: 64,
+            kv: KvMode::Lazy,
+            docs: vec![],
+        };
+        let LogEntry::Put {
+            collection,
+            chunk_tokens,
+            kv,
+            ..
+        } = serde_json::from_str(&serde_json::to_string(&entry)?)?
+        else {
+            panic!("a put");
+        };
+        let cfg = follower_config(&collection, chunk_tokens, kv);
+        assert_eq!(
+            (cfg.kv, cfg.log, cfg.chunk_tokens),
+            (KvMode::Lazy, false, 64)
+        );
+        // An entry written before the log carried the mode was eager.
+        let old: LogEntry =
+            serde_json::from_str(r#"{"op":"put","collection":"c","chunk_tokens":8,"docs":[]}"#)?;
+        assert!(matches!(
+            old,
+            LogEntry::Put {
+                kv: KvMode::Eager,
+                ..
+            }
+        ));
+        Ok(())
     }
 }

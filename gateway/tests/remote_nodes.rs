@@ -1,7 +1,7 @@
 //! Two `specrag serve` nodes on one real Redis (`--kv-remote`), tiny models: node A ingests
 //! and computes the KV; node B ingests the same documents and finds every chunk's KV in Redis
-//! (nothing recomputed), and its queries read it from the remote tier and answer exactly as
-//! node A does. Redis going away mid-run costs misses only: queries keep answering from the
+//! (nothing recomputed), copies it to its own disk (an indexed chunk has its KV on disk), and
+//! answers exactly as node A does. Redis going away mid-run costs misses only: queries keep answering from the
 //! local tiers or by recomputing, and work again once it is back.
 
 mod common;
@@ -42,11 +42,12 @@ fn a_node_reuses_kv_another_node_computed_and_survives_redis_restarts() {
     let on_a = query(port_a, q);
     let on_b = query(port_b, q);
     let reuse = &on_b["reuse"];
-    assert!(reuse["chunks_from_remote"].as_u64() > Some(0), "{on_b}");
+    // B's ingestion took the KV from Redis onto its own disk (issue 57: indexed means on
+    // disk), so its query reads it locally and recomputes nothing.
+    assert_eq!(reuse["chunks_from_remote"], 0, "{on_b}");
     assert_eq!(reuse["chunks_recomputed"], 0, "{on_b}");
     assert_eq!(on_b["answer"], on_a["answer"]);
     assert_eq!(on_b["chunks"], on_a["chunks"]);
-    // Read through: the second time the chunks are local.
     let again = query(port_b, q);
     assert_eq!(again["reuse"]["chunks_from_remote"], 0, "{again}");
     assert_eq!(again["answer"], on_a["answer"]);
@@ -89,6 +90,17 @@ fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Valu
 }
 
 /// Polls `/health` of `port` until its document log position is `want` (never a sleep).
+/// How many chunk files the store in `kv` holds.
+fn chunk_files(kv: &std::path::Path) -> usize {
+    std::fs::read_dir(kv)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().len() == 2)
+        .map(|shard| std::fs::read_dir(shard.path()).map_or(0, |d| d.count()))
+        .sum()
+}
+
 fn wait_position(port: u16, want: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
@@ -138,11 +150,34 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
     let ask = |port| query(port, "where is the antenna?");
     let (on_a, on_b) = (ask(port_a), ask(port_b));
     assert_eq!(on_b["answer"], on_a["answer"]);
-    assert!(
-        on_b["reuse"]["chunks_from_remote"].as_u64() > Some(0),
-        "{on_b}"
-    );
+    // B applied the entry with A's KV, copied from Redis to its disk: nothing recomputed.
     assert_eq!(on_b["reuse"]["chunks_recomputed"], 0, "{on_b}");
+
+    // Regression (issue 57): a lazily ingested batch reached followers as eager, and they
+    // precomputed and pinned the whole collection. B ingests it lazily too: no KV written.
+    let files_b = chunk_files(&tmp.path().join("b/data/kv"));
+    let lazy = json!({"collection": "lazy", "kv": "lazy", "documents": [
+        {"id": "tents", "text": "The tent stands in the sand; the ant sits in the tent at night."},
+    ]});
+    let (status, body) = http(port_a, "POST", "/documents", Some(&lazy));
+    assert_eq!(status, 200, "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (_, list) = http(port_b, "GET", "/documents?collection=lazy", None);
+        if list["documents"].as_array().is_some_and(|d| d.len() == 1) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "B never applied the lazy batch"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        chunk_files(&tmp.path().join("b/data/kv")),
+        files_b,
+        "B computed KV for a batch ingested lazily"
+    );
 
     // A deletion travels the same way.
     let (status, body) = http(port_a, "DELETE", "/documents/ants?collection=default", None);

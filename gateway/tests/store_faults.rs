@@ -435,3 +435,242 @@ fn damaged_redis_entries_are_recomputed() -> TestResult {
     assert!(damaged > 0, "no chunk files");
     case.check(&before, &docs, "damaged Redis entries")
 }
+
+// ---------------------------------------------------------------------------------------
+// The disk budget and the pins under faults (issue 57), through the library: a corpus on a
+// disk that fills up, and budget evictions between the chunks of an ingestion.
+
+mod budget_faults {
+    use chunkstore::{BlobWriter, ChunkKey, ChunkStore, DiskStore, Eviction, MemoryStore};
+    use gateway::corpus::{Corpus, Engines};
+    use gateway::ingest::{ingest, ingest_until, IngestConfig, KvMode};
+    use gateway::input::SourceDoc;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use target_engine::testing::{write_tiny_gguf, TinySpec};
+    use target_engine::{Architecture, LoadOptions, Model};
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    /// A disk with `room` bytes left: the write that does not fit stops part way with
+    /// ENOSPC, as `write(2)` does.
+    struct FullDisk(AtomicU64);
+
+    impl BlobWriter for FullDisk {
+        fn write_new(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            let left = self.0.load(Ordering::SeqCst);
+            if bytes.len() as u64 > left {
+                std::fs::write(path, &bytes[..left as usize])?;
+                self.0.store(0, Ordering::SeqCst);
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            self.0.fetch_sub(bytes.len() as u64, Ordering::SeqCst);
+            std::fs::write(path, bytes)
+        }
+    }
+
+    fn engines(dir: &Path) -> Result<Engines, Box<dyn std::error::Error>> {
+        let target = dir.join("target.gguf");
+        write_tiny_gguf(&target, &TinySpec::new(Architecture::Qwen2))?;
+        let model = Model::load(&target, &LoadOptions::default())?;
+        Ok(Engines::new(Arc::new(model), None)?)
+    }
+
+    /// A corpus in `dir` whose disk takes `room` more bytes, under a disk budget of `budget`.
+    fn corpus(dir: &Path, room: u64, budget: u64) -> Result<Corpus, Box<dyn std::error::Error>> {
+        let kv = DiskStore::open(&dir.join("kv"))?.with_writer(Arc::new(FullDisk(room.into())));
+        let store = chunkstore::TieredStore::new(MemoryStore::new(1 << 30), kv)
+            .with_budget(budget, Eviction::Lru)?;
+        Ok(Corpus {
+            dir: dir.to_path_buf(),
+            index: retriever::Index::open(dir.join("index"))?,
+            store,
+            doclog: None,
+            store_reset: None,
+        })
+    }
+
+    fn doc(id: &str, n: usize) -> SourceDoc {
+        let text = (0..n)
+            .map(|i| format!("Paragraph {i} of {id}: the ant {i} sat in the tent near the attic."))
+            .collect::<Vec<_>>()
+            .join("\n\n");
+        SourceDoc {
+            id: id.into(),
+            title: None,
+            text,
+            origin: format!("{id}.md"),
+        }
+    }
+
+    fn cfg(collection: &str, kv: KvMode) -> IngestConfig {
+        IngestConfig {
+            collection: collection.into(),
+            chunk_tokens: 24,
+            batch_docs: 1,
+            kv,
+            ..IngestConfig::default()
+        }
+    }
+
+    /// Every chunk the index holds of `collection`'s eagerly ingested documents has its KV
+    /// on disk, pinned (outside the budget).
+    fn assert_indexed_means_on_disk(corpus: &Corpus, collection: &str) -> TestResult {
+        let budgeted = corpus.store.cached_keys();
+        for d in corpus.index.documents(Some(collection))? {
+            for c in corpus.index.chunks_of(collection, &d.doc_id)? {
+                let key: ChunkKey = c.key.parse()?;
+                assert!(
+                    corpus.store.disk().contains(&key)?,
+                    "{collection}/{}: an indexed chunk with no file",
+                    d.doc_id
+                );
+                assert!(
+                    !budgeted.contains(&key),
+                    "{collection}/{}: indexed chunk budgeted",
+                    d.doc_id
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Regression (issue 57): on a full disk the write error was swallowed and ingestion
+    /// reported success, indexing chunks whose KV was on no disk. Now the batch that cannot
+    /// be written fails and is rolled back; what was committed before keeps its files, and
+    /// query-time KV that cannot be written leaves no budget entry behind.
+    #[test]
+    fn a_full_disk_fails_the_batch_and_loses_no_pin() -> TestResult {
+        let tmp = tempfile::tempdir()?;
+        let engines = engines(tmp.path())?;
+        // Measure one document's files on a disk with room, then give the real disk room
+        // for it and a little more.
+        let probe = corpus(&tmp.path().join("probe"), u64::MAX, 1 << 30)?;
+        ingest(
+            &probe,
+            &engines,
+            vec![doc("first", 4)],
+            &cfg("alpha", KvMode::Eager),
+            |_| {},
+        )?;
+        let one_doc = probe
+            .store
+            .disk()
+            .keys()?
+            .iter()
+            .filter_map(|k| probe.store.disk().stored_bytes(k))
+            .sum::<u64>();
+        drop(probe);
+        let corpus = corpus(&tmp.path().join("data"), one_doc + one_doc / 3, 1 << 30)?;
+        ingest(
+            &corpus,
+            &engines,
+            vec![doc("first", 4)],
+            &cfg("alpha", KvMode::Eager),
+            |_| {},
+        )?;
+        let second = ingest(
+            &corpus,
+            &engines,
+            vec![doc("second", 8)],
+            &cfg("alpha", KvMode::Eager),
+            |_| {},
+        );
+        assert!(
+            second.is_err(),
+            "an ingestion onto a full disk reported success"
+        );
+        let ids: Vec<String> = corpus
+            .index
+            .documents(Some("alpha"))?
+            .into_iter()
+            .map(|d| d.doc_id)
+            .collect();
+        assert_eq!(ids, ["first"], "the failed batch was indexed");
+        assert_indexed_means_on_disk(&corpus, "alpha")?;
+        // Queries on the full disk: the passages' KV is served, never budgeted without a file.
+        for i in 0..6 {
+            engines.load(
+                &corpus.store,
+                "beta",
+                &format!("A passage {i} a client sent, about tents."),
+            )?;
+        }
+        for k in corpus.store.cached_keys() {
+            assert!(
+                corpus.store.disk().contains(&k)?,
+                "a phantom budget entry {k}"
+            );
+        }
+        assert_indexed_means_on_disk(&corpus, "alpha")?;
+        Ok(())
+    }
+
+    /// Eviction racing an eager ingestion of the same text: a collection ingested lazily has
+    /// its chunks' KV computed by queries (under the budget); then the same documents are
+    /// ingested eagerly while, between every two chunks, other queries fill the budget and
+    /// evict those very entries. Every chunk indexed at the end has its file, pinned.
+    /// Before: an evicted entry's memory copy counted as stored, and it was indexed with no
+    /// file.
+    #[test]
+    fn eviction_racing_an_eager_ingestion_of_the_same_text() -> TestResult {
+        let tmp = tempfile::tempdir()?;
+        let engines = engines(tmp.path())?;
+        let corpus = corpus(&tmp.path().join("data"), u64::MAX, 0)?;
+        let d = doc("shared", 6);
+        ingest(
+            &corpus,
+            &engines,
+            vec![d.clone()],
+            &cfg("alpha", KvMode::Lazy),
+            |_| {},
+        )?;
+        // A budget of a few chunks, reopened over the same directory.
+        let chunks: Vec<String> = corpus
+            .index
+            .chunks_of("alpha", "shared")?
+            .into_iter()
+            .map(|c| c.text)
+            .collect();
+        drop(corpus);
+        let corpus = corpus_with_budget(tmp.path(), &engines, &chunks)?;
+        for text in &chunks {
+            engines.load(&corpus.store, "alpha", text)?;
+        }
+        let mut n = 0;
+        let mut evict = || {
+            n += 1;
+            for i in 0..3 {
+                let text = format!("Query passage {n}.{i}: the thin ant ran in the sand.");
+                engines.load(&corpus.store, "alpha", &text).map(|_| ()).ok();
+            }
+            false
+        };
+        ingest_until(
+            &corpus,
+            &engines,
+            vec![d],
+            &cfg("alpha", KvMode::Eager),
+            |_| {},
+            &mut evict,
+        )?;
+        assert!(n >= chunks.len(), "the hook ran between the chunks");
+        assert_indexed_means_on_disk(&corpus, "alpha")
+    }
+
+    /// The corpus of `dir/data` reopened with a budget of about two of `chunks`' entries.
+    fn corpus_with_budget(
+        dir: &Path,
+        engines: &Engines,
+        chunks: &[String],
+    ) -> Result<Corpus, Box<dyn std::error::Error>> {
+        let mut bytes = 0;
+        let probe = corpus(&dir.join("probe"), u64::MAX, 1 << 30)?;
+        for text in chunks.iter().take(2) {
+            let loaded = engines.load(&probe.store, "alpha", text)?;
+            bytes += probe.store.disk().stored_bytes(&loaded.key).unwrap_or(0);
+        }
+        corpus(&dir.join("data"), u64::MAX, bytes)
+    }
+}

@@ -236,7 +236,8 @@ pub struct ServeArgs {
     /// slow bodies cannot hold the connections.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub body_timeout_secs: u64,
-    /// Memory tier of the chunk KV store, in MiB (1..=16777216).
+    /// Memory tier of the chunk KV store, in MiB (1..=16777216), shared equally by the
+    /// collections with chunks in it.
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
     pub memory_mb: u64,
     /// POST /documents also stores the speculator's own KV of every chunk (see `specrag
@@ -489,11 +490,13 @@ pub struct DataArgs {
     /// Disk bytes for KV computed while answering: passages clients send (`documents`, or
     /// pasted into OpenAI messages) and chunks ingested with `--kv lazy`, stored on first use.
     /// Past it, `--kv-eviction` deletes entries (they are recomputed when needed again).
+    /// Collections share it equally, and only a collection's own writes evict its entries.
     /// Ingested (`--kv eager`) KV is not counted. A number with an optional unit: B, KB, MB,
     /// GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024).
     #[arg(long, env = "SPECRAG_KV_DISK_BUDGET", default_value = "8GiB", value_name = "SIZE", value_parser = parse_size)]
     pub kv_disk_budget: u64,
-    /// Which budgeted entry goes first when `--kv-disk-budget` is full: `tinylfu` (W-TinyLFU:
+    /// Which budgeted entry of a collection goes first when its share of `--kv-disk-budget` is
+    /// full: `tinylfu` (W-TinyLFU:
     /// a new entry must be estimated to be used more often than the one it pushes out) or
     /// `lru` (least recently used).
     #[arg(
