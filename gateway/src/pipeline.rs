@@ -213,6 +213,12 @@ impl ContextCache {
         self.inner.invalidate_all();
     }
 
+    /// How many contexts it holds.
+    pub fn entries(&self) -> u64 {
+        self.inner.run_pending_tasks();
+        self.inner.entry_count()
+    }
+
     /// A cache holding at most `bytes` of KV (f32 K and V of every layer).
     pub fn new(bytes: u64) -> Self {
         Self {

@@ -556,6 +556,67 @@ async fn a_real_socket_answers_http() -> TestResult {
 
 /// The committed `docs/openapi.json` is what the server serves; regenerate it with
 /// `cargo specrag openapi > docs/openapi.json` after changing the API on purpose.
+/// Issue 57: `exact` with `method: full_recompute` ran a second full prefill beside full
+/// recompute's own (and kept its copy in the context cache); full recompute's answer is the
+/// exact one already. A context cache too small for a context makes no copy of it.
+#[test]
+fn exact_full_recompute_runs_one_full_prefill() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let q = |method, verify| gateway::pipeline::Query {
+        query: "the thin ant?".into(),
+        method,
+        verify,
+        fidelity: if verify {
+            gateway::fidelity::Fidelity::Exact
+        } else {
+            gateway::fidelity::Fidelity::Fast
+        },
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let full = p.query(
+        &q(gateway::pipeline::Method::FullRecompute, false),
+        &mut |_| true,
+    )?;
+    let exact = p.query(
+        &q(gateway::pipeline::Method::FullRecompute, true),
+        &mut |_| true,
+    )?;
+    assert_eq!(exact.answer, full.answer);
+    assert_eq!(p.contexts.entries(), 0, "no second full prefill was kept");
+    // Another method verifies against a full prefill, which the context cache keeps...
+    let verified = p.query(
+        &q(gateway::pipeline::Method::TargetProbe, true),
+        &mut |_| true,
+    )?;
+    assert_eq!(verified.answer, full.answer);
+    assert_eq!(p.contexts.entries(), 1);
+    // ...unless one context is larger than its whole budget.
+    let small = gateway::pipeline::ContextCache::new(1024);
+    let mut tight = Pipeline::new(
+        gateway::corpus::Engines::new(p.engines.target.clone(), None)?,
+        gateway::corpus::Corpus::open(&dir.path().join("data2"), 1 << 20)?,
+        ScoreSource::Query,
+    );
+    tight.contexts = small.clone();
+    let q2 = gateway::pipeline::Query {
+        documents: vec![gateway::pipeline::Passage {
+            id: "p".into(),
+            text: DOCS[0].1.into(),
+        }],
+        ..q(gateway::pipeline::Method::TargetProbe, true)
+    };
+    let a = tight.query(&q2, &mut |_| true)?;
+    assert!(!a.answer.is_empty() || a.tokens > 0);
+    assert_eq!(
+        small.entries(),
+        0,
+        "a context over the budget is not copied"
+    );
+    Ok(())
+}
+
 #[test]
 fn committed_openapi_document_is_current() -> TestResult {
     let committed = std::fs::read_to_string(

@@ -174,7 +174,9 @@ mod tests {
             a.iter().collect::<std::collections::HashSet<_>>().len() > 2,
             "samples vary"
         );
-        let other: Vec<u32> = (0..50).map(|i| sampled(8, 1.0).sample_at(&logits, i)).collect();
+        let other: Vec<u32> = (0..50)
+            .map(|i| sampled(8, 1.0).sample_at(&logits, i))
+            .collect();
         assert_ne!(a, other, "another seed, other samples");
         // p(1) ≈ 0.41 and p(3) ≈ 0.25: top_p 0.5 keeps exactly these two.
         let s = sampled(7, 0.5);

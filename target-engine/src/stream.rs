@@ -343,7 +343,11 @@ mod tests {
         assert_eq!(flow, Flow::Stop);
         assert_eq!(screen.text, "one");
         assert_eq!(s.text(), "one");
-        assert_eq!(s.ids().len(), 4, "up to the token that completed the stop string");
+        assert_eq!(
+            s.ids().len(),
+            4,
+            "up to the token that completed the stop string"
+        );
         // Committed in one go (a verification round), past the stop string.
         let mut screen = Screen::default();
         let mut s = TextStream::new(&tok, &["EN".into()]);

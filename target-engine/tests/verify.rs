@@ -231,7 +231,13 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         let (cache, logits) = m.prefill(&c.asm.ids).expect("prefill");
         let mut d = Drafter::new(&m, cache, logits).with_min_prob(0.0);
         let drafted = m
-            .continue_exact(full, &generated, (max, greedy()), &mut |_| true, Some(&mut d))
+            .continue_exact(
+                full,
+                &generated,
+                (max, greedy()),
+                &mut |_| true,
+                Some(&mut d),
+            )
             .expect("continue");
         assert_eq!(drafted.ids, want, "drafting, after {generated:?}");
         assert_eq!(
@@ -285,7 +291,9 @@ fn a_sampled_continuation_is_full_recomputes_sample_for_the_seed() {
         // Sampled from the blended cache (close to the full one, not equal).
         let (mut cache, logits) = draft(&m, &c, 0.0);
         let (approx, _) = m
-            .decode_watched(&mut cache, logits, &params, &mut |_| true, &mut |_, _| false)
+            .decode_watched(&mut cache, logits, &params, &mut |_| true, &mut |_, _| {
+                false
+            })
             .expect("approx");
         let got = m
             .continue_exact(

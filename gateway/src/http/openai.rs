@@ -409,8 +409,8 @@ impl Conversation {
             ps.map(|p| p.chars().count()).sum()
         };
         let count = self.passages.len() + split.passages.len();
-        let total = chars(&mut self.passages.iter().map(|p| &p.text))
-            + chars(&mut split.passages.iter());
+        let total =
+            chars(&mut self.passages.iter().map(|p| &p.text)) + chars(&mut split.passages.iter());
         if count > crate::api::MAX_QUERY_DOCUMENTS || total > crate::api::MAX_QUERY_DOCUMENTS_CHARS
         {
             return text.to_string();
@@ -935,7 +935,10 @@ mod tests {
             step(QueryEvent::Replace("The dog".into())).0,
             ["<replace The dog>"]
         );
-        assert_eq!(step(QueryEvent::Commit(" ran".into())), (vec![" ran".to_string()], "The dog ran".to_string()));
+        assert_eq!(
+            step(QueryEvent::Commit(" ran".into())),
+            (vec![" ran".to_string()], "The dog ran".to_string())
+        );
         assert_eq!(sent.text, "The dog ran");
         assert!(sent.replaced);
     }
