@@ -254,6 +254,8 @@ impl DiskStore {
             .join(format!("{key}.{:016x}", rand_suffix()));
         let result = (|| -> std::io::Result<()> {
             std::fs::create_dir_all(&shard)?;
+            // `tmp/` deleted behind the store's back is made again, not a failed write.
+            std::fs::create_dir_all(self.path.join(TMP_DIR))?;
             self.writer.write_new(&tmp, bytes)?;
             std::fs::rename(&tmp, &file)
         })();
