@@ -990,23 +990,13 @@ impl Pipeline {
             });
         }
         let mut cache = out.cache;
-        // The text the client holds, should the guard move the request to the full cache.
-        let mut sent = String::new();
-        let (mut g, mut spec) = {
-            let mut track = |p: Piece<'_>| {
-                if let Piece::Token(t) = p {
-                    sent.push_str(t);
-                }
-                on_piece(p)
-            };
-            self.decode_guarded(
-                q,
-                (&mut cache, out.logits),
-                drafter.as_mut(),
-                &mut report,
-                &mut track,
-            )?
-        };
+        let (mut g, mut spec, sent) = self.decode_guarded(
+            q,
+            (&mut cache, out.logits),
+            drafter.as_mut(),
+            &mut report,
+            on_piece,
+        )?;
         g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
@@ -1062,7 +1052,8 @@ impl Pipeline {
 
     /// [`Pipeline::decode_from`] under the fidelity guard (not for full recompute, which
     /// decodes from the full cache already, nor `exact`): `report` says whether it stopped
-    /// the decode to escalate, and why.
+    /// the decode to escalate, and why. Also returns the text the client was sent (what it
+    /// holds should the guard move the request to the full cache).
     fn decode_guarded(
         &self,
         q: &Query,
@@ -1070,7 +1061,7 @@ impl Pipeline {
         drafter: Option<&mut target_engine::Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<(target_engine::Generation, SpecStats)> {
+    ) -> Result<(target_engine::Generation, SpecStats, String)> {
         let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
@@ -1080,14 +1071,21 @@ impl Pipeline {
             uncertain = guarded && policy.doubts(ids.len(), gap);
             looped || uncertain
         };
+        let mut sent = String::new();
+        let mut track = |p: Piece<'_>| {
+            if let Piece::Token(t) = p {
+                sent.push_str(t);
+            }
+            on_piece(p)
+        };
         let (g, escalate, spec) =
-            self.decode_from(q, (cache, logits), drafter, on_piece, &mut watch)?;
+            self.decode_from(q, (cache, logits), drafter, &mut track, &mut watch)?;
         if escalate {
             report.loop_detected = looped;
             report.uncertain = uncertain && !looped;
             report.escalated = true;
         }
-        Ok((g, spec))
+        Ok((g, spec, sent))
     }
 
     /// Greedy or sampled decoding from `cache` and its last `logits`, with `drafter` (if any)

@@ -382,7 +382,6 @@ mod tests {
         }
         assert_eq!(s.commit(&ids(&tok, b"Y!Z"), &mut out), Flow::Stop);
         s.finish(&mut out);
-        drop(out);
         assert_eq!(screen.text, "aXY");
         assert!(screen.pieces.is_empty());
         assert!(
@@ -404,7 +403,6 @@ mod tests {
         r.keep(4, &mut out);
         r.commit(&ids(&tok, b"dog"), &mut out);
         r.finish(&mut out);
-        drop(out);
         assert_eq!(screen.text, "the dog");
         assert!(screen.events.iter().any(|e| e.starts_with("Replace")));
         // Nothing withdrawn and nothing new: what was held back still comes out at the end.
@@ -416,7 +414,6 @@ mod tests {
         let mut r = TextStream::resume(&tok, &[], &all, s.shown());
         r.keep(all.len(), &mut out);
         r.finish(&mut out);
-        drop(out);
         assert_eq!(screen.text, "ok é");
         assert!(!screen.events.iter().any(|e| e.starts_with("Replace")));
     }
