@@ -90,6 +90,22 @@ fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Valu
 }
 
 /// Polls `/health` of `port` until its document log position is `want` (never a sleep).
+/// Waits until `collection` on the node at `port` lists `n` documents.
+fn wait_listed(port: u16, collection: &str, n: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let path = format!("/documents?collection={collection}");
+    while http(port, "GET", &path, None).1["documents"]
+        .as_array()
+        .is_none_or(|d| d.len() != n)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{collection} never listed {n} documents"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// How many chunk files the store in `kv` holds.
 fn chunk_files(kv: &std::path::Path) -> usize {
     std::fs::read_dir(kv)
@@ -161,18 +177,7 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
     ]});
     let (status, body) = http(port_a, "POST", "/documents", Some(&lazy));
     assert_eq!(status, 200, "{body}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let (_, list) = http(port_b, "GET", "/documents?collection=lazy", None);
-        if list["documents"].as_array().is_some_and(|d| d.len() == 1) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "B never applied the lazy batch"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    wait_listed(port_b, "lazy", 1);
     assert_eq!(
         chunk_files(&tmp.path().join("b/data/kv")),
         files_b,
