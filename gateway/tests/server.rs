@@ -1004,11 +1004,6 @@ fn openai_bad_requests() -> Vec<(Value, StatusCode, &'static str)> {
             "stop",
         ),
         (
-            json!({"stop": "x", "specrag": {"verify": true}}),
-            StatusCode::BAD_REQUEST,
-            "stop",
-        ),
-        (
             json!({"specrag": {"collection": "no way"}}),
             StatusCode::BAD_REQUEST,
             "specrag.collection",

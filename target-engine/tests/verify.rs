@@ -119,17 +119,22 @@ fn tiny() -> (tempfile::TempDir, Model) {
     (dir, m)
 }
 
-#[test]
-fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
-    let (_d, m) = tiny();
-    let c = case(
-        &m,
+/// Two short chunks and a question about one of them, on the tiny model.
+fn antenna_case(m: &Model) -> Case {
+    case(
+        m,
         &[
             "the thin ant ran in the sand",
             "a hint: the antenna is in the attic",
         ],
         "where is the antenna?",
-    );
+    )
+}
+
+#[test]
+fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
+    let (_d, m) = tiny();
+    let c = antenna_case(&m);
     let want = reference(&m, &c.asm.ids, 40);
     for mode in [
         VerifyMode::FromFull,
@@ -188,14 +193,7 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
 #[test]
 fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
     let (_d, m) = tiny();
-    let c = case(
-        &m,
-        &[
-            "the thin ant ran in the sand",
-            "a hint: the antenna is in the attic",
-        ],
-        "where is the antenna?",
-    );
+    let c = antenna_case(&m);
     let max = 40;
     let want = reference(&m, &c.asm.ids, max);
     let wrong = |t: u32| (t + 1) % 200;
@@ -267,14 +265,7 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
 #[test]
 fn a_sampled_continuation_is_full_recomputes_sample_for_the_seed() {
     let (_d, m) = tiny();
-    let c = case(
-        &m,
-        &[
-            "the thin ant ran in the sand",
-            "a hint: the antenna is in the attic",
-        ],
-        "where is the antenna?",
-    );
+    let c = antenna_case(&m);
     let max = 24;
     let (mut kept_some, mut withdrew_some) = (false, false);
     for seed in 0..12u64 {
@@ -340,14 +331,7 @@ fn verified_output_equals_full_recompute_with_bf16_attention() {
         load(kernels::AttentionPrecision::Bf16),
         load(kernels::AttentionPrecision::F32),
     );
-    let c = case(
-        &m,
-        &[
-            "the thin ant ran in the sand",
-            "a hint: the antenna is in the attic",
-        ],
-        "where is the antenna?",
-    );
+    let c = antenna_case(&m);
     let (_, bf16_logits) = m.prefill(&c.asm.ids).expect("prefill");
     let (_, f32_logits) = f32_model.prefill(&c.asm.ids).expect("prefill");
     let diff = bf16_logits
