@@ -64,6 +64,14 @@ const NEAR_TIE: f32 = 0.25;
 /// where the two were within this gap in our full-precision logits.
 const DECODE_NEAR_TIE: f32 = 0.5;
 
+/// How far the quantized-only path (int8 activations on every product) may move a first-token
+/// logit from llama.cpp's. With AVX-512 VNNI it runs the repacked int8 GEMM, within 0.5 on
+/// every fixture; without, QMatrix's blockwise products, which round the activation scales
+/// their own way: SmolLM2's multi-hop prompt moves its two top logits by 0.55 and 0.54 in the
+/// same direction (a shift the softmax does not see) on a 2-core AMD EPYC with AVX2 only, every
+/// other fixture logit of the three models within 0.40.
+const QUANTIZED_LOGIT: f32 = 0.75;
+
 /// How far bf16 attention (`--attention bf16`) may move a first-token logit from llama.cpp's.
 /// Its rounding of q and k to 8 significant bits moves SmolLM2's logits more than the f32
 /// path's: 32.44 against llama.cpp's 31.80 on the multi-hop prompt, where the f32 path is 0.16
@@ -146,7 +154,7 @@ fn check_fixture_model(name: &str) {
         for &(id, l) in &top5 {
             let paths = [
                 ("dense", &first[..], 0.5),
-                ("quantized", &first_q[..], 0.5),
+                ("quantized", &first_q[..], QUANTIZED_LOGIT),
                 ("candle k-quants", &first_k[..], 0.5),
             ];
             for (path, first, bound) in paths.into_iter().chain(
@@ -603,9 +611,20 @@ fn blended_prefill_invariants_on_the_default_target() {
         "full prefill, f32 panels vs packed int8: max {:.4} mean {:.5} cosine {:.7}",
         k.max, k.mean, k.cosine
     );
-    assert!(
-        d.mean <= 2.0 * k.mean && 1.0 - d.cosine <= 2.0 * (1.0 - k.cosine),
-        "{d:?} vs {k:?}"
-    );
+    if panels.numerics() == m.numerics() {
+        // No int8 GEMM on this CPU (no AVX-512 VNNI): both loads run the same kernels, the
+        // yardstick is zero and the f16 storage alone is left. Measured on a 2-core AMD EPYC
+        // with AVX2 only: max 0.023, mean 0.0036, cosine 0.999984; a reused row at a wrong
+        // position or from the wrong chunk moves logits by whole units.
+        assert!(
+            d.mean < 0.02 && d.max < 0.2 && d.cosine > 0.9999,
+            "f16 storage alone: {d:?}"
+        );
+    } else {
+        assert!(
+            d.mean <= 2.0 * k.mean && 1.0 - d.cosine <= 2.0 * (1.0 - k.cosine),
+            "{d:?} vs {k:?}"
+        );
+    }
     assert_eq!(argmax(&out.logits), argmax(&full));
 }
