@@ -5,8 +5,8 @@
 //! passage a client sent) is a cache entry instead, kept while it fits in a byte budget and
 //! evicted by a policy when it does not. The policy is moka's (the crate the memory tier
 //! already uses): W-TinyLFU, which admits a new entry only when it is estimated to be used
-//! more often than the one it would push out, or plain LRU; `docs/performance.md` has the two
-//! measured on a skewed query stream.
+//! more often than the one it would push out, or plain LRU; `docs/usage.md` (*Ingest*, the
+//! disk budget) has the two measured on a skewed query stream.
 //!
 //! The budget is shared fairly by collections ([`crate::shares`]): each collection with
 //! budgeted KV may hold an equal share of it, and its entries are evicted only to make room
