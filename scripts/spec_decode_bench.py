@@ -74,7 +74,7 @@ def ask(url, question, docs, max_tokens, spec, draft=None):
 
 
 def rag_prompt(question, docs):
-    """The prompt text specrag's RagTemplate assembles (target-engine/src/assembly.rs)."""
+    """The prompt text specrag's RagTemplate assembles (target-engine/src/reuse/assembly.rs)."""
     text = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
     for d in docs:
         text += f"Document: {d['text'].strip()}\n\n"

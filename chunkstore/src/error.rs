@@ -78,12 +78,12 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
+    /// The remote tier refused or failed an operation.
     #[error("remote chunk store {op} failed: {reason}")]
     Remote { op: &'static str, reason: String },
-
-    #[error("invalid chunk key {input:?}: {reason}")]
-    InvalidKey { input: String, reason: &'static str },
+    /// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
+    #[error(transparent)]
+    InvalidKey(#[from] crate::key::KeyError),
 }
 
 fn key_suffix(key: &Option<ChunkKey>) -> String {

@@ -36,10 +36,7 @@ use crate::error::FormatError;
 
 /// First four bytes of every blob.
 pub const MAGIC: [u8; 4] = *b"SRKV";
-/// Version written by [`encode`] and the only one [`decode`] reads.
-pub const FORMAT_VERSION: u16 = 1;
-/// Codec tag of raw IEEE half precision values (the only tag before codecs existed).
-pub const DTYPE_F16: u16 = 1;
+pub use crate::version::{DTYPE_F16, FORMAT_VERSION};
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 48;
 /// The checksum covers everything after its own field.

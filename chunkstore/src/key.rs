@@ -5,8 +5,15 @@ use std::str::FromStr;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::StoreError;
-use crate::format::{DTYPE_F16, FORMAT_VERSION};
+use crate::version::{DTYPE_F16, FORMAT_VERSION};
+
+/// A chunk key in text form is not 64 hex digits, or a stored key is not 32 bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid chunk key {input:?}: {reason}")]
+pub struct KeyError {
+    pub input: String,
+    pub reason: &'static str,
+}
 
 /// sha256 of everything that determines a chunk's KV cache: format version, model fingerprint,
 /// collection, precompute mode, dtype and the chunk's token ids.
@@ -51,8 +58,8 @@ impl ChunkKey {
     }
 
     /// Key from its 32 raw bytes (as stored on disk).
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, StoreError> {
-        let raw: [u8; 32] = bytes.try_into().map_err(|_| StoreError::InvalidKey {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
+        let raw: [u8; 32] = bytes.try_into().map_err(|_| KeyError {
             input: hex(bytes),
             reason: "expected 32 bytes",
         })?;
@@ -85,11 +92,11 @@ impl fmt::Debug for ChunkKey {
 }
 
 impl FromStr for ChunkKey {
-    type Err = StoreError;
+    type Err = KeyError;
 
     /// Parses the 64 lowercase or uppercase hex digits written by `Display`.
-    fn from_str(s: &str) -> Result<Self, StoreError> {
-        let invalid = |reason| StoreError::InvalidKey {
+    fn from_str(s: &str) -> Result<Self, KeyError> {
+        let invalid = |reason| KeyError {
             input: s.to_string(),
             reason,
         };
@@ -164,7 +171,7 @@ mod tests {
     }
 
     #[test]
-    fn hex_roundtrip() -> Result<(), StoreError> {
+    fn hex_roundtrip() -> Result<(), KeyError> {
         let key = ChunkKey::new("m", "c", "standalone", &[7, 8]);
         let text = key.to_string();
         assert_eq!(text.len(), 64);

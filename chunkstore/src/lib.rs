@@ -27,6 +27,7 @@ pub mod shares;
 pub mod stats;
 pub mod store;
 pub mod tiered;
+pub mod version;
 
 pub use blob::{KvBlob, SpecScores};
 pub use budget::{DiskBudget, Eviction};
@@ -34,7 +35,7 @@ pub use codec::Codec;
 pub use disk::{BlobWriter, DiskStore, FsWriter};
 pub use error::{FormatError, Result, StoreError};
 pub use format::{decode, encode, encode_with, FORMAT_VERSION};
-pub use key::ChunkKey;
+pub use key::{ChunkKey, KeyError};
 pub use memory::MemoryStore;
 pub use remote::{RemoteStats, RemoteStore};
 pub use stats::StoreStats;

@@ -1,7 +1,7 @@
 //! The default run (not `--study`): the datasets of each pairing, every configuration answering
 //! every case, the load test, and the report with its charts.
 
-use crate::study_cmd;
+use crate::cli::{bar, file_name, load_model};
 use crate::Args;
 use anyhow::Context as _;
 use eval::datasets::{self, BridgeParams, Case, NeedleParams};
@@ -12,29 +12,10 @@ use eval::run::{self, Dataset, Record};
 use gateway::corpus::{Corpus, Engines};
 use gateway::models::{self, Role};
 use gateway::pipeline::{ChunkOrder, Method, Pipeline, ScoreSource};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal as _;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
-use target_engine::{LoadOptions, Model};
-
-pub(crate) fn load_model(path: &Path) -> anyhow::Result<Arc<Model>> {
-    eprintln!("loading {}", path.display());
-    // SPECRAG_ATTENTION, checked at startup.
-    let opts = LoadOptions {
-        attention: gateway::process::attention_from_env().map_err(anyhow::Error::msg)?,
-        ..LoadOptions::default()
-    };
-    let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
-    Ok(Arc::new(m))
-}
-
-pub(crate) fn file_name(p: &Path) -> String {
-    p.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| p.display().to_string())
-}
 
 /// The synthetic datasets of a budget.
 pub(crate) fn synthetic(b: &Budget, seed: u64) -> Vec<Dataset> {
@@ -68,19 +49,6 @@ pub(crate) fn synthetic(b: &Budget, seed: u64) -> Vec<Dataset> {
             max_tokens: 16,
         },
     ]
-}
-
-pub(crate) fn bar(len: u64, prefix: &str) -> ProgressBar {
-    let b = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-    b.set_style(
-        ProgressStyle::with_template(
-            "{prefix:>16} [{bar:30}] {pos}/{len} {msg:32!} {elapsed_precise} ETA {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    b.set_prefix(prefix.to_string());
-    b
 }
 
 /// Ingests `sets` and answers each of their cases with `configs` (plus the ρ = 1 identity
@@ -232,15 +200,6 @@ pub(crate) fn render(from: &Path, out: &Path) -> anyhow::Result<bool> {
 }
 
 pub(crate) fn run_all(args: Args) -> anyhow::Result<bool> {
-    if let Some(from) = &args.guard_curve {
-        return study_cmd::guard_curve(from, &args.guard_curve_label, args.guard_horizon);
-    }
-    if args.study {
-        return match &args.render {
-            Some(from) => study_cmd::render(from, &args.out, &args.study_best),
-            None => study_cmd::run(&args),
-        };
-    }
     if let Some(from) = &args.render {
         return render(from, &args.out);
     }

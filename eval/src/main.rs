@@ -6,10 +6,9 @@ use clap::Parser;
 use eval::plan::PairingName;
 use std::path::PathBuf;
 
+mod cli;
 mod default_run;
 mod study_cmd;
-
-use default_run::run_all;
 
 /// Evaluate every KV-reuse method: quality against gold answers, fidelity to full recompute,
 /// TTFT and its parts, and goodput under Poisson arrivals through the real server.
@@ -182,7 +181,17 @@ fn main() {
         std::process::exit(2);
     }
     let args = Args::parse();
-    match run_all(args) {
+    let run = if let Some(from) = &args.guard_curve {
+        study_cmd::guard_curve(from, &args.guard_curve_label, args.guard_horizon)
+    } else if args.study {
+        match &args.render {
+            Some(from) => study_cmd::render(from, &args.out, &args.study_best),
+            None => study_cmd::run(&args),
+        }
+    } else {
+        default_run::run_all(args)
+    };
+    match run {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
         Err(e) => {

@@ -252,7 +252,10 @@ pub fn score(
         rouge_l: metrics::best_rouge_l(&a.answer, &case.answers),
         match_full: a.answer == reference.answer.answer,
         rouge_l_full: metrics::rouge_l(&a.answer, &reference.answer.answer),
-        kl_first: target_engine::fidelity::kl_divergence(&reference.first_logits, &t.first_logits),
+        kl_first: target_engine::reuse::fidelity::kl_divergence(
+            &reference.first_logits,
+            &t.first_logits,
+        ),
         gold_recall,
         timings: a.timings,
         reuse: a.reuse,

@@ -193,13 +193,13 @@ pub fn mcnemar(a: &[bool], b: &[bool]) -> Option<McNemar> {
 
 /// KL(softmax(p) ‖ softmax(q)) in nats (f64, log-sum-exp); NaN if the lengths differ.
 ///
-/// Delegates to [`target_engine::fidelity::kl_divergence`], the function `run` already uses for
+/// Delegates to [`target_engine::reuse::fidelity::kl_divergence`], the function `run` already uses for
 /// `kl_first`, so the two can never disagree.
 pub fn kl_from_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     if p_logits.len() != q_logits.len() {
         return f64::NAN;
     }
-    target_engine::fidelity::kl_divergence(p_logits, q_logits)
+    target_engine::reuse::fidelity::kl_divergence(p_logits, q_logits)
 }
 
 /// How sure a next-token distribution is: softmax probability of its most likely token minus

@@ -1,6 +1,6 @@
 //! `specrag-eval --study`: the fidelity study's driver (cases, pairings, resume, report).
 
-use crate::default_run::{bar, file_name, load_model};
+use crate::cli::{bar, file_name, load_model};
 use crate::Args;
 use anyhow::Context as _;
 use eval::plan::PairingName;

@@ -3,7 +3,7 @@
 //!
 //! A fixed ρ cannot promise quality for the request in front of the user. The guard watches
 //! the request itself, with two free signals: a decode from the reused cache that falls into
-//! a loop (a run of [`target_engine::repetition::DEFAULT_LOOP_TOKENS`] tokens repeated, as
+//! a loop (a run of [`target_engine::decode::repetition::DEFAULT_LOOP_TOKENS`] tokens repeated, as
 //! the README's demo question did under reuse and not under full recompute), and a token
 //! chosen by a top-2 logit gap under [`GuardPolicy::margin`] (where reuse's small change to
 //! the logits can flip greedy's choice; docs/fidelity-guard.md measures it). When one fires,

@@ -160,7 +160,7 @@ pub struct Traced {
     /// The chunk tokens the method recomputed.
     pub selected: Vec<Selected>,
     /// Per generated token decoded one by one, the top-2 logit gap it was chosen with
-    /// ([`target_engine::generate::top2_gap`]); empty for verified or escalated answers.
+    /// ([`target_engine::decode::generate::top2_gap`]); empty for verified or escalated answers.
     pub margins: Vec<f32>,
 }
 
@@ -355,8 +355,7 @@ pub const DEFAULT_LONG_CONTEXT_MIN_TOKENS: usize = 24_576;
 
 /// Long-context drafting unless a request says otherwise (`--long-context`): off, because with
 /// decode attention grouped by kv head full attention decodes 8k-32k tokens faster than the
-/// drafter does verified on 2 cores (1.18-1.51x its time per token on the demo corpus,
-/// docs/long-context.md).
+/// drafter does verified on 2 cores (docs/long-context.md has the figures).
 pub const DEFAULT_LONG_CONTEXT: bool = false;
 
 impl Default for LongContext {

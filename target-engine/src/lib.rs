@@ -6,50 +6,49 @@
 //! at position `p`; it writes the rows it computes and reads the others. Full prefill, decode,
 //! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
 //! the same call. The LM head is a separate step ([`Model::logits`]).
+//!
+//! A core and two wings. The core: [`gguf`], [`config`], [`tokenizer`], [`model`] (forward
+//! passes), [`kv`], [`view`] (what a forward attends over when a drafter reads less), [`stop`],
+//! [`error`] and [`testing`] (tiny random-weight files). [`decode`]: the strategies that turn a
+//! prefilled cache into an answer. [`reuse`]: precomputed chunk KV, selection and the blended
+//! prefill. The wings use the core; the core uses neither.
 
-pub mod assembly;
-pub mod blend;
-pub mod chunk;
 pub mod config;
+pub mod decode;
 pub mod error;
-pub mod fidelity;
-pub mod generate;
 pub mod gguf;
 pub mod kv;
 pub mod model;
-pub mod repetition;
-pub mod sampling;
-pub mod select;
-pub mod sparse;
-pub mod specontext;
-pub mod speculative;
+pub mod reuse;
 pub mod stop;
-pub mod stream;
 pub mod testing;
 pub mod tokenizer;
-pub mod verify;
+pub mod view;
 
-pub use assembly::{Assembly, RagTemplate, Segment, SegmentKind};
-pub use blend::{kind_at, BlendOutput};
 /// Weight formats, for [`LoadOptions::requantize`].
 pub use candle_core::quantized::GgmlDType;
-pub use chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use config::{Architecture, ModelConfig};
-pub use error::{EngineError, Result};
-pub use generate::{
+pub use decode::generate::{
     chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,
 };
+pub use decode::repetition::LoopDetector;
+pub use decode::sampling::{argmax, Sampler, SamplingParams};
+pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewGeneration, ViewParams};
+pub use decode::specontext::{
+    ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView,
+};
+pub use decode::speculative::{DraftLength, Drafter, PromptLookup, SpecDecodeStats};
+pub use decode::stream::{Flow, Shown, TextStream};
+pub use decode::verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
+pub use error::{EngineError, Result};
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
-pub use repetition::LoopDetector;
-pub use sampling::{argmax, Sampler, SamplingParams};
-pub use select::{
+pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
+pub use reuse::blend::{kind_at, BlendOutput};
+pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
+pub use reuse::select::{
     budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,
     Random, SelectInput, Selector, TargetProbe,
 };
-pub use sparse::{kivi_cache, AttentionView, TopKConfig, TopKView, ViewGeneration, ViewParams};
-pub use specontext::{ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView};
-pub use speculative::{DraftLength, Drafter, PromptLookup, SpecDecodeStats};
-pub use stream::{Flow, Shown, TextStream};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
-pub use verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
+pub use view::AttentionView;

@@ -25,6 +25,11 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// Most rows one [`Model::forward_decode_path`] pass checks: verification and speculative
+/// decoding cap their checking batches here, where every row is still bit-identical to a
+/// one-token decode step.
+pub const MAX_VERIFY_ROWS: usize = 16;
+
 /// How a model is loaded.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -858,7 +863,7 @@ impl Model {
         ids: &[u32],
         positions: &[usize],
         cache: &mut KvCache,
-        view: &mut (dyn crate::sparse::AttentionView + Send),
+        view: &mut (dyn crate::view::AttentionView + Send),
         layers: usize,
     ) -> Result<()> {
         view.begin_step(ids, positions)?;
@@ -932,14 +937,14 @@ impl Model {
     }
 
     /// [`Model::forward_decode_path`] whose attention comes from `view` (an approximate view
-    /// of the cache: a long-context drafter's, see [`crate::sparse`]); the rows' K/V are
+    /// of the cache: a long-context drafter's, see [`crate::decode::sparse`]); the rows' K/V are
     /// written to `cache` as usual.
     pub fn forward_view(
         &self,
         ids: &[u32],
         positions: &[usize],
         cache: &mut KvCache,
-        view: &mut (dyn crate::sparse::AttentionView + Send),
+        view: &mut (dyn crate::view::AttentionView + Send),
     ) -> Result<ForwardOutput> {
         self.forward_decode_with(ids, positions, cache, Some(view))
     }
@@ -949,7 +954,7 @@ impl Model {
         ids: &[u32],
         positions: &[usize],
         cache: &mut KvCache,
-        mut view: Option<&mut (dyn crate::sparse::AttentionView + Send)>,
+        mut view: Option<&mut (dyn crate::view::AttentionView + Send)>,
     ) -> Result<ForwardOutput> {
         if let Some(v) = view.as_deref_mut() {
             v.begin_step(ids, positions)?;
@@ -1109,7 +1114,7 @@ struct Pass<'a> {
     /// Layers whose attention mass to record (one vector per layer), and where.
     probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
     /// Attention from an approximate view of the cache instead of all of it (a drafter's).
-    view: Option<&'a mut (dyn crate::sparse::AttentionView + Send)>,
+    view: Option<&'a mut (dyn crate::view::AttentionView + Send)>,
 }
 
 /// `silu(g) · u`: [`kernels::swiglu`] (on the kernels' pool, bit for bit candle's ops) for

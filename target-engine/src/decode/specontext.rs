@@ -24,7 +24,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sparse::AttentionView;
+use crate::view::AttentionView;
 use kernels::AttentionShape;
 use rayon::prelude::*;
 use std::sync::Arc;

@@ -14,15 +14,15 @@
 //!
 //! Exactness rests on [`Model::forward_decode_path`]: the rows of one checking pass are
 //! computed bit-identically to one-token decode steps (passes stay under
-//! [`MAX_VERIFY_ROWS`](crate::verify::MAX_VERIFY_ROWS) rows), so the target's logits, and the
+//! [`MAX_VERIFY_ROWS`](crate::model::MAX_VERIFY_ROWS) rows), so the target's logits, and the
 //! top-2 gaps the fidelity guard watches, are the ones plain decoding would have computed.
 
+use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation};
+use crate::decode::sampling::{argmax, Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
-use crate::generate::{top2_gap, Emit, GenerateParams, Generation};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::sampling::{argmax, Sampler, SamplingParams};
-use crate::verify::MAX_VERIFY_ROWS;
+use crate::model::MAX_VERIFY_ROWS;
 use std::collections::VecDeque;
 use std::time::Instant;
 

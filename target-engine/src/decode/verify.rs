@@ -13,16 +13,13 @@
 //! fidelity guard's escalation), a [`Drafter`] may propose tokens there too: speculative
 //! decoding over the full cache, each pass keeping only what the full cache would have chosen.
 
+use crate::decode::sampling::{argmax, Sampler};
+use crate::decode::speculative::{DraftLength, DraftRoom, Drafter, SpecDecodeStats};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
-use crate::model::Model;
-use crate::sampling::{argmax, Sampler};
-use crate::speculative::{DraftLength, DraftRoom, Drafter, SpecDecodeStats};
+use crate::model::{Model, MAX_VERIFY_ROWS};
 use std::sync::mpsc;
 use std::time::Instant;
-
-/// Most drafted tokens checked in one verification forward.
-pub const MAX_VERIFY_ROWS: usize = 16;
 
 /// How decoding goes on once the full cache is ready.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

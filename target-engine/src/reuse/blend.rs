@@ -8,11 +8,11 @@
 //! reused rows of the rest, causally by absolute position. Cost scales with the number of
 //! recomputed tokens (attention aside).
 
-use crate::assembly::{Assembly, SegmentKind};
-use crate::chunk::{ChunkKv, PrefixKv};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::reuse::assembly::{Assembly, SegmentKind};
+use crate::reuse::chunk::{ChunkKv, PrefixKv};
 use candle_core::{Device, Tensor};
 
 /// What a blended prefill returns.

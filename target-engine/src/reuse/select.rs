@@ -6,11 +6,11 @@
 //! spent only on chunk tokens whose reused KV is not already exact: with chunks precomputed
 //! after the template prefix, the first chunk's KV is exact and is never a candidate.
 
-use crate::assembly::Assembly;
-use crate::blend::BlendOutput;
-use crate::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 use crate::error::Result;
 use crate::model::Model;
+use crate::reuse::assembly::Assembly;
+use crate::reuse::blend::BlendOutput;
+use crate::reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use std::time::Instant;
@@ -523,7 +523,7 @@ impl Selector for Oracle {
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
         let a = model.blend_prefill_on(asm, fused.clone(), &by_kv)?;
         let b = model.blend_prefill_on(asm, fused, &by_attn)?;
-        let kl = |o: &BlendOutput| crate::fidelity::kl_divergence(&full_logits, &o.logits);
+        let kl = |o: &BlendOutput| crate::reuse::fidelity::kl_divergence(&full_logits, &o.logits);
         let mut best = if kl(&b) < kl(&a) { b } else { a };
         best.select_ms = select_ms;
         Ok(best)
@@ -555,7 +555,7 @@ mod tests {
 
     #[test]
     fn smoothing_averages_neighbours_within_a_segment_only() {
-        use crate::assembly::SegmentKind;
+        use crate::reuse::assembly::SegmentKind;
         let mut asm = Assembly::default();
         asm.push(SegmentKind::Chunk(0), "abc", &[1, 2, 3]);
         asm.push(SegmentKind::Chunk(1), "de", &[4, 5]);

@@ -8,8 +8,8 @@ use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
-    fidelity, Assembly, BlendOutput, ChunkKv, KvCache, Model, PrefixKv, RagTemplate, SegmentKind,
-    SelectInput,
+    reuse::fidelity, Assembly, BlendOutput, ChunkKv, KvCache, Model, PrefixKv, RagTemplate,
+    SegmentKind, SelectInput,
 };
 
 /// One prefill measurement.

@@ -14,7 +14,7 @@ use crate::{load_speculator, load_target, spinner};
 use gateway::corpus::{Corpus, Engines};
 use serde::Serialize;
 use std::sync::Arc;
-use target_engine::sparse::{kl, reborrow};
+use target_engine::decode::sparse::{kl, reborrow};
 use target_engine::{
     kivi_cache, AttentionView, ChunkKv, ContextHead, Drafter, FullReuse, GenerateParams, KvCache,
     Model, PromptLookup, RetrievalHead, SamplingParams, SelectInput, Selector, SpeContextConfig,
@@ -117,10 +117,10 @@ fn drafters(a: &LongArgs, speculator: bool) -> Vec<(String, Kind)> {
         // Resolved against the speculator by `long_cmd`.
         let embed_layer = a
             .retrieval_layer
-            .unwrap_or(target_engine::specontext::DEFAULT_LAYER);
+            .unwrap_or(target_engine::decode::specontext::DEFAULT_LAYER);
         let context_layer = a
             .context_layer
-            .unwrap_or(target_engine::specontext::DEFAULT_CONTEXT_LAYER);
+            .unwrap_or(target_engine::decode::specontext::DEFAULT_CONTEXT_LAYER);
         let spe = |layer| SpeContextConfig {
             layer,
             top_k: a.top_k,
@@ -460,13 +460,13 @@ fn resolve_layers(a: &mut LongArgs, s: &Model) -> anyhow::Result<()> {
         (
             "--retrieval-layer",
             a.retrieval_layer,
-            target_engine::specontext::DEFAULT_LAYER,
+            target_engine::decode::specontext::DEFAULT_LAYER,
             &mut layers.0,
         ),
         (
             "--context-layer",
             a.context_layer,
-            target_engine::specontext::DEFAULT_CONTEXT_LAYER,
+            target_engine::decode::specontext::DEFAULT_CONTEXT_LAYER,
             &mut layers.1,
         ),
     ] {

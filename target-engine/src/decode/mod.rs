@@ -1,0 +1,16 @@
+//! Decoding strategies: each one uses the model's forward passes (`crate::model`) and the
+//! cache's views (`crate::view`) to turn a prefilled cache into an answer. Plain and sampled
+//! decoding ([`generate`], [`sampling`], [`repetition`]'s loop detector), speculative decoding
+//! with prompt lookup or a draft model ([`speculative`]), verification of a reused cache's
+//! drafts against a full prefill ([`verify`]), long-context drafting from a sparse view
+//! ([`sparse`], SpeCache) or a retrieval head ([`specontext`], SpeContext), and the one place
+//! an answer's text is made from its tokens ([`stream`]).
+
+pub mod generate;
+pub mod repetition;
+pub mod sampling;
+pub mod sparse;
+pub mod specontext;
+pub mod speculative;
+pub mod stream;
+pub mod verify;
