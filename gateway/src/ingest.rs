@@ -59,8 +59,8 @@ impl Default for IngestConfig {
 pub enum IngestEvent {
     /// All documents are chunked: this many chunks and tokens to precompute.
     Planned { chunks: usize, tokens: usize },
-    /// One chunk is stored (computed now, or already in the store).
-    Chunk { cached: bool },
+    /// One chunk of `tokens` tokens is stored (computed now, or already in the store).
+    Chunk { cached: bool, tokens: usize },
     /// These documents are durable and searchable.
     Committed { documents: Vec<String> },
     /// A document was skipped.
@@ -243,9 +243,9 @@ fn ingest_inner(
                 }
                 let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)?;
                 keys.extend((cached || cfg.kv == KvMode::Eager).then_some(key));
-                report.chunks += 1;
-                report.tokens += chunk.ids.len();
-                on_event(IngestEvent::Chunk { cached });
+                let tokens = chunk.ids.len();
+                (report.chunks, report.tokens) = (report.chunks + 1, report.tokens + tokens);
+                on_event(IngestEvent::Chunk { cached, tokens });
                 indexed.push(IndexedChunk {
                     chunk: chunk.clone(),
                     key: key.to_string(),

@@ -12,6 +12,7 @@ pub mod api;
 pub mod auth;
 pub mod client;
 pub mod corpus;
+pub mod demo;
 pub mod doclog;
 pub mod engine;
 pub mod error;

@@ -1,11 +1,15 @@
-//! Issue 39: the README's demo question, asked over the four chunks BM25 retrieved for it from
-//! the demo corpus (frozen in `fixtures/demo_question.json`, in retrieval order), with the
-//! default target (Qwen2.5-Coder-1.5B) and the default method. Unguarded, reuse sent that
-//! answer into one off-topic sentence said twice; the default (`balanced`) must answer exactly
-//! as full recompute does.
+//! The README's demo question with the default target (Qwen2.5-Coder-1.5B) and the default
+//! method: the default (`balanced`) must answer exactly as full recompute does.
 //!
-//! A real-model test: the default target must be in `$SPECRAG_MODELS` (`scripts/setup-tests.sh`
-//! fetches it). Ingesting the four chunks and the three answers take about a minute on 2 cores.
+//! - Over the repository's current docs, as `specrag demo` asks it (lazy ingestion of README.md,
+//!   ARCHITECTURE.md and docs/*.md, the same HTTP request), so a docs edit that breaks a
+//!   newcomer's first answer fails here (issue 59; ignored until the guard catches it).
+//! - Over the four chunks BM25 retrieved on 2026-11-26 (frozen in `fixtures/demo_question.json`,
+//!   in retrieval order), where unguarded reuse sent the answer into one off-topic sentence said
+//!   twice (issue 39): a regression case.
+//!
+//! Real-model tests: the default target must be in `$SPECRAG_MODELS` (`scripts/setup-tests.sh`
+//! fetches it). Each takes one to a few minutes on 2 cores.
 
 use gateway::corpus::{Corpus, Engines};
 use gateway::fidelity::Fidelity;
@@ -18,12 +22,7 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 const TARGET: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
-#[test]
-fn the_demo_question_is_answered_as_full_recompute_answers_it() -> TestResult {
-    let fixture: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/demo_question.json"))?;
-    let question = fixture["question"].as_str().ok_or("question")?.to_string();
-    let chunks = fixture["chunks"].as_array().ok_or("chunks")?;
+fn default_target() -> Result<Arc<Model>, Box<dyn std::error::Error>> {
     // `$SPECRAG_MODELS`, else the workspace's `models/` (where setup links the models).
     let dir = std::env::var_os("SPECRAG_MODELS").map_or_else(
         || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"),
@@ -35,7 +34,81 @@ fn the_demo_question_is_answered_as_full_recompute_answers_it() -> TestResult {
         "{} is missing: run scripts/setup-tests.sh (the README's test command does)",
         path.display()
     );
-    let target = Arc::new(Model::load(&path, &LoadOptions::default())?);
+    Ok(Arc::new(Model::load(&path, &LoadOptions::default())?))
+}
+
+/// Ignored while it fails: over the docs of 2026-11-27 the default answers with a sentence copied
+/// from docs/blend.md (every token's margin above 0.97, so the guard stays silent) where full
+/// recompute answers otherwise; `cargo test --release -p gateway --test demo_question --
+/// --ignored` runs it. It is what issue 59's guard work must turn green.
+#[test]
+#[ignore = "the guard misses the demo question over today's docs (issue 59)"]
+fn the_demo_question_over_the_current_docs_is_answered_as_full_recompute_answers_it() -> TestResult
+{
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let inputs = gateway::input::read_inputs(&gateway::input::demo_paths(&root));
+    assert!(inputs.problems.is_empty(), "{:?}", inputs.problems);
+    let dir = tempfile::tempdir()?;
+    let corpus = Corpus::open(&dir.path().join("data"), 1 << 30)?;
+    let engines = Engines::new(default_target()?, None)?;
+    let cfg = gateway::ingest::IngestConfig {
+        collection: "demo".into(),
+        kv: gateway::ingest::KvMode::Lazy,
+        ..Default::default()
+    };
+    gateway::ingest::ingest(&corpus, &engines, inputs.docs, &cfg, |_| {})?;
+    let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+    let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
+    let rt = gateway::http::runtime()?;
+    let answers = rt.block_on(async {
+        let addr = gateway::http::spawn_loopback(state).await?;
+        let mut out = Vec::new();
+        for method in [Query::default().method.name(), "full_recompute"] {
+            let body = gateway::demo::demo_request(
+                gateway::demo::DEMO_QUESTION,
+                method,
+                gateway::demo::DEMO_MAX_TOKENS,
+            );
+            let (status, text) =
+                gateway::client::request(addr, "POST", "/rag/query", Some(&body.to_string()))
+                    .await?;
+            assert_eq!(status, 200, "{text}");
+            out.push(serde_json::from_str::<serde_json::Value>(&text)?);
+        }
+        Ok::<_, Box<dyn std::error::Error>>(out)
+    })?;
+    let (default, full) = (&answers[0], &answers[1]);
+    eprintln!(
+        "sources: {}\nfull recompute: {}\ndefault: {} (guard {})",
+        full["chunks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| format!("{}#{}", c["doc_id"], c["position"]))
+            .collect::<Vec<_>>()
+            .join(", "),
+        full["answer"],
+        default["answer"],
+        default["reuse"]["guard"]
+    );
+    assert_eq!(
+        default["chunks"], full["chunks"],
+        "both asks retrieve the same chunks"
+    );
+    assert_eq!(
+        default["answer"], full["answer"],
+        "the demo's default answer differs from full recompute's over today's docs"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_frozen_demo_chunks_are_answered_as_full_recompute_answers_them() -> TestResult {
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/demo_question.json"))?;
+    let question = fixture["question"].as_str().ok_or("question")?.to_string();
+    let chunks = fixture["chunks"].as_array().ok_or("chunks")?;
+    let target = default_target()?;
     let dir = tempfile::tempdir()?;
     let corpus = Corpus::open(&dir.path().join("data"), 1 << 30)?;
     let engines = Engines::new(target, None)?;

@@ -165,17 +165,18 @@ pub struct DemoArgs {
     #[arg(long, default_value = "data/demo")]
     pub data: PathBuf,
     /// The question asked over HTTP.
-    #[arg(
-        long,
-        default_value = "How does specrag decide which tokens of the retrieved chunks to recompute?"
-    )]
+    #[arg(long, default_value = gateway::demo::DEMO_QUESTION)]
     pub question: String,
     /// Method of the demo query.
     #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
     pub method: Method,
     /// Most tokens of the answer.
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, default_value_t = gateway::demo::DEMO_MAX_TOKENS)]
     pub max_tokens: u32,
+    /// `lazy`: index the text now and compute a chunk's KV when a query first retrieves it (the
+    /// first answer in minutes); `eager`: precompute every chunk's KV before asking.
+    #[arg(long, value_enum, default_value_t = gateway::ingest::KvMode::Lazy)]
+    pub kv: gateway::ingest::KvMode,
 }
 
 #[derive(Args, Debug)]
@@ -264,7 +265,7 @@ pub struct ServeArgs {
     /// answer's longest tail where it occurs in the prompt, up to 7 while a copy goes on, at no
     /// model cost; works with a speculator of another vocabulary, or none), `model` (the
     /// speculator) or `both` (lookup, then the speculator where fewer than 2 tokens match).
-    /// Measured per token against plain decoding: 0.55 / 0.88 / 0.67 (docs/performance.md).
+    /// docs/performance.md (*Speculative decoding*) has each one measured against plain decoding.
     /// `spec_draft` in the API overrides it per request.
     #[arg(long, env = "SPECRAG_SPEC_DRAFT", value_enum, default_value_t = gateway::pipeline::SpecDraft::default())]
     pub spec_draft: gateway::pipeline::SpecDraft,
@@ -287,9 +288,9 @@ pub struct LongContextArgs {
     /// --long-context-min-tokens draft from SpeCache's view of the cache (each step attends to
     /// 1024 rows per kv head chosen on 4-bit keys, a 128-token window and 4 sink rows), every
     /// round checked in one full-attention pass: the answer is unchanged, token for token.
-    /// Off by default: on 2 cores full attention decodes 8k-32k tokens faster (the drafter
-    /// took 1.18-1.51x its time per token, docs/long-context.md). `long_context` in the API
-    /// overrides it per request.
+    /// Off by default: on 2 cores full attention decodes 8k-32k tokens faster than the verified
+    /// drafter (docs/long-context.md has the figures). `long_context` in the API overrides it
+    /// per request.
     #[arg(long, env = "SPECRAG_LONG_CONTEXT", value_enum, default_value_t = OnOff::DEFAULT_LONG_CONTEXT)]
     pub long_context: OnOff,
     /// Prompts from which --long-context drafts, when it is on.
@@ -363,7 +364,7 @@ pub struct QueryArgs {
     /// answer's longest tail where it occurs in the prompt, up to 7 while a copy goes on, at no
     /// model cost; works with a speculator of another vocabulary, or none), `model` (the
     /// speculator) or `both` (lookup, then the speculator where fewer than 2 tokens match).
-    /// Measured per token against plain decoding: 0.55 / 0.88 / 0.67 (docs/performance.md).
+    /// docs/performance.md (*Speculative decoding*) has each one measured against plain decoding.
     /// `spec_draft` in the API overrides it per request.
     #[arg(long, env = "SPECRAG_SPEC_DRAFT", value_enum, default_value_t = gateway::pipeline::SpecDraft::default())]
     pub spec_draft: gateway::pipeline::SpecDraft,

