@@ -11,7 +11,9 @@
 //! `Σ w·x ≈ Σ_blocks d_x · (s · Σ u·q_x + o · Σ q_x)`.
 //!
 //! Two implementations of the same arithmetic: AVX-512 VNNI (`vpdpbusd` on 256-bit vectors,
-//! chosen at run time when the CPU has it) and a portable one. Either way each output element
+//! chosen at run time when the CPU has it) and a portable one, which on a CPU with AVX2 (and no
+//! VNNI) runs as 256-bit integer kernels giving the portable values bit for bit (`avx2`: 4-7x
+//! the portable decode speed). Either way each output element
 //! is computed by the same sequence of operations whatever the number of rows or threads, so a
 //! row's result never depends on which other rows were in the batch (lossless verification of
 //! several drafted tokens in one pass relies on that).
@@ -439,11 +441,13 @@ fn quantize_value(y: f32) -> i8 {
     (t + i32::from(f >= 0.5) - i32::from(f <= -0.5)) as i8
 }
 
+#[inline(always)]
 fn f16(bytes: &[u8], at: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
 /// Scale and minimum of Q4_K sub-block `j` from its 12 packed bytes (6 bits each).
+#[inline(always)]
 fn q4k_scale_min(sc: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (sc[j] & 63, sc[j + 4] & 63)
@@ -468,6 +472,7 @@ fn check_rows(op: &'static str, x: &[f32], n: usize, cols: usize) -> Result<()> 
 }
 
 /// Where sub-block `s` (of 32) of a row starts: its block's bytes and its index in the block.
+#[inline(always)]
 fn locate(ty: QType, row: &[u8], s: usize) -> (&[u8], usize) {
     let per = ty.block_len() / 32;
     let b = s / per;
@@ -479,6 +484,7 @@ mod portable {
     use super::*;
 
     /// Sub-block `s` of a row, unpacked (the reference the SIMD unpacking is tested against).
+    #[inline(always)]
     pub(super) fn unpack(ty: QType, row: &[u8], s: usize) -> Sub {
         let (blk, k) = locate(ty, row, s);
         let mut u = [0u8; 32];
@@ -562,7 +568,30 @@ mod portable {
         }
     }
 
+    /// One row dequantized: on AVX2 by [`avx2`](super::avx2) where the CPU has it (the same
+    /// operations, so the same values), else by [`dequantize_row_on`].
     pub(super) fn dequantize_row(ty: QType, row: &[u8], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2::available() {
+            // SAFETY: the CPU has the features (checked above).
+            return unsafe { super::avx2::dequantize_row(ty, row, dst) };
+        }
+        dequantize_row_on(ty, row, dst);
+    }
+
+    /// Output features `js` for every activation row: on AVX2 by [`avx2`](super::avx2) where
+    /// the CPU has it (the same integer dots and the same float operations in the same order,
+    /// so the same values), else by [`rows_on`].
+    pub(super) fn rows(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2::available() {
+            // SAFETY: the CPU has the features (checked above).
+            return unsafe { super::avx2::rows(m, js, acts, dst) };
+        }
+        rows_on(m, js, acts, dst);
+    }
+
+    pub(super) fn dequantize_row_on(ty: QType, row: &[u8], dst: &mut [f32]) {
         for (s, dst) in dst.chunks_exact_mut(32).enumerate() {
             let sub = unpack(ty, row, s);
             for (i, d) in dst.iter_mut().enumerate() {
@@ -572,7 +601,7 @@ mod portable {
         }
     }
 
-    pub(super) fn rows(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
+    pub(super) fn rows_on(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
         let subs = m.cols / 32;
         let view = m.view();
         for (jj, j) in js.enumerate() {
@@ -597,26 +626,25 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod vnni {
-    //! Helpers are `#[inline(always)]` without features of their own, so they compile inside
-    //! the `#[target_feature]` kernel they are called from; each kernel is monomorphized per
-    //! block format (`T`) and tile height (`R`), which leaves no branch in the inner loop.
+mod x86 {
+    //! What the AVX-512 VNNI and the AVX2 kernels share: unpacking a sub-block of 32 weights
+    //! into a vector of unsigned quants with its scales and offsets (AVX2 and F16C), the same
+    //! values as [`portable::unpack`](super::portable). Every helper is `#[inline(always)]`
+    //! without features of its own, so it compiles inside the `#[target_feature]` kernel that
+    //! calls it.
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Activation rows per tile: each keeps one 8-lane accumulator in a register.
-    const TILE: usize = 8;
-
-    const Q8_0: u8 = 0;
-    const Q5_0: u8 = 1;
-    const Q4_1: u8 = 2;
-    const Q4K: u8 = 3;
-    const Q6K: u8 = 4;
+    pub(super) const Q8_0: u8 = 0;
+    pub(super) const Q5_0: u8 = 1;
+    pub(super) const Q4_1: u8 = 2;
+    pub(super) const Q4K: u8 = 3;
+    pub(super) const Q6K: u8 = 4;
 
     /// # Safety
     /// F16C must be available.
     #[inline(always)]
-    unsafe fn f16(bytes: &[u8], at: usize) -> f32 {
+    pub(super) unsafe fn f16(bytes: &[u8], at: usize) -> f32 {
         let bits = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
         // SAFETY: the caller guarantees F16C.
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))) }
@@ -650,10 +678,13 @@ mod vnni {
     /// per half.
     ///
     /// # Safety
-    /// The features of [`Isa::Avx512Vnni`] must be available.
+    /// AVX2 and F16C must be available.
     #[inline(always)]
-    unsafe fn unpack<const T: u8>(row: &[u8], s: usize) -> (__m256i, [f32; 2], [f32; 2]) {
-        // SAFETY: the caller guarantees AVX2, F16C and AVX-512 BW/VL.
+    pub(super) unsafe fn unpack<const T: u8>(
+        row: &[u8],
+        s: usize,
+    ) -> (__m256i, [f32; 2], [f32; 2]) {
+        // SAFETY: the caller guarantees AVX2 and F16C.
         unsafe {
             let low = _mm256_set1_epi8(0x0F);
             match T {
@@ -667,7 +698,7 @@ mod vnni {
                     let blk = &row[s * 22..s * 22 + 22];
                     let d = f16(blk, 0);
                     let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    let hi = _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10));
+                    let hi = _mm256_and_si256(bits32(qh), _mm256_set1_epi8(0x10));
                     let u = _mm256_or_si256(nibbles16(&blk[6..]), hi);
                     (u, [d; 2], [-16.0 * d; 2])
                 }
@@ -716,6 +747,178 @@ mod vnni {
             }
         }
     }
+
+    /// Bit `i` of `bits` as byte `i` of a vector: 0xFF where set, 0 where not.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[inline(always)]
+    unsafe fn bits32(bits: u32) -> __m256i {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            // Byte i takes byte i / 8 of `bits`, then keeps only bit i % 8 of it.
+            let v = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(bits as i32),
+                _mm256_set_epi64x(
+                    0x0303_0303_0303_0303,
+                    0x0202_0202_0202_0202,
+                    0x0101_0101_0101_0101,
+                    0,
+                ),
+            );
+            let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
+            _mm256_cmpeq_epi8(_mm256_or_si256(v, others), _mm256_set1_epi8(-1))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The portable products on 256-bit integer vectors, for CPUs with AVX2 but without
+    //! AVX-512 VNNI: the same unpacked quants ([`x86::unpack`](super::x86)), the same exact
+    //! integer dot per half sub-block (`vpmaddubsw` pairs, exact for quants below 128; Q8_0's
+    //! signed quants through their sign), then the same float operations in the same order as
+    //! [`portable::rows_on`](super::portable), so every value equals the portable one.
+    use super::x86::*;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Whether this CPU runs these kernels (AVX2 and F16C), computed once.
+    pub(super) fn available() -> bool {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and F16C ([`available`]).
+    pub(super) unsafe fn dequantize_row(ty: QType, row: &[u8], dst: &mut [f32]) {
+        // SAFETY: the caller guarantees the features.
+        unsafe {
+            match ty {
+                QType::Q8_0 => dequantize_row_of::<Q8_0>(row, dst),
+                QType::Q5_0 => dequantize_row_of::<Q5_0>(row, dst),
+                QType::Q4_1 => dequantize_row_of::<Q4_1>(row, dst),
+                QType::Q4K => dequantize_row_of::<Q4K>(row, dst),
+                QType::Q6K => dequantize_row_of::<Q6K>(row, dst),
+            }
+        }
+    }
+
+    /// `s·u + o` per weight: a multiply, then an add, as the portable path rounds.
+    #[target_feature(enable = "avx2,f16c")]
+    fn dequantize_row_of<const T: u8>(row: &[u8], dst: &mut [f32]) {
+        for (s, out) in dst.chunks_exact_mut(32).enumerate() {
+            // SAFETY: this function's features are those `unpack` needs.
+            let (u, sc, o) = unsafe { unpack::<T>(row, s) };
+            let mut bytes = [0u8; 32];
+            // SAFETY: 32 bytes of destination; unaligned store.
+            unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
+            for (e, dst) in out.chunks_exact_mut(8).enumerate() {
+                let h = e / 2;
+                // SAFETY: 8 bytes of source and 8 floats of destination; unaligned.
+                unsafe {
+                    let q = _mm_loadl_epi64(bytes[8 * e..].as_ptr().cast());
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+                    let w = _mm256_add_ps(
+                        _mm256_mul_ps(_mm256_set1_ps(sc[h]), v),
+                        _mm256_set1_ps(o[h]),
+                    );
+                    _mm256_storeu_ps(dst.as_mut_ptr(), w);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and F16C ([`available`]).
+    pub(super) unsafe fn rows(
+        m: &QMatrix,
+        js: std::ops::Range<usize>,
+        acts: &Acts,
+        dst: &mut [f32],
+    ) {
+        // SAFETY: the caller guarantees the features.
+        unsafe {
+            match m.ty {
+                QType::Q8_0 => rows_of::<Q8_0>(m, js, acts, dst),
+                QType::Q5_0 => rows_of::<Q5_0>(m, js, acts, dst),
+                QType::Q4_1 => rows_of::<Q4_1>(m, js, acts, dst),
+                QType::Q4K => rows_of::<Q4K>(m, js, acts, dst),
+                QType::Q6K => rows_of::<Q6K>(m, js, acts, dst),
+            }
+        }
+    }
+
+    /// `Σ u·x` over each half (16 quants) of a sub-block, exactly.
+    #[inline(always)]
+    unsafe fn dots<const T: u8>(u: __m256i, x: __m256i) -> [i32; 2] {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let per4 = if T == Q8_0 {
+                // u = w + 128 for the signed quant w: Σ u·x = Σ w·x + 128 Σ x, with
+                // |w| · sign(w)·x in pairs below 2·128·127.
+                let w = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+                let wx = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                let sx = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(wx, ones),
+                    _mm256_slli_epi32(_mm256_madd_epi16(sx, ones), 7),
+                )
+            } else {
+                // Quants below 64: every pair sum stays below 2·63·127.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones)
+            };
+            let (lo, hi) = (
+                _mm256_castsi256_si128(per4),
+                _mm256_extracti128_si256(per4, 1),
+            );
+            let s = _mm_hadd_epi32(lo, hi);
+            let s = _mm_hadd_epi32(s, s);
+            [_mm_cvtsi128_si32(s), _mm_extract_epi32(s, 1)]
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    fn rows_of<const T: u8>(m: &QMatrix, js: std::ops::Range<usize>, acts: &Acts, dst: &mut [f32]) {
+        let subs = m.cols / 32;
+        let view = m.view();
+        for (jj, j) in js.enumerate() {
+            let row = view.row(j);
+            let acc = &mut dst[jj * acts.n..(jj + 1) * acts.n];
+            acc.fill(0.0);
+            for s in 0..subs {
+                // SAFETY: this function's features are those `unpack` and `dots` need.
+                let (u, sc, o) = unsafe { unpack::<T>(row, s) };
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xq = &acts.row(r)[s * 32..s * 32 + 32];
+                    // SAFETY: 32 bytes of source; unaligned load; features as above.
+                    let dot = unsafe { dots::<T>(u, _mm256_loadu_si256(xq.as_ptr().cast())) };
+                    let b = r * subs + s;
+                    for h in 0..2 {
+                        *a += acts.d[b] * sc[h] * dot[h] as f32 + o[h] * acts.ds[b * 2 + h];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    //! Helpers are `#[inline(always)]` without features of their own, so they compile inside
+    //! the `#[target_feature]` kernel they are called from; each kernel is monomorphized per
+    //! block format (`T`) and tile height (`R`), which leaves no branch in the inner loop.
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Activation rows per tile: each keeps one 8-lane accumulator in a register.
+    const TILE: usize = 8;
+
+    use super::x86::*;
 
     /// One row dequantized (`s·u + o`, multiply then add, as the portable path rounds).
     ///
@@ -992,6 +1195,81 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The AVX2 kernels give the portable values bit for bit: unpacking, dequantization and
+    /// products, for every format and several row counts (Q8_0 quants at both extremes too).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_equal_the_portable_ones_bit_for_bit() {
+        if !avx2::available() {
+            eprintln!("no AVX2 here: only the portable path is tested");
+            return;
+        }
+        let (rows, cols) = (9, 512);
+        for ty in QType::ALL {
+            let (mut m, _) = matrix(ty, rows, cols, 5);
+            if ty == QType::Q8_0 {
+                // Quants -128 and 127 in the first block of every row.
+                let mut bytes = (*m.data).as_ref().to_vec();
+                for j in 0..rows {
+                    let blk = &mut bytes[j * (cols / 32) * 34..][..34];
+                    blk[2] = 0x80;
+                    blk[3] = 0x7F;
+                }
+                m = QMatrix::new(ty, rows, cols, Arc::new(bytes)).expect("qmatrix");
+            }
+            for j in 0..rows {
+                for sb in 0..cols / 32 {
+                    let a = portable::unpack(ty, m.view().row(j), sb);
+                    // SAFETY: the CPU has the features (checked above).
+                    let (u, sc, o) = unsafe { avx2_unpack(ty, m.view().row(j), sb) };
+                    assert_eq!((a.u, a.s, a.o), (u, sc, o), "{ty:?} row {j} sub {sb}");
+                }
+                let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+                portable::dequantize_row_on(ty, m.view().row(j), &mut want);
+                // SAFETY: as above.
+                unsafe { avx2::dequantize_row(ty, m.view().row(j), &mut got) };
+                assert_eq!(bits(&want), bits(&got), "{ty:?} row {j}");
+            }
+            for n in [1, 2, 3, 8, 13] {
+                let mut x = random(n * cols, 6 + n as u64);
+                x[0] = 10.0; // a block whose quants reach ±127
+                x[1] = -10.0;
+                let acts = Acts::quantize(&x, n, cols);
+                let (mut want, mut got) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+                portable::rows_on(&m, 0..rows, &acts, &mut want);
+                // SAFETY: as above.
+                unsafe { avx2::rows(&m, 0..rows, &acts, &mut got) };
+                assert_eq!(bits(&want), bits(&got), "{ty:?} n {n}");
+            }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn avx2_unpack(ty: QType, row: &[u8], s: usize) -> ([u8; 32], [f32; 2], [f32; 2]) {
+        use std::arch::x86_64::_mm256_storeu_si256;
+        // SAFETY: this function's features are those `unpack` needs.
+        let (u, sc, o) = unsafe {
+            match ty {
+                QType::Q8_0 => x86::unpack::<{ x86::Q8_0 }>(row, s),
+                QType::Q5_0 => x86::unpack::<{ x86::Q5_0 }>(row, s),
+                QType::Q4_1 => x86::unpack::<{ x86::Q4_1 }>(row, s),
+                QType::Q4K => x86::unpack::<{ x86::Q4K }>(row, s),
+                QType::Q6K => x86::unpack::<{ x86::Q6K }>(row, s),
+            }
+        };
+        let mut bytes = [0u8; 32];
+        // SAFETY: 32 bytes of destination; unaligned store.
+        unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
+        (bytes, sc, o)
     }
 
     /// Products agree with the dense f32 product of the dequantized weights within the error
