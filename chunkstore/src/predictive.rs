@@ -1,4 +1,4 @@
-//! Predictive lossless coding of f16 values (issue 43; shared/papers/speculative-kv-coding.txt):
+//! Predictive lossless coding of f16 values (issue 43; docs/kv-coding.md has the method):
 //! a predictor says where each value should be (a mean `mu` and a spread `sigma`), and an
 //! entropy coder spends about `-log2 q(x)` bits on the true value `x` under the Gaussian
 //! `q = N(mu, sigma)` discretized to the f16 values. The closer the prediction, the fewer bits;

@@ -43,7 +43,7 @@ pub struct DefaultModel {
     pub size: u64,
 }
 
-/// The three default models of `shared/DESIGN.md`.
+/// The three default models (docs/usage.md, *Models*).
 pub const DEFAULT_MODELS: [DefaultModel; 3] = [
     DefaultModel {
         role: Role::Target,

@@ -92,7 +92,8 @@ pub struct Query {
     pub verify: bool,
     /// How much quality the request may trade for speed; `Exact` goes with `verify`.
     pub fidelity: Fidelity,
-    /// Speculative decoding with the speculator as drafter; `None`: the pipeline's default.
+    /// Speculative decoding (drafts from prompt lookup and/or the speculator, as `spec_draft`
+    /// says, checked by the target); `None`: the pipeline's default.
     pub spec_decode: Option<bool>,
     /// What drafts for speculative decoding; `None`: the pipeline's default.
     pub spec_draft: Option<SpecDraft>,

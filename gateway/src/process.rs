@@ -9,7 +9,7 @@ const DEFAULT_SPIN_LIMIT: &str = "1000";
 /// first in `main`, before any thread is started.
 ///
 /// Prefill allocates tens of megabytes per op; glibc serves each from a fresh mmap and returns
-/// it on free, so every op pays page faults (~18% of prefill, see shared/PERFORMANCE.md).
+/// it on free, so every op pays page faults (~18% of prefill, measured).
 /// Raising the mmap and trim thresholds keeps that memory in the heap for reuse. Those
 /// thresholds hold for glibc's main arena only: a thread pool worker allocates from an arena of
 /// its own, whose heaps are at most 64 MB, so a bigger buffer (the 1.5B's gate/up output at

@@ -791,7 +791,7 @@ impl Model {
     /// Layer `layer`'s keys (and with `queries` its queries) of tokens `ids` at `positions`,
     /// computed from their embeddings alone: the layer's norm and Q/K projections on the token
     /// embedding, no layer before it, RoPE applied. SpeContext's lightweight retrieval head
-    /// (shared/papers/specontext.txt), run on a small model of the target's family: what a
+    /// (SpeContext, docs/long-context.md), run on a small model of the target's family: what a
     /// token at a position looks for and offers, without the context. Returns `(k, q)`, rows
     /// laid out `(tokens, heads, head_dim)`.
     pub fn embedding_qk(

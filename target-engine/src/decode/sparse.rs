@@ -2,7 +2,7 @@
 //! verifier that checks their tokens against all of it (VeriCache's uniform interface for lossy
 //! KV: any [`AttentionView`] is a drafter, and the output is the full cache's greedy output).
 //!
-//! - [`TopKView`] (SpeCache, shared/papers/specache.txt): a low-bit copy of the keys
+//! - [`TopKView`] (SpeCache, docs/long-context.md): a low-bit copy of the keys
 //!   ([`kernels::LowBitKeys`], KIVI's per-channel quantization) is scored against each decode
 //!   step's query; the step attends exactly, at full precision, over the `top_k` best rows per
 //!   kv head (the largest softmax probability among the group's query heads, SpeContext's max

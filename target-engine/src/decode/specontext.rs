@@ -1,4 +1,4 @@
-//! SpeContext (shared/papers/specontext.txt) as a verified drafter: a small model of the
+//! SpeContext (docs/long-context.md) as a verified drafter: a small model of the
 //! target's family is cut down to a *lightweight retrieval head* (its token embedding and one
 //! layer's norm and Q/K projections; [`Model::embedding_qk`]) that keeps a key for every
 //! context token and, before the target runs a decode step, scores the whole context with the
