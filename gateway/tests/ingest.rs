@@ -927,3 +927,43 @@ fn int8_predictive_kv_answers_exactly_as_int8_kv() -> TestResult {
     }
     same_answers_from_disk(int8, coded, &[Method::TargetProbe, Method::FullReuse])
 }
+
+/// Issue 60: a redirected run (`2>log`: stderr is not a terminal) writes plain progress lines
+/// (done/total, tokens/s, an ETA), the estimate after the first computed chunk, and a last line
+/// when done; `SPECRAG_PROGRESS_SECS=0` asks for a line per chunk.
+#[test]
+fn a_redirected_ingestion_logs_plain_progress_lines() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let models = tiny_models(dir.path())?;
+    let corpus_dir = dir.path().join("corpus");
+    write_corpus(&corpus_dir, 6)?;
+    let out = specrag(&models)
+        .env("SPECRAG_PROGRESS_SECS", "0")
+        .args(["ingest", "--chunk-tokens", "24", "--data"])
+        .arg(dir.path().join("data"))
+        .arg(&corpus_dir)
+        .output()?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    let lines: Vec<&str> = log.lines().filter(|l| l.starts_with("ingest: ")).collect();
+    let total = lines
+        .first()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.split('/').nth(1))
+        .and_then(|n| n.parse::<usize>().ok())
+        .ok_or_else(|| format!("no planned line in {log}"))?;
+    assert!(total >= 6, "{log}");
+    assert!(lines[0].ends_with("(planned)"), "{log}");
+    assert!(
+        lines.iter().any(|l| l.contains("chunks to precompute; at")),
+        "the estimate after the first chunk: {log}"
+    );
+    let progress = lines.iter().filter(|l| l.contains("tokens/s, ETA")).count();
+    assert!(progress >= total, "a line per chunk at 0 s: {log}");
+    let last = lines.last().ok_or("no lines")?;
+    assert!(
+        last.starts_with(&format!("ingest: {total}/{total} chunks")) && last.ends_with("(done)"),
+        "{log}"
+    );
+    Ok(())
+}
