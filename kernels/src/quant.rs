@@ -625,6 +625,22 @@ mod portable {
     }
 }
 
+/// `f::<T>(args)` for the block format `ty` as the const `T` the x86 kernels are monomorphized
+/// on.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_format {
+    ($ty:expr, $($f:ident)::+, $($arg:expr),*) => {{
+        use $crate::quant::x86::{Q4K, Q4_1, Q5_0, Q6K, Q8_0};
+        match $ty {
+            QType::Q8_0 => $($f)::+::<Q8_0>($($arg),*),
+            QType::Q5_0 => $($f)::+::<Q5_0>($($arg),*),
+            QType::Q4_1 => $($f)::+::<Q4_1>($($arg),*),
+            QType::Q4K => $($f)::+::<Q4K>($($arg),*),
+            QType::Q6K => $($f)::+::<Q6K>($($arg),*),
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! What the AVX-512 VNNI and the AVX2 kernels share: unpacking a sub-block of 32 weights
@@ -796,15 +812,7 @@ mod avx2 {
     /// The CPU must have AVX2 and F16C ([`available`]).
     pub(super) unsafe fn dequantize_row(ty: QType, row: &[u8], dst: &mut [f32]) {
         // SAFETY: the caller guarantees the features.
-        unsafe {
-            match ty {
-                QType::Q8_0 => dequantize_row_of::<Q8_0>(row, dst),
-                QType::Q5_0 => dequantize_row_of::<Q5_0>(row, dst),
-                QType::Q4_1 => dequantize_row_of::<Q4_1>(row, dst),
-                QType::Q4K => dequantize_row_of::<Q4K>(row, dst),
-                QType::Q6K => dequantize_row_of::<Q6K>(row, dst),
-            }
-        }
+        unsafe { per_format!(ty, dequantize_row_of, row, dst) }
     }
 
     /// `s·u + o` per weight: a multiply, then an add, as the portable path rounds.
@@ -841,15 +849,7 @@ mod avx2 {
         dst: &mut [f32],
     ) {
         // SAFETY: the caller guarantees the features.
-        unsafe {
-            match m.ty {
-                QType::Q8_0 => rows_of::<Q8_0>(m, js, acts, dst),
-                QType::Q5_0 => rows_of::<Q5_0>(m, js, acts, dst),
-                QType::Q4_1 => rows_of::<Q4_1>(m, js, acts, dst),
-                QType::Q4K => rows_of::<Q4K>(m, js, acts, dst),
-                QType::Q6K => rows_of::<Q6K>(m, js, acts, dst),
-            }
-        }
+        unsafe { per_format!(m.ty, rows_of, m, js, acts, dst) }
     }
 
     /// `Σ u·x` over each half (16 quants) of a sub-block, exactly.
@@ -926,15 +926,7 @@ mod vnni {
     /// The CPU must have the features of [`Isa::Avx512Vnni`].
     pub(super) unsafe fn dequantize_row(ty: QType, row: &[u8], dst: &mut [f32]) {
         // SAFETY: the caller guarantees the features.
-        unsafe {
-            match ty {
-                QType::Q8_0 => dequantize_row_of::<Q8_0>(row, dst),
-                QType::Q5_0 => dequantize_row_of::<Q5_0>(row, dst),
-                QType::Q4_1 => dequantize_row_of::<Q4_1>(row, dst),
-                QType::Q4K => dequantize_row_of::<Q4K>(row, dst),
-                QType::Q6K => dequantize_row_of::<Q6K>(row, dst),
-            }
-        }
+        unsafe { per_format!(ty, dequantize_row_of, row, dst) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -967,15 +959,7 @@ mod vnni {
         dst: &mut [f32],
     ) {
         // SAFETY: the caller guarantees the features.
-        unsafe {
-            match m.ty {
-                QType::Q8_0 => rows_of::<Q8_0>(m, js, acts, dst),
-                QType::Q5_0 => rows_of::<Q5_0>(m, js, acts, dst),
-                QType::Q4_1 => rows_of::<Q4_1>(m, js, acts, dst),
-                QType::Q4K => rows_of::<Q4K>(m, js, acts, dst),
-                QType::Q6K => rows_of::<Q6K>(m, js, acts, dst),
-            }
-        }
+        unsafe { per_format!(m.ty, rows_of, m, js, acts, dst) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1084,15 +1068,7 @@ mod vnni {
     pub(super) fn unpack_plain(ty: QType, row: &[u8], s: usize) -> Sub {
         assert_eq!(Isa::best(), Isa::Avx512Vnni);
         // SAFETY: the CPU has the features (asserted above).
-        let (u, sc, o) = unsafe {
-            match ty {
-                QType::Q8_0 => unpack::<Q8_0>(row, s),
-                QType::Q5_0 => unpack::<Q5_0>(row, s),
-                QType::Q4_1 => unpack::<Q4_1>(row, s),
-                QType::Q4K => unpack::<Q4K>(row, s),
-                QType::Q6K => unpack::<Q6K>(row, s),
-            }
-        };
+        let (u, sc, o) = unsafe { per_format!(ty, unpack, row, s) };
         let mut bytes = [0u8; 32];
         // SAFETY: 32 bytes of destination; AVX is available (asserted above).
         unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
@@ -1257,15 +1233,7 @@ mod tests {
     unsafe fn avx2_unpack(ty: QType, row: &[u8], s: usize) -> ([u8; 32], [f32; 2], [f32; 2]) {
         use std::arch::x86_64::_mm256_storeu_si256;
         // SAFETY: this function's features are those `unpack` needs.
-        let (u, sc, o) = unsafe {
-            match ty {
-                QType::Q8_0 => x86::unpack::<{ x86::Q8_0 }>(row, s),
-                QType::Q5_0 => x86::unpack::<{ x86::Q5_0 }>(row, s),
-                QType::Q4_1 => x86::unpack::<{ x86::Q4_1 }>(row, s),
-                QType::Q4K => x86::unpack::<{ x86::Q4K }>(row, s),
-                QType::Q6K => x86::unpack::<{ x86::Q6K }>(row, s),
-            }
-        };
+        let (u, sc, o) = unsafe { per_format!(ty, x86::unpack, row, s) };
         let mut bytes = [0u8; 32];
         // SAFETY: 32 bytes of destination; unaligned store.
         unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
