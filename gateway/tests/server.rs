@@ -11,30 +11,14 @@ use gateway::pipeline::{Pipeline, Query, ScoreSource};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::TINY_DOCS as DOCS;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{Architecture, LoadOptions, Model};
 use tower::ServiceExt;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-const DOCS: [(&str, &str); 4] = [
-    (
-        "ants",
-        "The thin ant ran in the sand and then the ant sat in the tent.",
-    ),
-    (
-        "attic",
-        "A hint: the antenna is in the attic near the tent, behind the tin.",
-    ),
-    (
-        "anthem",
-        "The anthem of the ant hill is sung at dawn by the thin ants.",
-    ),
-    (
-        "tin",
-        "The tin can in the attic holds ten thin nails and an antenna.",
-    ),
-];
 
 fn pipeline(dir: &std::path::Path) -> Result<Arc<Pipeline>, Box<dyn std::error::Error>> {
     let target = dir.join("target.gguf");

@@ -186,3 +186,24 @@ pub fn redis_on(dir: &Path, port: u16) -> Server {
     }
     panic!("redis-server did not answer on port {port}");
 }
+
+/// Four short documents over the tiny models' vocabulary: what the tiny-model server tests
+/// ingest.
+pub const TINY_DOCS: [(&str, &str); 4] = [
+    (
+        "ants",
+        "The thin ant ran in the sand and then the ant sat in the tent.",
+    ),
+    (
+        "attic",
+        "A hint: the antenna is in the attic near the tent, behind the tin.",
+    ),
+    (
+        "anthem",
+        "The anthem of the ant hill is sung at dawn by the thin ants.",
+    ),
+    (
+        "tin",
+        "The tin can in the attic holds ten thin nails and an antenna.",
+    ),
+];

@@ -22,10 +22,13 @@
 
 mod case;
 mod check;
+#[path = "../common/mod.rs"]
+mod common;
 mod stream;
 
 use case::{Opts, Question, Route, Runner, Sampling};
 use check::{walk, Matrix, Report};
+use common::TINY_DOCS;
 use gateway::corpus::{Corpus, Engines};
 use gateway::fidelity::{Fidelity, GuardPolicy};
 use gateway::http::{AppState, ServerConfig};
@@ -94,25 +97,6 @@ async fn run(
     eprint!("{}", report.listing());
     report
 }
-
-const TINY_DOCS: [(&str, &str); 4] = [
-    (
-        "ants",
-        "The thin ant ran in the sand and then the ant sat in the tent.",
-    ),
-    (
-        "attic",
-        "A hint: the antenna is in the attic near the tent, behind the tin.",
-    ),
-    (
-        "anthem",
-        "The anthem of the ant hill is sung at dawn by the thin ants.",
-    ),
-    (
-        "tin",
-        "The tin can in the attic holds ten thin nails and an antenna.",
-    ),
-];
 
 const TINY_QUESTIONS: [Question; 2] = [
     Question {
