@@ -73,9 +73,9 @@ pub(crate) fn evaluate(
     }
     // Warm-up (not recorded): the first forward of a freshly loaded model pays page faults.
     if let Some((ds, case)) = sets.iter().find_map(|d| d.cases.first().map(|c| (d, c))) {
-        let q = run::query(ds, case, &Config::full_recompute());
+        let (q, knobs) = run::query(ds, case, &Config::full_recompute());
         pipeline
-            .query(&q, &mut |_| true)
+            .query_with(&q, &knobs, &mut |_| true)
             .map_err(|e| anyhow::anyhow!("warm-up query: {e}"))?;
     }
     let identity = plan::identity_configs();

@@ -5,6 +5,8 @@
 //! - [`real`]: the committed real-text datasets (multi-hop QA, questions on the docs) by name.
 //! - [`profiles`]: seeded multi-hop cases over long profiles, and lookups over alike records.
 //! - [`plan`]: the method configurations, pairings and the quick / default budgets.
+//! - [`forcing`]: what the evaluation varies on a query ([`forcing::Knobs`]) and teacher
+//!   forcing over the prefill it kept.
 //! - [`run`]: ingestion of each case and its answers through `gateway::pipeline`, scored
 //!   against gold answers and full recompute.
 //! - [`load`]: Poisson arrivals through the real HTTP server; throughput and goodput.
@@ -13,6 +15,7 @@
 //! - [`stats`]: paired bootstrap intervals, exact McNemar, Wilson intervals, logit KL / NLL.
 
 pub mod datasets;
+pub mod forcing;
 pub mod load;
 pub mod metrics;
 pub mod plan;

@@ -2,7 +2,8 @@
 //! layer range and score source), the model pairings, and the two budgets (`--quick` and the
 //! default run).
 
-use gateway::pipeline::{Method, QueryOptions, ScoreSource};
+use crate::forcing::Knobs;
+use gateway::pipeline::{Method, ScoreSource};
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
 
@@ -336,9 +337,9 @@ impl Config {
         Self::new(method, 1.0, Group::Identity)
     }
 
-    /// The pipeline options this configuration sets.
-    pub fn options(&self) -> QueryOptions {
-        QueryOptions {
+    /// What this configuration varies on a query beyond the request.
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
             epic_k: self.epic_k,
             layers: self.layers,
             score_source: self.score_source,
@@ -561,12 +562,12 @@ mod tests {
     fn options_follow_the_config() {
         let c = Config::layers(LayerRange::Final, 0.15);
         assert_eq!(c.label(), "speccache@0.15 layers=final");
-        assert_eq!(c.options().layers, Some(LayerRange::Final));
+        assert_eq!(c.knobs().layers, Some(LayerRange::Final));
         let c = Config::epic_k(16);
-        assert_eq!(c.options().epic_k, Some(16));
+        assert_eq!(c.knobs().epic_k, Some(16));
         assert!(!c.budgeted());
         let c = Config::ingest_scores(0.15);
-        assert_eq!(c.options().score_source, Some(ScoreSource::Ingest));
+        assert_eq!(c.knobs().score_source, Some(ScoreSource::Ingest));
         assert!(Config::at(Method::Cacheblend, 0.1).budgeted());
         assert!(!Config::at(Method::FullReuse, 0.0).budgeted());
         assert_eq!(Config::identity(Method::Epic).method, Method::Epic);

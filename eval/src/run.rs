@@ -4,6 +4,7 @@
 //! and against full recompute's answer for the same case.
 
 use crate::datasets::Case;
+use crate::forcing::Knobs;
 use crate::metrics;
 use crate::plan::{Config, ConfigKey, PairingName};
 use gateway::ingest::{IngestConfig, IngestEvent};
@@ -146,10 +147,12 @@ pub fn ingest(
 }
 
 /// The query of `case` under `config`.
-pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
-    let mut options = config.options();
-    options.order = ds.order;
-    Query {
+pub fn query(ds: &Dataset, case: &Case, config: &Config) -> (Query, Knobs) {
+    let knobs = Knobs {
+        order: ds.order,
+        ..config.knobs()
+    };
+    let q = Query {
         query: case.question.clone(),
         collection: collection_of(case),
         top_k: ds.top_k,
@@ -159,12 +162,12 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> Query {
         temperature: 0.0,
         seed: 0,
         verify: false,
-        options,
         // Selectors are measured as they select: the fidelity guard would answer some cases
         // from the full cache.
         fidelity: gateway::fidelity::Fidelity::Fast,
         ..Default::default()
-    }
+    };
+    (q, knobs)
 }
 
 /// Answers `case` with every configuration; `configs[0]` must be full recompute (the
@@ -215,9 +218,9 @@ fn answer(
     case: &Case,
     config: &Config,
 ) -> anyhow::Result<Traced> {
-    let q = query(ds, case, config);
+    let (q, knobs) = query(ds, case, config);
     pipeline
-        .query_traced(&q, &mut |_| true)
+        .query_with(&q, &knobs, &mut |_| true)
         .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.key()))
 }
 

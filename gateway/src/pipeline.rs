@@ -43,24 +43,37 @@ pub enum ChunkOrder {
     Document,
 }
 
-/// Settings the API does not expose, used by the evaluation and the benchmarks; the defaults
-/// are what a served query does.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct QueryOptions {
-    pub order: ChunkOrder,
+/// What the evaluation varies beyond what a request can ask, an interface the evaluation
+/// implements ([`Pipeline::query_with`]); a served query is [`Served`], every default.
+pub trait Experiment {
+    /// In which order the retrieved chunks enter the prompt.
+    fn order(&self) -> ChunkOrder {
+        ChunkOrder::Rank
+    }
     /// EPIC with this many recomputed tokens at the start of every chunk, instead of the `k`
     /// that spends the ρ budget.
-    pub epic_k: Option<usize>,
-    /// SpecCache's layer range for this query (the ablation); `None` keeps the speculator's.
-    pub layers: Option<LayerRange>,
+    fn epic_k(&self) -> Option<usize> {
+        None
+    }
+    /// SpecCache's layer range (the ablation); `None` keeps the speculator's.
+    fn layers(&self) -> Option<LayerRange> {
+        None
+    }
     /// Where SpecCache's scores come from; `None` keeps the pipeline's setting.
-    pub score_source: Option<ScoreSource>,
-    /// Teacher forcing after the prefill (evaluation only, untimed): for each sequence, the
-    /// next-token logits before each of its tokens come back in [`Traced::forced`].
-    pub forced: Vec<Vec<u32>>,
-    /// Also force the answer just generated (appended after `forced`).
-    pub force_answer: bool,
+    fn score_source(&self) -> Option<ScoreSource> {
+        None
+    }
+    /// Hand back the prefill's cache in [`Traced::prefill`] (for teacher forcing).
+    fn keep_prefill(&self) -> bool {
+        false
+    }
 }
+
+/// A served query: no experiment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Served;
+
+impl Experiment for Served {}
 
 /// A validated query.
 #[derive(Debug, Clone)]
@@ -102,7 +115,6 @@ pub struct Query {
     /// Most tokens the prompt and the answer may take together; `None`: the pipeline's
     /// `max_context_tokens` (never above it).
     pub max_context_tokens: Option<usize>,
-    pub options: QueryOptions,
 }
 
 /// The default ρ. The fidelity study found no selector, the oracle bound included, identical to
@@ -140,7 +152,6 @@ impl Default for Query {
             spec_draft: None,
             long_context: None,
             max_context_tokens: None,
-            options: QueryOptions::default(),
         }
     }
 }
@@ -155,14 +166,16 @@ pub struct Traced {
     pub ids: Vec<u32>,
     /// The prompt's token ids (template, chunks, question), what a full prefill reads.
     pub prompt_ids: Vec<u32>,
-    /// Per sequence of [`QueryOptions::forced`] (then the answer with `force_answer`): the
-    /// logits before each of its tokens, from the prefill's cache.
-    pub forced: Vec<Vec<Vec<f32>>>,
+    /// The prefill's cache before decoding, where the experiment keeps it
+    /// ([`Experiment::keep_prefill`]).
+    pub prefill: Option<KvCache>,
     /// The chunk tokens the method recomputed.
     pub selected: Vec<Selected>,
     /// Per generated token decoded one by one, the top-2 logit gap it was chosen with
     /// ([`target_engine::decode::generate::top2_gap`]); empty for verified or escalated answers.
     pub margins: Vec<f32>,
+    /// What the blended prefill knew of its own error (zeros for full recompute).
+    pub signals: target_engine::BlendSignals,
 }
 
 /// A recomputed chunk token: which chunk of the prompt, where in it, and its text.
@@ -537,19 +550,21 @@ impl Pipeline {
 
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
-        Ok(self.query_traced(q, on_piece)?.answer)
+        Ok(self.query_with(q, &Served, on_piece)?.answer)
     }
 
-    /// [`Pipeline::query`], also returning the first token's logits.
-    pub fn query_traced(
+    /// [`Pipeline::query`] under an evaluation's experiment, also returning what the
+    /// evaluation compares (the first token's logits, the recomputed tokens, ...).
+    pub fn query_with(
         &self,
         q: &Query,
+        exp: &dyn Experiment,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<Traced> {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let hits = self.hits(q)?;
+        let hits = self.hits(q, exp.order())?;
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
@@ -622,10 +637,10 @@ impl Pipeline {
                     hit,
                     ms: full_ms.clone(),
                 };
-                self.answer(q, hits, &asm, t0, timings, on_piece, Some(full))
+                self.answer((q, exp), hits, &asm, t0, timings, on_piece, Some(full))
             });
         }
-        self.answer(q, hits, &asm, t0, timings, on_piece, None)
+        self.answer((q, exp), hits, &asm, t0, timings, on_piece, None)
     }
 
     /// Everything after retrieval and assembly: KV load beside the speculator's pass, the
@@ -636,7 +651,7 @@ impl Pipeline {
     )]
     fn answer(
         &self,
-        q: &Query,
+        (q, exp): (&Query, &dyn Experiment),
         hits: Vec<retriever::Hit>,
         asm: &Assembly,
         t0: Instant,
@@ -645,7 +660,7 @@ impl Pipeline {
         full_prefill: Option<FullPrefill>,
     ) -> Result<Traced> {
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
-        let (loaded, scored) = self.load_and_score(q, &texts, asm, &mut timings)?;
+        let (loaded, scored) = self.load_and_score((q, exp), &texts, asm, &mut timings)?;
         let mut reuse = Reuse::default();
         for l in &loaded {
             match l.tier {
@@ -655,15 +670,15 @@ impl Pipeline {
                 Tier::Recomputed => reuse.chunks_recomputed += 1,
             }
         }
-        let out = self.blend(q, asm, &loaded, scored, &mut timings)?;
+        let out = self.blend((q, exp), asm, &loaded, scored, &mut timings)?;
         timings.ttft_ms = ms(t0);
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
         reuse.ratio = out.ratio();
         let first_logits = out.logits.clone();
+        let signals = out.signals;
         let selected = self.selected(asm, &out.recomputed);
-        let forcing = !q.options.forced.is_empty() || q.options.force_answer;
-        let kept = forcing.then(|| out.cache.clone());
+        let prefill = exp.keep_prefill().then(|| out.cache.clone());
         let td = Instant::now();
         let input = DecodeInput {
             out,
@@ -681,13 +696,6 @@ impl Pipeline {
         reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
-        let mut forced = Vec::new();
-        if let Some(cache) = kept {
-            let answer_ids = q.options.force_answer.then_some(&g.ids);
-            for seq in q.options.forced.iter().chain(answer_ids) {
-                forced.push(self.teacher_force(&cache, &first_logits, seq, asm.ids.len())?);
-            }
-        }
         let ids = g.ids.clone();
         let margins = g.margins.clone();
         let answer = Answer {
@@ -719,15 +727,16 @@ impl Pipeline {
             first_logits,
             ids,
             prompt_ids: asm.ids.clone(),
-            forced,
+            prefill,
             selected,
             margins,
+            signals,
         })
     }
 
     /// The chunks the prompt reads: the passages `q` brings, or the collection's `top_k` best
     /// (in document order when the options say so).
-    fn hits(&self, q: &Query) -> Result<Vec<retriever::Hit>> {
+    fn hits(&self, q: &Query, order: ChunkOrder) -> Result<Vec<retriever::Hit>> {
         let mut hits = if q.documents.is_empty() {
             self.corpus.index.search(&q.collection, &q.query, q.top_k)?
         } else {
@@ -743,7 +752,7 @@ impl Pipeline {
                     .filter(|h| !read.contains(&h.record.key)),
             );
         }
-        if q.options.order == ChunkOrder::Document {
+        if order == ChunkOrder::Document {
             hits.sort_by(|a, b| {
                 (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
             });
@@ -805,37 +814,6 @@ impl Pipeline {
             .collect()
     }
 
-    /// Next-token logits before each token of `seq`, the first being `first` (the prefill's),
-    /// the rest from one forward of `seq[..len-1]` at positions `start..` over a copy of
-    /// `cache`.
-    fn teacher_force(
-        &self,
-        cache: &KvCache,
-        first: &[f32],
-        seq: &[u32],
-        start: usize,
-    ) -> Result<Vec<Vec<f32>>> {
-        let target = &self.engines.target;
-        let mut out = vec![first.to_vec()];
-        if seq.len() < 2 {
-            return Ok(out);
-        }
-        let mut cache = cache.clone();
-        let feed = &seq[..seq.len() - 1];
-        let positions: Vec<usize> = (start..start + feed.len()).collect();
-        let f = target.forward(feed, &positions, &mut cache, false)?;
-        let logits = target
-            .logits(&f.hidden)
-            .and_then(|t| Ok(t.to_vec2::<f32>()?))
-            .map_err(|e| GatewayError::Internal(format!("teacher forcing: {e}")))?;
-        let vocab = target.tokenizer().vocab_size();
-        out.extend(logits.into_iter().map(|mut row| {
-            row.truncate(vocab);
-            row
-        }));
-        Ok(out)
-    }
-
     /// True when `q` decodes from a full prefill and reads no chunk KV (full recompute, or
     /// sampling with verification: exact samples come from the full cache).
     fn reads_no_kv(q: &Query) -> bool {
@@ -846,13 +824,14 @@ impl Pipeline {
     /// query-time pass when the method needs one. Records `kv_load_ms` and `speculate_ms`.
     fn load_and_score(
         &self,
-        q: &Query,
+        (q, exp): (&Query, &dyn Experiment),
         texts: &[&str],
         asm: &Assembly,
         timings: &mut Timings,
     ) -> Result<(Vec<LoadedChunk>, Option<ScoredTokens>)> {
         let need_kv = !Self::reads_no_kv(q);
-        let score_source = q.options.score_source.unwrap_or(self.score_source);
+        let score_source = exp.score_source().unwrap_or(self.score_source);
+        let layers = exp.layers();
         // spec_attn's scores depend on the question: never stored, always a query-time pass
         // (over the stored speculator chunk KV, or for spec_attn_full over the whole prompt).
         let attention = matches!(q.method, Method::SpecAttn | Method::SpecAttnFull);
@@ -865,7 +844,7 @@ impl Pipeline {
                 s.spawn(move || -> Result<(ScoredTokens, f64)> {
                     target_engine::stop::with_stop(stop, || {
                         let t = Instant::now();
-                        let spec = self.speculator(q)?;
+                        let spec = self.speculator(layers)?;
                         let toks = match q.method {
                             Method::SpecAttn => self.stored_attention(&spec, q, texts, asm)?,
                             Method::SpecAttnFull => spec.attention_scores(asm)?,
@@ -905,7 +884,7 @@ impl Pipeline {
     /// prefill). Records `align_ms` (selection) and `prefill_ms`.
     fn blend(
         &self,
-        q: &Query,
+        (q, exp): (&Query, &dyn Experiment),
         asm: &Assembly,
         loaded: &[LoadedChunk],
         mut scored: Option<ScoredTokens>,
@@ -918,7 +897,7 @@ impl Pipeline {
             q.method
         };
         let spec = if method.uses_speculator() {
-            let mut spec = self.speculator(q)?;
+            let mut spec = self.speculator(exp.layers())?;
             spec.params.complete_spans = method != Method::SpeccacheNospan;
             if scored.is_none() {
                 scored = Some(self.ingest_scores(&spec, asm, loaded, timings)?);
@@ -930,7 +909,7 @@ impl Pipeline {
         let selector = method.selector(SelectorInputs {
             spec: spec.as_ref(),
             scores: scored,
-            epic_k: q.options.epic_k,
+            epic_k: exp.epic_k(),
             seed: q.seed,
         });
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
@@ -1257,14 +1236,14 @@ impl Pipeline {
         Ok((g, ready, vg.spec))
     }
 
-    /// The SpecCache selector for `q` (its layer range, if the query sets one).
-    fn speculator(&self, q: &Query) -> Result<speculator::SpecCache> {
+    /// The SpecCache selector (over `layers`, where the experiment sets them).
+    fn speculator(&self, layers: Option<LayerRange>) -> Result<speculator::SpecCache> {
         let mut spec = self
             .engines
             .spec
             .clone()
             .ok_or_else(|| GatewayError::bad("method", "no speculator model is loaded"))?;
-        if let Some(layers) = q.options.layers {
+        if let Some(layers) = layers {
             spec.layers = layers;
         }
         Ok(spec)

@@ -14,7 +14,7 @@
 use gateway::corpus::{Corpus, Engines};
 use gateway::fidelity::Fidelity;
 use gateway::input::SourceDoc;
-use gateway::pipeline::{ChunkOrder, Method, Pipeline, Query, QueryOptions, ScoreSource};
+use gateway::pipeline::{ChunkOrder, Experiment, Method, Pipeline, Query, ScoreSource};
 use std::sync::Arc;
 use target_engine::{LoadOptions, Model};
 
@@ -142,13 +142,11 @@ fn the_frozen_demo_chunks_are_answered_as_full_recompute_answers_them() -> TestR
             method,
             max_tokens: 96,
             fidelity,
-            options: QueryOptions {
-                order: ChunkOrder::Document,
-                ..Default::default()
-            },
             ..Default::default()
         };
-        pipeline.query(&q, &mut |_| true)
+        pipeline
+            .query_with(&q, &InDocumentOrder, &mut |_| true)
+            .map(|t| t.answer)
     };
     let full = ask(Method::FullRecompute, Fidelity::Balanced)?;
     let default = ask(Query::default().method, Fidelity::default())?;
@@ -168,4 +166,13 @@ fn the_frozen_demo_chunks_are_answered_as_full_recompute_answers_them() -> TestR
         "the default answer differs from full recompute's"
     );
     Ok(())
+}
+
+/// The frozen chunks read in the order they were frozen in.
+struct InDocumentOrder;
+
+impl Experiment for InDocumentOrder {
+    fn order(&self) -> ChunkOrder {
+        ChunkOrder::Document
+    }
 }

@@ -44,7 +44,7 @@ pub use error::{EngineError, Result};
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
 pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
-pub use reuse::blend::{kind_at, BlendOutput};
+pub use reuse::blend::{kind_at, BlendOutput, BlendSignals};
 pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use reuse::select::{
     budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,

@@ -7,7 +7,8 @@ use crate::run::{self, Dataset};
 use crate::stats::{self};
 use chunkstore::Codec;
 use gateway::fidelity::Fidelity;
-use gateway::pipeline::{Pipeline, Query, QueryOptions, Traced};
+use crate::forcing::{teacher_force, Knobs};
+use gateway::pipeline::{Pipeline, Query, Traced};
 
 /// A gold answer contained in the normalized prediction.
 pub fn contains_gold(prediction: &str, golds: &[String]) -> bool {
@@ -46,7 +47,7 @@ pub(crate) fn ask(
     case: &Case,
     config: StudyConfig,
     verify: bool,
-    options: QueryOptions,
+    keep_prefill: bool,
 ) -> anyhow::Result<Traced> {
     let q = Query {
         query: case.question.clone(),
@@ -58,17 +59,18 @@ pub(crate) fn ask(
         temperature: 0.0,
         seed: 0,
         verify,
-        options: QueryOptions {
-            order: ds.order,
-            ..options
-        },
         // Selectors are measured as they select (`fast`) unless the configuration names a
         // fidelity (`target_probe@0.25:balanced`).
         fidelity: config.fidelity,
         ..Default::default()
     };
+    let knobs = Knobs {
+        order: ds.order,
+        keep_prefill,
+        ..Default::default()
+    };
     pipeline
-        .query_traced(&q, &mut |_| true)
+        .query_with(&q, &knobs, &mut |_| true)
         .map_err(|e| anyhow::anyhow!("case {} with {}: {e}", case.id, config.label()))
 }
 
@@ -94,32 +96,28 @@ pub fn run_case(
 ) -> anyhow::Result<(Vec<StudyRecord>, Vec<u32>)> {
     let gold = case.answers.first().map(String::as_str).unwrap_or("");
     let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
-    let reference = ask(
-        pipeline,
-        ds,
-        case,
-        configs[0],
-        false,
-        QueryOptions {
-            forced: vec![gold_ids.clone()],
-            force_answer: true,
-            ..Default::default()
-        },
-    )?;
+    let target = &pipeline.engines.target;
+    let reference = ask(pipeline, ds, case, configs[0], false, true)?;
     if reference.answer.chunks.is_empty() {
         anyhow::bail!("case {} retrieved no chunk", case.id);
     }
-    let ref_steps = reference.forced.get(1).cloned().unwrap_or_default();
+    // Teacher forcing of the gold answer and of full recompute's, after each prefill.
+    let forced = |t: &Traced| -> anyhow::Result<[Vec<Vec<f32>>; 2]> {
+        Ok([
+            teacher_force(target, t, &gold_ids)?,
+            teacher_force(target, t, &reference.ids)?,
+        ])
+    };
+    let ref_forced = forced(&reference)?;
+    let ref_steps = &ref_forced[1];
     let mut out = Vec::with_capacity(configs.len());
     for (i, &config) in configs.iter().enumerate() {
-        let t = if i == 0 {
-            reference.clone()
+        let (t, t_forced) = if i == 0 {
+            (reference.clone(), ref_forced.clone())
         } else {
-            let options = QueryOptions {
-                forced: vec![gold_ids.clone(), reference.ids.clone()],
-                ..Default::default()
-            };
-            ask(pipeline, ds, case, config, false, options)?
+            let t = ask(pipeline, ds, case, config, false, true)?;
+            let f = forced(&t)?;
+            (t, f)
         };
         // The verified answer of the same query: drafts from this method's cache, checked
         // against full recompute's. A cached full context would skip the drafting.
@@ -131,12 +129,12 @@ pub fn run_case(
                 case,
                 config,
                 true,
-                QueryOptions::default(),
+                false,
             )?)
         } else {
             None
         };
-        let steps = t.forced.get(1).map(Vec::as_slice).unwrap_or(&[]);
+        let steps = &t_forced[1];
         out.push(StudyRecord {
             pairing: pairing.into(),
             dataset: ds.name.clone(),
@@ -147,8 +145,8 @@ pub fn run_case(
             correct: contains_gold(&t.answer.answer, &case.answers),
             identical: t.answer.answer == reference.answer.answer,
             kl_first: stats::kl_from_logits(&reference.first_logits, &t.first_logits),
-            kl_tf: mean_kl(&ref_steps, steps),
-            gold_nll: mean_nll(t.forced.first().map_or(&[], Vec::as_slice), &gold_ids),
+            kl_tf: mean_kl(ref_steps, steps),
+            gold_nll: mean_nll(&t_forced[0], &gold_ids),
             ttft_ms: t.answer.timings.ttft_ms,
             timings: t.answer.timings,
             ratio: t.answer.reuse.ratio,
@@ -162,6 +160,7 @@ pub fn run_case(
             margin_first: Some(stats::top2_margin(&t.first_logits)),
             margins: (!t.margins.is_empty()).then(|| t.margins.clone()),
             f1: Some(crate::metrics::best_f1(&t.answer.answer, &case.answers)),
+            signals: Some(RecordSignals::new(&t.signals, &t.first_logits)),
         });
     }
     Ok((out, reference.prompt_ids))

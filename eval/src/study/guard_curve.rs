@@ -324,6 +324,7 @@ mod tests {
             margin_first: None,
             margins,
             f1: Some(if identical || full { 1.0 } else { 0.0 }),
+            signals: None,
         }
     }
 

@@ -229,6 +229,7 @@ mod tests {
             margin_first: None,
             margins: None,
             f1: None,
+            signals: None,
         }
     }
 

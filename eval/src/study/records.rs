@@ -71,6 +71,48 @@ pub struct StudyRecord {
     /// Best token F1 of the answer against the gold answers (LongBench's normalization).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub f1: Option<f64>,
+    /// What the prefill knew of its own error, and the first token's likeliest choices: the
+    /// fidelity guard's candidate signals (`scripts/guard_signals.py` reads them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signals: Option<RecordSignals>,
+}
+
+/// [`target_engine::BlendSignals`] of one answer, and its first token's distribution at the
+/// top (so two configurations of a case can be compared offline).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordSignals {
+    pub deviation_k: f32,
+    pub deviation_v: f32,
+    pub uncovered: f32,
+    /// The first token's [`FIRST_TOP`] likeliest ids with their log-probabilities.
+    pub first_top: Vec<(u32, f32)>,
+}
+
+/// How many of the first token's likeliest choices a record keeps.
+pub const FIRST_TOP: usize = 16;
+
+impl RecordSignals {
+    pub fn new(s: &target_engine::BlendSignals, first_logits: &[f32]) -> Self {
+        let max = first_logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = first_logits
+            .iter()
+            .map(|&x| f64::from(x - max).exp())
+            .sum::<f64>()
+            .ln() as f32
+            + max;
+        let mut order: Vec<u32> = (0..first_logits.len() as u32).collect();
+        order.sort_by(|&a, &b| first_logits[b as usize].total_cmp(&first_logits[a as usize]));
+        order.truncate(FIRST_TOP);
+        Self {
+            deviation_k: s.deviation_k,
+            deviation_v: s.deviation_v,
+            uncovered: s.uncovered,
+            first_top: order
+                .into_iter()
+                .map(|i| (i, first_logits[i as usize] - lse))
+                .collect(),
+        }
+    }
 }
 
 /// A case's prompt as the target reads it in a full prefill (template, chunks, question), so

@@ -28,6 +28,23 @@ pub struct BlendOutput {
     pub chunk_tokens: usize,
     /// Of the whole call, the time spent choosing what to recompute (milliseconds).
     pub select_ms: f64,
+    /// What the blend saw of its own error, free per request (the fidelity guard's candidate
+    /// signals; docs/fidelity-guard.md measures them).
+    pub signals: BlendSignals,
+}
+
+/// Per-request quantities a blended prefill knows without a full prefill. Each is 0 where it
+/// does not apply (nothing recomputed, a selector without a probe).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BlendSignals {
+    /// How far the recomputed tokens' fresh K moved from their reused K, over every layer:
+    /// `sqrt(Σ|fresh - reused|² / Σ|reused|²)` (CacheBlend's deviation, as a ratio).
+    pub deviation_k: f32,
+    /// The same for V.
+    pub deviation_v: f32,
+    /// Of the question's probed attention mass on the candidate tokens, the share that falls
+    /// on tokens left to reuse (a query-aware selector's; 0 for the others).
+    pub uncovered: f32,
 }
 
 impl BlendOutput {
@@ -126,14 +143,21 @@ impl Model {
             ));
         }
         let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
+        let before = ReusedRows::copy(&cache, &recomputed);
         let out = self.forward(&ids, &positions, &mut cache, false)?;
         let logits = self.last_logits(&out)?;
+        let (deviation_k, deviation_v) = before.deviation(&cache);
         Ok(BlendOutput {
             cache,
             logits,
             recomputed,
             chunk_tokens: chunk_pos.len(),
             select_ms: 0.0,
+            signals: BlendSignals {
+                deviation_k,
+                deviation_v,
+                uncovered: 0.0,
+            },
         })
     }
 
@@ -221,7 +245,60 @@ impl Model {
             recomputed,
             chunk_tokens: chunk_pos.len(),
             select_ms: 0.0,
+            signals: BlendSignals::default(),
         })
+    }
+}
+
+/// The reused K and V rows of the positions a blend recomputes, every layer, kept to measure
+/// how far recomputing moved them.
+struct ReusedRows {
+    positions: Vec<usize>,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl ReusedRows {
+    fn copy(cache: &KvCache, positions: &[usize]) -> Self {
+        let row = cache.row_len();
+        let rows = |data: &[f32]| -> Vec<f32> {
+            positions
+                .iter()
+                .flat_map(|&p| data[p * row..(p + 1) * row].iter().copied())
+                .collect()
+        };
+        Self {
+            positions: positions.to_vec(),
+            k: (0..cache.n_layer()).map(|l| rows(cache.k(l))).collect(),
+            v: (0..cache.n_layer()).map(|l| rows(cache.v(l))).collect(),
+        }
+    }
+
+    /// `sqrt(Σ|fresh - reused|² / Σ|reused|²)` over every layer, for K and for V.
+    fn deviation(&self, fresh: &KvCache) -> (f32, f32) {
+        (
+            self.ratio(&self.k, |l| fresh.k(l), fresh.row_len()),
+            self.ratio(&self.v, |l| fresh.v(l), fresh.row_len()),
+        )
+    }
+
+    fn ratio<'c>(&self, old: &[Vec<f32>], new: impl Fn(usize) -> &'c [f32], row: usize) -> f32 {
+        let (mut diff, mut norm) = (0f64, 0f64);
+        for (l, old) in old.iter().enumerate() {
+            let data = new(l);
+            for (i, &p) in self.positions.iter().enumerate() {
+                let was = &old[i * row..(i + 1) * row];
+                for (&a, &b) in data[p * row..(p + 1) * row].iter().zip(was) {
+                    diff += f64::from(a - b) * f64::from(a - b);
+                    norm += f64::from(b) * f64::from(b);
+                }
+            }
+        }
+        if norm > 0.0 {
+            (diff / norm).sqrt() as f32
+        } else {
+            0.0
+        }
     }
 }
 

@@ -207,6 +207,7 @@ impl Selector for FullRecompute {
             chunk_tokens: recomputed.len(),
             recomputed,
             select_ms: 0.0,
+            signals: Default::default(),
         })
     }
 }
@@ -470,22 +471,31 @@ impl Selector for TargetProbe {
         let t = Instant::now();
         let (model, asm) = (input.model, input.assembly);
         let mut cache = input.fused()?;
-        let picked = match input.spend() {
-            0 => Vec::new(),
+        let (picked, uncovered) = match input.spend() {
+            0 => (Vec::new(), 0.0),
             k => {
                 let candidates = input.candidates();
                 let mass = self.scores(model, asm, &mut cache, &candidates)?;
                 let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
-                if self.per_chunk {
+                let picked = if self.per_chunk {
                     top_k_per_segment(asm, &candidates, &score, k, self.window)
                 } else {
                     top_k(asm, &candidates, score, k, self.window)
-                }
+                };
+                let total: f32 = candidates.iter().map(|&p| score(p)).sum();
+                let covered: f32 = picked.iter().map(|&p| score(p)).sum();
+                let uncovered = if total > 0.0 {
+                    (1.0 - covered / total).max(0.0)
+                } else {
+                    0.0
+                };
+                (picked, uncovered)
             }
         };
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
         let mut out = model.blend_prefill_on(asm, cache, &picked)?;
         out.select_ms = select_ms;
+        out.signals.uncovered = uncovered;
         Ok(out)
     }
 }

@@ -1,0 +1,60 @@
+//! The evaluation's side of a query: its [`Knobs`] (what it varies beyond a request, the
+//! [`Experiment`] the pipeline asks) and teacher forcing over the prefill's cache it kept.
+
+use gateway::pipeline::{ChunkOrder, Experiment, ScoreSource, Traced};
+use speculator::LayerRange;
+use target_engine::Model;
+
+/// What the evaluation sets on a query that a request cannot.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Knobs {
+    pub order: ChunkOrder,
+    pub epic_k: Option<usize>,
+    pub layers: Option<LayerRange>,
+    pub score_source: Option<ScoreSource>,
+    /// Keep the prefill's cache for [`teacher_force`].
+    pub keep_prefill: bool,
+}
+
+impl Experiment for Knobs {
+    fn order(&self) -> ChunkOrder {
+        self.order
+    }
+    fn epic_k(&self) -> Option<usize> {
+        self.epic_k
+    }
+    fn layers(&self) -> Option<LayerRange> {
+        self.layers
+    }
+    fn score_source(&self) -> Option<ScoreSource> {
+        self.score_source
+    }
+    fn keep_prefill(&self) -> bool {
+        self.keep_prefill
+    }
+}
+
+/// Next-token logits before each token of `seq` after `t`'s prefill (untimed): the first are
+/// the prefill's own, the rest from one forward of `seq[..len-1]` over a copy of the cache
+/// `t` kept ([`Knobs::keep_prefill`]).
+pub fn teacher_force(target: &Model, t: &Traced, seq: &[u32]) -> anyhow::Result<Vec<Vec<f32>>> {
+    let mut out = vec![t.first_logits.clone()];
+    if seq.len() < 2 {
+        return Ok(out);
+    }
+    let mut cache = t
+        .prefill
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("teacher forcing needs the prefill's cache (keep_prefill)"))?;
+    let feed = &seq[..seq.len() - 1];
+    let start = t.prompt_ids.len();
+    let positions: Vec<usize> = (start..start + feed.len()).collect();
+    let f = target.forward(feed, &positions, &mut cache, false)?;
+    let logits = target.logits(&f.hidden)?.to_vec2::<f32>()?;
+    let vocab = target.tokenizer().vocab_size();
+    out.extend(logits.into_iter().map(|mut row| {
+        row.truncate(vocab);
+        row
+    }));
+    Ok(out)
+}
