@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""llama.cpp side of `specrag bench prefill`, for ratios measured in one run on one machine.
+"""llama.cpp side of `specrag-bench prefill`, for ratios measured in one run on one machine.
 
 Needs llama-cpp-python (`pip install llama-cpp-python`, which builds llama.cpp from source).
 Uses the same prompt text as specrag's benchmark, tokenized by llama.cpp (specrag's tokenizer
 matches it id for id), cycled to each length; prints the same JSON shape as
-`specrag bench prefill --json`, one line per model.
+`specrag-bench prefill --json`, one line per model.
 
     python3 scripts/bench_llamacpp.py models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ...
 """

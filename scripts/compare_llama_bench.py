@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """specrag vs llama.cpp's own llama-bench, prefill and decode, interleaved in one run.
 
-For each round and model: `specrag bench prefill --json --reps 1 --target-only`, then
+For each round and model: `specrag-bench prefill --json --reps 1 --target-only`, then
 `llama-bench -p LENGTHS -n 32` (prefill) and `llama-bench -p 0 -n 32 -d 512` (32 decoded tokens
 after 512 of context, as specrag's decode figure). Prints, per model, the median throughput of
 each engine and the median of the rounds' paired ratios (this machine kind is noisy: only
@@ -11,7 +11,7 @@ ratios taken side by side mean much).
         [--lengths 512,1024,2048] MODEL.gguf...
 
 llama-bench builds from the llama.cpp vendored in the llama-cpp-python sdist (cmake
-`-DGGML_NATIVE=ON`, target `llama-bench`); target/release/specrag must be built.
+`-DGGML_NATIVE=ON`, target `llama-bench`); target/release/specrag-bench must be built (`cargo build --release -p eval`).
 """
 import argparse
 import json
@@ -30,7 +30,7 @@ def lines(cmd, env=None):
 def one_round(args, model, env):
     """specrag's and llama.cpp's prefill tok/s per length and decode ms/token, one round."""
     lengths = [int(x) for x in args.lengths.split(",")]
-    spec = lines([os.path.join(HERE, "..", "target", "release", "specrag"), "bench", "prefill",
+    spec = lines([os.path.join(HERE, "..", "target", "release", "specrag-bench"), "prefill",
                   "--json", "--lengths", args.lengths, "--reps", "1", "--target-only",
                   "--target", model])[0]
     s = {p["tokens"]: p["tok_s"] for p in spec["prefill"]}

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """specrag vs llama.cpp prefill/decode, interleaved in one run so both see the same machine.
 
-Alternates `specrag bench prefill --json` and `bench_llamacpp.py` for each model, ROUNDS times,
+Alternates `specrag-bench prefill --json` and `bench_llamacpp.py` for each model, ROUNDS times,
 and prints medians and ratios (specrag / llama.cpp). This machine kind has noisy neighbours
 (timings swing up to 2x between minutes), so only ratios from one interleaved run mean much.
 
     python3 scripts/compare_llamacpp.py [--rounds 3] [--lengths 256,512,1024,2048] MODEL.gguf...
-Needs llama-cpp-python in the Python that runs it, and target/release/specrag built.
+Needs llama-cpp-python in the Python that runs it, and target/release/specrag-bench built (`cargo build --release -p eval`).
 """
 import argparse
 import json
@@ -29,13 +29,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lengths", default="256,512,1024,2048")
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--specrag", default=os.path.join(HERE, "..", "target", "release", "specrag"))
+    ap.add_argument("--specrag-bench", default=os.path.join(HERE, "..", "target", "release", "specrag-bench"))
     a = ap.parse_args()
     for model in a.models:
         ours, theirs = [], []
         for r in range(a.rounds):
             print(f"{os.path.basename(model)}: round {r + 1}/{a.rounds}", file=sys.stderr)
-            ours.append(run([a.specrag, "bench", "prefill", "--json", "--target-only", "--target", model,
+            ours.append(run([a.specrag_bench, "prefill", "--json", "--target-only", "--target", model,
                              "--reps", "1", "--decode-steps", str(a.decode_steps), "--lengths", a.lengths]))
             theirs.append(run([sys.executable, os.path.join(HERE, "bench_llamacpp.py"), model, "--reps", "1",
                                "--decode-steps", str(a.decode_steps), "--lengths", a.lengths]))

@@ -415,7 +415,7 @@ fn random_damage_is_always_detected() {
 
 /// A chunk of 512 tokens of a 24-layer model with 2 KV heads of 64 dims (Qwen2-0.5B): 6 MiB of
 /// payload. Best of a few runs, so that first-touch page faults do not dominate. Synthetic
-/// values: the lossless ratio on real KV comes from `specrag bench codec`.
+/// values: the lossless ratio on real KV comes from `specrag-bench codec`.
 #[test]
 fn six_megabyte_chunk_roundtrip_speed() -> TestResult {
     for codec in Codec::ALL {

@@ -42,10 +42,9 @@ pub fn teacher_force(target: &Model, t: &Traced, seq: &[u32]) -> anyhow::Result<
     if seq.len() < 2 {
         return Ok(out);
     }
-    let mut cache = t
-        .prefill
-        .clone()
-        .ok_or_else(|| anyhow::anyhow!("teacher forcing needs the prefill's cache (keep_prefill)"))?;
+    let mut cache = t.prefill.clone().ok_or_else(|| {
+        anyhow::anyhow!("teacher forcing needs the prefill's cache (keep_prefill)")
+    })?;
     let feed = &seq[..seq.len() - 1];
     let start = t.prompt_ids.len();
     let positions: Vec<usize> = (start..start + feed.len()).collect();

@@ -1,8 +1,8 @@
 //! The gateway ties specrag together: the query pipeline (retrieve, load chunk KV, select,
 //! blend, decode or verify), ingestion, the HTTP API (axum, utoipa) and the engine thread
 //! behind it, the one `Method` type, and where the default models live. The `specrag` binary
-//! (`src/bin/specrag/`) adds the command line, the benchmarks, the overlap tool and the model
-//! fetcher, none of which a server needs.
+//! (`src/bin/specrag/`) adds the command line and the model fetcher, none of which a server
+//! needs; the measurements are eval's `specrag-bench`.
 //!
 //! The one design choice a reader must know: model math lives in `target-engine`; this crate
 //! only finds files, validates what users type and reports results.
@@ -10,6 +10,7 @@
 pub mod answer;
 pub mod api;
 pub mod auth;
+pub mod cli;
 pub mod client;
 pub mod corpus;
 pub mod demo;

@@ -285,7 +285,7 @@ impl LowBitKeys {
     /// the same bits; without them the loop compiled for the baseline's 4-lane SSE). A
     /// SpeCache draft step bounds every block of every layer and kv head against the group's
     /// query heads: at 32k tokens of the default target this took ~51-53 ms per draft step
-    /// to ~47-49 (`specrag bench long`).
+    /// to ~47-49 (`specrag-bench long`).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
     unsafe fn bounds_wide(&self, qg: &[f32], g: usize, blocks: &[usize], out: &mut [f32]) {

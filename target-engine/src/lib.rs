@@ -28,6 +28,7 @@ pub mod view;
 /// Weight formats, for [`LoadOptions::requantize`].
 pub use candle_core::quantized::GgmlDType;
 pub use config::{Architecture, ModelConfig};
+pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
     chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,
 };
@@ -37,7 +38,7 @@ pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewGeneration, ViewP
 pub use decode::specontext::{
     ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView,
 };
-pub use decode::speculative::{DraftLength, Drafter, PromptLookup, SpecDecodeStats};
+pub use decode::speculative::{Drafter, PromptLookup};
 pub use decode::stream::{Flow, Shown, TextStream};
 pub use decode::verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
 pub use error::{EngineError, Result};

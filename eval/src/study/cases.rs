@@ -3,11 +3,11 @@
 
 use super::*;
 use crate::datasets::Case;
+use crate::forcing::{teacher_force, Knobs};
 use crate::run::{self, Dataset};
 use crate::stats::{self};
 use chunkstore::Codec;
 use gateway::fidelity::Fidelity;
-use crate::forcing::{teacher_force, Knobs};
 use gateway::pipeline::{Pipeline, Query, Traced};
 
 /// A gold answer contained in the normalized prediction.
@@ -123,14 +123,7 @@ pub fn run_case(
         // against full recompute's. A cached full context would skip the drafting.
         let verified = if run.verify && i > 0 && config.method.servable() {
             pipeline.contexts.clear();
-            Some(ask(
-                pipeline,
-                ds,
-                case,
-                config,
-                true,
-                false,
-            )?)
+            Some(ask(pipeline, ds, case, config, true, false)?)
         } else {
             None
         };

@@ -93,7 +93,10 @@ pub const FIRST_TOP: usize = 16;
 
 impl RecordSignals {
     pub fn new(s: &target_engine::BlendSignals, first_logits: &[f32]) -> Self {
-        let max = first_logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = first_logits
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
         let lse = first_logits
             .iter()
             .map(|&x| f64::from(x - max).exp())

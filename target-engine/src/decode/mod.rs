@@ -4,8 +4,15 @@
 //! with prompt lookup or a draft model ([`speculative`]), verification of a reused cache's
 //! drafts against a full prefill ([`verify`]), long-context drafting from a sparse view
 //! ([`sparse`], SpeCache) or a retrieval head ([`specontext`], SpeContext), and the one place
-//! an answer's text is made from its tokens ([`stream`]).
+//! an answer's text is made from its tokens ([`stream`]); [`draft`] holds what the drafting
+//! strategies share, so none imports another's internals.
 
+/// Milliseconds since `t`.
+pub(crate) fn ms(t: std::time::Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+pub mod draft;
 pub mod generate;
 pub mod repetition;
 pub mod sampling;

@@ -20,9 +20,10 @@
 //! one-token steps): the agreeing prefix is kept, the first disagreement replaced by the full
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
 
+use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
 use crate::decode::generate::{top2_gap, Emit, FinishReason, GenerateParams, Generation};
+use crate::decode::ms;
 use crate::decode::sampling::{argmax, SamplingParams};
-use crate::decode::speculative::{ms, top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;

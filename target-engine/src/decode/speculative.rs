@@ -17,7 +17,9 @@
 //! [`MAX_VERIFY_ROWS`](crate::model::MAX_VERIFY_ROWS) rows), so the target's logits, and the
 //! top-2 gaps the fidelity guard watches, are the ones plain decoding would have computed.
 
+use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MIN_DRAFT_PROB};
 use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation};
+use crate::decode::ms;
 use crate::decode::sampling::{argmax, Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -25,23 +27,6 @@ use crate::model::Model;
 use crate::model::MAX_VERIFY_ROWS;
 use std::collections::VecDeque;
 use std::time::Instant;
-
-/// Longest draft one checking pass can take (the pass also feeds the token before it).
-pub const MAX_DRAFT: usize = MAX_VERIFY_ROWS - 1;
-
-/// The drafter stops proposing at a token it gives less probability than this (llama.cpp's
-/// `--draft-p-min` default).
-pub const MIN_DRAFT_PROB: f32 = 0.75;
-
-/// The largest probability of the softmax of `logits` (0 for none).
-pub fn top_probability(logits: &[f32]) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return 0.0;
-    }
-    let sum: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
-    1.0 / sum
-}
 
 /// How a drafter's cache of the prompt comes to be, when it is built only once drafting
 /// starts (after the first token is out, so it never delays it).
@@ -485,79 +470,6 @@ impl ModelDraft<'_> {
     }
 }
 
-/// The number of tokens drafted per round, adapted to the acceptance measured so far: it
-/// grows by two after a round whose drafts were all accepted and shrinks by one after a miss,
-/// within `min..=max`. The default keeps checking passes at 4 rows at most: on 2 cores a pass
-/// of 4 rows costs 1.39x one decode step of Qwen-1.5B, of 5 rows 1.84x (the int8 kernels
-/// unpack each weight group once per tile of up to 4 rows), and the 0.5B drafter's step 0.41x.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DraftLength {
-    pub current: usize,
-    pub min: usize,
-    pub max: usize,
-}
-
-impl Default for DraftLength {
-    fn default() -> Self {
-        Self {
-            current: 2,
-            min: 1,
-            max: 3,
-        }
-    }
-}
-
-impl DraftLength {
-    /// After a round where `accepted` of `drafted` proposals agreed with the target.
-    pub fn update(&mut self, drafted: usize, accepted: usize) {
-        let max = self.max.clamp(1, MAX_DRAFT);
-        let min = self.min.clamp(1, max);
-        self.current = if drafted > 0 && accepted == drafted {
-            self.current + 2
-        } else {
-            self.current.saturating_sub(1)
-        }
-        .clamp(min, max);
-    }
-}
-
-/// What speculative decoding did for one answer.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SpecDecodeStats {
-    /// Tokens the drafter proposed.
-    pub drafted: usize,
-    /// Proposals the target agreed with.
-    pub accepted: usize,
-    /// Of `drafted` and `accepted`, those prompt lookup proposed (the rest came from the
-    /// drafting model).
-    #[serde(default)]
-    pub lookup_drafted: usize,
-    #[serde(default)]
-    pub lookup_accepted: usize,
-    /// Checking passes of the target.
-    pub rounds: usize,
-    /// The draft length at the end (it adapts to the acceptance).
-    pub draft_len: usize,
-    /// Time spent drafting and checking (ms).
-    pub draft_ms: f64,
-    pub verify_ms: f64,
-    /// Why drafting stopped early (the drafter's cache could not be built, or a draft step
-    /// failed): decoding went on one token per pass, the output unchanged.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub drafter_error: Option<String>,
-}
-
-impl SpecDecodeStats {
-    /// Accepted over drafted (0 when nothing was drafted).
-    pub fn acceptance(&self) -> f64 {
-        if self.drafted == 0 {
-            0.0
-        } else {
-            self.accepted as f64 / self.drafted as f64
-        }
-    }
-}
-
 impl DraftRoom<'_> {
     /// Room for a round with `room` tokens left to generate (the round's first token is the
     /// target's, so drafts get one less).
@@ -583,21 +495,6 @@ impl SpecDecodeStats {
                 self.lookup_accepted += agree;
             }
             Source::Model => len.update(p.ids.len(), agree),
-        }
-    }
-
-    /// Adds what `other` counted (a decode continued elsewhere, e.g. after an escalation).
-    pub fn merge(&mut self, other: &SpecDecodeStats) {
-        self.drafted += other.drafted;
-        self.accepted += other.accepted;
-        self.lookup_drafted += other.lookup_drafted;
-        self.lookup_accepted += other.lookup_accepted;
-        self.rounds += other.rounds;
-        self.draft_len = other.draft_len;
-        self.draft_ms += other.draft_ms;
-        self.verify_ms += other.verify_ms;
-        if other.drafter_error.is_some() {
-            self.drafter_error.clone_from(&other.drafter_error);
         }
     }
 }
@@ -682,10 +579,6 @@ impl Model {
         let (g, watched) = emit.finish(ms(t0), steps);
         Ok((g, watched, stats))
     }
-}
-
-pub(crate) fn ms(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e3
 }
 
 #[cfg(test)]

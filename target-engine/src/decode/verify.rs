@@ -13,8 +13,9 @@
 //! fidelity guard's escalation), a [`Drafter`] may propose tokens there too: speculative
 //! decoding over the full cache, each pass keeping only what the full cache would have chosen.
 
+use crate::decode::draft::{DraftLength, SpecDecodeStats};
 use crate::decode::sampling::{argmax, Sampler};
-use crate::decode::speculative::{DraftLength, DraftRoom, Drafter, SpecDecodeStats};
+use crate::decode::speculative::{DraftRoom, Drafter};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::{Model, MAX_VERIFY_ROWS};

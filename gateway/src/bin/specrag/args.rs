@@ -1,8 +1,8 @@
 //! The command line: every command, its flags and what `--help` says about them.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
+pub use gateway::cli::ModelArgs;
 use gateway::method::Method;
-use gateway::models::{self, Role};
 use gateway::pipeline::ScoreSource;
 use std::path::PathBuf;
 
@@ -16,109 +16,6 @@ pub struct Cli {
     pub command: Cmd,
 }
 
-/// Which GGUF files to load (any qwen2 or llama GGUF works).
-#[derive(Args, Debug)]
-pub struct ModelArgs {
-    /// Which default models load when --target / --speculator are not given: `large` =
-    /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B (the default: on 80 record questions its
-    /// answers with the default method are right 80% of the time against 49% for `small`),
-    /// `small` = SmolLM2-135M -> Qwen2.5-Coder-0.5B (~2.5x faster, 0.6 instead of 1.4 GB of
-    /// files)
-    #[arg(
-        long,
-        global = true,
-        env = "SPECRAG_PAIRING",
-        value_enum,
-        default_value_t = Pairing::Large
-    )]
-    pub pairing: Pairing,
-    /// Target model GGUF file [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf,
-    /// with --pairing small qwen2.5-coder-0.5b-instruct-q4_k_m.gguf]
-    #[arg(
-        long,
-        global = true,
-        env = "SPECRAG_TARGET",
-        visible_alias = "model",
-        value_name = "PATH"
-    )]
-    pub target: Option<PathBuf>,
-    /// Speculator model GGUF file [default: $SPECRAG_MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf,
-    /// with --pairing small smollm2-135m-instruct-q4_1.gguf]
-    #[arg(long, global = true, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
-    pub speculator: Option<PathBuf>,
-    /// Run Q4_K/Q6_K weights on candle's kernels instead of specrag's packed int8 GEMM (the
-    /// default with AVX-512 VNNI). candle keeps its own repacked copy beside the file's bytes:
-    /// 2.89 instead of 1.57 GB peak for the 1.5B target, decode ~1.4x the time, prefill within
-    /// noise (docs/performance.md)
-    #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]
-    pub candle_k_quants: bool,
-    /// Precision of the attention products. `bf16` needs AVX-512 BF16 (refused otherwise):
-    /// queries, keys, probabilities and values are rounded to bfloat16 (8 significant bits),
-    /// attention runs ~1.5x (64-wide heads) to ~2x (128-wide) faster, a 2048-token prefill
-    /// ~5-25%. Measured cost: next-token KL from f32's ~1e-3 on the Qwen targets (greedy
-    /// answers identical on 70 of 70 eval prompts), more on SmolLM2 (up to 3e-2);
-    /// docs/performance.md, *bf16 attention*. Ingest and serve with the same precision: the
-    /// stored chunk KV was computed with the ingesting one
-    #[arg(
-        long,
-        global = true,
-        env = "SPECRAG_ATTENTION",
-        value_enum,
-        default_value = "f32"
-    )]
-    pub attention: Attention,
-}
-
-/// `--attention`: the precision of the attention products.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Attention {
-    /// f32 products (the default, and what every measurement in docs/ used unless it says).
-    F32,
-    /// bfloat16 products accumulated in f32 (AVX-512 BF16 CPUs only).
-    Bf16,
-}
-
-/// The default target/speculator pairs (docs/usage.md, *Models*).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pairing {
-    /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B.
-    Large,
-    /// SmolLM2-135M -> Qwen2.5-Coder-0.5B.
-    Small,
-}
-
-impl ModelArgs {
-    /// How every model a command loads is loaded: `--candle-k-quants` and `--attention`.
-    pub fn load_options(&self) -> target_engine::LoadOptions {
-        target_engine::LoadOptions {
-            pack_k_quants: !self.candle_k_quants,
-            attention: match self.attention {
-                Attention::F32 => kernels::AttentionPrecision::F32,
-                Attention::Bf16 => kernels::AttentionPrecision::Bf16,
-            },
-            ..target_engine::LoadOptions::default()
-        }
-    }
-
-    /// The default roles of the target and the speculator under `--pairing`.
-    fn roles(&self) -> (Role, Role) {
-        match self.pairing {
-            Pairing::Large => (Role::LargeTarget, Role::Target),
-            Pairing::Small => (Role::Target, Role::Speculator),
-        }
-    }
-
-    /// The target's file: `--target`, else the pairing's default.
-    pub fn target_path(&self) -> anyhow::Result<PathBuf> {
-        models::resolve_for(self.target.as_deref(), self.roles().0, "--target")
-    }
-
-    /// The speculator's file: `--speculator`, else the pairing's default.
-    pub fn speculator_path(&self) -> anyhow::Result<PathBuf> {
-        models::resolve_for(self.speculator.as_deref(), self.roles().1, "--speculator")
-    }
-}
-
 #[derive(Subcommand, Debug)]
 pub enum Cmd {
     /// Download and verify the default models.
@@ -128,9 +25,6 @@ pub enum Cmd {
     Generate(GenerateArgs),
     /// Show how a model tokenizes text.
     Tokenize(TokenizeArgs),
-    /// Measure speed.
-    #[command(subcommand)]
-    Bench(BenchCmd),
     /// Ingest documents: chunk them by target tokens, precompute every chunk's KV cache (and
     /// the speculator's scores), store them and index the text for retrieval.
     ///
@@ -655,194 +549,6 @@ pub struct TokenizeArgs {
     pub json: bool,
 }
 
-#[derive(Subcommand, Debug)]
-pub enum BenchCmd {
-    /// Prefill tokens/s at several lengths and decode ms/token, for the target and the
-    /// speculator (one JSON object per model and line with --json).
-    Prefill(PrefillArgs),
-    /// Blended prefill vs full prefill on the target: 4 chunks x 512 tokens and a question,
-    /// every baseline selector at each ratio, chunk KV precomputed after the prefix and
-    /// standalone; times relative to full prefill in the same run, plus KL from full prefill.
-    Blend(BlendArgs),
-    /// Jaccard overlap of the top chunk tokens chosen by the speculator's deep layers, the
-    /// target's deep layers and the target's first layer (SpecCache Fig. 3), per prompt and on
-    /// average. Run it once per pairing, e.g. `--target models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-    /// --speculator models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` for the in-family pairing.
-    Overlap(OverlapArgs),
-    /// Decoding over long contexts of real chunks (an ingested collection's stored KV, reused
-    /// as is): ms per token of full attention, and of each long-context drafter verified
-    /// against it (SpeCache: top-k rows chosen on low-bit keys; a StreamingLLM window), with
-    /// the check that every verified answer is full attention's, token for token. `--quality`
-    /// adds the drafters' unverified answers and teacher-forced KL, and KIVI 2-bit alone.
-    /// Example: `specrag bench long --data DATA --contexts 8192,16384,32000 --quality`.
-    Long(LongArgs),
-}
-
-#[derive(Args, Debug)]
-pub struct PrefillArgs {
-    /// Prompt lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = clap::value_parser!(u32).range(1..))]
-    pub lengths: Vec<u32>,
-    /// Runs per length (the median is reported).
-    #[arg(long, default_value_t = 3)]
-    pub reps: usize,
-    /// Decode steps after a 512-token prefill (the median is reported).
-    #[arg(long, default_value_t = 32)]
-    pub decode_steps: usize,
-    /// Only the target model.
-    #[arg(long)]
-    pub target_only: bool,
-    /// Machine-readable output.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// Where the chunk KV of `bench blend` is precomputed.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-#[value(rename_all = "snake_case")]
-pub enum BenchMode {
-    /// After the template prefix (what `specrag ingest` stores; the first chunk is exact).
-    AfterPrefix,
-    /// Each chunk alone from position 0 (every chunk inexact).
-    Standalone,
-}
-
-impl BenchMode {
-    /// The name reports print.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::AfterPrefix => "after_prefix",
-            Self::Standalone => "standalone",
-        }
-    }
-}
-
-#[derive(Args, Debug)]
-pub struct BlendArgs {
-    /// Number of chunks.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub chunks: u32,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub chunk_tokens: u32,
-    /// Recompute ratios for the budgeted selectors (each in 0..=1).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "0.05,0.10,0.15,0.25,0.40",
-        value_parser = parse_ratio
-    )]
-    pub ratios: Vec<f64>,
-    /// Runs per measurement (median reported).
-    #[arg(long, default_value_t = 1)]
-    pub reps: usize,
-    /// Chunk KV precompute modes to measure.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "after_prefix,standalone",
-        value_enum
-    )]
-    pub modes: Vec<BenchMode>,
-    /// Machine-readable output.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct LongArgs {
-    /// Data directory of an ingested collection (`specrag ingest ... --data DIR`).
-    #[arg(long)]
-    pub data: PathBuf,
-    /// Collection whose chunks fill the contexts.
-    #[arg(long, default_value = "default")]
-    pub collection: String,
-    /// Context lengths in tokens (each at most the target's context length minus the answer).
-    #[arg(long, value_delimiter = ',', default_value = "8192,16384,32000", value_parser = clap::value_parser!(u32).range(64..))]
-    pub contexts: Vec<u32>,
-    /// Questions (one context per question and length, chunks taken from a different offset
-    /// for each).
-    #[arg(
-        long = "question",
-        default_values_t = [
-            String::from("Summarize what these documents say about storing chunk KV."),
-            String::from("Which command ingests documents, and what does it report?"),
-        ]
-    )]
-    pub questions: Vec<String>,
-    /// Greedy answer tokens per case.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    pub max_tokens: u64,
-    /// SpeCache: rows chosen per kv head and layer.
-    #[arg(long, default_value_t = 1024)]
-    pub top_k: usize,
-    /// SpeCache: recent rows always attended.
-    #[arg(long, default_value_t = 128)]
-    pub window: usize,
-    /// SpeCache: bits per value of the low-bit keys (2 or 4).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=4))]
-    pub bits: u32,
-    /// SpeCache: score positions only in the blocks (32 positions each) whose bound is among
-    /// the best `prefilter * top_k` positions' worth; 0 scores every position.
-    #[arg(long, default_value_t = 4)]
-    pub prefilter: usize,
-    /// SpeCache: the first layers attend to every row (measured: no gain at 32k).
-    #[arg(long, default_value_t = 0)]
-    pub full_layers: usize,
-    /// A round ends (is verified) after a draft the drafter gave less probability than this.
-    #[arg(long, default_value_t = 0.0)]
-    pub min_prob: f32,
-    /// SpeContext, embedding head: the speculator's layer whose norm and Q/K projections
-    /// score the context from the token embedding alone [default: 3, the best measured for
-    /// the 0.5B speculator, or the speculator's last layer if it has fewer].
-    #[arg(long)]
-    pub retrieval_layer: Option<usize>,
-    /// SpeContext, contextual head: the speculator's layer whose attention (its layers up
-    /// to it run on its own cache of the context) chooses the rows [default: 14, or the
-    /// speculator's last layer if it has fewer].
-    #[arg(long)]
-    pub context_layer: Option<usize>,
-    /// SpeContext's memory model: rows resident per kv head (its `top_k`) sized to this many
-    /// MiB for each context (the retrieval head's keys included) instead of `--top-k`.
-    #[arg(long)]
-    pub resident_mb: Option<u64>,
-    /// Prompt lookup's shortest match that drafts (the `lookup` row).
-    #[arg(long, default_value_t = target_engine::PromptLookup::MIN_N, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=16))]
-    pub lookup_min_n: usize,
-    /// Leave SpeContext out (no speculator loaded).
-    #[arg(long)]
-    pub no_speculator: bool,
-    /// Measure only the drafters whose name starts with this (repeatable: `specache`,
-    /// `window`, `specontext`, `specontext-ctx`, ...); all of them by default.
-    #[arg(long = "drafter")]
-    pub drafter_names: Vec<String>,
-    /// Also measure unverified quality (answers and teacher-forced KL), with KIVI 2-bit.
-    #[arg(long)]
-    pub quality: bool,
-    /// One JSON object per case and line.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Args, Debug)]
-pub struct OverlapArgs {
-    /// Number of prompts (each: chunks of the project's documentation and a question).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
-    pub prompts: u32,
-    /// Chunks per prompt.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
-    pub chunks: u32,
-    /// Maximum tokens per chunk.
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
-    pub chunk_tokens: u32,
-    /// Fraction of chunk tokens in each top set (0 < f <= 1).
-    #[arg(long, default_value_t = 0.2, value_parser = parse_top_fraction)]
-    pub top: f64,
-    /// Machine-readable output.
-    #[arg(long)]
-    pub json: bool,
-}
-
 /// `s` as a number that `ok` accepts; the error names `what` must be (`range`).
 fn number_in<T: std::str::FromStr + std::fmt::Display + Copy>(
     s: &str,
@@ -869,16 +575,6 @@ pub fn parse_top_p(s: &str) -> Result<f32, String> {
 /// `--verify-mode`, parsed with the other flags (a typo fails before any model loads).
 pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
     s.parse()
-}
-
-/// A share of tokens in `0..=1`.
-pub fn parse_ratio(s: &str) -> Result<f64, String> {
-    number_in(s, |r| (0.0..=1.0).contains(&r), "a ratio", "0..=1")
-}
-
-/// A fraction in `(0, 1]`.
-pub fn parse_top_fraction(s: &str) -> Result<f64, String> {
-    number_in(s, |r| r > 0.0 && r <= 1.0, "the fraction", "(0, 1]")
 }
 
 #[cfg(test)]

@@ -1,26 +1,23 @@
 //! `specrag`: the command-line entry point. `args` holds every command and flag; each command
 //! is one function (`commands` for the corpus commands, `tools` for models, generation and
-//! tokenization, `bench` and `overlap` for the measurements, `fetch` for the default models).
+//! tokenization, `fetch` for the default models); the measurements are `specrag-bench`'s
+//! (eval). The model flags and loaders are `gateway::cli`'s, shared with it.
 //! They share [`open_pipeline`] and `progress` (bars on a terminal, plain lines in a log).
 
 mod args;
-mod bench;
 mod commands;
 mod fetch;
-mod long;
-mod overlap;
 mod progress;
 mod tools;
 
 use anyhow::Context;
-use args::{BenchCmd, Cli, Cmd, ModelArgs, ModelsCmd};
+use args::{Cli, Cmd, ModelsCmd};
 use clap::Parser;
+use gateway::cli::{load_pair, load_target, ModelArgs};
 use gateway::corpus::{Corpus, Engines};
 use gateway::pipeline::{Pipeline, ScoreSource};
-use indicatif::ProgressBar;
 use std::path::Path;
 use std::sync::Arc;
-use target_engine::Model;
 
 /// Exit code of a run that skipped some inputs.
 const EXIT_PARTIAL: i32 = 3;
@@ -56,47 +53,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Models(ModelsCmd::List) => tools::list_models(),
         Cmd::Generate(a) => tools::generate(m, a),
         Cmd::Tokenize(a) => tools::tokenize(m, a),
-        Cmd::Bench(BenchCmd::Blend(a)) => bench::blend_cmd(m, a),
-        Cmd::Bench(BenchCmd::Long(a)) => long::long_cmd(m, a),
-        Cmd::Bench(BenchCmd::Overlap(a)) => overlap::overlap_cmd(m, a),
-        Cmd::Bench(BenchCmd::Prefill(a)) => bench::prefill_cmd(m, a),
     }
-}
-
-/// Loads one model with a spinner, as the model flags say (`--candle-k-quants`,
-/// `--attention`).
-fn load(path: &Path, m: &ModelArgs) -> anyhow::Result<Model> {
-    let spinner = spinner(format!("loading {}", path.display()));
-    let opts = m.load_options();
-    let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
-    gateway::process::release_free_memory();
-    spinner.finish_and_clear();
-    Ok(m)
-}
-
-/// A spinner on stderr that ticks on its own.
-fn spinner(message: String) -> ProgressBar {
-    let bar = ProgressBar::new_spinner();
-    bar.set_message(message);
-    bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    bar
-}
-
-/// The target the flags (or the default) name.
-fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
-    load(&m.target_path()?, m)
-}
-
-/// The speculator the flags (or defaults) name.
-fn load_speculator(m: &ModelArgs) -> anyhow::Result<Model> {
-    load(&m.speculator_path()?, m)
-}
-
-/// The target and the speculator the flags (or defaults) name.
-fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
-    let target = load_target(m)?;
-    let spec = load_speculator(m)?;
-    Ok((target, Arc::new(spec)))
 }
 
 /// What every corpus command opens: the models (the speculator unless `with_speculator` is

@@ -2,7 +2,7 @@
 //! hidden `tiny-models`.
 
 use crate::args::{GenerateArgs, ModelArgs, TokenizeArgs};
-use crate::load_target;
+use gateway::cli::load_target;
 use gateway::models::{self, Role, DEFAULT_MODELS};
 use serde_json::json;
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! `specrag bench long`: decoding over long contexts of real chunks (issue 44). For each context
+//! `specrag-bench long`: decoding over long contexts of real chunks (issue 44). For each context
 //! length, the chunks of an ingested collection (in index order, from a per-question offset)
 //! fill the prompt, their stored KV is reused as is (ρ = 0: only the question is computed, the
 //! decode phase is what is measured), and the same cache is decoded greedily by full attention,
@@ -9,8 +9,8 @@
 //! the drafters also answer unverified (agreement with full attention, teacher-forced KL), next
 //! to a KIVI-only cache.
 
-use crate::args::{LongArgs, ModelArgs};
-use crate::{load_speculator, load_target, spinner};
+use crate::args::LongArgs;
+use gateway::cli::{load_speculator, load_target, spinner, ModelArgs};
 use gateway::corpus::{Corpus, Engines};
 use serde::Serialize;
 use std::sync::Arc;
@@ -483,7 +483,7 @@ fn resolve_layers(a: &mut LongArgs, s: &Model) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `specrag bench long`.
+/// `specrag-bench long`.
 pub fn long_cmd(m: &ModelArgs, mut a: LongArgs) -> anyhow::Result<()> {
     let model = Arc::new(load_target(m)?);
     // SpeContext's retrieval heads are cut from the speculator (`--no-speculator`: none).

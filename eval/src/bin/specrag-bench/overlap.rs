@@ -1,11 +1,11 @@
-//! `specrag bench overlap`: do the speculator's important tokens match the target's? For each
+//! `specrag-bench overlap`: do the speculator's important tokens match the target's? For each
 //! prompt, the Jaccard overlap of the top fraction of chunk tokens ranked by (a) the
 //! speculator's deep layers, (b) the target's own deep layers and (c) the target's first layer
 //! (SpecCache Figure 3). Rankings are compared in the target's tokens: a speculator score is
 //! carried to every target token it overlaps (the best one wins).
 
-use crate::args::{ModelArgs, OverlapArgs};
-use crate::{load_pair, spinner};
+use crate::args::OverlapArgs;
+use gateway::cli::{load_pair, spinner, ModelArgs};
 use serde::Serialize;
 use speculator::{mean_norms, project_scores, target_spans, LayerRange, SpecCache};
 use std::sync::Arc;
@@ -223,7 +223,7 @@ pub fn overlap_report(
     })
 }
 
-/// `specrag bench overlap`.
+/// `specrag-bench overlap`.
 pub fn overlap_cmd(m: &ModelArgs, a: OverlapArgs) -> anyhow::Result<()> {
     let (model, spec) = load_pair(m)?;
     let bar = spinner(String::new());

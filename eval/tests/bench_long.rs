@@ -1,36 +1,57 @@
-//! `specrag bench long` end to end on tiny random models: every drafter (SpeCache, the window,
+//! `specrag-bench long` end to end on tiny random models: every drafter (SpeCache, the window,
 //! SpeContext's two heads, prompt lookup, the speculator) decodes the long prompt verified and
 //! answers as full attention, token for token; SpeContext's numbers say what it held and
 //! loaded; out-of-range layers are refused by flag name before any work.
 
-mod common;
-
-use common::{run, tiny_models, TestResult, BIN};
+use gateway::corpus::{Corpus, Engines};
+use gateway::ingest::{ingest, IngestConfig};
+use gateway::input::SourceDoc;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Arc;
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{Architecture, LoadOptions, Model};
 
-/// Tiny models and 24 short notes ingested into `notes`: the model arguments and data dir.
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const BIN: &str = env!("CARGO_BIN_EXE_specrag-bench");
+
+/// Tiny models (a qwen2 target, a llama speculator, as `specrag tiny-models` writes them) and
+/// 24 short notes ingested into `notes` as `specrag ingest` does: the model arguments and the
+/// data dir.
 fn ingested(dir: &Path) -> Result<(Vec<std::ffi::OsString>, PathBuf), Box<dyn std::error::Error>> {
-    let models = tiny_models(dir);
-    let docs = dir.join("docs");
-    std::fs::create_dir_all(&docs)?;
-    for i in 0..24 {
-        let text = format!(
-            "# Note {i}\n\nThe ant {i} ran in the sand near the tent, then sat in the attic \
-             and ate {} thin mints. The hat of note {i} is in the tin.\n",
-            i * 7
-        );
-        std::fs::write(docs.join(format!("note{i:02}.md")), text)?;
-    }
+    let (target, speculator) = (dir.join("target.gguf"), dir.join("speculator.gguf"));
+    write_tiny_gguf(&target, &TinySpec::new(Architecture::Qwen2))?;
+    let mut spec = TinySpec::new(Architecture::Llama);
+    spec.seed = 5;
+    write_tiny_gguf(&speculator, &spec)?;
+    let load = |p: &Path| Model::load(p, &LoadOptions::default()).map(Arc::new);
+    let engines = Engines::new(load(&target)?, Some(load(&speculator)?))?;
     let data = dir.join("data");
-    run(Command::new(BIN)
-        .args(&models)
-        .arg("ingest")
-        .arg(&docs)
-        .arg("--data")
-        .arg(&data)
-        .args(["--collection", "notes"])
-        .env("RUST_LOG", "error"));
+    let corpus = Corpus::open(&data, 1 << 30)?;
+    let docs = (0..24)
+        .map(|i| SourceDoc {
+            id: format!("note{i:02}.md"),
+            title: None,
+            text: format!(
+                "# Note {i}\n\nThe ant {i} ran in the sand near the tent, then sat in the attic \
+                 and ate {} thin mints. The hat of note {i} is in the tin.\n",
+                i * 7
+            ),
+            origin: format!("note{i:02}.md"),
+        })
+        .collect();
+    let cfg = IngestConfig {
+        collection: "notes".into(),
+        ..Default::default()
+    };
+    ingest(&corpus, &engines, docs, &cfg, |_| {})?;
+    let models = vec![
+        "--target".into(),
+        target.into(),
+        "--speculator".into(),
+        speculator.into(),
+    ];
     Ok((models, data))
 }
 
@@ -38,7 +59,7 @@ fn ingested(dir: &Path) -> Result<(Vec<std::ffi::OsString>, PathBuf), Box<dyn st
 fn bench(models: &[std::ffi::OsString], data: &Path, extra: &[&str]) -> std::io::Result<Output> {
     Command::new(BIN)
         .args(models)
-        .args(["bench", "long", "--data"])
+        .args(["long", "--data"])
         .arg(data)
         .args([
             "--collection",

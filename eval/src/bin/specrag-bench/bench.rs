@@ -1,8 +1,8 @@
-//! `specrag bench prefill` (prefill throughput at several lengths and decode latency) and
-//! `specrag bench blend` (blended against full prefill, every selector at each ratio).
+//! `specrag-bench prefill` (prefill throughput at several lengths and decode latency) and
+//! `specrag-bench blend` (blended against full prefill, every selector at each ratio).
 
-use crate::args::{BenchMode, BlendArgs, ModelArgs, PrefillArgs};
-use crate::{load, load_pair, spinner};
+use crate::args::{BenchMode, BlendArgs, PrefillArgs};
+use gateway::cli::{load, load_pair, spinner, ModelArgs};
 use gateway::method::{Method, SelectorInputs};
 use serde::Serialize;
 use std::sync::Arc;
@@ -102,7 +102,7 @@ pub fn prefill_report(
     })
 }
 
-/// One row of `specrag bench blend`.
+/// One row of `specrag-bench blend`.
 #[derive(Debug, Clone, Serialize)]
 pub struct BlendRow {
     pub method: String,
@@ -123,7 +123,7 @@ pub struct BlendRow {
     pub align_ms: Option<f64>,
 }
 
-/// The report of `specrag bench blend` (the JSON shape of the contract, plus mode and kl).
+/// The report of `specrag-bench blend` (the JSON shape of the contract, plus mode and kl).
 #[derive(Debug, Clone, Serialize)]
 pub struct BlendReport {
     pub tokens: usize,
@@ -471,7 +471,7 @@ pub fn blend_report(
     })
 }
 
-/// `specrag bench blend`.
+/// `specrag-bench blend`.
 pub fn blend_cmd(m: &ModelArgs, a: BlendArgs) -> anyhow::Result<()> {
     let (model, spec) = load_pair(m)?;
     let bar = spinner(String::new());
@@ -513,7 +513,7 @@ pub fn blend_cmd(m: &ModelArgs, a: BlendArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `specrag bench prefill`.
+/// `specrag-bench prefill`.
 pub fn prefill_cmd(m: &ModelArgs, a: PrefillArgs) -> anyhow::Result<()> {
     let lengths: Vec<usize> = a.lengths.iter().map(|&n| n as usize).collect();
     let mut paths = vec![m.target_path()?];

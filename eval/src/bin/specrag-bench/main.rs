@@ -1,0 +1,33 @@
+//! `specrag-bench`: the measurements behind docs/performance.md and docs/long-context.md,
+//! apart from the `specrag` binary an operator runs. `bench` times prefill, decode and the
+//! blended prefill against full prefill; `long` decodes over long contexts of stored chunk KV
+//! with each long-context drafter; `overlap` compares the selectors' picks (SpecCache Fig. 3).
+
+mod args;
+mod bench;
+mod long;
+mod overlap;
+
+use args::{BenchCmd, Cli};
+use clap::Parser;
+
+fn main() {
+    gateway::process::init();
+    let cli = Cli::parse();
+    if !cli.models.load_options().attention.supported() {
+        eprintln!("error: --attention bf16 needs a CPU with AVX-512 BF16; this one has none");
+        std::process::exit(2);
+    }
+    let m = &cli.models;
+    let r = match cli.command {
+        BenchCmd::Blend(a) => bench::blend_cmd(m, a),
+        BenchCmd::Long(a) => long::long_cmd(m, a),
+        BenchCmd::Overlap(a) => overlap::overlap_cmd(m, a),
+        BenchCmd::Prefill(a) => bench::prefill_cmd(m, a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        let caller = gateway::Fault::of_chain(e.as_ref()) != gateway::Fault::Internal;
+        std::process::exit(if caller { 2 } else { 1 });
+    }
+}

@@ -1,0 +1,149 @@
+//! The model flags every command-line tool shares (`specrag`, `specrag-bench`): which GGUF
+//! files load and how, and the loaders behind them (a spinner while a model loads).
+
+use crate::models::Role;
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use indicatif::ProgressBar;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use target_engine::Model;
+
+/// Which GGUF files to load (any qwen2 or llama GGUF works).
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// Which default models load when --target / --speculator are not given: `large` =
+    /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B (the default: on 80 record questions its
+    /// answers with the default method are right 80% of the time against 49% for `small`),
+    /// `small` = SmolLM2-135M -> Qwen2.5-Coder-0.5B (~2.5x faster, 0.6 instead of 1.4 GB of
+    /// files)
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_PAIRING",
+        value_enum,
+        default_value_t = Pairing::Large
+    )]
+    pub pairing: Pairing,
+    /// Target model GGUF file [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf,
+    /// with --pairing small qwen2.5-coder-0.5b-instruct-q4_k_m.gguf]
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_TARGET",
+        visible_alias = "model",
+        value_name = "PATH"
+    )]
+    pub target: Option<PathBuf>,
+    /// Speculator model GGUF file [default: $SPECRAG_MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf,
+    /// with --pairing small smollm2-135m-instruct-q4_1.gguf]
+    #[arg(long, global = true, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
+    pub speculator: Option<PathBuf>,
+    /// Run Q4_K/Q6_K weights on candle's kernels instead of specrag's packed int8 GEMM (the
+    /// default with AVX-512 VNNI). candle keeps its own repacked copy beside the file's bytes:
+    /// 2.89 instead of 1.57 GB peak for the 1.5B target, decode ~1.4x the time, prefill within
+    /// noise (docs/performance.md)
+    #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]
+    pub candle_k_quants: bool,
+    /// Precision of the attention products. `bf16` needs AVX-512 BF16 (refused otherwise):
+    /// queries, keys, probabilities and values are rounded to bfloat16 (8 significant bits),
+    /// attention runs ~1.5x (64-wide heads) to ~2x (128-wide) faster, a 2048-token prefill
+    /// ~5-25%. Measured cost: next-token KL from f32's ~1e-3 on the Qwen targets (greedy
+    /// answers identical on 70 of 70 eval prompts), more on SmolLM2 (up to 3e-2);
+    /// docs/performance.md, *bf16 attention*. Ingest and serve with the same precision: the
+    /// stored chunk KV was computed with the ingesting one
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_ATTENTION",
+        value_enum,
+        default_value = "f32"
+    )]
+    pub attention: Attention,
+}
+
+/// `--attention`: the precision of the attention products.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// f32 products (the default, and what every measurement in docs/ used unless it says).
+    F32,
+    /// bfloat16 products accumulated in f32 (AVX-512 BF16 CPUs only).
+    Bf16,
+}
+
+/// The default target/speculator pairs (docs/usage.md, *Models*).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pairing {
+    /// Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-1.5B.
+    Large,
+    /// SmolLM2-135M -> Qwen2.5-Coder-0.5B.
+    Small,
+}
+
+impl ModelArgs {
+    /// How every model a command loads is loaded: `--candle-k-quants` and `--attention`.
+    pub fn load_options(&self) -> target_engine::LoadOptions {
+        target_engine::LoadOptions {
+            pack_k_quants: !self.candle_k_quants,
+            attention: match self.attention {
+                Attention::F32 => kernels::AttentionPrecision::F32,
+                Attention::Bf16 => kernels::AttentionPrecision::Bf16,
+            },
+            ..target_engine::LoadOptions::default()
+        }
+    }
+
+    /// The default roles of the target and the speculator under `--pairing`.
+    fn roles(&self) -> (Role, Role) {
+        match self.pairing {
+            Pairing::Large => (Role::LargeTarget, Role::Target),
+            Pairing::Small => (Role::Target, Role::Speculator),
+        }
+    }
+
+    /// The target's file: `--target`, else the pairing's default.
+    pub fn target_path(&self) -> anyhow::Result<PathBuf> {
+        crate::models::resolve_for(self.target.as_deref(), self.roles().0, "--target")
+    }
+
+    /// The speculator's file: `--speculator`, else the pairing's default.
+    pub fn speculator_path(&self) -> anyhow::Result<PathBuf> {
+        crate::models::resolve_for(self.speculator.as_deref(), self.roles().1, "--speculator")
+    }
+}
+
+/// Loads one model with a spinner, as the model flags say (`--candle-k-quants`,
+/// `--attention`).
+pub fn load(path: &Path, m: &ModelArgs) -> anyhow::Result<Model> {
+    let spinner = spinner(format!("loading {}", path.display()));
+    let opts = m.load_options();
+    let m = Model::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    crate::process::release_free_memory();
+    spinner.finish_and_clear();
+    Ok(m)
+}
+
+/// A spinner on stderr that ticks on its own.
+pub fn spinner(message: String) -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_message(message);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+/// The target the flags (or the default) name.
+pub fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
+    load(&m.target_path()?, m)
+}
+
+/// The speculator the flags (or defaults) name.
+pub fn load_speculator(m: &ModelArgs) -> anyhow::Result<Model> {
+    load(&m.speculator_path()?, m)
+}
+
+/// The target and the speculator the flags (or defaults) name.
+pub fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
+    let target = load_target(m)?;
+    let spec = load_speculator(m)?;
+    Ok((target, Arc::new(spec)))
+}
