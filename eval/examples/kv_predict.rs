@@ -18,6 +18,7 @@ use chunkstore::predictive;
 use half::f16;
 use std::path::PathBuf;
 use std::time::Instant;
+use target_engine::prelude::*;
 use target_engine::{ChunkKv, GgmlDType, LoadOptions, Model};
 
 const CHUNK: usize = 256;

@@ -7,6 +7,7 @@
 //! was damaged is recomputed from the text the index holds and stored back.
 
 use crate::error::{GatewayError, Result};
+use target_engine::prelude::*;
 
 use chunkstore::{ChunkKey, ChunkStore, KvBlob, SpecScores, TieredStore};
 use half::f16;

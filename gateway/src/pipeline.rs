@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
 use std::time::Instant;
+use target_engine::prelude::*;
 use target_engine::{
     Assembly, BlendOutput, ChunkKv, FinishReason, Flow, GenerateParams, KvCache, SamplingParams,
     SelectInput, Shown, SpecDecodeStats as SpecStats, TextStream, VerifyEvent, VerifyMode,
@@ -1069,7 +1070,7 @@ impl Pipeline {
 
     /// Greedy or sampled decoding from `cache` and its last `logits`, with `drafter` (if any)
     /// proposing tokens; `watch` is asked after every token (see
-    /// [`Model::decode_watched`](target_engine::Model::decode_watched)).
+    /// [`Generate::decode_watched`](target_engine::prelude::Generate::decode_watched)).
     fn decode_from(
         &self,
         q: &Query,

@@ -8,6 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{Architecture, LoadOptions, Model};
 

@@ -17,6 +17,7 @@ pub use span::{select, Selection, SpanParams};
 
 use std::ops::Range;
 use std::sync::Arc;
+use target_engine::prelude::*;
 use target_engine::{
     budget, Assembly, ChunkKv, KvCache, Model, PrecomputeMode, PrefixKv, Result, SegmentKind,
     SelectInput, Selector, Tokenizer,

@@ -3,6 +3,7 @@
 use speculator::{align, ChunkScores, IngestedSpecCache, SpanParams, SpecCache};
 use std::sync::Arc;
 use target_engine::gguf::GgufFile;
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     Architecture, ChunkKv, LoadOptions, Model, RagTemplate, SelectInput, Selector, Tokenizer,

@@ -12,6 +12,7 @@ mod flags;
 use kernels::AttentionPrecision;
 use std::io::BufRead;
 use std::time::Instant;
+use target_engine::prelude::*;
 use target_engine::{GenerateParams, LoadOptions, Model};
 
 #[allow(

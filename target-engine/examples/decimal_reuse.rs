@@ -9,6 +9,7 @@
 //! [--filler FILE] [--rotations N] [--max-tokens N] [--controls]`: the context is the three
 //! numeric passages plus two filler chunks (from FILE, ~350 words each), rotated N times so
 //! the answer sits at different chunk positions.
+use target_engine::prelude::*;
 use target_engine::{ChunkKv, GenerateParams, KvCache, LoadOptions, Model, RagTemplate};
 
 const FILLER: &str = "The river valley was settled by farmers in the twelfth century. \

@@ -11,6 +11,7 @@
 //! `--first 'SET;SET'` prints only the first answer token's top two with each such set added;
 //! `--force 'A|B'` teacher-forces each answer start under every cache and decodes on from it
 //! (`--candle`: the next token after it from candle-transformers' Qwen2 over the full prompt).
+use target_engine::prelude::*;
 use target_engine::{
     BlendOutput, ChunkKv, GenerateParams, KvCache, LoadOptions, Model, PrefixKv, RagTemplate,
     SelectInput, Selector, TargetProbe,
@@ -264,6 +265,7 @@ fn main() -> Res<()> {
         recomputed: asm.chunk_positions(),
         chunk_tokens: 0,
         select_ms: 0.0,
+        signals: Default::default(),
     };
     let mut runs = vec![decode(&m, "full", full, max_tokens)?];
     let reuse = m.blend_prefill(&asm, &prefix, &refs, &more)?;

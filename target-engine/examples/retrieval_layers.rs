@@ -17,6 +17,7 @@
 use std::path::Path;
 use std::sync::Arc;
 use target_engine::decode::specontext::{choose_rows, group_max, map_heads};
+use target_engine::prelude::*;
 use target_engine::{AttentionView, KvCache, LoadOptions, Model, RetrievalHead, SpeContextConfig};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

@@ -53,3 +53,14 @@ pub use reuse::select::{
 };
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use view::AttentionView;
+
+/// The strategies' traits on [`Model`] (`use target_engine::prelude::*;`): the core keeps the
+/// forward passes, each wing adds what it does with them.
+pub mod prelude {
+    pub use crate::decode::generate::Generate;
+    pub use crate::decode::sparse::ViewDecode;
+    pub use crate::decode::speculative::Speculate;
+    pub use crate::decode::verify::Verify;
+    pub use crate::reuse::blend::Blend;
+    pub use crate::reuse::chunk::Precompute;
+}

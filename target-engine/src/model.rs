@@ -1095,6 +1095,18 @@ impl Model {
         Ok(v)
     }
 
+    /// Feeds `ids` to `cache` on the decode path (each row bit-identical to a one-token step);
+    /// returns the logits after each, cut to the vocabulary.
+    pub(crate) fn rows_logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.tokenizer().vocab_size();
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + ids.len()).collect();
+        let out = self.forward_decode_path(ids, &positions, cache)?;
+        let mut logits = self.logits(&out.hidden)?.to_vec2::<f32>()?;
+        logits.iter_mut().for_each(|row| row.truncate(vocab));
+        Ok(logits)
+    }
+
     /// Full prefill of `ids` at positions `0..n` into a fresh cache; returns the cache and
     /// the logits of the last position.
     pub fn prefill(&self, ids: &[u32]) -> Result<(KvCache, Vec<f32>)> {

@@ -1,5 +1,6 @@
 //! Invariants of chunk precompute, positional recovery and blended prefill on tiny models.
 
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     budget, even_shares, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse,

@@ -7,6 +7,7 @@
 mod common;
 
 use target_engine::decode::sparse::{kl, log_softmax};
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     kivi_cache, Architecture, AttentionView, ContextHead, LoadOptions, Model, RetrievalHead,

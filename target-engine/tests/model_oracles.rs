@@ -5,6 +5,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use std::sync::{Arc, Mutex, OnceLock};
+use target_engine::prelude::*;
 use target_engine::{argmax, GenerateParams, LoadOptions, Model};
 
 /// Models are loaded once per test binary and shared by the tests that run in it.

@@ -10,6 +10,7 @@
 
 mod common;
 
+use target_engine::prelude::*;
 use target_engine::{
     ChunkKv, GenerateParams, KvCache, LoadOptions, Model, RagTemplate, SelectInput, Selector,
     TargetProbe,

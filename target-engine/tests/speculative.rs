@@ -8,6 +8,7 @@
 mod common;
 
 use std::collections::HashMap;
+use target_engine::prelude::*;
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{

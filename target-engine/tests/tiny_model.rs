@@ -1,6 +1,7 @@
 //! Fast invariants on tiny random-weight models written as GGUF files (no downloads).
 
 use candle_core::quantized::gguf_file::Value;
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     Architecture, EngineError, FinishReason, GenerateParams, LoadOptions, Model, SamplingParams,

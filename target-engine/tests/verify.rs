@@ -4,6 +4,7 @@
 
 mod common;
 
+use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     Architecture, ChunkKv, Drafter, Epic, GenerateParams, KvCache, LoadOptions, Model,

@@ -111,9 +111,51 @@ pub fn raw_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
     ids
 }
 
-impl Model {
+/// Plain decoding: greedy or sampled, one token per step, watched and streamed.
+pub trait Generate {
     /// Prefills `prompt` and decodes up to `params.max_tokens` tokens.
-    pub fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation> {
+    fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation>;
+
+    /// Continues generation from a filled cache and the logits of its last position.
+    fn decode_from(
+        &self,
+        cache: &mut KvCache,
+        logits: Vec<f32>,
+        prefill_ms: f64,
+        params: &GenerateParams,
+    ) -> Result<Generation>;
+
+    /// [`Model::decode_from`], calling `on_text` with each new piece of text as soon as it is
+    /// complete (a token that ends inside a multi-byte character waits for the next one).
+    /// Returning `false` from `on_text` stops generation (a client that went away); the
+    /// generation then ends with [`FinishReason::Cancelled`].
+    fn decode_stream(
+        &self,
+        cache: &mut KvCache,
+        logits: Vec<f32>,
+        prefill_ms: f64,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation>;
+
+    /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
+    /// there, showing it the ids so far and the [`top2_gap`] of the distribution the last one
+    /// was chosen from; when it says so, generation ends before that token's text is handed
+    /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard
+    /// moving to the full cache). The ids include the token that made `watch` stop. The
+    /// generation's `prefill_ms` is 0: the caller timed its prefill.
+    fn decode_watched(
+        &self,
+        cache: &mut KvCache,
+        logits: Vec<f32>,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Result<(Generation, bool)>;
+}
+
+impl Generate for Model {
+    fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidInput("prompt is empty".into()));
         }
@@ -123,8 +165,7 @@ impl Model {
         self.decode_from(&mut cache, logits, prefill_ms, params)
     }
 
-    /// Continues generation from a filled cache and the logits of its last position.
-    pub fn decode_from(
+    fn decode_from(
         &self,
         cache: &mut KvCache,
         logits: Vec<f32>,
@@ -134,11 +175,7 @@ impl Model {
         self.decode_stream(cache, logits, prefill_ms, params, &mut |_| true)
     }
 
-    /// [`Model::decode_from`], calling `on_text` with each new piece of text as soon as it is
-    /// complete (a token that ends inside a multi-byte character waits for the next one).
-    /// Returning `false` from `on_text` stops generation (a client that went away); the
-    /// generation then ends with [`FinishReason::Cancelled`].
-    pub fn decode_stream(
+    fn decode_stream(
         &self,
         cache: &mut KvCache,
         logits: Vec<f32>,
@@ -151,13 +188,7 @@ impl Model {
         Ok(g)
     }
 
-    /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
-    /// there, showing it the ids so far and the [`top2_gap`] of the distribution the last one
-    /// was chosen from; when it says so, generation ends before that token's text is handed
-    /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard
-    /// moving to the full cache). The ids include the token that made `watch` stop. The
-    /// generation's `prefill_ms` is 0: the caller timed its prefill.
-    pub fn decode_watched(
+    fn decode_watched(
         &self,
         cache: &mut KvCache,
         mut logits: Vec<f32>,

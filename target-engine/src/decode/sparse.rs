@@ -348,11 +348,59 @@ impl ViewGeneration {
     }
 }
 
-impl Model {
+/// Decoding through an approximate view of the cache (SpeCache's and SpeContext's drafts),
+/// verified against full attention or not.
+pub trait ViewDecode {
     /// Greedy decoding whose output equals full attention's over `cache` (whose last logits
     /// are `logits`), token for token, with tokens drafted from `view` and checked in one
     /// full-attention pass per round ([`Model::decode_view`] without text or watch).
-    pub fn view_verified_generate(
+    fn view_verified_generate(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        view: &mut (dyn AttentionView + Send),
+        params: &ViewParams,
+    ) -> Result<ViewGeneration>;
+
+    /// [`Model::decode_watched`] (greedy) with each round's tokens drafted from `view`, the
+    /// target over the same cache attending through it, and checked in one full-attention
+    /// pass ([`Model::forward_decode_path`], rows bit-identical to one-token steps): the
+    /// agreeing drafts and the full cache's own next token are handed out, with the gaps
+    /// full attention computed for them, so the text, the watch's calls and the cache left
+    /// behind are plain decoding's. `draft` is the starting draft length and the divergence
+    /// signal (a draft below that probability ends the round).
+    fn decode_view(
+        &self,
+        cache_logits: (&mut KvCache, Vec<f32>),
+        view: &mut (dyn AttentionView + Send),
+        params_len_min_prob: (&GenerateParams, DraftLength, f32),
+        on_text: &mut dyn FnMut(&str) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Result<(Generation, bool, SpecDecodeStats)>;
+
+    /// Greedy decoding with every step from `view` (`None`: full attention), unverified: the
+    /// drafter's own answer, for measuring what it loses.
+    fn view_generate(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        view: Option<&mut (dyn AttentionView + Send)>,
+        max_tokens: usize,
+    ) -> Result<ViewGeneration>;
+
+    /// Teacher forcing: the log-probabilities before each of `ids` (the first from `logits`,
+    /// the rest after feeding the ids before it through `view`, `None`: full attention).
+    fn view_log_probs(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        ids: &[u32],
+        view: Option<&mut (dyn AttentionView + Send)>,
+    ) -> Result<Vec<Vec<f32>>>;
+}
+
+impl ViewDecode for Model {
+    fn view_verified_generate(
         &self,
         cache: &mut KvCache,
         logits: &[f32],
@@ -384,14 +432,7 @@ impl Model {
         })
     }
 
-    /// [`Model::decode_watched`] (greedy) with each round's tokens drafted from `view`, the
-    /// target over the same cache attending through it, and checked in one full-attention
-    /// pass ([`Model::forward_decode_path`], rows bit-identical to one-token steps): the
-    /// agreeing drafts and the full cache's own next token are handed out, with the gaps
-    /// full attention computed for them, so the text, the watch's calls and the cache left
-    /// behind are plain decoding's. `draft` is the starting draft length and the divergence
-    /// signal (a draft below that probability ends the round).
-    pub fn decode_view(
+    fn decode_view(
         &self,
         (cache, logits): (&mut KvCache, Vec<f32>),
         view: &mut (dyn AttentionView + Send),
@@ -423,7 +464,7 @@ impl Model {
                 .current
                 .min(params.max_tokens.saturating_sub(emit.len()));
             let t = Instant::now();
-            let drafts = self.draft_round(cache, next, view, room.max(1), min_prob)?;
+            let drafts = draft_round(self, cache, next, view, room.max(1), min_prob)?;
             stats.draft_ms += ms(t);
             let t = Instant::now();
             cache.truncate(base);
@@ -457,34 +498,7 @@ impl Model {
         Ok((g, watched, stats))
     }
 
-    /// Up to `room` tokens drafted from `view` after `next` (fed at `cache.len()`), ending
-    /// early at an end token or a draft below `min_prob`.
-    fn draft_round(
-        &self,
-        cache: &mut KvCache,
-        next: u32,
-        view: &mut (dyn AttentionView + Send),
-        room: usize,
-        min_prob: f32,
-    ) -> Result<Vec<u32>> {
-        let mut drafts = Vec::with_capacity(room);
-        let mut tok = next;
-        while drafts.len() < room.min(MAX_DRAFT) {
-            let pos = cache.len();
-            let out = self.forward_view(&[tok], &[pos], cache, view)?;
-            let l = self.last_logits(&out)?;
-            tok = argmax(&l);
-            drafts.push(tok);
-            if self.tokenizer().is_end_of_generation(tok) || top_probability(&l) < min_prob {
-                break;
-            }
-        }
-        Ok(drafts)
-    }
-
-    /// Greedy decoding with every step from `view` (`None`: full attention), unverified: the
-    /// drafter's own answer, for measuring what it loses.
-    pub fn view_generate(
+    fn view_generate(
         &self,
         cache: &mut KvCache,
         logits: &[f32],
@@ -512,9 +526,7 @@ impl Model {
         Ok(g)
     }
 
-    /// Teacher forcing: the log-probabilities before each of `ids` (the first from `logits`,
-    /// the rest after feeding the ids before it through `view`, `None`: full attention).
-    pub fn view_log_probs(
+    fn view_log_probs(
         &self,
         cache: &mut KvCache,
         logits: &[f32],
@@ -529,6 +541,31 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// Up to `room` tokens drafted from `view` after `next` (fed at `cache.len()`), ending
+/// early at an end token or a draft below `min_prob`.
+fn draft_round(
+    model: &Model,
+    cache: &mut KvCache,
+    next: u32,
+    view: &mut (dyn AttentionView + Send),
+    room: usize,
+    min_prob: f32,
+) -> Result<Vec<u32>> {
+    let mut drafts = Vec::with_capacity(room);
+    let mut tok = next;
+    while drafts.len() < room.min(MAX_DRAFT) {
+        let pos = cache.len();
+        let out = model.forward_view(&[tok], &[pos], cache, view)?;
+        let l = model.last_logits(&out)?;
+        tok = argmax(&l);
+        drafts.push(tok);
+        if model.tokenizer().is_end_of_generation(tok) || top_probability(&l) < min_prob {
+            break;
+        }
+    }
+    Ok(drafts)
 }
 
 /// A shorter-lived borrow of an optional view (an `Option` does not coerce by itself).

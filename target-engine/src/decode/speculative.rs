@@ -499,12 +499,24 @@ impl SpecDecodeStats {
     }
 }
 
-impl Model {
+/// Speculative decoding: a drafter proposes, the model checks in one pass.
+pub trait Speculate {
     /// [`Model::decode_watched`] with `drafter` proposing tokens that this model checks in one
     /// pass. Greedy: the same tokens, gaps, watch calls and text, in fewer target passes when
     /// the drafter guesses well. Sampled: the same tokens too for the same seed (see the
     /// module documentation).
-    pub fn decode_speculative(
+    fn decode_speculative(
+        &self,
+        cache_logits: (&mut KvCache, Vec<f32>),
+        drafter: &mut Drafter<'_>,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+    ) -> Result<(Generation, bool, SpecDecodeStats)>;
+}
+
+impl Speculate for Model {
+    fn decode_speculative(
         &self,
         (cache, logits): (&mut KvCache, Vec<f32>),
         drafter: &mut Drafter<'_>,

@@ -172,11 +172,55 @@ struct Full {
     pick: Sampler,
 }
 
-impl Model {
+/// Verified decoding: drafts from a reused cache checked against the full prefill's, so the
+/// answer is full recompute's token for token.
+pub trait Verify {
     /// Greedy generation whose output equals decoding from the full prefill of the same prompt,
     /// drafting from `draft` (the blended cache and its last logits) until `full` (the full
     /// prefill, run on its own thread) is ready. `on_event` returning `false` cancels.
-    pub fn verified_generate(
+    fn verified_generate(
+        &self,
+        draft: (KvCache, Vec<f32>),
+        full: impl FnOnce() -> Result<(KvCache, Vec<f32>)> + Send,
+        params: &VerifyParams,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+    ) -> Result<VerifiedGeneration>;
+
+    /// [`Model::verified_generate`] with the full prefill delivered on `rx` by the caller
+    /// (started as early as the caller can, e.g. before the chunk KV is even loaded), and
+    /// `drafter` (if any) proposing tokens once decoding goes on from the full cache
+    /// ([`VerifyMode::FromFull`]): speculative decoding composed with verification, every
+    /// committed token still the full cache's greedy choice.
+    fn verified_generate_from(
+        &self,
+        cache_logits: (KvCache, Vec<f32>),
+        rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
+        params: &VerifyParams,
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+        drafter: Option<&mut Drafter<'_>>,
+    ) -> Result<VerifiedGeneration>;
+
+    /// Decoding from the full cache that keeps what a decode from an approximate cache already
+    /// produced, as far as the full cache agrees: `generated` is checked against the full
+    /// prefill `full` in verification passes, the agreeing prefix kept, the rest withdrawn
+    /// ([`VerifyEvent::Retract`]) and decoding goes on from the full cache ([`VerifyEvent::Commit`]
+    /// carries only the tokens after the kept prefix). `pick` chooses the full cache's tokens
+    /// (greedy, or seeded sampling whose draw depends only on a token's index and logits), so
+    /// the output equals decoding from the full prefill with `pick`, token for token: the
+    /// fidelity guard's way out of a reused cache. `drafter` (if any) proposes tokens for the
+    /// decode from the full cache.
+    fn continue_exact(
+        &self,
+        cache_logits: (KvCache, Vec<f32>),
+        generated: &[u32],
+        max_tokens_pick: (usize, Sampler),
+        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+        drafter: Option<&mut Drafter<'_>>,
+    ) -> Result<VerifiedGeneration>;
+}
+
+impl Verify for Model {
+    fn verified_generate(
         &self,
         draft: (KvCache, Vec<f32>),
         full: impl FnOnce() -> Result<(KvCache, Vec<f32>)> + Send,
@@ -193,12 +237,7 @@ impl Model {
         })
     }
 
-    /// [`Model::verified_generate`] with the full prefill delivered on `rx` by the caller
-    /// (started as early as the caller can, e.g. before the chunk KV is even loaded), and
-    /// `drafter` (if any) proposing tokens once decoding goes on from the full cache
-    /// ([`VerifyMode::FromFull`]): speculative decoding composed with verification, every
-    /// committed token still the full cache's greedy choice.
-    pub fn verified_generate_from(
+    fn verified_generate_from(
         &self,
         (cache, logits): (KvCache, Vec<f32>),
         rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
@@ -224,8 +263,8 @@ impl Model {
                     out.full_ready_ms = ms(t0);
                 }
             }
-            if !self.verify_now(&d, full.is_some(), params, out.ids.len()) {
-                let id = self.draft_next(&mut d)?;
+            if !verify_now(self, &d, full.is_some(), params, out.ids.len()) {
+                let id = draft_next(self, &mut d)?;
                 out.drafted += 1;
                 if !on_event(VerifyEvent::Draft { id }) {
                     out.cancelled = true;
@@ -241,10 +280,10 @@ impl Model {
                     f
                 }
             };
-            self.verify_round(&mut f, &mut d, &mut out, params.max_tokens, on_event)?;
+            verify_round(self, &mut f, &mut d, &mut out, params.max_tokens, on_event)?;
             if !out.cancelled && params.mode == VerifyMode::FromFull {
                 let d = drafter.as_deref_mut();
-                self.decode_full(&mut f, &mut out, (params.max_tokens, d), on_event)?;
+                decode_full(self, &mut f, &mut out, (params.max_tokens, d), on_event)?;
             }
             full = Some(f);
             if out.cancelled {
@@ -254,99 +293,7 @@ impl Model {
         Ok(out)
     }
 
-    /// Whether the drafts go to verification now: the draft ended (room used up or an end
-    /// token), or enough were drafted for the mode (before the full cache is ready: the early
-    /// drafts' cap).
-    fn verify_now(&self, d: &Draft, full_ready: bool, params: &VerifyParams, done: usize) -> bool {
-        let room = params.max_tokens - done;
-        let tok = self.tokenizer();
-        let ended = d.drafts.len() >= room
-            || d.drafts
-                .last()
-                .is_some_and(|&t| tok.is_end_of_generation(t));
-        ended
-            || match (full_ready, params.mode) {
-                (false, _) => d.drafts.len() >= params.max_early_drafts,
-                (true, VerifyMode::FromFull) => true,
-                (true, VerifyMode::DraftEvery(n)) => {
-                    d.drafts.len() >= n.clamp(1, MAX_VERIFY_ROWS - 1)
-                }
-            }
-    }
-
-    /// One draft step from the reused cache: feeds the pending committed token (or the last
-    /// draft) and drafts the next greedy token.
-    fn draft_next(&self, d: &mut Draft) -> Result<u32> {
-        if let Some(p) = d.pending.take() {
-            d.logits = self.step(&mut d.cache, p)?;
-        } else if let Some(&last) = d.drafts.last() {
-            d.logits = self.step(&mut d.cache, last)?;
-        }
-        let id = argmax(&d.logits);
-        d.drafts.push(id);
-        Ok(id)
-    }
-
-    /// One verification round: the drafts checked against the full cache, the agreeing prefix
-    /// and the correction committed, the wrong drafts retracted, and the draft cache brought
-    /// back to the committed tokens. Sets `out.cancelled` when the consumer says stop.
-    fn verify_round(
-        &self,
-        f: &mut Full,
-        d: &mut Draft,
-        out: &mut VerifiedGeneration,
-        max_tokens: usize,
-        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
-    ) -> Result<()> {
-        let tok = self.tokenizer();
-        let room = max_tokens - out.ids.len();
-        let (mut commit, agreed) = self.verify_drafts(f, &d.drafts, out.ids.len())?;
-        let wrong = d.drafts.len() - agreed;
-        out.rounds += usize::from(!d.drafts.is_empty());
-        out.accepted += agreed;
-        out.corrected += usize::from(wrong > 0);
-        if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
-            out.cancelled = true;
-            return Ok(());
-        }
-        commit.truncate(room);
-        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-            commit.truncate(at + 1);
-            out.eos = true;
-        }
-        if out.ids.is_empty() && !commit.is_empty() {
-            out.first_commit_ms = ms(d.t0);
-        }
-        out.ids.extend(&commit);
-        if !on_event(VerifyEvent::Commit { ids: commit }) {
-            out.cancelled = true;
-            return Ok(());
-        }
-        // The draft cache keeps the prompt and every committed token but the last, which is
-        // fed at the next draft step. (Rows of accepted drafts were computed against the
-        // reused cache: fine for drafting, never for committing.)
-        let need = d.prompt_len + out.ids.len() - 1;
-        d.cache.truncate(need);
-        while d.cache.len() < need {
-            // The last draft had not been fed yet (all drafts agreed).
-            let j = d.cache.len() - d.prompt_len;
-            self.step(&mut d.cache, out.ids[j])?;
-        }
-        d.pending = out.ids.last().copied();
-        d.drafts.clear();
-        Ok(())
-    }
-
-    /// Decoding from the full cache that keeps what a decode from an approximate cache already
-    /// produced, as far as the full cache agrees: `generated` is checked against the full
-    /// prefill `full` in verification passes, the agreeing prefix kept, the rest withdrawn
-    /// ([`VerifyEvent::Retract`]) and decoding goes on from the full cache ([`VerifyEvent::Commit`]
-    /// carries only the tokens after the kept prefix). `pick` chooses the full cache's tokens
-    /// (greedy, or seeded sampling whose draw depends only on a token's index and logits), so
-    /// the output equals decoding from the full prefill with `pick`, token for token: the
-    /// fidelity guard's way out of a reused cache. `drafter` (if any) proposes tokens for the
-    /// decode from the full cache.
-    pub fn continue_exact(
+    fn continue_exact(
         &self,
         (cache, logits): (KvCache, Vec<f32>),
         generated: &[u32],
@@ -364,7 +311,7 @@ impl Model {
             pick,
         };
         let drafts = &generated[..generated.len().min(max_tokens)];
-        let (mut commit, agreed) = self.verify_drafts(&mut f, drafts, 0)?;
+        let (mut commit, agreed) = verify_drafts(self, &mut f, drafts, 0)?;
         out.drafted = drafts.len();
         out.accepted = agreed;
         out.rounds = 1;
@@ -387,124 +334,199 @@ impl Model {
             out.cancelled = true;
             return Ok(out);
         }
-        self.decode_full(&mut f, &mut out, (max_tokens, drafter), on_event)?;
+        decode_full(self, &mut f, &mut out, (max_tokens, drafter), on_event)?;
         Ok(out)
     }
+}
 
-    /// Decoding from the full cache until an end token or `max_tokens`, committing as it goes:
-    /// one token per pass, or with a drafter the agreeing prefix of its proposals and the full
-    /// cache's own token after it, all checked in one pass.
-    fn decode_full(
-        &self,
-        f: &mut Full,
-        out: &mut VerifiedGeneration,
-        (max_tokens, mut drafter): (usize, Option<&mut Drafter<'_>>),
-        on_event: &mut dyn FnMut(VerifyEvent) -> bool,
-    ) -> Result<()> {
-        let tok = self.tokenizer();
-        let mut len = DraftLength::default();
-        while !out.eos && out.ids.len() < max_tokens {
-            let room = max_tokens - out.ids.len();
-            // The last committed token is pending in the full cache: proposals follow it.
-            let p = match drafter.as_deref_mut() {
-                Some(d) if !out.ids.is_empty() => {
-                    Some(d.draft(&out.ids, DraftRoom::new(&len, room), &mut out.spec))
-                }
-                _ => None,
-            };
-            let t = Instant::now();
-            let drafts = p.as_ref().map_or(&[][..], |p| &p.ids[..]);
-            let (mut commit, agreed) = self.verify_drafts(f, drafts, out.ids.len())?;
-            if let Some(p) = &p {
-                out.spec.verify_ms += ms(t);
-                out.spec.record(p, agreed, &mut len);
-            }
-            commit.truncate(room);
-            if commit.is_empty() {
-                break;
-            }
-            if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-                commit.truncate(at + 1);
-                out.eos = true;
-            }
-            out.ids.extend(&commit);
-            if !on_event(VerifyEvent::Commit { ids: commit }) {
-                out.cancelled = true;
-                break;
-            }
+/// Whether the drafts go to verification now: the draft ended (room used up or an end
+/// token), or enough were drafted for the mode (before the full cache is ready: the early
+/// drafts' cap).
+fn verify_now(
+    model: &Model,
+    d: &Draft,
+    full_ready: bool,
+    params: &VerifyParams,
+    done: usize,
+) -> bool {
+    let room = params.max_tokens - done;
+    let tok = model.tokenizer();
+    let ended = d.drafts.len() >= room
+        || d.drafts
+            .last()
+            .is_some_and(|&t| tok.is_end_of_generation(t));
+    ended
+        || match (full_ready, params.mode) {
+            (false, _) => d.drafts.len() >= params.max_early_drafts,
+            (true, VerifyMode::FromFull) => true,
+            (true, VerifyMode::DraftEvery(n)) => d.drafts.len() >= n.clamp(1, MAX_VERIFY_ROWS - 1),
         }
-        out.spec.draft_len = len.current;
-        Ok(())
-    }
+}
 
-    /// One decode step on `cache`: feeds `id` at the next position, returns the logits.
-    fn step(&self, cache: &mut KvCache, id: u32) -> Result<Vec<f32>> {
-        let pos = cache.len();
-        let out = self.forward(&[id], &[pos], cache, false)?;
-        self.last_logits(&out)
+/// One draft step from the reused cache: feeds the pending committed token (or the last
+/// draft) and drafts the next greedy token.
+fn draft_next(model: &Model, d: &mut Draft) -> Result<u32> {
+    if let Some(p) = d.pending.take() {
+        d.logits = step(model, &mut d.cache, p)?;
+    } else if let Some(&last) = d.drafts.last() {
+        d.logits = step(model, &mut d.cache, last)?;
     }
+    let id = argmax(&d.logits);
+    d.drafts.push(id);
+    Ok(id)
+}
 
-    /// Checks `drafts` (the answer's tokens from index `start` on) against the full cache:
-    /// returns the committed tokens (the agreeing drafts, then the full cache's own token at
-    /// the first disagreement or after the last draft) and how many drafts agreed. The last
-    /// committed token is left pending.
-    fn verify_drafts(
-        &self,
-        f: &mut Full,
-        drafts: &[u32],
-        start: usize,
-    ) -> Result<(Vec<u32>, usize)> {
-        let mut committed = Vec::new();
-        let mut i = 0;
-        loop {
-            let pending = f.pending.take();
-            let mut feed: Vec<u32> = pending.into_iter().collect();
-            let take = (drafts.len() - i).min(MAX_VERIFY_ROWS - feed.len());
-            feed.extend(&drafts[i..i + take]);
-            let base = f.cache.len();
-            // preds[j]: the full cache's token where drafts[i + j] stands (j <= take), the
-            // answer's token at index start + i + j.
-            let mut preds: Vec<u32> = f.next.take().into_iter().collect();
-            if !feed.is_empty() {
-                let first = start + i + preds.len();
-                let rows = self.rows_logits(&mut f.cache, &feed)?;
-                preds.extend(
-                    rows.iter()
-                        .enumerate()
-                        .map(|(j, r)| f.pick.sample_at(r, first + j)),
-                );
+/// One verification round: the drafts checked against the full cache, the agreeing prefix
+/// and the correction committed, the wrong drafts retracted, and the draft cache brought
+/// back to the committed tokens. Sets `out.cancelled` when the consumer says stop.
+fn verify_round(
+    model: &Model,
+    f: &mut Full,
+    d: &mut Draft,
+    out: &mut VerifiedGeneration,
+    max_tokens: usize,
+    on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+) -> Result<()> {
+    let tok = model.tokenizer();
+    let room = max_tokens - out.ids.len();
+    let (mut commit, agreed) = verify_drafts(model, f, &d.drafts, out.ids.len())?;
+    let wrong = d.drafts.len() - agreed;
+    out.rounds += usize::from(!d.drafts.is_empty());
+    out.accepted += agreed;
+    out.corrected += usize::from(wrong > 0);
+    if wrong > 0 && !on_event(VerifyEvent::Retract { n: wrong }) {
+        out.cancelled = true;
+        return Ok(());
+    }
+    commit.truncate(room);
+    if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+        commit.truncate(at + 1);
+        out.eos = true;
+    }
+    if out.ids.is_empty() && !commit.is_empty() {
+        out.first_commit_ms = ms(d.t0);
+    }
+    out.ids.extend(&commit);
+    if !on_event(VerifyEvent::Commit { ids: commit }) {
+        out.cancelled = true;
+        return Ok(());
+    }
+    // The draft cache keeps the prompt and every committed token but the last, which is
+    // fed at the next draft step. (Rows of accepted drafts were computed against the
+    // reused cache: fine for drafting, never for committing.)
+    let need = d.prompt_len + out.ids.len() - 1;
+    d.cache.truncate(need);
+    while d.cache.len() < need {
+        // The last draft had not been fed yet (all drafts agreed).
+        let j = d.cache.len() - d.prompt_len;
+        step(model, &mut d.cache, out.ids[j])?;
+    }
+    d.pending = out.ids.last().copied();
+    d.drafts.clear();
+    Ok(())
+}
+
+/// Decoding from the full cache until an end token or `max_tokens`, committing as it goes:
+/// one token per pass, or with a drafter the agreeing prefix of its proposals and the full
+/// cache's own token after it, all checked in one pass.
+fn decode_full(
+    model: &Model,
+    f: &mut Full,
+    out: &mut VerifiedGeneration,
+    (max_tokens, mut drafter): (usize, Option<&mut Drafter<'_>>),
+    on_event: &mut dyn FnMut(VerifyEvent) -> bool,
+) -> Result<()> {
+    let tok = model.tokenizer();
+    let mut len = DraftLength::default();
+    while !out.eos && out.ids.len() < max_tokens {
+        let room = max_tokens - out.ids.len();
+        // The last committed token is pending in the full cache: proposals follow it.
+        let p = match drafter.as_deref_mut() {
+            Some(d) if !out.ids.is_empty() => {
+                Some(d.draft(&out.ids, DraftRoom::new(&len, room), &mut out.spec))
             }
-            if preds.len() != take + 1 {
-                return Err(EngineError::Internal(
-                    "verification lost track of the full cache".into(),
-                ));
-            }
-            let agree = (0..take).take_while(|&j| drafts[i + j] == preds[j]).count();
-            committed.extend(&drafts[i..i + agree]);
-            // Rows after a disagreement followed a wrong token: drop them.
-            f.cache
-                .truncate(base + usize::from(pending.is_some()) + agree);
-            let t = preds[agree];
-            i += agree;
-            if agree < take || i == drafts.len() {
-                committed.push(t);
-                f.pending = Some(t);
-                return Ok((committed, i));
-            }
-            f.next = Some(t);
+            _ => None,
+        };
+        let t = Instant::now();
+        let drafts = p.as_ref().map_or(&[][..], |p| &p.ids[..]);
+        let (mut commit, agreed) = verify_drafts(model, f, drafts, out.ids.len())?;
+        if let Some(p) = &p {
+            out.spec.verify_ms += ms(t);
+            out.spec.record(p, agreed, &mut len);
+        }
+        commit.truncate(room);
+        if commit.is_empty() {
+            break;
+        }
+        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
+            commit.truncate(at + 1);
+            out.eos = true;
+        }
+        out.ids.extend(&commit);
+        if !on_event(VerifyEvent::Commit { ids: commit }) {
+            out.cancelled = true;
+            break;
         }
     }
+    out.spec.draft_len = len.current;
+    Ok(())
+}
 
-    /// Feeds `ids` to `cache` on the decode path (each row bit-identical to a one-token step);
-    /// returns the logits after each, cut to the vocabulary.
-    pub(crate) fn rows_logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.tokenizer().vocab_size();
-        let start = cache.len();
-        let positions: Vec<usize> = (start..start + ids.len()).collect();
-        let out = self.forward_decode_path(ids, &positions, cache)?;
-        let mut logits = self.logits(&out.hidden)?.to_vec2::<f32>()?;
-        logits.iter_mut().for_each(|row| row.truncate(vocab));
-        Ok(logits)
+/// One decode step on `cache`: feeds `id` at the next position, returns the logits.
+fn step(model: &Model, cache: &mut KvCache, id: u32) -> Result<Vec<f32>> {
+    let pos = cache.len();
+    let out = model.forward(&[id], &[pos], cache, false)?;
+    model.last_logits(&out)
+}
+
+/// Checks `drafts` (the answer's tokens from index `start` on) against the full cache:
+/// returns the committed tokens (the agreeing drafts, then the full cache's own token at
+/// the first disagreement or after the last draft) and how many drafts agreed. The last
+/// committed token is left pending.
+fn verify_drafts(
+    model: &Model,
+    f: &mut Full,
+    drafts: &[u32],
+    start: usize,
+) -> Result<(Vec<u32>, usize)> {
+    let mut committed = Vec::new();
+    let mut i = 0;
+    loop {
+        let pending = f.pending.take();
+        let mut feed: Vec<u32> = pending.into_iter().collect();
+        let take = (drafts.len() - i).min(MAX_VERIFY_ROWS - feed.len());
+        feed.extend(&drafts[i..i + take]);
+        let base = f.cache.len();
+        // preds[j]: the full cache's token where drafts[i + j] stands (j <= take), the
+        // answer's token at index start + i + j.
+        let mut preds: Vec<u32> = f.next.take().into_iter().collect();
+        if !feed.is_empty() {
+            let first = start + i + preds.len();
+            let rows = model.rows_logits(&mut f.cache, &feed)?;
+            preds.extend(
+                rows.iter()
+                    .enumerate()
+                    .map(|(j, r)| f.pick.sample_at(r, first + j)),
+            );
+        }
+        if preds.len() != take + 1 {
+            return Err(EngineError::Internal(
+                "verification lost track of the full cache".into(),
+            ));
+        }
+        let agree = (0..take).take_while(|&j| drafts[i + j] == preds[j]).count();
+        committed.extend(&drafts[i..i + agree]);
+        // Rows after a disagreement followed a wrong token: drop them.
+        f.cache
+            .truncate(base + usize::from(pending.is_some()) + agree);
+        let t = preds[agree];
+        i += agree;
+        if agree < take || i == drafts.len() {
+            committed.push(t);
+            f.pending = Some(t);
+            return Ok((committed, i));
+        }
+        f.next = Some(t);
     }
 }
 

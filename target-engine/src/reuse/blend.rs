@@ -11,6 +11,7 @@
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::reuse::chunk::Precompute;
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
 use candle_core::{Device, Tensor};
@@ -58,9 +59,53 @@ impl BlendOutput {
     }
 }
 
-impl Model {
+/// Blended prefill on the model: the fused cache of reused rows, and the forward over the
+/// recomputed positions and the question.
+pub trait Blend {
     /// The fused cache before any recompute: exact prefix rows and rotated chunk rows.
-    pub fn fused_cache(
+    fn fused_cache(
+        &self,
+        asm: &Assembly,
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
+    ) -> Result<KvCache>;
+
+    /// Blended prefill recomputing the chunk tokens at `recompute` (absolute positions) and
+    /// the question. If positional recovery failed its self-test at load, every chunk token is
+    /// recomputed instead (logged once).
+    fn blend_prefill(
+        &self,
+        asm: &Assembly,
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
+        recompute: &[usize],
+    ) -> Result<BlendOutput>;
+
+    /// [`Model::blend_prefill`] over a fused cache the caller already built (a selector that
+    /// probed it first). Rows of the question in `cache` may hold anything: they are recomputed.
+    fn blend_prefill_on(
+        &self,
+        asm: &Assembly,
+        cache: KvCache,
+        recompute: &[usize],
+    ) -> Result<BlendOutput>;
+
+    /// CacheBlend: the `candidates` (chunk tokens whose reused KV is not exact) and the
+    /// question run through layers `0..=check_layer`; the `k` candidates whose fresh K (or V)
+    /// at the check layer deviates most from the reused one, plus the question, continue
+    /// through the later layers.
+    fn blend_prefill_cacheblend(
+        &self,
+        asm: &Assembly,
+        fused: &KvCache,
+        candidates: &[usize],
+        k: usize,
+        check: (usize, bool),
+    ) -> Result<BlendOutput>;
+}
+
+impl Blend for Model {
+    fn fused_cache(
         &self,
         asm: &Assembly,
         prefix: &PrefixKv,
@@ -94,10 +139,7 @@ impl Model {
         Ok(cache)
     }
 
-    /// Blended prefill recomputing the chunk tokens at `recompute` (absolute positions) and
-    /// the question. If positional recovery failed its self-test at load, every chunk token is
-    /// recomputed instead (logged once).
-    pub fn blend_prefill(
+    fn blend_prefill(
         &self,
         asm: &Assembly,
         prefix: &PrefixKv,
@@ -108,9 +150,7 @@ impl Model {
         self.blend_prefill_on(asm, cache, recompute)
     }
 
-    /// [`Model::blend_prefill`] over a fused cache the caller already built (a selector that
-    /// probed it first). Rows of the question in `cache` may hold anything: they are recomputed.
-    pub fn blend_prefill_on(
+    fn blend_prefill_on(
         &self,
         asm: &Assembly,
         mut cache: KvCache,
@@ -161,11 +201,7 @@ impl Model {
         })
     }
 
-    /// CacheBlend: the `candidates` (chunk tokens whose reused KV is not exact) and the
-    /// question run through layers `0..=check_layer`; the `k` candidates whose fresh K (or V)
-    /// at the check layer deviates most from the reused one, plus the question, continue
-    /// through the later layers.
-    pub fn blend_prefill_cacheblend(
+    fn blend_prefill_cacheblend(
         &self,
         asm: &Assembly,
         fused: &KvCache,

@@ -61,9 +61,33 @@ pub struct PrefixKv {
     pub hash: String,
 }
 
-impl Model {
+/// Chunk KV from the model: the template prefix's, a chunk's precomputed standalone or after
+/// the prefix, and a chunk's rows rotated into place in a cache.
+pub trait Precompute {
     /// Computes the template prefix's KV once.
-    pub fn prefix_kv(&self, ids: &[u32]) -> Result<PrefixKv> {
+    fn prefix_kv(&self, ids: &[u32]) -> Result<PrefixKv>;
+
+    /// Precomputes a chunk's KV, standalone or after `prefix`.
+    fn precompute(&self, ids: &[u32], prefix: Option<&PrefixKv>) -> Result<ChunkKv>;
+
+    /// The rows `base_pos..base_pos + ids.len()` of `cache` (which a forward over `ids` at
+    /// those positions filled) as a chunk's KV: for callers whose forward does more than
+    /// [`Model::precompute`]'s (the speculator scores a chunk in the same pass).
+    fn chunk_rows(
+        &self,
+        cache: &KvCache,
+        ids: &[u32],
+        base_pos: usize,
+        mode: PrecomputeMode,
+    ) -> ChunkKv;
+
+    /// Copies `chunk`'s rows into `cache` at `start..`, rotating K from the position it was
+    /// computed at to its place (positional recovery), and marks them computed.
+    fn place_chunk(&self, cache: &mut KvCache, chunk: &ChunkKv, start: usize) -> Result<()>;
+}
+
+impl Precompute for Model {
+    fn prefix_kv(&self, ids: &[u32]) -> Result<PrefixKv> {
         let mut cache = self.new_cache();
         if !ids.is_empty() {
             let pos: Vec<usize> = (0..ids.len()).collect();
@@ -85,8 +109,7 @@ impl Model {
         })
     }
 
-    /// Precomputes a chunk's KV, standalone or after `prefix`.
-    pub fn precompute(&self, ids: &[u32], prefix: Option<&PrefixKv>) -> Result<ChunkKv> {
+    fn precompute(&self, ids: &[u32], prefix: Option<&PrefixKv>) -> Result<ChunkKv> {
         if ids.is_empty() {
             return Err(EngineError::InvalidInput(
                 "cannot precompute an empty chunk".into(),
@@ -107,10 +130,7 @@ impl Model {
         Ok(self.chunk_rows(&cache, ids, base_pos, mode))
     }
 
-    /// The rows `base_pos..base_pos + ids.len()` of `cache` (which a forward over `ids` at
-    /// those positions filled) as a chunk's KV: for callers whose forward does more than
-    /// [`Model::precompute`]'s (the speculator scores a chunk in the same pass).
-    pub fn chunk_rows(
+    fn chunk_rows(
         &self,
         cache: &KvCache,
         ids: &[u32],
@@ -136,9 +156,7 @@ impl Model {
         }
     }
 
-    /// Copies `chunk`'s rows into `cache` at `start..`, rotating K from the position it was
-    /// computed at to its place (positional recovery), and marks them computed.
-    pub fn place_chunk(&self, cache: &mut KvCache, chunk: &ChunkKv, start: usize) -> Result<()> {
+    fn place_chunk(&self, cache: &mut KvCache, chunk: &ChunkKv, start: usize) -> Result<()> {
         let c = self.config();
         if chunk.fingerprint != self.fingerprint() {
             return Err(EngineError::InvalidInput(

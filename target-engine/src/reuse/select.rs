@@ -8,6 +8,7 @@
 
 use crate::error::Result;
 use crate::model::Model;
+use crate::reuse::blend::Blend;
 use crate::reuse::assembly::Assembly;
 use crate::reuse::blend::BlendOutput;
 use crate::reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};

@@ -7,6 +7,7 @@ use gateway::method::{Method, SelectorInputs};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
+use target_engine::prelude::*;
 use target_engine::{
     reuse::fidelity, Assembly, BlendOutput, ChunkKv, KvCache, Model, PrefixKv, RagTemplate,
     SegmentKind, SelectInput,

@@ -15,6 +15,7 @@ use gateway::corpus::{Corpus, Engines};
 use serde::Serialize;
 use std::sync::Arc;
 use target_engine::decode::sparse::{kl, reborrow};
+use target_engine::prelude::*;
 use target_engine::{
     kivi_cache, AttentionView, ChunkKv, ContextHead, Drafter, FullReuse, GenerateParams, KvCache,
     Model, PromptLookup, RetrievalHead, SamplingParams, SelectInput, Selector, SpeContextConfig,

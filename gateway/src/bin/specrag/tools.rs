@@ -6,6 +6,7 @@ use gateway::cli::load_target;
 use gateway::models::{self, Role, DEFAULT_MODELS};
 use serde_json::json;
 use std::path::Path;
+use target_engine::prelude::*;
 use target_engine::{GenerateParams, SamplingParams};
 
 /// `specrag tiny-models DIR`: tiny random-weight models for smoke tests.
