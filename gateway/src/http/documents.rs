@@ -1,9 +1,9 @@
 //! The document routes: `POST /documents` (plain or NDJSON progress), `GET /documents` and
 //! `DELETE /documents/{id}`.
 
-use super::error::*;
-use super::middleware::*;
-use super::state::*;
+use super::error::{engine_dropped, error_event, ApiError, RequestId};
+use super::middleware::{reach, submit};
+use super::state::AppState;
 use crate::api::{
     validate_collection, Deleted, DocumentInfo, DocumentList, DocumentsRequest, IngestResponse,
     Problem,

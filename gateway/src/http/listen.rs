@@ -1,7 +1,7 @@
 //! The accept loop under the router: HTTP/1 connections with hyper's header-read timeout, a
 //! cap on open connections (one more answered 503), and shutdown.
 
-use super::state::*;
+use super::state::AppState;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -1,8 +1,8 @@
 //! What runs around every handler: the request id and the request log (`observe`), the
 //! bearer-key check, a collection's reach, and handing a job to the engine.
 
-use super::error::*;
-use super::state::*;
+use super::error::{problem_response, ApiError, InternalDetail, RequestId};
+use super::state::AppState;
 use crate::auth::Grant;
 use crate::engine::{Job, SubmitError};
 use crate::error::GatewayError;

@@ -1,10 +1,10 @@
 //! Operations: `/health`, `/metrics`, the OpenAPI document, the Swagger UI and the web page,
 //! and the answers for unknown routes and methods.
 
-use super::documents::*;
-use super::error::*;
-use super::query::*;
-use super::state::*;
+use super::documents::{__path_delete_document, __path_list_documents, __path_post_documents};
+use super::error::{engine_dropped, ApiError};
+use super::query::__path_rag_query;
+use super::state::AppState;
 use crate::api::{CollectionInfo, Health, ModelInfo};
 use crate::error::GatewayError;
 use axum::extract::{Path, State};

@@ -1,9 +1,9 @@
 //! `POST /rag/query`, and the steps every query route shares: reach, check, submit with a
 //! deadline, and wait for the answer.
 
-use super::error::*;
-use super::middleware::*;
-use super::state::*;
+use super::error::{engine_dropped, error_event, ApiError, RequestId};
+use super::middleware::{reach, submit};
+use super::state::AppState;
 use crate::api::{Problem, QueryRequest};
 use crate::auth::Grant;
 use crate::engine::{Job, QueryEvent};

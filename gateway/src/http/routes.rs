@@ -1,11 +1,13 @@
 //! The router: every route, its body limit and its layers (request limits inside the
 //! request log).
 
-use super::documents::*;
-use super::middleware::*;
-use super::ops::*;
-use super::query::*;
-use super::state::*;
+use super::documents::{delete_document, list_documents, post_documents};
+use super::middleware::{observe, require_key};
+use super::ops::{
+    docs_asset, docs_index, health, method_not_allowed, metrics, not_found, openapi_json, web_page,
+};
+use super::query::rag_query;
+use super::state::{AppState, DOCUMENTS_BODY_LIMIT, OPENAI_BODY_LIMIT, QUERY_BODY_LIMIT};
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post};
 use axum::Router;

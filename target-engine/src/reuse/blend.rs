@@ -11,8 +11,8 @@
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
-use crate::reuse::chunk::Precompute;
 use crate::reuse::assembly::{Assembly, SegmentKind};
+use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
 use candle_core::{Device, Tensor};
 

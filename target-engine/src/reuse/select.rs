@@ -8,8 +8,8 @@
 
 use crate::error::Result;
 use crate::model::Model;
-use crate::reuse::blend::Blend;
 use crate::reuse::assembly::Assembly;
+use crate::reuse::blend::Blend;
 use crate::reuse::blend::BlendOutput;
 use crate::reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 use rand::seq::SliceRandom;
