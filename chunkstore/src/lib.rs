@@ -40,4 +40,4 @@ pub use memory::MemoryStore;
 pub use remote::{RemoteStats, RemoteStore};
 pub use stats::StoreStats;
 pub use store::ChunkStore;
-pub use tiered::TieredStore;
+pub use tiered::{Found, Reach, TieredStore};

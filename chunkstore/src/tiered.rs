@@ -324,18 +324,56 @@ impl TieredStore {
     }
 }
 
+/// Which tier a read found its blob in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    Memory,
+    /// On disk; now also in memory.
+    Disk,
+    /// In the remote tier; now also in memory and on disk.
+    Remote,
+}
+
+/// How far a read walks: the local tiers only, or the remote one too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    Local,
+    Remote,
+}
+
+impl TieredStore {
+    /// The blob under `key` and the tier it came from, walking memory, disk and (with
+    /// [`Reach::Remote`]) the remote tier; a blob found below memory is copied up, counted
+    /// against `collection`'s share of memory (`None`: the shared share).
+    pub fn get_in(
+        &self,
+        collection: Option<&str>,
+        key: &ChunkKey,
+        reach: Reach,
+    ) -> Result<Option<(Arc<KvBlob>, Found)>> {
+        if let Some(blob) = self.memory.get(key)? {
+            return Ok(Some((blob, Found::Memory)));
+        }
+        if let Some(blob) = self.disk.get(key)? {
+            match collection {
+                Some(c) => self.memory.put_for(c, key, Arc::clone(&blob))?,
+                None => self.memory.insert_valid(*key, Arc::clone(&blob)),
+            }
+            return Ok(Some((blob, Found::Disk)));
+        }
+        if reach == Reach::Local {
+            return Ok(None);
+        }
+        // Which collection reads it, when not known: the budget's shared bucket.
+        Ok(self
+            .get_remote(collection.unwrap_or(""), key)?
+            .map(|b| (b, Found::Remote)))
+    }
+}
+
 impl ChunkStore for TieredStore {
     fn get(&self, key: &ChunkKey) -> Result<Option<Arc<KvBlob>>> {
-        if let Some(blob) = self.memory.get(key)? {
-            return Ok(Some(blob));
-        }
-        let found = self.disk.get(key)?;
-        if let Some(blob) = &found {
-            self.memory.insert_valid(*key, Arc::clone(blob));
-            return Ok(found);
-        }
-        // Which collection reads it is not known here: the budget's shared bucket.
-        self.get_remote("", key)
+        Ok(self.get_in(None, key, Reach::Remote)?.map(|(b, _)| b))
     }
 
     /// Stores a pinned entry (what ingestion precomputes): on disk, out of the disk budget.

@@ -296,6 +296,25 @@ fn tiered_disk_hit_is_promoted_to_memory() -> TestResult {
     Ok(())
 }
 
+/// One walk names the tier it found a blob in: disk first (copied up), then memory; a local
+/// read stops before the remote tier, and a miss is none.
+#[test]
+fn tiered_reads_report_their_tier() -> TestResult {
+    use chunkstore::{Found, Reach};
+    let dir = tempfile::tempdir()?;
+    let store = TieredStore::open(dir.path(), 1 << 30)?;
+    store.disk().put(&key(1), Arc::new(small(1)))?;
+    let tier = |reach| -> Result<Option<Found>, StoreError> {
+        Ok(store
+            .get_in(Some("tenant"), &key(1), reach)?
+            .map(|(_, f)| f))
+    };
+    assert_eq!(tier(Reach::Local)?, Some(Found::Disk));
+    assert_eq!(tier(Reach::Remote)?, Some(Found::Memory));
+    assert!(store.get_in(None, &key(2), Reach::Remote)?.is_none());
+    Ok(())
+}
+
 #[test]
 fn tiered_miss_counts_in_both_tiers() -> TestResult {
     let dir = tempfile::tempdir()?;

@@ -9,7 +9,7 @@
 use crate::error::{GatewayError, Result};
 use target_engine::prelude::*;
 
-use chunkstore::{ChunkKey, ChunkStore, KvBlob, SpecScores, TieredStore};
+use chunkstore::{ChunkKey, ChunkStore, Found, KvBlob, Reach, SpecScores, TieredStore};
 use half::f16;
 use speculator::{ChunkScores, LayerRange, SpecCache};
 use std::collections::HashSet;
@@ -59,6 +59,16 @@ pub enum Tier {
     Remote,
     /// Missing or damaged in the store: computed now and stored back.
     Recomputed,
+}
+
+impl From<Found> for Tier {
+    fn from(f: Found) -> Self {
+        match f {
+            Found::Memory => Self::Memory,
+            Found::Disk => Self::Disk,
+            Found::Remote => Self::Remote,
+        }
+    }
 }
 
 /// A chunk's KV and stored speculator scores, ready for assembly.
@@ -175,14 +185,9 @@ impl Engines {
             return Ok(None);
         };
         let want = spec.speculator.tokenizer().encode(&text, false).ids;
-        let stored = if let Some(b) = store.memory().get(&key)? {
-            Some((b, Tier::Memory))
-        } else if let Some(b) = store.disk().get(&key)? {
-            store.memory().put_for(collection, &key, b.clone())?;
-            Some((b, Tier::Disk))
-        } else {
-            None
-        };
+        let stored = store
+            .get_in(Some(collection), &key, Reach::Local)?
+            .map(|(b, found)| (b, Tier::from(found)));
         if let Some((blob, tier)) = stored {
             store.touch(&key);
             let kv = from_blob(&blob)
@@ -209,18 +214,26 @@ impl Engines {
         chunk_text: &str,
     ) -> Result<LoadedChunk> {
         let (text, ids) = self.segment(chunk_text);
-        let key = self.key(collection, &ids);
-        let (blob, tier) = if let Some(b) = store.memory().get(&key)? {
-            (b, Tier::Memory)
-        } else if let Some(b) = store.disk().get(&key)? {
-            store.memory().put_for(collection, &key, b.clone())?;
-            (b, Tier::Disk)
-        } else if let Some(b) = store.get_remote(collection, &key)? {
-            (b, Tier::Remote)
-        } else {
-            let b = Arc::new(self.compute(&text, &ids)?);
-            store.put_cached(collection, &key, b.clone())?;
-            (b, Tier::Recomputed)
+        self.load_segment(store, collection, &text, &ids)
+    }
+
+    /// [`Engines::load`] of a chunk already segmented (its text and ids as the assembled
+    /// prompt holds them, so a request tokenizes each chunk once).
+    pub fn load_segment(
+        &self,
+        store: &TieredStore,
+        collection: &str,
+        text: &str,
+        ids: &[u32],
+    ) -> Result<LoadedChunk> {
+        let key = self.key(collection, ids);
+        let (blob, tier) = match store.get_in(Some(collection), &key, Reach::Remote)? {
+            Some((b, found)) => (b, Tier::from(found)),
+            None => {
+                let b = Arc::new(self.compute(text, ids)?);
+                store.put_cached(collection, &key, b.clone())?;
+                (b, Tier::Recomputed)
+            }
         };
         store.touch(&key);
         let fits =
@@ -231,7 +244,7 @@ impl Engines {
                 // A blob stored under the wrong key (or with a mode this build does not
                 // know): never serve it; recompute and replace it.
                 tracing::warn!(%key, "chunk store entry holds another chunk; recomputing it");
-                let fresh = Arc::new(self.compute(&text, &ids)?);
+                let fresh = Arc::new(self.compute(text, ids)?);
                 store.put_cached(collection, &key, fresh.clone())?;
                 let (kv, scores) = from_blob(&fresh).ok_or_else(|| {
                     GatewayError::Internal(format!("precompute mode `{}` unknown", fresh.mode))

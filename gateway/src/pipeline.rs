@@ -857,9 +857,13 @@ impl Pipeline {
             });
             let t = Instant::now();
             let loaded: Result<Vec<LoadedChunk>> = if need_kv {
-                texts
-                    .iter()
-                    .map(|text| self.engines.load(&self.corpus.store, &q.collection, text))
+                // Each chunk's segment as the prompt holds it: tokenized once, by assembly.
+                asm.chunks()
+                    .map(|seg| {
+                        let (text, ids) = asm.segment(seg);
+                        let store = &self.corpus.store;
+                        self.engines.load_segment(store, &q.collection, &text, ids)
+                    })
                     .collect()
             } else {
                 Ok(Vec::new())

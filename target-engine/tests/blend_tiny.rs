@@ -455,3 +455,21 @@ fn top_k_windows_stay_in_their_segment_and_within_budget() {
     let n = cands.len();
     assert_eq!(scattered, cands[n - 3..].to_vec(), "highest scores win");
 }
+
+/// A chunk's segment read back from the assembled prompt is what tokenizing it alone gives:
+/// what lets a request key and load stored KV without tokenizing the chunk again.
+#[test]
+fn an_assembled_segment_is_the_chunk_tokenized_alone() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let t = RagTemplate::default();
+    let docs = ["naïve ant: ünïcode in a tin", DOCS[1], "  the tent  "];
+    let asm = t.assemble_with_context(m.tokenizer(), &docs, "earlier turns", "where?");
+    let segs: Vec<_> = asm.chunks().collect();
+    assert_eq!(segs.len(), docs.len());
+    for (seg, doc) in segs.into_iter().zip(docs) {
+        let (text, ids) = asm.segment(seg);
+        let (want_text, want_ids) = t.chunk(m.tokenizer(), doc);
+        assert_eq!(text, want_text);
+        assert_eq!(ids, &want_ids[..]);
+    }
+}

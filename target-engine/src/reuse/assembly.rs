@@ -81,6 +81,18 @@ impl Assembly {
             .filter(|s| matches!(s.kind, SegmentKind::Chunk(_)))
     }
 
+    /// The text and token ids of `seg` as the prompt holds them (a chunk's segment text and
+    /// ids are what its stored KV is keyed by: no second tokenization needed).
+    pub fn segment(&self, seg: &Segment) -> (String, &[u32]) {
+        let text = self
+            .text
+            .chars()
+            .skip(seg.chars.start)
+            .take(seg.chars.len())
+            .collect();
+        (text, &self.ids[seg.ids.clone()])
+    }
+
     fn positions(&self, keep: impl Fn(SegmentKind) -> bool) -> Vec<usize> {
         self.segments
             .iter()
