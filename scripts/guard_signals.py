@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
 """Which per-request signals predict that reuse changes the answer, from study records.
 
-Reads a `specrag-eval --study` records file holding, per case, `full_recompute`,
-`target_probe@0.25` (the default, unguarded) and, where present, `full_reuse` and
-`target_probe@0.50`. For each signal a guard could compute (the smallest top-2 logit gap of the
-default's answer, the default's answer against the answer at another ρ), prints how often it
-would fire, how many of the answers that differ from full recompute it catches, its false
-alarms, and the identity with full recompute after escalating where it fires (Wilson 95%),
-per dataset and over all.
+Reads `specrag-eval --study` records holding, per case, `full_recompute`, `target_probe@0.25`
+(the default, unguarded) and, where present, `full_reuse` (ρ 0) and `target_probe@0.50`.
+Rows written with the blend's signals (`signals`: the recomputed rows' K/V deviation, the
+probe's uncovered attention, the first token's top choices) add the free signals.
 
-    python3 scripts/guard_signals.py eval/study/guard-rho-oracle.jsonl.gz
+For each signal: its AUC against "the default's answer differs from full recompute's" (with
+a bootstrap 95% interval), per dataset and pooled; then, for the guard policies below, how
+often each escalates, the identity with full recompute after escalating (Wilson 95%), and
+what it costs against full recompute on the same cases (median time to first token, mean
+request time), charging an escalation at the i-th token the reused prefill, i tokens of
+reused decoding and full recompute's whole request.
+
+    python3 scripts/guard_signals.py TUNE.jsonl[.gz] [HELD_OUT.jsonl[.gz]]
+
+With a second file the combined policy's threshold is chosen on the first and reported on
+both (held-out apart).
 """
 import collections
 import gzip
 import json
 import math
+import random
+import statistics
 import sys
 
 
@@ -28,60 +37,198 @@ def wilson(k, n, z=1.96):
     return (c - h, c + h)
 
 
+def opener(path):
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
+
+
+def top_dist(sig):
+    """The first token's top choices as {id: probability}."""
+    return {i: math.exp(lp) for i, lp in sig["first_top"]}
+
+
+def tv(p, q):
+    """Total variation between two top-k distributions (mass outside both counted once)."""
+    ids = set(p) | set(q)
+    inside = sum(abs(p.get(i, 0.0) - q.get(i, 0.0)) for i in ids)
+    outside = abs((1 - sum(p.values())) - (1 - sum(q.values())))
+    return 0.5 * (inside + outside)
+
+
 def cases(path):
     by = collections.defaultdict(dict)
-    with gzip.open(path, "rt") as f:
+    with opener(path) as f:
         for line in f:
             r = json.loads(line)
             by[(r["dataset"], r["case"])][r["label"]] = r
     out = []
-    for (ds, _), d in sorted(by.items()):
+    for (ds, case), d in sorted(by.items()):
         if "full_recompute" not in d or "target_probe@0.25" not in d:
             continue
-        full = d["full_recompute"]["answer"].strip()
-        tp = d["target_probe@0.25"]
+        full, tp = d["full_recompute"], d["target_probe@0.25"]
+        margins = tp.get("margins") or []
         row = {
             "dataset": ds,
-            "differs": tp["answer"].strip() != full,
-            "min_gap": min(tp["margins"]) if tp.get("margins") else math.inf,
+            "case": case,
+            "differs": tp["answer"].strip() != full["answer"].strip(),
+            "min_gap": min(margins) if margins else math.inf,
+            "first_gap": margins[0] if margins else math.inf,
+            "gaps": margins,
+            "full_ttft": full["timings"]["ttft_ms"],
+            "full_total": full["timings"]["total_ms"],
+            "tp_ttft": tp["timings"]["ttft_ms"],
+            "tp_total": tp["timings"]["total_ms"],
         }
-        for other in ("full_reuse", "target_probe@0.50"):
-            if other in d:
-                row[other] = d[other]["answer"].strip() != tp["answer"].strip()
+        if "target_probe@0.50" in d:
+            row["differs_r05"] = d["target_probe@0.50"]["answer"].strip() != tp["answer"].strip()
+        if "full_reuse" in d:
+            row["differs_r0"] = d["full_reuse"]["answer"].strip() != tp["answer"].strip()
+        s = tp.get("signals")
+        if s:
+            row["dev_k"], row["dev_v"], row["uncovered"] = s["deviation_k"], s["deviation_v"], s["uncovered"]
+            p = top_dist(s)
+            row["first_p"] = max(p.values())
+            r0 = d.get("full_reuse", {}).get("signals")
+            if r0:
+                q = top_dist(r0)
+                row["tv_r0"] = tv(q, p)
+                row["top1_r0_differs"] = max(q, key=q.get) != max(p, key=p.get)
         out.append(row)
     return out
 
 
-SIGNALS = [
-    ("min gap < 0.5 (the default guard)", lambda r: r["min_gap"] < 0.5),
-    ("min gap < 0.25", lambda r: r["min_gap"] < 0.25),
-    ("answer differs from full_reuse's (ρ 0)", lambda r: r.get("full_reuse")),
-    ("answer differs from ρ 0.5's", lambda r: r.get("target_probe@0.50")),
-    ("min gap < 0.5 or differs from ρ 0.5's",
-     lambda r: r["min_gap"] < 0.5 or r.get("target_probe@0.50")),
+# Signals as (name, score, higher means riskier).
+SCORES = [
+    ("min gap over the answer (the guard's)", "min_gap", False),
+    ("first token's gap", "first_gap", False),
+    ("first token's probability", "first_p", False),
+    ("K deviation of recomputed rows", "dev_k", True),
+    ("V deviation of recomputed rows", "dev_v", True),
+    ("probe attention left uncovered", "uncovered", True),
+    ("first-token TV distance, ρ 0 vs ρ 0.25", "tv_r0", True),
+    ("answer differs from ρ 0's", "differs_r0", True),
+    ("answer differs from ρ 0.5's", "differs_r05", True),
 ]
 
 
-def report(name, rows):
+def auc(rows, key, higher):
+    pos = [r[key] for r in rows if r["differs"]]
+    neg = [r[key] for r in rows if not r["differs"]]
+    if not pos or not neg:
+        return float("nan")
+    sign = 1 if higher else -1
+    s = 0.0
+    for a in pos:
+        for b in neg:
+            x, y = sign * float(a), sign * float(b)
+            s += 1.0 if x > y else 0.5 if x == y else 0.0
+    return s / (len(pos) * len(neg))
+
+
+def auc_ci(rows, key, higher, resamples=1000, seed=7):
+    rng = random.Random(seed)
+    vals = []
+    for _ in range(resamples):
+        sample = [rows[rng.randrange(len(rows))] for _ in rows]
+        a = auc(sample, key, higher)
+        if not math.isnan(a):
+            vals.append(a)
+    vals.sort()
+    if not vals:
+        return (float("nan"), float("nan"))
+    return (vals[int(0.025 * len(vals))], vals[int(0.975 * len(vals)) - 1])
+
+
+def signals_table(name, rows):
     n, differ = len(rows), sum(r["differs"] for r in rows)
-    print(f"{name}: {n} cases, {differ} answers differ from full recompute unguarded")
-    for label, fires in SIGNALS:
-        if any(fires(r) is None for r in rows):
+    print(f"\n{name}: {n} cases, {differ} default answers differ from full recompute")
+    for label, key, higher in SCORES:
+        if any(key not in r for r in rows):
             continue
-        fired = [r for r in rows if fires(r)]
-        caught = sum(r["differs"] for r in fired)
-        left = differ - caught
-        lo, hi = wilson(n - left, n)
-        print(f"  {label:42s} fires {len(fired):3d} ({len(fired) / n:4.0%}), catches "
-              f"{caught}/{differ}, false alarms {len(fired) - caught:3d}, identity after "
-              f"{(n - left) / n:5.1%} [{lo:.1%}, {hi:.1%}]")
+        a = auc(rows, key, higher)
+        lo, hi = auc_ci(rows, key, higher)
+        print(f"  AUC {a:5.2f} [{lo:4.2f}, {hi:4.2f}]  {label}")
+
+
+def cost(r, escalate_at):
+    """(ttft, total) of a case when the guard escalates before token `escalate_at` (None: never)."""
+    if escalate_at is None:
+        return r["tp_ttft"], r["tp_total"]
+    steps = max(len(r["gaps"]), 1)
+    per_token = max(r["tp_total"] - r["tp_ttft"], 0.0) / steps
+    spent = r["tp_ttft"] + escalate_at * per_token
+    ttft = r["tp_ttft"] if escalate_at > 0 else spent + r["full_ttft"]
+    return ttft, spent + r["full_total"]
+
+
+def policy_table(name, rows, policies):
+    n = len(rows)
+    print(f"\n{name}: {n} cases")
+    print(f"  {'policy':48s} {'esc.':>5s} {'identical':>22s} {'TTFT÷full':>9s} {'req÷full':>8s} {'worst esc.÷full':>15s}")
+    for label, decide in policies:
+        ident, esc, ttfts, reqs, worst = 0, 0, [], [], 0.0
+        for r in rows:
+            at = decide(r)
+            if at is not None:
+                esc += 1
+            ident += 1 if (at is not None or not r["differs"]) else 0
+            t, total = cost(r, at)
+            ttfts.append(t / r["full_ttft"])
+            reqs.append(total / r["full_total"])
+            if at is not None:
+                worst = max(worst, total / r["full_total"])
+        lo, hi = wilson(ident, n)
+        print(f"  {label:48s} {esc / n:5.0%} {ident / n:6.1%} [{lo:5.1%}, {hi:5.1%}] "
+              f"{statistics.median(ttfts):9.2f} {sum(reqs) / n:8.2f} {worst:15.2f}")
+
+
+def first_doubt(margin):
+    def decide(r):
+        return next((i for i, g in enumerate(r["gaps"]) if g < margin), None)
+    return decide
+
+
+def at_first(pred):
+    return lambda r: 0 if pred(r) else None
+
+
+def either(a, b):
+    def decide(r):
+        x, y = a(r), b(r)
+        return x if y is None else y if x is None else min(x, y)
+    return decide
+
+
+def policies(rows):
+    out = [("never (fast)", lambda r: None)]
+    for m in (0.25, 0.5, 1.0):
+        out.append((f"gap < {m} on any token (balanced at {m})", first_doubt(m)))
+    out.append(("first token's gap < 0.5 only", at_first(lambda r: r["first_gap"] < 0.5)))
+    if all("differs_r05" in r for r in rows):
+        out.append(("ρ 0.5 answers differently (oracle of cost)", at_first(lambda r: r["differs_r05"])))
+    if all("tv_r0" in r for r in rows):
+        for t in (0.1, 0.2, 0.3):
+            out.append((f"TV(ρ0, ρ0.25) > {t} at token 1", at_first(lambda r, t=t: r["tv_r0"] > t)))
+            out.append((f"gap < 0.5 or TV > {t}", either(first_doubt(0.5), at_first(lambda r, t=t: r["tv_r0"] > t))))
+    if all("uncovered" in r for r in rows):
+        for t in (0.3, 0.4, 0.5):
+            out.append((f"uncovered > {t} at token 1", at_first(lambda r, t=t: r["uncovered"] > t)))
+    if all("dev_k" in r for r in rows):
+        ks = sorted(r["dev_k"] for r in rows)
+        t = ks[int(0.75 * len(ks))]
+        out.append((f"K deviation > {t:.3f} (top quarter) at token 1", at_first(lambda r, t=t: r["dev_k"] > t)))
+    return out
 
 
 def main():
-    rows = cases(sys.argv[1])
-    for ds in sorted({r["dataset"] for r in rows}):
-        report(ds, [r for r in rows if r["dataset"] == ds])
-    report("all", rows)
+    tune = cases(sys.argv[1])
+    sets = [("tuning", tune)]
+    if len(sys.argv) > 2:
+        sets.append(("held out", cases(sys.argv[2])))
+    for what, rows in sets:
+        for ds in sorted({r["dataset"] for r in rows}):
+            signals_table(f"{what}, {ds}", [r for r in rows if r["dataset"] == ds])
+        signals_table(f"{what}, pooled", rows)
+        policy_table(f"{what}, pooled", rows, policies(rows))
 
 
 if __name__ == "__main__":

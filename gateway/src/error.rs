@@ -103,6 +103,11 @@ impl Fault {
             | E::Unsupported { .. }
             | E::Metadata { .. }
             | E::Tokenizer(_) => Fault::BadInput(None),
+            // The gateway's own error, carried through a callback it handed the engine.
+            E::Caller(inner) => match inner.downcast_ref::<GatewayError>() {
+                Some(g) => g.fault(),
+                None => Fault::Internal,
+            },
             E::InvalidInput(_)
             | E::Internal(_)
             | E::Kernel(_)
@@ -159,6 +164,13 @@ mod tests {
             path: "m.gguf".into(),
         };
         assert_eq!(GatewayError::from(missing).fault(), Fault::BadInput(None));
+        // A gateway error that crossed the engine through a callback keeps its type.
+        let carried = EngineError::Caller(Box::new(GatewayError::NotFound("collection".into())));
+        assert!(!carried.is_bad_input());
+        assert_eq!(carried.to_string(), "collection");
+        assert_eq!(GatewayError::from(carried).fault(), Fault::NotFound);
+        let foreign = EngineError::Caller("a speculator fault".into());
+        assert_eq!(GatewayError::from(foreign).fault(), Fault::Internal);
     }
 
     #[test]

@@ -1154,7 +1154,7 @@ impl Pipeline {
             return None;
         }
         let build = move || -> target_engine::Result<(KvCache, Vec<f32>)> {
-            let internal = |e: GatewayError| target_engine::EngineError::Internal(e.to_string());
+            let internal = |e: GatewayError| target_engine::EngineError::Caller(Box::new(e));
             let mut kvs = Vec::with_capacity(texts.len());
             for text in texts {
                 let (kv, _) = self
@@ -1166,7 +1166,7 @@ impl Pipeline {
             }
             let refs: Vec<&ChunkKv> = kvs.iter().collect();
             spec.draft_state_stored(asm, prefix, &refs)
-                .map_err(|e| target_engine::EngineError::Internal(e.to_string()))
+                .map_err(|e| target_engine::EngineError::Caller(Box::new(e)))
         };
         Some(target_engine::Drafter::deferred(
             &spec.speculator,

@@ -28,6 +28,10 @@ pub enum EngineError {
     /// track of its cache): a bug, never the caller's doing.
     #[error("engine fault: {0}")]
     Internal(String),
+    /// An error from code the caller handed the engine (a drafter's deferred build), kept
+    /// whole so the caller can recover its own type (`downcast_ref`).
+    #[error(transparent)]
+    Caller(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
@@ -56,9 +60,12 @@ impl EngineError {
             | Self::Metadata { .. }
             | Self::Tokenizer(_)
             | Self::InvalidInput(_) => true,
-            Self::Internal(_) | Self::Kernel(_) | Self::Candle(_) | Self::Stopped | Self::Io(_) => {
-                false
-            }
+            Self::Internal(_)
+            | Self::Caller(_)
+            | Self::Kernel(_)
+            | Self::Candle(_)
+            | Self::Stopped
+            | Self::Io(_) => false,
         }
     }
 }
