@@ -46,6 +46,12 @@ def top_dist(sig):
     return {i: math.exp(lp) for i, lp in sig["first_top"]}
 
 
+def logit_gap(sig):
+    """The first token's top-2 logit gap (the log-probability gap of the two likeliest)."""
+    lps = sorted((lp for _, lp in sig["first_top"]), reverse=True)
+    return lps[0] - lps[1] if len(lps) > 1 else math.inf
+
+
 def tv(p, q):
     """Total variation between two top-k distributions (mass outside both counted once)."""
     ids = set(p) | set(q)
@@ -92,6 +98,7 @@ def cases(path):
                 q = top_dist(r0)
                 row["tv_r0"] = tv(q, p)
                 row["top1_r0_differs"] = max(q, key=q.get) != max(p, key=p.get)
+                row["gap_shift"] = abs(logit_gap(s) - logit_gap(r0))
         out.append(row)
     return out
 
@@ -105,6 +112,8 @@ SCORES = [
     ("V deviation of recomputed rows", "dev_v", True),
     ("probe attention left uncovered", "uncovered", True),
     ("first-token TV distance, ρ 0 vs ρ 0.25", "tv_r0", True),
+    ("first token's top choice differs, ρ 0 vs ρ 0.25", "top1_r0_differs", True),
+    ("first token's gap moved, ρ 0 to ρ 0.25", "gap_shift", True),
     ("answer differs from ρ 0's", "differs_r0", True),
     ("answer differs from ρ 0.5's", "differs_r05", True),
 ]
