@@ -125,7 +125,7 @@ pub trait Generate {
         params: &GenerateParams,
     ) -> Result<Generation>;
 
-    /// [`Model::decode_from`], calling `on_text` with each new piece of text as soon as it is
+    /// [`Generate::decode_from`], calling `on_text` with each new piece of text as soon as it is
     /// complete (a token that ends inside a multi-byte character waits for the next one).
     /// Returning `false` from `on_text` stops generation (a client that went away); the
     /// generation then ends with [`FinishReason::Cancelled`].
@@ -138,7 +138,7 @@ pub trait Generate {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation>;
 
-    /// [`Model::decode_stream`] that asks `watch` after every generated token whether to stop
+    /// [`Generate::decode_stream`] that asks `watch` after every generated token whether to stop
     /// there, showing it the ids so far and the [`top2_gap`] of the distribution the last one
     /// was chosen from; when it says so, generation ends before that token's text is handed
     /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard

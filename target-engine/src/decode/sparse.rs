@@ -15,7 +15,7 @@
 //! - [`kivi_cache`]: the whole cache quantized and dequantized (keys per channel, values per
 //!   token), the KIVI-only baseline.
 //!
-//! [`Model::view_verified_generate`] drafts a few tokens from a view, then checks them in one
+//! [`ViewDecode::view_verified_generate`] drafts a few tokens from a view, then checks them in one
 //! full-attention pass over the same cache ([`Model::forward_decode_path`], bit-identical to
 //! one-token steps): the agreeing prefix is kept, the first disagreement replaced by the full
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
@@ -286,7 +286,7 @@ pub fn kivi_cache(
     Ok(out)
 }
 
-/// Settings of [`Model::view_verified_generate`].
+/// Settings of [`ViewDecode::view_verified_generate`].
 #[derive(Debug, Clone, Copy)]
 pub struct ViewParams {
     pub max_tokens: usize,
@@ -353,7 +353,7 @@ impl ViewGeneration {
 pub trait ViewDecode {
     /// Greedy decoding whose output equals full attention's over `cache` (whose last logits
     /// are `logits`), token for token, with tokens drafted from `view` and checked in one
-    /// full-attention pass per round ([`Model::decode_view`] without text or watch).
+    /// full-attention pass per round ([`ViewDecode::decode_view`] without text or watch).
     fn view_verified_generate(
         &self,
         cache: &mut KvCache,
@@ -362,7 +362,7 @@ pub trait ViewDecode {
         params: &ViewParams,
     ) -> Result<ViewGeneration>;
 
-    /// [`Model::decode_watched`] (greedy) with each round's tokens drafted from `view`, the
+    /// [`Generate::decode_watched`](crate::prelude::Generate::decode_watched) (greedy) with each round's tokens drafted from `view`, the
     /// target over the same cache attending through it, and checked in one full-attention
     /// pass ([`Model::forward_decode_path`], rows bit-identical to one-token steps): the
     /// agreeing drafts and the full cache's own next token are handed out, with the gaps

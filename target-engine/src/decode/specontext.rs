@@ -18,7 +18,7 @@
 //!
 //! The selection needs nothing of the step but its token, so it runs before the target's
 //! layers (no per-layer scoring on the step's own query, which is what SpeCache's view pays).
-//! Lossy on its own; [`Model::decode_view`] checks every drafted token against full attention.
+//! Lossy on its own; [`ViewDecode::decode_view`](crate::prelude::ViewDecode::decode_view) checks every drafted token against full attention.
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};

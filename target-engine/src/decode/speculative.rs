@@ -3,7 +3,7 @@
 //! a smaller model of the same vocabulary, greedily over its own cache of the prompt), the
 //! target checks them all in one forward over its cache, keeps the agreeing prefix and adds its
 //! own token after it. Greedy: every kept token is the target's greedy token, so the output
-//! equals [`Model::decode_watched`] over the same cache, token for token. Sampled: the target
+//! equals [`Generate::decode_watched`](crate::prelude::Generate::decode_watched) over the same cache, token for token. Sampled: the target
 //! draws its own token at each drafted position with the seeded sampler, whose draw for an
 //! answer's `i`-th token depends only on the seed, `i` and the logits
 //! ([`Sampler::sample_at`]), and keeps a draft where the two agree: the output is again
@@ -501,7 +501,7 @@ impl SpecDecodeStats {
 
 /// Speculative decoding: a drafter proposes, the model checks in one pass.
 pub trait Speculate {
-    /// [`Model::decode_watched`] with `drafter` proposing tokens that this model checks in one
+    /// [`Generate::decode_watched`](crate::prelude::Generate::decode_watched) with `drafter` proposing tokens that this model checks in one
     /// pass. Greedy: the same tokens, gaps, watch calls and text, in fewer target passes when
     /// the drafter guesses well. Sampled: the same tokens too for the same seed (see the
     /// module documentation).

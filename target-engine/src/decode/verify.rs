@@ -186,7 +186,7 @@ pub trait Verify {
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration>;
 
-    /// [`Model::verified_generate`] with the full prefill delivered on `rx` by the caller
+    /// [`Verify::verified_generate`] with the full prefill delivered on `rx` by the caller
     /// (started as early as the caller can, e.g. before the chunk KV is even loaded), and
     /// `drafter` (if any) proposing tokens once decoding goes on from the full cache
     /// ([`VerifyMode::FromFull`]): speculative decoding composed with verification, every

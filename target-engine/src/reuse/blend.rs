@@ -81,7 +81,7 @@ pub trait Blend {
         recompute: &[usize],
     ) -> Result<BlendOutput>;
 
-    /// [`Model::blend_prefill`] over a fused cache the caller already built (a selector that
+    /// [`Blend::blend_prefill`] over a fused cache the caller already built (a selector that
     /// probed it first). Rows of the question in `cache` may hold anything: they are recomputed.
     fn blend_prefill_on(
         &self,

@@ -72,7 +72,7 @@ pub trait Precompute {
 
     /// The rows `base_pos..base_pos + ids.len()` of `cache` (which a forward over `ids` at
     /// those positions filled) as a chunk's KV: for callers whose forward does more than
-    /// [`Model::precompute`]'s (the speculator scores a chunk in the same pass).
+    /// [`Precompute::precompute`]'s (the speculator scores a chunk in the same pass).
     fn chunk_rows(
         &self,
         cache: &KvCache,
