@@ -147,3 +147,21 @@ pub fn load_pair(m: &ModelArgs) -> anyhow::Result<(Model, Arc<Model>)> {
     let spec = load_speculator(m)?;
     Ok((target, Arc::new(spec)))
 }
+
+/// Refuses `--attention bf16` on a CPU without AVX-512 BF16 before any work (exit 2).
+pub fn refuse_unsupported_attention(m: &ModelArgs) {
+    if !m.load_options().attention.supported() {
+        eprintln!("error: --attention bf16 needs a CPU with AVX-512 BF16; this one has none");
+        std::process::exit(2);
+    }
+}
+
+/// Ends a command-line tool on `r`: an error is printed with its causes and exits 2 when the
+/// caller is at fault (as clap's usage errors), 1 for internal faults.
+pub fn exit_on_error(r: anyhow::Result<()>) {
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        let caller = crate::Fault::of_chain(e.as_ref()) != crate::Fault::Internal;
+        std::process::exit(if caller { 2 } else { 1 });
+    }
+}

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 /// specrag-bench: speed measurements of specrag's engine (prefill and decode, blended
 /// prefill against full prefill, long-context decoding) and the selectors' overlap.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, long_about = None)]
 pub struct Cli {
     #[command(flatten)]
     pub models: ModelArgs,

@@ -14,20 +14,12 @@ use clap::Parser;
 fn main() {
     gateway::process::init();
     let cli = Cli::parse();
-    if !cli.models.load_options().attention.supported() {
-        eprintln!("error: --attention bf16 needs a CPU with AVX-512 BF16; this one has none");
-        std::process::exit(2);
-    }
+    gateway::cli::refuse_unsupported_attention(&cli.models);
     let m = &cli.models;
-    let r = match cli.command {
+    gateway::cli::exit_on_error(match cli.command {
         BenchCmd::Blend(a) => bench::blend_cmd(m, a),
         BenchCmd::Long(a) => long::long_cmd(m, a),
         BenchCmd::Overlap(a) => overlap::overlap_cmd(m, a),
         BenchCmd::Prefill(a) => bench::prefill_cmd(m, a),
-    };
-    if let Err(e) = r {
-        eprintln!("error: {e:#}");
-        let caller = gateway::Fault::of_chain(e.as_ref()) != gateway::Fault::Internal;
-        std::process::exit(if caller { 2 } else { 1 });
-    }
+    });
 }

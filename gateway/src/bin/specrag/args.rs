@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 /// specrag: a RAG serving gateway that reuses precomputed chunk KV caches.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, long_about = None)]
 pub struct Cli {
     #[command(flatten)]
     pub models: ModelArgs,

@@ -25,16 +25,8 @@ const EXIT_PARTIAL: i32 = 3;
 fn main() {
     gateway::process::init();
     let cli = Cli::parse();
-    if !cli.models.load_options().attention.supported() {
-        eprintln!("error: --attention bf16 needs a CPU with AVX-512 BF16; this one has none");
-        std::process::exit(2);
-    }
-    if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
-        // 2 when the caller is at fault (as clap's usage errors), 1 for internal faults.
-        let caller = gateway::Fault::of_chain(e.as_ref()) != gateway::Fault::Internal;
-        std::process::exit(if caller { 2 } else { 1 });
-    }
+    gateway::cli::refuse_unsupported_attention(&cli.models);
+    gateway::cli::exit_on_error(run(cli));
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
