@@ -968,3 +968,24 @@ fn a_redirected_ingestion_logs_plain_progress_lines() -> TestResult {
     );
     Ok(())
 }
+
+/// `specrag models list` names the architectures any GGUF file may have, beside the defaults.
+#[test]
+fn models_list_names_the_supported_architectures() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let out = Command::new(env!("CARGO_BIN_EXE_specrag"))
+        .args(["models", "list"])
+        .env("SPECRAG_MODELS", dir.path())
+        .output()?;
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout)?;
+    assert!(text.contains("missing"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "runs (--target / --speculator): {};",
+            Architecture::supported()
+        )),
+        "{text}"
+    );
+    Ok(())
+}

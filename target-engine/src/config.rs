@@ -14,6 +14,19 @@ pub enum Architecture {
 }
 
 impl Architecture {
+    /// Every architecture this engine runs, in the order `specrag models list` names them.
+    pub const ALL: [Architecture; 2] = [Self::Qwen2, Self::Llama];
+
+    /// The architecture a GGUF `general.architecture` string names, if this engine runs it.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.as_str() == name)
+    }
+
+    /// The supported `general.architecture` strings, comma-separated (for messages).
+    pub fn supported() -> String {
+        Self::ALL.map(|a| a.as_str()).join(", ")
+    }
+
     /// The GGUF `general.architecture` string.
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -53,16 +66,13 @@ impl ModelConfig {
     /// Reads and validates the hyper-parameters; unsupported features are errors.
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
         let arch_name = f.string("general.architecture")?;
-        let arch = match arch_name {
-            "qwen2" => Architecture::Qwen2,
-            "llama" => Architecture::Llama,
-            other => {
-                return Err(EngineError::Unsupported {
-                    path: f.path().to_path_buf(),
-                    reason: format!("architecture `{other}` (supported: qwen2, llama)"),
-                })
-            }
-        };
+        let arch = Architecture::parse(arch_name).ok_or_else(|| EngineError::Unsupported {
+            path: f.path().to_path_buf(),
+            reason: format!(
+                "architecture `{arch_name}` (`general.architecture`; supported: {})",
+                Architecture::supported()
+            ),
+        })?;
         let a = arch_name;
         let key = |k: &str| format!("{a}.{k}");
         let n_embd = f.uint(&key("embedding_length"))? as usize;
@@ -137,5 +147,20 @@ impl ModelConfig {
     /// Values per cached row of one layer (all KV heads).
     pub fn kv_row(&self) -> usize {
         self.n_kv_head * self.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Architecture;
+
+    #[test]
+    fn every_architecture_is_named_and_parsed_back() {
+        for a in Architecture::ALL {
+            assert_eq!(Architecture::parse(a.as_str()), Some(a));
+            assert!(Architecture::supported().contains(a.as_str()));
+        }
+        assert_eq!(Architecture::parse("gemma3"), None);
+        assert_eq!(Architecture::supported(), "qwen2, llama");
     }
 }

@@ -53,6 +53,11 @@ pub fn list_models() -> anyhow::Result<()> {
             state
         );
     }
+    println!(
+        "\nAny GGUF file of these architectures runs (--target / --speculator): {}; prompts use \
+         the ChatML chat format.",
+        target_engine::Architecture::supported()
+    );
     Ok(())
 }
 
