@@ -14,6 +14,8 @@ pub struct Knobs {
     pub score_source: Option<ScoreSource>,
     /// Keep the prefill's cache for [`teacher_force`].
     pub keep_prefill: bool,
+    /// Measure the blend's deviation signals (the fidelity study records them).
+    pub blend_signals: bool,
 }
 
 impl Experiment for Knobs {
@@ -31,6 +33,9 @@ impl Experiment for Knobs {
     }
     fn keep_prefill(&self) -> bool {
         self.keep_prefill
+    }
+    fn blend_signals(&self) -> bool {
+        self.blend_signals
     }
 }
 

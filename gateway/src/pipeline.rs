@@ -68,6 +68,11 @@ pub trait Experiment {
     fn keep_prefill(&self) -> bool {
         false
     }
+    /// Measure the blend's deviation signals ([`Traced::signals`]; a copy of the recomputed
+    /// rows, which a served query does not pay for).
+    fn blend_signals(&self) -> bool {
+        false
+    }
 }
 
 /// A served query: no experiment.
@@ -919,6 +924,7 @@ impl Pipeline {
         });
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
         let mut input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
+        input.measure = exp.blend_signals();
         if self.engines.lossy_codec.is_some() {
             // Stored lossily, even the chunk precomputed after this very prefix is not exact:
             // it competes for the budget like the others.

@@ -473,3 +473,23 @@ fn an_assembled_segment_is_the_chunk_tokenized_alone() {
         assert_eq!(ids, &want_ids[..]);
     }
 }
+
+/// The blend measures how far recomputing moved the recomputed rows only when asked (the copy
+/// it needs is the evaluation's, not a served request's), and measuring changes no output.
+#[test]
+fn the_blend_measures_its_deviation_only_when_asked() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let some: Vec<usize> = s.asm.chunk_positions().into_iter().step_by(3).collect();
+    let fused = || m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+    let plain = m
+        .blend_prefill_measured(&s.asm, fused(), &some, false)
+        .expect("blend");
+    let measured = m
+        .blend_prefill_measured(&s.asm, fused(), &some, true)
+        .expect("blend");
+    assert_eq!(plain.signals.deviation_k, 0.0);
+    assert!(measured.signals.deviation_k > 0.0 && measured.signals.deviation_v > 0.0);
+    assert_eq!(plain.logits, measured.logits);
+}

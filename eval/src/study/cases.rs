@@ -47,7 +47,7 @@ pub(crate) fn ask(
     case: &Case,
     config: StudyConfig,
     verify: bool,
-    keep_prefill: bool,
+    measured: bool,
 ) -> anyhow::Result<Traced> {
     let q = Query {
         query: case.question.clone(),
@@ -66,7 +66,9 @@ pub(crate) fn ask(
     };
     let knobs = Knobs {
         order: ds.order,
-        keep_prefill,
+        // A measured answer keeps its prefill (teacher forcing) and the blend's signals.
+        keep_prefill: measured,
+        blend_signals: measured,
         ..Default::default()
     };
     pipeline

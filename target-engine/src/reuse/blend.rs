@@ -35,7 +35,8 @@ pub struct BlendOutput {
 }
 
 /// Per-request quantities a blended prefill knows without a full prefill. Each is 0 where it
-/// does not apply (nothing recomputed, a selector without a probe).
+/// does not apply (nothing recomputed, a selector without a probe) or was not asked for (the
+/// deviations: [`SelectInput::measure`](crate::SelectInput::measure)).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct BlendSignals {
     /// How far the recomputed tokens' fresh K moved from their reused K, over every layer:
@@ -88,6 +89,17 @@ pub trait Blend {
         asm: &Assembly,
         cache: KvCache,
         recompute: &[usize],
+    ) -> Result<BlendOutput>;
+
+    /// [`Blend::blend_prefill_on`], also measuring how far recomputing moved the recomputed
+    /// rows ([`BlendSignals::deviation_k`], `deviation_v`) when `measure` is set: a copy of
+    /// those rows over every layer, so only the evaluation asks for it.
+    fn blend_prefill_measured(
+        &self,
+        asm: &Assembly,
+        cache: KvCache,
+        recompute: &[usize],
+        measure: bool,
     ) -> Result<BlendOutput>;
 
     /// CacheBlend: the `candidates` (chunk tokens whose reused KV is not exact) and the
@@ -153,8 +165,18 @@ impl Blend for Model {
     fn blend_prefill_on(
         &self,
         asm: &Assembly,
+        cache: KvCache,
+        recompute: &[usize],
+    ) -> Result<BlendOutput> {
+        self.blend_prefill_measured(asm, cache, recompute, false)
+    }
+
+    fn blend_prefill_measured(
+        &self,
+        asm: &Assembly,
         mut cache: KvCache,
         recompute: &[usize],
+        measure: bool,
     ) -> Result<BlendOutput> {
         let chunk_pos = asm.chunk_positions();
         let mut is_chunk = vec![false; asm.ids.len()];
@@ -183,10 +205,10 @@ impl Blend for Model {
             ));
         }
         let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-        let before = ReusedRows::copy(&cache, &recomputed);
+        let before = measure.then(|| ReusedRows::copy(&cache, &recomputed));
         let out = self.forward(&ids, &positions, &mut cache, false)?;
         let logits = self.last_logits(&out)?;
-        let (deviation_k, deviation_v) = before.deviation(&cache);
+        let (deviation_k, deviation_v) = before.map_or((0.0, 0.0), |b| b.deviation(&cache));
         Ok(BlendOutput {
             cache,
             logits,

@@ -32,6 +32,8 @@ pub struct SelectInput<'a> {
     pub first_chunk_exact: bool,
     /// ρ: the budget is `ceil(ratio * chunk tokens)` (ignored by the fixed methods).
     pub ratio: f64,
+    /// Measure the blend's deviation signals (the evaluation's; off when serving).
+    pub measure: bool,
 }
 
 impl<'a> SelectInput<'a> {
@@ -60,6 +62,7 @@ impl<'a> SelectInput<'a> {
             chunks,
             first_chunk_exact,
             ratio,
+            measure: false,
         }
     }
 
@@ -494,7 +497,7 @@ impl Selector for TargetProbe {
             }
         };
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut out = model.blend_prefill_on(asm, cache, &picked)?;
+        let mut out = model.blend_prefill_measured(asm, cache, &picked, input.measure)?;
         out.select_ms = select_ms;
         out.signals.uncovered = uncovered;
         Ok(out)
