@@ -83,7 +83,8 @@ pub struct LoadedChunk {
 impl Engines {
     /// Builds the shared state: computes both template prefixes once.
     pub fn new(target: Arc<Model>, speculator: Option<Arc<Model>>) -> Result<Self> {
-        let template = RagTemplate::default();
+        // The prompt in the model file's own chat format (ChatML for a file without one).
+        let template = RagTemplate::for_model(&target);
         let (prefix_text, prefix_ids) = template.prefix(target.tokenizer());
         let prefix = target.prefix_kv(&prefix_ids)?;
         let spec = speculator.map(SpecCache::new);

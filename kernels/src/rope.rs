@@ -71,6 +71,33 @@ impl Rope {
         })
     }
 
+    /// Divides each pair's frequency by its factor (`head_dim / 2` of them): Llama 3.x's
+    /// long-context scaling as GGUF files carry it (`rope_freqs.weight`, llama.cpp's
+    /// `freq_factors`). Rotations still compose, so positional recovery is unchanged.
+    pub fn with_freq_factors(mut self, factors: &[f32]) -> Result<Self> {
+        if factors.len() != self.inv_freq.len() {
+            return Err(shape_err(
+                "rope",
+                format!(
+                    "{} frequency factors for a head of {} dimensions (want {})",
+                    factors.len(),
+                    self.head_dim,
+                    self.inv_freq.len()
+                ),
+            ));
+        }
+        if let Some(bad) = factors.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(shape_err(
+                "rope",
+                format!("frequency factor {bad} must be finite and > 0"),
+            ));
+        }
+        for (f, &x) in self.inv_freq.iter_mut().zip(factors) {
+            *f /= f64::from(x);
+        }
+        Ok(self)
+    }
+
     /// The pair layout this rope uses.
     pub fn variant(&self) -> RopeVariant {
         self.variant
@@ -240,6 +267,30 @@ mod tests {
             // Rotation changes the vector (the test above is not vacuous).
             assert!(max_abs_diff(&x, &at_300) > 1e-2);
         }
+        Ok(())
+    }
+
+    /// A factor f on pair i rotates it as a base frequency f times slower would: at position
+    /// p, exactly the angle the unscaled rope gives at p / f. Pairs with factor 1 are unchanged.
+    #[test]
+    fn frequency_factors_slow_their_pairs_and_still_compose() -> Result<()> {
+        let d = 8;
+        let plain = Rope::new(RopeVariant::Interleaved, d, 10_000.0)?;
+        let scaled = plain.clone().with_freq_factors(&[1.0, 1.0, 4.0, 8.0])?;
+        let (a, b) = (plain.table(&[800]), scaled.table(&[800]));
+        assert_eq!(a.cos[..2], b.cos[..2]);
+        assert_eq!(plain.table(&[200]).cos[2], b.cos[2]);
+        assert_eq!(plain.table(&[100]).sin[3], b.sin[3]);
+        assert!((a.cos[3] - b.cos[3]).abs() > 1e-3);
+        let x = random(d, 3);
+        let mut at_300 = x.clone();
+        scaled.apply(&scaled.table(&[300]), &mut at_300, 1)?;
+        let mut stepwise = x;
+        scaled.rotate_by(&mut stepwise, 1, &[100])?;
+        scaled.rotate_by(&mut stepwise, 1, &[200])?;
+        assert!(max_abs_diff(&at_300, &stepwise) < 1e-4);
+        assert!(plain.clone().with_freq_factors(&[1.0; 3]).is_err());
+        assert!(plain.with_freq_factors(&[1.0, 0.0, 1.0, 1.0]).is_err());
         Ok(())
     }
 

@@ -9,13 +9,17 @@ use kernels::RopeVariant;
 pub enum Architecture {
     /// Qwen2 / Qwen2.5: biases on Q, K, V; rotate-half RoPE.
     Qwen2,
-    /// Llama (and SmolLM2): no biases; interleaved RoPE in GGUF layout.
+    /// Llama (and SmolLM2, Llama 3.x with its RoPE frequency factors): no biases; interleaved
+    /// RoPE in GGUF layout.
     Llama,
+    /// Qwen3: no biases; an RMSNorm over each head of Q and K before RoPE (`attn_q_norm`,
+    /// `attn_k_norm`); rotate-half RoPE; a head dimension of its own (`attention.key_length`).
+    Qwen3,
 }
 
 impl Architecture {
     /// Every architecture this engine runs, in the order `specrag models list` names them.
-    pub const ALL: [Architecture; 2] = [Self::Qwen2, Self::Llama];
+    pub const ALL: [Architecture; 3] = [Self::Qwen2, Self::Llama, Self::Qwen3];
 
     /// The architecture a GGUF `general.architecture` string names, if this engine runs it.
     pub fn parse(name: &str) -> Option<Self> {
@@ -27,18 +31,29 @@ impl Architecture {
         Self::ALL.map(|a| a.as_str()).join(", ")
     }
 
+    /// Whether Q, K and V carry biases.
+    pub fn qkv_bias(&self) -> bool {
+        *self == Self::Qwen2
+    }
+
+    /// Whether each head of Q and K is RMS-normed before RoPE.
+    pub fn qk_norm(&self) -> bool {
+        *self == Self::Qwen3
+    }
+
     /// The GGUF `general.architecture` string.
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Qwen2 => "qwen2",
             Self::Llama => "llama",
+            Self::Qwen3 => "qwen3",
         }
     }
 
     /// Pair layout of the rotary embedding, as llama.cpp applies it for this architecture.
     pub fn rope_variant(&self) -> RopeVariant {
         match self {
-            Self::Qwen2 => RopeVariant::RotateHalf,
+            Self::Qwen2 | Self::Qwen3 => RopeVariant::RotateHalf,
             Self::Llama => RopeVariant::Interleaved,
         }
     }
@@ -81,17 +96,15 @@ impl ModelConfig {
             Some(_) => f.uint(&key("attention.head_count_kv"))? as usize,
             None => n_head,
         };
-        if n_head == 0
-            || n_kv_head == 0
-            || !n_head.is_multiple_of(n_kv_head)
-            || !n_embd.is_multiple_of(n_head)
-        {
+        let head_dim = head_dim(f, &key, n_embd, n_head)?;
+        if n_head == 0 || n_kv_head == 0 || head_dim == 0 || !n_head.is_multiple_of(n_kv_head) {
             return Err(EngineError::Unsupported {
                 path: f.path().to_path_buf(),
-                reason: format!("{n_head} heads, {n_kv_head} kv heads, embedding {n_embd}"),
+                reason: format!(
+                    "{n_head} heads of {head_dim} dimensions, {n_kv_head} kv heads, embedding {n_embd}"
+                ),
             });
         }
-        let head_dim = n_embd / n_head;
         if let Some(v) = f.get(&key("rope.dimension_count")) {
             let dims = crate::gguf::value_as_u64(v).unwrap_or(0) as usize;
             if dims != head_dim {
@@ -101,20 +114,7 @@ impl ModelConfig {
                 });
             }
         }
-        for scaling in [key("rope.scaling.type"), key("rope.scaling.factor")] {
-            let active = match f.get(&scaling) {
-                None => false,
-                Some(candle_core::quantized::gguf_file::Value::String(s)) => s != "none",
-                Some(candle_core::quantized::gguf_file::Value::F32(x)) => *x != 1.0 && *x != 0.0,
-                Some(_) => true,
-            };
-            if active {
-                return Err(EngineError::Unsupported {
-                    path: f.path().to_path_buf(),
-                    reason: format!("rope scaling (`{scaling}`) is not implemented"),
-                });
-            }
-        }
+        refuse_rope_scaling(f, &key)?;
         let vocab_size = f.array("tokenizer.ggml.tokens")?.len();
         let name = match f.string("general.name") {
             Ok(s) => s.to_string(),
@@ -144,10 +144,62 @@ impl ModelConfig {
         })
     }
 
+    /// Width of the attention's output (all query heads), the input of `attn_output`.
+    pub fn q_width(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
     /// Values per cached row of one layer (all KV heads).
     pub fn kv_row(&self) -> usize {
         self.n_kv_head * self.head_dim
     }
+}
+
+/// The width of an attention head: `n_embd / n_head` unless the file says otherwise
+/// (`attention.key_length`, as Qwen3 files do); 0 when neither gives one.
+fn head_dim(
+    f: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    n_embd: usize,
+    n_head: usize,
+) -> Result<usize> {
+    let declared = |k: &str| f.get(&key(k)).and_then(crate::gguf::value_as_u64);
+    Ok(
+        match (
+            declared("attention.key_length"),
+            declared("attention.value_length"),
+        ) {
+            (Some(k), Some(v)) if k != v => {
+                return Err(EngineError::Unsupported {
+                    path: f.path().to_path_buf(),
+                    reason: format!("key heads of {k} and value heads of {v} dimensions"),
+                })
+            }
+            (Some(k), _) | (None, Some(k)) => k as usize,
+            (None, None) if n_head > 0 && n_embd.is_multiple_of(n_head) => n_embd / n_head,
+            (None, None) => 0,
+        },
+    )
+}
+
+/// Refuses RoPE scaling declared in the metadata (linear, yarn: not implemented). Llama 3.x's
+/// scaling comes as frequency factors beside the weights instead, which the model applies.
+fn refuse_rope_scaling(f: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<()> {
+    for scaling in [key("rope.scaling.type"), key("rope.scaling.factor")] {
+        let active = match f.get(&scaling) {
+            None => false,
+            Some(candle_core::quantized::gguf_file::Value::String(s)) => s != "none",
+            Some(candle_core::quantized::gguf_file::Value::F32(x)) => *x != 1.0 && *x != 0.0,
+            Some(_) => true,
+        };
+        if active {
+            return Err(EngineError::Unsupported {
+                path: f.path().to_path_buf(),
+                reason: format!("rope scaling (`{scaling}`) is not implemented"),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -161,6 +213,6 @@ mod tests {
             assert!(Architecture::supported().contains(a.as_str()));
         }
         assert_eq!(Architecture::parse("gemma3"), None);
-        assert_eq!(Architecture::supported(), "qwen2, llama");
+        assert_eq!(Architecture::supported(), "qwen2, llama, qwen3");
     }
 }

@@ -98,6 +98,14 @@ impl GgufFile {
     }
 
     /// True when the file holds a tensor of this name.
+    /// The chat template the file carries (`tokenizer.chat_template`), if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        match self.get("tokenizer.chat_template") {
+            Some(Value::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

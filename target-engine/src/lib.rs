@@ -1,4 +1,4 @@
-//! The target engine: GGUF loading (qwen2, llama), a tokenizer built from the file's own
+//! The target engine: GGUF loading (qwen2, llama, qwen3), a tokenizer built from the file's own
 //! metadata, and a transformer forward pass written over candle ops.
 //!
 //! The one design choice a reader must know: the model holds no cache. [`Model::forward`] takes
@@ -8,11 +8,12 @@
 //! the same call. The LM head is a separate step ([`Model::logits`]).
 //!
 //! A core and two wings. The core: [`gguf`], [`config`], [`tokenizer`], [`model`] (forward
-//! passes), [`kv`], [`view`] (what a forward attends over when a drafter reads less), [`stop`],
+//! passes), [`chat`] (the file's chat template), [`kv`], [`view`] (what a forward attends over when a drafter reads less), [`stop`],
 //! [`error`] and [`testing`] (tiny random-weight files). [`decode`]: the strategies that turn a
 //! prefilled cache into an answer. [`reuse`]: precomputed chunk KV, selection and the blended
 //! prefill. The wings use the core; the core uses neither.
 
+pub mod chat;
 pub mod config;
 pub mod decode;
 pub mod error;
@@ -27,6 +28,7 @@ pub mod view;
 
 /// Weight formats, for [`LoadOptions::requantize`].
 pub use candle_core::quantized::GgmlDType;
+pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{

@@ -13,7 +13,8 @@
 //! panels, and not at all on the int8 paths and in attention: the ρ = 1 blend identity needs
 //! it. See docs/performance.md.
 
-use crate::config::{Architecture, ModelConfig};
+use crate::chat::ChatFormat;
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::kv::KvCache;
@@ -107,11 +108,31 @@ fn load_norm(f: &mut GgufFile, name: &str) -> Result<Tensor> {
 
 /// Every transformer block's weights (`blk.N.*`), each projection in the forms `opts` asks for.
 fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Result<Vec<Layer>> {
-    let bias = config.arch == Architecture::Qwen2;
+    let bias = config.arch.qkv_bias();
     let mut layers = Vec::with_capacity(config.n_layer);
     for i in 0..config.n_layer {
         let p = format!("blk.{i}");
+        let mut head_norm = |name: &str| -> Result<Option<Vec<f32>>> {
+            if !config.arch.qk_norm() {
+                return Ok(None);
+            }
+            let w = load_norm(f, &format!("{p}.{name}.weight"))?.to_vec1::<f32>()?;
+            if w.len() != config.head_dim {
+                return Err(EngineError::BadGguf {
+                    path: f.path().to_path_buf(),
+                    reason: format!(
+                        "{p}.{name}.weight has {} values for heads of {}",
+                        w.len(),
+                        config.head_dim
+                    ),
+                });
+            }
+            Ok(Some(w))
+        };
+        let (q_norm, k_norm) = (head_norm("attn_q_norm")?, head_norm("attn_k_norm")?);
         layers.push(Layer {
+            q_norm,
+            k_norm,
             attn_norm: load_norm(f, &format!("{p}.attn_norm.weight"))?,
             wq: Linear::load(f, &format!("{p}.attn_q"), bias, opts)?,
             wk: Linear::load(f, &format!("{p}.attn_k"), bias, opts)?,
@@ -124,6 +145,21 @@ fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Re
         });
     }
     Ok(layers)
+}
+
+/// The rotary embedding the file declares, with Llama 3.x's long-context scaling where the
+/// file carries its per-pair frequency factors (`rope_freqs.weight`).
+fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<Rope> {
+    let rope = Rope::new(
+        config.arch.rope_variant(),
+        config.head_dim,
+        config.rope_theta,
+    )?;
+    if !f.has_tensor("rope_freqs.weight") {
+        return Ok(rope);
+    }
+    let factors = load_norm(f, "rope_freqs.weight")?.to_vec1::<f32>()?;
+    Ok(rope.with_freq_factors(&factors)?)
 }
 
 /// The token embedding and the LM head (the same tensor when the file ties them).
@@ -436,6 +472,9 @@ impl Linear {
 
 #[derive(Debug)]
 struct Layer {
+    /// Per-head RMSNorm weights of Q and K (`head_dim` each), for architectures that have them.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     attn_norm: Tensor,
     wq: Linear,
     wk: Linear,
@@ -536,6 +575,7 @@ pub struct ForwardOutput {
 pub struct Model {
     config: ModelConfig,
     tokenizer: Tokenizer,
+    chat: ChatFormat,
     fingerprint: String,
     numerics: String,
     path: PathBuf,
@@ -573,12 +613,9 @@ impl Model {
         let mut f = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&f)?;
         let tokenizer = Tokenizer::from_gguf(&f)?;
+        let chat = ChatFormat::for_tokenizer(&tokenizer, f.chat_template());
         let file_fingerprint = f.fingerprint();
-        let rope = Rope::new(
-            config.arch.rope_variant(),
-            config.head_dim,
-            config.rope_theta,
-        )?;
+        let rope = load_rope(&mut f, &config)?;
         let layers = load_layers(&mut f, &config, opts)?;
         let (embed, lm_head) = load_embeddings(&mut f, opts)?;
         let output_norm = load_norm(&mut f, "output_norm.weight")?;
@@ -622,6 +659,7 @@ impl Model {
         let model = Self {
             config,
             tokenizer,
+            chat,
             fingerprint,
             numerics,
             path: path.to_path_buf(),
@@ -662,6 +700,7 @@ impl Model {
             .forward(&h, dense)?
             .flatten_all()?
             .to_vec1::<f32>()?;
+        head_rms_norm(&mut k, layer.k_norm.as_deref(), c.rms_eps);
         let table = self
             .rope
             .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
@@ -714,6 +753,11 @@ impl Model {
         let out = self.forward(&[0], &[n], &mut cache, false)?;
         self.logits(&out.hidden)?;
         Ok(())
+    }
+
+    /// The chat format prompts are written in: the file's template, or ChatML.
+    pub fn chat(&self) -> &ChatFormat {
+        &self.chat
     }
 
     /// Hyper-parameters.
@@ -819,14 +863,15 @@ impl Model {
         let table = self
             .rope
             .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
-        let rotated = |lin: &Linear, heads: usize| -> Result<Vec<f32>> {
+        let rotated = |lin: &Linear, norm: Option<&[f32]>, heads: usize| -> Result<Vec<f32>> {
             let mut x = lin.forward(&h, dense)?.flatten_all()?.to_vec1::<f32>()?;
+            head_rms_norm(&mut x, norm, self.config.rms_eps);
             self.rope.apply(&table, &mut x, heads)?;
             Ok(x)
         };
-        let k = rotated(&l.wk, self.config.n_kv_head)?;
+        let k = rotated(&l.wk, l.k_norm.as_deref(), self.config.n_kv_head)?;
         let q = if queries {
-            Some(rotated(&l.wq, self.config.n_head)?)
+            Some(rotated(&l.wq, l.q_norm.as_deref(), self.config.n_head)?)
         } else {
             None
         };
@@ -1037,6 +1082,8 @@ impl Model {
             let qkv = Linear::forward_many(&[&layer.wq, &layer.wk, &layer.wv], &h, dense)?;
             let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
             let (mut q, mut k, v) = (flat(&qkv[0])?, flat(&qkv[1])?, flat(&qkv[2])?);
+            head_rms_norm(&mut q, layer.q_norm.as_deref(), c.rms_eps);
+            head_rms_norm(&mut k, layer.k_norm.as_deref(), c.rms_eps);
             self.rope.apply(&table, &mut q, c.n_head)?;
             self.rope.apply(&table, &mut k, c.n_kv_head)?;
             cache.write(l, positions, &k, &v);
@@ -1061,7 +1108,7 @@ impl Model {
                     shape,
                 )?
             };
-            let attn = Tensor::from_vec(attn, (n, c.n_embd), &Device::Cpu)?;
+            let attn = Tensor::from_vec(attn, (n, c.q_width()), &Device::Cpu)?;
             x = (x + layer.wo.forward(&attn, dense)?)?;
             let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
             let gu = Linear::forward_many(&[&layer.gate, &layer.up], &h, dense)?;
@@ -1127,6 +1174,24 @@ struct Pass<'a> {
     probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
     /// Attention from an approximate view of the cache instead of all of it (a drafter's).
     view: Option<&'a mut (dyn crate::view::AttentionView + Send)>,
+}
+
+/// RMSNorm of each `w.len()`-wide head of `x` (rows of heads, laid out one after another),
+/// scaled by `w`; nothing without weights. Each head on its own, so a row's result never
+/// depends on its batch.
+fn head_rms_norm(x: &mut [f32], w: Option<&[f32]>, eps: f64) {
+    let Some(w) = w else { return };
+    for head in x.chunks_exact_mut(w.len()) {
+        let mean = head
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / w.len() as f64;
+        let scale = (1.0 / (mean + eps).sqrt()) as f32;
+        head.iter_mut()
+            .zip(w)
+            .for_each(|(v, g)| *v = *v * scale * g);
+    }
 }
 
 /// `silu(g) · u`: [`kernels::swiglu`] (on the kernels' pool, bit for bit candle's ops) for

@@ -21,6 +21,24 @@ pub struct TinySpec {
     pub n_kv_head: usize,
     pub n_ff: usize,
     pub seed: u64,
+    /// A head dimension other than `n_embd / n_head` (written as `attention.key_length`
+    /// and `value_length`, as Qwen3 files do).
+    pub head_dim: Option<usize>,
+    /// Llama 3.x-style RoPE frequency factors (`rope_freqs.weight`, `head_dim / 2` values).
+    pub rope_freqs: Option<Vec<f32>>,
+    /// A separate LM head (`output.weight`) instead of the tied embedding, scaled so that the
+    /// logits spread over several units: the next token then depends on the whole forward,
+    /// not mostly on the embedding of the token before it.
+    pub output_head: bool,
+    /// The pre-tokenizer (`tokenizer.ggml.pre`); by default `qwen2` for the Qwen families and
+    /// `smollm` for Llama.
+    pub pre: Option<&'static str>,
+    /// Whole-word tokens after the merges that no merge leads to (byte-level text, `Ġ` for
+    /// a space): only a pre-tokenizer that takes whole pieces (Llama 3's) reaches them.
+    pub words: Vec<&'static str>,
+    /// Scale of the Q and K weights (1: unit-variance rows): larger makes attention sharper,
+    /// so that positions and what RoPE does to them weigh more in the output.
+    pub qk_scale: f32,
     /// Extra metadata entries (to test rejection of unsupported files).
     pub extra: Vec<(String, Value)>,
 }
@@ -36,9 +54,44 @@ impl TinySpec {
             n_kv_head: 2,
             n_ff: 128,
             seed: 1,
+            head_dim: None,
+            rope_freqs: None,
+            output_head: false,
+            pre: None,
+            words: Vec::new(),
+            qk_scale: 1.0,
             extra: Vec::new(),
         }
     }
+}
+
+/// The tiny model of each family that llama.cpp's outputs are committed for
+/// (`tests/fixtures/families.jsonl`, written by `scripts/family_fixtures.py`): its name and
+/// spec. Each family's own part is exercised: Qwen2's biases, Llama's interleaved RoPE,
+/// Qwen3's per-head Q/K norms and a head dimension other than `n_embd / n_head`, Llama 3's
+/// RoPE frequency factors (large enough to move a short prompt's logits) and pre-tokenizer.
+pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
+    let with_head = |arch| TinySpec {
+        output_head: true,
+        qk_scale: 3.0,
+        ..TinySpec::new(arch)
+    };
+    let mut qwen3 = with_head(Architecture::Qwen3);
+    qwen3.head_dim = Some(32);
+    qwen3.seed = 7;
+    let mut llama3 = with_head(Architecture::Llama);
+    llama3.rope_freqs = Some(vec![1.0, 4.0, 8.0, 16.0, 32.0, 64.0, 64.0, 64.0]);
+    llama3.seed = 11;
+    llama3.pre = Some("llama-bpe");
+    llama3.words = vec!["123", "456", "186", "Ġof", "Ġrow"];
+    let mut llama = with_head(Architecture::Llama);
+    llama.seed = 5;
+    vec![
+        ("tiny-qwen2", with_head(Architecture::Qwen2)),
+        ("tiny-llama", llama),
+        ("tiny-qwen3", qwen3),
+        ("tiny-llama3", llama3),
+    ]
 }
 
 /// Special tokens of the tiny vocabulary, after the 256 byte symbols and the merges.
@@ -61,6 +114,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     for m in &merges {
         tokens.push(m.replace(' ', ""));
     }
+    tokens.extend(spec.words.iter().map(|w| w.to_string()));
     let mut types = vec![1i32; tokens.len()];
     for s in TINY_SPECIALS {
         tokens.push(s.to_string());
@@ -87,11 +141,10 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         ("tokenizer.ggml.model".into(), s("gpt2")),
         (
             "tokenizer.ggml.pre".into(),
-            s(if spec.arch == Architecture::Qwen2 {
-                "qwen2"
-            } else {
-                "smollm"
-            }),
+            s(spec.pre.unwrap_or(match spec.arch {
+                Architecture::Qwen2 | Architecture::Qwen3 => "qwen2",
+                Architecture::Llama => "smollm",
+            })),
         ),
         (
             "tokenizer.ggml.tokens".into(),
@@ -108,6 +161,10 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    if let Some(d) = spec.head_dim {
+        meta.push((format!("{a}.attention.key_length"), u(d)));
+        meta.push((format!("{a}.attention.value_length"), u(d)));
+    }
     meta.extend(spec.extra.iter().cloned());
 
     let mut seed = spec.seed;
@@ -125,8 +182,9 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         }
         Ok(Tensor::from_vec(v, shape, &dev)?)
     };
-    let (e, f, hd) = (spec.n_embd, spec.n_ff, spec.n_embd / spec.n_head);
-    let kv = spec.n_kv_head * hd;
+    let (e, f) = (spec.n_embd, spec.n_ff);
+    let hd = spec.head_dim.unwrap_or(spec.n_embd / spec.n_head);
+    let (qw, kv) = (spec.n_head * hd, spec.n_kv_head * hd);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0);
     let f32q = |t: Tensor| QTensor::quantize(&t, GgmlDType::F32);
@@ -135,6 +193,15 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         "output_norm.weight".into(),
         f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
     ));
+    if let Some(factors) = &spec.rope_freqs {
+        let n = factors.len();
+        let t = Tensor::from_vec(factors.clone(), n, &dev)?;
+        tensors.push(("rope_freqs.weight".into(), f32q(t)?));
+    }
+    if spec.output_head {
+        let head = q8(rand((vocab, e), 4.0 / (e as f32).sqrt())?)?;
+        tensors.push(("output.weight".into(), head));
+    }
     let ws = 1.0 / (e as f32).sqrt();
     for l in 0..spec.n_layer {
         let p = format!("blk.{l}");
@@ -147,15 +214,29 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
         ));
         for (name, out, inp) in [
-            ("attn_q", e, e),
+            ("attn_q", qw, e),
             ("attn_k", kv, e),
             ("attn_v", kv, e),
-            ("attn_output", e, e),
+            ("attn_output", e, qw),
         ] {
-            tensors.push((format!("{p}.{name}.weight"), q8(rand((out, inp), ws)?)?));
+            let sharp = if matches!(name, "attn_q" | "attn_k") {
+                spec.qk_scale
+            } else {
+                1.0
+            };
+            let scale = sharp / (inp as f32).sqrt();
+            tensors.push((format!("{p}.{name}.weight"), q8(rand((out, inp), scale)?)?));
         }
-        if spec.arch == Architecture::Qwen2 {
-            for (name, out) in [("attn_q", e), ("attn_k", kv), ("attn_v", kv)] {
+        if spec.arch.qk_norm() {
+            for name in ["attn_q_norm", "attn_k_norm"] {
+                tensors.push((
+                    format!("{p}.{name}.weight"),
+                    f32q((rand((1, hd), 0.1)? + 1.0)?.squeeze(0)?)?,
+                ));
+            }
+        }
+        if spec.arch.qkv_bias() {
+            for (name, out) in [("attn_q", qw), ("attn_k", kv), ("attn_v", kv)] {
                 tensors.push((
                     format!("{p}.{name}.bias"),
                     f32q(rand((1, out), 0.1)?.squeeze(0)?)?,

@@ -78,12 +78,15 @@ impl Encoding {
 /// Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
 fn pre_tokenizer(pre: &str) -> Option<Vec<&'static str>> {
     const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     // llama.cpp runs GPT-2's pattern through a hand-written matcher that also takes a
     // whitespace run no other branch took, which is what the trailing `|\s+` says.
     const GPT2: &str =
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
     match pre {
         "qwen2" => Some(vec![QWEN2]),
+        // Llama 3's: Qwen2's with digits in runs of up to three.
+        "llama-bpe" | "llama3" => Some(vec![LLAMA3]),
         "smollm" | "starcoder" | "refact" => Some(vec![r"\p{N}", GPT2]),
         "gpt2" | "gpt-2" | "default" => Some(vec![GPT2]),
         _ => None,
@@ -182,6 +185,10 @@ pub struct Tokenizer {
     eos: Option<u32>,
     add_bos: bool,
     eog: HashSet<u32>,
+    /// Llama 3's `ignore_merges`: a pre-tokenized piece that is a token of the vocabulary as a
+    /// whole becomes that token without merging (its bytes -> id; llama.cpp does this for the
+    /// `llama-bpe` pre-tokenizer). `None` for the others.
+    whole_pieces: Option<HashMap<Vec<u8>, u32>>,
 }
 
 impl Tokenizer {
@@ -200,7 +207,9 @@ impl Tokenizer {
             .to_string();
         let patterns = pre_tokenizer(&pre_name).ok_or_else(|| EngineError::Unsupported {
             path: f.path().to_path_buf(),
-            reason: format!("pre-tokenizer `{pre_name}` (supported: qwen2, smollm, gpt2)"),
+            reason: format!(
+                "pre-tokenizer `{pre_name}` (supported: qwen2, llama-bpe, smollm, gpt2)"
+            ),
         })?;
         let pre = patterns
             .iter()
@@ -297,6 +306,12 @@ impl Tokenizer {
             .collect();
         specials.sort_by_key(|&i| std::cmp::Reverse(p.tokens[i as usize].len()));
         let eog = end_of_generation(p.eos, &p.tokens, &p.types);
+        let whole_pieces = matches!(p.pre_name.as_str(), "llama-bpe" | "llama3").then(|| {
+            (0..p.tokens.len())
+                .filter(|&i| p.types[i] == TokenType::Normal)
+                .map(|i| (token_bytes[i].clone(), i as u32))
+                .collect()
+        });
         Ok(Self {
             pre_name: p.pre_name,
             pre: p.pre,
@@ -310,6 +325,7 @@ impl Tokenizer {
             eos: p.eos,
             add_bos: p.add_bos,
             eog,
+            whole_pieces,
         })
     }
 
@@ -449,6 +465,15 @@ impl Tokenizer {
     fn encode_plain(&self, text: &str, s: usize, e: usize, out: &mut Encoding) {
         let bytes = text.as_bytes();
         for (ps, pe) in self.pieces(text, s, e) {
+            if let Some(&id) = self
+                .whole_pieces
+                .as_ref()
+                .and_then(|w| w.get(&bytes[ps..pe]))
+            {
+                out.ids.push(id);
+                out.offsets.push((ps, pe));
+                continue;
+            }
             self.merge_piece(bytes, ps, pe, out);
         }
     }
@@ -707,6 +732,49 @@ pub(crate) mod tests {
             add_bos: false,
         })
         .expect("tiny tokenizer builds")
+    }
+
+    /// Llama 3's pre-tokenizer: digits in runs of up to three, and a piece that is a token as a
+    /// whole taken as that token though no merge leads to it (`ignore_merges`).
+    #[test]
+    fn llama_bpe_keeps_whole_pieces_and_splits_digits_by_three() {
+        let base = tiny();
+        let mut tokens = base.token_text.clone();
+        let mut types = base.types.clone();
+        tokens.push("wor".into());
+        types.push(TokenType::Normal);
+        let merges = ["h e", "l l", "ll o", "he llo"];
+        let build = |pre: &str| {
+            let patterns = pre_tokenizer(pre).expect("known");
+            Tokenizer::build(Parts {
+                pre_name: pre.into(),
+                pre: patterns
+                    .iter()
+                    .map(|p| PreSplit::new(p).expect("regex"))
+                    .collect(),
+                tokens: tokens.clone(),
+                types: types.clone(),
+                merges: &merges,
+                bos: None,
+                eos: None,
+                add_bos: false,
+            })
+            .expect("builds")
+        };
+        let wor = tokens.len() as u32 - 1;
+        let (llama3, qwen2) = (build("llama-bpe"), build("qwen2"));
+        assert_eq!(llama3.encode("wor", false).ids, [wor]);
+        assert_eq!(
+            qwen2.encode("wor", false).ids.len(),
+            3,
+            "bytes: no merge reaches it"
+        );
+        assert_eq!(
+            llama3.encode("hello", false).ids,
+            qwen2.encode("hello", false).ids
+        );
+        assert_eq!(llama3.pieces("1234567", 0, 7), [(0, 3), (3, 6), (6, 7)]);
+        assert_eq!(qwen2.pieces("1234567", 0, 7).len(), 7);
     }
 
     /// The merge loop as first written: rescan every adjacent pair for the best merge, then

@@ -1,7 +1,7 @@
 //! Invariants of chunk precompute, positional recovery and blended prefill on tiny models.
 
 use target_engine::prelude::*;
-use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{
     budget, even_shares, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse,
     LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random, SelectInput, Selector,
@@ -9,9 +9,13 @@ use target_engine::{
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
+    tiny_of(&TinySpec::new(arch))
+}
+
+fn tiny_of(spec: &TinySpec) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, &TinySpec::new(arch)).expect("write");
+    write_tiny_gguf(&path, spec).expect("write");
     let m = Model::load(
         &path,
         &LoadOptions {
@@ -70,8 +74,12 @@ fn setup(m: &Model) -> Setup {
 
 #[test]
 fn recompute_everything_equals_full_prefill() {
-    for arch in [Architecture::Qwen2, Architecture::Llama] {
-        let (_d, m) = tiny(arch);
+    for (arch, spec) in family_specs() {
+        let (_d, m) = tiny_of(&spec);
+        assert!(
+            m.rope_recovery_ok(),
+            "{arch}: positional recovery's self-test"
+        );
         let s = setup(&m);
         let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
         for chunks in [&s.standalone, &s.after_prefix] {
@@ -81,7 +89,7 @@ fn recompute_everything_equals_full_prefill() {
                 .blend_prefill(&s.asm, &s.prefix, &refs, &all)
                 .expect("blend");
             assert!((out.ratio() - 1.0).abs() < 1e-12);
-            assert!(max_diff(&out.logits, &full) < 1e-4, "{arch:?}");
+            assert!(max_diff(&out.logits, &full) < 1e-4, "{arch}");
             for l in 0..m.config().n_layer {
                 assert!(max_diff(out.cache.k(l), full_cache.k(l)) < 1e-4);
                 assert!(max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4);
@@ -92,7 +100,7 @@ fn recompute_everything_equals_full_prefill() {
                 .expect("cacheblend");
             assert!(
                 max_diff(&cb.logits, &full) < 1e-4,
-                "cacheblend at ratio 1 is full prefill"
+                "{arch}: cacheblend at ratio 1 is full prefill"
             );
         }
     }
@@ -154,7 +162,12 @@ fn every_reused_row_sits_at_its_position() {
 
 #[test]
 fn rotated_standalone_chunk_equals_chunk_computed_in_place_at_layer_0() {
-    let (_d, m) = tiny(Architecture::Qwen2);
+    for (arch, spec) in family_specs() {
+        rotated_chunk_matches(arch, &tiny_of(&spec).1);
+    }
+}
+
+fn rotated_chunk_matches(arch: &str, m: &Model) {
     let ids: Vec<u32> = (0..12).map(|i| (i * 17 % 250) as u32).collect();
     let kv = m.precompute(&ids, None).expect("precompute");
     for offset in [1usize, 7, 300] {
@@ -168,11 +181,11 @@ fn rotated_standalone_chunk_equals_chunk_computed_in_place_at_layer_0() {
         let r = offset * row..(offset + ids.len()) * row;
         assert!(
             max_diff(&cache.k(0)[r.clone()], &full.k(0)[r.clone()]) < 1e-2,
-            "K at offset {offset}"
+            "{arch}: K at offset {offset}"
         );
         assert!(
             max_diff(&cache.v(0)[r.clone()], &full.v(0)[r]) < 1e-2,
-            "V at offset {offset}"
+            "{arch}: V at offset {offset}"
         );
     }
 }

@@ -308,7 +308,7 @@ fn architecture_prompt(m: &Model) -> Vec<u32> {
     let notes = include_str!("../../ARCHITECTURE.md");
     let text: String = notes.chars().take(6000).collect();
     let prompt = target_engine::chat_prompt(
-        m.tokenizer(),
+        m,
         None,
         &format!("{text}\n\nWhat does the kernels crate hold? Answer in detail."),
     );

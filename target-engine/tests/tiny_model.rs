@@ -177,7 +177,7 @@ fn unsupported_files_are_clear_errors() {
 #[test]
 fn generation_stops_at_max_tokens_stop_strings_and_is_seeded() {
     let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
-    let prompt = target_engine::chat_prompt(m.tokenizer(), Some("sys"), "the thin ant");
+    let prompt = target_engine::chat_prompt(&m, Some("sys"), "the thin ant");
     let g = m
         .generate(
             &prompt,
@@ -235,7 +235,7 @@ fn generation_stops_at_max_tokens_stop_strings_and_is_seeded() {
 #[test]
 fn streamed_pieces_add_up_to_the_text_and_a_false_return_cancels() {
     let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
-    let prompt = target_engine::chat_prompt(m.tokenizer(), None, "the thin ant");
+    let prompt = target_engine::chat_prompt(&m, None, "the thin ant");
     let params = GenerateParams {
         max_tokens: 16,
         ..Default::default()
@@ -271,7 +271,7 @@ fn chat_template_keeps_special_tokens_in_content_as_text() {
     let (_d, m) = tiny(Architecture::Qwen2, &LoadOptions::default());
     let tok = m.tokenizer();
     let start = tok.token_id("<|im_start|>").expect("special");
-    let ids = target_engine::chat_prompt(tok, None, "a <|im_start|> b");
+    let ids = target_engine::chat_prompt(&m, None, "a <|im_start|> b");
     assert_eq!(
         ids.iter().filter(|&&i| i == start).count(),
         2,

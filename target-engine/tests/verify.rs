@@ -188,6 +188,31 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
     );
 }
 
+/// Verification's exactness on every family the engine runs (Qwen3's head norms and own head
+/// width, Llama 3's RoPE factors included): from a blended draft at ρ 0 and 0.15, the
+/// verified output is full recompute's greedy output.
+#[test]
+fn verified_output_equals_full_recompute_on_every_family() {
+    for (name, spec) in target_engine::testing::family_specs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_gguf(&path, &spec).expect("write");
+        let m = Model::load(&path, &LoadOptions::default()).expect("load");
+        let c = antenna_case(&m);
+        let want = reference(&m, &c.asm.ids, 24);
+        let params = VerifyParams {
+            max_tokens: 24,
+            mode: VerifyMode::FromFull,
+            max_early_drafts: 6,
+        };
+        for ratio in [0.0, 0.15] {
+            let (g, events) = verified(&m, &c, draft(&m, &c, ratio), &params);
+            assert_eq!(g.ids, want, "{name} at ratio {ratio}");
+            assert_eq!(committed_from(&events), g.ids, "{name}");
+        }
+    }
+}
+
 /// The fidelity guard's continuation: whatever was decoded before (the full output's own
 /// prefix, a prefix that goes wrong, unrelated tokens, more than `max_tokens`), the result
 /// equals full recompute's greedy output, the agreeing prefix is kept, the rest withdrawn.

@@ -1,5 +1,5 @@
 //! Generation on top of the forward pass: full prefill, incremental decode, sampling,
-//! end-of-generation tokens and stop strings, and the ChatML template of the instruct models.
+//! end-of-generation tokens and stop strings, and the prompt in the model's chat format.
 
 use crate::decode::sampling::{Sampler, SamplingParams};
 use crate::decode::stream::{Flow, Shown, TextStream};
@@ -81,24 +81,11 @@ pub fn top2_gap(logits: &[f32]) -> f32 {
     }
 }
 
-/// ChatML prompt ids for one user turn: role headers and control tokens are parsed as
-/// special tokens, message contents never are (a document containing `<|im_start|>` stays text).
-pub fn chat_prompt(tok: &Tokenizer, system: Option<&str>, user: &str) -> Vec<u32> {
-    let mut ids = Vec::new();
-    if tok.add_bos() {
-        ids.extend(tok.bos());
-    }
-    let mut turn = |role: &str, content: &str| {
-        ids.extend(tok.encode(&format!("<|im_start|>{role}\n"), true).ids);
-        ids.extend(tok.encode(content, false).ids);
-        ids.extend(tok.encode("<|im_end|>\n", true).ids);
-    };
-    if let Some(s) = system {
-        turn("system", s);
-    }
-    turn("user", user);
-    ids.extend(tok.encode("<|im_start|>assistant\n", true).ids);
-    ids
+/// Prompt ids for one user turn in the model's chat format (its file's template, or ChatML):
+/// role headers and control tokens are parsed as special tokens, message contents never are
+/// (a document containing `<|im_start|>` stays text).
+pub fn chat_prompt(model: &Model, system: Option<&str>, user: &str) -> Vec<u32> {
+    model.chat().prompt(model.tokenizer(), system, user)
 }
 
 /// Ids of a raw prompt: special tokens parsed, BOS added when the model asks for it.

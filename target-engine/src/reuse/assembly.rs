@@ -2,6 +2,8 @@
 //! token and character boundaries. A chunk's ids are exactly the ids it was precomputed with;
 //! nothing is re-tokenized across a segment boundary.
 
+use crate::chat::ChatFormat;
+use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use std::ops::Range;
 
@@ -102,27 +104,39 @@ impl Assembly {
     }
 }
 
-/// The ChatML RAG template: a system turn and the start of the user turn as the prefix, each
-/// chunk as a document, then the question and the assistant header.
+/// The RAG prompt in a chat format: a system turn and the start of the user turn as the
+/// prefix, each chunk as a document, then the question, the end of the user turn and the
+/// generation prompt. The user turn's content is the documents and the question, so the whole
+/// prompt is what the chat template renders for that system text and that content.
 #[derive(Debug, Clone)]
 pub struct RagTemplate {
     pub system: String,
+    pub chat: ChatFormat,
 }
 
 impl Default for RagTemplate {
+    /// ChatML (for a model, [`RagTemplate::for_model`]).
     fn default() -> Self {
         Self {
             system: "Answer the question using the documents.".into(),
+            chat: ChatFormat::chatml(),
         }
     }
 }
 
 impl RagTemplate {
+    /// The template in `model`'s chat format (its file's template, or ChatML).
+    pub fn for_model(model: &Model) -> Self {
+        Self {
+            chat: model.chat().clone(),
+            ..Self::default()
+        }
+    }
+
     /// Prefix text and ids (control tokens parsed, system message as plain text).
     pub fn prefix(&self, tok: &Tokenizer) -> (String, Vec<u32>) {
-        let head = "<|im_start|>system\n";
-        let tail = "<|im_end|>\n<|im_start|>user\n";
-        let mut ids = tok.encode(head, true).ids;
+        let [head, tail, _] = &self.chat.with_system;
+        let mut ids = self.chat.head_ids(tok, true);
         ids.extend(tok.encode(&self.system, false).ids);
         ids.extend(tok.encode(tail, true).ids);
         (format!("{head}{}{tail}", self.system), ids)
@@ -149,7 +163,7 @@ impl RagTemplate {
         context: &str,
         question: &str,
     ) -> (String, Vec<u32>) {
-        let tail = "<|im_end|>\n<|im_start|>assistant\n";
+        let tail = self.chat.post(true);
         let context = context.trim();
         let text = if context.is_empty() {
             format!("Question: {}", question.trim())

@@ -211,7 +211,7 @@ fn synthetic_text(seed: u64, words: usize) -> String {
 /// tokens, and a question.
 fn bench_assembly(model: &Model, cfg: &BlendBenchConfig) -> Assembly {
     let tok = model.tokenizer();
-    let template = RagTemplate::default();
+    let template = RagTemplate::for_model(model);
     let mut asm = Assembly::default();
     let (t, ids) = template.prefix(tok);
     asm.push(SegmentKind::Prefix, &t, &ids);

@@ -124,7 +124,7 @@ pub fn jaccard(a: &[usize], b: &[usize]) -> f64 {
 
 fn assemble(model: &Model, texts: &[String], max: usize, question: &str) -> Assembly {
     let tok = model.tokenizer();
-    let template = RagTemplate::default();
+    let template = RagTemplate::for_model(model);
     let mut asm = Assembly::default();
     let (t, ids) = template.prefix(tok);
     asm.push(SegmentKind::Prefix, &t, &ids);

@@ -508,7 +508,7 @@ pub enum ModelsCmd {
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// The prompt; wrapped in the ChatML template as a user turn unless --raw.
+    /// The prompt; wrapped in the model's chat template as a user turn unless --raw.
     #[arg(long)]
     pub prompt: String,
     /// Use the prompt as is, parsing special tokens such as <|im_start|>.

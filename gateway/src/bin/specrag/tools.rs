@@ -55,7 +55,7 @@ pub fn list_models() -> anyhow::Result<()> {
     }
     println!(
         "\nAny GGUF file of these architectures runs (--target / --speculator): {}; prompts use \
-         the ChatML chat format.",
+         the file's own chat template (ChatML when it has none).",
         target_engine::Architecture::supported()
     );
     Ok(())
@@ -68,7 +68,7 @@ pub fn generate(m: &ModelArgs, a: GenerateArgs) -> anyhow::Result<()> {
     let ids = if a.raw {
         target_engine::raw_prompt(tok, &a.prompt)
     } else {
-        target_engine::chat_prompt(tok, Some(&a.system), &a.prompt)
+        target_engine::chat_prompt(&model, Some(&a.system), &a.prompt)
     };
     if ids.is_empty() {
         anyhow::bail!("--prompt is empty");
