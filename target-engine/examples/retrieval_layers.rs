@@ -268,7 +268,7 @@ fn docs_prompt(target: &Model, context: usize) -> Res<Vec<u32>> {
         .tokenizer()
         .decode(&body[..context.min(body.len())], false);
     Ok(target_engine::chat_prompt(
-        target.tokenizer(),
+        target,
         None,
         &format!("{body}{question}"),
     ))
