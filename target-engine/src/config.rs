@@ -15,11 +15,14 @@ pub enum Architecture {
     /// Qwen3: no biases; an RMSNorm over each head of Q and K before RoPE (`attn_q_norm`,
     /// `attn_k_norm`); rotate-half RoPE; a head dimension of its own (`attention.key_length`).
     Qwen3,
+    /// Phi-3: Q, K and V in one matrix (`attn_qkv`), gate and up in one (`ffn_up`, the gate
+    /// first); rotate-half RoPE; no biases.
+    Phi3,
 }
 
 impl Architecture {
     /// Every architecture this engine runs, in the order `specrag models list` names them.
-    pub const ALL: [Architecture; 3] = [Self::Qwen2, Self::Llama, Self::Qwen3];
+    pub const ALL: [Architecture; 4] = [Self::Qwen2, Self::Llama, Self::Qwen3, Self::Phi3];
 
     /// The architecture a GGUF `general.architecture` string names, if this engine runs it.
     pub fn parse(name: &str) -> Option<Self> {
@@ -47,13 +50,14 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Llama => "llama",
             Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
         }
     }
 
     /// Pair layout of the rotary embedding, as llama.cpp applies it for this architecture.
     pub fn rope_variant(&self) -> RopeVariant {
         match self {
-            Self::Qwen2 | Self::Qwen3 => RopeVariant::RotateHalf,
+            Self::Qwen2 | Self::Qwen3 | Self::Phi3 => RopeVariant::RotateHalf,
             Self::Llama => RopeVariant::Interleaved,
         }
     }
@@ -213,6 +217,6 @@ mod tests {
             assert!(Architecture::supported().contains(a.as_str()));
         }
         assert_eq!(Architecture::parse("gemma3"), None);
-        assert_eq!(Architecture::supported(), "qwen2, llama, qwen3");
+        assert_eq!(Architecture::supported(), "qwen2, llama, qwen3, phi3");
     }
 }

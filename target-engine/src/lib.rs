@@ -1,4 +1,4 @@
-//! The target engine: GGUF loading (qwen2, llama, qwen3), a tokenizer built from the file's own
+//! The target engine: GGUF loading (qwen2, llama, qwen3, phi3), a tokenizer built from the file's own
 //! metadata, and a transformer forward pass written over candle ops.
 //!
 //! The one design choice a reader must know: the model holds no cache. [`Model::forward`] takes

@@ -19,7 +19,7 @@ use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::kv::KvCache;
 use crate::tokenizer::Tokenizer;
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{CpuStorage, DType, Device, Module, Storage, Tensor, D};
 use kernels::{AttentionShape, Isa, PackedMatrix, QMatrix, QType, Rope};
 use std::borrow::Cow;
@@ -99,6 +99,74 @@ fn requantized(q: QTensor, opts: &LoadOptions) -> Result<QTensor> {
     }
 }
 
+/// Splits a matrix into consecutive blocks of `rows` rows (a fused projection into its parts),
+/// byte for byte: a row's quantized blocks are contiguous, so no value changes.
+fn split_rows(q: &QTensor, rows: &[usize]) -> Result<Vec<QTensor>> {
+    let (n, cols) = q.shape().dims2()?;
+    let ty = q.dtype();
+    if rows.iter().sum::<usize>() != n || !cols.is_multiple_of(ty.block_size()) {
+        return Err(EngineError::InvalidInput(format!(
+            "a {n}x{cols} matrix does not split into {rows:?} rows"
+        )));
+    }
+    let row_bytes = cols / ty.block_size() * ty.type_size();
+    let data = q.data()?;
+    let mut start = 0;
+    let mut parts = Vec::with_capacity(rows.len());
+    for &r in rows {
+        let bytes = data[start * row_bytes..(start + r) * row_bytes].to_vec();
+        let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, ty)?;
+        parts.push(QTensor::new(storage, (r, cols))?);
+        start += r;
+    }
+    Ok(parts)
+}
+
+/// Q, K and V of layer `p`: three matrices, or the rows of a fused `attn_qkv` (Phi-3).
+fn load_qkv(
+    f: &mut GgufFile,
+    p: &str,
+    config: &ModelConfig,
+    opts: &LoadOptions,
+) -> Result<[Linear; 3]> {
+    let bias = config.arch.qkv_bias();
+    let fused = format!("{p}.attn_qkv.weight");
+    if !f.has_tensor(&fused) {
+        return Ok([
+            Linear::load(f, &format!("{p}.attn_q"), bias, opts)?,
+            Linear::load(f, &format!("{p}.attn_k"), bias, opts)?,
+            Linear::load(f, &format!("{p}.attn_v"), bias, opts)?,
+        ]);
+    }
+    let (qw, kv) = (config.q_width(), config.kv_row());
+    let parts = split_rows(&f.tensor(&fused)?, &[qw, kv, kv])?;
+    let mut lin = parts.into_iter().map(|q| Linear::new(q, None, opts));
+    let mut next = || lin.next().expect("three parts");
+    Ok([next()?, next()?, next()?])
+}
+
+/// Gate and up of layer `p`: two matrices, or the halves of a fused `ffn_up` (Phi-3: the
+/// gate first, as llama.cpp's SwiGLU reads it).
+fn load_gate_up(
+    f: &mut GgufFile,
+    p: &str,
+    config: &ModelConfig,
+    opts: &LoadOptions,
+) -> Result<[Linear; 2]> {
+    let gate = format!("{p}.ffn_gate");
+    if f.has_tensor(&format!("{gate}.weight")) {
+        return Ok([
+            Linear::load(f, &gate, false, opts)?,
+            Linear::load(f, &format!("{p}.ffn_up"), false, opts)?,
+        ]);
+    }
+    let n = config.n_ff;
+    let mut halves = split_rows(&f.tensor(&format!("{p}.ffn_up.weight"))?, &[n, n])?;
+    let up = halves.pop().expect("two halves");
+    let gate = halves.pop().expect("two halves");
+    Ok([Linear::new(gate, None, opts)?, Linear::new(up, None, opts)?])
+}
+
 /// A norm's weights, dequantized to f32.
 fn load_norm(f: &mut GgufFile, name: &str) -> Result<Tensor> {
     Ok(f.tensor(name)?
@@ -108,7 +176,6 @@ fn load_norm(f: &mut GgufFile, name: &str) -> Result<Tensor> {
 
 /// Every transformer block's weights (`blk.N.*`), each projection in the forms `opts` asks for.
 fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Result<Vec<Layer>> {
-    let bias = config.arch.qkv_bias();
     let mut layers = Vec::with_capacity(config.n_layer);
     for i in 0..config.n_layer {
         let p = format!("blk.{i}");
@@ -130,17 +197,19 @@ fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Re
             Ok(Some(w))
         };
         let (q_norm, k_norm) = (head_norm("attn_q_norm")?, head_norm("attn_k_norm")?);
+        let [wq, wk, wv] = load_qkv(f, &p, config, opts)?;
+        let [gate, up] = load_gate_up(f, &p, config, opts)?;
         layers.push(Layer {
             q_norm,
             k_norm,
             attn_norm: load_norm(f, &format!("{p}.attn_norm.weight"))?,
-            wq: Linear::load(f, &format!("{p}.attn_q"), bias, opts)?,
-            wk: Linear::load(f, &format!("{p}.attn_k"), bias, opts)?,
-            wv: Linear::load(f, &format!("{p}.attn_v"), bias, opts)?,
+            wq,
+            wk,
+            wv,
             wo: Linear::load(f, &format!("{p}.attn_output"), false, opts)?,
             ffn_norm: load_norm(f, &format!("{p}.ffn_norm.weight"))?,
-            gate: Linear::load(f, &format!("{p}.ffn_gate"), false, opts)?,
-            up: Linear::load(f, &format!("{p}.ffn_up"), false, opts)?,
+            gate,
+            up,
             down: Linear::load(f, &format!("{p}.ffn_down"), false, opts)?,
         });
     }
@@ -155,6 +224,17 @@ fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<Rope> {
         config.head_dim,
         config.rope_theta,
     )?;
+    if ["rope_factors_long.weight", "rope_factors_short.weight"]
+        .iter()
+        .any(|t| f.has_tensor(t))
+    {
+        return Err(EngineError::Unsupported {
+            path: f.path().to_path_buf(),
+            reason: "LongRoPE (`rope_factors_long`/`rope_factors_short`, Phi-3's 128k-context \
+                     files) is not implemented; supported: Llama 3's `rope_freqs`"
+                .into(),
+        });
+    }
     if !f.has_tensor("rope_freqs.weight") {
         return Ok(rope);
     }
@@ -407,13 +487,6 @@ struct Linear {
 
 impl Linear {
     fn load(f: &mut GgufFile, name: &str, bias: bool, opts: &LoadOptions) -> Result<Self> {
-        let q = requantized(f.tensor(&format!("{name}.weight"))?, opts)?;
-        let dense_t = if opts.dense && opts.dense_copies {
-            Some(q.dequantize(&Device::Cpu)?.t()?)
-        } else {
-            None
-        };
-        let quant = Quant::new(q, opts.decode_q8, opts.packed, opts.pack_k_quants)?;
         let bias = if bias {
             Some(
                 f.tensor(&format!("{name}.bias"))?
@@ -422,6 +495,18 @@ impl Linear {
         } else {
             None
         };
+        Self::new(f.tensor(&format!("{name}.weight"))?, bias, opts)
+    }
+
+    /// A linear layer of weights `q` (as the file holds them) and an optional bias.
+    fn new(q: QTensor, bias: Option<Tensor>, opts: &LoadOptions) -> Result<Self> {
+        let q = requantized(q, opts)?;
+        let dense_t = if opts.dense && opts.dense_copies {
+            Some(q.dequantize(&Device::Cpu)?.t()?)
+        } else {
+            None
+        };
+        let quant = Quant::new(q, opts.decode_q8, opts.packed, opts.pack_k_quants)?;
         Ok(Self {
             quant,
             dense_t,

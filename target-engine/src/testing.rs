@@ -69,7 +69,8 @@ impl TinySpec {
 /// (`tests/fixtures/families.jsonl`, written by `scripts/family_fixtures.py`): its name and
 /// spec. Each family's own part is exercised: Qwen2's biases, Llama's interleaved RoPE,
 /// Qwen3's per-head Q/K norms and a head dimension other than `n_embd / n_head`, Llama 3's
-/// RoPE frequency factors (large enough to move a short prompt's logits) and pre-tokenizer.
+/// RoPE frequency factors (large enough to move a short prompt's logits) and pre-tokenizer,
+/// Phi-3's fused Q/K/V and gate/up matrices.
 pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     let with_head = |arch| TinySpec {
         output_head: true,
@@ -86,11 +87,14 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     llama3.words = vec!["123", "456", "186", "Ġof", "Ġrow"];
     let mut llama = with_head(Architecture::Llama);
     llama.seed = 5;
+    let mut phi3 = with_head(Architecture::Phi3);
+    phi3.seed = 13;
     vec![
         ("tiny-qwen2", with_head(Architecture::Qwen2)),
         ("tiny-llama", llama),
         ("tiny-qwen3", qwen3),
         ("tiny-llama3", llama3),
+        ("tiny-phi3", phi3),
     ]
 }
 
@@ -126,7 +130,12 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     let u = |x: usize| Value::U32(x as u32);
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), s(a)),
-        ("general.name".into(), s(&format!("tiny-{a}"))),
+        // Not "tiny-phi3": llama.cpp applies Phi-3's tokenizer quirks (and looks for `</s>`)
+        // by the name, and this vocabulary is byte-level BPE, not Phi-3's.
+        (
+            "general.name".into(),
+            s(&format!("tiny-{}", a.replace("phi3", "phi-three"))),
+        ),
         (format!("{a}.block_count"), u(spec.n_layer)),
         (format!("{a}.context_length"), u(4096)),
         (format!("{a}.embedding_length"), u(spec.n_embd)),
@@ -143,7 +152,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             "tokenizer.ggml.pre".into(),
             s(spec.pre.unwrap_or(match spec.arch {
                 Architecture::Qwen2 | Architecture::Qwen3 => "qwen2",
-                Architecture::Llama => "smollm",
+                Architecture::Llama | Architecture::Phi3 => "smollm",
             })),
         ),
         (
@@ -213,13 +222,20 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             format!("{p}.ffn_norm.weight"),
             f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
         ));
-        for (name, out, inp) in [
-            ("attn_q", qw, e),
-            ("attn_k", kv, e),
-            ("attn_v", kv, e),
-            ("attn_output", e, qw),
-        ] {
-            let sharp = if matches!(name, "attn_q" | "attn_k") {
+        let fused = spec.arch == Architecture::Phi3;
+        // Phi-3 keeps Q, K and V in one matrix (in that order) and gate and up in another.
+        let projections: &[(&str, usize, usize)] = if fused {
+            &[("attn_qkv", qw + 2 * kv, e), ("attn_output", e, qw)]
+        } else {
+            &[
+                ("attn_q", qw, e),
+                ("attn_k", kv, e),
+                ("attn_v", kv, e),
+                ("attn_output", e, qw),
+            ]
+        };
+        for &(name, out, inp) in projections {
+            let sharp = if matches!(name, "attn_q" | "attn_k" | "attn_qkv") {
                 spec.qk_scale
             } else {
                 1.0
@@ -243,8 +259,12 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
                 ));
             }
         }
-        tensors.push((format!("{p}.ffn_gate.weight"), q8(rand((f, e), ws)?)?));
-        tensors.push((format!("{p}.ffn_up.weight"), q8(rand((f, e), ws)?)?));
+        if fused {
+            tensors.push((format!("{p}.ffn_up.weight"), q8(rand((2 * f, e), ws)?)?));
+        } else {
+            tensors.push((format!("{p}.ffn_gate.weight"), q8(rand((f, e), ws)?)?));
+            tensors.push((format!("{p}.ffn_up.weight"), q8(rand((f, e), ws)?)?));
+        }
         tensors.push((
             format!("{p}.ffn_down.weight"),
             q8(rand((e, f), 1.0 / (f as f32).sqrt())?)?,
