@@ -21,6 +21,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod reuse;
+mod spm;
 pub mod stop;
 pub mod testing;
 pub mod tokenizer;

@@ -39,6 +39,9 @@ pub struct TinySpec {
     /// Scale of the Q and K weights (1: unit-variance rows): larger makes attention sharper,
     /// so that positions and what RoPE does to them weigh more in the output.
     pub qk_scale: f32,
+    /// A SentencePiece vocabulary (`<0xXX>` byte tokens, scored `▁` pieces, a space prefix)
+    /// instead of the byte-level BPE one; the same ChatML specials last.
+    pub sentencepiece: bool,
     /// Extra metadata entries (to test rejection of unsupported files).
     pub extra: Vec<(String, Value)>,
 }
@@ -60,6 +63,7 @@ impl TinySpec {
             pre: None,
             words: Vec::new(),
             qk_scale: 1.0,
+            sentencepiece: false,
             extra: Vec::new(),
         }
     }
@@ -70,7 +74,8 @@ impl TinySpec {
 /// spec. Each family's own part is exercised: Qwen2's biases, Llama's interleaved RoPE,
 /// Qwen3's per-head Q/K norms and a head dimension other than `n_embd / n_head`, Llama 3's
 /// RoPE frequency factors (large enough to move a short prompt's logits) and pre-tokenizer,
-/// Phi-3's fused Q/K/V and gate/up matrices.
+/// Phi-3's fused Q/K/V and gate/up matrices, a SentencePiece vocabulary (as Llama 2, Mistral and
+/// Gemma files have).
 pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     let with_head = |arch| TinySpec {
         output_head: true,
@@ -89,13 +94,147 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     llama.seed = 5;
     let mut phi3 = with_head(Architecture::Phi3);
     phi3.seed = 13;
+    let mut spm = with_head(Architecture::Llama);
+    spm.sentencepiece = true;
+    spm.seed = 17;
     vec![
         ("tiny-qwen2", with_head(Architecture::Qwen2)),
         ("tiny-llama", llama),
         ("tiny-qwen3", qwen3),
         ("tiny-llama3", llama3),
         ("tiny-phi3", phi3),
+        ("tiny-llama-spm", spm),
     ]
+}
+
+/// The tiny vocabulary and its `tokenizer.ggml.*` entries (but EOS and BOS use): byte-level
+/// BPE (256 byte symbols, a few merges, `words`) or SentencePiece; ChatML specials last.
+fn tiny_vocab(spec: &TinySpec) -> (Vec<String>, Vec<(String, Value)>) {
+    let strings = |v: &[String]| Value::Array(v.iter().map(|t| Value::String(t.clone())).collect());
+    let (tokens, types, mut meta) = if spec.sentencepiece {
+        spm_vocab()
+    } else {
+        bpe_vocab(spec)
+    };
+    meta.push(("tokenizer.ggml.tokens".into(), strings(&tokens)));
+    meta.push((
+        "tokenizer.ggml.token_type".into(),
+        Value::Array(types.into_iter().map(Value::I32).collect()),
+    ));
+    (tokens, meta)
+}
+
+type Vocab = (Vec<String>, Vec<i32>, Vec<(String, Value)>);
+
+/// A SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then `▁` pieces
+/// scored best first, the ChatML specials last.
+fn spm_vocab() -> Vocab {
+    let s = |x: &str| Value::String(x.to_string());
+    let mut meta = Vec::new();
+    let mut tokens: Vec<String>;
+    let mut types: Vec<i32>;
+    // <unk>, <s>, </s>, the 256 byte tokens, then pieces scored best first.
+    tokens = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    types = vec![2, 3, 3];
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    types.extend([6; 256]);
+    let pieces = [
+        "\u{2581}",
+        "\u{2581}t",
+        "he",
+        "\u{2581}the",
+        "in",
+        "\u{2581}a",
+        "an",
+        "nt",
+        "ant",
+        "\u{2581}ant",
+        "\u{2581}in",
+        "en",
+        "te",
+        "ea",
+        "\u{2581}te",
+        "\u{2581}tea",
+        "me",
+        "\u{2581}them",
+        "nd",
+        "\u{2581}sa",
+        "\u{2581}sand",
+        "at",
+        "ra",
+        "\u{2581}ran",
+        "ow",
+        "\u{2581}row",
+        "\u{2581}of",
+        "ür",
+        "Zür",
+        "ty",
+        "thi",
+        "\u{2581}thi",
+        "re",
+        "e",
+        "t",
+        "h",
+        "a",
+        "n",
+        "i",
+        "s",
+        "o",
+        "r",
+        "w",
+        "d",
+        "m",
+    ];
+    let mut scores = vec![0f32; tokens.len()];
+    for (i, p) in pieces.iter().enumerate() {
+        tokens.push((*p).to_string());
+        types.push(1);
+        scores.push(-(i as f32));
+    }
+    for t in TINY_SPECIALS {
+        tokens.push(t.to_string());
+        types.push(3);
+        scores.push(0.0);
+    }
+    meta.push(("tokenizer.ggml.model".into(), s("llama")));
+    meta.push((
+        "tokenizer.ggml.scores".into(),
+        Value::Array(scores.into_iter().map(Value::F32).collect()),
+    ));
+    meta.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(true)));
+    meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(1)));
+    (tokens, types, meta)
+}
+
+/// The byte-level BPE vocabulary: 256 byte symbols, a few merges, `spec.words`, the ChatML
+/// specials last.
+fn bpe_vocab(spec: &TinySpec) -> Vocab {
+    let s = |x: &str| Value::String(x.to_string());
+    let mut meta = Vec::new();
+    let mut tokens: Vec<String>;
+    let mut types: Vec<i32>;
+    tokens = crate::tokenizer::byte_alphabet()
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let merges = ["t h", "th e", "Ġ t", "Ġt he", "i n", "a n", "Ġ a"];
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    tokens.extend(spec.words.iter().map(|w| w.to_string()));
+    types = vec![1i32; tokens.len()];
+    for t in TINY_SPECIALS {
+        tokens.push(t.to_string());
+        types.push(3);
+    }
+    meta.push(("tokenizer.ggml.model".into(), s("gpt2")));
+    let pre = spec.pre.unwrap_or(match spec.arch {
+        Architecture::Qwen2 | Architecture::Qwen3 => "qwen2",
+        Architecture::Llama | Architecture::Phi3 => "smollm",
+    });
+    meta.push(("tokenizer.ggml.pre".into(), s(pre)));
+    let merges: Vec<String> = merges.iter().map(|m| m.to_string()).collect();
+    let merges = Value::Array(merges.into_iter().map(Value::String).collect());
+    meta.push(("tokenizer.ggml.merges".into(), merges));
+    (tokens, types, meta)
 }
 
 /// Special tokens of the tiny vocabulary, after the 256 byte symbols and the merges.
@@ -110,20 +249,7 @@ pub const TINY_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end
 pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     let dev = Device::Cpu;
     let a = spec.arch.as_str();
-    let mut tokens: Vec<String> = crate::tokenizer::byte_alphabet()
-        .iter()
-        .map(|c| c.to_string())
-        .collect();
-    let merges = ["t h", "th e", "Ġ t", "Ġt he", "i n", "a n", "Ġ a"];
-    for m in &merges {
-        tokens.push(m.replace(' ', ""));
-    }
-    tokens.extend(spec.words.iter().map(|w| w.to_string()));
-    let mut types = vec![1i32; tokens.len()];
-    for s in TINY_SPECIALS {
-        tokens.push(s.to_string());
-        types.push(3);
-    }
+    let (tokens, tokenizer_meta) = tiny_vocab(spec);
     let vocab = tokens.len();
     let eos = (vocab - 1) as u32; // <|im_end|>
     let s = |x: &str| Value::String(x.to_string());
@@ -147,29 +273,10 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             format!("{a}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-6),
         ),
-        ("tokenizer.ggml.model".into(), s("gpt2")),
-        (
-            "tokenizer.ggml.pre".into(),
-            s(spec.pre.unwrap_or(match spec.arch {
-                Architecture::Qwen2 | Architecture::Qwen3 => "qwen2",
-                Architecture::Llama | Architecture::Phi3 => "smollm",
-            })),
-        ),
-        (
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.iter().map(|t| s(t)).collect()),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        ),
-        (
-            "tokenizer.ggml.merges".into(),
-            Value::Array(merges.iter().map(|m| s(m)).collect()),
-        ),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    meta.extend(tokenizer_meta);
     if let Some(d) = spec.head_dim {
         meta.push((format!("{a}.attention.key_length"), u(d)));
         meta.push((format!("{a}.attention.value_length"), u(d)));

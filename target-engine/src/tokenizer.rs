@@ -8,6 +8,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{value_as_u64, GgufFile};
+use crate::spm::Spm;
 use candle_core::quantized::gguf_file::Value;
 use fancy_regex::Regex;
 use std::cmp::Reverse;
@@ -189,17 +190,28 @@ pub struct Tokenizer {
     /// whole becomes that token without merging (its bytes -> id; llama.cpp does this for the
     /// `llama-bpe` pre-tokenizer). `None` for the others.
     whole_pieces: Option<HashMap<Vec<u8>, u32>>,
+    /// A SentencePiece vocabulary's merging (`tokenizer.ggml.model` = `llama`); `None` for
+    /// byte-level BPE.
+    spm: Option<Spm>,
 }
 
 impl Tokenizer {
     /// Builds the tokenizer described by the file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
         let model = f.string("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(EngineError::Unsupported {
-                path: f.path().to_path_buf(),
-                reason: format!("tokenizer model `{model}` (supported: gpt2 byte-level BPE)"),
-            });
+        let opt_id = |key: &str| f.get(key).and_then(value_as_u64).map(|x| x as u32);
+        match model {
+            "gpt2" => {}
+            "llama" => return Self::spm_from_gguf(f),
+            _ => {
+                return Err(EngineError::Unsupported {
+                    path: f.path().to_path_buf(),
+                    reason: format!(
+                        "tokenizer model `{model}` (`tokenizer.ggml.model`; supported: gpt2 \
+                         byte-level BPE, llama SentencePiece)"
+                    ),
+                })
+            }
         }
         let pre_name = f
             .string("tokenizer.ggml.pre")
@@ -215,30 +227,7 @@ impl Tokenizer {
             .iter()
             .map(|p| PreSplit::new(p))
             .collect::<Result<Vec<_>>>()?;
-        let tokens: Vec<String> = f
-            .array("tokenizer.ggml.tokens")?
-            .iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s.clone()),
-                other => Err(EngineError::Tokenizer(format!(
-                    "token entry is not a string: {other:?}"
-                ))),
-            })
-            .collect::<Result<_>>()?;
-        let types: Vec<TokenType> = match f.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| TokenType::from_code(value_as_u64(v).unwrap_or(1)))
-                .collect(),
-            _ => vec![TokenType::Normal; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            return Err(EngineError::Tokenizer(format!(
-                "{} token types for {} tokens",
-                types.len(),
-                tokens.len()
-            )));
-        }
+        let (tokens, types) = read_vocab(f)?;
         let merge_list: Vec<&str> = match f.get("tokenizer.ggml.merges") {
             Some(Value::Array(a)) => a
                 .iter()
@@ -255,11 +244,7 @@ impl Tokenizer {
                 ))
             }
         };
-        let opt_id = |key: &str| f.get(key).and_then(value_as_u64).map(|x| x as u32);
-        let add_bos = matches!(
-            f.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
+        let add_bos = flag(f, "tokenizer.ggml.add_bos_token", false);
         Self::build(Parts {
             pre_name,
             pre,
@@ -269,6 +254,98 @@ impl Tokenizer {
             bos: opt_id("tokenizer.ggml.bos_token_id"),
             eos: opt_id("tokenizer.ggml.eos_token_id"),
             add_bos,
+        })
+    }
+
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model` = `llama`) from the file.
+    fn spm_from_gguf(f: &GgufFile) -> Result<Self> {
+        let opt_id = |key: &str| f.get(key).and_then(value_as_u64).map(|x| x as u32);
+        let (tokens, types) = read_vocab(f)?;
+        let scores: Vec<f32> = match f.get("tokenizer.ggml.scores") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => *x,
+                    _ => 0.0,
+                })
+                .collect(),
+            _ => vec![0.0; tokens.len()],
+        };
+        Self::build_spm(
+            tokens,
+            types,
+            scores,
+            flag(f, "tokenizer.ggml.add_space_prefix", true),
+            [
+                opt_id("tokenizer.ggml.bos_token_id"),
+                opt_id("tokenizer.ggml.eos_token_id"),
+            ],
+            flag(f, "tokenizer.ggml.add_bos_token", true),
+        )
+    }
+
+    /// A SentencePiece tokenizer (llama.cpp's `llama` vocabulary type): `▁` for spaces, pieces
+    /// merged by score, `<0xXX>` tokens for bytes no piece covers.
+    fn build_spm(
+        tokens: Vec<String>,
+        types: Vec<TokenType>,
+        scores: Vec<f32>,
+        space_prefix: bool,
+        [bos, eos]: [Option<u32>; 2],
+        add_bos: bool,
+    ) -> Result<Self> {
+        if scores.len() != tokens.len() {
+            return Err(EngineError::Tokenizer(format!(
+                "{} scores for {} tokens",
+                scores.len(),
+                tokens.len()
+            )));
+        }
+        let lookup: HashMap<String, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let mut byte_token = [NO_TOKEN; 256];
+        for (b, slot) in byte_token.iter_mut().enumerate() {
+            if let Some(&id) = lookup.get(&format!("<0x{b:02X}>")) {
+                *slot = id;
+            }
+        }
+        let token_bytes = tokens
+            .iter()
+            .zip(&types)
+            .map(|(t, ty)| match ty {
+                TokenType::Byte => {
+                    u8::from_str_radix(t.trim_start_matches("<0x").trim_end_matches('>'), 16)
+                        .map_or_else(|_| t.as_bytes().to_vec(), |b| vec![b])
+                }
+                TokenType::Control => t.as_bytes().to_vec(),
+                _ => t.replace('\u{2581}', " ").into_bytes(),
+            })
+            .collect();
+        let specials = special_ids(&tokens, &types);
+        let eog = end_of_generation(eos, &tokens, &types);
+        Ok(Self {
+            pre_name: "sentencepiece".into(),
+            pre: Vec::new(),
+            token_text: tokens,
+            token_bytes,
+            types,
+            merges: HashMap::new(),
+            byte_token,
+            specials,
+            bos,
+            eos,
+            add_bos,
+            eog,
+            whole_pieces: None,
+            spm: Some(Spm {
+                lookup,
+                scores,
+                byte_token,
+                space_prefix,
+            }),
         })
     }
 
@@ -296,15 +373,7 @@ impl Tokenizer {
         }
         let merges = merge_ranks(&vocab, p.merges)?;
         let token_bytes = token_bytes(&alphabet, &p.tokens, &p.types);
-        let mut specials: Vec<u32> = (0..p.tokens.len() as u32)
-            .filter(|&i| {
-                matches!(
-                    p.types[i as usize],
-                    TokenType::Control | TokenType::UserDefined
-                ) && !p.tokens[i as usize].is_empty()
-            })
-            .collect();
-        specials.sort_by_key(|&i| std::cmp::Reverse(p.tokens[i as usize].len()));
+        let specials = special_ids(&p.tokens, &p.types);
         let eog = end_of_generation(p.eos, &p.tokens, &p.types);
         let whole_pieces = matches!(p.pre_name.as_str(), "llama-bpe" | "llama3").then(|| {
             (0..p.tokens.len())
@@ -326,6 +395,7 @@ impl Tokenizer {
             add_bos: p.add_bos,
             eog,
             whole_pieces,
+            spm: None,
         })
     }
 
@@ -378,13 +448,23 @@ impl Tokenizer {
     /// `parse_special` is true (user-defined added tokens always are, as in llama.cpp).
     pub fn encode(&self, text: &str, parse_special: bool) -> Encoding {
         let mut out = Encoding::default();
+        // SentencePiece writes a space before text at the start and after a special token
+        // (where the vocabulary asks for it), as llama.cpp does.
+        let mut after_special = true;
         for frag in self.split_special(text, parse_special) {
             match frag {
                 Fragment::Special(id, s, e) => {
                     out.ids.push(id);
                     out.offsets.push((s, e));
+                    after_special = true;
                 }
-                Fragment::Text(s, e) => self.encode_plain(text, s, e, &mut out),
+                Fragment::Text(s, e) => {
+                    match &self.spm {
+                        Some(spm) => spm.encode(text, s, e, after_special, &mut out),
+                        None => self.encode_plain(text, s, e, &mut out),
+                    }
+                    after_special = false;
+                }
             }
         }
         out
@@ -672,6 +752,57 @@ fn token_bytes(alphabet: &[char], tokens: &[String], types: &[TokenType]) -> Vec
             _ => t.as_bytes().to_vec(),
         })
         .collect()
+}
+
+/// A boolean `key` of the file, `default` when absent.
+fn flag(f: &GgufFile, key: &str, default: bool) -> bool {
+    match f.get(key) {
+        Some(Value::Bool(b)) => *b,
+        _ => default,
+    }
+}
+
+/// The vocabulary's tokens and their types, as the file lists them.
+fn read_vocab(f: &GgufFile) -> Result<(Vec<String>, Vec<TokenType>)> {
+    let tokens: Vec<String> = f
+        .array("tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => Ok(s.clone()),
+            other => Err(EngineError::Tokenizer(format!(
+                "token entry is not a string: {other:?}"
+            ))),
+        })
+        .collect::<Result<_>>()?;
+    let types: Vec<TokenType> = match f.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| TokenType::from_code(value_as_u64(v).unwrap_or(1)))
+            .collect(),
+        _ => vec![TokenType::Normal; tokens.len()],
+    };
+    if types.len() != tokens.len() {
+        return Err(EngineError::Tokenizer(format!(
+            "{} token types for {} tokens",
+            types.len(),
+            tokens.len()
+        )));
+    }
+    Ok((tokens, types))
+}
+
+/// Tokens split out of text before tokenizing (control and user-defined), longest text first.
+fn special_ids(tokens: &[String], types: &[TokenType]) -> Vec<u32> {
+    let mut specials: Vec<u32> = (0..tokens.len() as u32)
+        .filter(|&i| {
+            matches!(
+                types[i as usize],
+                TokenType::Control | TokenType::UserDefined
+            ) && !tokens[i as usize].is_empty()
+        })
+        .collect();
+    specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
+    specials
 }
 
 /// The tokens that end a generation: the EOS token and the control tokens chat templates end
