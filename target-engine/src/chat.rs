@@ -9,6 +9,7 @@
 //! (`post`). Chunks are precomputed after `pre + system + mid` (the prefix), so the boundary is
 //! the template's own, and a different template gives a different prefix and chunk key.
 
+use crate::config::Architecture;
 use crate::tokenizer::Tokenizer;
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
 
@@ -19,6 +20,9 @@ pub enum ChatSource {
     File,
     /// ChatML written by hand: the file has no template (or it did not render; the reason).
     ChatMl(Option<String>),
+    /// The turn format the file's family is known to use, written by hand (a Gemma 3 file
+    /// without a template).
+    Family(&'static str),
 }
 
 /// The text a chat template puts around a turn's contents (control tokens in it are parsed as
@@ -63,10 +67,32 @@ impl ChatFormat {
         }
     }
 
-    /// The format `tok`'s model file declares: its template rendered, or ChatML when it has
-    /// none or it does not render (logged, and the reason kept in [`ChatFormat::source`]).
-    pub fn for_tokenizer(tok: &Tokenizer, template: Option<&str>) -> Self {
+    /// Gemma's turns, as Gemma 3's own template writes them: no system role (the system text
+    /// opens the user turn, a blank line after it), `model` for the assistant, BOS first.
+    pub fn gemma(tok: &Tokenizer) -> Self {
+        Self {
+            with_system: [
+                "<start_of_turn>user\n".into(),
+                "\n\n".into(),
+                "<end_of_turn>\n<start_of_turn>model\n".into(),
+            ],
+            user_only: [
+                "<start_of_turn>user\n".into(),
+                "<end_of_turn>\n<start_of_turn>model\n".into(),
+            ],
+            bos: tok.add_bos(),
+            source: ChatSource::Family("gemma"),
+        }
+    }
+
+    /// The format `tok`'s model file declares: its template rendered; without one, its
+    /// family's known format (Gemma's for `gemma3`) or ChatML; ChatML too when the template
+    /// does not render (logged, and the reason kept in [`ChatFormat::source`]).
+    pub fn for_tokenizer(tok: &Tokenizer, template: Option<&str>, arch: Architecture) -> Self {
         let Some(src) = template else {
+            if arch == Architecture::Gemma3 {
+                return Self::gemma(tok);
+            }
             let mut f = Self::chatml();
             f.bos = tok.add_bos();
             return f;

@@ -18,11 +18,21 @@ pub enum Architecture {
     /// Phi-3: Q, K and V in one matrix (`attn_qkv`), gate and up in one (`ffn_up`, the gate
     /// first); rotate-half RoPE; no biases.
     Phi3,
+    /// Gemma 3: embeddings scaled by `sqrt(n_embd)`, per-head Q/K norms, norms after attention
+    /// and after the FFN too, a GELU-gated FFN, and sliding-window attention on five layers of
+    /// every six (their own RoPE base); rotate-half RoPE.
+    Gemma3,
 }
 
 impl Architecture {
     /// Every architecture this engine runs, in the order `specrag models list` names them.
-    pub const ALL: [Architecture; 4] = [Self::Qwen2, Self::Llama, Self::Qwen3, Self::Phi3];
+    pub const ALL: [Architecture; 5] = [
+        Self::Qwen2,
+        Self::Llama,
+        Self::Qwen3,
+        Self::Phi3,
+        Self::Gemma3,
+    ];
 
     /// The architecture a GGUF `general.architecture` string names, if this engine runs it.
     pub fn parse(name: &str) -> Option<Self> {
@@ -41,7 +51,7 @@ impl Architecture {
 
     /// Whether each head of Q and K is RMS-normed before RoPE.
     pub fn qk_norm(&self) -> bool {
-        *self == Self::Qwen3
+        matches!(self, Self::Qwen3 | Self::Gemma3)
     }
 
     /// The GGUF `general.architecture` string.
@@ -51,13 +61,14 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Qwen3 => "qwen3",
             Self::Phi3 => "phi3",
+            Self::Gemma3 => "gemma3",
         }
     }
 
     /// Pair layout of the rotary embedding, as llama.cpp applies it for this architecture.
     pub fn rope_variant(&self) -> RopeVariant {
         match self {
-            Self::Qwen2 | Self::Qwen3 | Self::Phi3 => RopeVariant::RotateHalf,
+            Self::Qwen2 | Self::Qwen3 | Self::Phi3 | Self::Gemma3 => RopeVariant::RotateHalf,
             Self::Llama => RopeVariant::Interleaved,
         }
     }
@@ -79,6 +90,28 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rms_eps: f64,
     pub context_length: usize,
+    /// Sliding-window attention on some layers (Gemma 3), `None` where every layer attends to
+    /// the whole context.
+    pub swa: Option<SlidingWindow>,
+}
+
+/// Which layers attend only to their recent keys, and how.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// A query at position p attends to keys at `p - window + 1 ..= p`.
+    pub window: usize,
+    /// Every `pattern`-th layer (the last of each group) attends to everything; the others
+    /// slide (`attention.sliding_window_pattern`, 6 for Gemma 3).
+    pub pattern: usize,
+    /// The RoPE base of the sliding layers (`rope.freq_base_swa`, 10000 for Gemma 3).
+    pub rope_theta: f64,
+}
+
+impl SlidingWindow {
+    /// Whether layer `l` slides (llama.cpp's `set_swa_pattern`).
+    pub fn slides(&self, l: usize) -> bool {
+        self.pattern == 0 || l % self.pattern < self.pattern - 1
+    }
 }
 
 impl ModelConfig {
@@ -145,7 +178,13 @@ impl ModelConfig {
             rope_theta,
             rms_eps: f.float(&key("attention.layer_norm_rms_epsilon"))?,
             context_length: f.uint(&key("context_length"))? as usize,
+            swa: sliding_window(f, arch, &key)?,
         })
+    }
+
+    /// The sliding window of layer `l`, if it slides.
+    pub fn window_of(&self, l: usize) -> Option<usize> {
+        self.swa.filter(|s| s.slides(l)).map(|s| s.window)
     }
 
     /// Width of the attention's output (all query heads), the input of `attn_output`.
@@ -186,6 +225,51 @@ fn head_dim(
     )
 }
 
+/// Gemma 3's sliding window (the only architecture here that applies one: llama.cpp too ignores
+/// the key for Llama, Mistral and Phi-3 files). Final-logit soft-capping (Gemma 2's) is refused.
+fn sliding_window(
+    f: &GgufFile,
+    arch: Architecture,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<SlidingWindow>> {
+    let num = |k: &str| f.get(&key(k)).and_then(crate::gguf::value_as_u64);
+    if let Some(cap) = f.get(&key("final_logit_softcapping")) {
+        if !matches!(cap, candle_core::quantized::gguf_file::Value::F32(x) if *x == 0.0) {
+            return Err(EngineError::Unsupported {
+                path: f.path().to_path_buf(),
+                reason: format!(
+                    "final-logit soft-capping (`{}`)",
+                    key("final_logit_softcapping")
+                ),
+            });
+        }
+    }
+    if arch != Architecture::Gemma3 {
+        return Ok(None);
+    }
+    let window = match num("attention.sliding_window") {
+        Some(w) if w > 0 => w as usize,
+        _ => return Ok(None),
+    };
+    let rope_theta = match f.get(&key("rope.freq_base_swa")) {
+        Some(_) => f.float(&key("rope.freq_base_swa"))?,
+        None => 10_000.0,
+    };
+    let pattern_key = key("attention.sliding_window_pattern");
+    let pattern = match f.get(&pattern_key) {
+        None => 6,
+        Some(v) => crate::gguf::value_as_u64(v).ok_or_else(|| EngineError::Unsupported {
+            path: f.path().to_path_buf(),
+            reason: format!("a per-layer sliding-window pattern (`{pattern_key}` as a list)"),
+        })? as usize,
+    };
+    Ok(Some(SlidingWindow {
+        window,
+        pattern,
+        rope_theta,
+    }))
+}
+
 /// Refuses RoPE scaling declared in the metadata (linear, yarn: not implemented). Llama 3.x's
 /// scaling comes as frequency factors beside the weights instead, which the model applies.
 fn refuse_rope_scaling(f: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<()> {
@@ -216,7 +300,10 @@ mod tests {
             assert_eq!(Architecture::parse(a.as_str()), Some(a));
             assert!(Architecture::supported().contains(a.as_str()));
         }
-        assert_eq!(Architecture::parse("gemma3"), None);
-        assert_eq!(Architecture::supported(), "qwen2, llama, qwen3, phi3");
+        assert_eq!(Architecture::parse("gemma2"), None);
+        assert_eq!(
+            Architecture::supported(),
+            "qwen2, llama, qwen3, phi3, gemma3"
+        );
     }
 }

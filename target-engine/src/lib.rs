@@ -1,4 +1,4 @@
-//! The target engine: GGUF loading (qwen2, llama, qwen3, phi3), a tokenizer built from the file's own
+//! The target engine: GGUF loading (qwen2, llama, qwen3, phi3, gemma3), a tokenizer built from the file's own
 //! metadata, and a transformer forward pass written over candle ops.
 //!
 //! The one design choice a reader must know: the model holds no cache. [`Model::forward`] takes
@@ -30,7 +30,7 @@ pub mod view;
 /// Weight formats, for [`LoadOptions::requantize`].
 pub use candle_core::quantized::GgmlDType;
 pub use chat::{ChatFormat, ChatSource};
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, SlidingWindow};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
     chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,

@@ -14,7 +14,7 @@
 //! it. See docs/performance.md.
 
 use crate::chat::ChatFormat;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::kv::KvCache;
@@ -199,9 +199,18 @@ fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Re
         let (q_norm, k_norm) = (head_norm("attn_q_norm")?, head_norm("attn_k_norm")?);
         let [wq, wk, wv] = load_qkv(f, &p, config, opts)?;
         let [gate, up] = load_gate_up(f, &p, config, opts)?;
+        let post = |f: &mut GgufFile, name: &str| -> Result<Option<Tensor>> {
+            if config.arch == Architecture::Gemma3 {
+                Ok(Some(load_norm(f, &format!("{p}.{name}.weight"))?))
+            } else {
+                Ok(None)
+            }
+        };
         layers.push(Layer {
             q_norm,
             k_norm,
+            post_attn_norm: post(f, "post_attention_norm")?,
+            post_ffn_norm: post(f, "post_ffw_norm")?,
             attn_norm: load_norm(f, &format!("{p}.attn_norm.weight"))?,
             wq,
             wk,
@@ -217,13 +226,16 @@ fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Re
 }
 
 /// The rotary embedding the file declares, with Llama 3.x's long-context scaling where the
-/// file carries its per-pair frequency factors (`rope_freqs.weight`).
-fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<Rope> {
-    let rope = Rope::new(
-        config.arch.rope_variant(),
-        config.head_dim,
-        config.rope_theta,
-    )?;
+/// file carries its per-pair frequency factors (`rope_freqs.weight`); and the sliding layers'
+/// own, where the model has such layers.
+fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<(Rope, Option<Rope>)> {
+    let new = |base: f64| Rope::new(config.arch.rope_variant(), config.head_dim, base);
+    let swa = config.swa.map(|s| new(s.rope_theta)).transpose()?;
+    Ok((global_rope(f, new(config.rope_theta)?)?, swa))
+}
+
+/// `rope` with the frequency factors the file carries, if any.
+fn global_rope(f: &mut GgufFile, rope: Rope) -> Result<Rope> {
     if ["rope_factors_long.weight", "rope_factors_short.weight"]
         .iter()
         .any(|t| f.has_tensor(t))
@@ -561,6 +573,9 @@ struct Layer {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     attn_norm: Tensor,
+    /// Norms of the attention's and the FFN's outputs before the residual add (Gemma 3).
+    post_attn_norm: Option<Tensor>,
+    post_ffn_norm: Option<Tensor>,
     wq: Linear,
     wk: Linear,
     wv: Linear,
@@ -665,6 +680,8 @@ pub struct Model {
     numerics: String,
     path: PathBuf,
     rope: Rope,
+    /// The sliding layers' RoPE (their own base), where the model has such layers.
+    rope_swa: Option<Rope>,
     embed: Arc<Quant>,
     layers: Vec<Layer>,
     output_norm: Tensor,
@@ -698,9 +715,9 @@ impl Model {
         let mut f = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&f)?;
         let tokenizer = Tokenizer::from_gguf(&f)?;
-        let chat = ChatFormat::for_tokenizer(&tokenizer, f.chat_template());
+        let chat = ChatFormat::for_tokenizer(&tokenizer, f.chat_template(), config.arch);
         let file_fingerprint = f.fingerprint();
-        let rope = load_rope(&mut f, &config)?;
+        let (rope, rope_swa) = load_rope(&mut f, &config)?;
         let layers = load_layers(&mut f, &config, opts)?;
         let (embed, lm_head) = load_embeddings(&mut f, opts)?;
         let output_norm = load_norm(&mut f, "output_norm.weight")?;
@@ -749,6 +766,7 @@ impl Model {
             numerics,
             path: path.to_path_buf(),
             rope,
+            rope_swa,
             embed,
             layers,
             output_norm,
@@ -786,10 +804,9 @@ impl Model {
             .flatten_all()?
             .to_vec1::<f32>()?;
         head_rms_norm(&mut k, layer.k_norm.as_deref(), c.rms_eps);
-        let table = self
-            .rope
-            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
-        self.rope.apply(&table, &mut k, c.n_kv_head)?;
+        let rope = self.rope_at(0);
+        let table = rope.table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        rope.apply(&table, &mut k, c.n_kv_head)?;
         Ok(k)
     }
 
@@ -805,7 +822,7 @@ impl Model {
             .iter()
             .map(|&x| half::f16::from_f32(x).to_f32())
             .collect();
-        self.rope
+        self.rope_at(0)
             .rotate_by(&mut got, self.config.n_kv_head, &[1000; 4])?;
         let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
         let err = got
@@ -876,9 +893,17 @@ impl Model {
         &self.path
     }
 
-    /// The model's rotary embedding.
+    /// The model's rotary embedding (of its layers that attend to everything).
     pub fn rope(&self) -> &Rope {
         &self.rope
+    }
+
+    /// Layer `l`'s rotary embedding: a sliding layer's has its own base (Gemma 3).
+    pub fn rope_at(&self, l: usize) -> &Rope {
+        match &self.rope_swa {
+            Some(r) if self.config.window_of(l).is_some() => r,
+            _ => &self.rope,
+        }
     }
 
     /// A fresh, empty cache for this model.
@@ -914,7 +939,11 @@ impl Model {
         if ids.is_empty() {
             return Err(EngineError::InvalidInput("no token ids".into()));
         }
-        self.embed.lookup(ids)
+        let x = self.embed.lookup(ids)?;
+        if self.config.arch == Architecture::Gemma3 {
+            return Ok((x * f64::from((self.config.n_embd as f32).sqrt()))?);
+        }
+        Ok(x)
     }
 
     /// Layer `layer`'s keys (and with `queries` its queries) of tokens `ids` at `positions`,
@@ -945,13 +974,12 @@ impl Model {
         }
         let h = rms_norm(&self.embed(ids)?, &l.attn_norm, self.config.rms_eps)?;
         let dense = self.has_dense && ids.len() >= self.dense_min_rows;
-        let table = self
-            .rope
-            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        let rope = self.rope_at(layer);
+        let table = rope.table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
         let rotated = |lin: &Linear, norm: Option<&[f32]>, heads: usize| -> Result<Vec<f32>> {
             let mut x = lin.forward(&h, dense)?.flatten_all()?.to_vec1::<f32>()?;
             head_rms_norm(&mut x, norm, self.config.rms_eps);
-            self.rope.apply(&table, &mut x, heads)?;
+            rope.apply(&table, &mut x, heads)?;
             Ok(x)
         };
         let k = rotated(&l.wk, l.k_norm.as_deref(), self.config.n_kv_head)?;
@@ -1133,6 +1161,78 @@ impl Model {
             mut view,
         } = pass;
         let c = &self.config;
+        let n = self.check_pass(&x, positions, cache, &layers)?;
+        cache.prepare(positions)?;
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        let dense = allow_dense && self.has_dense && n >= self.dense_min_rows;
+        let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let table = self.rope.table(&angles);
+        let table_swa = self.rope_swa.as_ref().map(|r| r.table(&angles));
+        let shape = shape_of(c);
+        let mut collected = Vec::new();
+        let finishes = layers.end == c.n_layer;
+        for l in layers {
+            crate::stop::check()?;
+            let layer = &self.layers[l];
+            let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
+            let qkv = Linear::forward_many(&[&layer.wq, &layer.wk, &layer.wv], &h, dense)?;
+            let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+            let (mut q, mut k, v) = (flat(&qkv[0])?, flat(&qkv[1])?, flat(&qkv[2])?);
+            head_rms_norm(&mut q, layer.q_norm.as_deref(), c.rms_eps);
+            head_rms_norm(&mut k, layer.k_norm.as_deref(), c.rms_eps);
+            let table = match &table_swa {
+                Some(t) if c.window_of(l).is_some() => t,
+                _ => &table,
+            };
+            self.rope_at(l).apply(table, &mut q, c.n_head)?;
+            self.rope_at(l).apply(table, &mut k, c.n_kv_head)?;
+            cache.write(l, positions, &k, &v);
+            if let Some((probe_layers, mass)) = probe.as_mut() {
+                if probe_layers.contains(&l) {
+                    let mut m =
+                        kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
+                    m.resize(rows, 0.0);
+                    mass.push(m);
+                }
+            }
+            let attn = if let Some(window) = c.window_of(l) {
+                // A sliding layer reads few keys: exact, whatever a drafter's view would read.
+                windowed_attention(&q, positions, cache, l, shape, window)?
+            } else if let Some(view) = view.as_mut() {
+                view.attend(l, &q, positions, cache, shape)?
+            } else if self.bf16_attention {
+                kernels::causal_attention_packed(&q, positions, cache.bf16(l, rows, shape))?
+            } else {
+                kernels::causal_attention(
+                    &q,
+                    positions,
+                    cache.k_prefix(l, rows),
+                    cache.v_prefix(l, rows),
+                    shape,
+                )?
+            };
+            let attn = Tensor::from_vec(attn, (n, c.q_width()), &Device::Cpu)?;
+            x = self.after_attention(layer, x, &attn, dense)?;
+            if collect_layers {
+                collected.push(x.clone());
+            }
+        }
+        if finishes {
+            cache.mark_filled(positions);
+        }
+        Ok((x, collected))
+    }
+
+    /// Refuses a pass whose rows, positions, layers or cache do not fit this model; returns the
+    /// number of rows.
+    fn check_pass(
+        &self,
+        x: &Tensor,
+        positions: &[usize],
+        cache: &KvCache,
+        layers: &std::ops::Range<usize>,
+    ) -> Result<usize> {
+        let c = &self.config;
         let (n, width) = x.dims2()?;
         if n == 0 || positions.len() != n || width != c.n_embd {
             return Err(EngineError::InvalidInput(format!(
@@ -1151,61 +1251,34 @@ impl Model {
                 "cache was made for another model".into(),
             ));
         }
-        cache.prepare(positions)?;
-        let rows = positions.iter().max().map_or(0, |&p| p + 1);
-        let dense = allow_dense && self.has_dense && n >= self.dense_min_rows;
-        let table = self
-            .rope
-            .table(&positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
-        let shape = shape_of(c);
-        let mut collected = Vec::new();
-        let finishes = layers.end == c.n_layer;
-        for l in layers {
-            crate::stop::check()?;
-            let layer = &self.layers[l];
-            let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
-            let qkv = Linear::forward_many(&[&layer.wq, &layer.wk, &layer.wv], &h, dense)?;
-            let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-            let (mut q, mut k, v) = (flat(&qkv[0])?, flat(&qkv[1])?, flat(&qkv[2])?);
-            head_rms_norm(&mut q, layer.q_norm.as_deref(), c.rms_eps);
-            head_rms_norm(&mut k, layer.k_norm.as_deref(), c.rms_eps);
-            self.rope.apply(&table, &mut q, c.n_head)?;
-            self.rope.apply(&table, &mut k, c.n_kv_head)?;
-            cache.write(l, positions, &k, &v);
-            if let Some((probe_layers, mass)) = probe.as_mut() {
-                if probe_layers.contains(&l) {
-                    let mut m =
-                        kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
-                    m.resize(rows, 0.0);
-                    mass.push(m);
-                }
+        Ok(n)
+    }
+
+    /// A layer after its attention: the output projection (normed first where the family
+    /// does, Gemma 3) added to the residual stream `x`, then the gated FFN the same way.
+    fn after_attention(
+        &self,
+        layer: &Layer,
+        x: Tensor,
+        attn: &Tensor,
+        dense: bool,
+    ) -> Result<Tensor> {
+        let eps = self.config.rms_eps;
+        let post = |y: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
+            match norm {
+                Some(w) => rms_norm(&y, w, eps),
+                None => Ok(y),
             }
-            let attn = if let Some(view) = view.as_mut() {
-                view.attend(l, &q, positions, cache, shape)?
-            } else if self.bf16_attention {
-                kernels::causal_attention_packed(&q, positions, cache.bf16(l, rows, shape))?
-            } else {
-                kernels::causal_attention(
-                    &q,
-                    positions,
-                    cache.k_prefix(l, rows),
-                    cache.v_prefix(l, rows),
-                    shape,
-                )?
-            };
-            let attn = Tensor::from_vec(attn, (n, c.q_width()), &Device::Cpu)?;
-            x = (x + layer.wo.forward(&attn, dense)?)?;
-            let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
-            let gu = Linear::forward_many(&[&layer.gate, &layer.up], &h, dense)?;
-            x = (&x + layer.down.forward(&swiglu(&gu[0], &gu[1])?, dense)?)?;
-            if collect_layers {
-                collected.push(x.clone());
-            }
-        }
-        if finishes {
-            cache.mark_filled(positions);
-        }
-        Ok((x, collected))
+        };
+        let x = (x + post(layer.wo.forward(attn, dense)?, &layer.post_attn_norm)?)?;
+        let h = rms_norm(&x, &layer.ffn_norm, eps)?;
+        let gu = Linear::forward_many(&[&layer.gate, &layer.up], &h, dense)?;
+        let act = if self.config.arch == Architecture::Gemma3 {
+            geglu(&gu[0], &gu[1])?
+        } else {
+            swiglu(&gu[0], &gu[1])?
+        };
+        Ok((&x + post(layer.down.forward(&act, dense)?, &layer.post_ffn_norm)?)?)
     }
 
     /// Final RMSNorm of residual-stream rows (what [`Model::logits`] expects).
@@ -1297,6 +1370,72 @@ fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
         }
     }
     Ok((g.silu()? * u)?)
+}
+
+/// `gelu(g) · u` with GELU's tanh approximation (as llama.cpp's GEGLU computes it).
+fn geglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let (gv, uv) = (
+        g.flatten_all()?.to_vec1::<f32>()?,
+        u.flatten_all()?.to_vec1::<f32>()?,
+    );
+    let out = gv
+        .iter()
+        .zip(&uv)
+        .map(|(&x, &y)| {
+            0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh()) * y
+        })
+        .collect();
+    Ok(Tensor::from_vec(out, g.dims(), &Device::Cpu)?)
+}
+
+/// Attention of layer `l` where a query at position p reads only keys `p - window + 1 ..= p`:
+/// rows whose window reaches back to position 0 in one call, each other row on its own slice
+/// of the cache (in parallel), every row exactly what causal attention over its window gives.
+fn windowed_attention(
+    q: &[f32],
+    positions: &[usize],
+    cache: &KvCache,
+    l: usize,
+    shape: AttentionShape,
+    window: usize,
+) -> Result<Vec<f32>> {
+    use rayon::prelude::*;
+    let qrow = shape.n_head * shape.head_dim;
+    let row = shape.n_kv_head * shape.head_dim;
+    let rows = positions.iter().max().map_or(0, |&p| p + 1);
+    let (k, v) = (cache.k_prefix(l, rows), cache.v_prefix(l, rows));
+    let mut out = vec![0f32; q.len()];
+    let near: Vec<usize> = (0..positions.len())
+        .filter(|&i| positions[i] < window)
+        .collect();
+    if !near.is_empty() {
+        let nq: Vec<f32> = near
+            .iter()
+            .flat_map(|&i| q[i * qrow..(i + 1) * qrow].iter().copied())
+            .collect();
+        let np: Vec<usize> = near.iter().map(|&i| positions[i]).collect();
+        let top = np.iter().max().map_or(0, |&p| p + 1);
+        let o = kernels::causal_attention(&nq, &np, &k[..top * row], &v[..top * row], shape)?;
+        for (j, &i) in near.iter().enumerate() {
+            out[i * qrow..(i + 1) * qrow].copy_from_slice(&o[j * qrow..(j + 1) * qrow]);
+        }
+    }
+    let far: Vec<(usize, Vec<f32>)> = (0..positions.len())
+        .into_par_iter()
+        .filter(|&i| positions[i] >= window)
+        .map(|i| {
+            let (p, lo) = (positions[i], positions[i] + 1 - window);
+            let ks = &k[lo * row..(p + 1) * row];
+            let vs = &v[lo * row..(p + 1) * row];
+            kernels::causal_attention(&q[i * qrow..(i + 1) * qrow], &[p - lo], ks, vs, shape)
+                .map(|o| (i, o))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    for (i, o) in far {
+        out[i * qrow..(i + 1) * qrow].copy_from_slice(&o);
+    }
+    Ok(out)
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.

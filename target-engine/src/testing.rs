@@ -94,6 +94,18 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     llama.seed = 5;
     let mut phi3 = with_head(Architecture::Phi3);
     phi3.seed = 13;
+    // Gemma 3 with a window of 8 on its first layer, the second attending to everything.
+    let mut gemma3 = with_head(Architecture::Gemma3);
+    gemma3.sentencepiece = true;
+    gemma3.head_dim = Some(32);
+    gemma3.seed = 19;
+    gemma3.extra = vec![
+        ("gemma3.attention.sliding_window".into(), Value::U32(8)),
+        (
+            "gemma3.attention.sliding_window_pattern".into(),
+            Value::U32(2),
+        ),
+    ];
     let mut spm = with_head(Architecture::Llama);
     spm.sentencepiece = true;
     spm.seed = 17;
@@ -104,6 +116,7 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
         ("tiny-llama3", llama3),
         ("tiny-phi3", phi3),
         ("tiny-llama-spm", spm),
+        ("tiny-gemma3", gemma3),
     ]
 }
 
@@ -228,7 +241,7 @@ fn bpe_vocab(spec: &TinySpec) -> Vocab {
     meta.push(("tokenizer.ggml.model".into(), s("gpt2")));
     let pre = spec.pre.unwrap_or(match spec.arch {
         Architecture::Qwen2 | Architecture::Qwen3 => "qwen2",
-        Architecture::Llama | Architecture::Phi3 => "smollm",
+        Architecture::Llama | Architecture::Phi3 | Architecture::Gemma3 => "smollm",
     });
     meta.push(("tokenizer.ggml.pre".into(), s(pre)));
     let merges: Vec<String> = merges.iter().map(|m| m.to_string()).collect();
@@ -268,7 +281,15 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         (format!("{a}.feed_forward_length"), u(spec.n_ff)),
         (format!("{a}.attention.head_count"), u(spec.n_head)),
         (format!("{a}.attention.head_count_kv"), u(spec.n_kv_head)),
-        (format!("{a}.rope.freq_base"), Value::F32(10_000.0)),
+        (
+            format!("{a}.rope.freq_base"),
+            // Gemma 3's global layers use a base of their own (the sliding ones 10000).
+            Value::F32(if spec.arch == Architecture::Gemma3 {
+                1_000_000.0
+            } else {
+                10_000.0
+            }),
+        ),
         (
             format!("{a}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-6),
@@ -349,6 +370,14 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             };
             let scale = sharp / (inp as f32).sqrt();
             tensors.push((format!("{p}.{name}.weight"), q8(rand((out, inp), scale)?)?));
+        }
+        if spec.arch == Architecture::Gemma3 {
+            for name in ["post_attention_norm", "post_ffw_norm"] {
+                tensors.push((
+                    format!("{p}.{name}.weight"),
+                    f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+                ));
+            }
         }
         if spec.arch.qk_norm() {
             for name in ["attn_q_norm", "attn_k_norm"] {

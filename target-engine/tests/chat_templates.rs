@@ -180,6 +180,32 @@ fn a_file_without_a_usable_template_is_prompted_in_chatml() {
     assert!(t.elapsed().as_secs() < 20, "{:?}", t.elapsed());
 }
 
+/// A Gemma 3 file without a template (Gemma 3 270M's GGUF has none) is prompted in Gemma's
+/// turns, as Gemma 3's own template would write them, not in ChatML.
+#[test]
+fn a_gemma3_file_without_a_template_gets_gemmas_turns() {
+    let (_, spec) = target_engine::testing::family_specs()
+        .into_iter()
+        .find(|(n, _)| *n == "tiny-gemma3")
+        .expect("gemma3 spec");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &spec).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
+    assert_eq!(m.chat().source, ChatSource::Family("gemma"));
+    let t = RagTemplate::for_model(&m);
+    let asm = t.assemble(m.tokenizer(), &DOCS, "where is the antenna?");
+    let user = "Document: the ant ran in the sand\n\nDocument: the antenna is in the attic\n\nQuestion: where is the antenna?";
+    let want = render(
+        GEMMA3,
+        vec![
+            context! { role => "system", content => t.system.clone() },
+            context! { role => "user", content => user },
+        ],
+    );
+    assert_eq!(asm.text, want);
+}
+
 mod common;
 
 /// The default models carry templates that render ChatML exactly: their RAG prompts, prefixes

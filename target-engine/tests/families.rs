@@ -134,10 +134,11 @@ fn every_family_matches_llama_cpp_on_its_tiny_model() {
     }
 }
 
-/// The oracle sees the factors: the same weights without Llama 3's RoPE factors no longer give
-/// llama.cpp's logits (the prompts are long enough for the slowed pairs to matter).
+/// The oracle sees each family's own part: the same weights without Llama 3's RoPE factors, or
+/// Gemma 3's without its sliding window, no longer give llama.cpp's logits (the prompts are
+/// long enough for the slowed pairs and the window to matter).
 #[test]
-fn llama3_logits_need_the_rope_factors() {
+fn the_oracle_sees_each_familys_own_part() {
     let fixtures = common::fixture_lines("families.jsonl");
     let specs = family_specs();
     let first_logit_error = |name: &str, spec: &TinySpec| -> f32 {
@@ -153,19 +154,25 @@ fn llama3_logits_need_the_rope_factors() {
         }
         worst
     };
-    let (_, llama3) = specs
-        .iter()
-        .find(|(n, _)| *n == "tiny-llama3")
-        .expect("llama3");
-    let with = first_logit_error("tiny-llama3", llama3);
-    let mut plain = llama3.clone();
+    let spec = |name: &str| {
+        specs
+            .iter()
+            .find(|(n, _)| *n == name)
+            .expect(name)
+            .1
+            .clone()
+    };
+    let mut plain = spec("tiny-llama3");
     plain.rope_freqs = None;
-    let without = first_logit_error("tiny-llama3", &plain);
-    eprintln!(
-        "first-token logits from llama.cpp's: {with:.4} with the factors, {without:.4} without"
-    );
-    assert!(
-        with < LOGIT && without > 4.0 * LOGIT,
-        "without RoPE factors {without}, with {with}"
-    );
+    let mut unwindowed = spec("tiny-gemma3");
+    unwindowed.extra.clear();
+    for (name, changed) in [("tiny-llama3", plain), ("tiny-gemma3", unwindowed)] {
+        let with = first_logit_error(name, &spec(name));
+        let without = first_logit_error(name, &changed);
+        eprintln!("{name}: first-token logits from llama.cpp's: {with:.4} as written, {without:.4} without its own part");
+        assert!(
+            with < LOGIT && without > 4.0 * LOGIT,
+            "{name}: without {without}, with {with}"
+        );
+    }
 }

@@ -855,6 +855,7 @@ mod tests {
             rope_theta: 0.0,
             rms_eps: 0.0,
             context_length: 32_768,
+            swa: None,
         };
         let target = shape(28, 2, 128);
         let base = SpeContextConfig::default();

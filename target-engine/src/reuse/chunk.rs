@@ -184,7 +184,8 @@ impl Precompute for Model {
                     "chunk KV layer {l} has a wrong row count"
                 )));
             }
-            self.rope().rotate_by(&mut k_rows, c.n_kv_head, &deltas)?;
+            self.rope_at(l)
+                .rotate_by(&mut k_rows, c.n_kv_head, &deltas)?;
             cache.place_rows(l, &positions, &k_rows, &v_rows);
         }
         cache.mark_filled(&positions);
