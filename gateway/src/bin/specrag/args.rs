@@ -501,6 +501,10 @@ pub enum ModelsCmd {
         /// --pairing small then).
         #[arg(long)]
         skip_large: bool,
+        /// Fetch only this model: a default one or another family's (`gemma3-270m`: Gemma 3
+        /// 270M Q4_K_M, run it with --target models/gemma-3-270m-q4_k_m.gguf).
+        #[arg(long, value_name = "NAME")]
+        model: Option<String>,
     },
     /// List the default models and whether they are present.
     List,

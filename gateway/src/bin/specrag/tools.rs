@@ -3,7 +3,7 @@
 
 use crate::args::{GenerateArgs, ModelArgs, TokenizeArgs};
 use gateway::cli::load_target;
-use gateway::models::{self, Role, DEFAULT_MODELS};
+use gateway::models::{self, Role, DEFAULT_MODELS, OTHER_MODELS};
 use serde_json::json;
 use std::path::Path;
 use target_engine::prelude::*;
@@ -31,13 +31,14 @@ fn uses(role: Role) -> &'static str {
         Role::LargeTarget => "target (default pairing)",
         Role::Target => "speculator (default), target (--pairing small)",
         Role::Speculator => "speculator (--pairing small)",
+        Role::Other => "another family (--target; fetch --model)",
     }
 }
 
 /// `specrag models list`.
 pub fn list_models() -> anyhow::Result<()> {
     let dir = models::models_dir();
-    for m in &DEFAULT_MODELS {
+    for m in DEFAULT_MODELS.iter().chain(OTHER_MODELS.iter()) {
         let p = dir.join(m.file);
         let state = if p.is_file() {
             "present"
@@ -55,7 +56,7 @@ pub fn list_models() -> anyhow::Result<()> {
     }
     println!(
         "\nAny GGUF file of these architectures runs (--target / --speculator): {}; prompts use \
-         the file's own chat template (ChatML when it has none).",
+         the file's own chat template (without one: Gemma's turns for gemma3, ChatML otherwise).",
         target_engine::Architecture::supported()
     );
     Ok(())
