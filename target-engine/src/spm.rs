@@ -4,7 +4,6 @@
 //! merged (the leftmost among equal scores) until none is; a symbol that is no token is written
 //! as its bytes (`<0xXX>` tokens). Offsets stay those of the original text.
 
-use crate::tokenizer::Encoding;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -62,9 +61,16 @@ impl PartialOrd for Bigram {
 const NONE: usize = usize::MAX;
 
 impl Spm {
-    /// Tokenizes `text[s..e]`, appending ids and byte offsets; `prefix` puts a space before it
-    /// (an empty range in the offsets).
-    pub fn encode(&self, text: &str, s: usize, e: usize, prefix: bool, out: &mut Encoding) {
+    /// Tokenizes `text[s..e]`, appending to `ids` and their byte `offsets`; `prefix` puts a
+    /// space before it (an empty range in the offsets).
+    pub fn encode(
+        &self,
+        text: &str,
+        (s, e): (usize, usize),
+        prefix: bool,
+        ids: &mut Vec<u32>,
+        offsets: &mut Vec<(usize, usize)>,
+    ) {
         let mut syms: Vec<Symbol> = Vec::with_capacity(e - s + 1);
         let mut push = |start: usize, end: usize, t: &str| {
             let i = syms.len();
@@ -117,17 +123,17 @@ impl Spm {
         while i != NONE {
             let sym = &syms[i];
             if let Some(&id) = self.lookup.get(&sym.text) {
-                out.ids.push(id);
-                out.offsets.push((sym.start, sym.end));
+                ids.push(id);
+                offsets.push((sym.start, sym.end));
             } else {
                 // No token: the bytes of its (escaped) text, as llama.cpp writes them, each
                 // placed at its byte of the original text where it has one.
                 for (k, b) in sym.text.bytes().enumerate() {
                     let id = self.byte_token[b as usize];
                     if id != u32::MAX {
-                        out.ids.push(id);
+                        ids.push(id);
                         let at = (sym.start + k).min(sym.end);
-                        out.offsets.push((at, (at + 1).min(sym.end)));
+                        offsets.push((at, (at + 1).min(sym.end)));
                     }
                 }
             }

@@ -460,7 +460,9 @@ impl Tokenizer {
                 }
                 Fragment::Text(s, e) => {
                     match &self.spm {
-                        Some(spm) => spm.encode(text, s, e, after_special, &mut out),
+                        Some(spm) => {
+                            spm.encode(text, (s, e), after_special, &mut out.ids, &mut out.offsets)
+                        }
                         None => self.encode_plain(text, s, e, &mut out),
                     }
                     after_special = false;
