@@ -43,6 +43,16 @@ impl RopeTable {
     pub fn is_empty(&self) -> bool {
         self.cos.is_empty()
     }
+
+    /// Cosines, `(positions, head_dim / 2)` row-major (a device uploads them).
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// Sines, laid out as [`RopeTable::cos`].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
 }
 
 impl Rope {

@@ -16,6 +16,7 @@
 pub mod chat;
 pub mod config;
 pub mod decode;
+pub mod device;
 pub mod error;
 pub mod gguf;
 pub mod kv;

@@ -228,7 +228,7 @@ fn load_layers(f: &mut GgufFile, config: &ModelConfig, opts: &LoadOptions) -> Re
 /// The rotary embedding the file declares, with Llama 3.x's long-context scaling where the
 /// file carries its per-pair frequency factors (`rope_freqs.weight`); and the sliding layers'
 /// own, where the model has such layers.
-fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<(Rope, Option<Rope>)> {
+pub(crate) fn load_rope(f: &mut GgufFile, config: &ModelConfig) -> Result<(Rope, Option<Rope>)> {
     let new = |base: f64| Rope::new(config.arch.rope_variant(), config.head_dim, base);
     let swa = config.swa.map(|s| new(s.rope_theta)).transpose()?;
     Ok((global_rope(f, new(config.rope_theta)?)?, swa))
@@ -1439,7 +1439,7 @@ fn windowed_attention(
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)

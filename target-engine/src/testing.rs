@@ -44,6 +44,10 @@ pub struct TinySpec {
     pub sentencepiece: bool,
     /// Extra metadata entries (to test rejection of unsupported files).
     pub extra: Vec<(String, Value)>,
+    /// A model of a real shape: the embedding and LM head get this many rows (a real
+    /// vocabulary; the tiny tokenizer uses the first few), and every matrix is written as
+    /// random Q8_0 blocks generated in parallel, so a 7B shape takes seconds, not minutes.
+    pub real_vocab: Option<usize>,
 }
 
 impl TinySpec {
@@ -65,7 +69,93 @@ impl TinySpec {
             qk_scale: 1.0,
             sentencepiece: false,
             extra: Vec::new(),
+            real_vocab: None,
         }
+    }
+
+    /// A random-weight model of a real Qwen2.5 shape (`0.5b`, `1.5b`, `7b`), or of a small
+    /// shape of the same build (`small`: 4 layers, 256 wide, a 4096-row vocabulary) for a
+    /// quick run on a CPU; `None` for another name.
+    pub fn qwen2_shape(name: &str) -> Option<Self> {
+        // (layers, width, heads, kv heads, ffn, vocabulary rows) of the Hugging Face configs.
+        let (n_layer, n_embd, n_head, n_kv_head, n_ff, vocab) = match name {
+            "small" => (4, 256, 4, 2, 768, 4096),
+            "0.5b" => (24, 896, 14, 2, 4864, 151_936),
+            "1.5b" => (28, 1536, 12, 2, 8960, 151_936),
+            "7b" => (28, 3584, 28, 4, 18944, 152_064),
+            _ => return None,
+        };
+        Some(Self {
+            n_layer,
+            n_embd,
+            n_head,
+            n_kv_head,
+            n_ff,
+            output_head: true,
+            real_vocab: Some(vocab),
+            ..Self::new(Architecture::Qwen2)
+        })
+    }
+}
+
+/// Random weights for [`write_tiny_gguf`]: one SplitMix64 stream for everything (tiny
+/// models, whose bytes the llama.cpp fixtures pin), or, for real shapes, matrices as Q8_0
+/// blocks drawn in parallel from their own streams.
+struct Draw {
+    seed: u64,
+    fast: bool,
+    matrices: u64,
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Draw {
+    /// Uniform values in `[-scale, scale)` from the shared stream.
+    fn values(&mut self, shape: (usize, usize), scale: f32) -> Result<Tensor> {
+        let v = (0..shape.0 * shape.1)
+            .map(|_| {
+                ((splitmix(&mut self.seed) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect();
+        Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// A Q8_0 matrix of uniform values in `[-scale, scale]`.
+    fn matrix(&mut self, shape: (usize, usize), scale: f32) -> Result<QTensor> {
+        if !self.fast {
+            return Ok(QTensor::quantize(
+                &self.values(shape, scale)?,
+                GgmlDType::Q8_0,
+            )?);
+        }
+        use rayon::prelude::*;
+        self.matrices += 1;
+        let stream = self.seed ^ self.matrices.wrapping_mul(0xD1B5_4A32_D192_ED03);
+        let blocks = shape.0 * shape.1 / 32;
+        let d = half::f16::from_f32(scale / 127.0).to_le_bytes();
+        let mut bytes = vec![0u8; blocks * 34];
+        bytes.par_chunks_mut(34).enumerate().for_each(|(b, block)| {
+            let mut state = stream ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            block[..2].copy_from_slice(&d);
+            for quad in block[2..].chunks_mut(8) {
+                let r = splitmix(&mut state).to_le_bytes();
+                for (q, x) in quad.iter_mut().zip(r) {
+                    *q = ((i32::from(x) % 255) - 127) as i8 as u8;
+                }
+            }
+        });
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &Device::Cpu,
+            GgmlDType::Q8_0,
+        )?;
+        Ok(QTensor::new(storage, shape)?)
     }
 }
 
@@ -304,31 +394,21 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     }
     meta.extend(spec.extra.iter().cloned());
 
-    let mut seed = spec.seed;
-    let mut rand = |shape: (usize, usize), scale: f32| -> Result<Tensor> {
-        // SplitMix64: deterministic without depending on a random-number crate's stream.
-        let n = shape.0 * shape.1;
-        let mut v = Vec::with_capacity(n);
-        for _ in 0..n {
-            seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = seed;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            v.push(((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale);
-        }
-        Ok(Tensor::from_vec(v, shape, &dev)?)
+    let mut draw = Draw {
+        seed: spec.seed,
+        fast: spec.real_vocab.is_some(),
+        matrices: 0,
     };
+    let rows = spec.real_vocab.unwrap_or(vocab).max(vocab);
     let (e, f) = (spec.n_embd, spec.n_ff);
     let hd = spec.head_dim.unwrap_or(spec.n_embd / spec.n_head);
     let (qw, kv) = (spec.n_head * hd, spec.n_kv_head * hd);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0);
     let f32q = |t: Tensor| QTensor::quantize(&t, GgmlDType::F32);
-    tensors.push(("token_embd.weight".into(), q8(rand((vocab, e), 1.0)?)?));
+    tensors.push(("token_embd.weight".into(), draw.matrix((rows, e), 1.0)?));
     tensors.push((
         "output_norm.weight".into(),
-        f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+        f32q((draw.values((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
     ));
     if let Some(factors) = &spec.rope_freqs {
         let n = factors.len();
@@ -336,7 +416,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         tensors.push(("rope_freqs.weight".into(), f32q(t)?));
     }
     if spec.output_head {
-        let head = q8(rand((vocab, e), 4.0 / (e as f32).sqrt())?)?;
+        let head = draw.matrix((rows, e), 4.0 / (e as f32).sqrt())?;
         tensors.push(("output.weight".into(), head));
     }
     let ws = 1.0 / (e as f32).sqrt();
@@ -344,11 +424,11 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         let p = format!("blk.{l}");
         tensors.push((
             format!("{p}.attn_norm.weight"),
-            f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+            f32q((draw.values((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
         ));
         tensors.push((
             format!("{p}.ffn_norm.weight"),
-            f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+            f32q((draw.values((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
         ));
         let fused = spec.arch == Architecture::Phi3;
         // Phi-3 keeps Q, K and V in one matrix (in that order) and gate and up in another.
@@ -369,13 +449,16 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
                 1.0
             };
             let scale = sharp / (inp as f32).sqrt();
-            tensors.push((format!("{p}.{name}.weight"), q8(rand((out, inp), scale)?)?));
+            tensors.push((
+                format!("{p}.{name}.weight"),
+                draw.matrix((out, inp), scale)?,
+            ));
         }
         if spec.arch == Architecture::Gemma3 {
             for name in ["post_attention_norm", "post_ffw_norm"] {
                 tensors.push((
                     format!("{p}.{name}.weight"),
-                    f32q((rand((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
+                    f32q((draw.values((1, e), 0.1)? + 1.0)?.squeeze(0)?)?,
                 ));
             }
         }
@@ -383,7 +466,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             for name in ["attn_q_norm", "attn_k_norm"] {
                 tensors.push((
                     format!("{p}.{name}.weight"),
-                    f32q((rand((1, hd), 0.1)? + 1.0)?.squeeze(0)?)?,
+                    f32q((draw.values((1, hd), 0.1)? + 1.0)?.squeeze(0)?)?,
                 ));
             }
         }
@@ -391,19 +474,19 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             for (name, out) in [("attn_q", qw), ("attn_k", kv), ("attn_v", kv)] {
                 tensors.push((
                     format!("{p}.{name}.bias"),
-                    f32q(rand((1, out), 0.1)?.squeeze(0)?)?,
+                    f32q(draw.values((1, out), 0.1)?.squeeze(0)?)?,
                 ));
             }
         }
         if fused {
-            tensors.push((format!("{p}.ffn_up.weight"), q8(rand((2 * f, e), ws)?)?));
+            tensors.push((format!("{p}.ffn_up.weight"), draw.matrix((2 * f, e), ws)?));
         } else {
-            tensors.push((format!("{p}.ffn_gate.weight"), q8(rand((f, e), ws)?)?));
-            tensors.push((format!("{p}.ffn_up.weight"), q8(rand((f, e), ws)?)?));
+            tensors.push((format!("{p}.ffn_gate.weight"), draw.matrix((f, e), ws)?));
+            tensors.push((format!("{p}.ffn_up.weight"), draw.matrix((f, e), ws)?));
         }
         tensors.push((
             format!("{p}.ffn_down.weight"),
-            q8(rand((e, f), 1.0 / (f as f32).sqrt())?)?,
+            draw.matrix((e, f), 1.0 / (f as f32).sqrt())?,
         ));
     }
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();

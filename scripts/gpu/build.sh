@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Builds specrag's CUDA binaries on a machine without a GPU or a CUDA install, from PyPI's
+# CUDA 13.0 wheels, and packs them for the GPU machine (docs/gpu.md).
+#
+#   scripts/gpu/build.sh            # build and pack into target/gpu-pack (about 1 h cold on 2 cores)
+#   scripts/gpu/build.sh --check    # only `cargo check --features cuda` (what CI runs)
+#
+# What it does, and why:
+# - installs nvcc, ptxas, fatbinary, cicc, the CUDA runtime headers and CCCL from the pinned
+#   wheel set `cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]==13.0.2` (~100 MB) into
+#   $SPECRAG_CACHE/gpu/cuda. 13.0 on purpose: the GPU machines run driver 580 (CUDA 13.0), and
+#   PTX from a newer toolkit does not load there. candle-kernels runs nvcc at build time;
+#   CUDA_COMPUTE_CAP=90 makes it build for sm_90a (H100/H200) without asking nvidia-smi.
+# - builds from a copy of this checkout (in $SPECRAG_CACHE/gpu/src) whose Cargo.toml patches
+#   candle-core to load the CUDA driver, cuBLAS, cuRAND and NVRTC at run time (cudarc's
+#   `dynamic-loading`) instead of linking them (candle forces `dynamic-linking`, which needs
+#   libcuda and cuBLAS on the build machine). The GPU machine has them (the driver, and
+#   PyTorch's CUDA 13 libraries); check.sh points the loader at them. Only libcudart is linked
+#   here (candle-kernels' static kernels need it), from the runtime wheel. The copy keeps the
+#   patch, and the Cargo.lock it rewrites, out of the checkout.
+# - packs the stripped `gpu_check` binary, check.sh and the wheel's libcudart into one folder
+#   ($SPECRAG_GPU_PACK, default target/gpu-pack), compressed to fit a 64 MiB transfer.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT="$PWD"
+MODE="${1:-build}"
+CACHE="${SPECRAG_CACHE:-$HOME/.cache/specrag}"
+GPU="$CACHE/gpu"
+CUDA="$GPU/cuda/nvidia/cu13"
+PACK="${SPECRAG_GPU_PACK:-$ROOT/target/gpu-pack}"
+mkdir -p "$GPU"
+
+log() { echo "[gpu-build $(date +%H:%M:%S)] $*"; }
+
+if [ ! -x "$CUDA/bin/nvcc" ]; then
+    log "installing the CUDA 13.0 build wheels into $GPU/cuda"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$GPU/wheels" \
+        "cuda-toolkit==13.0.2" "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
+        "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85"
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$GPU/cuda" \
+        "$GPU"/wheels/*.whl
+fi
+# The runtime wheel ships only the versioned name; the linker asks for libcudart.so.
+ln -sf libcudart.so.13 "$CUDA/lib/libcudart.so"
+"$CUDA/bin/nvcc" --version | tail -1
+
+log "copying the checkout to $GPU/src"
+rm -rf "$GPU/src" && mkdir -p "$GPU/src"
+# Tracked and untracked-but-not-ignored files (what a build of this checkout sees), with their
+# modification times, so cargo rebuilds only what changed since the last copy.
+git ls-files -z --cached --others --exclude-standard \
+    | grep -zv -E '^(models/|eval/data/)' \
+    | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+    | tar --null -T - -cf - | tar -xf - -C "$GPU/src"
+REG="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 | head -1)"
+if [ ! -f "$GPU/candle-core/Cargo.toml" ] || [ "$REG/Cargo.toml" -nt "$GPU/candle-core/Cargo.toml" ]; then
+    rm -rf "$GPU/candle-core"
+    cp -r "$REG" "$GPU/candle-core"
+    sed -i 's/"dynamic-linking",/"dynamic-loading",/' "$GPU/candle-core/Cargo.toml"
+fi
+grep -q '"dynamic-loading",' "$GPU/candle-core/Cargo.toml"
+cat >>"$GPU/src/Cargo.toml" <<EOF
+
+[patch.crates-io]
+candle-core = { path = "$GPU/candle-core" }
+EOF
+
+export PATH="$CUDA/bin:$PATH"
+export CUDA_ROOT="$CUDA" CUDA_PATH="$CUDA" CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000
+export LIBRARY_PATH="$CUDA/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+export CARGO_TARGET_DIR="$GPU/target"
+cd "$GPU/src"
+if [ "$MODE" = "--deps" ]; then
+    log "cargo build --release -p kernels --features cuda (the CUDA dependencies alone)"
+    cargo build --release -p kernels --features cuda
+    exit 0
+fi
+if [ "$MODE" = "--check" ]; then
+    log "cargo check --release --features cuda (target-engine, its GPU check)"
+    cargo check --release -p target-engine --features cuda --example gpu_check
+    exit 0
+fi
+log "cargo build --release --features cuda --example gpu_check"
+cargo build --release -p target-engine --features cuda --example gpu_check
+rm -rf "$PACK" && mkdir -p "$PACK"
+strip -o "$PACK/gpu_check" "$CARGO_TARGET_DIR/release/examples/gpu_check"
+cp "$ROOT/scripts/gpu/check.sh" "$PACK/"
+cp "$CUDA/lib/libcudart.so.13" "$PACK/"
+# Compressed: the transfer to the GPU machine carries at most 64 MiB.
+(cd "$PACK" && xz -T0 -6 gpu_check libcudart.so.13)
+du -sh "$PACK" "$PACK"/*
+log "packed into $PACK: carry it to the GPU machine and run check.sh there (docs/gpu.md)"

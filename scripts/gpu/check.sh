@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the folder scripts/gpu/build.sh packed (docs/gpu.md):
+#
+#   bash target/gpu-pack/check.sh [gpu_check flags]     # results in $OUT (default ./gpu-out)
+#
+# Unpacks the binary, points the loader at the CUDA libraries the machine has (the driver's
+# libcuda; cuBLAS, cuBLASLt, cuRAND and NVRTC from PyTorch's CUDA 13 wheels or a CUDA
+# install; the packed libcudart), then runs `gpu_check --device cuda`: parity with the CPU
+# engine and the device's reuse invariants on a random-weight Qwen2.5-1.5B shape, then
+# speed at the 1.5B and 7B shapes. Writes $OUT/gpu.json (after every part) and $OUT/gpu.log.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+OUT="${OUT:-$PWD/gpu-out}"
+WORK="${SPECRAG_GPU_WORK:-${TMPDIR:-/tmp}/specrag-gpu}"
+mkdir -p "$OUT" "$WORK/bin"
+LOG="$OUT/gpu.log"
+: >"$LOG"
+say() { echo "[check.sh $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+for f in gpu_check libcudart.so.13; do
+    if [ -f "$HERE/$f.xz" ]; then
+        xz -dc "$HERE/$f.xz" >"$WORK/bin/$f"
+    else
+        cp "$HERE/$f" "$WORK/bin/$f"
+    fi
+done
+chmod +x "$WORK/bin/gpu_check"
+
+# Library folders: PyTorch's nvidia wheels (CUDA 13 ones install into nvidia/cu13), then a
+# toolkit install. cudarc opens libcublas.so.13, libcurand.so.10, libnvrtc.so.13 by name.
+LIBS="$WORK/bin"
+SITES="$(python3 -c 'import site, sys; print(" ".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>/dev/null || true)"
+for site in $SITES; do
+    for d in "$site"/nvidia/*/lib "$site"/torch/lib; do
+        [ -d "$d" ] && LIBS="$LIBS:$d"
+    done
+done
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && LIBS="$LIBS:$d"
+done
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+say "library path: $LD_LIBRARY_PATH"
+for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
+    found="$(for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do [ -e "$d/$lib" ] && echo "$d/$lib" && break; done)"
+    say "$lib: ${found:-not found in the folders above (ldconfig may still know it)}"
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1 | tee -a "$LOG" || true
+lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\))' | tee -a "$LOG" || true
+
+say "gpu_check --out $OUT --device cuda $*"
+set +e
+"$WORK/bin/gpu_check" --out "$OUT" --device cuda --work "$WORK/models" "$@" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+set -e
+rm -rf "$WORK/models"
+say "gpu_check exited with $rc; $OUT/gpu.json"
+exit "$rc"

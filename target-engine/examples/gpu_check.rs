@@ -1,0 +1,410 @@
+//! The device path checked and timed in one run (docs/gpu.md): random-weight models of real
+//! Qwen2.5 shapes written on the spot, then
+//! - parity: the device forward against the CPU engine on the same file (first-token logits, a
+//!   greedy continuation), ρ = 1 blended prefill against full prefill on the device, and a
+//!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
+//! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
+//!   target_probe@ρ (KV load from host memory, probe, prefill), decode, device memory.
+//!
+//! ```text
+//! gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] [--work DIR]
+//!           [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3]
+//! ```
+//! Writes DIR/gpu.json after every part (a timeout keeps what ran) and logs to stderr.
+//! `--device cpu --parity small --shapes small` runs the same steps on a CPU in seconds.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use target_engine::device::{parse_device, DeviceModel, RagPrompt};
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{argmax, LoadOptions, Model, Result};
+
+struct Args {
+    out: PathBuf,
+    device: String,
+    parity: String,
+    shapes: Vec<String>,
+    work: PathBuf,
+    chunk: usize,
+    chunks: usize,
+    ratio: f64,
+    runs: usize,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] \
+         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3]\n\
+         shapes: small, 0.5b, 1.5b, 7b (Qwen2.5's); --parity none skips the CPU comparison"
+    );
+    std::process::exit(2)
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        out: PathBuf::new(),
+        device: std::env::var("SPECRAG_DEVICE").unwrap_or_else(|_| "cuda".into()),
+        parity: "1.5b".into(),
+        shapes: vec!["1.5b".into(), "7b".into()],
+        work: std::env::temp_dir().join("specrag-gpu-check"),
+        chunk: 512,
+        chunks: 4,
+        ratio: 0.15,
+        runs: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_else(|| usage());
+        let num = |v: &str| v.parse::<f64>().unwrap_or_else(|_| usage());
+        match flag.as_str() {
+            "--out" => a.out = value.into(),
+            "--device" => a.device = value,
+            "--parity" => a.parity = value,
+            "--shapes" => a.shapes = value.split(',').map(str::to_string).collect(),
+            "--work" => a.work = value.into(),
+            "--chunk" => a.chunk = num(&value) as usize,
+            "--chunks" => a.chunks = num(&value) as usize,
+            "--ratio" => a.ratio = num(&value),
+            "--runs" => a.runs = (num(&value) as usize).max(1),
+            _ => usage(),
+        }
+    }
+    if a.out.as_os_str().is_empty() {
+        usage()
+    }
+    a
+}
+
+fn log(msg: &str) {
+    eprintln!(
+        "[gpu_check {:>7.1}s] {msg}",
+        started().elapsed().as_secs_f64()
+    );
+}
+
+fn started() -> &'static Instant {
+    static T: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    T.get_or_init(Instant::now)
+}
+
+/// Device memory in use (the driver's view: what candle's pool holds), in MiB.
+#[cfg(feature = "cuda")]
+fn used_mib(device: &candle_core::Device) -> Option<f64> {
+    let cuda = device.as_cuda_device().ok()?;
+    let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+    Some((total - free) as f64 / (1u64 << 20) as f64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn used_mib(_: &candle_core::Device) -> Option<f64> {
+    None
+}
+
+fn write_shape(work: &Path, shape: &str) -> Result<PathBuf> {
+    let spec = TinySpec::qwen2_shape(shape).unwrap_or_else(|| usage());
+    std::fs::create_dir_all(work)?;
+    let path = work.join(format!("qwen2-{shape}-random.gguf"));
+    let t = Instant::now();
+    write_tiny_gguf(&path, &spec)?;
+    let mib = std::fs::metadata(&path)?.len() as f64 / (1u64 << 20) as f64;
+    log(&format!(
+        "wrote {} ({mib:.0} MiB) in {:.1}s",
+        path.display(),
+        t.elapsed().as_secs_f64()
+    ));
+    Ok(path)
+}
+
+/// Deterministic token ids below `vocab`, distinct per `seed`.
+fn ids(n: usize, seed: u32, vocab: usize) -> Vec<u32> {
+    let top = vocab.saturating_sub(8).max(1) as u32;
+    (0..n as u32)
+        .map(|i| {
+            (i.wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(40_503))
+                >> 5)
+                % top
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn rag_prompt(
+    vocab: usize,
+    prefix: usize,
+    chunk: usize,
+    chunks: usize,
+    question: usize,
+) -> RagPrompt {
+    RagPrompt {
+        prefix: ids(prefix, 1, vocab),
+        chunks: (0..chunks)
+            .map(|c| ids(chunk, 10 + c as u32, vocab))
+            .collect(),
+        question: ids(question, 2, vocab),
+    }
+}
+
+fn write_report(out: &Path, report: &Value) -> Result<()> {
+    std::fs::create_dir_all(out)?;
+    let text = serde_json::to_string_pretty(report)
+        .map_err(|e| target_engine::EngineError::Internal(format!("report: {e}")))?;
+    std::fs::write(out.join("gpu.json"), text)?;
+    Ok(())
+}
+
+/// CPU engine against the device on one file: first-token logits and a greedy continuation.
+fn forward_parity(cpu: &Model, dev: &DeviceModel) -> Result<Value> {
+    let vocab = cpu.tokenizer().vocab_size();
+    let prompt = ids(256, 7, vocab);
+    let n = 16;
+    let t = Instant::now();
+    let (mut cc, cl) = cpu.prefill(&prompt)?;
+    let cpu_prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    let (mut dc, dl) = dev.prefill(&prompt, prompt.len() + n + 1)?;
+    let mut cpu_tokens = Vec::new();
+    let mut steps = vec![cl.clone()];
+    for i in 0..n {
+        let next = argmax(&steps[i]);
+        cpu_tokens.push(next);
+        let out = cpu.forward(&[next], &[prompt.len() + i], &mut cc, false)?;
+        steps.push(cpu.last_logits(&out)?);
+    }
+    let dev_tokens = dev.greedy(&mut dc, prompt.len(), &dl, n)?;
+    let split = (0..n).find(|&i| cpu_tokens[i] != dev_tokens[i]);
+    let gap = split.map(|i| steps[i][cpu_tokens[i] as usize] - steps[i][dev_tokens[i] as usize]);
+    let scale = cl.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let d = max_diff(&cl, &dl);
+    log(&format!(
+        "parity: first-token logits max |cpu - device| {d:.4} (logits up to {scale:.1}); greedy split at {split:?} (gap {gap:?})"
+    ));
+    Ok(json!({
+        "prompt_tokens": prompt.len(),
+        "first_token_max_abs_diff": d,
+        "logit_scale": scale,
+        "first_token_argmax_equal": argmax(&cl) == argmax(&dl),
+        "greedy_tokens": n,
+        "greedy_split_at": split,
+        "greedy_split_gap": gap,
+        "greedy_ok": gap.is_none_or(|g| g < 0.15),
+        "logits_ok": d < 0.15,
+        "cpu_prefill_ms": cpu_prefill_ms,
+    }))
+}
+
+/// On the device alone: ρ = 1 against full prefill, and verification against full recompute.
+fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
+    let vocab = dev.tokenizer().vocab_size();
+    let p = rag_prompt(vocab, 16, 64, 4, 16);
+    let all = p.ids();
+    let n = 24;
+    let cap = all.len() + n + 1;
+    let (mut reference, full) = dev.prefill(&all, cap)?;
+    let want = dev.greedy(&mut reference, all.len(), &full, n)?;
+    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
+    let chunks: Vec<_> = p
+        .chunks
+        .iter()
+        .map(|c| dev.precompute(c))
+        .collect::<Result<_>>()?;
+    let mut fused = dev.fused(&p, &prefix, &chunks, cap)?;
+    let rho1 = dev.blend(&p, &mut fused, &p.chunk_positions())?;
+    let d1 = max_diff(&full, &rho1);
+    let (mut exact, _) = dev.prefill(&all, cap)?;
+    let (mut draft, recomputed, draft_logits, _) =
+        dev.blend_probe_timed(&p, &prefix, &chunks, 0.15, cap)?;
+    let v = dev.verified_greedy(
+        &mut exact,
+        &full,
+        &mut draft,
+        &draft_logits,
+        all.len(),
+        n,
+        4,
+    )?;
+    let split = (0..n).find(|&i| v.tokens[i] != want[i]);
+    log(&format!(
+        "parity: rho = 1 blend vs full prefill max diff {d1:.2e}; verified answer == full recompute's: {} ({} of {n} drafted tokens accepted, {} rounds, {} tokens recomputed)",
+        split.is_none(),
+        v.accepted,
+        v.rounds,
+        recomputed.len()
+    ));
+    Ok(json!({
+        "rho1_max_abs_diff": d1,
+        "rho1_argmax_equal": argmax(&full) == argmax(&rho1),
+        "verify_tokens": n,
+        "verify_equal": split.is_none(),
+        "verify_split_at": split,
+        "verify_accepted": v.accepted,
+        "verify_rounds": v.rounds,
+    }))
+}
+
+fn parity(path: &Path, device: &candle_core::Device) -> Result<Value> {
+    let t = Instant::now();
+    let cpu = Model::load(path, &LoadOptions::default())?;
+    log(&format!(
+        "CPU engine loaded in {:.1}s",
+        t.elapsed().as_secs_f64()
+    ));
+    let t = Instant::now();
+    let dev = DeviceModel::load(path, device)?;
+    log(&format!(
+        "device model loaded in {:.1}s",
+        t.elapsed().as_secs_f64()
+    ));
+    let forward = forward_parity(&cpu, &dev)?;
+    drop(cpu);
+    let reuse = reuse_parity(&dev)?;
+    Ok(json!({ "forward": forward, "reuse": reuse }))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Greedy decode after a full prefill of `ids`, one row per step: tokens per second.
+fn decode_rate(dev: &DeviceModel, ids: &[u32], cap: usize) -> Result<f64> {
+    let (mut cache, logits) = dev.prefill(ids, cap)?;
+    dev.device().synchronize()?;
+    let steps = 32;
+    let t = Instant::now();
+    dev.greedy(&mut cache, ids.len(), &logits, steps)?;
+    dev.device().synchronize()?;
+    Ok((steps - 1) as f64 / t.elapsed().as_secs_f64())
+}
+
+fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
+    let base = used_mib(device);
+    let t = Instant::now();
+    let dev = DeviceModel::load(path, device)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let weights = used_mib(device);
+    let vocab = dev.tokenizer().vocab_size();
+    let p = rag_prompt(vocab, 16, a.chunk, a.chunks, 32);
+    let all = p.ids();
+    let cap = all.len() + 64;
+    let sync = || device.synchronize();
+    // Warm-up (kernel loading, cuBLAS handles), then what ingestion stores.
+    dev.prefill(&all, cap)?;
+    let t = Instant::now();
+    let chunks: Vec<_> = p
+        .chunks
+        .iter()
+        .map(|c| dev.precompute(c))
+        .collect::<Result<_>>()?;
+    let precompute_ms = ms_since(t) / a.chunks as f64;
+    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
+    dev.blend_probe_timed(&p, &prefix, &chunks, a.ratio, cap)?;
+    let mut full = Vec::new();
+    for _ in 0..a.runs {
+        sync()?;
+        let t = Instant::now();
+        dev.prefill(&all, cap)?;
+        sync()?;
+        full.push(ms_since(t));
+    }
+    let peak_full = used_mib(device);
+    let (mut total, mut load, mut probe, mut prefill) = (vec![], vec![], vec![], vec![]);
+    let mut recomputed = 0;
+    for _ in 0..a.runs {
+        let t = Instant::now();
+        let (_, r, _, times) = dev.blend_probe_timed(&p, &prefix, &chunks, a.ratio, cap)?;
+        total.push(ms_since(t));
+        load.push(times.load_ms);
+        probe.push(times.probe_ms);
+        prefill.push(times.prefill_ms);
+        recomputed = r.len();
+    }
+    let peak_blend = used_mib(device);
+    let decode_tps = decode_rate(&dev, &all, cap)?;
+    let (full_ms, probe_ms) = (median(full), median(total));
+    log(&format!(
+        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        path.display(),
+        all.len(),
+        a.ratio,
+        full_ms / probe_ms,
+        median(load.clone()),
+        median(probe.clone()),
+        median(prefill.clone()),
+    ));
+    Ok(json!({
+        "prompt_tokens": all.len(),
+        "chunks": a.chunks,
+        "chunk_tokens": a.chunk,
+        "ratio": a.ratio,
+        "recomputed_tokens": recomputed,
+        "load_s": load_s,
+        "precompute_ms_per_chunk": precompute_ms,
+        "full_prefill_ms": full_ms,
+        "target_probe_ms": probe_ms,
+        "target_probe_parts_ms": {
+            "kv_load": median(load),
+            "probe": median(probe),
+            "prefill": median(prefill),
+        },
+        "ttft_speedup": full_ms / probe_ms,
+        "escalated_worst_ms": probe_ms + full_ms,
+        "decode_tokens_per_s": decode_tps,
+        "memory_mib": {
+            "before_load": base,
+            "weights_loaded": weights,
+            "after_full_prefills": peak_full,
+            "after_blends": peak_blend,
+        },
+    }))
+}
+
+fn run(a: &Args, report: &mut Value) -> Result<()> {
+    let device = parse_device(&a.device)?;
+    report["device"] = json!(format!("{device:?}"));
+    write_report(&a.out, report)?;
+    if a.parity != "none" {
+        let path = write_shape(&a.work, &a.parity)?;
+        report["parity"] = parity(&path, &device)?;
+        report["parity"]["shape"] = json!(a.parity);
+        write_report(&a.out, report)?;
+        if !a.shapes.contains(&a.parity) {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    for shape in &a.shapes {
+        let path = write_shape(&a.work, shape)?;
+        report["speed"][shape] = speed(&path, &device, a)?;
+        write_report(&a.out, report)?;
+        std::fs::remove_file(&path)?;
+    }
+    Ok(())
+}
+
+fn main() {
+    started();
+    let a = args();
+    let mut report = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "cuda_build": cfg!(feature = "cuda"),
+    });
+    let result = run(&a, &mut report);
+    report["seconds"] = json!(started().elapsed().as_secs_f64());
+    if let Err(e) = &result {
+        log(&format!("error: {e}"));
+        report["error"] = json!(e.to_string());
+    }
+    if let Err(e) = write_report(&a.out, &report) {
+        log(&format!("cannot write the report: {e}"));
+    }
+    if result.is_err() {
+        std::process::exit(1);
+    }
+}

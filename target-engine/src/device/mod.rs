@@ -1,0 +1,645 @@
+//! The forward pass on a candle device: a CUDA GPU in a `--features cuda` build, or the CPU,
+//! where the suite holds it to [`crate::Model`] (`tests/device_model.rs`). Everything here is
+//! candle tensor ops (candle's CUDA kernels: llama.cpp's quantized MMQ/MMVQ matmuls, cuBLAS for
+//! attention), so the code the GPU runs is the code the CPU tests run.
+//!
+//! What it covers: weights on the device (the file's quantized blocks; the embedding
+//! dequantized), an external KV cache on the device indexed by absolute position, causal
+//! attention of arbitrary query rows against it (prefill, decode, subset recompute, several
+//! verification rows), the question's attention mass per position (what `target_probe`
+//! selects with), chunk KV loaded from host memory (f16, as the store keeps it) with its RoPE
+//! position recovery, and the blended prefill over the fused cache. qwen2, llama (Llama 3's
+//! RoPE factors included) and qwen3; the other families run on the CPU engine only.
+//!
+//! docs/gpu.md says how to build it without a GPU and what one script checks on a GPU.
+
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use crate::model::rms_norm;
+use crate::tokenizer::Tokenizer;
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+use kernels::{Rope, RopeVariant};
+use std::borrow::Cow;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+pub mod blend;
+pub use blend::{BlendTimes, RagPrompt, Verified};
+
+/// Score matrices of one attention call stay under this many f32 values (1 GiB): longer
+/// passes attend in blocks of query rows.
+const MAX_SCORES: usize = 1 << 28;
+
+/// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+pub fn parse_device(spec: &str) -> Result<Device> {
+    match spec.trim() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => cuda_device(0),
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => cuda_device(n),
+            _ => Err(EngineError::InvalidInput(format!(
+                "device `{s}`: expected cpu, cuda or cuda:N"
+            ))),
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(n: usize) -> Result<Device> {
+    Ok(Device::new_cuda(n)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_: usize) -> Result<Device> {
+    Err(EngineError::InvalidInput(
+        "this build has no CUDA support: build with `--features cuda` (scripts/gpu/build.sh, \
+         docs/gpu.md)"
+            .into(),
+    ))
+}
+
+/// One transformer block's weights on the device.
+struct Layer {
+    attn_norm: Tensor,
+    ffn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    bias: Option<[Tensor; 3]>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+/// A model's weights on a device.
+pub struct DeviceModel {
+    device: Device,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    rope: Rope,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+}
+
+impl std::fmt::Debug for DeviceModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceModel")
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The KV cache on the device: per layer, K and V rows `(capacity, n_kv_head * head_dim)`,
+/// row `p` holding position `p`.
+#[derive(Debug, Clone)]
+pub struct DeviceCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    capacity: usize,
+}
+
+impl DeviceCache {
+    /// Positions the cache has room for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Layer `layer`'s K rows of `range` (kv heads x head dim each), in host memory.
+    pub fn k_rows(&self, layer: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(self.k[layer]
+            .narrow(0, range.start, range.len())?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Copies rows `range` of `from` (a cache of the same model) into the same rows here.
+    pub fn copy_rows(&mut self, from: &DeviceCache, range: Range<usize>) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        if range.end > self.capacity.min(from.capacity) || from.k.len() != self.k.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "rows {range:?} of a {}-layer cache of {} into a {}-layer cache of {}",
+                from.k.len(),
+                from.capacity,
+                self.k.len(),
+                self.capacity
+            )));
+        }
+        for (to, from) in self.k.iter().zip(&from.k).chain(self.v.iter().zip(&from.v)) {
+            to.slice_set(
+                &from.narrow(0, range.start, range.len())?.contiguous()?,
+                0,
+                range.start,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A copy that shares nothing with this one (candle tensors are shared by clone).
+    pub fn deep_copy(&self) -> Result<Self> {
+        let copy = |t: &[Tensor]| {
+            t.iter()
+                .map(Tensor::copy)
+                .collect::<candle_core::Result<_>>()
+        };
+        Ok(Self {
+            k: copy(&self.k)?,
+            v: copy(&self.v)?,
+            capacity: self.capacity,
+        })
+    }
+}
+
+/// A chunk's KV rows in host memory, every layer, in f16 as the chunk store keeps them,
+/// computed at positions `base..base + len`.
+#[derive(Debug, Clone)]
+pub struct HostKv {
+    pub base: usize,
+    pub len: usize,
+    pub k: Vec<Vec<half::f16>>,
+    pub v: Vec<Vec<half::f16>>,
+}
+
+/// One pass's per-row inputs, uploaded once and shared by every layer.
+struct Pass {
+    cos: Tensor,
+    sin: Tensor,
+    /// Cache row of each value of the rows' K/V `(n, kv_row)` (the scatter's indexes).
+    rows_at: Tensor,
+    positions: Vec<usize>,
+    /// Rows `0..rows` of the cache are read.
+    rows: usize,
+}
+
+/// `q` in `device` memory, block for block.
+fn to_device(q: QTensor, device: &Device) -> Result<QTensor> {
+    if device.is_cpu() {
+        return Ok(q);
+    }
+    let storage = QStorage::from_data(Cow::Owned(q.data()?.into_owned()), device, q.dtype())?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
+}
+
+impl DeviceModel {
+    /// Loads a qwen2, llama or qwen3 GGUF file onto `device`.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let mut f = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&f)?;
+        if !matches!(
+            config.arch,
+            Architecture::Qwen2 | Architecture::Llama | Architecture::Qwen3
+        ) || config.swa.is_some()
+        {
+            return Err(EngineError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "the device forward runs qwen2, llama and qwen3 (no sliding windows); `{}` \
+                     runs on the CPU engine (`--device cpu`)",
+                    config.arch.as_str()
+                ),
+            });
+        }
+        let tokenizer = Tokenizer::from_gguf(&f)?;
+        let (rope, _) = crate::model::load_rope(&mut f, &config)?;
+        let mut layers = Vec::with_capacity(config.n_layer);
+        for l in 0..config.n_layer {
+            layers.push(load_layer(&mut f, &config, device, l)?);
+        }
+        let embed_q = Arc::new(to_device(f.tensor("token_embd.weight")?, device)?);
+        let embed = embed_q.dequantize(device)?.to_dtype(DType::F32)?;
+        let lm_head = if f.has_tensor("output.weight") {
+            matmul(&mut f, "output.weight", device)?
+        } else {
+            QMatMul::from_arc(embed_q)?
+        };
+        let output_norm = vector(&mut f, "output_norm.weight", device)?;
+        Ok(Self {
+            device: device.clone(),
+            config,
+            tokenizer,
+            rope,
+            embed,
+            layers,
+            output_norm,
+            lm_head,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The tokenizer built from the file.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// An empty cache with room for `capacity` positions.
+    pub fn new_cache(&self, capacity: usize) -> Result<DeviceCache> {
+        let row = self.config.kv_row();
+        let zeros = || -> Result<Vec<Tensor>> {
+            (0..self.config.n_layer)
+                .map(|_| Ok(Tensor::zeros((capacity, row), DType::F32, &self.device)?))
+                .collect()
+        };
+        Ok(DeviceCache {
+            k: zeros()?,
+            v: zeros()?,
+            capacity,
+        })
+    }
+
+    /// Runs every layer for `ids` at `positions` (any order, any gaps), writing their K/V rows
+    /// into `cache` and attending causally by position to every row of `cache` up to each
+    /// query's position; returns the final-normed hidden rows `(n, n_embd)`.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+    ) -> Result<Tensor> {
+        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, None)?;
+        rms_norm(&x, &self.output_norm, self.config.rms_eps)
+    }
+
+    /// The attention mass the rows `ids` at `positions` pay to every cache row at the layers
+    /// `probe`, summed over rows, heads and those layers: one value per position up to the
+    /// highest of `positions` ([`crate::Model::forward_probe`]'s quantity). Only layers
+    /// `0..probe.end` run; their K/V rows of `positions` are written.
+    pub fn probe(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        probe: Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let end = probe.end.min(self.config.n_layer);
+        let (_, mass) = self.run(ids, positions, cache, 0..end, Some(probe))?;
+        match mass {
+            Some(m) => Ok(m.to_vec1::<f32>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Logits `(rows, vocabulary)` of final-normed hidden rows, cut to the tokenizer's
+    /// vocabulary.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.tokenizer.vocab_size();
+        let mut rows = self.lm_head.forward(hidden)?.to_vec2::<f32>()?;
+        rows.iter_mut().for_each(|r| r.truncate(vocab));
+        Ok(rows)
+    }
+
+    /// Logits of the last of the hidden rows.
+    pub fn last_logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
+        let n = hidden.dim(0)?;
+        let mut rows = self.logits(&hidden.narrow(0, n - 1, 1)?)?;
+        rows.pop()
+            .ok_or_else(|| EngineError::Internal("no logits row".into()))
+    }
+
+    /// Full prefill of `ids` at `0..n` into a fresh cache with room for `capacity` positions
+    /// (at least `n`); returns the cache and the last position's logits.
+    pub fn prefill(&self, ids: &[u32], capacity: usize) -> Result<(DeviceCache, Vec<f32>)> {
+        let mut cache = self.new_cache(capacity.max(ids.len()))?;
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let hidden = self.forward(ids, &positions, &mut cache)?;
+        let logits = self.last_logits(&hidden)?;
+        Ok((cache, logits))
+    }
+
+    /// Greedy continuation of `n` tokens after a cache filled up to `len` whose next-token
+    /// logits are `logits`; one row per step.
+    pub fn greedy(
+        &self,
+        cache: &mut DeviceCache,
+        len: usize,
+        logits: &[f32],
+        n: usize,
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        let mut next = crate::argmax(logits);
+        for i in 0..n {
+            out.push(next);
+            if i + 1 == n {
+                break;
+            }
+            let hidden = self.forward(&[next], &[len + i], cache)?;
+            next = crate::argmax(&self.last_logits(&hidden)?);
+        }
+        Ok(out)
+    }
+
+    /// Rows `range` of `cache` copied to host memory in f16, as a chunk store keeps them.
+    pub fn download(&self, cache: &DeviceCache, range: Range<usize>) -> Result<HostKv> {
+        let get = |t: &Tensor| -> Result<Vec<half::f16>> {
+            Ok(t.narrow(0, range.start, range.len())?
+                .to_dtype(DType::F16)?
+                .flatten_all()?
+                .to_vec1::<half::f16>()?)
+        };
+        Ok(HostKv {
+            base: range.start,
+            len: range.len(),
+            k: cache.k.iter().map(get).collect::<Result<_>>()?,
+            v: cache.v.iter().map(get).collect::<Result<_>>()?,
+        })
+    }
+
+    /// Writes `kv` into `cache` at positions `at..at + kv.len`: one upload per layer and
+    /// tensor, K rotated by `at - kv.base` positions on the device (positional recovery).
+    pub fn place(&self, cache: &mut DeviceCache, kv: &HostKv, at: usize) -> Result<()> {
+        let c = &self.config;
+        let row = c.kv_row();
+        if at + kv.len > cache.capacity || kv.k.len() != c.n_layer || kv.v.len() != c.n_layer {
+            return Err(EngineError::InvalidInput(format!(
+                "{} rows of {} layers do not fit at {at} in a cache of {} positions and {} layers",
+                kv.len,
+                kv.k.len(),
+                cache.capacity,
+                c.n_layer
+            )));
+        }
+        let delta = at as i64 - kv.base as i64;
+        let table = self.rope.table(&vec![delta; kv.len]);
+        let (cos, sin) = self.upload_table(&table, kv.len)?;
+        for l in 0..c.n_layer {
+            let up = |data: &[half::f16]| -> Result<Tensor> {
+                Ok(Tensor::from_slice(data, (kv.len, row), &self.device)?.to_dtype(DType::F32)?)
+            };
+            let k = up(&kv.k[l])?.reshape((kv.len, c.n_kv_head, c.head_dim))?;
+            let k = self.rotate(&k, &cos, &sin)?.reshape((kv.len, row))?;
+            cache.k[l].slice_set(&k.contiguous()?, 0, at)?;
+            cache.v[l].slice_set(&up(&kv.v[l])?, 0, at)?;
+        }
+        Ok(())
+    }
+
+    fn upload_table(&self, table: &kernels::RopeTable, n: usize) -> Result<(Tensor, Tensor)> {
+        let half = self.config.head_dim / 2;
+        let t = |v: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::from_slice(v, (n, 1, half), &self.device)?)
+        };
+        Ok((t(table.cos())?, t(table.sin())?))
+    }
+
+    /// RoPE of `x` `(n, heads, head_dim)` by the angles `cos`/`sin` `(n, 1, head_dim / 2)`,
+    /// in the model's pair layout (the CPU kernel's arithmetic, op for op).
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (n, heads, d) = x.dims3()?;
+        let half = d / 2;
+        Ok(match self.rope.variant() {
+            RopeVariant::RotateHalf => {
+                let (a, b) = (x.narrow(2, 0, half)?, x.narrow(2, half, half)?);
+                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
+                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
+                Tensor::cat(&[ra, rb], 2)?
+            }
+            RopeVariant::Interleaved => {
+                let pairs = x.reshape((n, heads, half, 2))?;
+                let a = pairs.narrow(3, 0, 1)?.squeeze(3)?;
+                let b = pairs.narrow(3, 1, 1)?.squeeze(3)?;
+                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
+                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
+                Tensor::stack(&[ra, rb], 3)?.reshape((n, heads, d))?
+            }
+        })
+    }
+
+    fn pass(&self, positions: &[usize], cache: &DeviceCache) -> Result<Pass> {
+        let n = positions.len();
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        if rows > cache.capacity {
+            return Err(EngineError::InvalidInput(format!(
+                "position {} is beyond the cache's {} positions",
+                rows - 1,
+                cache.capacity
+            )));
+        }
+        let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
+        let row = self.config.kv_row();
+        let at: Vec<u32> = positions
+            .iter()
+            .flat_map(|&p| std::iter::repeat_n(p as u32, row))
+            .collect();
+        Ok(Pass {
+            cos,
+            sin,
+            rows_at: Tensor::from_vec(at, (n, row), &self.device)?,
+            positions: positions.to_vec(),
+            rows,
+        })
+    }
+
+    /// Layers `layers` over the rows `ids` at `positions`; the residual stream after the last
+    /// and, with `probe`, the attention mass of the probed layers.
+    fn run(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        layers: Range<usize>,
+        probe: Option<Range<usize>>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        if ids.is_empty() || ids.len() != positions.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} token ids at {} positions",
+                ids.len(),
+                positions.len()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} >= vocabulary size {}",
+                c.vocab_size
+            )));
+        }
+        if cache.k.len() != c.n_layer || layers.end > c.n_layer {
+            return Err(EngineError::InvalidInput(
+                "cache or layers do not fit this model".into(),
+            ));
+        }
+        let pass = self.pass(positions, cache)?;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::new(ids, &self.device)?, 0)?;
+        let mut mass = None;
+        for l in layers {
+            let probed = probe.as_ref().is_some_and(|p| p.contains(&l));
+            let (y, m) = self.layer(l, x, &pass, cache, probed)?;
+            x = y;
+            if let Some(m) = m {
+                mass = Some(match mass {
+                    None => m,
+                    Some(acc) => (acc + m)?,
+                });
+            }
+        }
+        Ok((x, mass))
+    }
+
+    /// One block: attention (its K/V rows written to the cache first), then the FFN.
+    fn layer(
+        &self,
+        l: usize,
+        x: Tensor,
+        pass: &Pass,
+        cache: &mut DeviceCache,
+        probed: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = x.dim(0)?;
+        let h = rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+        let (mut q, mut k, mut v) = (w.wq.forward(&h)?, w.wk.forward(&h)?, w.wv.forward(&h)?);
+        if let Some([bq, bk, bv]) = &w.bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        let heads = |t: Tensor, h: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let t = t.reshape((n, h, c.head_dim))?;
+            let t = match norm {
+                Some(w) => rms_norm(&t, w, c.rms_eps)?,
+                None => t,
+            };
+            self.rotate(&t, &pass.cos, &pass.sin)
+        };
+        let q = heads(q, c.n_head, &w.q_norm)?;
+        let k = heads(k, c.n_kv_head, &w.k_norm)?;
+        let row = c.kv_row();
+        cache.k[l].scatter_set(&pass.rows_at, &k.reshape((n, row))?.contiguous()?, 0)?;
+        cache.v[l].scatter_set(&pass.rows_at, &v.contiguous()?, 0)?;
+        let keys = cache.k[l].narrow(0, 0, pass.rows)?;
+        let values = cache.v[l].narrow(0, 0, pass.rows)?;
+        let (attn, mass) = self.attention(&q, &keys, &values, &pass.positions, probed)?;
+        let x = (x + w.wo.forward(&attn)?)?;
+        let h = rms_norm(&x, &w.ffn_norm, c.rms_eps)?;
+        let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
+        Ok(((x + w.down.forward(&act)?)?, mass))
+    }
+
+    /// Causal attention of `q` `(n, n_head, head_dim)` at `positions` over cache rows
+    /// `(rows, kv_row)`: a query at position p reads rows `0..=p`. Blocks of query rows keep
+    /// the score matrix bounded. With `probed`, also the probabilities summed per key row.
+    fn attention(
+        &self,
+        q: &Tensor,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &[usize],
+        probed: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        let (n, nh, hd) = q.dims3()?;
+        let (nkv, rows) = (c.n_kv_head, keys.dim(0)?);
+        let g = nh / nkv;
+        let k = keys
+            .reshape((rows, nkv, hd))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let v = values
+            .reshape((rows, nkv, hd))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let kt = k.t()?;
+        let block = (MAX_SCORES / (nh * rows).max(1)).clamp(1, n);
+        let kpos = Tensor::arange(0u32, rows as u32, &self.device)?.reshape((1, rows))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (mut outs, mut mass) = (Vec::new(), None);
+        for start in (0..n).step_by(block) {
+            let m = block.min(n - start);
+            let qpos: Vec<u32> = positions[start..start + m]
+                .iter()
+                .map(|&p| p as u32)
+                .collect();
+            let qpos = Tensor::from_vec(qpos, (m, 1), &self.device)?;
+            // 0 where a key may be read, -1e30 where it may not.
+            let bias = ((kpos.broadcast_le(&qpos)?.to_dtype(DType::F32)? - 1.0)? * 1e30)?;
+            let qb = q.narrow(0, start, m)?.transpose(0, 1)?.contiguous()?;
+            let qb = qb.reshape((nkv, g * m, hd))?;
+            let s = (qb.matmul(&kt)? * scale)?.reshape((nkv, g, m, rows))?;
+            let s = s.broadcast_add(&bias)?;
+            let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
+            let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+            if probed {
+                let here = p.sum((0, 1, 2))?;
+                mass = Some(match mass {
+                    None => here,
+                    Some(acc) => (acc + here)?,
+                });
+            }
+            let o = p.reshape((nkv, g * m, rows))?.matmul(&v)?;
+            outs.push(o.reshape((nh, m, hd))?.transpose(0, 1)?.contiguous()?);
+        }
+        let out = Tensor::cat(&outs, 0)?.reshape((n, nh * hd))?;
+        Ok((out, mass))
+    }
+}
+
+fn matmul(f: &mut GgufFile, name: &str, device: &Device) -> Result<QMatMul> {
+    Ok(QMatMul::from_arc(Arc::new(to_device(
+        f.tensor(name)?,
+        device,
+    )?))?)
+}
+
+fn vector(f: &mut GgufFile, name: &str, device: &Device) -> Result<Tensor> {
+    Ok(f.tensor(name)?
+        .dequantize(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_device(device)?)
+}
+
+fn load_layer(f: &mut GgufFile, c: &ModelConfig, device: &Device, l: usize) -> Result<Layer> {
+    let p = |name: &str| format!("blk.{l}.{name}");
+    let bias = if c.arch.qkv_bias() {
+        Some([
+            vector(f, &p("attn_q.bias"), device)?,
+            vector(f, &p("attn_k.bias"), device)?,
+            vector(f, &p("attn_v.bias"), device)?,
+        ])
+    } else {
+        None
+    };
+    let (q_norm, k_norm) = if c.arch.qk_norm() {
+        (
+            Some(vector(f, &p("attn_q_norm.weight"), device)?),
+            Some(vector(f, &p("attn_k_norm.weight"), device)?),
+        )
+    } else {
+        (None, None)
+    };
+    Ok(Layer {
+        attn_norm: vector(f, &p("attn_norm.weight"), device)?,
+        ffn_norm: vector(f, &p("ffn_norm.weight"), device)?,
+        wq: matmul(f, &p("attn_q.weight"), device)?,
+        wk: matmul(f, &p("attn_k.weight"), device)?,
+        wv: matmul(f, &p("attn_v.weight"), device)?,
+        wo: matmul(f, &p("attn_output.weight"), device)?,
+        bias,
+        q_norm,
+        k_norm,
+        gate: matmul(f, &p("ffn_gate.weight"), device)?,
+        up: matmul(f, &p("ffn_up.weight"), device)?,
+        down: matmul(f, &p("ffn_down.weight"), device)?,
+    })
+}
