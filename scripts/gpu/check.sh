@@ -41,7 +41,10 @@ done
 export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 say "library path: $LD_LIBRARY_PATH"
 for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
-    found="$(for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do [ -e "$d/$lib" ] && echo "$d/$lib" && break; done)"
+    found=""
+    for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
+        if [ -e "$d/$lib" ]; then found="$d/$lib"; break; fi
+    done
     say "$lib: ${found:-not found in the folders above (ldconfig may still know it)}"
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1 | tee -a "$LOG" || true

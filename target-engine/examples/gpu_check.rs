@@ -4,11 +4,13 @@
 //!   greedy continuation), ρ = 1 blended prefill against full prefill on the device, and a
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
-//!   target_probe@ρ (KV load from host memory, probe, prefill), decode, device memory.
+//!   target_probe@ρ (KV load from host memory, probe, prefill), decode, device memory;
+//! - long context, last, at the first shape: prefill of `--long` tokens and full-attention decode
+//!   after it.
 //!
 //! ```text
 //! gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] [--work DIR]
-//!           [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3]
+//!           [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768]
 //! ```
 //! Writes DIR/gpu.json after every part (a timeout keeps what ran) and logs to stderr.
 //! `--device cpu --parity small --shapes small` runs the same steps on a CPU in seconds.
@@ -30,13 +32,15 @@ struct Args {
     chunks: usize,
     ratio: f64,
     runs: usize,
+    /// Context length of the long-context part at the first shape (0: skipped).
+    long: usize,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] \
-         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3]\n\
-         shapes: small, 0.5b, 1.5b, 7b (Qwen2.5's); --parity none skips the CPU comparison"
+         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768]\n\
+         shapes: small, 0.5b, 1.5b, 7b (Qwen2.5's); `none` skips the part"
     );
     std::process::exit(2)
 }
@@ -52,6 +56,7 @@ fn args() -> Args {
         chunks: 4,
         ratio: 0.15,
         runs: 3,
+        long: 32768,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -61,12 +66,14 @@ fn args() -> Args {
             "--out" => a.out = value.into(),
             "--device" => a.device = value,
             "--parity" => a.parity = value,
+            "--shapes" if value == "none" => a.shapes.clear(),
             "--shapes" => a.shapes = value.split(',').map(str::to_string).collect(),
             "--work" => a.work = value.into(),
             "--chunk" => a.chunk = num(&value) as usize,
             "--chunks" => a.chunks = num(&value) as usize,
             "--ratio" => a.ratio = num(&value),
             "--runs" => a.runs = (num(&value) as usize).max(1),
+            "--long" => a.long = num(&value) as usize,
             _ => usage(),
         }
     }
@@ -284,6 +291,32 @@ fn decode_rate(dev: &DeviceModel, ids: &[u32], cap: usize) -> Result<f64> {
     Ok((steps - 1) as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Prefill of `tokens` tokens, then full-attention decode after them.
+fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Result<Value> {
+    let dev = DeviceModel::load(path, device)?;
+    let ids = ids(tokens, 99, dev.tokenizer().vocab_size());
+    device.synchronize()?;
+    let t = Instant::now();
+    let (mut cache, logits) = dev.prefill(&ids, tokens + 40)?;
+    device.synchronize()?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let steps = 32;
+    let t = Instant::now();
+    dev.greedy(&mut cache, tokens, &logits, steps)?;
+    device.synchronize()?;
+    let ms_per_token = t.elapsed().as_secs_f64() * 1e3 / (steps - 1) as f64;
+    log(&format!(
+        "long context: {tokens} tokens prefilled in {prefill_s:.2}s; decode {ms_per_token:.2} ms/token (full attention); memory {:?} MiB",
+        used_mib(device)
+    ));
+    Ok(json!({
+        "tokens": tokens,
+        "prefill_s": prefill_s,
+        "decode_ms_per_token": ms_per_token,
+        "memory_mib": used_mib(device),
+    }))
+}
+
 fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
     let base = used_mib(device);
     let t = Instant::now();
@@ -367,23 +400,51 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
 }
 
 fn run(a: &Args, report: &mut Value) -> Result<()> {
+    write_report(&a.out, report)?;
     let device = parse_device(&a.device)?;
     report["device"] = json!(format!("{device:?}"));
     write_report(&a.out, report)?;
+    // Each part on its own: one that fails is recorded and the next still runs.
+    let mut failed = 0;
     if a.parity != "none" {
         let path = write_shape(&a.work, &a.parity)?;
-        report["parity"] = parity(&path, &device)?;
+        report["parity"] = parity(&path, &device).unwrap_or_else(|e| {
+            failed += 1;
+            log(&format!("parity failed: {e}"));
+            json!({ "error": e.to_string() })
+        });
         report["parity"]["shape"] = json!(a.parity);
         write_report(&a.out, report)?;
-        if !a.shapes.contains(&a.parity) {
-            std::fs::remove_file(&path)?;
-        }
+        std::fs::remove_file(&path)?;
     }
     for shape in &a.shapes {
         let path = write_shape(&a.work, shape)?;
-        report["speed"][shape] = speed(&path, &device, a)?;
+        report["speed"][shape] = speed(&path, &device, a).unwrap_or_else(|e| {
+            failed += 1;
+            log(&format!("speed at {shape} failed: {e}"));
+            json!({ "error": e.to_string() })
+        });
+        write_report(&a.out, report)?;
+        if a.long == 0 || Some(shape) != a.shapes.first() {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    // Last: the longest part, at the first shape.
+    if let (true, Some(shape)) = (a.long > 0, a.shapes.first()) {
+        let path = a.work.join(format!("qwen2-{shape}-random.gguf"));
+        report["long_context"] = long_context(&path, &device, a.long).unwrap_or_else(|e| {
+            failed += 1;
+            log(&format!("long context failed: {e}"));
+            json!({ "error": e.to_string() })
+        });
+        report["long_context"]["shape"] = json!(shape);
         write_report(&a.out, report)?;
         std::fs::remove_file(&path)?;
+    }
+    if failed > 0 {
+        return Err(target_engine::EngineError::Internal(format!(
+            "{failed} part(s) failed; gpu.json has their errors"
+        )));
     }
     Ok(())
 }

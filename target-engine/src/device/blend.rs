@@ -142,7 +142,9 @@ impl DeviceModel {
     ) -> Result<Vec<usize>> {
         let n_layer = self.config().n_layer;
         let candidates = prompt.chunk_positions();
-        let k = crate::reuse::select::budget(ratio, candidates.len());
+        // `ceil(ρ × n)`, as the CPU selectors count it (reuse's `budget`; the wings stay apart).
+        let n = candidates.len();
+        let k = ((ratio.clamp(0.0, 1.0) * n as f64).ceil() as usize).min(n);
         if k == 0 {
             return Ok(Vec::new());
         }

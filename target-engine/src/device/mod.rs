@@ -49,7 +49,15 @@ pub fn parse_device(spec: &str) -> Result<Device> {
 
 #[cfg(feature = "cuda")]
 fn cuda_device(n: usize) -> Result<Device> {
-    Ok(Device::new_cuda(n)?)
+    // cudarc opens the driver and cuBLAS/cuRAND on first use and panics where one is missing
+    // (its message, printed above, lists the names it tried).
+    match std::panic::catch_unwind(|| Device::new_cuda(n)) {
+        Ok(device) => Ok(device?),
+        Err(_) => Err(EngineError::InvalidInput(format!(
+            "cannot open CUDA device {n}: the driver (libcuda.so.1), cuBLAS, cuBLASLt or cuRAND \
+             did not load; put their folders on LD_LIBRARY_PATH (docs/gpu.md)"
+        ))),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
