@@ -1439,7 +1439,7 @@ fn windowed_attention(
 }
 
 /// `x / sqrt(mean(x²) + eps) * w` over the last dimension.
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)

@@ -16,10 +16,9 @@
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
-use crate::model::rms_norm;
 use crate::tokenizer::Tokenizer;
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use kernels::{Rope, RopeVariant};
 use std::borrow::Cow;
 use std::ops::Range;
@@ -169,13 +168,14 @@ impl DeviceCache {
 }
 
 /// A chunk's KV rows in host memory, every layer, in f16 as the chunk store keeps them,
-/// computed at positions `base..base + len`.
+/// computed at positions `base..base + len`: `k` and `v` laid out `(layer, row, kv_row)`, so
+/// a chunk moves to the device in one copy each.
 #[derive(Debug, Clone)]
 pub struct HostKv {
     pub base: usize,
     pub len: usize,
-    pub k: Vec<Vec<half::f16>>,
-    pub v: Vec<Vec<half::f16>>,
+    pub k: Vec<half::f16>,
+    pub v: Vec<half::f16>,
 }
 
 /// One pass's per-row inputs, uploaded once and shared by every layer.
@@ -184,10 +184,25 @@ struct Pass {
     sin: Tensor,
     /// Cache row of each value of the rows' K/V `(n, kv_row)` (the scatter's indexes).
     rows_at: Tensor,
-    positions: Vec<usize>,
     /// Rows `0..rows` of the cache are read.
     rows: usize,
+    /// Attention in blocks of query rows, each reading only the cache rows below its last.
+    blocks: Vec<Block>,
 }
+
+/// Query rows `start..start + len` of a pass: they read cache rows `0..rows`.
+struct Block {
+    start: usize,
+    len: usize,
+    rows: usize,
+    /// 0 where a query may read a key, -1e30 where it may not `(len, rows)`: built once per
+    /// pass where small, else per layer from `qpos`.
+    bias: Option<Tensor>,
+    qpos: Tensor,
+}
+
+/// Masks of one pass kept for every layer up to this many values (256 MiB).
+const MAX_KEPT_BIAS: usize = 1 << 26;
 
 /// `q` in `device` memory, block for block.
 fn to_device(q: QTensor, device: &Device) -> Result<QTensor> {
@@ -283,7 +298,7 @@ impl DeviceModel {
         cache: &mut DeviceCache,
     ) -> Result<Tensor> {
         let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, None)?;
-        rms_norm(&x, &self.output_norm, self.config.rms_eps)
+        fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)
     }
 
     /// The attention mass the rows `ids` at `positions` pay to every cache row at the layers
@@ -356,8 +371,15 @@ impl DeviceModel {
 
     /// Rows `range` of `cache` copied to host memory in f16, as a chunk store keeps them.
     pub fn download(&self, cache: &DeviceCache, range: Range<usize>) -> Result<HostKv> {
-        let get = |t: &Tensor| -> Result<Vec<half::f16>> {
-            Ok(t.narrow(0, range.start, range.len())?
+        let get = |layers: &[Tensor]| -> Result<Vec<half::f16>> {
+            if range.is_empty() {
+                return Ok(Vec::new());
+            }
+            let rows = layers
+                .iter()
+                .map(|t| t.narrow(0, range.start, range.len()))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Tensor::stack(&rows, 0)?
                 .to_dtype(DType::F16)?
                 .flatten_all()?
                 .to_vec1::<half::f16>()?)
@@ -365,61 +387,78 @@ impl DeviceModel {
         Ok(HostKv {
             base: range.start,
             len: range.len(),
-            k: cache.k.iter().map(get).collect::<Result<_>>()?,
-            v: cache.v.iter().map(get).collect::<Result<_>>()?,
+            k: get(&cache.k)?,
+            v: get(&cache.v)?,
         })
     }
 
-    /// Writes `kv` into `cache` at positions `at..at + kv.len`: one upload per layer and
-    /// tensor, K rotated by `at - kv.base` positions on the device (positional recovery).
+    /// Writes `kv` into `cache` at positions `at..at + kv.len`: one upload each for K and V,
+    /// K rotated by `at - kv.base` positions on the device (positional recovery), then a copy
+    /// per layer into the cache.
     pub fn place(&self, cache: &mut DeviceCache, kv: &HostKv, at: usize) -> Result<()> {
         let c = &self.config;
         let row = c.kv_row();
-        if at + kv.len > cache.capacity || kv.k.len() != c.n_layer || kv.v.len() != c.n_layer {
+        let size = c.n_layer * kv.len * row;
+        if at + kv.len > cache.capacity || kv.k.len() != size || kv.v.len() != size {
             return Err(EngineError::InvalidInput(format!(
-                "{} rows of {} layers do not fit at {at} in a cache of {} positions and {} layers",
+                "a chunk KV of {} rows ({} K values, {} V values) does not fit at {at} in a \
+                 {}-layer cache of {} positions",
                 kv.len,
                 kv.k.len(),
-                cache.capacity,
-                c.n_layer
+                kv.v.len(),
+                c.n_layer,
+                cache.capacity
             )));
         }
+        if kv.len == 0 {
+            return Ok(());
+        }
+        let up = |data: &[half::f16]| -> Result<Tensor> {
+            Ok(
+                Tensor::from_slice(data, (c.n_layer, kv.len, row), &self.device)?
+                    .to_dtype(DType::F32)?,
+            )
+        };
         let delta = at as i64 - kv.base as i64;
-        let table = self.rope.table(&vec![delta; kv.len]);
-        let (cos, sin) = self.upload_table(&table, kv.len)?;
+        let mut k = up(&kv.k)?;
+        if delta != 0 {
+            // One angle for every row: one "token" whose heads are all the chunk's.
+            let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
+            let heads = c.n_layer * kv.len * c.n_kv_head;
+            let flat = k.reshape((1, heads, c.head_dim))?;
+            k = self
+                .rotate(&flat, &cos, &sin)?
+                .reshape((c.n_layer, kv.len, row))?;
+        }
+        let v = up(&kv.v)?;
         for l in 0..c.n_layer {
-            let up = |data: &[half::f16]| -> Result<Tensor> {
-                Ok(Tensor::from_slice(data, (kv.len, row), &self.device)?.to_dtype(DType::F32)?)
-            };
-            let k = up(&kv.k[l])?.reshape((kv.len, c.n_kv_head, c.head_dim))?;
-            let k = self.rotate(&k, &cos, &sin)?.reshape((kv.len, row))?;
-            cache.k[l].slice_set(&k.contiguous()?, 0, at)?;
-            cache.v[l].slice_set(&up(&kv.v[l])?, 0, at)?;
+            cache.k[l].slice_set(&k.get(l)?, 0, at)?;
+            cache.v[l].slice_set(&v.get(l)?, 0, at)?;
         }
         Ok(())
     }
 
     fn upload_table(&self, table: &kernels::RopeTable, n: usize) -> Result<(Tensor, Tensor)> {
         let half = self.config.head_dim / 2;
-        let t = |v: &[f32]| -> Result<Tensor> {
-            Ok(Tensor::from_slice(v, (n, 1, half), &self.device)?)
-        };
+        let t =
+            |v: &[f32]| -> Result<Tensor> { Ok(Tensor::from_slice(v, (n, half), &self.device)?) };
         Ok((t(table.cos())?, t(table.sin())?))
     }
 
-    /// RoPE of `x` `(n, heads, head_dim)` by the angles `cos`/`sin` `(n, 1, head_dim / 2)`,
-    /// in the model's pair layout (the CPU kernel's arithmetic, op for op).
+    /// RoPE of `x` `(n, heads, head_dim)` by the angles `cos`/`sin` `(n, head_dim / 2)`, in
+    /// the model's pair layout: rotate-half as one fused kernel (candle-nn's `rope_thd`), the
+    /// interleaved pairs as the CPU kernel's arithmetic, op for op.
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (n, heads, d) = x.dims3()?;
         let half = d / 2;
         Ok(match self.rope.variant() {
             RopeVariant::RotateHalf => {
-                let (a, b) = (x.narrow(2, 0, half)?, x.narrow(2, half, half)?);
-                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
-                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
-                Tensor::cat(&[ra, rb], 2)?
+                let x = x.contiguous()?.reshape((1, n, heads, d))?;
+                candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.reshape((n, heads, d))?
             }
             RopeVariant::Interleaved => {
+                let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+                let (cos, sin) = (&cos, &sin);
                 let pairs = x.reshape((n, heads, half, 2))?;
                 let a = pairs.narrow(3, 0, 1)?.squeeze(3)?;
                 let b = pairs.narrow(3, 1, 1)?.squeeze(3)?;
@@ -451,9 +490,38 @@ impl DeviceModel {
             cos,
             sin,
             rows_at: Tensor::from_vec(at, (n, row), &self.device)?,
-            positions: positions.to_vec(),
             rows,
+            blocks: self.blocks(positions, rows)?,
         })
+    }
+
+    /// The attention blocks of a pass over `positions` reading at most `rows` cache rows.
+    fn blocks(&self, positions: &[usize], rows: usize) -> Result<Vec<Block>> {
+        let n = positions.len();
+        let size = (MAX_SCORES / (self.config.n_head * rows).max(1)).clamp(1, n);
+        let keep = n * rows <= MAX_KEPT_BIAS;
+        let kpos = Tensor::arange(0u32, rows as u32, &self.device)?.reshape((1, rows))?;
+        let mut blocks = Vec::new();
+        for start in (0..n).step_by(size) {
+            let len = size.min(n - start);
+            let here = &positions[start..start + len];
+            let top = here.iter().max().map_or(1, |&p| p + 1);
+            let qpos: Vec<u32> = here.iter().map(|&p| p as u32).collect();
+            let qpos = Tensor::from_vec(qpos, (len, 1), &self.device)?;
+            let bias = if keep {
+                Some(mask(&kpos.narrow(1, 0, top)?, &qpos)?)
+            } else {
+                None
+            };
+            blocks.push(Block {
+                start,
+                len,
+                rows: top,
+                bias,
+                qpos,
+            });
+        }
+        Ok(blocks)
     }
 
     /// Layers `layers` over the rows `ids` at `positions`; the residual stream after the last
@@ -516,7 +584,7 @@ impl DeviceModel {
         let c = &self.config;
         let w = &self.layers[l];
         let n = x.dim(0)?;
-        let h = rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+        let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
         let (mut q, mut k, mut v) = (w.wq.forward(&h)?, w.wk.forward(&h)?, w.wv.forward(&h)?);
         if let Some([bq, bk, bv]) = &w.bias {
             q = q.broadcast_add(bq)?;
@@ -526,7 +594,7 @@ impl DeviceModel {
         let heads = |t: Tensor, h: usize, norm: &Option<Tensor>| -> Result<Tensor> {
             let t = t.reshape((n, h, c.head_dim))?;
             let t = match norm {
-                Some(w) => rms_norm(&t, w, c.rms_eps)?,
+                Some(w) => fused_rms_norm(&t, w, c.rms_eps)?,
                 None => t,
             };
             self.rotate(&t, &pass.cos, &pass.sin)
@@ -538,22 +606,23 @@ impl DeviceModel {
         cache.v[l].scatter_set(&pass.rows_at, &v.contiguous()?, 0)?;
         let keys = cache.k[l].narrow(0, 0, pass.rows)?;
         let values = cache.v[l].narrow(0, 0, pass.rows)?;
-        let (attn, mass) = self.attention(&q, &keys, &values, &pass.positions, probed)?;
+        let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;
         let x = (x + w.wo.forward(&attn)?)?;
-        let h = rms_norm(&x, &w.ffn_norm, c.rms_eps)?;
+        let h = fused_rms_norm(&x, &w.ffn_norm, c.rms_eps)?;
         let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
         Ok(((x + w.down.forward(&act)?)?, mass))
     }
 
-    /// Causal attention of `q` `(n, n_head, head_dim)` at `positions` over cache rows
-    /// `(rows, kv_row)`: a query at position p reads rows `0..=p`. Blocks of query rows keep
-    /// the score matrix bounded. With `probed`, also the probabilities summed per key row.
+    /// Causal attention of `q` `(n, n_head, head_dim)` over cache rows `(rows, kv_row)`: a
+    /// query at position p reads rows `0..=p`. Each block of query rows reads only the rows
+    /// below its last query and keeps its score matrix bounded. With `probed`, also the
+    /// probabilities summed per key row `(rows)`.
     fn attention(
         &self,
         q: &Tensor,
         keys: &Tensor,
         values: &Tensor,
-        positions: &[usize],
+        pass: &Pass,
         probed: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
@@ -568,39 +637,48 @@ impl DeviceModel {
             .reshape((rows, nkv, hd))?
             .transpose(0, 1)?
             .contiguous()?;
-        let kt = k.t()?;
-        let block = (MAX_SCORES / (nh * rows).max(1)).clamp(1, n);
-        let kpos = Tensor::arange(0u32, rows as u32, &self.device)?.reshape((1, rows))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let (mut outs, mut mass) = (Vec::new(), None);
-        for start in (0..n).step_by(block) {
-            let m = block.min(n - start);
-            let qpos: Vec<u32> = positions[start..start + m]
-                .iter()
-                .map(|&p| p as u32)
-                .collect();
-            let qpos = Tensor::from_vec(qpos, (m, 1), &self.device)?;
-            // 0 where a key may be read, -1e30 where it may not.
-            let bias = ((kpos.broadcast_le(&qpos)?.to_dtype(DType::F32)? - 1.0)? * 1e30)?;
-            let qb = q.narrow(0, start, m)?.transpose(0, 1)?.contiguous()?;
+        for b in &pass.blocks {
+            let (m, top) = (b.len, b.rows);
+            let bias = match &b.bias {
+                Some(bias) => bias.clone(),
+                None => {
+                    let kpos = Tensor::arange(0u32, top as u32, &self.device)?;
+                    mask(&kpos.reshape((1, top))?, &b.qpos)?
+                }
+            };
+            let qb = q.narrow(0, b.start, m)?.transpose(0, 1)?.contiguous()?;
             let qb = qb.reshape((nkv, g * m, hd))?;
-            let s = (qb.matmul(&kt)? * scale)?.reshape((nkv, g, m, rows))?;
-            let s = s.broadcast_add(&bias)?;
-            let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
-            let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+            let kt = k.narrow(1, 0, top)?.t()?;
+            let s = (qb.matmul(&kt)? * scale)?.reshape((nkv, g, m, top))?;
+            let p = candle_nn::ops::softmax_last_dim(&s.broadcast_add(&bias)?)?;
             if probed {
-                let here = p.sum((0, 1, 2))?;
+                let here = p.sum((0, 1, 2))?.pad_with_zeros(0, 0, rows - top)?;
                 mass = Some(match mass {
                     None => here,
                     Some(acc) => (acc + here)?,
                 });
             }
-            let o = p.reshape((nkv, g * m, rows))?.matmul(&v)?;
+            let o = p
+                .reshape((nkv, g * m, top))?
+                .matmul(&v.narrow(1, 0, top)?)?;
             outs.push(o.reshape((nh, m, hd))?.transpose(0, 1)?.contiguous()?);
         }
         let out = Tensor::cat(&outs, 0)?.reshape((n, nh * hd))?;
         Ok((out, mass))
     }
+}
+
+/// 0 where key position `kpos` `(1, rows)` may be read by query position `qpos` `(m, 1)`
+/// (key <= query), -1e30 where not: `(m, rows)`.
+fn mask(kpos: &Tensor, qpos: &Tensor) -> Result<Tensor> {
+    Ok(((kpos.broadcast_le(qpos)?.to_dtype(DType::F32)? - 1.0)? * 1e30)?)
+}
+
+/// RMSNorm over the last dimension as one kernel (candle-nn's), for contiguous rows.
+fn fused_rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?)
 }
 
 fn matmul(f: &mut GgufFile, name: &str, device: &Device) -> Result<QMatMul> {
