@@ -4,7 +4,8 @@
 //!   greedy continuation), ρ = 1 blended prefill against full prefill on the device, and a
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
-//!   target_probe@ρ (KV load from host memory, probe, prefill), decode, device memory;
+//!   target_probe@ρ (KV load from host memory, probe, prefill), decode alone and 1/4/16
+//!   requests decoded together, device memory;
 //! - long context, last, at the first shape: prefill of `--long` tokens and full-attention decode
 //!   after it.
 //!
@@ -291,6 +292,39 @@ fn decode_rate(dev: &DeviceModel, ids: &[u32], cap: usize) -> Result<f64> {
     Ok((steps - 1) as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Decode of 1, 4 and 16 requests together (one forward per step, each request its own
+/// 512-token prompt): tokens per second over all requests and milliseconds per step.
+fn batching(dev: &DeviceModel) -> Result<Value> {
+    let vocab = dev.tokenizer().vocab_size();
+    let steps = 32;
+    let mut out = serde_json::Map::new();
+    for batch in [1usize, 4, 16] {
+        let (mut caches, mut firsts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..batch {
+            let p = ids(512, 200 + r as u32, vocab);
+            let (cache, logits) = dev.prefill(&p, p.len() + steps + 1)?;
+            caches.push(cache);
+            firsts.push(logits);
+            lens.push(p.len());
+        }
+        dev.device().synchronize()?;
+        let t = Instant::now();
+        dev.greedy_batch(&mut caches, &lens, &firsts, steps)?;
+        dev.device().synchronize()?;
+        let s = t.elapsed().as_secs_f64();
+        let step_ms = s * 1e3 / (steps - 1) as f64;
+        let tps = (batch * (steps - 1)) as f64 / s;
+        log(&format!(
+            "batched decode: {batch} requests, {step_ms:.1} ms per step, {tps:.0} tokens/s"
+        ));
+        out.insert(
+            batch.to_string(),
+            json!({ "ms_per_step": step_ms, "tokens_per_s": tps }),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
 /// Prefill of `tokens` tokens, then full-attention decode after them.
 fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Result<Value> {
     let dev = DeviceModel::load(path, device)?;
@@ -361,6 +395,7 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
     }
     let peak_blend = used_mib(device);
     let decode_tps = decode_rate(&dev, &all, cap)?;
+    let batched = batching(&dev)?;
     let (full_ms, probe_ms) = (median(full), median(total));
     log(&format!(
         "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
@@ -390,6 +425,7 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         "ttft_speedup": full_ms / probe_ms,
         "escalated_worst_ms": probe_ms + full_ms,
         "decode_tokens_per_s": decode_tps,
+        "batched_decode": batched,
         "memory_mib": {
             "before_load": base,
             "weights_loaded": weights,

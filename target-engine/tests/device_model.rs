@@ -238,6 +238,39 @@ fn device_verification_equals_full_recompute() {
     }
 }
 
+/// Several requests decoded in one forward per step give each request the tokens it gets
+/// decoded alone.
+#[test]
+fn batched_decode_equals_each_request_alone() {
+    for (name, spec) in specs() {
+        let (_dir, cpu, dev) = load(&spec);
+        let vocab = cpu.tokenizer().vocab_size();
+        let prompts: Vec<Vec<u32>> = (0..3)
+            .map(|i| ids(20 + 7 * i, 30 + i as u32, vocab))
+            .collect();
+        let n = 10;
+        let mut alone = Vec::new();
+        let (mut caches, mut firsts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        for p in &prompts {
+            let (mut cache, logits) = dev.prefill(p, p.len() + n).expect("prefill");
+            alone.push(dev.greedy(&mut cache, p.len(), &logits, n).expect("greedy"));
+            let (cache, logits) = dev.prefill(p, p.len() + n).expect("prefill");
+            caches.push(cache);
+            firsts.push(logits);
+            lens.push(p.len());
+        }
+        let together = dev
+            .greedy_batch(&mut caches, &lens, &firsts, n)
+            .expect("batch");
+        assert_eq!(together, alone, "{name}");
+        let err = dev
+            .forward_batch(&[1, 2], &[3], &mut caches[..2])
+            .expect_err("mismatched lengths")
+            .to_string();
+        assert!(err.contains("2 token ids, 1 positions"), "{err}");
+    }
+}
+
 /// What the device path does not run is refused by name, and an unknown device is an error.
 #[test]
 fn device_refusals_name_what_is_missing() {

@@ -105,8 +105,9 @@ impl std::fmt::Debug for DeviceModel {
     }
 }
 
-/// The KV cache on the device: per layer, K and V rows `(capacity, n_kv_head * head_dim)`,
-/// row `p` holding position `p`.
+/// The KV cache on the device: per layer, K and V `(n_kv_head, capacity, head_dim)`, row `p`
+/// of each head holding position `p`. Head-major, so attention reads a prefix of every head
+/// in place (no copy per step).
 #[derive(Debug, Clone)]
 pub struct DeviceCache {
     k: Vec<Tensor>,
@@ -123,7 +124,8 @@ impl DeviceCache {
     /// Layer `layer`'s K rows of `range` (kv heads x head dim each), in host memory.
     pub fn k_rows(&self, layer: usize, range: Range<usize>) -> Result<Vec<f32>> {
         Ok(self.k[layer]
-            .narrow(0, range.start, range.len())?
+            .narrow(1, range.start, range.len())?
+            .transpose(0, 1)?
             .flatten_all()?
             .to_vec1::<f32>()?)
     }
@@ -144,8 +146,8 @@ impl DeviceCache {
         }
         for (to, from) in self.k.iter().zip(&from.k).chain(self.v.iter().zip(&from.v)) {
             to.slice_set(
-                &from.narrow(0, range.start, range.len())?.contiguous()?,
-                0,
+                &from.narrow(1, range.start, range.len())?.contiguous()?,
+                1,
                 range.start,
             )?;
         }
@@ -168,8 +170,8 @@ impl DeviceCache {
 }
 
 /// A chunk's KV rows in host memory, every layer, in f16 as the chunk store keeps them,
-/// computed at positions `base..base + len`: `k` and `v` laid out `(layer, row, kv_row)`, so
-/// a chunk moves to the device in one copy each.
+/// computed at positions `base..base + len`: `k` and `v` laid out `(layer, kv head, row,
+/// head_dim)` as the device cache holds them, so a chunk moves in one copy each.
 #[derive(Debug, Clone)]
 pub struct HostKv {
     pub base: usize,
@@ -182,7 +184,8 @@ pub struct HostKv {
 struct Pass {
     cos: Tensor,
     sin: Tensor,
-    /// Cache row of each value of the rows' K/V `(n, kv_row)` (the scatter's indexes).
+    /// Cache row of each value of the rows' K/V `(n_kv_head, n, head_dim)` (the scatter's
+    /// indexes).
     rows_at: Tensor,
     /// Rows `0..rows` of the cache are read.
     rows: usize,
@@ -275,10 +278,11 @@ impl DeviceModel {
 
     /// An empty cache with room for `capacity` positions.
     pub fn new_cache(&self, capacity: usize) -> Result<DeviceCache> {
-        let row = self.config.kv_row();
+        let c = &self.config;
+        let shape = (c.n_kv_head, capacity, c.head_dim);
         let zeros = || -> Result<Vec<Tensor>> {
-            (0..self.config.n_layer)
-                .map(|_| Ok(Tensor::zeros((capacity, row), DType::F32, &self.device)?))
+            (0..c.n_layer)
+                .map(|_| Ok(Tensor::zeros(shape, DType::F32, &self.device)?))
                 .collect()
         };
         Ok(DeviceCache {
@@ -299,6 +303,80 @@ impl DeviceModel {
     ) -> Result<Tensor> {
         let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, None)?;
         fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)
+    }
+
+    /// One decode step of several requests in one forward: row `i` is token `ids[i]` at
+    /// `positions[i]` of `caches[i]` (its cache filled below it). The projections and the FFN
+    /// run once over all rows; each row attends to its own cache. Returns the final-normed
+    /// hidden rows `(requests, n_embd)`.
+    pub fn forward_batch(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        caches: &mut [DeviceCache],
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = ids.len();
+        if n == 0 || positions.len() != n || caches.len() != n {
+            return Err(EngineError::InvalidInput(format!(
+                "{n} token ids, {} positions and {} caches",
+                positions.len(),
+                caches.len()
+            )));
+        }
+        if let Some((i, _)) = positions
+            .iter()
+            .zip(caches.iter())
+            .enumerate()
+            .find(|(_, (&p, cache))| p >= cache.capacity || cache.k.len() != c.n_layer)
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "request {i}: position {} does not fit its cache",
+                positions[i]
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} >= vocabulary size {}",
+                c.vocab_size
+            )));
+        }
+        let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::new(ids, &self.device)?, 0)?;
+        for l in 0..c.n_layer {
+            let w = &self.layers[l];
+            let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+            let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(n);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let p = positions[i];
+                let row = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.narrow(0, i, 1)?.transpose(0, 1)?.contiguous()?)
+                };
+                cache.k[l].slice_set(&row(&k)?, 1, p)?;
+                cache.v[l].slice_set(&row(&v.reshape((n, c.n_kv_head, c.head_dim))?)?, 1, p)?;
+                let keys = cache.k[l].narrow(1, 0, p + 1)?;
+                let values = cache.v[l].narrow(1, 0, p + 1)?;
+                outs.push(self.attend_one(&q.narrow(0, i, 1)?, &keys, &values)?);
+            }
+            let attn = Tensor::cat(&outs, 0)?;
+            x = self.ffn(w, x, &attn)?;
+        }
+        fused_rms_norm(&x, &self.output_norm, c.rms_eps)
+    }
+
+    /// One query row `(1, n_head, head_dim)` against every row of `keys`/`values`
+    /// `(n_kv_head, rows, head_dim)` (no mask: the row is the latest); `(1, n_head * head_dim)`.
+    fn attend_one(&self, q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Tensor> {
+        let (_, nh, hd) = q.dims3()?;
+        let nkv = self.config.n_kv_head;
+        let q = q.reshape((nkv, nh / nkv, hd))?;
+        let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        Ok(p.matmul(values)?.reshape((1, nh * hd))?)
     }
 
     /// The attention mass the rows `ids` at `positions` pay to every cache row at the layers
@@ -369,6 +447,34 @@ impl DeviceModel {
         Ok(out)
     }
 
+    /// Greedy continuations of `n` tokens for several requests decoded together
+    /// ([`DeviceModel::forward_batch`] per step): request `i`'s cache is filled up to
+    /// `lens[i]` and its next-token logits are `logits[i]`.
+    pub fn greedy_batch(
+        &self,
+        caches: &mut [DeviceCache],
+        lens: &[usize],
+        logits: &[Vec<f32>],
+        n: usize,
+    ) -> Result<Vec<Vec<u32>>> {
+        let mut next: Vec<u32> = logits.iter().map(|l| crate::argmax(l)).collect();
+        let mut out = vec![Vec::with_capacity(n); next.len()];
+        for step in 0..n {
+            out.iter_mut().zip(&next).for_each(|(o, &t)| o.push(t));
+            if step + 1 == n {
+                break;
+            }
+            let positions: Vec<usize> = lens.iter().map(|&l| l + step).collect();
+            let hidden = self.forward_batch(&next, &positions, caches)?;
+            next = self
+                .logits(&hidden)?
+                .iter()
+                .map(|l| crate::argmax(l))
+                .collect();
+        }
+        Ok(out)
+    }
+
     /// Rows `range` of `cache` copied to host memory in f16, as a chunk store keeps them.
     pub fn download(&self, cache: &DeviceCache, range: Range<usize>) -> Result<HostKv> {
         let get = |layers: &[Tensor]| -> Result<Vec<half::f16>> {
@@ -377,7 +483,7 @@ impl DeviceModel {
             }
             let rows = layers
                 .iter()
-                .map(|t| t.narrow(0, range.start, range.len()))
+                .map(|t| t.narrow(1, range.start, range.len()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(Tensor::stack(&rows, 0)?
                 .to_dtype(DType::F16)?
@@ -413,11 +519,9 @@ impl DeviceModel {
         if kv.len == 0 {
             return Ok(());
         }
+        let shape = (c.n_layer, c.n_kv_head, kv.len, c.head_dim);
         let up = |data: &[half::f16]| -> Result<Tensor> {
-            Ok(
-                Tensor::from_slice(data, (c.n_layer, kv.len, row), &self.device)?
-                    .to_dtype(DType::F32)?,
-            )
+            Ok(Tensor::from_slice(data, shape, &self.device)?.to_dtype(DType::F32)?)
         };
         let delta = at as i64 - kv.base as i64;
         let mut k = up(&kv.k)?;
@@ -426,14 +530,12 @@ impl DeviceModel {
             let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
             let heads = c.n_layer * kv.len * c.n_kv_head;
             let flat = k.reshape((1, heads, c.head_dim))?;
-            k = self
-                .rotate(&flat, &cos, &sin)?
-                .reshape((c.n_layer, kv.len, row))?;
+            k = self.rotate(&flat, &cos, &sin)?.reshape(shape)?;
         }
         let v = up(&kv.v)?;
         for l in 0..c.n_layer {
-            cache.k[l].slice_set(&k.get(l)?, 0, at)?;
-            cache.v[l].slice_set(&v.get(l)?, 0, at)?;
+            cache.k[l].slice_set(&k.get(l)?, 1, at)?;
+            cache.v[l].slice_set(&v.get(l)?, 1, at)?;
         }
         Ok(())
     }
@@ -481,15 +583,16 @@ impl DeviceModel {
         }
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
-        let row = self.config.kv_row();
+        let (nkv, hd) = (self.config.n_kv_head, self.config.head_dim);
         let at: Vec<u32> = positions
             .iter()
-            .flat_map(|&p| std::iter::repeat_n(p as u32, row))
+            .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
             .collect();
+        let at = Tensor::from_vec(at, (1, n, hd), &self.device)?;
         Ok(Pass {
             cos,
             sin,
-            rows_at: Tensor::from_vec(at, (n, row), &self.device)?,
+            rows_at: at.broadcast_as((nkv, n, hd))?.contiguous()?,
             rows,
             blocks: self.blocks(positions, rows)?,
         })
@@ -585,7 +688,31 @@ impl DeviceModel {
         let w = &self.layers[l];
         let n = x.dim(0)?;
         let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
-        let (mut q, mut k, mut v) = (w.wq.forward(&h)?, w.wk.forward(&h)?, w.wv.forward(&h)?);
+        let (q, k, v) = self.qkv(w, &h, &pass.cos, &pass.sin)?;
+        let head_major = |t: Tensor| -> Result<Tensor> {
+            let t = t.reshape((n, c.n_kv_head, c.head_dim))?;
+            Ok(t.transpose(0, 1)?.contiguous()?)
+        };
+        cache.k[l].scatter_set(&pass.rows_at, &head_major(k)?, 1)?;
+        cache.v[l].scatter_set(&pass.rows_at, &head_major(v)?, 1)?;
+        let keys = cache.k[l].narrow(1, 0, pass.rows)?;
+        let values = cache.v[l].narrow(1, 0, pass.rows)?;
+        let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;
+        Ok((self.ffn(w, x, &attn)?, mass))
+    }
+
+    /// Q `(n, n_head, head_dim)` and K `(n, n_kv_head, head_dim)` (biased, head-normed where
+    /// the family does, rotated) and V `(n, kv_row)` of normed rows `h`.
+    fn qkv(
+        &self,
+        w: &Layer,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = &self.config;
+        let n = h.dim(0)?;
+        let (mut q, mut k, mut v) = (w.wq.forward(h)?, w.wk.forward(h)?, w.wv.forward(h)?);
         if let Some([bq, bk, bv]) = &w.bias {
             q = q.broadcast_add(bq)?;
             k = k.broadcast_add(bk)?;
@@ -597,23 +724,24 @@ impl DeviceModel {
                 Some(w) => fused_rms_norm(&t, w, c.rms_eps)?,
                 None => t,
             };
-            self.rotate(&t, &pass.cos, &pass.sin)
+            self.rotate(&t, cos, sin)
         };
         let q = heads(q, c.n_head, &w.q_norm)?;
         let k = heads(k, c.n_kv_head, &w.k_norm)?;
-        let row = c.kv_row();
-        cache.k[l].scatter_set(&pass.rows_at, &k.reshape((n, row))?.contiguous()?, 0)?;
-        cache.v[l].scatter_set(&pass.rows_at, &v.contiguous()?, 0)?;
-        let keys = cache.k[l].narrow(0, 0, pass.rows)?;
-        let values = cache.v[l].narrow(0, 0, pass.rows)?;
-        let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;
-        let x = (x + w.wo.forward(&attn)?)?;
-        let h = fused_rms_norm(&x, &w.ffn_norm, c.rms_eps)?;
-        let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
-        Ok(((x + w.down.forward(&act)?)?, mass))
+        Ok((q, k, v))
     }
 
-    /// Causal attention of `q` `(n, n_head, head_dim)` over cache rows `(rows, kv_row)`: a
+    /// The rest of a block after attention: the output projection added to the residual
+    /// stream `x`, then the gated FFN the same way.
+    fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x = (x + w.wo.forward(attn)?)?;
+        let h = fused_rms_norm(&x, &w.ffn_norm, self.config.rms_eps)?;
+        let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
+        Ok((x + w.down.forward(&act)?)?)
+    }
+
+    /// Causal attention of `q` `(n, n_head, head_dim)` over the cache's first rows of every
+    /// head `(n_kv_head, rows, head_dim)` (views, read in place): a
     /// query at position p reads rows `0..=p`. Each block of query rows reads only the rows
     /// below its last query and keeps its score matrix bounded. With `probed`, also the
     /// probabilities summed per key row `(rows)`.
@@ -627,16 +755,9 @@ impl DeviceModel {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
         let (n, nh, hd) = q.dims3()?;
-        let (nkv, rows) = (c.n_kv_head, keys.dim(0)?);
+        let (nkv, rows) = (c.n_kv_head, keys.dim(1)?);
         let g = nh / nkv;
-        let k = keys
-            .reshape((rows, nkv, hd))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let v = values
-            .reshape((rows, nkv, hd))?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let (k, v) = (keys, values);
         let scale = 1.0 / (hd as f64).sqrt();
         let (mut outs, mut mass) = (Vec::new(), None);
         for b in &pass.blocks {
