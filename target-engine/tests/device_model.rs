@@ -2,7 +2,7 @@
 //! CPU device: the code a GPU runs in a `--features cuda` build, checked without a GPU. Tiny
 //! random-weight models of each family the device path runs.
 
-use target_engine::device::{DeviceModel, RagPrompt};
+use target_engine::device::{DeviceCache, DeviceModel, HostKv, RagPrompt};
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{argmax, Architecture, LoadOptions, Model};
 
@@ -37,6 +37,18 @@ fn ids(n: usize, seed: u32, vocab: usize) -> Vec<u32> {
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// What a store holds for `p`: the prefix's cache (on the device) and each chunk's KV
+/// computed on its own (in host memory).
+fn stored(dev: &DeviceModel, p: &RagPrompt) -> (DeviceCache, Vec<HostKv>) {
+    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len()).expect("prefix");
+    let chunks = p
+        .chunks
+        .iter()
+        .map(|c| dev.precompute(c).expect("precompute"))
+        .collect();
+    (prefix, chunks)
 }
 
 fn prompt(vocab: usize) -> RagPrompt {
@@ -138,12 +150,7 @@ fn device_blend_identities() {
         let p = prompt(vocab);
         let all = p.ids();
         let (_, full) = dev.prefill(&all, all.len()).expect("prefill");
-        let (prefix_kv, _) = dev.prefill(&p.prefix, p.prefix.len()).expect("prefix");
-        let chunks: Vec<_> = p
-            .chunks
-            .iter()
-            .map(|c| dev.precompute(c).expect("precompute"))
-            .collect();
+        let (prefix_kv, chunks) = stored(&dev, &p);
         let mut fused = dev
             .fused(&p, &prefix_kv, &chunks, all.len())
             .expect("fused");
@@ -212,12 +219,7 @@ fn device_verification_equals_full_recompute() {
             .greedy(&mut reference_cache, all.len(), &full, n)
             .expect("greedy");
         let (mut exact, _) = dev.prefill(&all, cap).expect("prefill");
-        let (prefix_kv, _) = dev.prefill(&p.prefix, p.prefix.len()).expect("prefix");
-        let chunks: Vec<_> = p
-            .chunks
-            .iter()
-            .map(|c| dev.precompute(c).expect("precompute"))
-            .collect();
+        let (prefix_kv, chunks) = stored(&dev, &p);
         let (mut draft, recomputed, draft_logits, _) = dev
             .blend_probe_timed(&p, &prefix_kv, &chunks, 0.15, cap)
             .expect("blend");
