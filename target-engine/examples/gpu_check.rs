@@ -12,6 +12,7 @@
 //! ```text
 //! gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] [--work DIR]
 //!           [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768]
+//!           [--format q8_0|q4_k]
 //! ```
 //! Writes DIR/gpu.json after every part (a timeout keeps what ran) and logs to stderr.
 //! `--device cpu --parity small --shapes small` runs the same steps on a CPU in seconds.
@@ -35,12 +36,14 @@ struct Args {
     runs: usize,
     /// Context length of the long-context part at the first shape (0: skipped).
     long: usize,
+    /// The matrices' format: Q8_0 or Q4_K.
+    format: target_engine::GgmlDType,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] \
-         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768]\n\
+         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768] [--format q8_0|q4_k]\n\
          shapes: small, 0.5b, 1.5b, 7b (Qwen2.5's); `none` skips the part"
     );
     std::process::exit(2)
@@ -58,6 +61,7 @@ fn args() -> Args {
         ratio: 0.15,
         runs: 3,
         long: 32768,
+        format: target_engine::GgmlDType::Q8_0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -75,6 +79,13 @@ fn args() -> Args {
             "--ratio" => a.ratio = num(&value),
             "--runs" => a.runs = (num(&value) as usize).max(1),
             "--long" => a.long = num(&value) as usize,
+            "--format" => {
+                a.format = match value.as_str() {
+                    "q8_0" => target_engine::GgmlDType::Q8_0,
+                    "q4_k" => target_engine::GgmlDType::Q4K,
+                    _ => usage(),
+                }
+            }
             _ => usage(),
         }
     }
@@ -109,8 +120,9 @@ fn used_mib(_: &candle_core::Device) -> Option<f64> {
     None
 }
 
-fn write_shape(work: &Path, shape: &str) -> Result<PathBuf> {
-    let spec = TinySpec::qwen2_shape(shape).unwrap_or_else(|| usage());
+fn write_shape(work: &Path, shape: &str, format: target_engine::GgmlDType) -> Result<PathBuf> {
+    let mut spec = TinySpec::qwen2_shape(shape).unwrap_or_else(|| usage());
+    spec.real_format = format;
     std::fs::create_dir_all(work)?;
     let path = work.join(format!("qwen2-{shape}-random.gguf"));
     let t = Instant::now();
@@ -443,7 +455,7 @@ fn run(a: &Args, report: &mut Value) -> Result<()> {
     // Each part on its own: one that fails is recorded and the next still runs.
     let mut failed = 0;
     if a.parity != "none" {
-        let path = write_shape(&a.work, &a.parity)?;
+        let path = write_shape(&a.work, &a.parity, a.format)?;
         report["parity"] = parity(&path, &device).unwrap_or_else(|e| {
             failed += 1;
             log(&format!("parity failed: {e}"));
@@ -454,7 +466,7 @@ fn run(a: &Args, report: &mut Value) -> Result<()> {
         std::fs::remove_file(&path)?;
     }
     for shape in &a.shapes {
-        let path = write_shape(&a.work, shape)?;
+        let path = write_shape(&a.work, shape, a.format)?;
         report["speed"][shape] = speed(&path, &device, a).unwrap_or_else(|e| {
             failed += 1;
             log(&format!("speed at {shape} failed: {e}"));
@@ -491,6 +503,7 @@ fn main() {
     let mut report = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "cuda_build": cfg!(feature = "cuda"),
+        "format": format!("{:?}", a.format),
     });
     let result = run(&a, &mut report);
     report["seconds"] = json!(started().elapsed().as_secs_f64());

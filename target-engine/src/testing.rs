@@ -48,6 +48,9 @@ pub struct TinySpec {
     /// vocabulary; the tiny tokenizer uses the first few), and every matrix is written as
     /// random Q8_0 blocks generated in parallel, so a 7B shape takes seconds, not minutes.
     pub real_vocab: Option<usize>,
+    /// The format of a real shape's matrices: Q8_0 (the default) or Q4_K, the format most
+    /// of a real Q4_K_M file is in.
+    pub real_format: GgmlDType,
 }
 
 impl TinySpec {
@@ -70,6 +73,7 @@ impl TinySpec {
             sentencepiece: false,
             extra: Vec::new(),
             real_vocab: None,
+            real_format: GgmlDType::Q8_0,
         }
     }
 
@@ -104,6 +108,7 @@ impl TinySpec {
 struct Draw {
     seed: u64,
     fast: bool,
+    format: GgmlDType,
     matrices: u64,
 }
 
@@ -126,7 +131,9 @@ impl Draw {
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 
-    /// A Q8_0 matrix of uniform values in `[-scale, scale]`.
+    /// A matrix of values in about `[-scale, scale]`: Q8_0 from the shared stream, or, for
+    /// real shapes, random blocks of `format` (Q8_0: uniform int8 with one scale; Q4_K: random
+    /// 6-bit sub-block scales and minimums and 4-bit values, the minimums centring them).
     fn matrix(&mut self, shape: (usize, usize), scale: f32) -> Result<QTensor> {
         if !self.fast {
             return Ok(QTensor::quantize(
@@ -137,23 +144,47 @@ impl Draw {
         use rayon::prelude::*;
         self.matrices += 1;
         let stream = self.seed ^ self.matrices.wrapping_mul(0xD1B5_4A32_D192_ED03);
-        let blocks = shape.0 * shape.1 / 32;
-        let d = half::f16::from_f32(scale / 127.0).to_le_bytes();
-        let mut bytes = vec![0u8; blocks * 34];
-        bytes.par_chunks_mut(34).enumerate().for_each(|(b, block)| {
-            let mut state = stream ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            block[..2].copy_from_slice(&d);
-            for quad in block[2..].chunks_mut(8) {
-                let r = splitmix(&mut state).to_le_bytes();
-                for (q, x) in quad.iter_mut().zip(r) {
-                    *q = ((i32::from(x) % 255) - 127) as i8 as u8;
-                }
+        let (format, head) = match self.format {
+            GgmlDType::Q4K => {
+                // w = d·sc·q - dmin·m with sc, m in 0..64 and q in 0..16: dmin = 7.5 d centres
+                // them, and |w| stays below 945 d.
+                let d = half::f16::from_f32(scale / 472.0);
+                let dmin = half::f16::from_f32(scale / 472.0 * 7.5);
+                (
+                    GgmlDType::Q4K,
+                    [d.to_le_bytes(), dmin.to_le_bytes()].concat(),
+                )
             }
-        });
+            _ => (
+                GgmlDType::Q8_0,
+                half::f16::from_f32(scale / 127.0).to_le_bytes().to_vec(),
+            ),
+        };
+        let size = format.type_size();
+        let blocks = shape.0 * shape.1 / format.block_size();
+        let int8 = format == GgmlDType::Q8_0;
+        let mut bytes = vec![0u8; blocks * size];
+        bytes
+            .par_chunks_mut(size)
+            .enumerate()
+            .for_each(|(b, block)| {
+                let mut state = stream ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                block[..head.len()].copy_from_slice(&head);
+                for chunk in block[head.len()..].chunks_mut(8) {
+                    let r = splitmix(&mut state).to_le_bytes();
+                    for (q, x) in chunk.iter_mut().zip(r) {
+                        *q = if int8 {
+                            ((i32::from(x) % 255) - 127) as i8 as u8
+                        } else {
+                            x
+                        };
+                    }
+                }
+            });
         let storage = candle_core::quantized::QStorage::from_data(
             std::borrow::Cow::Owned(bytes),
             &Device::Cpu,
-            GgmlDType::Q8_0,
+            format,
         )?;
         Ok(QTensor::new(storage, shape)?)
     }
@@ -397,6 +428,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     let mut draw = Draw {
         seed: spec.seed,
         fast: spec.real_vocab.is_some(),
+        format: spec.real_format,
         matrices: 0,
     };
     let rows = spec.real_vocab.unwrap_or(vocab).max(vocab);

@@ -106,6 +106,30 @@ fn device_forward_matches_the_cpu_engine() {
     }
 }
 
+/// The GPU check's random models of real shapes (here the small one) load on both engines in
+/// either format and agree on the first token's logits.
+#[test]
+fn real_shape_models_agree_in_both_formats() {
+    for format in [
+        target_engine::GgmlDType::Q8_0,
+        target_engine::GgmlDType::Q4K,
+    ] {
+        let mut spec = TinySpec::qwen2_shape("small").expect("small shape");
+        spec.real_format = format;
+        let (_dir, cpu, dev) = load(&spec);
+        assert_eq!(dev.config().n_embd, 256);
+        let vocab = cpu.tokenizer().vocab_size();
+        let prompt = ids(48, 3, vocab);
+        let (_, want) = cpu.prefill(&prompt).expect("cpu prefill");
+        let (_, got) = dev.prefill(&prompt, prompt.len()).expect("device prefill");
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(&want, &got);
+        assert!(scale > 1.0, "{format:?}: logits up to {scale}");
+        assert!(d < LOGIT, "{format:?}: first-token logits differ by {d}");
+    }
+    assert!(TinySpec::qwen2_shape("13b").is_none());
+}
+
 /// The question's attention mass per position equals the CPU engine's probe on the same full
 /// cache, and each probed row and head spends exactly one unit of it.
 #[test]
