@@ -65,6 +65,17 @@ fn args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            // This file's own documentation, without its code fences.
+            let doc: Vec<&str> = include_str!("gpu_check.rs")
+                .lines()
+                .map_while(|l| l.strip_prefix("//!"))
+                .map(|l| l.strip_prefix(' ').unwrap_or(l))
+                .filter(|l| !l.starts_with("```"))
+                .collect();
+            println!("{}", doc.join("\n"));
+            std::process::exit(0);
+        }
         let value = it.next().unwrap_or_else(|| usage());
         let num = |v: &str| v.parse::<f64>().unwrap_or_else(|_| usage());
         match flag.as_str() {
