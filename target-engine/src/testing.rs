@@ -48,6 +48,10 @@ pub struct TinySpec {
     /// vocabulary; the tiny tokenizer uses the first few), and every matrix is written as
     /// random Q8_0 blocks generated in parallel, so a 7B shape takes seconds, not minutes.
     pub real_vocab: Option<usize>,
+    /// Named as a Phi-3 file (`tiny-phi3`): llama.cpp then drops the whitespace after special
+    /// tokens, by the name (and needs `<unk>`, `<s>`, `</s>` and `<|endoftext|>` in the
+    /// vocabulary: the SentencePiece one has them).
+    pub phi3_name: bool,
     /// The format of a real shape's matrices: Q8_0 (the default) or Q4_K, the format most
     /// of a real Q4_K_M file is in.
     pub real_format: GgmlDType,
@@ -73,6 +77,7 @@ impl TinySpec {
             sentencepiece: false,
             extra: Vec::new(),
             real_vocab: None,
+            phi3_name: false,
             real_format: GgmlDType::Q8_0,
         }
     }
@@ -196,7 +201,8 @@ impl Draw {
 /// Qwen3's per-head Q/K norms and a head dimension other than `n_embd / n_head`, Llama 3's
 /// RoPE frequency factors (large enough to move a short prompt's logits) and pre-tokenizer,
 /// Phi-3's fused Q/K/V and gate/up matrices, a SentencePiece vocabulary (as Llama 2, Mistral and
-/// Gemma files have).
+/// Gemma files have), and a Phi-3-named SentencePiece file (whitespace after special tokens
+/// dropped, by the name, as llama.cpp does).
 pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     let with_head = |arch| TinySpec {
         output_head: true,
@@ -230,6 +236,10 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     let mut spm = with_head(Architecture::Llama);
     spm.sentencepiece = true;
     spm.seed = 17;
+    let mut phi3_spm = with_head(Architecture::Phi3);
+    phi3_spm.sentencepiece = true;
+    phi3_spm.phi3_name = true;
+    phi3_spm.seed = 23;
     vec![
         ("tiny-qwen2", with_head(Architecture::Qwen2)),
         ("tiny-llama", llama),
@@ -238,6 +248,7 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
         ("tiny-phi3", phi3),
         ("tiny-llama-spm", spm),
         ("tiny-gemma3", gemma3),
+        ("tiny-phi3-spm", phi3_spm),
     ]
 }
 
@@ -394,7 +405,11 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         // by the name, and this vocabulary is byte-level BPE, not Phi-3's.
         (
             "general.name".into(),
-            s(&format!("tiny-{}", a.replace("phi3", "phi-three"))),
+            if spec.phi3_name {
+                s("tiny-phi3")
+            } else {
+                s(&format!("tiny-{}", a.replace("phi3", "phi-three")))
+            },
         ),
         (format!("{a}.block_count"), u(spec.n_layer)),
         (format!("{a}.context_length"), u(4096)),

@@ -193,11 +193,25 @@ pub struct Tokenizer {
     /// A SentencePiece vocabulary's merging (`tokenizer.ggml.model` = `llama`); `None` for
     /// byte-level BPE.
     spm: Option<Spm>,
+    /// Special tokens after which whitespace in the text is dropped when they are split out
+    /// (llama.cpp's RSTRIP; it sets it for Phi-3 files by their name, see [`phi3_rstrip`]).
+    rstrip: HashSet<u32>,
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer described by the file's `tokenizer.ggml.*` metadata.
+    /// Builds the tokenizer described by the file's `tokenizer.ggml.*` metadata (and, as
+    /// llama.cpp does, the Phi-3 whitespace rule its `general.name` may call for).
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
+        let mut t = Self::vocab_from_gguf(f)?;
+        let name = match f.get("general.name") {
+            Some(Value::String(s)) => Some(s.as_str()),
+            _ => None,
+        };
+        t.rstrip = phi3_rstrip(name, &t.token_text, &t.specials);
+        Ok(t)
+    }
+
+    fn vocab_from_gguf(f: &GgufFile) -> Result<Self> {
         let model = f.string("tokenizer.ggml.model")?;
         let opt_id = |key: &str| f.get(key).and_then(value_as_u64).map(|x| x as u32);
         match model {
@@ -340,6 +354,7 @@ impl Tokenizer {
             add_bos,
             eog,
             whole_pieces: None,
+            rstrip: HashSet::new(),
             spm: Some(Spm {
                 lookup,
                 scores,
@@ -396,6 +411,7 @@ impl Tokenizer {
             eog,
             whole_pieces,
             spm: None,
+            rstrip: HashSet::new(),
         })
     }
 
@@ -492,13 +508,25 @@ impl Tokenizer {
                     continue;
                 };
                 let mut cur = s;
+                let strip = self.rstrip.contains(&id);
                 for (i, _) in text[s..e].match_indices(needle) {
                     let at = s + i;
+                    if at < cur {
+                        continue;
+                    }
                     if at > cur {
                         next.push(Fragment::Text(cur, at));
                     }
                     next.push(Fragment::Special(id, at, at + needle.len()));
                     cur = at + needle.len();
+                    if strip {
+                        // C's isspace: space, \t, \n, \v, \f, \r.
+                        let skip = text.as_bytes()[cur..e]
+                            .iter()
+                            .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
+                            .count();
+                        cur += skip;
+                    }
                 }
                 if cur < e {
                     next.push(Fragment::Text(cur, e));
@@ -791,6 +819,25 @@ fn read_vocab(f: &GgufFile) -> Result<(Vec<String>, Vec<TokenType>)> {
         )));
     }
     Ok((tokens, types))
+}
+
+/// llama.cpp's rule for files whose `general.name` names Phi-3 (`phi-3` or `phi3`, any case,
+/// whatever the architecture): every special token drops the whitespace after it, `</s>`
+/// too, but `<unk>`, `<s>` and `<|endoftext|>` do not. Empty for other names.
+fn phi3_rstrip(name: Option<&str>, tokens: &[String], specials: &[u32]) -> HashSet<u32> {
+    let name = name.unwrap_or("").to_lowercase();
+    if !(name.contains("phi-3") || name.contains("phi3")) {
+        return HashSet::new();
+    }
+    let id = |t: &str| tokens.iter().position(|x| x == t).map(|i| i as u32);
+    let mut set: HashSet<u32> = specials.iter().copied().collect();
+    set.extend(id("</s>"));
+    for t in ["<unk>", "<s>", "<|endoftext|>"] {
+        if let Some(i) = id(t) {
+            set.remove(&i);
+        }
+    }
+    set
 }
 
 /// Tokens split out of text before tokenizing (control and user-defined), longest text first.

@@ -190,6 +190,25 @@ fn the_oracle_sees_each_familys_own_part() {
             "{name}: without {without}, with {with}"
         );
     }
+    // Phi-3's whitespace rule changes the ids llama.cpp gives the ChatML prompt (the newline
+    // after `<|im_end|>` is dropped): the same file without the name tokenizes it otherwise.
+    let chat = fixtures
+        .iter()
+        .find(|l| {
+            l["model"] == "tiny-phi3-spm"
+                && l["prompt"]
+                    .as_str()
+                    .is_some_and(|p| p.contains("<|im_end|>\n"))
+        })
+        .expect("chat prompt");
+    let prompt = chat["prompt"].as_str().expect("prompt");
+    let mut unnamed = spec("tiny-phi3-spm");
+    unnamed.phi3_name = false;
+    let (_d, named) = load(&spec("tiny-phi3-spm"));
+    let (_e, other) = load(&unnamed);
+    let want = ids_of(&chat["prompt_ids"]);
+    assert_eq!(named.tokenizer().encode(prompt, true).ids, want);
+    assert_ne!(other.tokenizer().encode(prompt, true).ids, want);
 }
 
 /// Gemma 3 270M (`specrag models fetch --model gemma3-270m`, which the test setup runs), a real
