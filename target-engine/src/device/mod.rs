@@ -335,17 +335,9 @@ impl DeviceModel {
                 positions[i]
             )));
         }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
-            return Err(EngineError::InvalidInput(format!(
-                "token id {bad} >= vocabulary size {}",
-                c.vocab_size
-            )));
-        }
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
-        let mut x = self
-            .embed
-            .index_select(&Tensor::new(ids, &self.device)?, 0)?;
+        let mut x = self.embed(ids)?;
         for l in 0..c.n_layer {
             let w = &self.layers[l];
             let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
@@ -366,6 +358,19 @@ impl DeviceModel {
             x = self.ffn(w, x, &attn)?;
         }
         fused_rms_norm(&x, &self.output_norm, c.rms_eps)
+    }
+
+    /// Token embeddings `(n, n_embd)` of `ids`, each checked against the vocabulary.
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} >= vocabulary size {vocab}"
+            )));
+        }
+        Ok(self
+            .embed
+            .index_select(&Tensor::new(ids, &self.device)?, 0)?)
     }
 
     /// One query row `(1, n_head, head_dim)` against every row of `keys`/`values`
@@ -645,21 +650,13 @@ impl DeviceModel {
                 positions.len()
             )));
         }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
-            return Err(EngineError::InvalidInput(format!(
-                "token id {bad} >= vocabulary size {}",
-                c.vocab_size
-            )));
-        }
         if cache.k.len() != c.n_layer || layers.end > c.n_layer {
             return Err(EngineError::InvalidInput(
                 "cache or layers do not fit this model".into(),
             ));
         }
         let pass = self.pass(positions, cache)?;
-        let mut x = self
-            .embed
-            .index_select(&Tensor::new(ids, &self.device)?, 0)?;
+        let mut x = self.embed(ids)?;
         let mut mass = None;
         for l in layers {
             let probed = probe.as_ref().is_some_and(|p| p.contains(&l));
