@@ -36,6 +36,7 @@ PROMPTS = [
     "Zürich, 1867: thirty-three \u00e9t\u00e9s in a row, 1234567 of them",
     "a" * 40 + " the " * 12,
     " ".join(["the thin ant ran in the sand and then the ant sat in the tent"] * 12),
+    "the <unk> in the tea<unk>",
 ]
 GREEDY = 16
 

@@ -494,7 +494,11 @@ impl Tokenizer {
             return Vec::new();
         }
         for &id in &self.specials {
-            if self.types[id as usize] == TokenType::Control && !parse_special {
+            if matches!(
+                self.types[id as usize],
+                TokenType::Control | TokenType::Unknown
+            ) && !parse_special
+            {
                 continue;
             }
             let needle = self.token_text[id as usize].as_str();
@@ -840,13 +844,15 @@ fn phi3_rstrip(name: Option<&str>, tokens: &[String], specials: &[u32]) -> HashS
     set
 }
 
-/// Tokens split out of text before tokenizing (control and user-defined), longest text first.
+/// Tokens split out of text before tokenizing, longest text first: control, user-defined and
+/// unknown (`<unk>`), as llama.cpp's partition does (control and unknown only when special
+/// tokens are parsed).
 fn special_ids(tokens: &[String], types: &[TokenType]) -> Vec<u32> {
     let mut specials: Vec<u32> = (0..tokens.len() as u32)
         .filter(|&i| {
             matches!(
                 types[i as usize],
-                TokenType::Control | TokenType::UserDefined
+                TokenType::Control | TokenType::UserDefined | TokenType::Unknown
             ) && !tokens[i as usize].is_empty()
         })
         .collect();
