@@ -62,6 +62,12 @@ pub enum Method {
     /// `target_probe` with QCFuse-style per-chunk anchors: the budget split evenly across
     /// chunks (measurement only: refused by the API).
     ProbeAnchors,
+    /// `target_probe` recomputing a chunk whole once the probe picked half of its tokens
+    /// (measurement only: refused by the API).
+    ProbeWhole,
+    /// `target_probe` recomputing whole the chunk the question attends to most, the rest of
+    /// the budget spent on the others (measurement only: refused by the API).
+    ProbeTopChunk,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -70,12 +76,14 @@ pub enum Method {
 
 /// Tokens on each side of a `target_probe_span` pick.
 pub const PROBE_WINDOW: usize = 2;
+/// The share of a chunk's tokens the probe must pick for `probe_whole` to recompute it whole.
+pub const PROBE_WHOLE_AT: f64 = 0.5;
 /// Tokens on each side averaged by `probe_smooth` (A^3's average pool of 5).
 pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 16] = [
+    pub const ALL: [Method; 18] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -90,6 +98,8 @@ impl Method {
         Method::ProbeSmooth,
         Method::ProbeFused,
         Method::ProbeAnchors,
+        Method::ProbeWhole,
+        Method::ProbeTopChunk,
         Method::Oracle,
         Method::Random,
     ];
@@ -111,6 +121,8 @@ impl Method {
             Self::ProbeSmooth => "probe_smooth",
             Self::ProbeFused => "probe_fused",
             Self::ProbeAnchors => "probe_anchors",
+            Self::ProbeWhole => "probe_whole",
+            Self::ProbeTopChunk => "probe_top_chunk",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -125,7 +137,13 @@ impl Method {
     pub fn servable(&self) -> bool {
         !matches!(
             self,
-            Self::Oracle | Self::Random | Self::ProbeSmooth | Self::ProbeFused | Self::ProbeAnchors
+            Self::Oracle
+                | Self::Random
+                | Self::ProbeSmooth
+                | Self::ProbeFused
+                | Self::ProbeAnchors
+                | Self::ProbeWhole
+                | Self::ProbeTopChunk
         )
     }
 
@@ -184,6 +202,14 @@ impl Method {
             }),
             Self::ProbeAnchors => Box::new(TargetProbe {
                 per_chunk: true,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeWhole => Box::new(TargetProbe {
+                whole_at: PROBE_WHOLE_AT,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeTopChunk => Box::new(TargetProbe {
+                whole_top: true,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

@@ -52,8 +52,8 @@ pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
 pub use reuse::blend::{kind_at, BlendOutput, BlendSignals};
 pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use reuse::select::{
-    budget, even_shares, top_k, CacheBlend, Epic, FullRecompute, FullReuse, Oracle, PrefixCaching,
-    Random, SelectInput, Selector, TargetProbe,
+    budget, even_shares, top_k, widen_to_chunks, CacheBlend, Epic, FullRecompute, FullReuse,
+    Oracle, PrefixCaching, Random, SelectInput, Selector, TargetProbe,
 };
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use view::AttentionView;

@@ -3,9 +3,9 @@
 use target_engine::prelude::*;
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{
-    budget, even_shares, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse,
-    LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random, SelectInput, Selector,
-    TargetProbe,
+    budget, even_shares, top_k, widen_to_chunks, Architecture, CacheBlend, ChunkKv, Epic,
+    FullRecompute, FullReuse, LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random,
+    SelectInput, Selector, TargetProbe,
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
@@ -376,6 +376,76 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
     let r = |seed| Random { seed }.select(&input).expect("random");
     assert_eq!(r(3), r(3));
     assert_ne!(r(3), r(4));
+}
+
+#[test]
+fn whole_chunk_rules_recompute_whole_inexact_chunks_on_top_of_the_probes_picks() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.3);
+    let candidates = input.candidates();
+    let inexact: Vec<_> = s.asm.chunks().skip(1).map(|c| c.ids.clone()).collect();
+    let plain = TargetProbe::default().select(&input).expect("probe");
+    // Half of a chunk picked widens it: the rule applied to the plain picks.
+    let whole = TargetProbe {
+        whole_at: 0.5,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("whole");
+    assert_eq!(
+        whole.recomputed,
+        widen_to_chunks(&s.asm, &candidates, &plain, 0.5)
+    );
+    assert!(plain.iter().all(|p| whole.recomputed.contains(p)));
+    for chunk in &inexact {
+        let hit = plain.iter().filter(|p| chunk.contains(p)).count();
+        let now = whole
+            .recomputed
+            .iter()
+            .filter(|p| chunk.contains(p))
+            .count();
+        assert_eq!(
+            now,
+            if 2 * hit >= chunk.len() {
+                chunk.len()
+            } else {
+                hit
+            }
+        );
+    }
+    // The top chunk whole: one inexact chunk entirely, only candidates, at least the budget
+    // unless that chunk alone is larger.
+    let top = TargetProbe {
+        whole_top: true,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("top chunk");
+    assert!(top.recomputed.iter().all(|p| candidates.contains(p)));
+    let full_chunks = inexact
+        .iter()
+        .filter(|c| (c.start..c.end).all(|p| top.recomputed.contains(&p)))
+        .count();
+    assert!(full_chunks >= 1, "{:?}", top.recomputed);
+    assert!(top.recomputed.len() >= input.spend().min(candidates.len()));
+    // Recomputing whole chunks is still a blend: at ρ = 1 every rule is full prefill's logits.
+    let (_, full_logits) = m.prefill(&s.asm.ids).expect("prefill");
+    let one = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
+    let out = TargetProbe {
+        whole_at: 0.5,
+        whole_top: true,
+        ..TargetProbe::default()
+    }
+    .prefill(&one)
+    .expect("rho 1");
+    let diff = full_logits
+        .iter()
+        .zip(&out.logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff < 1e-4, "ρ = 1 differs from full prefill by {diff}");
 }
 
 #[test]

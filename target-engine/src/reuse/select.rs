@@ -168,6 +168,13 @@ pub struct TargetProbe {
     /// shorter than its share gives the rest to the others) and each chunk recomputes its own
     /// best-scored tokens, instead of one global top-k that can crowd a chunk out.
     pub per_chunk: bool,
+    /// Whole chunks where the probe concentrates: once the top-k picked at least this share of
+    /// a chunk's candidates, the rest of that chunk is recomputed too (0: off). Its tokens
+    /// left to reuse never saw the chunks before them, and the question reads that chunk most.
+    pub whole_at: f64,
+    /// The chunk holding the most of the question's attention is recomputed whole, and the
+    /// rest of the budget (if any) goes to the top-k over the other chunks.
+    pub whole_top: bool,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -194,6 +201,8 @@ impl Default for TargetProbe {
             smooth: 0,
             per_layer: false,
             per_chunk: false,
+            whole_at: 0.0,
+            whole_top: false,
         }
     }
 }
@@ -444,8 +453,20 @@ fn top_k_per_segment(
     k: usize,
     window: usize,
 ) -> Vec<usize> {
-    let groups: Vec<Vec<usize>> = asm
-        .segments
+    let groups = candidates_by_segment(asm, candidates);
+    let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+    let mut picked: Vec<usize> = groups
+        .iter()
+        .zip(even_shares(&sizes, k))
+        .flat_map(|(g, share)| top_k(asm, g, score, share, window))
+        .collect();
+    picked.sort_unstable();
+    picked
+}
+
+/// The candidates of each segment, segments without candidates left out.
+fn candidates_by_segment(asm: &Assembly, candidates: &[usize]) -> Vec<Vec<usize>> {
+    asm.segments
         .iter()
         .map(|s| {
             candidates
@@ -455,13 +476,53 @@ fn top_k_per_segment(
                 .collect::<Vec<_>>()
         })
         .filter(|g| !g.is_empty())
-        .collect();
-    let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
-    let mut picked: Vec<usize> = groups
+        .collect()
+}
+
+/// `picked` plus every candidate of each segment in which `picked` holds at least `at` of the
+/// segment's candidates (sorted, no duplicates).
+pub fn widen_to_chunks(
+    asm: &Assembly,
+    candidates: &[usize],
+    picked: &[usize],
+    at: f64,
+) -> Vec<usize> {
+    let mut out: Vec<usize> = picked.to_vec();
+    for group in candidates_by_segment(asm, candidates) {
+        let hit = group
+            .iter()
+            .filter(|p| picked.binary_search(p).is_ok())
+            .count();
+        if hit as f64 >= at * group.len() as f64 {
+            out.extend(group);
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Every candidate of the segment with the largest total `score`, then the top-k of the other
+/// segments' candidates for what is left of `k` (nothing when that segment alone exceeds it).
+fn whole_top_chunk(
+    asm: &Assembly,
+    candidates: &[usize],
+    score: &dyn Fn(usize) -> f32,
+    k: usize,
+    window: usize,
+) -> Vec<usize> {
+    let groups = candidates_by_segment(asm, candidates);
+    let mass = |g: &Vec<usize>| g.iter().map(|&p| score(p)).sum::<f32>();
+    let Some(top) = groups.iter().max_by(|a, b| mass(a).total_cmp(&mass(b))) else {
+        return Vec::new();
+    };
+    let rest: Vec<usize> = candidates
         .iter()
-        .zip(even_shares(&sizes, k))
-        .flat_map(|(g, share)| top_k(asm, g, score, share, window))
+        .copied()
+        .filter(|p| top.binary_search(p).is_err())
         .collect();
+    let mut picked = top_k(asm, &rest, score, k.saturating_sub(top.len()), window);
+    picked.extend(top);
     picked.sort_unstable();
     picked
 }
@@ -481,10 +542,16 @@ impl Selector for TargetProbe {
                 let candidates = input.candidates();
                 let mass = self.scores(model, asm, &mut cache, &candidates)?;
                 let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
-                let picked = if self.per_chunk {
+                let picked = if self.whole_top {
+                    whole_top_chunk(asm, &candidates, &score, k, self.window)
+                } else if self.per_chunk {
                     top_k_per_segment(asm, &candidates, &score, k, self.window)
                 } else {
                     top_k(asm, &candidates, score, k, self.window)
+                };
+                let picked = match self.whole_at {
+                    at if at > 0.0 => widen_to_chunks(asm, &candidates, &picked, at),
+                    _ => picked,
                 };
                 let total: f32 = candidates.iter().map(|&p| score(p)).sum();
                 let covered: f32 = picked.iter().map(|&p| score(p)).sum();
@@ -565,6 +632,62 @@ mod tests {
         let layers = vec![vec![9.0, 0.75, 0.25], vec![0.0, 1.0, 3.0]];
         let fused = fuse_layers(&layers, &[1, 2]);
         assert_eq!(fused, vec![0.0, 1.0, 1.0]);
+    }
+
+    /// Three chunks of 4, 2 and 4 tokens (positions 0-3, 4-5, 6-9).
+    fn three_chunks() -> Assembly {
+        use crate::reuse::assembly::SegmentKind;
+        let mut asm = Assembly::default();
+        asm.push(SegmentKind::Chunk(0), "abcd", &[1, 2, 3, 4]);
+        asm.push(SegmentKind::Chunk(1), "ef", &[5, 6]);
+        asm.push(SegmentKind::Chunk(2), "ghij", &[7, 8, 9, 10]);
+        asm
+    }
+
+    #[test]
+    fn a_chunk_the_probe_picked_half_of_is_recomputed_whole() {
+        let asm = three_chunks();
+        let cands: Vec<usize> = (0..10).collect();
+        // Half of chunk 0 (2 of 4) and one token of chunk 2 (1 of 4): chunk 0 widens only.
+        assert_eq!(
+            widen_to_chunks(&asm, &cands, &[1, 3, 8], 0.5),
+            vec![0, 1, 2, 3, 8]
+        );
+        // A higher bar leaves the picks as they were; chunk 1 (1 of 2) reaches 0.5.
+        assert_eq!(
+            widen_to_chunks(&asm, &cands, &[1, 3, 8], 0.75),
+            vec![1, 3, 8]
+        );
+        assert_eq!(widen_to_chunks(&asm, &cands, &[4], 0.5), vec![4, 5]);
+        // Non-candidates (an exact first chunk) are never added.
+        let later: Vec<usize> = (4..10).collect();
+        assert_eq!(
+            widen_to_chunks(&asm, &later, &[6, 7], 0.5),
+            (6..10).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn the_chunk_with_the_most_attention_is_recomputed_whole_and_the_rest_of_the_budget_spent_elsewhere(
+    ) {
+        let asm = three_chunks();
+        let cands: Vec<usize> = (0..10).collect();
+        // Chunk 2 holds the most mass (0.5 + 4 × 0.3), though position 1 is the single best.
+        let mass = [0.0, 0.9, 0.0, 0.0, 0.2, 0.1, 0.5, 0.3, 0.3, 0.3];
+        let score = |p: usize| mass[p];
+        assert_eq!(
+            whole_top_chunk(&asm, &cands, &score, 6, 0),
+            vec![1, 4, 6, 7, 8, 9]
+        );
+        // A budget smaller than that chunk still recomputes it whole, and nothing else.
+        assert_eq!(
+            whole_top_chunk(&asm, &cands, &score, 2, 0),
+            vec![6, 7, 8, 9]
+        );
+        assert_eq!(
+            whole_top_chunk(&asm, &[], &score, 2, 0),
+            Vec::<usize>::new()
+        );
     }
 
     #[test]
