@@ -9,9 +9,8 @@
 //! recompute's (the first method given must be `full_recompute` for that), time to first
 //! token, total time, tokens recomputed and the guard's report.
 
-use gateway::corpus::{Corpus, Engines};
 use gateway::fidelity::Fidelity;
-use gateway::pipeline::{Method, Pipeline, Query, ScoreSource};
+use gateway::pipeline::{Method, Query};
 use std::sync::Arc;
 use target_engine::{LoadOptions, Model};
 
@@ -58,17 +57,8 @@ fn main() -> Res<()> {
         &dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
         &LoadOptions::default(),
     )?);
-    let inputs = gateway::input::read_inputs(&gateway::input::demo_paths(&root));
     let data = tempfile::tempdir()?;
-    let corpus = Corpus::open(&data.path().join("data"), 1 << 30)?;
-    let engines = Engines::new(target, None)?;
-    let cfg = gateway::ingest::IngestConfig {
-        collection: "demo".into(),
-        kv: gateway::ingest::KvMode::Lazy,
-        ..Default::default()
-    };
-    gateway::ingest::ingest(&corpus, &engines, inputs.docs, &cfg, |_| {})?;
-    let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+    let pipeline = gateway::demo::lazy_pipeline(&root, &data.path().join("data"), target)?;
     let mut full: Option<String> = None;
     for (method, fidelity) in asks {
         let mut q = Query {

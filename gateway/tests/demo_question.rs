@@ -49,18 +49,9 @@ fn default_target() -> Result<Arc<Model>, Box<dyn std::error::Error>> {
 fn the_demo_question_over_the_current_docs_is_answered_as_full_recompute_answers_it() -> TestResult
 {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let inputs = gateway::input::read_inputs(&gateway::input::demo_paths(&root));
-    assert!(inputs.problems.is_empty(), "{:?}", inputs.problems);
     let dir = tempfile::tempdir()?;
-    let corpus = Corpus::open(&dir.path().join("data"), 1 << 30)?;
-    let engines = Engines::new(default_target()?, None)?;
-    let cfg = gateway::ingest::IngestConfig {
-        collection: "demo".into(),
-        kv: gateway::ingest::KvMode::Lazy,
-        ..Default::default()
-    };
-    gateway::ingest::ingest(&corpus, &engines, inputs.docs, &cfg, |_| {})?;
-    let pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
+    let pipeline =
+        gateway::demo::lazy_pipeline(&root, &dir.path().join("data"), default_target()?)?;
     let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
     let rt = gateway::http::runtime()?;
     let answers = rt.block_on(async {
