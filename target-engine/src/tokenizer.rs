@@ -76,8 +76,9 @@ impl Encoding {
     }
 }
 
-/// Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
-fn pre_tokenizer(pre: &str) -> Option<Vec<&'static str>> {
+/// Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them, applied in order
+/// (each splits the pieces the one before left); `None` for a pre-tokenizer not supported.
+pub fn pre_tokenizer_patterns(pre: &str) -> Option<Vec<&'static str>> {
     const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     // llama.cpp runs GPT-2's pattern through a hand-written matcher that also takes a
@@ -231,12 +232,13 @@ impl Tokenizer {
             .string("tokenizer.ggml.pre")
             .unwrap_or("default")
             .to_string();
-        let patterns = pre_tokenizer(&pre_name).ok_or_else(|| EngineError::Unsupported {
-            path: f.path().to_path_buf(),
-            reason: format!(
-                "pre-tokenizer `{pre_name}` (supported: qwen2, llama-bpe, smollm, gpt2)"
-            ),
-        })?;
+        let patterns =
+            pre_tokenizer_patterns(&pre_name).ok_or_else(|| EngineError::Unsupported {
+                path: f.path().to_path_buf(),
+                reason: format!(
+                    "pre-tokenizer `{pre_name}` (supported: qwen2, llama-bpe, smollm, gpt2)"
+                ),
+            })?;
         let pre = patterns
             .iter()
             .map(|p| PreSplit::new(p))
@@ -905,8 +907,9 @@ pub(crate) mod tests {
         types.push(TokenType::Control);
         types.push(TokenType::UserDefined);
         let merges = ["h e", "l l", "ll o", "he llo", &format!("{space} w")];
-        let pre =
-            vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
+        let pre = vec![
+            PreSplit::new(pre_tokenizer_patterns("qwen2").expect("known")[0]).expect("valid regex"),
+        ];
         Tokenizer::build(Parts {
             pre_name: "qwen2".into(),
             pre,
@@ -931,7 +934,7 @@ pub(crate) mod tests {
         types.push(TokenType::Normal);
         let merges = ["h e", "l l", "ll o", "he llo"];
         let build = |pre: &str| {
-            let patterns = pre_tokenizer(pre).expect("known");
+            let patterns = pre_tokenizer_patterns(pre).expect("known");
             Tokenizer::build(Parts {
                 pre_name: pre.into(),
                 pre: patterns
@@ -1031,8 +1034,9 @@ pub(crate) mod tests {
         }
         let types = vec![TokenType::Normal; tokens.len()];
         let merges: Vec<&str> = merges.iter().map(String::as_str).collect();
-        let pre =
-            vec![PreSplit::new(pre_tokenizer("qwen2").expect("known")[0]).expect("valid regex")];
+        let pre = vec![
+            PreSplit::new(pre_tokenizer_patterns("qwen2").expect("known")[0]).expect("valid regex"),
+        ];
         Tokenizer::build(Parts {
             pre_name: "qwen2".into(),
             pre,
@@ -1163,7 +1167,7 @@ pub(crate) mod tests {
     /// A tokenizer that only pre-tokenizes, with the patterns `pre` names.
     fn splitter(pre: &str) -> Tokenizer {
         let mut t = tiny();
-        t.pre = pre_tokenizer(pre)
+        t.pre = pre_tokenizer_patterns(pre)
             .expect("known")
             .iter()
             .map(|p| PreSplit::new(p).expect("valid regex"))
@@ -1187,7 +1191,7 @@ pub(crate) mod tests {
         ];
         for pre in ["qwen2", "gpt2", "smollm"] {
             let t = splitter(pre);
-            let patterns: Vec<Regex> = pre_tokenizer(pre)
+            let patterns: Vec<Regex> = pre_tokenizer_patterns(pre)
                 .expect("known")
                 .iter()
                 .map(|p| Regex::new(p).expect("valid regex"))
@@ -1213,7 +1217,7 @@ pub(crate) mod tests {
         let (short, long) = (8, 1 << 21);
         for pre in ["qwen2", "gpt2", "smollm"] {
             let t = splitter(pre);
-            let patterns: Vec<Regex> = pre_tokenizer(pre)
+            let patterns: Vec<Regex> = pre_tokenizer_patterns(pre)
                 .expect("known")
                 .iter()
                 .map(|p| Regex::new(p).expect("valid regex"))
