@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""`specrag serve` (its defaults: `target_probe` at ρ 0.25 with the fidelity guard) against
+llama.cpp's `llama-server` on the same RAG prompts, the same machine, one after the other.
+
+Setup: the repository's docs (README, ARCHITECTURE, docs/*.md) are indexed with `--kv lazy`
+into a fresh data directory; each question (the first N of eval/data/repo_docs.jsonl) is asked
+once with `max_tokens` 1 so its chunks' KV is computed and stored (as after an ingestion), and
+the chunks it retrieved are kept. llama-server then gets exactly specrag's prompt as token ids
+(ChatML: the system text, `Document: ` + each chunk, `Question: ` + the question, the assistant
+header; tokenized by llama.cpp, chunk and question text without parsing special tokens) with
+`cache_prompt: false`, so every request is a full prefill, as specrag's full recompute.
+
+For each configuration (answer length x concurrent clients), specrag's server is restarted
+(its exact-context cache would otherwise hold prompts escalated before) beside a fresh
+llama-server. With one client the two engines take turns, one request each, the first
+alternating, so each question's pair runs under the same machine load (a shared 2-core VM
+slows down and speeds up by 1.5-2x over minutes); with several, each engine runs all the
+questions in turn, the order alternating between configurations. Each client streams, and
+the time to the first streamed token is taken at the client (queueing included). Prints, per configuration and engine, the median and
+95th-percentile client TTFT, requests per minute over the configuration's wall time, and for
+specrag how many requests the guard escalated; one JSON line per request goes to OUT/requests.jsonl.
+
+    ~/.cache/specrag/venv-llama/bin/python scripts/compare_llama_server.py \
+        --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
+        [--clients 1,4] [--threads 2] [--engines specrag,llama-server]
+
+llama-server gets as many slots as the configuration has clients (`-np`), 4096 tokens of
+context each. The warmed questions and their prompts are kept in OUT/questions.json, so a
+second run over the same OUT (other configurations, one engine) starts at once.
+
+Needs `cargo build --release -p gateway --bin specrag`, llama-cpp-python (to tokenize) and the
+default models in `models/`.
+"""
+import argparse
+import glob
+import http.client
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from llama_cpp import Llama
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+SYSTEM = "Answer the question using the documents."
+TARGET = os.path.join(ROOT, "models", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_http(port, path, timeout=300):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", path)
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"no server on port {port}{path} after {timeout} s")
+
+
+def post_json(port, path, body, timeout=3600):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    if r.status != 200:
+        raise RuntimeError(f"{path}: {r.status} {data[:300]!r}")
+    return json.loads(data)
+
+
+def sse(port, path, body, timeout=3600):
+    """(seconds to the first text, the events as (name, data)) of a streamed request."""
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                               "Accept": "text/event-stream"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"{path}: {r.status} {r.read()[:300]!r}")
+    first, events, name = None, [], "message"
+    for raw in r:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            d = json.loads(data)
+            if first is None and ((name in ("token", "replace") and d.get("text"))
+                                  or (name == "message" and d.get("content"))):
+                first = time.perf_counter() - t0
+            events.append((name, d))
+            if name in ("done", "error") or (name == "message" and d.get("stop")):
+                break
+            name = "message"
+    return first, events, time.perf_counter() - t0
+
+
+class Specrag:
+    def __init__(self, exe, data, port, threads):
+        self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
+
+    def start(self):
+        env = dict(os.environ, RAYON_NUM_THREADS=str(self.threads))
+        self.log = open(os.path.join(self.data, "..", "specrag-serve.log"), "a")
+        self.proc = subprocess.Popen([self.exe, "serve", "--data", self.data, "--addr",
+                                      f"127.0.0.1:{self.port}"], cwd=ROOT, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_http(self.port, "/health")
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(60)
+            self.proc = None
+
+    def ask(self, q, max_tokens):
+        first, events, total = sse(self.port, "/rag/query", {"query": q["question"], "max_tokens": max_tokens,
+                                                            "stream": True})
+        done = next(d for n, d in events if n == "done")
+        return {"ttft_s": first, "total_s": total, "tokens": done["tokens"],
+                "escalated": done["reuse"]["guard"]["escalated"], "answer": done["answer"],
+                "server_ttft_ms": done["timings"]["ttft_ms"]}
+
+
+class LlamaServer:
+    def __init__(self, exe, port, threads, parallel):
+        self.exe, self.port, self.threads, self.parallel, self.proc = exe, port, threads, parallel, None
+
+    def start(self, logdir):
+        self.log = open(os.path.join(logdir, "llama-server.log"), "a")
+        self.proc = subprocess.Popen([self.exe, "-m", TARGET, "-t", str(self.threads), "-tb", str(self.threads),
+                                      "-np", str(self.parallel), "-c", str(4096 * self.parallel),
+                                      "--port", str(self.port), "--host", "127.0.0.1"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_http(self.port, "/health")
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(60)
+            self.proc = None
+
+    def ask(self, q, max_tokens):
+        first, events, total = sse(self.port, "/completion", {"prompt": q["ids"], "n_predict": max_tokens,
+                                                             "stream": True, "cache_prompt": False,
+                                                             "temperature": 0, "top_k": 1})
+        last = events[-1][1] if events else {}
+        return {"ttft_s": first, "total_s": total, "tokens": last.get("tokens_predicted"),
+                "prompt_tokens": last.get("tokens_evaluated"),
+                "answer": "".join(d.get("content", "") for _, d in events)}
+
+
+def run_config(engine, questions, max_tokens, clients):
+    """Every question once, `clients` at a time; (per-request rows, wall seconds)."""
+    todo = queue.Queue()
+    for q in questions:
+        todo.put(q)
+    rows, lock = [], threading.Lock()
+
+    def worker():
+        while True:
+            try:
+                q = todo.get_nowait()
+            except queue.Empty:
+                return
+            row = engine.ask(q, max_tokens)
+            row["id"] = q["id"]
+            with lock:
+                rows.append(row)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows, time.perf_counter() - t0
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def prompt_ids(vocab, chunks, question):
+    ids = vocab.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n".encode(),
+                         add_bos=False, special=True)
+    for c in chunks:
+        ids += vocab.tokenize(f"Document: {c.strip()}\n\n".encode(), add_bos=False, special=False)
+    ids += vocab.tokenize(f"Question: {question.strip()}".encode(), add_bos=False, special=False)
+    ids += vocab.tokenize(b"<|im_end|>\n<|im_start|>assistant\n", add_bos=False, special=True)
+    return ids
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--answers", default="32,256")
+    ap.add_argument("--clients", default="1,4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8191)
+    ap.add_argument("--engines", default="specrag,llama-server")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    exe = os.path.join(ROOT, "target", "release", "specrag")
+    data = os.path.join(os.path.abspath(a.out), "data")
+    if not os.path.exists(data):
+        docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "ARCHITECTURE.md")]
+        docs += sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+        subprocess.run([exe, "ingest", "--data", data, "--kv", "lazy"] + docs, cwd=ROOT, check=True)
+    with open(os.path.join(ROOT, "eval", "data", "repo_docs.jsonl"), encoding="utf-8") as f:
+        qs = [json.loads(l) for l in f][: a.questions]
+    spec = Specrag(exe, data, a.port, a.threads)
+    saved = os.path.join(a.out, "questions.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            questions = json.load(f)
+    else:
+        vocab = Llama(model_path=TARGET, vocab_only=True, verbose=False)
+        spec.start()
+        questions = []
+        for q in qs:
+            log(f"warming {q['_id']}: its chunks' KV")
+            r = post_json(a.port, "/rag/query", {"query": q["input"], "max_tokens": 1, "fidelity": "fast"})
+            chunks = [c["text"] for c in sorted(r["chunks"], key=lambda c: c["position"])]
+            questions.append({"id": q["_id"], "question": q["input"],
+                              "ids": prompt_ids(vocab, chunks, q["input"])})
+        spec.stop()
+        with open(saved, "w") as f:
+            json.dump(questions, f)
+    out = open(os.path.join(a.out, "requests.jsonl"), "a")
+    summary = []
+    engines = a.engines.split(",")
+    for ci, (max_tokens, clients) in enumerate((m, c) for m in [int(x) for x in a.answers.split(",")]
+                                                for c in [int(x) for x in a.clients.split(",")]):
+        llama = LlamaServer(a.llama_server, a.port + 1, a.threads, clients)
+        pair = [(n, e) for n, e in (("specrag", spec), ("llama-server", llama)) if n in engines]
+        for name, engine in pair:
+            engine.start(*([] if engine is spec else [a.out]))
+        log(f"{len(questions)} questions, {max_tokens}-token answers, {clients} clients")
+        if clients == 1:
+            # One request of each engine in turn, the first alternating: paired under the same load.
+            rows = {n: [] for n, _ in pair}
+            for i, q in enumerate(questions):
+                for name, engine in (pair if (i + ci) % 2 == 0 else pair[::-1]):
+                    r = engine.ask(q, max_tokens)
+                    r["id"] = q["id"]
+                    rows[name].append(r)
+            walls = {n: sum(r["total_s"] for r in rs) for n, rs in rows.items()}
+        else:
+            rows, walls = {}, {}
+            for name, engine in (pair if ci % 2 == 0 else pair[::-1]):
+                rows[name], walls[name] = run_config(engine, questions, max_tokens, clients)
+        for _, engine in pair:
+            engine.stop()
+        for name, _ in pair:
+            for r in rows[name]:
+                out.write(json.dumps(dict(r, engine=name, max_tokens=max_tokens, clients=clients)) + "\n")
+            out.flush()
+            ttfts = [r["ttft_s"] for r in rows[name] if r["ttft_s"] is not None]
+            s_ = {"engine": name, "max_tokens": max_tokens, "clients": clients, "requests": len(rows[name]),
+                  "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": pct(ttfts, 95),
+                  "requests_per_min": 60 * len(rows[name]) / walls[name], "wall_s": walls[name]}
+            if name == "specrag":
+                s_["escalated"] = sum(1 for r in rows[name] if r["escalated"])
+            else:
+                s_["prompt_tokens_median"] = statistics.median(r["prompt_tokens"] or 0 for r in rows[name])
+            print(json.dumps(s_), flush=True)
+            summary.append(s_)
+    with open(os.path.join(a.out, "summary.jsonl"), "a") as f:
+        for s_ in summary:
+            f.write(json.dumps(s_) + "\n")
+    for mt in sorted({s["max_tokens"] for s in summary}):
+        for cl in sorted({s["clients"] for s in summary}):
+            pair = [next((s for s in summary if s["engine"] == e and s["max_tokens"] == mt and s["clients"] == cl), None)
+                    for e in ("specrag", "llama-server")]
+            if None in pair:
+                continue
+            sp, ll = pair
+            print(f"{mt:>4} tokens, {cl} clients: TTFT p50 {sp['ttft_p50_s']:.1f} s vs {ll['ttft_p50_s']:.1f} s "
+                  f"({sp['ttft_p50_s'] / ll['ttft_p50_s']:.2f}x), requests/min {sp['requests_per_min']:.2f} vs "
+                  f"{ll['requests_per_min']:.2f} ({sp['requests_per_min'] / ll['requests_per_min']:.2f}x), "
+                  f"escalated {sp['escalated']}/{sp['requests']}")
+
+
+if __name__ == "__main__":
+    main()
