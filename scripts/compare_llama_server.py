@@ -107,16 +107,13 @@ def sse(port, path, body, timeout=3600):
     return first, events, time.perf_counter() - t0
 
 
-class Specrag:
-    def __init__(self, exe, data, port, threads):
-        self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
+class Server:
+    """A server process started on a port and stopped between configurations."""
+    proc = None
 
-    def start(self):
-        env = dict(os.environ, RAYON_NUM_THREADS=str(self.threads))
-        self.log = open(os.path.join(self.data, "..", "specrag-serve.log"), "a")
-        self.proc = subprocess.Popen([self.exe, "serve", "--data", self.data, "--addr",
-                                      f"127.0.0.1:{self.port}"], cwd=ROOT, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+    def launch(self, cmd, log_path, env=None):
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         wait_http(self.port, "/health")
 
     def stop(self):
@@ -124,6 +121,16 @@ class Specrag:
             self.proc.terminate()
             self.proc.wait(60)
             self.proc = None
+
+
+class Specrag(Server):
+    def __init__(self, exe, data, port, threads):
+        self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
+
+    def start(self):
+        self.launch([self.exe, "serve", "--data", self.data, "--addr", f"127.0.0.1:{self.port}"],
+                    os.path.join(self.data, "..", "specrag-serve.log"),
+                    dict(os.environ, RAYON_NUM_THREADS=str(self.threads)))
 
     def ask(self, q, max_tokens):
         first, events, total = sse(self.port, "/rag/query", {"query": q["question"], "max_tokens": max_tokens,
@@ -134,23 +141,15 @@ class Specrag:
                 "server_ttft_ms": done["timings"]["ttft_ms"]}
 
 
-class LlamaServer:
+class LlamaServer(Server):
     def __init__(self, exe, port, threads, parallel):
         self.exe, self.port, self.threads, self.parallel, self.proc = exe, port, threads, parallel, None
 
     def start(self, logdir):
-        self.log = open(os.path.join(logdir, "llama-server.log"), "a")
-        self.proc = subprocess.Popen([self.exe, "-m", TARGET, "-t", str(self.threads), "-tb", str(self.threads),
-                                      "-np", str(self.parallel), "-c", str(4096 * self.parallel),
-                                      "--port", str(self.port), "--host", "127.0.0.1"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        wait_http(self.port, "/health")
-
-    def stop(self):
-        if self.proc:
-            self.proc.terminate()
-            self.proc.wait(60)
-            self.proc = None
+        self.launch([self.exe, "-m", TARGET, "-t", str(self.threads), "-tb", str(self.threads),
+                     "-np", str(self.parallel), "-c", str(4096 * self.parallel),
+                     "--port", str(self.port), "--host", "127.0.0.1"],
+                    os.path.join(logdir, "llama-server.log"))
 
     def ask(self, q, max_tokens):
         first, events, total = sse(self.port, "/completion", {"prompt": q["ids"], "n_predict": max_tokens,
@@ -228,7 +227,7 @@ def main():
     saved = os.path.join(a.out, "questions.json")
     if os.path.exists(saved):
         with open(saved) as f:
-            questions = json.load(f)
+            questions = json.load(f)[: a.questions]
     else:
         vocab = Llama(model_path=TARGET, vocab_only=True, verbose=False)
         spec.start()
