@@ -28,8 +28,10 @@ llama-server gets as many slots as the configuration has clients (`-np`), 4096 t
 context each. The warmed questions and their prompts are kept in OUT/questions.json, so a
 second run over the same OUT (other configurations, one engine) starts at once.
 
-Needs `cargo build --release -p gateway --bin specrag`, llama-cpp-python (to tokenize) and the
-default models in `models/`.
+Needs `cargo build --release -p gateway --bin specrag`, llama-cpp-python (to tokenize; the venv
+scripts/family_fixtures.py describes) and the default models in `models/`. llama-server from
+the same sdist's vendored sources: in `vendor/llama.cpp`, `cmake -B build -DGGML_NATIVE=ON
+-DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server -j2` (~25 min on 2 cores).
 """
 import argparse
 import glob

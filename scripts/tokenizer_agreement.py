@@ -11,7 +11,7 @@ and tokens per second (one thread). One JSON line per engine and model on stdout
 
     python3 scripts/tokenizer_agreement.py [--passages 100] [--reps 3] MODEL.gguf...
 
-Needs llama-cpp-python (`~/.cache/specrag/venv-llama/bin/python`, which setup-tests.sh makes)
+Needs llama-cpp-python (`~/.cache/specrag/venv-llama`, made as scripts/family_fixtures.py says)
 and builds the example with `cargo build --release -p target-engine --features hf-tokenizers
 --example tokenizers_compare`.
 """
