@@ -94,7 +94,11 @@ pub fn guard_curve(from: &Path, label: &str, horizon: usize) -> anyhow::Result<b
             from.display()
         );
     }
-    print!("{}", study::guard_curve::markdown(&curves, label, horizon));
+    let oracles = study::guard_curve::oracle_points(&records, label);
+    print!(
+        "{}",
+        study::guard_curve::markdown(&curves, &oracles, label, horizon)
+    );
     println!("\nAUC of each signal for an answer different from full recompute's:\n");
     for (ds, aucs) in study::guard_curve::signal_aucs(&records, label) {
         let cells: Vec<String> = aucs.iter().map(|(n, a)| format!("{n} {a:.2}")).collect();

@@ -43,6 +43,8 @@ pub struct CurvePoint {
     pub mean_total_ratio: f64,
     /// Mean F1 of the guarded answers over full recompute's mean F1.
     pub f1_ratio: f64,
+    /// The costliest escalated request's time over full recompute's (0 without one).
+    pub worst_escalated_ratio: f64,
 }
 
 /// The guard's decision on `row` (a reused configuration's answer) with full recompute's
@@ -109,7 +111,72 @@ pub fn point(margin: f32, cases: &[GuardedCase]) -> CurvePoint {
         } else {
             f64::NAN
         },
+        worst_escalated_ratio: cases
+            .iter()
+            .filter(|c| c.escalated)
+            .map(|c| c.total_ratio)
+            .fold(0.0, f64::max),
     }
+}
+
+/// When a perfect predictor decides to escalate (see [`oracle_case`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OracleAt {
+    /// At the first token, as the guard decides: the reused prefill is already paid.
+    FirstToken,
+    /// Before any reused work: an escalated request costs full recompute's alone.
+    BeforeReuse,
+}
+
+/// What a guard that knew the answer would have done for one case: escalate exactly the
+/// requests whose reused answer differs from full recompute's, at `at`. No predictor does
+/// better on the same rows, so its point bounds every threshold's (and any other signal's):
+/// the fewest escalations for 100% identity and the least time they can cost.
+pub fn oracle_case(row: &StudyRecord, full: &StudyRecord, at: OracleAt) -> GuardedCase {
+    let (full_ttft, full_total) = (full.ttft_ms.max(1e-9), full.timings.total_ms.max(1e-9));
+    let escalated = !row.identical;
+    let (ttft, total) = match (escalated, at) {
+        (false, _) => (row.ttft_ms, row.timings.total_ms),
+        (true, OracleAt::FirstToken) => (
+            row.ttft_ms + full.timings.prefill_ms,
+            row.ttft_ms + full.timings.total_ms,
+        ),
+        (true, OracleAt::BeforeReuse) => (full.ttft_ms, full.timings.total_ms),
+    };
+    let full_f1 = full.f1.unwrap_or(0.0);
+    GuardedCase {
+        escalated,
+        identical: true,
+        ttft_ratio: ttft / full_ttft,
+        total_ratio: total / full_total,
+        f1: if escalated {
+            full_f1
+        } else {
+            row.f1.unwrap_or(0.0)
+        },
+        full_f1,
+    }
+}
+
+/// Per dataset (and `pooled`), the perfect predictor's point on `label`'s rows, deciding at
+/// the first token and before reuse (`margin` is NaN: no threshold).
+pub fn oracle_points(records: &[StudyRecord], label: &str) -> BTreeMap<String, [CurvePoint; 2]> {
+    let pairs = with_full(records, label);
+    dataset_names(pairs.iter().map(|(r, _)| *r))
+        .into_iter()
+        .map(|ds| {
+            let at = |when: OracleAt| {
+                let cases: Vec<GuardedCase> = pairs
+                    .iter()
+                    .filter(|(r, _)| ds == "pooled" || r.dataset == ds)
+                    .map(|(r, f)| oracle_case(r, f, when))
+                    .collect();
+                point(f32::NAN, &cases)
+            };
+            let points = [at(OracleAt::FirstToken), at(OracleAt::BeforeReuse)];
+            (ds, points)
+        })
+        .collect()
 }
 
 /// `label`'s rows of `records`, each with full recompute's row of the same case (rows without
@@ -247,33 +314,49 @@ pub fn loops_absent_from_full(records: &[StudyRecord], label: &str, n: usize) ->
         .collect()
 }
 
-/// The curve as markdown tables, one per dataset.
-pub fn markdown(curves: &BTreeMap<String, Vec<CurvePoint>>, label: &str, horizon: usize) -> String {
+/// One table row: `first` (the margin, or what decided) and `p`'s figures.
+fn md_row(first: &str, p: &CurvePoint) -> String {
+    let pct = |k: usize| 100.0 * k as f64 / p.cases.max(1) as f64;
+    format!(
+        "| {first} | {} | {} ({:.0}%) | {} ({:.0}% [{:.0}, {:.0}]) | {:.2} | {:.2} | {:.2} | {:.3} |\n",
+        p.cases,
+        p.escalated,
+        pct(p.escalated),
+        p.identical,
+        pct(p.identical),
+        100.0 * p.identity.lo,
+        100.0 * p.identity.hi,
+        p.median_ttft_ratio,
+        p.mean_total_ratio,
+        p.worst_escalated_ratio,
+        p.f1_ratio,
+    )
+}
+
+/// The curve as markdown tables, one per dataset, each closed by the perfect predictor's
+/// rows of `oracles` (the bound) where it has them.
+pub fn markdown(
+    curves: &BTreeMap<String, Vec<CurvePoint>>,
+    oracles: &BTreeMap<String, [CurvePoint; 2]>,
+    label: &str,
+    horizon: usize,
+) -> String {
     let mut md = format!(
         "Guard on `{label}`, watching the first {horizon} tokens: escalate when a token's \
-         top-2 logit gap is below the margin (0 = never).\n"
+         top-2 logit gap is below the margin (0 = never). The last two rows of each table \
+         escalate exactly the answers that differ from full recompute's, at the first token \
+         and before any reused work: what no predictor can beat on these rows.\n"
     );
     for (ds, points) in curves {
         let _ = writeln!(md, "\n### {ds}\n");
-        md.push_str("| margin | cases | escalated | identical | median TTFT ÷ full | mean total ÷ full | F1 ÷ full's |\n");
-        md.push_str("|---:|---:|---:|---:|---:|---:|---:|\n");
+        md.push_str("| margin | cases | escalated | identical | median TTFT ÷ full | mean total ÷ full | worst escalated ÷ full | F1 ÷ full's |\n");
+        md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for p in points {
-            let pct = |k: usize| 100.0 * k as f64 / p.cases.max(1) as f64;
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} ({:.0}%) | {} ({:.0}% [{:.0}, {:.0}]) | {:.2} | {:.2} | {:.3} |",
-                p.margin,
-                p.cases,
-                p.escalated,
-                pct(p.escalated),
-                p.identical,
-                pct(p.identical),
-                100.0 * p.identity.lo,
-                100.0 * p.identity.hi,
-                p.median_ttft_ratio,
-                p.mean_total_ratio,
-                p.f1_ratio,
-            );
+            md.push_str(&md_row(&p.margin.to_string(), p));
+        }
+        if let Some([first, before]) = oracles.get(ds) {
+            md.push_str(&md_row("perfect predictor, at the first token", first));
+            md.push_str(&md_row("perfect predictor, before reuse", before));
         }
     }
     md
@@ -376,7 +459,30 @@ mod tests {
         assert_eq!((pooled[1].escalated, pooled[1].identical), (1, 2));
         assert_eq!(c["hotpotqa"], *pooled);
         assert!((pooled[0].f1_ratio - 0.5).abs() < 1e-12);
-        assert!(markdown(&c, "tp", 32).contains("| 1 | 2 | 1 (50%) | 2 (100%"));
+        let md = markdown(&c, &oracle_points(&recs, "tp"), "tp", 32);
+        assert!(md.contains("| 1 | 2 | 1 (50%) | 2 (100%"), "{md}");
+        assert!(md.contains("| perfect predictor, before reuse | 2 | 1 (50%) | 2 (100%"));
+    }
+
+    #[test]
+    fn the_perfect_predictor_escalates_exactly_the_differing_answers_at_the_cost_of_its_moment() {
+        let full = row("full_recompute", "a", true, None);
+        let differs = row("tp", "a", false, Some(vec![5.0]));
+        let same = row("tp", "b", true, Some(vec![0.1]));
+        let first = oracle_case(&differs, &full, OracleAt::FirstToken);
+        assert!(first.escalated && first.identical);
+        // The reused prefill is paid, then full recompute's prefill / whole request.
+        assert!((first.ttft_ratio - 1.29).abs() < 1e-12);
+        assert!((first.total_ratio - 1700.0 / 1400.0).abs() < 1e-12);
+        let before = oracle_case(&differs, &full, OracleAt::BeforeReuse);
+        assert_eq!((before.ttft_ratio, before.total_ratio), (1.0, 1.0));
+        let kept = oracle_case(&same, &full, OracleAt::FirstToken);
+        assert!(!kept.escalated && kept.identical);
+        assert!((kept.total_ratio - 0.5).abs() < 1e-12);
+        let p = point(f32::NAN, &[first, kept]);
+        assert_eq!((p.escalated, p.identical), (1, 2));
+        assert!((p.worst_escalated_ratio - 1700.0 / 1400.0).abs() < 1e-12);
+        assert_eq!(point(0.0, &[kept]).worst_escalated_ratio, 0.0);
     }
 
     #[test]
