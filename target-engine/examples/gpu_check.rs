@@ -5,7 +5,8 @@
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
 //!   target_probe@ρ (KV load from host memory, probe, prefill), decode alone and 1/4/16
-//!   requests decoded together, device memory;
+//!   requests decoded together, 1/4/16 closed-loop clients under continuous batching (tokens/s,
+//!   TTFT p50/p95), device memory;
 //! - long context, last, at the first shape: prefill of `--long` tokens and full-attention decode
 //!   after it.
 //!
@@ -20,7 +21,7 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use target_engine::device::{parse_device, DeviceModel, RagPrompt};
+use target_engine::device::{closed_loop, parse_device, BatchRequest, DeviceModel, RagPrompt};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{argmax, LoadOptions, Model, Result};
 
@@ -348,6 +349,49 @@ fn batching(dev: &DeviceModel) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
+/// Continuous batching with 1, 4 and 16 closed-loop clients, each sending two requests one
+/// after the other (a 512-token prompt, 48-79 greedy tokens, so requests join and leave a
+/// running batch): generated tokens/s over the run and the requests' TTFT p50/p95 from
+/// submission (queueing and prefill included).
+fn continuous(dev: &DeviceModel) -> Result<Value> {
+    let vocab = dev.tokenizer().vocab_size();
+    let mut out = serde_json::Map::new();
+    for clients in [1usize, 4, 16] {
+        let run = closed_loop(dev, clients, 2, |c, k| BatchRequest {
+            prompt: ids(512, 300 + (c * 2 + k) as u32, vocab),
+            max_new: 48 + (c * 7 + k * 13) % 32,
+        })?;
+        let (p50, p95, tps) = (run.ttft_ms(0.5), run.ttft_ms(0.95), run.tokens_per_s());
+        log(&format!(
+            "continuous batching: {clients} clients, {} requests, peak batch {}, {tps:.0} tokens/s, TTFT p50 {p50:.1} ms p95 {p95:.1} ms",
+            run.outcomes.len(),
+            run.peak_batch
+        ));
+        out.insert(
+            clients.to_string(),
+            json!({
+                "requests": run.outcomes.len(),
+                "peak_batch": run.peak_batch,
+                "tokens_per_s": tps,
+                "ttft_p50_ms": p50,
+                "ttft_p95_ms": p95,
+                "wall_s": run.wall.as_secs_f64(),
+            }),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+/// The decode measurements: one request after `ids` (tokens/s), a static batch, continuous
+/// batching.
+fn decode_parts(dev: &DeviceModel, ids: &[u32], cap: usize) -> Result<(f64, Value, Value)> {
+    Ok((
+        decode_rate(dev, ids, cap)?,
+        batching(dev)?,
+        continuous(dev)?,
+    ))
+}
+
 /// Prefill of `tokens` tokens, then full-attention decode after them.
 fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Result<Value> {
     let dev = DeviceModel::load(path, device)?;
@@ -417,8 +461,7 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         recomputed = r.len();
     }
     let peak_blend = used_mib(device);
-    let decode_tps = decode_rate(&dev, &all, cap)?;
-    let batched = batching(&dev)?;
+    let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
     let (full_ms, probe_ms) = (median(full), median(total));
     log(&format!(
         "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
@@ -449,6 +492,7 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         "escalated_worst_ms": probe_ms + full_ms,
         "decode_tokens_per_s": decode_tps,
         "batched_decode": batched,
+        "continuous_batching": continuous,
         "memory_mib": {
             "before_load": base,
             "weights_loaded": weights,

@@ -2,7 +2,9 @@
 //! CPU device: the code a GPU runs in a `--features cuda` build, checked without a GPU. Tiny
 //! random-weight models of each family the device path runs.
 
-use target_engine::device::{DeviceCache, DeviceModel, HostKv, RagPrompt};
+use target_engine::device::{
+    closed_loop, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel, HostKv, RagPrompt,
+};
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{argmax, Architecture, LoadOptions, Model};
 
@@ -295,6 +297,92 @@ fn batched_decode_equals_each_request_alone() {
             .to_string();
         assert!(err.contains("2 token ids, 1 positions"), "{err}");
     }
+}
+
+/// Requests that join a running batch and leave it at different steps (continuous batching)
+/// get each the tokens it gets decoded alone, whatever else was in the batch with it.
+#[test]
+fn continuous_batching_gives_each_request_its_answer_alone() {
+    let Some((name, spec)) = specs().into_iter().next() else {
+        panic!("no device family");
+    };
+    let (_dir, cpu, dev) = load(&spec);
+    let vocab = cpu.tokenizer().vocab_size();
+    let request = |client: usize, k: usize| BatchRequest {
+        prompt: ids(9 + 5 * client + 3 * k, (10 * client + k) as u32 + 40, vocab),
+        max_new: 1 + (3 * client + 5 * k) % 9,
+    };
+    let alone = |r: &BatchRequest| -> Vec<u32> {
+        let (mut cache, logits) = dev
+            .prefill(&r.prompt, r.prompt.len() + r.max_new)
+            .expect("prefill");
+        dev.greedy(&mut cache, r.prompt.len(), &logits, r.max_new)
+            .expect("greedy")
+    };
+    // Three clients, three requests each, answers of 1 to 9 tokens: requests join while
+    // others decode and leave before them.
+    let run = closed_loop(&dev, 3, 3, request).expect("closed loop");
+    assert_eq!(run.outcomes.len(), 9, "{name}");
+    assert_eq!(
+        run.peak_batch, 3,
+        "{name}: every client's request in the batch at once"
+    );
+    let mut seen = std::collections::HashMap::<usize, usize>::new();
+    for (client, o) in &run.outcomes {
+        let k = seen.entry(*client).or_default();
+        let r = request(*client, *k);
+        *k += 1;
+        assert_eq!(
+            o.tokens.len(),
+            r.max_new,
+            "{name}: client {client} request {}",
+            *k - 1
+        );
+        assert_eq!(
+            o.tokens,
+            alone(&r),
+            "{name}: client {client} request {}",
+            *k - 1
+        );
+        assert!(o.ttft <= o.total);
+    }
+    assert!(run.tokens_per_s() > 0.0 && run.ttft_ms(0.5) <= run.ttft_ms(0.95));
+    // A batch capped below the arrivals queues the rest; bad requests are refused by name.
+    let mut b = ContinuousBatcher::new(&dev, 2, 4);
+    for c in 0..4 {
+        b.submit(request(c, 1)).expect("submit");
+    }
+    let mut finished = Vec::new();
+    while b.pending() > 0 {
+        finished.extend(b.step().expect("step"));
+    }
+    assert_eq!(b.peak_batch(), 2);
+    finished.sort_by_key(|o| o.id);
+    for (c, o) in finished.iter().enumerate() {
+        assert_eq!(
+            o.tokens,
+            alone(&request(c, 1)),
+            "{name}: capped batch, request {c}"
+        );
+    }
+    let empty = BatchRequest {
+        prompt: vec![],
+        max_new: 3,
+    };
+    assert!(b
+        .submit(empty)
+        .expect_err("empty")
+        .to_string()
+        .contains("empty prompt"));
+    let none = BatchRequest {
+        prompt: vec![1],
+        max_new: 0,
+    };
+    assert!(b
+        .submit(none)
+        .expect_err("zero")
+        .to_string()
+        .contains("max_new"));
 }
 
 /// What the device path does not run is refused by name, and an unknown device is an error.

@@ -25,7 +25,9 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+pub mod batcher;
 pub mod blend;
+pub use batcher::{closed_loop, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher};
 pub use blend::{BlendTimes, RagPrompt, Verified};
 
 /// Score matrices of one attention call stay under this many f32 values (1 GiB): longer

@@ -1,0 +1,234 @@
+//! Continuous batching on the device path: requests join a running batch when they arrive
+//! (their prompt prefilled into a cache of their own) and leave it when their answer is done,
+//! while the others keep decoding, one [`DeviceModel::forward_batch`] row per active request
+//! per step. Greedy answers; each request's tokens are what it would get decoded alone
+//! (`tests/device_model.rs` holds that on the CPU).
+
+use super::{DeviceCache, DeviceModel};
+use crate::error::{EngineError, Result};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// A prompt to answer greedily with `max_new` tokens (at least 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRequest {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+}
+
+/// A finished request: its tokens and its times from submission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchOutcome {
+    /// The id [`ContinuousBatcher::submit`] returned.
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    /// Submission to the first token (queueing and the prefill included).
+    pub ttft: Duration,
+    /// Submission to the last token.
+    pub total: Duration,
+}
+
+/// A request in the batch: its cache is filled below `len`, `next` is the token to feed.
+#[derive(Debug)]
+struct Active {
+    id: u64,
+    submitted: Instant,
+    ttft: Duration,
+    tokens: Vec<u32>,
+    max_new: usize,
+    len: usize,
+    next: u32,
+}
+
+/// The scheduler: a queue of submitted requests and the batch being decoded.
+pub struct ContinuousBatcher<'a> {
+    model: &'a DeviceModel,
+    max_batch: usize,
+    prefills_per_step: usize,
+    next_id: u64,
+    waiting: VecDeque<(u64, BatchRequest, Instant)>,
+    active: Vec<Active>,
+    caches: Vec<DeviceCache>,
+    peak: usize,
+}
+
+impl<'a> ContinuousBatcher<'a> {
+    /// A batcher decoding at most `max_batch` requests together and prefilling at most
+    /// `prefills_per_step` arrivals before each decode step (so a burst of arrivals delays the
+    /// running answers by a bounded amount); both at least 1.
+    pub fn new(model: &'a DeviceModel, max_batch: usize, prefills_per_step: usize) -> Self {
+        Self {
+            model,
+            max_batch: max_batch.max(1),
+            prefills_per_step: prefills_per_step.max(1),
+            next_id: 0,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            caches: Vec::new(),
+            peak: 0,
+        }
+    }
+
+    /// Queues `request`; its id comes back in its [`BatchOutcome`].
+    pub fn submit(&mut self, request: BatchRequest) -> Result<u64> {
+        if request.prompt.is_empty() {
+            return Err(EngineError::InvalidInput("an empty prompt".into()));
+        }
+        if request.max_new == 0 {
+            return Err(EngineError::InvalidInput(
+                "max_new must be at least 1".into(),
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, request, Instant::now()));
+        Ok(id)
+    }
+
+    /// Requests queued or being decoded.
+    pub fn pending(&self) -> usize {
+        self.waiting.len() + self.active.len()
+    }
+
+    /// The most requests that were in the batch together.
+    pub fn peak_batch(&self) -> usize {
+        self.peak
+    }
+
+    /// One scheduling step: admits arrivals (prefill, first token), then decodes one token for
+    /// every request admitted before; returns the requests that finished.
+    pub fn step(&mut self) -> Result<Vec<BatchOutcome>> {
+        let mut done = Vec::new();
+        let decoding = self.active.len();
+        let mut admitted = 0;
+        while admitted < self.prefills_per_step && self.active.len() < self.max_batch {
+            let Some((id, req, submitted)) = self.waiting.pop_front() else {
+                break;
+            };
+            admitted += 1;
+            let capacity = req.prompt.len() + req.max_new;
+            let (cache, logits) = self.model.prefill(&req.prompt, capacity)?;
+            let first = crate::argmax(&logits);
+            let a = Active {
+                id,
+                submitted,
+                ttft: submitted.elapsed(),
+                tokens: vec![first],
+                max_new: req.max_new,
+                len: req.prompt.len(),
+                next: first,
+            };
+            if a.max_new == 1 {
+                done.push(finish(a));
+            } else {
+                self.active.push(a);
+                self.caches.push(cache);
+            }
+        }
+        self.peak = self.peak.max(self.active.len());
+        if decoding > 0 {
+            let ids: Vec<u32> = self.active[..decoding].iter().map(|a| a.next).collect();
+            let positions: Vec<usize> = self.active[..decoding].iter().map(|a| a.len).collect();
+            let hidden =
+                self.model
+                    .forward_batch(&ids, &positions, &mut self.caches[..decoding])?;
+            for (a, logits) in self.active.iter_mut().zip(self.model.logits(&hidden)?) {
+                a.len += 1;
+                a.next = crate::argmax(&logits);
+                a.tokens.push(a.next);
+            }
+            // Finished requests leave; the order of the others does not matter.
+            let mut i = 0;
+            while i < self.active.len() {
+                if self.active[i].tokens.len() >= self.active[i].max_new {
+                    self.caches.swap_remove(i);
+                    done.push(finish(self.active.swap_remove(i)));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        Ok(done)
+    }
+}
+
+fn finish(a: Active) -> BatchOutcome {
+    BatchOutcome {
+        id: a.id,
+        tokens: a.tokens,
+        ttft: a.ttft,
+        total: a.submitted.elapsed(),
+    }
+}
+
+/// What a closed-loop run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClosedLoop {
+    /// Every request, in the order they finished, with the client that sent it.
+    pub outcomes: Vec<(usize, BatchOutcome)>,
+    pub wall: Duration,
+    /// The largest batch decoded together.
+    pub peak_batch: usize,
+}
+
+impl ClosedLoop {
+    /// Generated tokens per second over the run.
+    pub fn tokens_per_s(&self) -> f64 {
+        let n: usize = self.outcomes.iter().map(|(_, o)| o.tokens.len()).sum();
+        n as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// The `q` quantile (0-1, nearest rank) of the requests' time to first token, in ms.
+    pub fn ttft_ms(&self, q: f64) -> f64 {
+        let mut v: Vec<f64> = self
+            .outcomes
+            .iter()
+            .map(|(_, o)| o.ttft.as_secs_f64() * 1e3)
+            .collect();
+        if v.is_empty() {
+            return f64::NAN;
+        }
+        v.sort_by(f64::total_cmp);
+        let rank = ((q.clamp(0.0, 1.0) * v.len() as f64).ceil() as usize).clamp(1, v.len());
+        v[rank - 1]
+    }
+}
+
+/// `clients` clients, each sending the requests `request(client, k)` for k = 0.. one after
+/// another (the next as soon as its previous answer is done) until it has sent
+/// `per_client`, served by one [`ContinuousBatcher`] (`max_batch` = `clients`, one prefill
+/// per step).
+pub fn closed_loop(
+    model: &DeviceModel,
+    clients: usize,
+    per_client: usize,
+    mut request: impl FnMut(usize, usize) -> BatchRequest,
+) -> Result<ClosedLoop> {
+    let mut b = ContinuousBatcher::new(model, clients, 1);
+    let mut owner = std::collections::HashMap::new();
+    let mut sent = vec![0usize; clients];
+    let start = Instant::now();
+    for (c, n) in sent.iter_mut().enumerate() {
+        if per_client > 0 {
+            owner.insert(b.submit(request(c, 0))?, c);
+            *n = 1;
+        }
+    }
+    let mut outcomes = Vec::new();
+    while b.pending() > 0 {
+        let finished = b.step()?;
+        for o in finished {
+            let c = owner.remove(&o.id).unwrap_or(0);
+            if sent[c] < per_client {
+                owner.insert(b.submit(request(c, sent[c]))?, c);
+                sent[c] += 1;
+            }
+            outcomes.push((c, o));
+        }
+    }
+    Ok(ClosedLoop {
+        outcomes,
+        wall: start.elapsed(),
+        peak_batch: b.peak_batch(),
+    })
+}
