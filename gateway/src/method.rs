@@ -68,6 +68,10 @@ pub enum Method {
     /// `target_probe` recomputing whole the chunk the question attends to most, the rest of
     /// the budget spent on the others (measurement only: refused by the API).
     ProbeTopChunk,
+    /// `target_probe` recomputing its picks only through the deeper half of the layers, from
+    /// their own chunk's residual stream there: at ρ 0.5 the cost of ρ 0.25 through every
+    /// layer (measurement only: refused by the API).
+    ProbeDeep,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -78,12 +82,14 @@ pub enum Method {
 pub const PROBE_WINDOW: usize = 2;
 /// The share of a chunk's tokens the probe must pick for `probe_whole` to recompute it whole.
 pub const PROBE_WHOLE_AT: f64 = 0.5;
+/// The fraction of the depth from which `probe_deep` recomputes its picks.
+pub const PROBE_DEEP_FROM: f64 = 0.5;
 /// Tokens on each side averaged by `probe_smooth` (A^3's average pool of 5).
 pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 18] = [
+    pub const ALL: [Method; 19] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -100,6 +106,7 @@ impl Method {
         Method::ProbeAnchors,
         Method::ProbeWhole,
         Method::ProbeTopChunk,
+        Method::ProbeDeep,
         Method::Oracle,
         Method::Random,
     ];
@@ -123,6 +130,7 @@ impl Method {
             Self::ProbeAnchors => "probe_anchors",
             Self::ProbeWhole => "probe_whole",
             Self::ProbeTopChunk => "probe_top_chunk",
+            Self::ProbeDeep => "probe_deep",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -144,6 +152,7 @@ impl Method {
                 | Self::ProbeAnchors
                 | Self::ProbeWhole
                 | Self::ProbeTopChunk
+                | Self::ProbeDeep
         )
     }
 
@@ -210,6 +219,10 @@ impl Method {
             }),
             Self::ProbeTopChunk => Box::new(TargetProbe {
                 whole_top: true,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeDeep => Box::new(TargetProbe {
+                deep_from: PROBE_DEEP_FROM,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

@@ -576,3 +576,84 @@ fn the_blend_measures_its_deviation_only_when_asked() {
     assert!(measured.signals.deviation_k > 0.0 && measured.signals.deviation_v > 0.0);
     assert_eq!(plain.logits, measured.logits);
 }
+
+#[test]
+fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
+    // Four layers: a pick's rows at the first recomputed layer depend on its residual stream
+    // there alone (its own chunk's), so only the layers after it can change.
+    let (_d, m) = tiny_of(&TinySpec {
+        n_layer: 4,
+        ..TinySpec::new(Architecture::Qwen2)
+    });
+    let n_layer = m.config().n_layer;
+    let half = n_layer / 2;
+    // One chunk after the prefix: its own context is the whole context, so every chunk token
+    // recomputed through the deeper half from its own residual stream is the full prefill,
+    // up to the f16 rounding of the stored rows (the bound of the test above).
+    let t = RagTemplate::default();
+    let asm = t.assemble(m.tokenizer(), &DOCS[..1], "where is the antenna?");
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let seg = asm.chunks().next().expect("one chunk").ids.clone();
+    let kv = m
+        .precompute(&asm.ids[seg], Some(&prefix))
+        .expect("precompute");
+    let (_, full) = m.prefill(&asm.ids).expect("prefill");
+    let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let all = asm.chunk_positions();
+    let fused = m.fused_cache(&asm, &prefix, &[&kv]).expect("fused");
+    let out = m
+        .blend_prefill_deep(&asm, fused.clone(), (&prefix, &[&kv]), &all, half)
+        .expect("deep");
+    assert_eq!(out.recomputed, all);
+    let d = max_diff(&out.logits, &full);
+    assert!(d < 2e-3 * scale, "{d} of {scale}");
+    // Three chunks, nothing picked: the question alone, its layers split in two passes, is
+    // the ordinary blend with nothing recomputed.
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+    let plain = m
+        .blend_prefill_on(&s.asm, fused.clone(), &[])
+        .expect("blend");
+    let stored = (&s.prefix, refs.as_slice());
+    let none = m
+        .blend_prefill_deep(&s.asm, fused.clone(), stored, &[], half)
+        .expect("deep");
+    assert!(max_diff(&none.logits, &plain.logits) < 1e-5);
+    // Picks change the answer's logits, differently from recomputing them through every layer.
+    let picks: Vec<usize> = s.asm.chunk_positions().into_iter().step_by(3).collect();
+    let deep = m
+        .blend_prefill_deep(&s.asm, fused.clone(), stored, &picks, half)
+        .expect("deep");
+    let through = m
+        .blend_prefill_on(&s.asm, fused.clone(), &picks)
+        .expect("blend");
+    assert!(max_diff(&deep.logits, &plain.logits) > 1e-4);
+    assert!(max_diff(&deep.logits, &through.logits) > 1e-4);
+    for (bad, what) in [(0, "must be within"), (n_layer, "must be within")] {
+        let e = m
+            .blend_prefill_deep(&s.asm, fused.clone(), stored, &picks, bad)
+            .expect_err("layer out of range")
+            .to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    let e = m
+        .blend_prefill_deep(&s.asm, fused.clone(), stored, &[0], half)
+        .expect_err("a prefix position")
+        .to_string();
+    assert!(e.contains("not a chunk token"), "{e}");
+    // The selector: the same picks as target_probe, recomputed the deep way.
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.5);
+    let probe = TargetProbe::default().prefill(&input).expect("probe");
+    let deep_sel = TargetProbe {
+        deep_from: 0.5,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("probe_deep");
+    assert_eq!(deep_sel.recomputed, probe.recomputed);
+    let again = m
+        .blend_prefill_deep(&s.asm, fused, stored, &probe.recomputed, half)
+        .expect("deep");
+    assert_eq!(deep_sel.logits, again.logits);
+}

@@ -114,6 +114,21 @@ pub trait Blend {
         k: usize,
         check: (usize, bool),
     ) -> Result<BlendOutput>;
+
+    /// Blended prefill recomputing the chunk tokens at `recompute` only through the layers
+    /// `from_layer..`, starting from the residual stream each had at `from_layer` within its own
+    /// chunk (computed here from the chunk's stored KV; ingestion could store it instead), while
+    /// the question runs every layer. Below `from_layer` those tokens keep their reused rows, so
+    /// twice the tokens recomputed through the deeper half cost what ρ costs through all layers.
+    /// A measurement (`probe_deep`): is breadth or depth what reuse is missing?
+    fn blend_prefill_deep(
+        &self,
+        asm: &Assembly,
+        cache: KvCache,
+        stored: (&PrefixKv, &[&ChunkKv]),
+        recompute: &[usize],
+        from_layer: usize,
+    ) -> Result<BlendOutput>;
 }
 
 impl Blend for Model {
@@ -305,6 +320,115 @@ impl Blend for Model {
             select_ms: 0.0,
             signals: BlendSignals::default(),
         })
+    }
+
+    fn blend_prefill_deep(
+        &self,
+        asm: &Assembly,
+        mut cache: KvCache,
+        stored: (&PrefixKv, &[&ChunkKv]),
+        recompute: &[usize],
+        from_layer: usize,
+    ) -> Result<BlendOutput> {
+        let n_layer = self.config().n_layer;
+        if from_layer == 0 || from_layer >= n_layer {
+            return Err(EngineError::InvalidInput(format!(
+                "the first recomputed layer {from_layer} must be within 1..{n_layer}"
+            )));
+        }
+        let chunk_pos = asm.chunk_positions();
+        let question = asm.question_positions();
+        if question.is_empty() {
+            return Err(EngineError::InvalidInput(
+                "nothing to compute: the question segment is empty".into(),
+            ));
+        }
+        let mut recomputed = recompute.to_vec();
+        recomputed.sort_unstable();
+        recomputed.dedup();
+        if let Some(&bad) = recomputed
+            .iter()
+            .find(|p| chunk_pos.binary_search(p).is_err())
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "position {bad} to recompute is not a chunk token"
+            )));
+        }
+        let mut rows = self.own_chunk_hidden(asm, stored, &recomputed, from_layer)?;
+        let qids: Vec<u32> = question.iter().map(|&p| asm.ids[p]).collect();
+        let (xq, _) = self.forward_layers(
+            self.embed(&qids)?,
+            &question,
+            &mut cache,
+            0..from_layer,
+            false,
+        )?;
+        rows.push(xq);
+        let mut positions = recomputed.clone();
+        positions.extend(&question);
+        let (x, _) = self.forward_layers(
+            Tensor::cat(&rows, 0)?,
+            &positions,
+            &mut cache,
+            from_layer..n_layer,
+            false,
+        )?;
+        let (n, _) = x.dims2()?;
+        let last = self.final_norm(&x.narrow(0, n - 1, 1)?)?;
+        let mut logits = self.logits(&last)?.flatten_all()?.to_vec1::<f32>()?;
+        logits.truncate(self.tokenizer().vocab_size());
+        Ok(BlendOutput {
+            cache,
+            logits,
+            recomputed,
+            chunk_tokens: chunk_pos.len(),
+            select_ms: 0.0,
+            signals: BlendSignals::default(),
+        })
+    }
+}
+
+impl Model {
+    /// The residual stream at `from_layer` of the chunk tokens at `picked` (sorted absolute
+    /// positions), each computed within its own chunk as ingestion computed the chunk: a pass
+    /// of those tokens alone through layers `..from_layer` over the chunk's stored rows placed
+    /// where they were computed (after the prefix, or alone). Rows in `picked` order.
+    fn own_chunk_hidden(
+        &self,
+        asm: &Assembly,
+        (prefix, chunks): (&PrefixKv, &[&ChunkKv]),
+        picked: &[usize],
+        from_layer: usize,
+    ) -> Result<Vec<Tensor>> {
+        let mut out = Vec::new();
+        for (seg, kv) in asm.chunks().zip(chunks) {
+            let mine: Vec<usize> = picked
+                .iter()
+                .copied()
+                .filter(|p| seg.ids.contains(p))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut own = match kv.mode {
+                crate::reuse::chunk::PrecomputeMode::AfterPrefix { .. } => {
+                    let mut c = prefix.cache.clone();
+                    c.truncate(kv.base_pos);
+                    c
+                }
+                crate::reuse::chunk::PrecomputeMode::Standalone => self.new_cache(),
+            };
+            self.place_chunk(&mut own, kv, kv.base_pos)?;
+            let pos: Vec<usize> = mine
+                .iter()
+                .map(|p| kv.base_pos + (p - seg.ids.start))
+                .collect();
+            let ids: Vec<u32> = mine.iter().map(|&p| asm.ids[p]).collect();
+            let (x, _) =
+                self.forward_layers(self.embed(&ids)?, &pos, &mut own, 0..from_layer, false)?;
+            out.push(x);
+        }
+        Ok(out)
     }
 }
 

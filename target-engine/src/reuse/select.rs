@@ -175,6 +175,10 @@ pub struct TargetProbe {
     /// The chunk holding the most of the question's attention is recomputed whole, and the
     /// rest of the budget (if any) goes to the top-k over the other chunks.
     pub whole_top: bool,
+    /// Depth instead of breadth: the picked tokens are recomputed only through the layers from
+    /// this fraction of the depth on, from their own chunk's residual stream there
+    /// ([`Blend::blend_prefill_deep`]); 0: every layer.
+    pub deep_from: f64,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -203,6 +207,7 @@ impl Default for TargetProbe {
             per_chunk: false,
             whole_at: 0.0,
             whole_top: false,
+            deep_from: 0.0,
         }
     }
 }
@@ -564,7 +569,13 @@ impl Selector for TargetProbe {
             }
         };
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut out = model.blend_prefill_measured(asm, cache, &picked, input.measure)?;
+        let from = (self.deep_from * model.config().n_layer as f64).round() as usize;
+        let mut out = if from > 0 {
+            let stored = (input.prefix, input.chunks);
+            model.blend_prefill_deep(asm, cache, stored, &picked, from)?
+        } else {
+            model.blend_prefill_measured(asm, cache, &picked, input.measure)?
+        };
         out.select_ms = select_ms;
         out.signals.uncovered = uncovered;
         Ok(out)
