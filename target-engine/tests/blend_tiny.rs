@@ -72,6 +72,20 @@ fn setup(m: &Model) -> Setup {
     }
 }
 
+/// The first document alone, its chunk precomputed after the prefix.
+fn one_chunk_after_prefix(
+    m: &Model,
+) -> (target_engine::Assembly, target_engine::PrefixKv, ChunkKv) {
+    let t = RagTemplate::default();
+    let asm = t.assemble(m.tokenizer(), &DOCS[..1], "where is the antenna?");
+    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
+    let seg = asm.chunks().next().expect("one chunk").ids.clone();
+    let kv = m
+        .precompute(&asm.ids[seg], Some(&prefix))
+        .expect("precompute");
+    (asm, prefix, kv)
+}
+
 #[test]
 fn recompute_everything_equals_full_prefill() {
     for (arch, spec) in family_specs() {
@@ -109,13 +123,7 @@ fn recompute_everything_equals_full_prefill() {
 #[test]
 fn one_chunk_precomputed_after_the_prefix_reused_as_is_equals_full_prefill() {
     let (_d, m) = tiny(Architecture::Qwen2);
-    let t = RagTemplate::default();
-    let asm = t.assemble(m.tokenizer(), &DOCS[..1], "where is the antenna?");
-    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
-    let seg = asm.chunks().next().expect("one chunk").ids.clone();
-    let kv = m
-        .precompute(&asm.ids[seg], Some(&prefix))
-        .expect("precompute");
+    let (asm, prefix, kv) = one_chunk_after_prefix(&m);
     let out = m.blend_prefill(&asm, &prefix, &[&kv], &[]).expect("blend");
     assert_eq!(out.recomputed.len(), 0);
     let (full_cache, full) = m.prefill(&asm.ids).expect("prefill");
@@ -590,13 +598,7 @@ fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
     // One chunk after the prefix: its own context is the whole context, so every chunk token
     // recomputed through the deeper half from its own residual stream is the full prefill,
     // up to the f16 rounding of the stored rows (the bound of the test above).
-    let t = RagTemplate::default();
-    let asm = t.assemble(m.tokenizer(), &DOCS[..1], "where is the antenna?");
-    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
-    let seg = asm.chunks().next().expect("one chunk").ids.clone();
-    let kv = m
-        .precompute(&asm.ids[seg], Some(&prefix))
-        .expect("precompute");
+    let (asm, prefix, kv) = one_chunk_after_prefix(&m);
     let (_, full) = m.prefill(&asm.ids).expect("prefill");
     let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
     let all = asm.chunk_positions();

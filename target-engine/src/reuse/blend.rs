@@ -308,18 +308,7 @@ impl Blend for Model {
         let h = h.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
         let (x, _) =
             self.forward_layers(h, &positions, &mut cache, check_layer + 1..n_layer, false)?;
-        let (n, _) = x.dims2()?;
-        let last = self.final_norm(&x.narrow(0, n - 1, 1)?)?;
-        let mut logits = self.logits(&last)?.flatten_all()?.to_vec1::<f32>()?;
-        logits.truncate(self.tokenizer().vocab_size());
-        Ok(BlendOutput {
-            cache,
-            logits,
-            recomputed,
-            chunk_tokens: chunk_pos.len(),
-            select_ms: 0.0,
-            signals: BlendSignals::default(),
-        })
+        self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 
     fn blend_prefill_deep(
@@ -373,6 +362,20 @@ impl Blend for Model {
             from_layer..n_layer,
             false,
         )?;
+        self.blend_output(&x, cache, recomputed, chunk_pos.len())
+    }
+}
+
+impl Model {
+    /// A blend's output once its last pass left the residual rows `x` (the prompt's last
+    /// position last): that row's logits, with `cache` and `recomputed` as they are.
+    fn blend_output(
+        &self,
+        x: &Tensor,
+        cache: KvCache,
+        recomputed: Vec<usize>,
+        chunk_tokens: usize,
+    ) -> Result<BlendOutput> {
         let (n, _) = x.dims2()?;
         let last = self.final_norm(&x.narrow(0, n - 1, 1)?)?;
         let mut logits = self.logits(&last)?.flatten_all()?.to_vec1::<f32>()?;
@@ -381,14 +384,12 @@ impl Blend for Model {
             cache,
             logits,
             recomputed,
-            chunk_tokens: chunk_pos.len(),
+            chunk_tokens,
             select_ms: 0.0,
             signals: BlendSignals::default(),
         })
     }
-}
 
-impl Model {
     /// The residual stream at `from_layer` of the chunk tokens at `picked` (sorted absolute
     /// positions), each computed within its own chunk as ingestion computed the chunk: a pass
     /// of those tokens alone through layers `..from_layer` over the chunk's stored rows placed
