@@ -72,6 +72,10 @@ pub enum Method {
     /// their own chunk's residual stream there: at ρ 0.5 the cost of ρ 0.25 through every
     /// layer (measurement only: refused by the API).
     ProbeDeep,
+    /// `target_probe` with every reused chunk token run through the first 4 of 28 layers
+    /// (fresh shallow rows for all) before its picks run through every layer (measurement
+    /// only: refused by the API).
+    ProbeShallow,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -84,12 +88,14 @@ pub const PROBE_WINDOW: usize = 2;
 pub const PROBE_WHOLE_AT: f64 = 0.5;
 /// The fraction of the depth from which `probe_deep` recomputes its picks.
 pub const PROBE_DEEP_FROM: f64 = 0.5;
+/// The fraction of the depth every reused token runs under `probe_shallow` (4 of 28 layers).
+pub const PROBE_SHALLOW_ALL: f64 = 1.0 / 7.0;
 /// Tokens on each side averaged by `probe_smooth` (A^3's average pool of 5).
 pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 19] = [
+    pub const ALL: [Method; 20] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -107,6 +113,7 @@ impl Method {
         Method::ProbeWhole,
         Method::ProbeTopChunk,
         Method::ProbeDeep,
+        Method::ProbeShallow,
         Method::Oracle,
         Method::Random,
     ];
@@ -131,6 +138,7 @@ impl Method {
             Self::ProbeWhole => "probe_whole",
             Self::ProbeTopChunk => "probe_top_chunk",
             Self::ProbeDeep => "probe_deep",
+            Self::ProbeShallow => "probe_shallow",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -153,6 +161,7 @@ impl Method {
                 | Self::ProbeWhole
                 | Self::ProbeTopChunk
                 | Self::ProbeDeep
+                | Self::ProbeShallow
         )
     }
 
@@ -223,6 +232,10 @@ impl Method {
             }),
             Self::ProbeDeep => Box::new(TargetProbe {
                 deep_from: PROBE_DEEP_FROM,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeShallow => Box::new(TargetProbe {
+                shallow_all: PROBE_SHALLOW_ALL,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

@@ -659,3 +659,62 @@ fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
         .expect("deep");
     assert_eq!(deep_sel.logits, again.logits);
 }
+
+#[test]
+fn shallow_refresh_gives_every_reused_token_full_prefills_rows_below_the_split() {
+    let (_d, m) = tiny_of(&TinySpec {
+        n_layer: 4,
+        ..TinySpec::new(Architecture::Qwen2)
+    });
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+    let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+    let all = s.asm.chunk_positions();
+    let picks: Vec<usize> = all.iter().copied().step_by(4).collect();
+    let out = m
+        .blend_prefill_shallow(&s.asm, &fused, &all, &picks, 2)
+        .expect("shallow");
+    assert_eq!(out.recomputed, picks);
+    // Below the split every row is the full prefill's; above it only the picks were rewritten.
+    for l in 0..2 {
+        assert!(
+            max_diff(out.cache.k(l), full_cache.k(l)) < 1e-4,
+            "layer {l}"
+        );
+        assert!(
+            max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4,
+            "layer {l}"
+        );
+    }
+    let row = m.config().kv_row();
+    let unpicked = all.iter().find(|p| !picks.contains(p)).expect("one left");
+    let at = |c: &[f32]| c[unpicked * row..(unpicked + 1) * row].to_vec();
+    assert_eq!(at(out.cache.k(3)), at(fused.k(3)));
+    // Everything continuing is the full prefill.
+    let every = m
+        .blend_prefill_shallow(&s.asm, &fused, &all, &all, 2)
+        .expect("shallow");
+    assert!(max_diff(&every.logits, &full) < 1e-4);
+    for (shallow, picks, what) in [
+        (0, &picks, "must be within"),
+        (4, &picks, "must be within"),
+        (2, &vec![0], "not a candidate"),
+    ] {
+        let e = m
+            .blend_prefill_shallow(&s.asm, &fused, &all, picks, shallow)
+            .expect_err("refused")
+            .to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    // The selector keeps target_probe's picks.
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.25);
+    let probe = TargetProbe::default().prefill(&input).expect("probe");
+    let shallow = TargetProbe {
+        shallow_all: 0.5,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("probe_shallow");
+    assert_eq!(shallow.recomputed, probe.recomputed);
+}

@@ -115,6 +115,19 @@ pub trait Blend {
         check: (usize, bool),
     ) -> Result<BlendOutput>;
 
+    /// Every candidate (and the question) through the first `shallow` layers, so the rows
+    /// there are fresh for all of them; then only `picks` (candidates) and the question through
+    /// the rest. A measurement (`probe_shallow`): fresh shallow rows for every reused token at
+    /// `shallow / n_layer` of a full prefill's cost.
+    fn blend_prefill_shallow(
+        &self,
+        asm: &Assembly,
+        fused: &KvCache,
+        candidates: &[usize],
+        picks: &[usize],
+        shallow: usize,
+    ) -> Result<BlendOutput>;
+
     /// Blended prefill recomputing the chunk tokens at `recompute` only through the layers
     /// `from_layer..`, starting from the residual stream each had at `from_layer` within its own
     /// chunk (computed here from the chunk's stored KV; ingestion could store it instead), while
@@ -254,61 +267,50 @@ impl Blend for Model {
                 n_layer - 1
             )));
         }
-        let chunk_pos = asm.chunk_positions();
-        let question = asm.question_positions();
-        if question.is_empty() {
-            return Err(EngineError::InvalidInput(
-                "nothing to compute: the question segment is empty".into(),
-            ));
-        }
-        let mut all = candidates.to_vec();
-        all.extend(&question);
-        let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
-        let mut cache = fused.clone();
-        let (h, _) = self.forward_layers(
-            self.embed(&ids)?,
-            &all,
-            &mut cache,
-            0..check_layer + 1,
-            false,
-        )?;
         let row = self.config().kv_row();
-        let (fresh, reused) = if by_value {
-            (cache.v(check_layer), fused.v(check_layer))
-        } else {
-            (cache.k(check_layer), fused.k(check_layer))
+        let choose = |cache: &KvCache| -> Vec<usize> {
+            let (fresh, reused) = if by_value {
+                (cache.v(check_layer), fused.v(check_layer))
+            } else {
+                (cache.k(check_layer), fused.k(check_layer))
+            };
+            let mut scored: Vec<(f32, usize)> = candidates
+                .iter()
+                .map(|&p| {
+                    let d: f32 = fresh[p * row..(p + 1) * row]
+                        .iter()
+                        .zip(&reused[p * row..(p + 1) * row])
+                        .map(|(a, b)| (a - b) * (a - b))
+                        .sum();
+                    (d, p)
+                })
+                .collect();
+            scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            scored.iter().take(k).map(|s| s.1).collect()
         };
-        let mut scored: Vec<(f32, usize)> = candidates
-            .iter()
-            .map(|&p| {
-                let d: f32 = fresh[p * row..(p + 1) * row]
-                    .iter()
-                    .zip(&reused[p * row..(p + 1) * row])
-                    .map(|(a, b)| (a - b) * (a - b))
-                    .sum();
-                (d, p)
-            })
-            .collect();
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut recomputed: Vec<usize> = scored.iter().take(k).map(|s| s.1).collect();
-        recomputed.sort_unstable();
-        // Rows of `h` (ordered as `all`) that continue: the selected chunk tokens and the question.
-        let mut keep = vec![false; asm.ids.len()];
-        recomputed
-            .iter()
-            .chain(&question)
-            .for_each(|&p| keep[p] = true);
-        let rows: Vec<u32> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, &p)| keep[p])
-            .map(|(i, _)| i as u32)
-            .collect();
-        let positions: Vec<usize> = rows.iter().map(|&i| all[i as usize]).collect();
-        let h = h.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
-        let (x, _) =
-            self.forward_layers(h, &positions, &mut cache, check_layer + 1..n_layer, false)?;
-        self.blend_output(&x, cache, recomputed, chunk_pos.len())
+        self.blend_two_stage(asm, fused, candidates, check_layer + 1, choose)
+    }
+
+    fn blend_prefill_shallow(
+        &self,
+        asm: &Assembly,
+        fused: &KvCache,
+        candidates: &[usize],
+        picks: &[usize],
+        shallow: usize,
+    ) -> Result<BlendOutput> {
+        let n_layer = self.config().n_layer;
+        if shallow == 0 || shallow >= n_layer {
+            return Err(EngineError::InvalidInput(format!(
+                "the layers every candidate runs ({shallow}) must be within 1..{n_layer}"
+            )));
+        }
+        if let Some(&bad) = picks.iter().find(|p| !candidates.contains(p)) {
+            return Err(EngineError::InvalidInput(format!(
+                "pick {bad} is not a candidate"
+            )));
+        }
+        self.blend_two_stage(asm, fused, candidates, shallow, |_| picks.to_vec())
     }
 
     fn blend_prefill_deep(
@@ -367,6 +369,51 @@ impl Blend for Model {
 }
 
 impl Model {
+    /// Two-stage blend: the `candidates` and the question run layers `..through` over a copy
+    /// of `fused` (their rows there fresh), then `choose` (given that cache) names the
+    /// candidates that continue with the question through the remaining layers.
+    fn blend_two_stage(
+        &self,
+        asm: &Assembly,
+        fused: &KvCache,
+        candidates: &[usize],
+        through: usize,
+        choose: impl FnOnce(&KvCache) -> Vec<usize>,
+    ) -> Result<BlendOutput> {
+        let n_layer = self.config().n_layer;
+        let chunk_pos = asm.chunk_positions();
+        let question = asm.question_positions();
+        if question.is_empty() {
+            return Err(EngineError::InvalidInput(
+                "nothing to compute: the question segment is empty".into(),
+            ));
+        }
+        let mut all = candidates.to_vec();
+        all.extend(&question);
+        let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
+        let mut cache = fused.clone();
+        let (h, _) = self.forward_layers(self.embed(&ids)?, &all, &mut cache, 0..through, false)?;
+        let mut recomputed = choose(&cache);
+        recomputed.sort_unstable();
+        recomputed.dedup();
+        // Rows of `h` (ordered as `all`) that continue: the chosen chunk tokens and the question.
+        let mut keep = vec![false; asm.ids.len()];
+        recomputed
+            .iter()
+            .chain(&question)
+            .for_each(|&p| keep[p] = true);
+        let rows: Vec<u32> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, &p)| keep[p])
+            .map(|(i, _)| i as u32)
+            .collect();
+        let positions: Vec<usize> = rows.iter().map(|&i| all[i as usize]).collect();
+        let h = h.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
+        let (x, _) = self.forward_layers(h, &positions, &mut cache, through..n_layer, false)?;
+        self.blend_output(&x, cache, recomputed, chunk_pos.len())
+    }
+
     /// A blend's output once its last pass left the residual rows `x` (the prompt's last
     /// position last): that row's logits, with `cache` and `recomputed` as they are.
     fn blend_output(

@@ -179,6 +179,10 @@ pub struct TargetProbe {
     /// this fraction of the depth on, from their own chunk's residual stream there
     /// ([`Blend::blend_prefill_deep`]); 0: every layer.
     pub deep_from: f64,
+    /// Every candidate through the first layers up to this fraction of the depth, so the
+    /// shallow rows are fresh for all of them, then the picks through the rest
+    /// ([`Blend::blend_prefill_shallow`]); 0: off.
+    pub shallow_all: f64,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -208,6 +212,7 @@ impl Default for TargetProbe {
             whole_at: 0.0,
             whole_top: false,
             deep_from: 0.0,
+            shallow_all: 0.0,
         }
     }
 }
@@ -569,8 +574,13 @@ impl Selector for TargetProbe {
             }
         };
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
-        let from = (self.deep_from * model.config().n_layer as f64).round() as usize;
-        let mut out = if from > 0 {
+        let n_layer = model.config().n_layer as f64;
+        let from = (self.deep_from * n_layer).round() as usize;
+        let shallow = (self.shallow_all * n_layer).round() as usize;
+        let mut out = if shallow > 0 {
+            let candidates = input.candidates();
+            model.blend_prefill_shallow(asm, &cache, &candidates, &picked, shallow)?
+        } else if from > 0 {
             let stored = (input.prefix, input.chunks);
             model.blend_prefill_deep(asm, cache, stored, &picked, from)?
         } else {
