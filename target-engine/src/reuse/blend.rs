@@ -328,12 +328,7 @@ impl Blend for Model {
             )));
         }
         let chunk_pos = asm.chunk_positions();
-        let question = asm.question_positions();
-        if question.is_empty() {
-            return Err(EngineError::InvalidInput(
-                "nothing to compute: the question segment is empty".into(),
-            ));
-        }
+        let question = question_of(asm)?;
         let mut recomputed = recompute.to_vec();
         recomputed.sort_unstable();
         recomputed.dedup();
@@ -382,12 +377,7 @@ impl Model {
     ) -> Result<BlendOutput> {
         let n_layer = self.config().n_layer;
         let chunk_pos = asm.chunk_positions();
-        let question = asm.question_positions();
-        if question.is_empty() {
-            return Err(EngineError::InvalidInput(
-                "nothing to compute: the question segment is empty".into(),
-            ));
-        }
+        let question = question_of(asm)?;
         let mut all = candidates.to_vec();
         all.extend(&question);
         let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
@@ -530,6 +520,17 @@ impl ReusedRows {
             0.0
         }
     }
+}
+
+/// The question's positions; a blend with no question has nothing to compute.
+fn question_of(asm: &Assembly) -> Result<Vec<usize>> {
+    let question = asm.question_positions();
+    if question.is_empty() {
+        return Err(EngineError::InvalidInput(
+            "nothing to compute: the question segment is empty".into(),
+        ));
+    }
+    Ok(question)
 }
 
 /// Segment kind of a position, for reports and tests.
