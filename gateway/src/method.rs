@@ -76,6 +76,9 @@ pub enum Method {
     /// (fresh shallow rows for all) before its picks run through every layer (measurement
     /// only: refused by the API).
     ProbeShallow,
+    /// `target_probe` with each chunk's reused tokens moved, layer by layer, by the mean
+    /// deviation its recomputed tokens showed (measurement only: refused by the API).
+    ProbeShift,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -95,7 +98,7 @@ pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 20] = [
+    pub const ALL: [Method; 21] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -114,6 +117,7 @@ impl Method {
         Method::ProbeTopChunk,
         Method::ProbeDeep,
         Method::ProbeShallow,
+        Method::ProbeShift,
         Method::Oracle,
         Method::Random,
     ];
@@ -139,6 +143,7 @@ impl Method {
             Self::ProbeTopChunk => "probe_top_chunk",
             Self::ProbeDeep => "probe_deep",
             Self::ProbeShallow => "probe_shallow",
+            Self::ProbeShift => "probe_shift",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -162,6 +167,7 @@ impl Method {
                 | Self::ProbeTopChunk
                 | Self::ProbeDeep
                 | Self::ProbeShallow
+                | Self::ProbeShift
         )
     }
 
@@ -236,6 +242,10 @@ impl Method {
             }),
             Self::ProbeShallow => Box::new(TargetProbe {
                 shallow_all: PROBE_SHALLOW_ALL,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeShift => Box::new(TargetProbe {
+                shift: true,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

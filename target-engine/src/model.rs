@@ -1008,6 +1008,7 @@ impl Model {
             allow_dense: true,
             probe: None,
             view: None,
+            shift: None,
         };
         self.forward_layers_with(x, positions, cache, layers, pass)
     }
@@ -1031,6 +1032,7 @@ impl Model {
             allow_dense: false,
             probe: None,
             view: Some(view),
+            shift: None,
         };
         let end = layers.min(self.config.n_layer);
         self.forward_layers_with(x, positions, cache, 0..end, pass)?;
@@ -1076,6 +1078,7 @@ impl Model {
             allow_dense: true,
             probe: Some((probe, &mut mass)),
             view: None,
+            shift: None,
         };
         self.forward_layers_with(x, positions, cache, 0..end, pass)?;
         Ok(mass)
@@ -1123,11 +1126,116 @@ impl Model {
             allow_dense: false,
             probe: None,
             view,
+            shift: None,
         };
         let (x, layers) =
             self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
         let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
         Ok(ForwardOutput { hidden, layers })
+    }
+
+    /// Every layer for `ids` at `positions`, with each group's reused rows corrected at every
+    /// layer by the mean deviation of its recomputed rows there ([`ShiftGroup`]); returns the
+    /// residual rows after the last layer (not normed).
+    pub(crate) fn forward_shifted(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        groups: &[ShiftGroup],
+    ) -> Result<Tensor> {
+        let pass = Pass {
+            collect_layers: false,
+            allow_dense: true,
+            probe: None,
+            view: None,
+            shift: Some(groups),
+        };
+        let x = self.embed(ids)?;
+        let (x, _) = self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
+        Ok(x)
+    }
+
+    /// Per group, the mean of `new - cached` over its recomputed rows at `layer` (K with RoPE
+    /// undone, so the means of rows at different positions are comparable), before `new`
+    /// overwrites them: `(k, v)`, empty for a group without recomputed rows.
+    fn shift_means(
+        &self,
+        layer: usize,
+        groups: &[ShiftGroup],
+        positions: &[usize],
+        cache: &KvCache,
+        (k, v): (&[f32], &[f32]),
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let row = cache.row_len();
+        let heads = self.config.n_kv_head;
+        let mut out = Vec::with_capacity(groups.len());
+        for g in groups {
+            if g.rows.is_empty() || g.targets.is_empty() {
+                out.push((Vec::new(), Vec::new()));
+                continue;
+            }
+            let mut dk = Vec::with_capacity(g.rows.len() * row);
+            let (mut mk, mut mv) = (vec![0.0f32; row], vec![0.0f32; row]);
+            let mut undo = Vec::with_capacity(g.rows.len());
+            for &i in &g.rows {
+                let p = positions[i];
+                let old_k = &cache.k(layer)[p * row..(p + 1) * row];
+                let old_v = &cache.v(layer)[p * row..(p + 1) * row];
+                dk.extend(
+                    k[i * row..(i + 1) * row]
+                        .iter()
+                        .zip(old_k)
+                        .map(|(a, b)| a - b),
+                );
+                let new_v = &v[i * row..(i + 1) * row];
+                mv.iter_mut()
+                    .zip(new_v.iter().zip(old_v))
+                    .for_each(|(m, (a, b))| *m += a - b);
+                undo.push(-(p as i64));
+            }
+            self.rope_at(layer).rotate_by(&mut dk, heads, &undo)?;
+            for d in dk.chunks_exact(row) {
+                mk.iter_mut().zip(d).for_each(|(m, x)| *m += x);
+            }
+            let n = g.rows.len() as f32;
+            mk.iter_mut().chain(mv.iter_mut()).for_each(|m| *m /= n);
+            out.push((mk, mv));
+        }
+        Ok(out)
+    }
+
+    /// Adds each group's means (from [`Model::shift_means`]) to its reused rows at `layer`, the
+    /// K mean rotated to each row's position.
+    fn apply_shift(
+        &self,
+        layer: usize,
+        groups: &[ShiftGroup],
+        means: &[(Vec<f32>, Vec<f32>)],
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        let row = cache.row_len();
+        let heads = self.config.n_kv_head;
+        for (g, (mk, mv)) in groups.iter().zip(means) {
+            if mk.is_empty() {
+                continue;
+            }
+            let mut k: Vec<f32> = mk.repeat(g.targets.len());
+            let at: Vec<i64> = g.targets.iter().map(|&q| q as i64).collect();
+            self.rope_at(layer).rotate_by(&mut k, heads, &at)?;
+            let mut v = Vec::with_capacity(g.targets.len() * row);
+            for (i, &q) in g.targets.iter().enumerate() {
+                let old_k = &cache.k(layer)[q * row..(q + 1) * row];
+                k[i * row..(i + 1) * row]
+                    .iter_mut()
+                    .zip(old_k)
+                    .for_each(|(d, o)| *d += o);
+                let old_v = &cache.v(layer)[q * row..(q + 1) * row];
+                v.extend(old_v.iter().zip(mv).map(|(o, d)| o + d));
+            }
+            cache.write(layer, &g.targets, &k, &v);
+        }
+        Ok(())
     }
 
     /// The layers of a pass, run on the kernels' thread pool (see [`kernels::in_pool`]) with
@@ -1159,6 +1267,7 @@ impl Model {
             allow_dense,
             mut probe,
             mut view,
+            shift,
         } = pass;
         let c = &self.config;
         let n = self.check_pass(&x, positions, cache, &layers)?;
@@ -1186,7 +1295,14 @@ impl Model {
             };
             self.rope_at(l).apply(table, &mut q, c.n_head)?;
             self.rope_at(l).apply(table, &mut k, c.n_kv_head)?;
+            let means = match shift {
+                Some(groups) => self.shift_means(l, groups, positions, cache, (&k, &v))?,
+                None => Vec::new(),
+            };
             cache.write(l, positions, &k, &v);
+            if let Some(groups) = shift {
+                self.apply_shift(l, groups, &means, cache)?;
+            }
             if let Some((probe_layers, mass)) = probe.as_mut() {
                 if probe_layers.contains(&l) {
                     let mut m =
@@ -1332,6 +1448,19 @@ struct Pass<'a> {
     probe: Option<(std::ops::Range<usize>, &'a mut Vec<Vec<f32>>)>,
     /// Attention from an approximate view of the cache instead of all of it (a drafter's).
     view: Option<&'a mut (dyn crate::view::AttentionView + Send)>,
+    /// Reused rows corrected at every layer by what recomputing moved their group's rows.
+    shift: Option<&'a [ShiftGroup]>,
+}
+
+/// One chunk's reused rows, corrected at every layer of a pass by the mean deviation the
+/// chunk's recomputed rows showed at that layer (`probe_shift`, a measurement: whether what
+/// the picks learn of the other chunks carries over to the tokens left to reuse).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ShiftGroup {
+    /// Indices, among the pass's rows, of the chunk's recomputed tokens.
+    pub rows: Vec<usize>,
+    /// Positions of the chunk's reused tokens, the rows corrected.
+    pub targets: Vec<usize>,
 }
 
 /// RMSNorm of each `w.len()`-wide head of `x` (rows of heads, laid out one after another),

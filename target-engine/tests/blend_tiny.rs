@@ -607,8 +607,12 @@ fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
         .blend_prefill_deep(&asm, fused.clone(), (&prefix, &[&kv]), &all, half)
         .expect("deep");
     assert_eq!(out.recomputed, all);
+    // Two passes where the full prefill runs one: the residual stream's int8 rounding at the
+    // split adds to the f16 rounding of the stored rows (0.30% of the largest logit on AVX-512
+    // VNNI kernels, under 0.2% on AVX2); a pick continued from the wrong stream is off by
+    // whole logits.
     let d = max_diff(&out.logits, &full);
-    assert!(d < 2e-3 * scale, "{d} of {scale}");
+    assert!(d < 5e-3 * scale, "{d} of {scale}");
     // Three chunks, nothing picked: the question alone, its layers split in two passes, is
     // the ordinary blend with nothing recomputed.
     let s = setup(&m);
@@ -717,4 +721,98 @@ fn shallow_refresh_gives_every_reused_token_full_prefills_rows_below_the_split()
     .prefill(&input)
     .expect("probe_shallow");
     assert_eq!(shallow.recomputed, probe.recomputed);
+}
+
+#[test]
+fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
+    let (_d, m) = tiny_of(&TinySpec {
+        n_layer: 4,
+        ..TinySpec::new(Architecture::Qwen2)
+    });
+    let s = setup(&m);
+    let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+    let (row, heads) = (m.config().kv_row(), m.config().n_kv_head);
+    // The full prefill's cache with every chunk's rows moved by a constant of its own at each
+    // layer (K before RoPE): a deviation the shift can learn from any one recomputed token.
+    let mut fused = full_cache.clone();
+    let segs: Vec<Vec<usize>> = s.asm.chunks().map(|c| c.ids.clone().collect()).collect();
+    for (c, pos) in segs.iter().enumerate() {
+        for l in 0..m.config().n_layer {
+            let ck: Vec<f32> = (0..row)
+                .map(|i| 0.4 * ((i + 7 * c + 3 * l) as f32).sin())
+                .collect();
+            let cv: Vec<f32> = (0..row)
+                .map(|i| 0.4 * ((2 * i + 5 * c + l) as f32).cos())
+                .collect();
+            let mut k = ck.repeat(pos.len());
+            let at: Vec<i64> = pos.iter().map(|&p| p as i64).collect();
+            m.rope_at(l).rotate_by(&mut k, heads, &at).expect("rotate");
+            let mut v = Vec::new();
+            for (i, &p) in pos.iter().enumerate() {
+                let old_k = &fused.k(l)[p * row..(p + 1) * row];
+                k[i * row..(i + 1) * row]
+                    .iter_mut()
+                    .zip(old_k)
+                    .for_each(|(d, o)| *d += o);
+                let old_v = &fused.v(l)[p * row..(p + 1) * row];
+                v.extend(old_v.iter().zip(&cv).map(|(o, d)| o + d));
+            }
+            fused.set_rows(l, pos, &k, &v).expect("set rows");
+        }
+    }
+    let all = s.asm.chunk_positions();
+    let picks: Vec<usize> = segs.iter().map(|p| p[p.len() / 2]).collect();
+    let plain = m
+        .blend_prefill_on(&s.asm, fused.clone(), &picks)
+        .expect("plain blend");
+    let shifted = m
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &picks)
+        .expect("shifted blend");
+    assert_eq!(shifted.recomputed, picks);
+    assert!(
+        max_diff(&plain.logits, &full) > 1e-2,
+        "the deviation moves an ordinary blend's logits"
+    );
+    assert!(max_diff(&shifted.logits, &full) < 1e-3);
+    for l in 0..m.config().n_layer {
+        assert!(
+            max_diff(shifted.cache.k(l), full_cache.k(l)) < 1e-4,
+            "K {l}"
+        );
+        assert!(
+            max_diff(shifted.cache.v(l), full_cache.v(l)) < 1e-4,
+            "V {l}"
+        );
+    }
+    // A chunk without a pick keeps its rows; with every candidate picked it is a plain blend.
+    let no_last: Vec<usize> = picks[..picks.len() - 1].to_vec();
+    let partial = m
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &no_last)
+        .expect("shifted blend");
+    let last = segs.last().expect("a chunk")[0];
+    let at = |c: &[f32]| c[last * row..(last + 1) * row].to_vec();
+    assert_eq!(at(partial.cache.k(2)), at(fused.k(2)));
+    let every = m
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &all)
+        .expect("shifted blend");
+    let reference = m
+        .blend_prefill_on(&s.asm, fused.clone(), &all)
+        .expect("plain blend");
+    assert_eq!(every.logits, reference.logits);
+    let e = m
+        .blend_prefill_shift(&s.asm, fused, &all, &[0])
+        .expect_err("a prefix position")
+        .to_string();
+    assert!(e.contains("not a candidate"), "{e}");
+    // The selector keeps target_probe's picks.
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.25);
+    let probe = TargetProbe::default().prefill(&input).expect("probe");
+    let shift = TargetProbe {
+        shift: true,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("probe_shift");
+    assert_eq!(shift.recomputed, probe.recomputed);
 }

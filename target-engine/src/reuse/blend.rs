@@ -10,7 +10,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
-use crate::model::Model;
+use crate::model::{Model, ShiftGroup};
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
@@ -126,6 +126,19 @@ pub trait Blend {
         candidates: &[usize],
         picks: &[usize],
         shallow: usize,
+    ) -> Result<BlendOutput>;
+
+    /// The blended prefill of `recompute` (and the question) over `cache`, where at every layer
+    /// each chunk's candidates left to reuse are moved by the mean deviation (new minus reused,
+    /// K with RoPE undone) its recomputed tokens showed at that layer. A measurement
+    /// (`probe_shift`): whether what the picks learn of the other chunks carries over to their
+    /// neighbours, at no extra recompute.
+    fn blend_prefill_shift(
+        &self,
+        asm: &Assembly,
+        cache: KvCache,
+        candidates: &[usize],
+        recompute: &[usize],
     ) -> Result<BlendOutput>;
 
     /// Blended prefill recomputing the chunk tokens at `recompute` only through the layers
@@ -311,6 +324,48 @@ impl Blend for Model {
             )));
         }
         self.blend_two_stage(asm, fused, candidates, shallow, |_| picks.to_vec())
+    }
+
+    fn blend_prefill_shift(
+        &self,
+        asm: &Assembly,
+        mut cache: KvCache,
+        candidates: &[usize],
+        recompute: &[usize],
+    ) -> Result<BlendOutput> {
+        if !self.rope_recovery_ok() {
+            return self.blend_prefill_on(asm, cache, recompute);
+        }
+        if let Some(&bad) = recompute.iter().find(|p| !candidates.contains(p)) {
+            return Err(EngineError::InvalidInput(format!(
+                "position {bad} to recompute is not a candidate"
+            )));
+        }
+        let chunk_pos = asm.chunk_positions();
+        let mut recomputed = recompute.to_vec();
+        recomputed.sort_unstable();
+        recomputed.dedup();
+        let mut positions = recomputed.clone();
+        positions.extend(question_of(asm)?);
+        positions.sort_unstable();
+        let mut picked = vec![false; asm.ids.len()];
+        recomputed.iter().for_each(|&p| picked[p] = true);
+        let groups: Vec<ShiftGroup> = asm
+            .chunks()
+            .map(|seg| ShiftGroup {
+                rows: (0..positions.len())
+                    .filter(|&i| seg.ids.contains(&positions[i]))
+                    .collect(),
+                targets: candidates
+                    .iter()
+                    .copied()
+                    .filter(|&p| seg.ids.contains(&p) && !picked[p])
+                    .collect(),
+            })
+            .collect();
+        let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
+        let x = self.forward_shifted(&ids, &positions, &mut cache, &groups)?;
+        self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 
     fn blend_prefill_deep(

@@ -183,6 +183,9 @@ pub struct TargetProbe {
     /// shallow rows are fresh for all of them, then the picks through the rest
     /// ([`Blend::blend_prefill_shallow`]); 0: off.
     pub shallow_all: f64,
+    /// At every layer of the blended prefill, each chunk's tokens left to reuse move by the
+    /// mean deviation its picks showed there ([`Blend::blend_prefill_shift`]).
+    pub shift: bool,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -213,6 +216,7 @@ impl Default for TargetProbe {
             whole_top: false,
             deep_from: 0.0,
             shallow_all: 0.0,
+            shift: false,
         }
     }
 }
@@ -580,6 +584,8 @@ impl Selector for TargetProbe {
         let mut out = if shallow > 0 {
             let candidates = input.candidates();
             model.blend_prefill_shallow(asm, &cache, &candidates, &picked, shallow)?
+        } else if self.shift {
+            model.blend_prefill_shift(asm, cache, &input.candidates(), &picked)?
         } else if from > 0 {
             let stored = (input.prefix, input.chunks);
             model.blend_prefill_deep(asm, cache, stored, &picked, from)?
