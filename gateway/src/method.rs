@@ -79,6 +79,9 @@ pub enum Method {
     /// `target_probe` with each chunk's reused tokens moved, layer by layer, by the mean
     /// deviation its recomputed tokens showed (measurement only: refused by the API).
     ProbeShift,
+    /// `probe_shift` with each reused token moving as the picks whose keys it resembles
+    /// (measurement only: refused by the API).
+    ProbeShiftSimilar,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -98,7 +101,7 @@ pub const PROBE_SMOOTH: usize = 2;
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 21] = [
+    pub const ALL: [Method; 22] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -118,6 +121,7 @@ impl Method {
         Method::ProbeDeep,
         Method::ProbeShallow,
         Method::ProbeShift,
+        Method::ProbeShiftSimilar,
         Method::Oracle,
         Method::Random,
     ];
@@ -144,6 +148,7 @@ impl Method {
             Self::ProbeDeep => "probe_deep",
             Self::ProbeShallow => "probe_shallow",
             Self::ProbeShift => "probe_shift",
+            Self::ProbeShiftSimilar => "probe_shift_similar",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -168,6 +173,7 @@ impl Method {
                 | Self::ProbeDeep
                 | Self::ProbeShallow
                 | Self::ProbeShift
+                | Self::ProbeShiftSimilar
         )
     }
 
@@ -246,6 +252,10 @@ impl Method {
             }),
             Self::ProbeShift => Box::new(TargetProbe {
                 shift: true,
+                ..TargetProbe::default()
+            }),
+            Self::ProbeShiftSimilar => Box::new(TargetProbe {
+                shift_similar: true,
                 ..TargetProbe::default()
             }),
             Self::Oracle => Box::new(Oracle),

@@ -1135,49 +1135,55 @@ impl Model {
     }
 
     /// Every layer for `ids` at `positions`, with each group's reused rows corrected at every
-    /// layer by the mean deviation of its recomputed rows there ([`ShiftGroup`]); returns the
-    /// residual rows after the last layer (not normed).
+    /// layer by the deviation of its recomputed rows there ([`Shift`]); returns the residual
+    /// rows after the last layer (not normed).
     pub(crate) fn forward_shifted(
         &self,
         ids: &[u32],
         positions: &[usize],
         cache: &mut KvCache,
-        groups: &[ShiftGroup],
+        shift: &Shift,
     ) -> Result<Tensor> {
         let pass = Pass {
             collect_layers: false,
             allow_dense: true,
             probe: None,
             view: None,
-            shift: Some(groups),
+            shift: Some(shift),
         };
         let x = self.embed(ids)?;
         let (x, _) = self.forward_layers_with(x, positions, cache, 0..self.config.n_layer, pass)?;
         Ok(x)
     }
 
-    /// Per group, the mean of `new - cached` over its recomputed rows at `layer` (K with RoPE
-    /// undone, so the means of rows at different positions are comparable), before `new`
-    /// overwrites them: `(k, v)`, empty for a group without recomputed rows.
-    fn shift_means(
+    /// Rows of keys at `at` (RoPE applied there) with RoPE undone.
+    fn unrotated_keys(&self, layer: usize, keys: Vec<f32>, at: &[usize]) -> Result<Vec<f32>> {
+        let mut keys = keys;
+        let undo: Vec<i64> = at.iter().map(|&p| -(p as i64)).collect();
+        self.rope_at(layer)
+            .rotate_by(&mut keys, self.config.n_kv_head, &undo)?;
+        Ok(keys)
+    }
+
+    /// Per group, how recomputing moves its picks at `layer`, taken before `new` overwrites
+    /// their rows: `new - cached` for K (RoPE undone) and V, and the cached keys (RoPE undone).
+    fn shift_moves(
         &self,
         layer: usize,
         groups: &[ShiftGroup],
         positions: &[usize],
         cache: &KvCache,
         (k, v): (&[f32], &[f32]),
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    ) -> Result<Vec<Moves>> {
         let row = cache.row_len();
-        let heads = self.config.n_kv_head;
         let mut out = Vec::with_capacity(groups.len());
         for g in groups {
             if g.rows.is_empty() || g.targets.is_empty() {
-                out.push((Vec::new(), Vec::new()));
+                out.push(Moves::default());
                 continue;
             }
-            let mut dk = Vec::with_capacity(g.rows.len() * row);
-            let (mut mk, mut mv) = (vec![0.0f32; row], vec![0.0f32; row]);
-            let mut undo = Vec::with_capacity(g.rows.len());
+            let (mut dk, mut dv, mut keys) = (Vec::new(), Vec::new(), Vec::new());
+            let mut at = Vec::with_capacity(g.rows.len());
             for &i in &g.rows {
                 let p = positions[i];
                 let old_k = &cache.k(layer)[p * row..(p + 1) * row];
@@ -1188,52 +1194,104 @@ impl Model {
                         .zip(old_k)
                         .map(|(a, b)| a - b),
                 );
-                let new_v = &v[i * row..(i + 1) * row];
-                mv.iter_mut()
-                    .zip(new_v.iter().zip(old_v))
-                    .for_each(|(m, (a, b))| *m += a - b);
-                undo.push(-(p as i64));
+                dv.extend(
+                    v[i * row..(i + 1) * row]
+                        .iter()
+                        .zip(old_v)
+                        .map(|(a, b)| a - b),
+                );
+                keys.extend_from_slice(old_k);
+                at.push(p);
             }
-            self.rope_at(layer).rotate_by(&mut dk, heads, &undo)?;
-            for d in dk.chunks_exact(row) {
-                mk.iter_mut().zip(d).for_each(|(m, x)| *m += x);
-            }
-            let n = g.rows.len() as f32;
-            mk.iter_mut().chain(mv.iter_mut()).for_each(|m| *m /= n);
-            out.push((mk, mv));
+            out.push(Moves {
+                dk: self.unrotated_keys(layer, dk, &at)?,
+                dv,
+                keys: self.unrotated_keys(layer, keys, &at)?,
+            });
         }
         Ok(out)
     }
 
-    /// Adds each group's means (from [`Model::shift_means`]) to its reused rows at `layer`, the
-    /// K mean rotated to each row's position.
+    /// Moves each group's reused rows at `layer` by its picks' moves (from
+    /// [`Model::shift_moves`]): their mean, or per kv head their mean weighted by the softmax
+    /// of the reused key's dot products with the picks' keys (scaled by `1/sqrt(head_dim)`);
+    /// the K move rotated to each row's position.
     fn apply_shift(
         &self,
         layer: usize,
-        groups: &[ShiftGroup],
-        means: &[(Vec<f32>, Vec<f32>)],
+        shift: &Shift,
+        moves: &[Moves],
         cache: &mut KvCache,
     ) -> Result<()> {
         let row = cache.row_len();
-        let heads = self.config.n_kv_head;
-        for (g, (mk, mv)) in groups.iter().zip(means) {
-            if mk.is_empty() {
+        let (heads, d) = (self.config.n_kv_head, self.config.head_dim);
+        for (g, m) in shift.groups.iter().zip(moves) {
+            if m.dk.is_empty() {
                 continue;
             }
-            let mut k: Vec<f32> = mk.repeat(g.targets.len());
-            let at: Vec<i64> = g.targets.iter().map(|&q| q as i64).collect();
-            self.rope_at(layer).rotate_by(&mut k, heads, &at)?;
-            let mut v = Vec::with_capacity(g.targets.len() * row);
-            for (i, &q) in g.targets.iter().enumerate() {
-                let old_k = &cache.k(layer)[q * row..(q + 1) * row];
-                k[i * row..(i + 1) * row]
-                    .iter_mut()
-                    .zip(old_k)
-                    .for_each(|(d, o)| *d += o);
-                let old_v = &cache.v(layer)[q * row..(q + 1) * row];
-                v.extend(old_v.iter().zip(mv).map(|(o, d)| o + d));
+            let picks = m.dk.len() / row;
+            let n = g.targets.len();
+            let mut dk = vec![0.0f32; n * row];
+            let mut dv = vec![0.0f32; n * row];
+            if shift.by_similarity {
+                let old: Vec<f32> = g
+                    .targets
+                    .iter()
+                    .flat_map(|&q| cache.k(layer)[q * row..(q + 1) * row].iter().copied())
+                    .collect();
+                let keys = self.unrotated_keys(layer, old, &g.targets)?;
+                let scale = 1.0 / (d as f32).sqrt();
+                let mut w = vec![0.0f32; picks];
+                for t in 0..n {
+                    for h in 0..heads {
+                        let kt = &keys[t * row + h * d..t * row + (h + 1) * d];
+                        for (p, wp) in w.iter_mut().enumerate() {
+                            let kp = &m.keys[p * row + h * d..p * row + (h + 1) * d];
+                            *wp = kt.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        }
+                        let top = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        w.iter_mut().for_each(|x| *x = (*x - top).exp());
+                        let sum: f32 = w.iter().sum();
+                        for (p, wp) in w.iter().enumerate() {
+                            let from = p * row + h * d..p * row + (h + 1) * d;
+                            let out = t * row + h * d..t * row + (h + 1) * d;
+                            let f = wp / sum;
+                            dk[out.clone()]
+                                .iter_mut()
+                                .zip(&m.dk[from.clone()])
+                                .for_each(|(o, x)| *o += f * x);
+                            dv[out]
+                                .iter_mut()
+                                .zip(&m.dv[from])
+                                .for_each(|(o, x)| *o += f * x);
+                        }
+                    }
+                }
+            } else {
+                let mean = |x: &[f32]| -> Vec<f32> {
+                    let mut out = vec![0.0f32; row];
+                    for r in x.chunks_exact(row) {
+                        out.iter_mut().zip(r).for_each(|(o, v)| *o += v);
+                    }
+                    out.iter_mut().for_each(|o| *o /= picks as f32);
+                    out
+                };
+                dk = mean(&m.dk).repeat(n);
+                dv = mean(&m.dv).repeat(n);
             }
-            cache.write(layer, &g.targets, &k, &v);
+            let at: Vec<i64> = g.targets.iter().map(|&q| q as i64).collect();
+            self.rope_at(layer).rotate_by(&mut dk, heads, &at)?;
+            for (i, &q) in g.targets.iter().enumerate() {
+                let cached_k = &cache.k(layer)[q * row..(q + 1) * row];
+                let cached_v = &cache.v(layer)[q * row..(q + 1) * row];
+                let r = i * row..(i + 1) * row;
+                dk[r.clone()]
+                    .iter_mut()
+                    .zip(cached_k)
+                    .for_each(|(o, c)| *o += c);
+                dv[r].iter_mut().zip(cached_v).for_each(|(o, c)| *o += c);
+            }
+            cache.write(layer, &g.targets, &dk, &dv);
         }
         Ok(())
     }
@@ -1295,13 +1353,13 @@ impl Model {
             };
             self.rope_at(l).apply(table, &mut q, c.n_head)?;
             self.rope_at(l).apply(table, &mut k, c.n_kv_head)?;
-            let means = match shift {
-                Some(groups) => self.shift_means(l, groups, positions, cache, (&k, &v))?,
+            let moves = match shift {
+                Some(sh) => self.shift_moves(l, &sh.groups, positions, cache, (&k, &v))?,
                 None => Vec::new(),
             };
             cache.write(l, positions, &k, &v);
-            if let Some(groups) = shift {
-                self.apply_shift(l, groups, &means, cache)?;
+            if let Some(sh) = shift {
+                self.apply_shift(l, sh, &moves, cache)?;
             }
             if let Some((probe_layers, mass)) = probe.as_mut() {
                 if probe_layers.contains(&l) {
@@ -1449,7 +1507,27 @@ struct Pass<'a> {
     /// Attention from an approximate view of the cache instead of all of it (a drafter's).
     view: Option<&'a mut (dyn crate::view::AttentionView + Send)>,
     /// Reused rows corrected at every layer by what recomputing moved their group's rows.
-    shift: Option<&'a [ShiftGroup]>,
+    shift: Option<&'a Shift>,
+}
+
+/// The reused rows a pass corrects, chunk by chunk, and how each estimates its move.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shift {
+    pub groups: Vec<ShiftGroup>,
+    /// Each reused row moves as the picks whose keys it resembles (a softmax over key dot
+    /// products per kv head) instead of by the picks' mean.
+    pub by_similarity: bool,
+}
+
+/// How recomputing moved one group's picks at a layer (rows of kv heads x head dim each).
+#[derive(Debug, Clone, Default)]
+struct Moves {
+    /// New minus cached K, RoPE undone.
+    dk: Vec<f32>,
+    /// New minus cached V.
+    dv: Vec<f32>,
+    /// The cached keys, RoPE undone.
+    keys: Vec<f32>,
 }
 
 /// One chunk's reused rows, corrected at every layer of a pass by the mean deviation the

@@ -766,7 +766,7 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
         .blend_prefill_on(&s.asm, fused.clone(), &picks)
         .expect("plain blend");
     let shifted = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &picks)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &picks, false)
         .expect("shifted blend");
     assert_eq!(shifted.recomputed, picks);
     assert!(
@@ -787,20 +787,30 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     // A chunk without a pick keeps its rows; with every candidate picked it is a plain blend.
     let no_last: Vec<usize> = picks[..picks.len() - 1].to_vec();
     let partial = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &no_last)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &no_last, false)
         .expect("shifted blend");
     let last = segs.last().expect("a chunk")[0];
     let at = |c: &[f32]| c[last * row..(last + 1) * row].to_vec();
     assert_eq!(at(partial.cache.k(2)), at(fused.k(2)));
+    // Weighted by key similarity, moves that are all the same are that move too (two picks
+    // per chunk, so the weights matter), and the weights do change a real blend.
+    let two: Vec<usize> = segs
+        .iter()
+        .flat_map(|p| [p[p.len() / 3], p[2 * p.len() / 3]])
+        .collect();
+    let similar = m
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &two, true)
+        .expect("shifted blend");
+    assert!(max_diff(&similar.logits, &full) < 1e-3);
     let every = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &all)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &all, false)
         .expect("shifted blend");
     let reference = m
         .blend_prefill_on(&s.asm, fused.clone(), &all)
         .expect("plain blend");
     assert_eq!(every.logits, reference.logits);
     let e = m
-        .blend_prefill_shift(&s.asm, fused, &all, &[0])
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &[0], false)
         .expect_err("a prefix position")
         .to_string();
     assert!(e.contains("not a candidate"), "{e}");
@@ -815,4 +825,12 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     .prefill(&input)
     .expect("probe_shift");
     assert_eq!(shift.recomputed, probe.recomputed);
+    let similar = TargetProbe {
+        shift_similar: true,
+        ..TargetProbe::default()
+    }
+    .prefill(&input)
+    .expect("probe_shift_similar");
+    assert_eq!(similar.recomputed, probe.recomputed);
+    assert!(max_diff(&similar.logits, &shift.logits) > 1e-4);
 }

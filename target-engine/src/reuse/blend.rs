@@ -10,7 +10,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
-use crate::model::{Model, ShiftGroup};
+use crate::model::{Model, Shift, ShiftGroup};
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
@@ -130,15 +130,17 @@ pub trait Blend {
 
     /// The blended prefill of `recompute` (and the question) over `cache`, where at every layer
     /// each chunk's candidates left to reuse are moved by the mean deviation (new minus reused,
-    /// K with RoPE undone) its recomputed tokens showed at that layer. A measurement
-    /// (`probe_shift`): whether what the picks learn of the other chunks carries over to their
-    /// neighbours, at no extra recompute.
+    /// K with RoPE undone) its recomputed tokens showed at that layer, or with `by_similarity`
+    /// by their moves weighted by how much each pick's key resembles the reused token's. A
+    /// measurement (`probe_shift`, `probe_shift_similar`): whether what the picks learn of the
+    /// other chunks carries over to their neighbours, at no extra recompute.
     fn blend_prefill_shift(
         &self,
         asm: &Assembly,
         cache: KvCache,
         candidates: &[usize],
         recompute: &[usize],
+        by_similarity: bool,
     ) -> Result<BlendOutput>;
 
     /// Blended prefill recomputing the chunk tokens at `recompute` only through the layers
@@ -332,6 +334,7 @@ impl Blend for Model {
         mut cache: KvCache,
         candidates: &[usize],
         recompute: &[usize],
+        by_similarity: bool,
     ) -> Result<BlendOutput> {
         if !self.rope_recovery_ok() {
             return self.blend_prefill_on(asm, cache, recompute);
@@ -364,7 +367,11 @@ impl Blend for Model {
             })
             .collect();
         let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-        let x = self.forward_shifted(&ids, &positions, &mut cache, &groups)?;
+        let shift = Shift {
+            groups,
+            by_similarity,
+        };
+        let x = self.forward_shifted(&ids, &positions, &mut cache, &shift)?;
         self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 

@@ -186,6 +186,9 @@ pub struct TargetProbe {
     /// At every layer of the blended prefill, each chunk's tokens left to reuse move by the
     /// mean deviation its picks showed there ([`Blend::blend_prefill_shift`]).
     pub shift: bool,
+    /// [`TargetProbe::shift`] with each reused token moving as the picks whose keys it
+    /// resembles (a softmax over key dot products per kv head) instead of by their mean.
+    pub shift_similar: bool,
 }
 /// The measurement upper bound (never served): from a full prefill, the better (lower
 /// first-token KL to the full prefill) of two choices: the tokens whose reused KV deviates
@@ -217,6 +220,7 @@ impl Default for TargetProbe {
             deep_from: 0.0,
             shallow_all: 0.0,
             shift: false,
+            shift_similar: false,
         }
     }
 }
@@ -584,8 +588,9 @@ impl Selector for TargetProbe {
         let mut out = if shallow > 0 {
             let candidates = input.candidates();
             model.blend_prefill_shallow(asm, &cache, &candidates, &picked, shallow)?
-        } else if self.shift {
-            model.blend_prefill_shift(asm, cache, &input.candidates(), &picked)?
+        } else if self.shift || self.shift_similar {
+            let candidates = input.candidates();
+            model.blend_prefill_shift(asm, cache, &candidates, &picked, self.shift_similar)?
         } else if from > 0 {
             let stored = (input.prefix, input.chunks);
             model.blend_prefill_deep(asm, cache, stored, &picked, from)?
