@@ -79,9 +79,9 @@ pub enum Method {
     /// `target_probe` with each chunk's reused tokens moved, layer by layer, by the mean
     /// deviation its recomputed tokens showed (measurement only: refused by the API).
     ProbeShift,
-    /// `probe_shift` with each reused token moving as the picks whose keys it resembles
-    /// (measurement only: refused by the API).
-    ProbeShiftSimilar,
+    /// `target_probe` with each reused chunk token moved, layer by layer, as the picks whose
+    /// keys it resembles were moved by recomputing (no extra recompute).
+    TargetProbeShift,
     /// Upper bound from a full prefill (measurement only: refused by the API).
     Oracle,
     /// Seeded uniform choice (measurement only: refused by the API).
@@ -121,7 +121,7 @@ impl Method {
         Method::ProbeDeep,
         Method::ProbeShallow,
         Method::ProbeShift,
-        Method::ProbeShiftSimilar,
+        Method::TargetProbeShift,
         Method::Oracle,
         Method::Random,
     ];
@@ -148,7 +148,7 @@ impl Method {
             Self::ProbeDeep => "probe_deep",
             Self::ProbeShallow => "probe_shallow",
             Self::ProbeShift => "probe_shift",
-            Self::ProbeShiftSimilar => "probe_shift_similar",
+            Self::TargetProbeShift => "target_probe_shift",
             Self::Oracle => "oracle",
             Self::Random => "random",
         }
@@ -173,7 +173,6 @@ impl Method {
                 | Self::ProbeDeep
                 | Self::ProbeShallow
                 | Self::ProbeShift
-                | Self::ProbeShiftSimilar
         )
     }
 
@@ -254,7 +253,7 @@ impl Method {
                 shift: true,
                 ..TargetProbe::default()
             }),
-            Self::ProbeShiftSimilar => Box::new(TargetProbe {
+            Self::TargetProbeShift => Box::new(TargetProbe {
                 shift_similar: true,
                 ..TargetProbe::default()
             }),
@@ -293,6 +292,8 @@ impl utoipa::PartialSchema for Method {
                  reference), `full_reuse`, `prefix`, `epic`, `cacheblend`, `speccache`, \
                  `speccache_nospan`, `target_probe` (the question's attention over the reused \
                  cache), `target_probe_span` (the same, a few tokens around each pick), \
+                 `target_probe_shift` (`target_probe` with each reused token moved as the picks \
+                 whose keys it resembles were moved by recomputing), \
                  `spec_attn` (the speculator's question attention over its stored chunk KV), \
                  `spec_attn_full` (the same over a speculator pass of the whole prompt).",
             ))
@@ -318,6 +319,6 @@ mod tests {
         }
         assert_eq!(Method::parse("speccache@0.15"), None);
         assert!(!Method::Oracle.servable() && !Method::Random.servable());
-        assert_eq!(Method::ALL.iter().filter(|m| m.servable()).count(), 11);
+        assert_eq!(Method::ALL.iter().filter(|m| m.servable()).count(), 12);
     }
 }

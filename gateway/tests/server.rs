@@ -147,6 +147,7 @@ async fn rho_one_answers_as_full_recompute_with_every_method() -> TestResult {
         "speccache_nospan",
         "target_probe",
         "target_probe_span",
+        "target_probe_shift",
         "spec_attn",
         "spec_attn_full",
     ] {
