@@ -723,19 +723,15 @@ fn shallow_refresh_gives_every_reused_token_full_prefills_rows_below_the_split()
     assert_eq!(shallow.recomputed, probe.recomputed);
 }
 
-#[test]
-fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
-    let (_d, m) = tiny_of(&TinySpec {
-        n_layer: 4,
-        ..TinySpec::new(Architecture::Qwen2)
-    });
-    let s = setup(&m);
-    let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+/// `cache` with every chunk's rows (`segs`, positions) moved by a constant of its own at each
+/// layer (K before RoPE): a deviation the shift can learn from any one recomputed token.
+fn moved_per_chunk_and_layer(
+    m: &Model,
+    cache: &target_engine::KvCache,
+    segs: &[Vec<usize>],
+) -> target_engine::KvCache {
     let (row, heads) = (m.config().kv_row(), m.config().n_kv_head);
-    // The full prefill's cache with every chunk's rows moved by a constant of its own at each
-    // layer (K before RoPE): a deviation the shift can learn from any one recomputed token.
-    let mut fused = full_cache.clone();
-    let segs: Vec<Vec<usize>> = s.asm.chunks().map(|c| c.ids.clone().collect()).collect();
+    let mut fused = cache.clone();
     for (c, pos) in segs.iter().enumerate() {
         for l in 0..m.config().n_layer {
             let ck: Vec<f32> = (0..row)
@@ -760,6 +756,20 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
             fused.set_rows(l, pos, &k, &v).expect("set rows");
         }
     }
+    fused
+}
+
+#[test]
+fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
+    let (_d, m) = tiny_of(&TinySpec {
+        n_layer: 4,
+        ..TinySpec::new(Architecture::Qwen2)
+    });
+    let s = setup(&m);
+    let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+    let row = m.config().kv_row();
+    let segs: Vec<Vec<usize>> = s.asm.chunks().map(|c| c.ids.clone().collect()).collect();
+    let fused = moved_per_chunk_and_layer(&m, &full_cache, &segs);
     let all = s.asm.chunk_positions();
     let picks: Vec<usize> = segs.iter().map(|p| p[p.len() / 2]).collect();
     let plain = m
