@@ -1166,18 +1166,19 @@ impl Model {
     }
 
     /// Per group, how recomputing moves its picks at `layer`, taken before `new` overwrites
-    /// their rows: `new - cached` for K (RoPE undone) and V, and the cached keys (RoPE undone).
+    /// their rows: `new - cached` for K (RoPE undone) and V, and, to weigh by similarity, the
+    /// cached keys (RoPE undone).
     fn shift_moves(
         &self,
         layer: usize,
-        groups: &[ShiftGroup],
+        shift: &Shift,
         positions: &[usize],
         cache: &KvCache,
         (k, v): (&[f32], &[f32]),
     ) -> Result<Vec<Moves>> {
         let row = cache.row_len();
-        let mut out = Vec::with_capacity(groups.len());
-        for g in groups {
+        let mut out = Vec::with_capacity(shift.groups.len());
+        for g in &shift.groups {
             if g.rows.is_empty() || g.targets.is_empty() {
                 out.push(Moves::default());
                 continue;
@@ -1200,13 +1201,18 @@ impl Model {
                         .zip(old_v)
                         .map(|(a, b)| a - b),
                 );
-                keys.extend_from_slice(old_k);
+                if shift.by_similarity {
+                    keys.extend_from_slice(old_k);
+                }
                 at.push(p);
             }
             out.push(Moves {
                 dk: self.unrotated_keys(layer, dk, &at)?,
                 dv,
-                keys: self.unrotated_keys(layer, keys, &at)?,
+                keys: match shift.by_similarity {
+                    true => self.unrotated_keys(layer, keys, &at)?,
+                    false => Vec::new(),
+                },
             });
         }
         Ok(out)
@@ -1354,7 +1360,7 @@ impl Model {
             self.rope_at(l).apply(table, &mut q, c.n_head)?;
             self.rope_at(l).apply(table, &mut k, c.n_kv_head)?;
             let moves = match shift {
-                Some(sh) => self.shift_moves(l, &sh.groups, positions, cache, (&k, &v))?,
+                Some(sh) => self.shift_moves(l, sh, positions, cache, (&k, &v))?,
                 None => Vec::new(),
             };
             cache.write(l, positions, &k, &v);
@@ -1526,7 +1532,7 @@ struct Moves {
     dk: Vec<f32>,
     /// New minus cached V.
     dv: Vec<f32>,
-    /// The cached keys, RoPE undone.
+    /// The cached keys, RoPE undone (only when weighing by similarity).
     keys: Vec<f32>,
 }
 

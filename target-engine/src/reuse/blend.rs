@@ -132,7 +132,7 @@ pub trait Blend {
     /// each chunk's candidates left to reuse are moved by the mean deviation (new minus reused,
     /// K with RoPE undone) its recomputed tokens showed at that layer, or with `by_similarity`
     /// by their moves weighted by how much each pick's key resembles the reused token's. A
-    /// measurement (`probe_shift`, `probe_shift_similar`): whether what the picks learn of the
+    /// measurement (`probe_shift`) and a method (`target_probe_shift`): whether what the picks learn of the
     /// other chunks carries over to their neighbours, at no extra recompute.
     fn blend_prefill_shift(
         &self,
@@ -339,7 +339,16 @@ impl Blend for Model {
         if !self.rope_recovery_ok() {
             return self.blend_prefill_on(asm, cache, recompute);
         }
-        if let Some(&bad) = recompute.iter().find(|p| !candidates.contains(p)) {
+        let n = asm.ids.len();
+        let mut candidate = vec![false; n];
+        candidates
+            .iter()
+            .filter(|&&p| p < n)
+            .for_each(|&p| candidate[p] = true);
+        if let Some(&bad) = recompute
+            .iter()
+            .find(|&&p| !candidate.get(p).copied().unwrap_or(false))
+        {
             return Err(EngineError::InvalidInput(format!(
                 "position {bad} to recompute is not a candidate"
             )));
@@ -359,10 +368,10 @@ impl Blend for Model {
                 rows: (0..positions.len())
                     .filter(|&i| seg.ids.contains(&positions[i]))
                     .collect(),
-                targets: candidates
-                    .iter()
-                    .copied()
-                    .filter(|&p| seg.ids.contains(&p) && !picked[p])
+                targets: seg
+                    .ids
+                    .clone()
+                    .filter(|&p| candidate[p] && !picked[p])
                     .collect(),
             })
             .collect();
