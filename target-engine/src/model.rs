@@ -1237,42 +1237,14 @@ impl Model {
             }
             let picks = m.dk.len() / row;
             let n = g.targets.len();
-            let mut dk = vec![0.0f32; n * row];
-            let mut dv = vec![0.0f32; n * row];
-            if shift.by_similarity {
+            let (mut dk, mut dv) = if shift.by_similarity {
                 let old: Vec<f32> = g
                     .targets
                     .iter()
                     .flat_map(|&q| cache.k(layer)[q * row..(q + 1) * row].iter().copied())
                     .collect();
                 let keys = self.unrotated_keys(layer, old, &g.targets)?;
-                let scale = 1.0 / (d as f32).sqrt();
-                let mut w = vec![0.0f32; picks];
-                for t in 0..n {
-                    for h in 0..heads {
-                        let kt = &keys[t * row + h * d..t * row + (h + 1) * d];
-                        for (p, wp) in w.iter_mut().enumerate() {
-                            let kp = &m.keys[p * row + h * d..p * row + (h + 1) * d];
-                            *wp = kt.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
-                        }
-                        let top = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        w.iter_mut().for_each(|x| *x = (*x - top).exp());
-                        let sum: f32 = w.iter().sum();
-                        for (p, wp) in w.iter().enumerate() {
-                            let from = p * row + h * d..p * row + (h + 1) * d;
-                            let out = t * row + h * d..t * row + (h + 1) * d;
-                            let f = wp / sum;
-                            dk[out.clone()]
-                                .iter_mut()
-                                .zip(&m.dk[from.clone()])
-                                .for_each(|(o, x)| *o += f * x);
-                            dv[out]
-                                .iter_mut()
-                                .zip(&m.dv[from])
-                                .for_each(|(o, x)| *o += f * x);
-                        }
-                    }
-                }
+                similarity_moves(&keys, m, heads, d)?
             } else {
                 let mean = |x: &[f32]| -> Vec<f32> {
                     let mut out = vec![0.0f32; row];
@@ -1282,9 +1254,8 @@ impl Model {
                     out.iter_mut().for_each(|o| *o /= picks as f32);
                     out
                 };
-                dk = mean(&m.dk).repeat(n);
-                dv = mean(&m.dv).repeat(n);
-            }
+                (mean(&m.dk).repeat(n), mean(&m.dv).repeat(n))
+            };
             let at: Vec<i64> = g.targets.iter().map(|&q| q as i64).collect();
             self.rope_at(layer).rotate_by(&mut dk, heads, &at)?;
             for (i, &q) in g.targets.iter().enumerate() {
@@ -1547,6 +1518,30 @@ pub(crate) struct ShiftGroup {
     pub targets: Vec<usize>,
 }
 
+/// Each row of `keys` (unrotated, rows of `heads` x `d`) moved per kv head by the picks'
+/// moves weighted by the softmax of its dot products with the picks' keys at `1/sqrt(d)`:
+/// attention with the rows as queries, the picks' keys as keys and their moves as values.
+/// Every row sees every pick (all queries at the last pick's position), and the kernels'
+/// tiles run it on the pool instead of one scalar loop per row, head and pick.
+fn similarity_moves(
+    keys: &[f32],
+    m: &Moves,
+    heads: usize,
+    d: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let shape = kernels::AttentionShape {
+        n_head: heads,
+        n_kv_head: heads,
+        head_dim: d,
+    };
+    let picks = m.keys.len() / (heads * d);
+    let last = vec![picks.saturating_sub(1); keys.len() / (heads * d)];
+    Ok((
+        kernels::causal_attention(keys, &last, &m.keys, &m.dk, shape)?,
+        kernels::causal_attention(keys, &last, &m.keys, &m.dv, shape)?,
+    ))
+}
+
 /// RMSNorm of each `w.len()`-wide head of `x` (rows of heads, laid out one after another),
 /// scaled by `w`; nothing without weights. Each head on its own, so a row's result never
 /// depends on its batch.
@@ -1713,6 +1708,48 @@ mod tests {
         );
         assert_eq!(id(&base), id(&base.clone()));
         assert_eq!(id(&base).len(), 64);
+    }
+
+    /// The moves weighed by key similarity through the attention kernel are the plain
+    /// per-row, per-head softmax-weighted sums of the picks' moves.
+    #[test]
+    fn similarity_moves_are_the_softmax_weighted_picks_moves() -> Result<()> {
+        let (heads, d, picks, n) = (2, 64, 5, 7);
+        let row = heads * d;
+        let keys: Vec<f32> = values(n * row, 11).iter().map(|x| 3.0 * x).collect();
+        let m = Moves {
+            dk: values(picks * row, 5),
+            dv: values(picks * row, 9),
+            keys: values(picks * row, 2).iter().map(|x| 3.0 * x).collect(),
+        };
+        let (dk, dv) = similarity_moves(&keys, &m, heads, d)?;
+        let mut spread = 0.0f32;
+        for t in 0..n {
+            for h in 0..heads {
+                let at = |x: &[f32], r: usize| x[r * row + h * d..r * row + (h + 1) * d].to_vec();
+                let kt = at(&keys, t);
+                let s: Vec<f32> = (0..picks)
+                    .map(|p| {
+                        let kp = at(&m.keys, p);
+                        kt.iter().zip(&kp).map(|(a, b)| a * b).sum::<f32>() / (d as f32).sqrt()
+                    })
+                    .collect();
+                let top = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - top).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                spread =
+                    spread.max(e.iter().copied().fold(0.0, f32::max) / sum - 1.0 / picks as f32);
+                for j in 0..d {
+                    let want_k: f32 = (0..picks).map(|p| e[p] / sum * at(&m.dk, p)[j]).sum();
+                    let want_v: f32 = (0..picks).map(|p| e[p] / sum * at(&m.dv, p)[j]).sum();
+                    assert!((dk[t * row + h * d + j] - want_k).abs() < 1e-4);
+                    assert!((dv[t * row + h * d + j] - want_v).abs() < 1e-4);
+                }
+            }
+        }
+        // The weights are far from uniform, so a mean would not pass the checks above.
+        assert!(spread > 0.2, "{spread}");
+        Ok(())
     }
 
     fn values(n: usize, seed: usize) -> Vec<f32> {
