@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`specrag serve` (its defaults: `target_probe` at ρ 0.25 with the fidelity guard) against
+"""`specrag serve` (its defaults: the default method at ρ 0.25 with the fidelity guard) against
 llama.cpp's `llama-server` on the same RAG prompts, the same machine, one after the other.
 
 Setup: the repository's docs (README, ARCHITECTURE, docs/*.md) are indexed with `--kv lazy`

@@ -153,9 +153,9 @@ struct Args {
     #[arg(long, default_value_t = 0, requires = "study")]
     study_skip: usize,
     /// The fidelity guard's margin for `:balanced` study configurations (as `specrag serve
-    /// --guard-margin`).
-    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_MARGIN)]
-    guard_margin: f32,
+    /// --guard-margin`) [default: each method's own].
+    #[arg(long)]
+    guard_margin: Option<f32>,
     /// The fidelity guard's horizon for `:balanced` study configurations (as `specrag serve
     /// --guard-horizon`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
@@ -166,7 +166,7 @@ struct Args {
     #[arg(long, value_name = "FILE")]
     guard_curve: Option<PathBuf>,
     /// The reused (`fast`) configuration --guard-curve guards.
-    #[arg(long, default_value = "target_probe@0.25")]
+    #[arg(long, default_value = "target_probe_shift@0.25")]
     guard_curve_label: String,
     /// Target of the large pairing (its speculator is the small pairing's target)
     /// [default: $SPECRAG_MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]

@@ -120,7 +120,7 @@ pub(crate) fn de_opt_int<'de, D: serde::Deserializer<'de>>(
 /// `POST /rag/query` body.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 64}))]
+#[schema(example = json!({"query": "How does specrag choose which tokens to recompute?", "top_k": 4, "method": "target_probe_shift", "recompute_ratio": 0.25, "max_tokens": 64}))]
 pub struct QueryRequest {
     /// The question: 1 to 8192 characters, not only whitespace.
     #[schema(min_length = 1, max_length = 8192, pattern = r"\S")]
@@ -134,7 +134,7 @@ pub struct QueryRequest {
     #[schema(minimum = 1, maximum = 256)]
     #[serde(deserialize_with = "de_opt_int")]
     pub top_k: Option<u64>,
-    /// How the tokens to recompute are chosen (default `target_probe`).
+    /// How the tokens to recompute are chosen (default `target_probe_shift`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Method>)]
     pub method: Option<String>,
@@ -704,7 +704,7 @@ mod tests {
         };
         let q = ok.validate().expect("valid");
         assert_eq!((q.top_k, q.max_tokens, q.ratio), (4, 128, 0.25));
-        assert_eq!(q.method, Method::TargetProbe);
+        assert_eq!(q.method, Method::TargetProbeShift);
         let with = |change: fn(&mut QueryRequest)| {
             let mut r = ok.clone();
             change(&mut r);

@@ -91,31 +91,52 @@ pub struct GuardReport {
 /// choose another token than full recompute would (docs/fidelity-guard.md measures it).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GuardPolicy {
-    /// Top-2 logit gap under which a token counts as uncertain (0: loops only).
-    pub margin: f32,
+    /// Top-2 logit gap under which a token counts as uncertain (0: loops only); `None`: the
+    /// request's method's own ([`default_margin`]).
+    pub margin: Option<f32>,
     /// How many of the answer's first tokens are watched for it.
     pub horizon: usize,
 }
 
-/// The default [`GuardPolicy::margin`].
+/// The margin of methods without one of their own ([`default_margin`]): the point of
+/// `target_probe`'s operating curve on 200 real multi-hop questions nearest 95% identity
+/// with full recompute (docs/fidelity-guard.md).
 pub const DEFAULT_GUARD_MARGIN: f32 = 0.5;
+/// The margin of the default method, `target_probe_shift`: on its operating curve (135 real
+/// multi-hop questions), the smallest gap reaching 97% identity with full recompute; its
+/// closer approximation leaves fewer near-ties that flip, so it needs less (0.5 would
+/// escalate a third of requests for the same answers).
+pub const SHIFT_GUARD_MARGIN: f32 = 0.3;
 /// The default [`GuardPolicy::horizon`].
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
+
+/// The margin a `balanced` request under `method` escalates at unless the server sets one.
+pub fn default_margin(method: crate::method::Method) -> f32 {
+    match method {
+        crate::method::Method::TargetProbeShift => SHIFT_GUARD_MARGIN,
+        _ => DEFAULT_GUARD_MARGIN,
+    }
+}
 
 impl Default for GuardPolicy {
     fn default() -> Self {
         Self {
-            margin: DEFAULT_GUARD_MARGIN,
+            margin: None,
             horizon: DEFAULT_GUARD_HORIZON,
         }
     }
 }
 
 impl GuardPolicy {
-    /// Whether the `n`th generated token (1-based), chosen with top-2 gap `gap`, is too
-    /// uncertain to keep decoding from the reused cache.
-    pub fn doubts(&self, n: usize, gap: f32) -> bool {
-        n <= self.horizon && gap < self.margin
+    /// The margin this policy applies to a request under `method`.
+    pub fn margin_for(&self, method: crate::method::Method) -> f32 {
+        self.margin.unwrap_or_else(|| default_margin(method))
+    }
+
+    /// Whether the `n`th generated token (1-based) of a request under `method`, chosen with
+    /// top-2 gap `gap`, is too uncertain to keep decoding from the reused cache.
+    pub fn doubts(&self, method: crate::method::Method, n: usize, gap: f32) -> bool {
+        n <= self.horizon && gap < self.margin_for(method)
     }
 }
 
@@ -141,18 +162,35 @@ mod tests {
 
     #[test]
     fn the_policy_doubts_only_small_gaps_within_its_horizon() {
+        use crate::method::Method;
+        let m = Method::TargetProbe;
         let p = GuardPolicy {
-            margin: 1.5,
+            margin: Some(1.5),
             horizon: 4,
         };
-        assert!(p.doubts(1, 1.0));
-        assert!(p.doubts(4, 1.49));
-        assert!(!p.doubts(4, 1.5));
-        assert!(!p.doubts(5, 0.1));
+        assert!(p.doubts(m, 1, 1.0));
+        assert!(p.doubts(m, 4, 1.49));
+        assert!(!p.doubts(m, 4, 1.5));
+        assert!(!p.doubts(m, 5, 0.1));
+        assert!(
+            p.doubts(Method::TargetProbeShift, 1, 1.0),
+            "a set margin holds for all"
+        );
         let off = GuardPolicy {
-            margin: 0.0,
+            margin: Some(0.0),
             horizon: usize::MAX,
         };
-        assert!(!off.doubts(1, 0.0));
+        assert!(!off.doubts(m, 1, 0.0));
+    }
+
+    #[test]
+    fn unset_the_margin_is_the_methods_own() {
+        use crate::method::Method;
+        let p = GuardPolicy::default();
+        assert_eq!(p.margin_for(Method::TargetProbeShift), SHIFT_GUARD_MARGIN);
+        assert_eq!(p.margin_for(Method::TargetProbe), DEFAULT_GUARD_MARGIN);
+        assert!(p.doubts(Method::TargetProbe, 1, 0.4));
+        assert!(!p.doubts(Method::TargetProbeShift, 1, 0.4));
+        assert!(p.doubts(Method::TargetProbeShift, 1, 0.29));
     }
 }

@@ -145,7 +145,7 @@ impl Default for Query {
             retrieve_too: false,
             collection: "default".into(),
             top_k: 4,
-            method: Method::TargetProbe,
+            method: Method::TargetProbeShift,
             ratio: DEFAULT_RATIO,
             max_tokens: 128,
             temperature: 0.0,
@@ -1058,7 +1058,7 @@ impl Pipeline {
         let (mut looped, mut uncertain) = (false, false);
         let mut watch = |ids: &[u32], gap: f32| {
             looped = guarded && detector.fires(ids);
-            uncertain = guarded && policy.doubts(ids.len(), gap);
+            uncertain = guarded && policy.doubts(q.method, ids.len(), gap);
             looped || uncertain
         };
         let mut sent = String::new();

@@ -123,7 +123,7 @@ async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> Te
         .ok_or("recomputed")?;
     let most = chunk_tokens as f64 * gateway::pipeline::DEFAULT_RATIO;
     assert!(chunk_tokens > 0 && recomputed <= most.ceil() as u64);
-    assert_eq!(v["method"], "target_probe", "the default method");
+    assert_eq!(v["method"], "target_probe_shift", "the default method");
     Ok(())
 }
 
@@ -1118,7 +1118,7 @@ async fn the_fidelity_guard_answers_a_looping_decode_as_full_recompute() -> Test
     let dir = tempfile::tempdir()?;
     let mut p = pipeline(dir.path())?;
     // Loops only: the margin (tested below) would move uncertain decodes too.
-    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard.margin = 0.0;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard.margin = Some(0.0);
     let s = state(p, ServerConfig::default());
     let mut escalated = 0;
     for q in [
@@ -1379,14 +1379,14 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
     let dir = tempfile::tempdir()?;
     let mut p = pipeline(dir.path())?;
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
-        margin: 100.0,
+        margin: Some(100.0),
         horizon: 1024,
     };
     let s = state(p, ServerConfig::default());
     let dir2 = tempfile::tempdir()?;
     let mut p = pipeline(dir2.path())?;
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
-        margin: 100.0,
+        margin: Some(100.0),
         horizon: 0,
     };
     let blind = state(p, ServerConfig::default());

@@ -16,7 +16,7 @@
 //!   that completed the stop string, and `finish_reason` is `stop`;
 //! - (e) no streamed piece shows U+FFFD where the answer has none.
 //!
-//! The tiny random-weight models run the whole matrix with twice the default guard margin, so
+//! The tiny random-weight models run the whole matrix with a guard margin of 1.0, so
 //! that most reused answers escalate; the default 0.5B target runs a few combinations (it must
 //! be in `$SPECRAG_MODELS`, else `./models`: `scripts/setup-tests.sh` fetches it).
 
@@ -67,7 +67,7 @@ fn server(
     gateway::ingest::ingest(&corpus, &engines, docs, &cfg, |_| {})?;
     let mut pipeline = Pipeline::new(engines, corpus, ScoreSource::Query);
     pipeline.guard = GuardPolicy {
-        margin,
+        margin: Some(margin),
         ..GuardPolicy::default()
     };
     Ok(AppState::new(Arc::new(pipeline), ServerConfig::default()))
@@ -101,7 +101,7 @@ async fn run(
 const TINY_QUESTIONS: [Question; 2] = [
     Question {
         text: "the thin ant?",
-        method: "target_probe",
+        method: "target_probe_shift",
         spec_draft: "lookup",
     },
     Question {
@@ -181,7 +181,7 @@ fn tiny_models(dir: &Path) -> Result<Models, Box<dyn std::error::Error>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_models_keep_every_promise_over_the_option_matrix() -> TestResult {
     let dir = tempfile::tempdir()?;
-    // Twice the default guard margin: most reused answers escalate (at their first token or
+    // A margin of 1.0 (the methods' own are 0.3-0.5): most reused answers escalate (at their first token or
     // later, for a doubt or a loop), some do not.
     let state = server(dir.path(), tiny_models(dir.path())?, &TINY_DOCS, 1.0)?;
     let m = Matrix {
@@ -231,7 +231,7 @@ const REAL_DOCS: [(&str, &str); 3] = [
 
 const REAL_QUESTIONS: [Question; 1] = [Question {
     text: "Which port does Heron listen on, and where does it keep its data?",
-    method: "target_probe",
+    method: "target_probe_shift",
     spec_draft: "lookup",
 }];
 

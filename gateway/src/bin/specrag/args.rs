@@ -62,7 +62,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = gateway::demo::DEMO_QUESTION)]
     pub question: String,
     /// Method of the demo query.
-    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
+    #[arg(long, value_enum, default_value_t = Method::TargetProbeShift)]
     pub method: Method,
     /// Most tokens of the answer.
     #[arg(long, default_value_t = gateway::demo::DEMO_MAX_TOKENS)]
@@ -221,7 +221,7 @@ pub struct QueryArgs {
     pub collection: String,
     /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
     /// refused here as by the API).
-    #[arg(long, value_enum, default_value_t = Method::TargetProbe)]
+    #[arg(long, value_enum, default_value_t = Method::TargetProbeShift)]
     pub method: Method,
     /// Share of chunk tokens to recompute (0..=1).
     #[arg(long, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
@@ -309,10 +309,11 @@ impl OnOff {
 #[derive(Args, Debug, Clone, Copy)]
 pub struct GuardArgs {
     /// Escalate a `balanced` request when a token decoded from the reused cache was chosen by
-    /// a top-2 logit gap below this (0: on loops only). docs/fidelity-guard.md has the
-    /// measured operating curve (identity with full recompute against TTFT).
-    #[arg(long, env = "SPECRAG_GUARD_MARGIN", default_value_t = gateway::fidelity::DEFAULT_GUARD_MARGIN, value_parser = parse_margin)]
-    pub guard_margin: f32,
+    /// a top-2 logit gap below this (0: on loops only) [default: the method's own, 0.3 for
+    /// `target_probe_shift` and 0.5 for the others]. docs/fidelity-guard.md has the
+    /// measured operating curves (identity with full recompute against TTFT).
+    #[arg(long, env = "SPECRAG_GUARD_MARGIN", value_parser = parse_margin)]
+    pub guard_margin: Option<f32>,
     /// Watch only the answer's first N tokens for --guard-margin (loops are watched
     /// throughout).
     #[arg(long, env = "SPECRAG_GUARD_HORIZON", default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
