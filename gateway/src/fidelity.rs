@@ -75,6 +75,11 @@ pub struct GuardReport {
     /// when nothing was: full recompute, verified decoding).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_margin: Option<f32>,
+    /// The top-2 gap under which the guard escalated this request: the server's
+    /// `--guard-margin`, else the method's own (absent where no gap was watched: `fast`,
+    /// `exact`, full recompute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub margin: Option<f32>,
     /// The request moved to the full cache (its answer is full recompute's).
     pub escalated: bool,
     /// Tokens decoded from the reused cache that the full cache agreed with and were kept.

@@ -990,6 +990,9 @@ impl Pipeline {
         g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
+            if report.fidelity == Fidelity::Balanced {
+                report.margin = Some(self.guard.margin_for(q.method));
+            }
         }
         let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,

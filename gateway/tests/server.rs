@@ -1403,6 +1403,8 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         assert_eq!(guard["loop_detected"], false, "{got}");
         assert!(guard["kept_tokens"].as_u64() <= Some(1), "{got}");
         assert!(guard["min_margin"].as_f64() < Some(100.0), "{got}");
+        assert_eq!(guard["margin"], 100.0, "the server's margin: {got}");
+        assert!(full["reuse"]["guard"].get("margin").is_none(), "{full}");
         assert_eq!(got["answer"], full["answer"], "{q}");
         // When the first token shown was withdrawn, time to first token includes the full
         // prefill; a kept one arrived from the reused cache.
@@ -1427,6 +1429,19 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         let fast: Value = serde_json::from_str(&fast)?;
         assert_eq!(fast["reuse"]["guard"]["escalated"], false, "{fast}");
         assert!(fast["reuse"]["guard"]["min_margin"].is_number(), "{fast}");
+        assert!(fast["reuse"]["guard"].get("margin").is_none(), "{fast}");
+    }
+    // Unset, each method's own margin applies and is reported.
+    let dir3 = tempfile::tempdir()?;
+    let s = state(pipeline(dir3.path())?, ServerConfig::default());
+    for (method, want) in [
+        ("target_probe_shift", gateway::fidelity::SHIFT_GUARD_MARGIN),
+        ("target_probe", gateway::fidelity::DEFAULT_GUARD_MARGIN),
+    ] {
+        let (_, got, _) = send(&s, ask("the thin ant?", json!({"method": method}))).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let margin = got["reuse"]["guard"]["margin"].as_f64().map(|m| m as f32);
+        assert_eq!(margin, Some(want), "{method}: {got}");
     }
     Ok(())
 }
