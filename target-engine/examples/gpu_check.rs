@@ -21,7 +21,9 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use target_engine::device::{closed_loop, parse_device, BatchRequest, DeviceModel, RagPrompt};
+use target_engine::device::{
+    closed_loop, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, RagPrompt,
+};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{argmax, LoadOptions, Model, Result};
 
@@ -248,7 +250,7 @@ fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
     let d1 = max_diff(&full, &rho1);
     let (mut exact, _) = dev.prefill(&all, cap)?;
     let (mut draft, recomputed, draft_logits, _) =
-        dev.blend_probe_timed(&p, &prefix, &chunks, 0.15, cap)?;
+        dev.blend_probe_timed(&p, &prefix, &chunks, (0.15, false), cap)?;
     let v = dev.verified_greedy(
         &mut exact,
         &full,
@@ -418,6 +420,33 @@ fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Res
     }))
 }
 
+/// `runs` timed blends of `target_probe` and of `target_probe_shift`: per run the whole
+/// blend, its KV load, probe and prefill, and the shifted blend (ms); and the tokens
+/// recomputed.
+fn blend_runs(
+    dev: &DeviceModel,
+    (p, prefix, chunks): (&RagPrompt, &DeviceCache, &[HostKv]),
+    ratio: f64,
+    cap: usize,
+    runs: usize,
+) -> Result<([Vec<f64>; 5], usize)> {
+    let mut out: [Vec<f64>; 5] = Default::default();
+    let mut recomputed = 0;
+    for _ in 0..runs {
+        let t = Instant::now();
+        let (_, r, _, times) = dev.blend_probe_timed(p, prefix, chunks, (ratio, false), cap)?;
+        out[0].push(ms_since(t));
+        out[1].push(times.load_ms);
+        out[2].push(times.probe_ms);
+        out[3].push(times.prefill_ms);
+        let t = Instant::now();
+        dev.blend_probe_timed(p, prefix, chunks, (ratio, true), cap)?;
+        out[4].push(ms_since(t));
+        recomputed = r.len();
+    }
+    Ok((out, recomputed))
+}
+
 fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
     let base = used_mib(device);
     let t = Instant::now();
@@ -439,7 +468,8 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         .collect::<Result<_>>()?;
     let precompute_ms = ms_since(t) / a.chunks as f64;
     let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
-    dev.blend_probe_timed(&p, &prefix, &chunks, a.ratio, cap)?;
+    dev.blend_probe_timed(&p, &prefix, &chunks, (a.ratio, false), cap)?;
+    dev.blend_probe_timed(&p, &prefix, &chunks, (a.ratio, true), cap)?;
     let mut full = Vec::new();
     for _ in 0..a.runs {
         sync()?;
@@ -449,22 +479,13 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         full.push(ms_since(t));
     }
     let peak_full = used_mib(device);
-    let (mut total, mut load, mut probe, mut prefill) = (vec![], vec![], vec![], vec![]);
-    let mut recomputed = 0;
-    for _ in 0..a.runs {
-        let t = Instant::now();
-        let (_, r, _, times) = dev.blend_probe_timed(&p, &prefix, &chunks, a.ratio, cap)?;
-        total.push(ms_since(t));
-        load.push(times.load_ms);
-        probe.push(times.probe_ms);
-        prefill.push(times.prefill_ms);
-        recomputed = r.len();
-    }
+    let ([total, load, probe, prefill, shift], recomputed) =
+        blend_runs(&dev, (&p, &prefix, &chunks), a.ratio, cap, a.runs)?;
     let peak_blend = used_mib(device);
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
-    let (full_ms, probe_ms) = (median(full), median(total));
+    let (full_ms, probe_ms, shift_ms) = (median(full), median(total), median(shift));
     log(&format!(
-        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
         path.display(),
         all.len(),
         a.ratio,
@@ -489,6 +510,7 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
             "prefill": median(prefill),
         },
         "ttft_speedup": full_ms / probe_ms,
+        "target_probe_shift_ms": shift_ms,
         "escalated_worst_ms": probe_ms + full_ms,
         "decode_tokens_per_s": decode_tps,
         "batched_decode": batched,

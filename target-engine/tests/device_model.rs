@@ -247,7 +247,7 @@ fn device_verification_equals_full_recompute() {
         let (mut exact, _) = dev.prefill(&all, cap).expect("prefill");
         let (prefix_kv, chunks) = stored(&dev, &p);
         let (mut draft, recomputed, draft_logits, _) = dev
-            .blend_probe_timed(&p, &prefix_kv, &chunks, 0.15, cap)
+            .blend_probe_timed(&p, &prefix_kv, &chunks, (0.15, false), cap)
             .expect("blend");
         assert_eq!(recomputed.len(), (0.15f64 * 71.0).ceil() as usize, "{name}");
         let v = dev
@@ -412,5 +412,107 @@ fn device_refusals_name_what_is_missing() {
             .expect_err("no cuda")
             .to_string();
         assert!(err.contains("--features cuda"), "{err}");
+    }
+}
+
+/// `cache` with every chunk row of `p` moved by a deviation constant per chunk and layer (K
+/// before RoPE).
+fn moved_per_chunk_and_layer(cpu: &Model, p: &RagPrompt, cache: &DeviceCache) -> DeviceCache {
+    let (row, heads) = (cpu.config().kv_row(), cpu.config().n_kv_head);
+    let mut moved = cache.deep_copy().expect("copy");
+    for (c, range) in p.chunk_ranges().into_iter().enumerate() {
+        let at: Vec<i64> = range.clone().map(|q| q as i64).collect();
+        for l in 0..cpu.config().n_layer {
+            let ck: Vec<f32> = (0..row)
+                .map(|i| 0.4 * ((i + 7 * c + 3 * l) as f32).sin())
+                .collect();
+            let cv: Vec<f32> = (0..row)
+                .map(|i| 0.4 * ((2 * i + 5 * c + l) as f32).cos())
+                .collect();
+            let mut dk = ck.repeat(range.len());
+            cpu.rope_at(l)
+                .rotate_by(&mut dk, heads, &at)
+                .expect("rotate");
+            let k: Vec<f32> = cache
+                .k_rows(l, range.clone())
+                .expect("k")
+                .iter()
+                .zip(&dk)
+                .map(|(a, b)| a + b)
+                .collect();
+            let v: Vec<f32> = cache
+                .v_rows(l, range.clone())
+                .expect("v")
+                .iter()
+                .zip(cv.iter().cycle())
+                .map(|(a, b)| a + b)
+                .collect();
+            moved.set_rows(l, range.clone(), &k, &v).expect("set rows");
+        }
+    }
+    moved
+}
+
+/// `target_probe_shift` on the device (`DeviceModel::blend_shift`): a deviation of every
+/// reused chunk row that is constant per chunk and layer (K before RoPE) is removed exactly
+/// by one recomputed token per chunk, as on the CPU engine (`blend_tiny.rs`), where a plain
+/// blend keeps it; a chunk without a pick keeps its rows.
+#[test]
+fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
+    for (name, spec) in specs() {
+        let (_dir, cpu, dev) = load(&spec);
+        let vocab = cpu.tokenizer().vocab_size();
+        let p = prompt(vocab);
+        let all = p.ids();
+        let (full_cache, full) = dev.prefill(&all, all.len()).expect("prefill");
+        let moved = moved_per_chunk_and_layer(&cpu, &p, &full_cache);
+        let picks: Vec<usize> = p
+            .chunk_ranges()
+            .iter()
+            .map(|r| r.start + r.len() / 2)
+            .collect();
+        let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let plain = dev
+            .blend(&p, &mut moved.deep_copy().expect("copy"), &picks)
+            .expect("blend");
+        let mut shifted_cache = moved.deep_copy().expect("copy");
+        let shifted = dev
+            .blend_shift(&p, &mut shifted_cache, &picks)
+            .expect("shifted blend");
+        let (d_plain, d_shift) = (max_diff(&plain, &full), max_diff(&shifted, &full));
+        eprintln!("{name}: plain {d_plain}, shifted {d_shift} (scale {scale})");
+        assert!(
+            d_plain > 0.05 * scale,
+            "{name}: the deviation moves a plain blend ({d_plain})"
+        );
+        assert!(
+            d_shift < 1e-3 * scale,
+            "{name}: shifted differs by {d_shift}"
+        );
+        for l in 0..cpu.config().n_layer {
+            for r in p.chunk_ranges() {
+                let want = full_cache.k_rows(l, r.clone()).expect("k");
+                let got = shifted_cache.k_rows(l, r.clone()).expect("k");
+                let kscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert!(
+                    max_diff(&want, &got) < 1e-4 * kscale.max(1.0),
+                    "{name}: K {l}"
+                );
+                let want = full_cache.v_rows(l, r.clone()).expect("v");
+                let got = shifted_cache.v_rows(l, r).expect("v");
+                let vscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert!(
+                    max_diff(&want, &got) < 1e-4 * vscale.max(1.0),
+                    "{name}: V {l}"
+                );
+            }
+        }
+        // The last chunk without a pick keeps its moved rows.
+        let mut partial = moved.deep_copy().expect("copy");
+        dev.blend_shift(&p, &mut partial, &picks[..picks.len() - 1])
+            .expect("partial");
+        let last = p.chunk_ranges().last().cloned().expect("chunks");
+        let kept = moved.k_rows(0, last.clone()).expect("k");
+        assert_eq!(partial.k_rows(0, last).expect("k"), kept, "{name}");
     }
 }

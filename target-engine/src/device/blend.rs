@@ -183,15 +183,44 @@ impl DeviceModel {
         self.last_logits(&hidden)
     }
 
-    /// [`DeviceModel::fused`], [`DeviceModel::select_probe`] and [`DeviceModel::blend`] in a
-    /// row, timed part by part: the fused cache, the recomputed positions, the logits and the
-    /// times.
+    /// [`DeviceModel::blend`] with each chunk's reused rows moved at every layer as the
+    /// chunk's recomputed rows moved, weighted by key similarity (`target_probe_shift`, the
+    /// gateway's default method; the CPU engine's `Blend::blend_prefill_shift` with
+    /// similarity weighting). A chunk without a recomputed token keeps its rows.
+    pub fn blend_shift(
+        &self,
+        prompt: &RagPrompt,
+        cache: &mut DeviceCache,
+        recompute: &[usize],
+    ) -> Result<Vec<f32>> {
+        let ids = prompt.ids();
+        let mut positions = recompute.to_vec();
+        positions.extend(prompt.question_positions());
+        positions.sort_unstable();
+        positions.dedup();
+        if let Some(&bad) = positions.iter().find(|&&p| p >= ids.len()) {
+            return Err(EngineError::InvalidInput(format!(
+                "position {bad} is beyond the prompt's {} tokens",
+                ids.len()
+            )));
+        }
+        let shift = self.shift_groups(&positions, &prompt.chunk_ranges())?;
+        let rows: Vec<u32> = positions.iter().map(|&p| ids[p]).collect();
+        let n_layer = self.config().n_layer;
+        let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, Some(&shift)))?;
+        let hidden = super::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
+        self.last_logits(&hidden)
+    }
+
+    /// [`DeviceModel::fused`], [`DeviceModel::select_probe`] and [`DeviceModel::blend`] (with
+    /// `shift`, [`DeviceModel::blend_shift`]: `target_probe_shift`) in a row, timed part by
+    /// part: the fused cache, the recomputed positions, the logits and the times.
     pub fn blend_probe_timed(
         &self,
         prompt: &RagPrompt,
         prefix: &DeviceCache,
         chunks: &[HostKv],
-        ratio: f64,
+        (ratio, shift): (f64, bool),
         capacity: usize,
     ) -> Result<(DeviceCache, Vec<usize>, Vec<f32>, BlendTimes)> {
         let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
@@ -204,7 +233,10 @@ impl DeviceModel {
         self.sync()?;
         let probe_ms = ms(t);
         let t = Instant::now();
-        let logits = self.blend(prompt, &mut cache, &recompute)?;
+        let logits = match shift {
+            true => self.blend_shift(prompt, &mut cache, &recompute)?,
+            false => self.blend(prompt, &mut cache, &recompute)?,
+        };
         self.sync()?;
         let times = BlendTimes {
             load_ms,

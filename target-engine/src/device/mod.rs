@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 pub mod batcher;
 pub mod blend;
+mod shift;
 pub use batcher::{closed_loop, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher};
 pub use blend::{BlendTimes, RagPrompt, Verified};
 
@@ -130,6 +131,50 @@ impl DeviceCache {
             .transpose(0, 1)?
             .flatten_all()?
             .to_vec1::<f32>()?)
+    }
+
+    /// Layer `layer`'s V rows of `range` (kv heads x head dim each), in host memory.
+    pub fn v_rows(&self, layer: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(self.v[layer]
+            .narrow(1, range.start, range.len())?
+            .transpose(0, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Writes layer `layer`'s K and V rows `range` from host memory (kv heads x head dim
+    /// each, as [`DeviceCache::k_rows`] reads them).
+    pub fn set_rows(
+        &mut self,
+        layer: usize,
+        range: Range<usize>,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        let (heads, len) = (self.k[0].dim(0)?, range.len());
+        let d = self.k[0].dim(2)?;
+        if layer >= self.k.len()
+            || range.end > self.capacity
+            || k.len() != len * heads * d
+            || v.len() != k.len()
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "{} K and {} V values for rows {range:?} of layer {layer} ({} layers, {} rows of {heads} x {d})",
+                k.len(),
+                v.len(),
+                self.k.len(),
+                self.capacity
+            )));
+        }
+        let device = self.k[layer].device().clone();
+        let up = |x: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::from_slice(x, (len, heads, d), &device)?
+                .transpose(0, 1)?
+                .contiguous()?)
+        };
+        self.k[layer].slice_set(&up(k)?, 1, range.start)?;
+        self.v[layer].slice_set(&up(v)?, 1, range.start)?;
+        Ok(())
     }
 
     /// Copies rows `range` of `from` (a cache of the same model) into the same rows here.
@@ -303,7 +348,7 @@ impl DeviceModel {
         positions: &[usize],
         cache: &mut DeviceCache,
     ) -> Result<Tensor> {
-        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, None)?;
+        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, (None, None))?;
         fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)
     }
 
@@ -398,7 +443,7 @@ impl DeviceModel {
         probe: Range<usize>,
     ) -> Result<Vec<f32>> {
         let end = probe.end.min(self.config.n_layer);
-        let (_, mass) = self.run(ids, positions, cache, 0..end, Some(probe))?;
+        let (_, mass) = self.run(ids, positions, cache, 0..end, (Some(probe), None))?;
         match mass {
             Some(m) => Ok(m.to_vec1::<f32>()?),
             None => Ok(Vec::new()),
@@ -578,6 +623,17 @@ impl DeviceModel {
         })
     }
 
+    /// The cache rows of `positions` as scatter indexes `(n_kv_head, n, head_dim)`.
+    fn rows_index(&self, positions: &[usize]) -> Result<Tensor> {
+        let (n, nkv, hd) = (positions.len(), self.config.n_kv_head, self.config.head_dim);
+        let at: Vec<u32> = positions
+            .iter()
+            .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
+            .collect();
+        let at = Tensor::from_vec(at, (1, n, hd), &self.device)?;
+        Ok(at.broadcast_as((nkv, n, hd))?.contiguous()?)
+    }
+
     fn pass(&self, positions: &[usize], cache: &DeviceCache) -> Result<Pass> {
         let n = positions.len();
         let rows = positions.iter().max().map_or(0, |&p| p + 1);
@@ -590,16 +646,10 @@ impl DeviceModel {
         }
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
-        let (nkv, hd) = (self.config.n_kv_head, self.config.head_dim);
-        let at: Vec<u32> = positions
-            .iter()
-            .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
-            .collect();
-        let at = Tensor::from_vec(at, (1, n, hd), &self.device)?;
         Ok(Pass {
             cos,
             sin,
-            rows_at: at.broadcast_as((nkv, n, hd))?.contiguous()?,
+            rows_at: self.rows_index(positions)?,
             rows,
             blocks: self.blocks(positions, rows)?,
         })
@@ -635,14 +685,15 @@ impl DeviceModel {
     }
 
     /// Layers `layers` over the rows `ids` at `positions`; the residual stream after the last
-    /// and, with `probe`, the attention mass of the probed layers.
+    /// and, with `probe`, the attention mass of the probed layers; with `shift`, each chunk's
+    /// reused rows moved at every layer as its recomputed rows were (`shift.rs`).
     fn run(
         &self,
         ids: &[u32],
         positions: &[usize],
         cache: &mut DeviceCache,
         layers: Range<usize>,
-        probe: Option<Range<usize>>,
+        (probe, shift): (Option<Range<usize>>, Option<&shift::DeviceShift>),
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
         if ids.is_empty() || ids.len() != positions.len() {
@@ -662,7 +713,7 @@ impl DeviceModel {
         let mut mass = None;
         for l in layers {
             let probed = probe.as_ref().is_some_and(|p| p.contains(&l));
-            let (y, m) = self.layer(l, x, &pass, cache, probed)?;
+            let (y, m) = self.layer(l, x, &pass, cache, (probed, shift))?;
             x = y;
             if let Some(m) = m {
                 mass = Some(match mass {
@@ -681,7 +732,7 @@ impl DeviceModel {
         x: Tensor,
         pass: &Pass,
         cache: &mut DeviceCache,
-        probed: bool,
+        (probed, shift): (bool, Option<&shift::DeviceShift>),
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
         let w = &self.layers[l];
@@ -692,8 +743,16 @@ impl DeviceModel {
             let t = t.reshape((n, c.n_kv_head, c.head_dim))?;
             Ok(t.transpose(0, 1)?.contiguous()?)
         };
-        cache.k[l].scatter_set(&pass.rows_at, &head_major(k)?, 1)?;
-        cache.v[l].scatter_set(&pass.rows_at, &head_major(v)?, 1)?;
+        let (k, v) = (head_major(k)?, head_major(v)?);
+        let moves = match shift {
+            Some(s) => Some(self.shift_moves(l, s, cache, (&k, &v))?),
+            None => None,
+        };
+        cache.k[l].scatter_set(&pass.rows_at, &k, 1)?;
+        cache.v[l].scatter_set(&pass.rows_at, &v, 1)?;
+        if let (Some(s), Some(m)) = (shift, moves) {
+            self.apply_shift(l, s, &m, cache)?;
+        }
         let keys = cache.k[l].narrow(1, 0, pass.rows)?;
         let values = cache.v[l].narrow(1, 0, pass.rows)?;
         let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;

@@ -1,0 +1,139 @@
+//! `target_probe_shift` on the device: at every layer of a blended prefill, each chunk's
+//! reused rows move as the chunk's recomputed rows (its picks) were moved by recomputing,
+//! per kv head weighted by the softmax of the reused key's dot products with the picks' keys
+//! (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's `Model::shift_moves` and
+//! `Model::apply_shift` (its reference), as batched matrix products over the kv heads.
+
+use super::{DeviceCache, DeviceModel};
+use crate::error::{EngineError, Result};
+use candle_core::Tensor;
+
+/// The reused rows a device pass moves, chunk by chunk.
+pub(crate) struct DeviceShift {
+    pub(crate) groups: Vec<ShiftGroup>,
+}
+
+/// One chunk: its picks among the pass's rows and its reused positions.
+pub(crate) struct ShiftGroup {
+    /// Indices among the pass's rows of the chunk's recomputed tokens `(picks,)`.
+    pub(crate) rows: Tensor,
+    /// The positions of those tokens.
+    pub(crate) at: Vec<usize>,
+    /// Positions of the chunk's reused tokens, the rows moved.
+    pub(crate) targets: Vec<usize>,
+}
+
+/// How recomputing moved one group's picks at a layer, kv-head-major `(n_kv_head, picks,
+/// head_dim)`: K (RoPE undone), V, and the cached keys (RoPE undone) the weights compare with.
+pub(crate) struct Moves {
+    dk: Tensor,
+    dv: Tensor,
+    keys: Tensor,
+}
+
+impl DeviceModel {
+    /// The groups of a pass over `positions` (sorted): for each chunk range, its positions
+    /// among them (the picks) and the rest of the range (the rows moved).
+    pub(crate) fn shift_groups(
+        &self,
+        positions: &[usize],
+        chunks: &[std::ops::Range<usize>],
+    ) -> Result<DeviceShift> {
+        let mut groups = Vec::with_capacity(chunks.len());
+        for r in chunks {
+            let rows: Vec<u32> = positions
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| r.contains(p))
+                .map(|(i, _)| i as u32)
+                .collect();
+            let at: Vec<usize> = rows.iter().map(|&i| positions[i as usize]).collect();
+            let targets: Vec<usize> = r.clone().filter(|p| at.binary_search(p).is_err()).collect();
+            let n = rows.len();
+            groups.push(ShiftGroup {
+                rows: Tensor::from_vec(rows, n, &self.device)?,
+                at,
+                targets,
+            });
+        }
+        Ok(DeviceShift { groups })
+    }
+
+    /// `x` `(n_kv_head, n, head_dim)` rotated row by row by `angles` (one per row).
+    fn rotate_rows(&self, x: &Tensor, angles: &[i64]) -> Result<Tensor> {
+        let (cos, sin) = self.upload_table(&self.rope.table(angles), angles.len())?;
+        let t = x.transpose(0, 1)?.contiguous()?;
+        Ok(self.rotate(&t, &cos, &sin)?.transpose(0, 1)?.contiguous()?)
+    }
+
+    fn positions_tensor(&self, positions: &[usize]) -> Result<Tensor> {
+        let at: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        Ok(Tensor::from_vec(at, positions.len(), &self.device)?)
+    }
+
+    /// Per group, how the pass's new rows `(k, v)` (kv-head-major, every row of the pass)
+    /// move its picks at `layer`, taken before they overwrite the cache.
+    pub(crate) fn shift_moves(
+        &self,
+        layer: usize,
+        shift: &DeviceShift,
+        cache: &DeviceCache,
+        (k, v): (&Tensor, &Tensor),
+    ) -> Result<Vec<Option<Moves>>> {
+        let mut out = Vec::with_capacity(shift.groups.len());
+        for g in &shift.groups {
+            if g.at.is_empty() || g.targets.is_empty() {
+                out.push(None);
+                continue;
+            }
+            let at = self.positions_tensor(&g.at)?;
+            let old_k = cache.k[layer].index_select(&at, 1)?;
+            let old_v = cache.v[layer].index_select(&at, 1)?;
+            let new_k = k.index_select(&g.rows, 1)?;
+            let new_v = v.index_select(&g.rows, 1)?;
+            let undo: Vec<i64> = g.at.iter().map(|&p| -(p as i64)).collect();
+            out.push(Some(Moves {
+                dk: self.rotate_rows(&(new_k - &old_k)?, &undo)?,
+                dv: (new_v - old_v)?,
+                keys: self.rotate_rows(&old_k, &undo)?,
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Moves each group's reused rows at `layer` by its picks' moves weighted by key
+    /// similarity (the K move rotated to each row's position).
+    pub(crate) fn apply_shift(
+        &self,
+        layer: usize,
+        shift: &DeviceShift,
+        moves: &[Option<Moves>],
+        cache: &mut DeviceCache,
+    ) -> Result<()> {
+        if moves.len() != shift.groups.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} moves for {} groups",
+                moves.len(),
+                shift.groups.len()
+            )));
+        }
+        let scale = 1.0 / (self.config.head_dim as f64).sqrt();
+        for (g, m) in shift.groups.iter().zip(moves) {
+            let Some(m) = m else { continue };
+            let at = self.positions_tensor(&g.targets)?;
+            let old_k = cache.k[layer].index_select(&at, 1)?;
+            let old_v = cache.v[layer].index_select(&at, 1)?;
+            let undo: Vec<i64> = g.targets.iter().map(|&p| -(p as i64)).collect();
+            let keys = self.rotate_rows(&old_k, &undo)?;
+            let scores = (keys.matmul(&m.keys.transpose(1, 2)?.contiguous()?)? * scale)?;
+            let w = candle_nn::ops::softmax_last_dim(&scores)?;
+            let redo: Vec<i64> = g.targets.iter().map(|&p| p as i64).collect();
+            let dk = self.rotate_rows(&w.matmul(&m.dk)?, &redo)?;
+            let dv = w.matmul(&m.dv)?;
+            let rows = self.rows_index(&g.targets)?;
+            cache.k[layer].scatter_set(&rows, &(old_k + dk)?.contiguous()?, 1)?;
+            cache.v[layer].scatter_set(&rows, &(old_v + dv)?.contiguous()?, 1)?;
+        }
+        Ok(())
+    }
+}
