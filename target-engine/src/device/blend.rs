@@ -167,18 +167,7 @@ impl DeviceModel {
         cache: &mut DeviceCache,
         recompute: &[usize],
     ) -> Result<Vec<f32>> {
-        let ids = prompt.ids();
-        let mut positions = recompute.to_vec();
-        positions.extend(prompt.question_positions());
-        positions.sort_unstable();
-        positions.dedup();
-        if let Some(&bad) = positions.iter().find(|&&p| p >= ids.len()) {
-            return Err(EngineError::InvalidInput(format!(
-                "position {bad} is beyond the prompt's {} tokens",
-                ids.len()
-            )));
-        }
-        let rows: Vec<u32> = positions.iter().map(|&p| ids[p]).collect();
+        let (rows, positions) = blend_rows(prompt, recompute)?;
         let hidden = self.forward(&rows, &positions, cache)?;
         self.last_logits(&hidden)
     }
@@ -193,19 +182,8 @@ impl DeviceModel {
         cache: &mut DeviceCache,
         recompute: &[usize],
     ) -> Result<Vec<f32>> {
-        let ids = prompt.ids();
-        let mut positions = recompute.to_vec();
-        positions.extend(prompt.question_positions());
-        positions.sort_unstable();
-        positions.dedup();
-        if let Some(&bad) = positions.iter().find(|&&p| p >= ids.len()) {
-            return Err(EngineError::InvalidInput(format!(
-                "position {bad} is beyond the prompt's {} tokens",
-                ids.len()
-            )));
-        }
+        let (rows, positions) = blend_rows(prompt, recompute)?;
         let shift = self.shift_groups(&positions, &prompt.chunk_ranges())?;
-        let rows: Vec<u32> = positions.iter().map(|&p| ids[p]).collect();
         let n_layer = self.config().n_layer;
         let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, Some(&shift)))?;
         let hidden = super::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
@@ -305,4 +283,22 @@ impl DeviceModel {
         out.tokens.truncate(n);
         Ok(out)
     }
+}
+
+/// The token ids and positions a blended prefill of `prompt` runs: the chunk tokens at
+/// `recompute` and the question, sorted.
+fn blend_rows(prompt: &RagPrompt, recompute: &[usize]) -> Result<(Vec<u32>, Vec<usize>)> {
+    let ids = prompt.ids();
+    let mut positions = recompute.to_vec();
+    positions.extend(prompt.question_positions());
+    positions.sort_unstable();
+    positions.dedup();
+    if let Some(&bad) = positions.iter().find(|&&p| p >= ids.len()) {
+        return Err(EngineError::InvalidInput(format!(
+            "position {bad} is beyond the prompt's {} tokens",
+            ids.len()
+        )));
+    }
+    let rows = positions.iter().map(|&p| ids[p]).collect();
+    Ok((rows, positions))
 }
