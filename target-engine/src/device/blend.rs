@@ -167,9 +167,7 @@ impl DeviceModel {
         cache: &mut DeviceCache,
         recompute: &[usize],
     ) -> Result<Vec<f32>> {
-        let (rows, positions) = blend_rows(prompt, recompute)?;
-        let hidden = self.forward(&rows, &positions, cache)?;
-        self.last_logits(&hidden)
+        self.blend_on(prompt, cache, recompute, false)
     }
 
     /// [`DeviceModel::blend`] with each chunk's reused rows moved at every layer as the
@@ -182,10 +180,24 @@ impl DeviceModel {
         cache: &mut DeviceCache,
         recompute: &[usize],
     ) -> Result<Vec<f32>> {
+        self.blend_on(prompt, cache, recompute, true)
+    }
+
+    /// [`DeviceModel::blend`], with `shift` [`DeviceModel::blend_shift`].
+    fn blend_on(
+        &self,
+        prompt: &RagPrompt,
+        cache: &mut DeviceCache,
+        recompute: &[usize],
+        shift: bool,
+    ) -> Result<Vec<f32>> {
         let (rows, positions) = blend_rows(prompt, recompute)?;
-        let shift = self.shift_groups(&positions, &prompt.chunk_ranges())?;
+        let shift = match shift {
+            true => Some(self.shift_groups(&positions, &prompt.chunk_ranges())?),
+            false => None,
+        };
         let n_layer = self.config().n_layer;
-        let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, Some(&shift)))?;
+        let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, shift.as_ref()))?;
         let hidden = super::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
         self.last_logits(&hidden)
     }
@@ -211,10 +223,7 @@ impl DeviceModel {
         self.sync()?;
         let probe_ms = ms(t);
         let t = Instant::now();
-        let logits = match shift {
-            true => self.blend_shift(prompt, &mut cache, &recompute)?,
-            false => self.blend(prompt, &mut cache, &recompute)?,
-        };
+        let logits = self.blend_on(prompt, &mut cache, &recompute, shift)?;
         self.sync()?;
         let times = BlendTimes {
             load_ms,
