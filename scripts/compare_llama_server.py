@@ -7,7 +7,7 @@ into a fresh data directory; each question (the first N of eval/data/repo_docs.j
 once with `max_tokens` 1 so its chunks' KV is computed and stored (as after an ingestion), and
 the chunks it retrieved are kept. llama-server then gets exactly specrag's prompt as token ids
 (ChatML: the system text, `Document: ` + each chunk, `Question: ` + the question, the assistant
-header; tokenized by llama.cpp, chunk and question text without parsing special tokens) with
+header; tokenized by llama-server's /tokenize, chunk and question text without parsing special tokens) with
 `cache_prompt: false`, so every request is a full prefill, as specrag's full recompute.
 
 For each configuration (answer length x concurrent clients), specrag's server is restarted
@@ -20,7 +20,7 @@ the time to the first streamed token is taken at the client (queueing included).
 95th-percentile client TTFT, requests per minute over the configuration's wall time, and for
 specrag how many requests the guard escalated; one JSON line per request goes to OUT/requests.jsonl.
 
-    ~/.cache/specrag/venv-llama/bin/python scripts/compare_llama_server.py \
+    python3 scripts/compare_llama_server.py \
         --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
         [--clients 1,4] [--threads 2] [--engines specrag,llama-server]
 
@@ -28,9 +28,9 @@ llama-server gets as many slots as the configuration has clients (`-np`), 4096 t
 context each. The warmed questions and their prompts are kept in OUT/questions.json, so a
 second run over the same OUT (other configurations, one engine) starts at once.
 
-Needs `cargo build --release -p gateway --bin specrag`, llama-cpp-python (to tokenize; the venv
-scripts/family_fixtures.py describes) and the default models in `models/`. llama-server from
-the same sdist's vendored sources: in `vendor/llama.cpp`, `cmake -B build -DGGML_NATIVE=ON
+Needs `cargo build --release -p gateway --bin specrag`, the default models in `models/` and
+llama-server (Python's standard library is enough otherwise), built from the vendored sources of
+the `llama-cpp-python` sdist: in `vendor/llama.cpp`, `cmake -B build -DGGML_NATIVE=ON
 -DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server -j2` (~25 min on 2 cores).
 """
 import argparse
@@ -44,8 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-
-from llama_cpp import Llama
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 SYSTEM = "Answer the question using the documents."
@@ -195,13 +193,18 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def prompt_ids(vocab, chunks, question):
-    ids = vocab.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n".encode(),
-                         add_bos=False, special=True)
+def tokenize(port, text, special):
+    """llama.cpp's token ids of `text` (llama-server's /tokenize), special tokens parsed or not."""
+    r = post_json(port, "/tokenize", {"content": text, "add_special": False, "parse_special": special})
+    return r["tokens"]
+
+
+def prompt_ids(port, chunks, question):
+    ids = tokenize(port, f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n", True)
     for c in chunks:
-        ids += vocab.tokenize(f"Document: {c.strip()}\n\n".encode(), add_bos=False, special=False)
-    ids += vocab.tokenize(f"Question: {question.strip()}".encode(), add_bos=False, special=False)
-    ids += vocab.tokenize(b"<|im_end|>\n<|im_start|>assistant\n", add_bos=False, special=True)
+        ids += tokenize(port, f"Document: {c.strip()}\n\n", False)
+    ids += tokenize(port, f"Question: {question.strip()}", False)
+    ids += tokenize(port, "<|im_end|>\n<|im_start|>assistant\n", True)
     return ids
 
 
@@ -231,7 +234,8 @@ def main():
         with open(saved) as f:
             questions = json.load(f)[: a.questions]
     else:
-        vocab = Llama(model_path=TARGET, vocab_only=True, verbose=False)
+        vocab = LlamaServer(a.llama_server, a.port + 1, a.threads, 1)
+        vocab.start(a.out)
         spec.start()
         questions = []
         for q in qs:
@@ -239,8 +243,9 @@ def main():
             r = post_json(a.port, "/rag/query", {"query": q["input"], "max_tokens": 1, "fidelity": "fast"})
             chunks = [c["text"] for c in sorted(r["chunks"], key=lambda c: c["position"])]
             questions.append({"id": q["_id"], "question": q["input"],
-                              "ids": prompt_ids(vocab, chunks, q["input"])})
+                              "ids": prompt_ids(vocab.port, chunks, q["input"])})
         spec.stop()
+        vocab.stop()
         with open(saved, "w") as f:
             json.dump(questions, f)
     out = open(os.path.join(a.out, "requests.jsonl"), "a")

@@ -88,6 +88,11 @@ pub struct GuardReport {
     pub withdrawn_tokens: usize,
     /// Time of the full prefill the escalation ran (0 without one, or from the context cache).
     pub full_prefill_ms: f64,
+    /// Leading prompt rows that full prefill kept from the reused cache instead of computing:
+    /// the template prefix and the first chunk, precomputed after it (0: it computed every
+    /// row, or none ran).
+    #[serde(default)]
+    pub full_prefill_kept_rows: usize,
 }
 
 /// When the guard of a `balanced` request escalates besides a loop: a token among the first

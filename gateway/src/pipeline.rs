@@ -267,6 +267,17 @@ impl ContextCache {
         }
     }
 
+    /// The key of a full cache whose first `kept` rows came from stored KV (see
+    /// [`Pipeline::escalate`]), apart from the true full cache's `key`.
+    fn key_after_stored(key: &[u8; 32], kept: usize) -> [u8; 32] {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(b"after stored rows");
+        h.update(key);
+        h.update((kept as u64).to_le_bytes());
+        h.finalize().into()
+    }
+
     /// Keyed by collection too, so one tenant's cache hit (and its timing) never answers for
     /// another's request over the same text.
     fn key(fingerprint: &str, collection: &str, ids: &[u32]) -> [u8; 32] {
@@ -295,6 +306,8 @@ struct FullPrefill {
 /// chunks' texts (for a drafter's stored KV).
 struct DecodeInput<'a> {
     out: BlendOutput,
+    /// Leading rows of `out.cache` a full prefill computes alike ([`exact_rows`]).
+    exact_rows: usize,
     full_prefill: Option<FullPrefill>,
     asm: &'a Assembly,
     texts: &'a [&'a str],
@@ -435,6 +448,22 @@ pub const DEFAULT_SPEC_DECODE: bool = true;
 
 /// Default budget of the exact-context cache.
 pub const DEFAULT_CONTEXT_CACHE_BYTES: u64 = 1 << 30;
+
+/// The leading rows of a blended prefill's cache that a full prefill computes alike, up to
+/// the f16 rounding of stored KV: the template prefix and the first chunk, where that chunk
+/// was precomputed after the same prefix at its place and the blend left every row of it as
+/// stored (none recomputed or moved; [`SelectInput::skips_exact`]). 0 otherwise: an
+/// escalation then computes every row.
+fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize {
+    match input.assembly.chunks().next() {
+        Some(first)
+            if input.skips_exact() && !recomputed.iter().any(|p| first.ids.contains(p)) =>
+        {
+            first.ids.end
+        }
+        _ => 0,
+    }
+}
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -676,7 +705,7 @@ impl Pipeline {
                 Tier::Recomputed => reuse.chunks_recomputed += 1,
             }
         }
-        let out = self.blend((q, exp), asm, &loaded, scored, &mut timings)?;
+        let (out, exact_rows) = self.blend((q, exp), asm, &loaded, scored, &mut timings)?;
         timings.ttft_ms = ms(t0);
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
@@ -688,6 +717,7 @@ impl Pipeline {
         let td = Instant::now();
         let input = DecodeInput {
             out,
+            exact_rows,
             full_prefill,
             asm,
             texts: &texts,
@@ -891,7 +921,8 @@ impl Pipeline {
     }
 
     /// Step 2: the method's selector over the loaded KV, and its blended prefill (or the full
-    /// prefill). Records `align_ms` (selection) and `prefill_ms`.
+    /// prefill). Records `align_ms` (selection) and `prefill_ms`. Also returns how many of
+    /// the fused cache's leading rows a full prefill would compute alike ([`exact_rows`]).
     fn blend(
         &self,
         (q, exp): (&Query, &dyn Experiment),
@@ -899,7 +930,7 @@ impl Pipeline {
         loaded: &[LoadedChunk],
         mut scored: Option<ScoredTokens>,
         timings: &mut Timings,
-    ) -> Result<BlendOutput> {
+    ) -> Result<(BlendOutput, usize)> {
         let target = &self.engines.target;
         let method = if Self::reads_no_kv(q) {
             Method::FullRecompute
@@ -934,7 +965,8 @@ impl Pipeline {
         let out = selector.prefill(&input)?;
         timings.align_ms = out.select_ms;
         timings.prefill_ms = ms(t) - out.select_ms;
-        Ok(out)
+        let kept = exact_rows(&input, &out.recomputed);
+        Ok((out, kept))
     }
 
     /// Step 3: decoding from the prefill's cache under the fidelity guard, or drafting and
@@ -950,6 +982,7 @@ impl Pipeline {
         let started = Instant::now();
         let DecodeInput {
             out,
+            exact_rows,
             full_prefill,
             asm,
             texts,
@@ -1008,10 +1041,10 @@ impl Pipeline {
                 spec: spec_of(&drafter, spec),
             });
         }
-        drop(cache);
         let (g, ready, more) = self.escalate(
             q,
             (&asm.ids, &g.ids, &sent),
+            (cache, exact_rows),
             drafter.as_mut(),
             &mut report,
             on_piece,
@@ -1185,15 +1218,20 @@ impl Pipeline {
 
     /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
     /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
-    /// decoding continued from the full cache. The full cache's tokens are chosen as a plain
-    /// decode from it would choose them (greedy, or the seeded sampler's draw at each index),
-    /// so the answer is full recompute's, token for token, for the same seed. The client,
-    /// which holds `shown` of the text of `generated`, sees the kept prefix extended, or
-    /// replaced where text it holds was withdrawn. Also returns when the full cache was ready.
+    /// decoding continued from the full cache. The full prefill keeps the reused cache's
+    /// first `exact` rows (the template prefix and the first chunk, precomputed after it:
+    /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
+    /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
+    /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
+    /// recompute's, token for token, for the same seed (up to the f16 rounding of the kept
+    /// chunk's stored KV, which `exact` requests never take). The client, which holds `shown`
+    /// of the text of `generated`, sees the kept prefix extended, or replaced where text it
+    /// holds was withdrawn. Also returns when the full cache was ready.
     fn escalate(
         &self,
         q: &Query,
         (prompt, generated, shown): (&[u32], &[u32], &str),
+        (mut reused, exact): (KvCache, usize),
         drafter: Option<&mut target_engine::Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
@@ -1202,9 +1240,20 @@ impl Pipeline {
         let tok = target.tokenizer();
         let t = Instant::now();
         let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
-        let (cache, logits) = match self.contexts.inner.get(&key) {
+        // A full cache over stored rows is kept apart: `exact` requests take only true ones.
+        let kept_key = ContextCache::key_after_stored(&key, exact);
+        let hit = self.contexts.inner.get(&key);
+        let (cache, logits) = match hit.or_else(|| self.contexts.inner.get(&kept_key)) {
             Some(c) => (c.0.clone(), c.1.clone()),
+            None if exact > 0 && exact < prompt.len() => {
+                let logits = target.prefill_after(&mut reused, prompt, exact)?;
+                report.full_prefill_ms = ms(t);
+                report.full_prefill_kept_rows = exact;
+                self.contexts.keep(kept_key, &reused, &logits);
+                (reused, logits)
+            }
             None => {
+                drop(reused);
                 let (cache, logits) = target.prefill(prompt)?;
                 report.full_prefill_ms = ms(t);
                 self.contexts.keep(key, &cache, &logits);

@@ -1406,6 +1406,8 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         assert_eq!(guard["margin"], 100.0, "the server's margin: {got}");
         assert!(full["reuse"]["guard"].get("margin").is_none(), "{full}");
         assert_eq!(got["answer"], full["answer"], "{q}");
+        // Its full prefill kept the prefix and the first chunk (precomputed after it).
+        assert!(guard["full_prefill_kept_rows"].as_u64() > Some(0), "{got}");
         // When the first token shown was withdrawn, time to first token includes the full
         // prefill; a kept one arrived from the reused cache.
         let ttft = got["timings"]["ttft_ms"].as_f64().unwrap_or(0.0);

@@ -1471,6 +1471,24 @@ impl Model {
         let out = self.forward(ids, &positions, &mut cache, false)?;
         Ok((cache, self.last_logits(&out)?))
     }
+
+    /// The full prefill of `ids` over a `cache` whose rows `0..start` already hold the KV of
+    /// `ids[..start]` as a prefill computes it (a stored exact prefix): rows from `start` on
+    /// are dropped and computed, attending to the kept ones; returns the last position's
+    /// logits. The result is [`Model::prefill`]'s up to the kept rows' own rounding.
+    pub fn prefill_after(&self, cache: &mut KvCache, ids: &[u32], start: usize) -> Result<Vec<f32>> {
+        if start >= ids.len() || start > cache.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "prefill after {start} kept rows: the prompt has {} tokens and the cache {} rows",
+                ids.len(),
+                cache.len()
+            )));
+        }
+        cache.truncate(start);
+        let positions: Vec<usize> = (start..ids.len()).collect();
+        let out = self.forward(&ids[start..], &positions, cache, false)?;
+        self.last_logits(&out)
+    }
 }
 
 /// How one pass over a range of layers runs.
