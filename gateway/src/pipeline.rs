@@ -313,6 +313,17 @@ struct DecodeInput<'a> {
     texts: &'a [&'a str],
 }
 
+/// What the fidelity guard hands to [`Pipeline::escalate`]: the prompt, the tokens decoded
+/// from the reused cache and the text of them the client holds, and the reused cache itself,
+/// whose first `exact_rows` rows the full prefill keeps ([`exact_rows`]).
+struct Escalation<'a> {
+    prompt: &'a [u32],
+    generated: &'a [u32],
+    shown: &'a str,
+    reused: KvCache,
+    exact_rows: usize,
+}
+
 /// What decoding produced besides the answer's tokens.
 struct Decoded {
     g: target_engine::Generation,
@@ -1041,10 +1052,16 @@ impl Pipeline {
                 spec: spec_of(&drafter, spec),
             });
         }
+        let moved = Escalation {
+            prompt: &asm.ids,
+            generated: &g.ids,
+            shown: &sent,
+            reused: cache,
+            exact_rows,
+        };
         let (g, ready, more) = self.escalate(
             q,
-            (&asm.ids, &g.ids, &sent),
-            (cache, exact_rows),
+            moved,
             drafter.as_mut(),
             &mut report,
             on_piece,
@@ -1219,23 +1236,29 @@ impl Pipeline {
     /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
     /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
     /// decoding continued from the full cache. The full prefill keeps the reused cache's
-    /// first `exact` rows (the template prefix and the first chunk, precomputed after it:
+    /// first `exact_rows` (the template prefix and the first chunk, precomputed after it:
     /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
     /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
     /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
     /// recompute's, token for token, for the same seed (up to the f16 rounding of the kept
-    /// chunk's stored KV, which `exact` requests never take). The client, which holds `shown`
-    /// of the text of `generated`, sees the kept prefix extended, or replaced where text it
-    /// holds was withdrawn. Also returns when the full cache was ready.
+    /// chunk's stored KV, which `exact` requests never take). The client, which holds
+    /// `shown` of the text of `generated`, sees the kept prefix extended, or replaced where
+    /// text it holds was withdrawn. Also returns when the full cache was ready.
     fn escalate(
         &self,
         q: &Query,
-        (prompt, generated, shown): (&[u32], &[u32], &str),
-        (mut reused, exact): (KvCache, usize),
+        moved: Escalation<'_>,
         drafter: Option<&mut target_engine::Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, Option<Instant>, SpecStats)> {
+        let Escalation {
+            prompt,
+            generated,
+            shown,
+            mut reused,
+            exact_rows: exact,
+        } = moved;
         let target = &self.engines.target;
         let tok = target.tokenizer();
         let t = Instant::now();
