@@ -1433,6 +1433,14 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         assert!(fast["reuse"]["guard"]["min_margin"].is_number(), "{fast}");
         assert!(fast["reuse"]["guard"].get("margin").is_none(), "{fast}");
     }
+    // At ρ 1 the blend recomputed the first chunk too: the full prefill computes every row.
+    let all = json!({"method": "target_probe", "recompute_ratio": 1.0, "max_tokens": 2});
+    let (_, whole, _) = send(&s, ask("where is the antenna?", all)).await;
+    let whole: Value = serde_json::from_str(&whole)?;
+    let guard = &whole["reuse"]["guard"];
+    assert_eq!(guard["escalated"], true, "{whole}");
+    assert!(guard["full_prefill_ms"].as_f64() > Some(0.0), "{whole}");
+    assert_eq!(guard["full_prefill_kept_rows"], 0, "{whole}");
     // Unset, each method's own margin applies and is reported.
     let dir3 = tempfile::tempdir()?;
     let s = state(pipeline(dir3.path())?, ServerConfig::default());
