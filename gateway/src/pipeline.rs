@@ -460,13 +460,6 @@ pub const DEFAULT_SPEC_DECODE: bool = true;
 /// Default budget of the exact-context cache.
 pub const DEFAULT_CONTEXT_CACHE_BYTES: u64 = 1 << 30;
 
-/// The top-2 logit gap of the first answer token under which an escalation does not trust a
-/// full prefill over kept stored rows and computes every row instead: the f16 rounding of a
-/// kept first chunk moved the 1.5B target's first-token logits enough to flip gaps of 0.028
-/// and 0.062 on real docs questions (and none of 0.009-0.053 on 20 multi-hop ones);
-/// docs/fidelity-guard.md, *Escalating after the stored first chunk*.
-pub const KEPT_ROWS_MIN_GAP: f32 = 0.15;
-
 /// The leading rows of a blended prefill's cache that a full prefill computes alike, up to
 /// the f16 rounding of stored KV: the template prefix and the first chunk, where that chunk
 /// was precomputed after the same prefix at its place and the blend left every row of it as
@@ -1245,11 +1238,11 @@ impl Pipeline {
     /// decoding continued from the full cache. The full prefill keeps the reused cache's
     /// first `exact_rows` (the template prefix and the first chunk, precomputed after it:
     /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
-    /// that chunk; where its first token is nearly a tie ([`KEPT_ROWS_MIN_GAP`]) it computes
-    /// every row after all. The full cache's tokens are chosen as a plain decode from it
-    /// would choose them (greedy, or the seeded sampler's draw at each index), so the answer
-    /// is full recompute's, token for token, for the same seed (up to the f16 rounding of the
-    /// kept chunk's stored KV at a later near-tie; `exact` requests never take such a cache). The client, which holds
+    /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
+    /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
+    /// recompute's, token for token, for the same seed, except where full recompute's own
+    /// choice is nearly a tie that the kept chunk's f16 rounding tips (`exact` requests never
+    /// take such a cache). The client, which holds
     /// `shown` of the text of `generated`, sees the kept prefix extended, or replaced where
     /// text it holds was withdrawn. Also returns when the full cache was ready.
     fn escalate(
@@ -1276,29 +1269,18 @@ impl Pipeline {
         let hit = self.contexts.inner.get(&key);
         let (cache, logits) = match hit.or_else(|| self.contexts.inner.get(&kept_key)) {
             Some(c) => (c.0.clone(), c.1.clone()),
-            None => {
-                let kept = (exact > 0 && exact < prompt.len())
-                    .then(|| target.prefill_after(&mut reused, prompt, exact))
-                    .transpose()?
-                    .filter(|logits| {
-                        target_engine::decode::generate::top2_gap(logits) >= KEPT_ROWS_MIN_GAP
-                    });
-                let (cache, logits) = match kept {
-                    Some(logits) => {
-                        report.full_prefill_kept_rows = exact;
-                        self.contexts.keep(kept_key, &reused, &logits);
-                        (reused, logits)
-                    }
-                    None => {
-                        // No rows to keep, or a first token too near a tie for rows that
-                        // went through f16 to decide it: every row computed.
-                        drop(reused);
-                        let (cache, logits) = target.prefill(prompt)?;
-                        self.contexts.keep(key, &cache, &logits);
-                        (cache, logits)
-                    }
-                };
+            None if exact > 0 && exact < prompt.len() => {
+                let logits = target.prefill_after(&mut reused, prompt, exact)?;
                 report.full_prefill_ms = ms(t);
+                report.full_prefill_kept_rows = exact;
+                self.contexts.keep(kept_key, &reused, &logits);
+                (reused, logits)
+            }
+            None => {
+                drop(reused);
+                let (cache, logits) = target.prefill(prompt)?;
+                report.full_prefill_ms = ms(t);
+                self.contexts.keep(key, &cache, &logits);
                 (cache, logits)
             }
         };
