@@ -467,9 +467,7 @@ pub const DEFAULT_CONTEXT_CACHE_BYTES: u64 = 1 << 30;
 /// escalation then computes every row.
 fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize {
     match input.assembly.chunks().next() {
-        Some(first)
-            if input.skips_exact() && !recomputed.iter().any(|p| first.ids.contains(p)) =>
-        {
+        Some(first) if input.skips_exact() && !recomputed.iter().any(|p| first.ids.contains(p)) => {
             first.ids.end
         }
         _ => 0,
@@ -1059,13 +1057,7 @@ impl Pipeline {
             reused: cache,
             exact_rows,
         };
-        let (g, ready, more) = self.escalate(
-            q,
-            moved,
-            drafter.as_mut(),
-            &mut report,
-            on_piece,
-        )?;
+        let (g, ready, more) = self.escalate(q, moved, drafter.as_mut(), &mut report, on_piece)?;
         spec.merge(&more);
         if report.kept_tokens == 0 {
             // Every token shown so far was withdrawn: the answer's first token is the full

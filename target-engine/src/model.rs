@@ -1476,7 +1476,12 @@ impl Model {
     /// `ids[..start]` as a prefill computes it (a stored exact prefix): rows from `start` on
     /// are dropped and computed, attending to the kept ones; returns the last position's
     /// logits. The result is [`Model::prefill`]'s up to the kept rows' own rounding.
-    pub fn prefill_after(&self, cache: &mut KvCache, ids: &[u32], start: usize) -> Result<Vec<f32>> {
+    pub fn prefill_after(
+        &self,
+        cache: &mut KvCache,
+        ids: &[u32],
+        start: usize,
+    ) -> Result<Vec<f32>> {
         if start >= ids.len() || start > cache.len() {
             return Err(EngineError::InvalidInput(format!(
                 "prefill after {start} kept rows: the prompt has {} tokens and the cache {} rows",

@@ -181,7 +181,10 @@ fn a_prefill_after_the_stored_first_chunk_is_full_prefill() {
         let mut c = reused.cache.clone();
         assert!(m.prefill_after(&mut c, &s.asm.ids, n).is_err(), "{arch}");
         let mut short = m.new_cache();
-        assert!(m.prefill_after(&mut short, &s.asm.ids, 1).is_err(), "{arch}");
+        assert!(
+            m.prefill_after(&mut short, &s.asm.ids, 1).is_err(),
+            "{arch}"
+        );
     }
 }
 
