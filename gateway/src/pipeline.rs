@@ -1059,12 +1059,10 @@ impl Pipeline {
         };
         let (g, ready, more) = self.escalate(q, moved, drafter.as_mut(), &mut report, on_piece)?;
         spec.merge(&more);
-        if report.kept_tokens == 0 {
-            // Every token shown so far was withdrawn: the answer's first token is the full
-            // cache's, so time to first token runs until that cache was ready.
-            if let Some(r) = ready {
-                timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
-            }
+        // Every token shown so far withdrawn: the answer's first token is the full cache's, so
+        // time to first token runs until that cache was ready.
+        if let Some(r) = ready.filter(|_| report.kept_tokens == 0) {
+            timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
         }
         Ok(Decoded {
             g,
