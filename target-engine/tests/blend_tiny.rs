@@ -139,8 +139,9 @@ fn one_chunk_precomputed_after_the_prefix_reused_as_is_equals_full_prefill() {
 }
 
 /// An escalation's full prefill keeps a blended cache's prefix and first chunk (precomputed
-/// after that prefix) and computes the rest. Over rows a prefill computed it is full prefill,
-/// bit for bit (a row does not depend on how many rows share its forward); over the stored
+/// after that prefix) and computes the rest. Over rows a prefill computed it is full prefill
+/// (bit for bit on this project's AVX-512 machine; dense f32 panels may tile a split
+/// differently on other CPUs, so the bound is the ρ = 1 tests' 1e-4); over the stored
 /// chunk, up to that chunk's f16 rounding (observed 0.1-1.1% of the largest logit and up to
 /// 0.043 in a K/V row on these random tiny models, whose int8 activations turn a rounding
 /// into a whole step; bounded at 3% and 0.1 for other CPUs' kernels),
@@ -157,10 +158,13 @@ fn a_prefill_after_the_stored_first_chunk_is_full_prefill() {
         let logits = m
             .prefill_after(&mut exact, &s.asm.ids, kept)
             .expect("prefill after");
-        assert_eq!(logits, full, "{arch}: after rows a prefill computed");
+        assert!(
+            max_diff(&logits, &full) < 1e-4,
+            "{arch}: after rows a prefill computed"
+        );
         for l in 0..m.config().n_layer {
-            assert_eq!(exact.k(l), full_cache.k(l), "{arch}");
-            assert_eq!(exact.v(l), full_cache.v(l), "{arch}");
+            assert!(max_diff(exact.k(l), full_cache.k(l)) < 1e-4, "{arch}");
+            assert!(max_diff(exact.v(l), full_cache.v(l)) < 1e-4, "{arch}");
         }
         let reused = m
             .blend_prefill(&s.asm, &s.prefix, &refs, &[])
