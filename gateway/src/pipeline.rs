@@ -1232,9 +1232,9 @@ impl Pipeline {
     /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
     /// recompute's, token for token, for the same seed, except where full recompute's own
     /// choice is nearly a tie that the kept chunk's f16 rounding tips (`exact` requests never
-    /// take such a cache). The client, which holds
-    /// `shown` of the text of `generated`, sees the kept prefix extended, or replaced where
-    /// text it holds was withdrawn. Also returns when the full cache was ready.
+    /// take such a cache). The client, which holds `shown` of the text of `generated`, sees
+    /// the kept prefix extended, or replaced where text it holds was withdrawn. Also returns
+    /// when the full cache was ready.
     fn escalate(
         &self,
         q: &Query,
