@@ -19,8 +19,8 @@ pub struct Knobs {
 }
 
 impl Experiment for Knobs {
-    fn order(&self) -> ChunkOrder {
-        self.order
+    fn order(&self) -> Option<ChunkOrder> {
+        Some(self.order)
     }
     fn epic_k(&self) -> Option<usize> {
         self.epic_k

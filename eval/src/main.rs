@@ -152,6 +152,12 @@ struct Args {
     /// on the first cases, confirm it on the next).
     #[arg(long, default_value_t = 0, requires = "study")]
     study_skip: usize,
+    /// In which order retrieved chunks enter the study's prompts (datasets read in document
+    /// order keep it): `rank` (best BM25 score first) or `longest-first` (the chunk with the
+    /// most tokens first, the rest by rank) [default: each dataset's own: the server's
+    /// default, longest-first, for the real-text sets; rank for the synthetic ones].
+    #[arg(long, value_enum, requires = "study")]
+    study_order: Option<gateway::pipeline::ChunkOrder>,
     /// The fidelity guard's margin for `:balanced` study configurations (as `specrag serve
     /// --guard-margin`) [default: each method's own].
     #[arg(long)]

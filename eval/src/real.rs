@@ -88,7 +88,8 @@ pub fn dataset(name: &str, limit: Option<usize>, max_tokens: usize) -> anyhow::R
         name: name.into(),
         cases,
         top_k: TOP_K,
-        order: ChunkOrder::Rank,
+        // As the server reads retrieved chunks unless told otherwise.
+        order: ChunkOrder::default(),
         chunk_tokens: CHUNK_TOKENS,
         max_tokens,
     })

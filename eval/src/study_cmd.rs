@@ -182,10 +182,16 @@ pub fn run(args: &Args) -> anyhow::Result<bool> {
             .into_iter()
             .filter(|r| args.study_datasets.iter().any(|d| d == r))
             .collect();
-        for ds in datasets(n, args.study_skip, args.seed, &real)?
+        for mut ds in datasets(n, args.study_skip, args.seed, &real)?
             .into_iter()
             .filter(wanted)
         {
+            if let Some(order) = args
+                .study_order
+                .filter(|_| ds.order != ChunkOrder::Document)
+            {
+                ds.order = order;
+            }
             run_dataset(
                 &pipeline,
                 pairing.name(),

@@ -33,23 +33,31 @@ pub enum ScoreSource {
 }
 
 /// In which order retrieved chunks enter the prompt.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ChunkOrder {
-    /// Best BM25 score first (the API's behaviour).
-    #[default]
+    /// Best BM25 score first.
     Rank,
     /// By document id, then position in the document: a long document retrieved whole reads
     /// in its own order (needle-in-a-haystack depth, LongBench contexts).
     Document,
+    /// The retrieved chunk with the most tokens first, the others by rank. The first chunk's
+    /// stored KV is exact where it stands (precomputed after the template prefix), so the
+    /// blend recomputes none of it and an escalation's full prefill keeps it: the longer it
+    /// is, the fewer rows are approximated and the less an escalation recomputes. Passages a
+    /// client sends keep their order. The server's default (docs/fidelity-guard.md,
+    /// *The longest chunk first*).
+    #[default]
+    LongestFirst,
 }
 
 /// What the evaluation varies beyond what a request can ask, an interface the evaluation
 /// implements ([`Pipeline::query_with`]); a served query is [`Served`], every default.
 pub trait Experiment {
-    /// In which order the retrieved chunks enter the prompt.
-    fn order(&self) -> ChunkOrder {
-        ChunkOrder::Rank
+    /// In which order the retrieved chunks enter the prompt; `None`: the pipeline's
+    /// (`--chunk-order`).
+    fn order(&self) -> Option<ChunkOrder> {
+        None
     }
     /// EPIC with this many recomputed tokens at the start of every chunk, instead of the `k`
     /// that spends the ρ budget.
@@ -372,6 +380,8 @@ pub struct Pipeline {
     pub guard: GuardPolicy,
     /// Speculative decoding for requests that do not say (`--spec-decode`).
     pub spec_decode: bool,
+    /// In which order retrieved chunks enter the prompt (`--chunk-order`).
+    pub chunk_order: ChunkOrder,
     /// What drafts for requests that do not say (`--spec-draft`).
     pub spec_draft: SpecDraft,
     /// Long-context drafting (`--long-context`).
@@ -460,6 +470,30 @@ pub const DEFAULT_SPEC_DECODE: bool = true;
 /// Default budget of the exact-context cache.
 pub const DEFAULT_CONTEXT_CACHE_BYTES: u64 = 1 << 30;
 
+/// Puts retrieval `hits` in `order` (see [`ChunkOrder`]); `passages`: the first hits are
+/// passages a client sent, which keep their order.
+fn arrange(hits: &mut [retriever::Hit], order: ChunkOrder, passages: bool) {
+    match order {
+        ChunkOrder::Rank => {}
+        ChunkOrder::Document => hits.sort_by(|a, b| {
+            (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
+        }),
+        ChunkOrder::LongestFirst if !passages => {
+            // The first of the longest, so that ties keep rank order.
+            let longest = hits
+                .iter()
+                .enumerate()
+                .rev()
+                .max_by_key(|(_, h)| h.record.tokens)
+                .map(|(i, _)| i);
+            if let Some(i) = longest {
+                hits[..=i].rotate_right(1);
+            }
+        }
+        ChunkOrder::LongestFirst => {}
+    }
+}
+
 /// The leading rows of a blended prefill's cache that a full prefill computes alike, up to
 /// the f16 rounding of stored KV: the template prefix and the first chunk, where that chunk
 /// was precomputed after the same prefix at its place and the blend left every row of it as
@@ -491,6 +525,7 @@ impl Pipeline {
             verify_mode: VerifyMode::FromFull,
             guard: GuardPolicy::default(),
             spec_decode: DEFAULT_SPEC_DECODE,
+            chunk_order: ChunkOrder::default(),
             spec_draft: SpecDraft::default(),
             long_context: LongContext::default(),
             max_context_tokens,
@@ -608,7 +643,7 @@ impl Pipeline {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let hits = self.hits(q, exp.order())?;
+        let hits = self.hits(q, exp.order().unwrap_or(self.chunk_order))?;
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
@@ -797,11 +832,7 @@ impl Pipeline {
                     .filter(|h| !read.contains(&h.record.key)),
             );
         }
-        if order == ChunkOrder::Document {
-            hits.sort_by(|a, b| {
-                (&a.record.doc_id, a.record.position).cmp(&(&b.record.doc_id, b.record.position))
-            });
-        }
+        arrange(&mut hits, order, !q.documents.is_empty());
         Ok(hits)
     }
 
@@ -1374,5 +1405,60 @@ impl Pipeline {
                 Ok(toks)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hit(doc: &str, position: usize, tokens: usize) -> retriever::Hit {
+        retriever::Hit {
+            score: 0.0,
+            record: retriever::ChunkRecord {
+                chunk_id: format!("{doc}/{position}"),
+                doc_id: doc.into(),
+                collection: "c".into(),
+                title: None,
+                text: String::new(),
+                position,
+                key: format!("{doc}/{position}"),
+                tokens,
+            },
+        }
+    }
+
+    fn ids(hits: &[retriever::Hit]) -> Vec<&str> {
+        hits.iter().map(|h| h.record.chunk_id.as_str()).collect()
+    }
+
+    #[test]
+    fn longest_first_moves_the_longest_chunk_ahead_and_keeps_the_rest_ranked() {
+        let ranked = vec![
+            hit("a", 0, 90),
+            hit("b", 3, 300),
+            hit("c", 1, 120),
+            hit("d", 0, 300),
+        ];
+        let mut hits = ranked.clone();
+        arrange(&mut hits, ChunkOrder::LongestFirst, false);
+        // b and d tie at 300 tokens: the better ranked one goes first.
+        assert_eq!(ids(&hits), ["b/3", "a/0", "c/1", "d/0"]);
+        let mut hits = ranked.clone();
+        arrange(&mut hits, ChunkOrder::LongestFirst, true);
+        assert_eq!(
+            ids(&hits),
+            ids(&ranked),
+            "a client's passages keep their order"
+        );
+        let mut hits = ranked.clone();
+        arrange(&mut hits, ChunkOrder::Rank, false);
+        assert_eq!(ids(&hits), ids(&ranked));
+        let mut hits = ranked;
+        arrange(&mut hits, ChunkOrder::Document, false);
+        assert_eq!(ids(&hits), ["a/0", "b/3", "c/1", "d/0"]);
+        let mut none: Vec<retriever::Hit> = Vec::new();
+        arrange(&mut none, ChunkOrder::LongestFirst, false);
+        assert!(none.is_empty());
     }
 }

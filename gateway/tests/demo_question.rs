@@ -166,7 +166,7 @@ fn the_frozen_demo_chunks_are_answered_as_full_recompute_answers_them() -> TestR
 struct InDocumentOrder;
 
 impl Experiment for InDocumentOrder {
-    fn order(&self) -> ChunkOrder {
-        ChunkOrder::Document
+    fn order(&self) -> Option<ChunkOrder> {
+        Some(ChunkOrder::Document)
     }
 }

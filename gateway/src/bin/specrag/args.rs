@@ -142,6 +142,13 @@ pub struct ServeArgs {
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     pub spec_scores: ScoreSource,
+    /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
+    /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
+    /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
+    /// docs/fidelity-guard.md has it measured) or `rank` (best BM25 score first). Passages a
+    /// client sends keep their order.
+    #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
+    pub chunk_order: gateway::pipeline::ChunkOrder,
     /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
     /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop or
     /// chooses a token by a logit gap under --guard-margin moves to the full cache and answers
@@ -267,6 +274,13 @@ pub struct QueryArgs {
     /// (scores stored with the chunks; falls back to `query` for chunks without them).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     pub spec_scores: ScoreSource,
+    /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
+    /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
+    /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
+    /// docs/fidelity-guard.md has it measured) or `rank` (best BM25 score first). Passages a
+    /// client sends keep their order.
+    #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
+    pub chunk_order: gateway::pipeline::ChunkOrder,
     /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
     /// keeps drafting from the reused cache and verifies every N tokens in one pass.
     #[arg(long, env = "SPECRAG_VERIFY_MODE", default_value = "full", value_parser = parse_verify_mode)]

@@ -125,6 +125,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
+    pipeline.chunk_order = a.chunk_order;
     pipeline.spec_draft = a.spec_draft;
     a.long_context.apply(&mut pipeline)?;
     let json_out = a.json;
@@ -188,6 +189,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
+    pipeline.chunk_order = a.chunk_order;
     pipeline.spec_draft = a.spec_draft;
     a.long_context.apply(&mut pipeline)?;
     let mut api_keys = a.api_keys;
