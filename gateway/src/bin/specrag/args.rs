@@ -145,8 +145,8 @@ pub struct ServeArgs {
     /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
     /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
     /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
-    /// docs/fidelity-guard.md has it measured) or `rank` (best BM25 score first). Passages a
-    /// client sends keep their order.
+    /// docs/fidelity-guard.md has it measured), `rank` (best BM25 score first) or `document`
+    /// (by document, then position in it). Passages a client sends keep their order.
     #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
     pub chunk_order: gateway::pipeline::ChunkOrder,
     /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
@@ -277,8 +277,8 @@ pub struct QueryArgs {
     /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
     /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
     /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
-    /// docs/fidelity-guard.md has it measured) or `rank` (best BM25 score first). Passages a
-    /// client sends keep their order.
+    /// docs/fidelity-guard.md has it measured), `rank` (best BM25 score first) or `document`
+    /// (by document, then position in it). Passages a client sends keep their order.
     #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
     pub chunk_order: gateway::pipeline::ChunkOrder,
     /// With --verify: once the full cache is ready, `full` decodes from it; `draft-every-N`
