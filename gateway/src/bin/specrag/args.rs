@@ -142,11 +142,8 @@ pub struct ServeArgs {
     /// Where SpecCache's scores come from: `query` or `ingest` (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_SPEC_SCORES", value_enum, default_value_t = ScoreSource::Query)]
     pub spec_scores: ScoreSource,
-    /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
-    /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
-    /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
-    /// docs/fidelity-guard.md has it measured), `rank` (best BM25 score first) or `document`
-    /// (by document, then position in it). Passages a client sends keep their order.
+    /// In which order retrieved chunks enter the prompt: `longest-first`, `rank` or `document`
+    /// (see `specrag query --help`).
     #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
     pub chunk_order: gateway::pipeline::ChunkOrder,
     /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
