@@ -41,6 +41,31 @@ pub(crate) fn mean_nll(steps: &[Vec<f32>], ids: &[u32]) -> f64 {
         / n as f64
 }
 
+/// Where `ids` first takes another token than `full_ids` (full recompute's), and full
+/// recompute's logit gap between the two choices there. `path[i]` are full recompute's
+/// next-token logits before its own `i`-th token (teacher forcing of its answer over its
+/// cache, with one row after the last); up to the split the two answers share that path. An
+/// answer that ends where the other goes on chose the end of generation: the best logit of
+/// the `eog` tokens. `None` when the token sequences are equal or `path` is too short.
+pub fn split_of(full_ids: &[u32], ids: &[u32], path: &[Vec<f32>], eog: &[u32]) -> Option<Split> {
+    let at = full_ids.iter().zip(ids).take_while(|(a, b)| a == b).count();
+    if at == full_ids.len() && at == ids.len() {
+        return None;
+    }
+    let row = path.get(at)?;
+    let logit = |id: Option<&u32>| match id {
+        Some(&i) => row.get(i as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        None => eog
+            .iter()
+            .filter_map(|&e| row.get(e as usize).copied())
+            .fold(f32::NEG_INFINITY, f32::max),
+    };
+    Some(Split {
+        at,
+        gap: logit(full_ids.get(at)) - logit(ids.get(at)),
+    })
+}
+
 pub(crate) fn ask(
     pipeline: &Pipeline,
     ds: &Dataset,
@@ -112,6 +137,13 @@ pub fn run_case(
     };
     let ref_forced = forced(&reference)?;
     let ref_steps = &ref_forced[1];
+    // Full recompute's logits along its own answer, one row past its end: where another
+    // answer splits from it, how near a tie full recompute's own choice was.
+    let path = teacher_force(target, &reference, &[&reference.ids[..], &[0]].concat())?;
+    let tok = target.tokenizer();
+    let eog: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&id| tok.is_end_of_generation(id))
+        .collect();
     let mut out = Vec::with_capacity(configs.len());
     for (i, &config) in configs.iter().enumerate() {
         let (t, t_forced) = if i == 0 {
@@ -156,6 +188,7 @@ pub fn run_case(
             margins: (!t.margins.is_empty()).then(|| t.margins.clone()),
             f1: Some(crate::metrics::best_f1(&t.answer.answer, &case.answers)),
             signals: Some(RecordSignals::new(&t.signals, &t.first_logits)),
+            split: split_of(&reference.ids, &t.ids, &path, &eog),
         });
     }
     Ok((out, reference.prompt_ids))

@@ -26,6 +26,9 @@ use std::fmt::Write as _;
 pub struct GuardedCase {
     pub escalated: bool,
     pub identical: bool,
+    /// Identical, or split from full recompute's answer only at a near tie of its own
+    /// ([`StudyRecord::identical_or_near_tie`]).
+    pub near_tie: bool,
     /// TTFT over full recompute's.
     pub ttft_ratio: f64,
     /// Whole request time over full recompute's.
@@ -42,6 +45,8 @@ pub struct CurvePoint {
     pub escalated: usize,
     pub identical: usize,
     pub identity: Interval,
+    /// Cases identical or split only at a near tie of full recompute's own.
+    pub near_tie: usize,
     pub median_ttft_ratio: f64,
     pub mean_total_ratio: f64,
     /// Mean F1 of the guarded answers over full recompute's mean F1.
@@ -81,6 +86,7 @@ pub fn guard_case(
     Some(GuardedCase {
         escalated: fire.is_some(),
         identical: fire.is_some() || row.identical,
+        near_tie: fire.is_some() || row.identical_or_near_tie(),
         ttft_ratio: ttft / full_ttft,
         total_ratio: total / full_total,
         f1: if fire.is_some() {
@@ -107,6 +113,7 @@ pub fn point(margin: f32, cases: &[GuardedCase]) -> CurvePoint {
         escalated: cases.iter().filter(|c| c.escalated).count(),
         identical,
         identity: wilson(identical, n),
+        near_tie: cases.iter().filter(|c| c.near_tie).count(),
         median_ttft_ratio: median(&ttft),
         mean_total_ratio: if n == 0 { f64::NAN } else { total / n as f64 },
         f1_ratio: if full_f1 > 0.0 {
@@ -150,6 +157,7 @@ pub fn oracle_case(row: &StudyRecord, full: &StudyRecord, at: OracleAt) -> Guard
     GuardedCase {
         escalated,
         identical: true,
+        near_tie: true,
         ttft_ratio: ttft / full_ttft,
         total_ratio: total / full_total,
         f1: if escalated {
@@ -321,7 +329,7 @@ pub fn loops_absent_from_full(records: &[StudyRecord], label: &str, n: usize) ->
 fn md_row(first: &str, p: &CurvePoint) -> String {
     let pct = |k: usize| 100.0 * k as f64 / p.cases.max(1) as f64;
     format!(
-        "| {first} | {} | {} ({:.0}%) | {} ({:.0}% [{:.0}, {:.0}]) | {:.2} | {:.2} | {:.2} | {:.3} |\n",
+        "| {first} | {} | {} ({:.0}%) | {} ({:.0}% [{:.0}, {:.0}]) | {:.0}% | {:.2} | {:.2} | {:.2} | {:.3} |\n",
         p.cases,
         p.escalated,
         pct(p.escalated),
@@ -329,6 +337,7 @@ fn md_row(first: &str, p: &CurvePoint) -> String {
         pct(p.identical),
         100.0 * p.identity.lo,
         100.0 * p.identity.hi,
+        pct(p.near_tie),
         p.median_ttft_ratio,
         p.mean_total_ratio,
         p.worst_escalated_ratio,
@@ -348,12 +357,14 @@ pub fn markdown(
         "Guard on `{label}`, watching the first {horizon} tokens: escalate when a token's \
          top-2 logit gap is below the margin (0 = never). The last two rows of each table \
          escalate exactly the answers that differ from full recompute's, at the first token \
-         and before any reused work: what no predictor can beat on these rows.\n"
+         and before any reused work: what no predictor can beat on these rows. A near-tie \
+         split: the answer leaves full recompute's where full recompute's own logit for its \
+         token was less than 0.15 above the other (rows that record where answers split).\n"
     );
     for (ds, points) in curves {
         let _ = writeln!(md, "\n### {ds}\n");
-        md.push_str("| margin | cases | escalated | identical | median TTFT ÷ full | mean total ÷ full | worst escalated ÷ full | F1 ÷ full's |\n");
-        md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        md.push_str("| margin | cases | escalated | identical | identical or a near-tie split | median TTFT ÷ full | mean total ÷ full | worst escalated ÷ full | F1 ÷ full's |\n");
+        md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for p in points {
             md.push_str(&md_row(&p.margin.to_string(), p));
         }
@@ -411,6 +422,7 @@ mod tests {
             margins,
             f1: Some(if identical || full { 1.0 } else { 0.0 }),
             signals: None,
+            split: None,
         }
     }
 
@@ -486,6 +498,49 @@ mod tests {
         assert_eq!((p.escalated, p.identical), (1, 2));
         assert!((p.worst_escalated_ratio - 1700.0 / 1400.0).abs() < 1e-12);
         assert_eq!(point(0.0, &[kept]).worst_escalated_ratio, 0.0);
+    }
+
+    #[test]
+    fn a_split_counts_as_a_near_tie_only_under_the_bound() {
+        let full = row("full_recompute", "a", true, None);
+        let mut near = row("tp", "a", false, Some(vec![5.0]));
+        near.split = Some(crate::study::Split { at: 0, gap: 0.05 });
+        let mut far = row("tp", "b", false, Some(vec![5.0]));
+        far.split = Some(crate::study::Split { at: 2, gap: 0.5 });
+        let n = guarded(&near, &full, 0.3, 9);
+        assert!(!n.escalated && !n.identical && n.near_tie);
+        let f = guarded(&far, &full, 0.3, 9);
+        assert!(!f.identical && !f.near_tie);
+        // Escalated, the answer is full recompute's either way.
+        assert!(guarded(&far, &full, 9.0, 9).near_tie);
+        let p = point(0.3, &[n, f]);
+        assert_eq!((p.identical, p.near_tie), (0, 1));
+    }
+
+    #[test]
+    fn a_split_is_where_the_tokens_part_seen_from_full_recomputes_logits() {
+        use crate::study::split_of;
+        // Full recompute's path: before token 0 it prefers 1 (by 2.0 over 2); before token 1
+        // it prefers 3 only by 0.1 over 4; after its last token it ends (eog 9) by 0.7 over 5.
+        let path = vec![
+            vec![0.0, 3.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 2.0, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 0.0, 0.0, 1.3, 0.0, 0.0, 0.0, 2.0],
+        ];
+        let full = [1, 3];
+        assert_eq!(split_of(&full, &full, &path, &[9]), None);
+        let s = split_of(&full, &[1, 4, 7], &path, &[9]).unwrap();
+        assert_eq!(s.at, 1);
+        assert!((s.gap - 0.1).abs() < 1e-6);
+        assert!((split_of(&full, &[2], &path, &[9]).unwrap().gap - 2.0).abs() < 1e-6);
+        // The other answer goes on where full recompute's ends: its end against the token.
+        let longer = split_of(&full, &[1, 3, 5], &path, &[9]).unwrap();
+        assert_eq!(longer.at, 2);
+        assert!((longer.gap - 0.7).abs() < 1e-6);
+        // It ends where full recompute's goes on: full recompute's token against the end.
+        let shorter = split_of(&full, &[1], &path, &[7]).unwrap();
+        assert!((shorter.gap - 2.0).abs() < 1e-6);
+        assert_eq!(split_of(&full, &[1, 4], &path[..1], &[9]), None);
     }
 
     #[test]

@@ -230,6 +230,7 @@ mod tests {
             margins: None,
             f1: None,
             signals: None,
+            split: None,
         }
     }
 

@@ -75,6 +75,37 @@ pub struct StudyRecord {
     /// fidelity guard's candidate signals (`scripts/guard_signals.py` reads them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signals: Option<RecordSignals>,
+    /// Where an answer whose tokens differ from full recompute's first leaves them, and how
+    /// near full recompute itself was to the same choice there; absent for identical answers
+    /// and in rows written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<Split>,
+}
+
+/// Where an answer first takes another token than full recompute's, seen from full
+/// recompute's cache: its logit for its own choice minus its logit for this answer's (the
+/// end of generation counts as a choice: the best of the end-of-generation tokens). Near 0,
+/// full recompute's answer was itself nearly a tie there, one that any rounding (another
+/// kernel, another device, f16 KV) can tip; [`NEAR_TIE`] is the project's bound for such
+/// splits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Split {
+    /// The index of the first generated token that differs.
+    pub at: usize,
+    /// Full recompute's logit of its token minus its logit of this answer's, at `at`.
+    pub gap: f32,
+}
+
+/// The logit gap under which two engines' greedy answers may split and still count as the
+/// same computation: the bound the family fixtures and the GPU parity checks use.
+pub const NEAR_TIE: f32 = 0.15;
+
+impl StudyRecord {
+    /// Identical to full recompute's answer, or split from it only where full recompute's own
+    /// choice was a near tie (its gap to this answer's token under [`NEAR_TIE`]).
+    pub fn identical_or_near_tie(&self) -> bool {
+        self.identical || self.split.is_some_and(|s| s.gap < NEAR_TIE)
+    }
 }
 
 /// [`target_engine::BlendSignals`] of one answer, and its first token's distribution at the

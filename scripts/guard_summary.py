@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""What the fidelity guard did, summarized from study records where it ran for real.
+
+Reads `specrag-eval --study` records (jsonl, or .jsonl.gz) whose cases hold a
+`full_recompute` row and rows of other configurations, typically
+`target_probe_shift@0.25:balanced` (the guard running as served). Per configuration, per
+dataset and pooled: the share of requests escalated, identity with full recompute's answer
+(Wilson 95%), identity up to a near tie of full recompute's own (the answer leaves full
+recompute's only where full recompute's logit for its token was less than NEAR_TIE above the
+other answer's: the bound the engine's fixtures and GPU parity checks hold kernels to; rows
+record it as `split`), the median time to first token and the mean request time over full
+recompute's, and the escalated requests' median and worst time over full recompute's. Then
+every answer that differs: where it splits, full recompute's gap there, whether the guard
+escalated, and its smallest top-2 gap.
+
+    python3 scripts/guard_summary.py RECORDS.jsonl[.gz] [MORE.jsonl[.gz] ...]
+"""
+import json
+import statistics
+import sys
+
+from guard_signals import opener, wilson
+
+NEAR_TIE = 0.15
+
+
+def load(paths):
+    """(dataset, case) -> {label: row}; later files replace earlier rows of the same case."""
+    out = {}
+    for path in paths:
+        with opener(path) as f:
+            for line in f:
+                r = json.loads(line)
+                out.setdefault((r["dataset"], r["case"]), {})[r["label"]] = r
+    return out
+
+
+def near_tie(r):
+    s = r.get("split")
+    return r["identical"] or (s is not None and s["gap"] < NEAR_TIE)
+
+
+def escalated(r):
+    return bool((r.get("guard") or {}).get("escalated"))
+
+
+def line(label, ds, pairs):
+    n = len(pairs)
+    ident = sum(r["identical"] for r, _ in pairs)
+    near = sum(near_tie(r) for r, _ in pairs)
+    esc = [(r, f) for r, f in pairs if escalated(r)]
+    ttft = [r["ttft_ms"] / f["ttft_ms"] for r, f in pairs]
+    total = [r["timings"]["total_ms"] / f["timings"]["total_ms"] for r, f in pairs]
+    et = [r["timings"]["total_ms"] / f["timings"]["total_ms"] for r, f in esc]
+    lo, hi = wilson(ident, n)
+    nlo, nhi = wilson(near, n)
+    worst = f"{statistics.median(et):.2f}, {max(et):.2f}" if et else "-"
+    print(
+        f"| {label} | {ds} | {n} | {len(esc) / n:.0%} | {ident / n:.0%} [{100 * lo:.0f}, {100 * hi:.0f}] "
+        f"| {near / n:.0%} [{100 * nlo:.0f}, {100 * nhi:.0f}] | {statistics.median(ttft):.2f} "
+        f"| {statistics.mean(total):.3f} | {worst} |"
+    )
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    cases = load(sys.argv[1:])
+    labels = sorted({l for c in cases.values() for l in c if l != "full_recompute"})
+    print(
+        "| configuration | dataset | cases | escalated | identical | identical or a near-tie split "
+        "| median TTFT ÷ full | mean request ÷ full | escalated ÷ full: median, worst |"
+    )
+    print("|---|---|---:|---:|---|---|---:|---:|---|")
+    for label in labels:
+        pairs = {
+            k: (c[label], c["full_recompute"])
+            for k, c in sorted(cases.items())
+            if label in c and "full_recompute" in c
+        }
+        datasets = sorted({k[0] for k in pairs})
+        for ds in datasets + (["pooled"] if len(datasets) > 1 else []):
+            sel = [p for k, p in pairs.items() if ds in ("pooled", k[0])]
+            line(label, ds, sel)
+    print()
+    for label in labels:
+        for (ds, case), c in sorted(cases.items()):
+            r = c.get(label)
+            if r is None or r["identical"] or "full_recompute" not in c:
+                continue
+            s = r.get("split")
+            where = f"token {s['at']}, full's gap {s['gap']:.3f}" if s else "not recorded"
+            g = r.get("guard") or {}
+            print(
+                f"{label} {case}: splits at {where}; escalated {escalated(r)}, "
+                f"smallest gap {g.get('min_margin', min(r.get('margins') or [float('nan')])):.2f}; "
+                f"full {c['full_recompute']['answer'][:60]!r} / this {r['answer'][:60]!r}"
+            )
+
+
+if __name__ == "__main__":
+    main()
