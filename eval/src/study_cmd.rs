@@ -85,7 +85,8 @@ pub fn guard_curve(from: &Path, label: &str, horizon: usize) -> anyhow::Result<b
     let records = study::read_records(from)
         .with_context(|| format!("{} is not a study.jsonl", from.display()))?;
     let margins = [
-        0.0, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0,
+        0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0,
+        6.0,
     ];
     let curves = study::guard_curve::curve(&records, label, &margins, horizon);
     if curves.values().all(|p| p.iter().all(|p| p.cases == 0)) {

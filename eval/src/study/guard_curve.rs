@@ -136,6 +136,10 @@ pub enum OracleAt {
     FirstToken,
     /// Before any reused work: an escalated request costs full recompute's alone.
     BeforeReuse,
+    /// At the first token, escalating only the answers that split from full recompute's
+    /// beyond a near tie ([`StudyRecord::identical_or_near_tie`]): the fewest escalations for
+    /// 100% identity up to near ties.
+    BeyondNearTie,
 }
 
 /// What a guard that knew the answer would have done for one case: escalate exactly the
@@ -144,10 +148,13 @@ pub enum OracleAt {
 /// the fewest escalations for 100% identity and the least time they can cost.
 pub fn oracle_case(row: &StudyRecord, full: &StudyRecord, at: OracleAt) -> GuardedCase {
     let (full_ttft, full_total) = (full.ttft_ms.max(1e-9), full.timings.total_ms.max(1e-9));
-    let escalated = !row.identical;
+    let escalated = match at {
+        OracleAt::BeyondNearTie => !row.identical_or_near_tie(),
+        OracleAt::FirstToken | OracleAt::BeforeReuse => !row.identical,
+    };
     let (ttft, total) = match (escalated, at) {
         (false, _) => (row.ttft_ms, row.timings.total_ms),
-        (true, OracleAt::FirstToken) => (
+        (true, OracleAt::FirstToken | OracleAt::BeyondNearTie) => (
             row.ttft_ms + full.timings.prefill_ms,
             row.ttft_ms + full.timings.total_ms,
         ),
@@ -156,7 +163,7 @@ pub fn oracle_case(row: &StudyRecord, full: &StudyRecord, at: OracleAt) -> Guard
     let full_f1 = full.f1.unwrap_or(0.0);
     GuardedCase {
         escalated,
-        identical: true,
+        identical: escalated || row.identical,
         near_tie: true,
         ttft_ratio: ttft / full_ttft,
         total_ratio: total / full_total,
@@ -170,8 +177,9 @@ pub fn oracle_case(row: &StudyRecord, full: &StudyRecord, at: OracleAt) -> Guard
 }
 
 /// Per dataset (and `pooled`), the perfect predictor's point on `label`'s rows, deciding at
-/// the first token and before reuse (`margin` is NaN: no threshold).
-pub fn oracle_points(records: &[StudyRecord], label: &str) -> BTreeMap<String, [CurvePoint; 2]> {
+/// the first token, before reuse, and at the first token for splits beyond a near tie only
+/// (`margin` is NaN: no threshold).
+pub fn oracle_points(records: &[StudyRecord], label: &str) -> BTreeMap<String, [CurvePoint; 3]> {
     let pairs = with_full(records, label);
     dataset_names(pairs.iter().map(|(r, _)| *r))
         .into_iter()
@@ -184,7 +192,11 @@ pub fn oracle_points(records: &[StudyRecord], label: &str) -> BTreeMap<String, [
                     .collect();
                 point(f32::NAN, &cases)
             };
-            let points = [at(OracleAt::FirstToken), at(OracleAt::BeforeReuse)];
+            let points = [
+                at(OracleAt::FirstToken),
+                at(OracleAt::BeforeReuse),
+                at(OracleAt::BeyondNearTie),
+            ];
             (ds, points)
         })
         .collect()
@@ -349,7 +361,7 @@ fn md_row(first: &str, p: &CurvePoint) -> String {
 /// rows of `oracles` (the bound) where it has them.
 pub fn markdown(
     curves: &BTreeMap<String, Vec<CurvePoint>>,
-    oracles: &BTreeMap<String, [CurvePoint; 2]>,
+    oracles: &BTreeMap<String, [CurvePoint; 3]>,
     label: &str,
     horizon: usize,
 ) -> String {
@@ -357,7 +369,8 @@ pub fn markdown(
         "Guard on `{label}`, watching the first {horizon} tokens: escalate when a token's \
          top-2 logit gap is below the margin (0 = never). The last two rows of each table \
          escalate exactly the answers that differ from full recompute's, at the first token \
-         and before any reused work: what no predictor can beat on these rows. A near-tie \
+         and before any reused work: what no predictor can beat on these rows; the third only \
+         those that split beyond a near tie. A near-tie \
          split: the answer leaves full recompute's where full recompute's own logit for its \
          token was less than 0.15 above the other (rows that record where answers split).\n"
     );
@@ -368,9 +381,13 @@ pub fn markdown(
         for p in points {
             md.push_str(&md_row(&p.margin.to_string(), p));
         }
-        if let Some([first, before]) = oracles.get(ds) {
+        if let Some([first, before, beyond]) = oracles.get(ds) {
             md.push_str(&md_row("perfect predictor, at the first token", first));
             md.push_str(&md_row("perfect predictor, before reuse", before));
+            md.push_str(&md_row(
+                "perfect predictor of splits beyond a near tie, at the first token",
+                beyond,
+            ));
         }
     }
     md
@@ -494,6 +511,11 @@ mod tests {
         let kept = oracle_case(&same, &full, OracleAt::FirstToken);
         assert!(!kept.escalated && kept.identical);
         assert!((kept.total_ratio - 0.5).abs() < 1e-12);
+        let mut tie = row("tp", "c", false, Some(vec![5.0]));
+        tie.split = Some(crate::study::Split { at: 0, gap: 0.01 });
+        let beyond = |r: &StudyRecord| oracle_case(r, &full, OracleAt::BeyondNearTie);
+        assert!(beyond(&differs).escalated && !beyond(&tie).escalated);
+        assert!(!beyond(&tie).identical && beyond(&tie).near_tie);
         let p = point(f32::NAN, &[first, kept]);
         assert_eq!((p.escalated, p.identical), (1, 2));
         assert!((p.worst_escalated_ratio - 1700.0 / 1400.0).abs() < 1e-12);
@@ -519,7 +541,13 @@ mod tests {
 
     #[test]
     fn a_split_is_where_the_tokens_part_seen_from_full_recomputes_logits() {
-        use crate::study::split_of;
+        use crate::study::{split_of, Split};
+        let split = |full: &[u32], ids: &[u32], path: &[Vec<f32>], eog: &[u32]| -> Split {
+            match split_of(full, ids, path, eog) {
+                Some(s) => s,
+                None => panic!("no split of {ids:?} from {full:?}"),
+            }
+        };
         // Full recompute's path: before token 0 it prefers 1 (by 2.0 over 2); before token 1
         // it prefers 3 only by 0.1 over 4; after its last token it ends (eog 9) by 0.7 over 5.
         let path = vec![
@@ -529,16 +557,16 @@ mod tests {
         ];
         let full = [1, 3];
         assert_eq!(split_of(&full, &full, &path, &[9]), None);
-        let s = split_of(&full, &[1, 4, 7], &path, &[9]).unwrap();
+        let s = split(&full, &[1, 4, 7], &path, &[9]);
         assert_eq!(s.at, 1);
         assert!((s.gap - 0.1).abs() < 1e-6);
-        assert!((split_of(&full, &[2], &path, &[9]).unwrap().gap - 2.0).abs() < 1e-6);
+        assert!((split(&full, &[2], &path, &[9]).gap - 2.0).abs() < 1e-6);
         // The other answer goes on where full recompute's ends: its end against the token.
-        let longer = split_of(&full, &[1, 3, 5], &path, &[9]).unwrap();
+        let longer = split(&full, &[1, 3, 5], &path, &[9]);
         assert_eq!(longer.at, 2);
         assert!((longer.gap - 0.7).abs() < 1e-6);
         // It ends where full recompute's goes on: full recompute's token against the end.
-        let shorter = split_of(&full, &[1], &path, &[7]).unwrap();
+        let shorter = split(&full, &[1], &path, &[7]);
         assert!((shorter.gap - 2.0).abs() < 1e-6);
         assert_eq!(split_of(&full, &[1, 4], &path[..1], &[9]), None);
     }
