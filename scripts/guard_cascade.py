@@ -13,11 +13,10 @@ median time to first token over full recompute's, and the worst request that rea
 
     python3 scripts/guard_cascade.py RECORDS.jsonl[.gz] [MORE.jsonl[.gz] ...]
 """
-import json
 import statistics
 import sys
 
-from guard_signals import opener, wilson
+from guard_signals import read_cases, wilson
 
 STAGES = ("full_reuse", "target_probe@0.25", "target_probe@0.50")
 CASCADES = [
@@ -29,12 +28,7 @@ CASCADES = [
 
 def load(paths):
     """Cases (file, dataset, case) -> {label: row} holding every stage and full recompute."""
-    out = {}
-    for path in paths:
-        with opener(path) as f:
-            for line in f:
-                r = json.loads(line)
-                out.setdefault((path, r["dataset"], r["case"]), {})[r["label"]] = r
+    out = read_cases(paths, by_file=True)
     need = ("full_recompute",) + STAGES
     return [c for c in out.values() if all(k in c and (k == need[0] or c[k].get("margins")) for k in need)]
 

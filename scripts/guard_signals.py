@@ -41,6 +41,19 @@ def opener(path):
     return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
+def read_cases(paths, by_file=False):
+    """Every record of `paths` by case: (dataset, case) -> {label: row}, the key led by the
+    file's path when `by_file` (otherwise a later file's row replaces an earlier one's)."""
+    out = {}
+    for path in paths:
+        with opener(path) as f:
+            for line in f:
+                r = json.loads(line)
+                key = (r["dataset"], r["case"])
+                out.setdefault((path,) + key if by_file else key, {})[r["label"]] = r
+    return out
+
+
 def top_dist(sig):
     """The first token's top choices as {id: probability}."""
     return {i: math.exp(lp) for i, lp in sig["first_top"]}

@@ -15,24 +15,12 @@ escalated, and its smallest top-2 gap.
 
     python3 scripts/guard_summary.py RECORDS.jsonl[.gz] [MORE.jsonl[.gz] ...]
 """
-import json
 import statistics
 import sys
 
-from guard_signals import opener, wilson
+from guard_signals import read_cases, wilson
 
 NEAR_TIE = 0.15
-
-
-def load(paths):
-    """(dataset, case) -> {label: row}; later files replace earlier rows of the same case."""
-    out = {}
-    for path in paths:
-        with opener(path) as f:
-            for line in f:
-                r = json.loads(line)
-                out.setdefault((r["dataset"], r["case"]), {})[r["label"]] = r
-    return out
 
 
 def near_tie(r):
@@ -65,7 +53,7 @@ def line(label, ds, pairs):
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    cases = load(sys.argv[1:])
+    cases = read_cases(sys.argv[1:])
     labels = sorted({l for c in cases.values() for l in c if l != "full_recompute"})
     print(
         "| configuration | dataset | cases | escalated | identical | identical or a near-tie split "
