@@ -135,11 +135,15 @@ pub fn run_case(
             teacher_force(target, t, &reference.ids)?,
         ])
     };
-    let ref_forced = forced(&reference)?;
-    let ref_steps = &ref_forced[1];
-    // Full recompute's logits along its own answer, one row past its end: where another
-    // answer splits from it, how near a tie full recompute's own choice was.
+    // Full recompute's logits along its own answer, one row past its end (where another
+    // answer splits from it, how near a tie full recompute's own choice was); its first rows
+    // are the reference's own teacher forcing.
     let path = teacher_force(target, &reference, &[&reference.ids[..], &[0]].concat())?;
+    let ref_forced = [
+        teacher_force(target, &reference, &gold_ids)?,
+        path[..reference.ids.len().max(1)].to_vec(),
+    ];
+    let ref_steps = &ref_forced[1];
     let tok = target.tokenizer();
     let eog: Vec<u32> = (0..tok.vocab_size() as u32)
         .filter(|&id| tok.is_end_of_generation(id))
