@@ -1,4 +1,5 @@
-//! The external KV cache: per layer K (after RoPE) and V, one row per absolute position.
+//! The external KV cache: per layer K (after RoPE) and V, one row per absolute position, every
+//! value an f16 (see [`KvCache::write`]).
 //!
 //! The model holds no cache; the engine owns these so they can be loaded, rotated, fused and
 //! stored. Row `p` of every layer holds the token at position `p`, so a forward over any subset
@@ -234,15 +235,28 @@ impl KvCache {
         self.write(layer, positions, k, v);
     }
 
-    /// Writes K and V rows (`(positions.len(), row)` each) of one layer at their positions.
+    /// Writes K and V rows (`(positions.len(), row)` each) of one layer at their positions,
+    /// each value rounded to the nearest f16.
+    ///
+    /// The cache holds f16 values, as llama.cpp's default KV cache and the chunk store do, so
+    /// a chunk's stored rows are exactly the rows a whole prefill keeps for it: a reused
+    /// first chunk is then bit for bit the prefix of full recompute, and an escalation that
+    /// keeps it answers as full recompute does (with f32 rows, the stored chunk's rounding
+    /// alone tipped full recompute's own near ties).
     pub(crate) fn write(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
         let row = self.row;
         if let (Some(kv), Some(&first)) = (self.bf16.get_mut(layer), positions.iter().min()) {
             kv.invalidate_from(first);
         }
         for (i, &p) in positions.iter().enumerate() {
-            self.k[layer][p * row..(p + 1) * row].copy_from_slice(&k[i * row..(i + 1) * row]);
-            self.v[layer][p * row..(p + 1) * row].copy_from_slice(&v[i * row..(i + 1) * row]);
+            round_f16(
+                &mut self.k[layer][p * row..(p + 1) * row],
+                &k[i * row..(i + 1) * row],
+            );
+            round_f16(
+                &mut self.v[layer][p * row..(p + 1) * row],
+                &v[i * row..(i + 1) * row],
+            );
         }
     }
 
@@ -251,6 +265,14 @@ impl KvCache {
         for &p in positions {
             self.filled[p] = true;
         }
+    }
+}
+
+/// `dst = src` with every value rounded to the nearest f16 (round to nearest even, as the
+/// chunk store converts; a value past f16's range becomes infinite there too).
+fn round_f16(dst: &mut [f32], src: &[f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(s).to_f32();
     }
 }
 

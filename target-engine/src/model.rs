@@ -625,7 +625,7 @@ impl Numerics {
             .map(|(form, n)| format!("{form}x{n}"))
             .collect();
         format!(
-            "attention={};requantize={requantize};many_rows={many_rows};weights={}",
+            "attention={};kv=f16;requantize={requantize};many_rows={many_rows};weights={}",
             self.attention,
             weights.join(",")
         )
@@ -883,7 +883,7 @@ impl Model {
     /// The load choices (and the CPU paths they led to) that change this model's numbers:
     /// attention precision, re-quantized weights, how many-row products run, and which
     /// kernel each weight matrix multiplies on (repacked int8 with AVX-512 VNNI, QMatrix,
-    /// candle's k-quant kernels), e.g. `attention=f32;requantize=none;many_rows=int8;weights=packed:Q8_0x168`.
+    /// candle's k-quant kernels), e.g. `attention=f32;kv=f16;requantize=none;many_rows=int8;weights=packed:Q8_0x168`.
     pub fn numerics(&self) -> &str {
         &self.numerics
     }

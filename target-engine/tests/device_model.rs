@@ -454,9 +454,12 @@ fn moved_per_chunk_and_layer(cpu: &Model, p: &RagPrompt, cache: &DeviceCache) ->
 }
 
 /// `target_probe_shift` on the device (`DeviceModel::blend_shift`): a deviation of every
-/// reused chunk row that is constant per chunk and layer (K before RoPE) is removed exactly
-/// by one recomputed token per chunk, as on the CPU engine (`blend_tiny.rs`), where a plain
-/// blend keeps it; a chunk without a pick keeps its rows.
+/// reused chunk row that is constant per chunk and layer (K before RoPE) is removed by one
+/// recomputed token per chunk up to the cache's f16 rounding of the moved rows, as on the CPU
+/// engine (`blend_tiny.rs`), where a plain blend keeps it; a chunk without a pick keeps its
+/// rows. The rounding is one f16 step at layer 0; the random tiny models' int8 activations
+/// grow it to ~0.4% of the rows' scale at layer 1 and ~3% of the plain blend's logit error
+/// (observed).
 #[test]
 fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
     for (name, spec) in specs() {
@@ -486,25 +489,27 @@ fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
             "{name}: the deviation moves a plain blend ({d_plain})"
         );
         assert!(
-            d_shift < 1e-3 * scale,
+            d_shift < d_plain / 8.0,
             "{name}: shifted differs by {d_shift}"
         );
+        // One f16 step of the largest value's binade at layer 0, 1% of the scale past it.
+        let bound = |l: usize, scale: f32| {
+            if l == 0 {
+                scale.max(1.0) / 1024.0
+            } else {
+                scale.max(1.0) / 100.0
+            }
+        };
         for l in 0..cpu.config().n_layer {
             for r in p.chunk_ranges() {
                 let want = full_cache.k_rows(l, r.clone()).expect("k");
                 let got = shifted_cache.k_rows(l, r.clone()).expect("k");
                 let kscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-                assert!(
-                    max_diff(&want, &got) < 1e-4 * kscale.max(1.0),
-                    "{name}: K {l}"
-                );
+                assert!(max_diff(&want, &got) < bound(l, kscale), "{name}: K {l}");
                 let want = full_cache.v_rows(l, r.clone()).expect("v");
                 let got = shifted_cache.v_rows(l, r).expect("v");
                 let vscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-                assert!(
-                    max_diff(&want, &got) < 1e-4 * vscale.max(1.0),
-                    "{name}: V {l}"
-                );
+                assert!(max_diff(&want, &got) < bound(l, vscale), "{name}: V {l}");
             }
         }
         // The last chunk without a pick keeps its moved rows.

@@ -73,10 +73,19 @@ const DECODE_NEAR_TIE: f32 = 0.5;
 /// other fixture logit of the three models within 0.40.
 const QUANTIZED_LOGIT: f32 = 0.75;
 
+/// How far the f32 weight paths (dense panels, candle's k-quant kernels) may move a
+/// first-token logit from llama.cpp's. The KV cache holds f16 rows as llama.cpp's does, but
+/// llama.cpp also rounds q and the attention weights to f16 on their way into its f16
+/// products, which the engine's f32 attention does not: SmolLM2's multi-hop prompt (a 135M
+/// model in Q4_1) reads 32.30 against llama.cpp's 31.80 there (0.32 away with f32 rows), while
+/// the two Qwen models come closer with f16 rows (within 0.33 of every fixture logit, from
+/// 0.40).
+const F32_LOGIT: f32 = 0.6;
+
 /// How far bf16 attention (`--attention bf16`) may move a first-token logit from llama.cpp's.
 /// Its rounding of q and k to 8 significant bits moves SmolLM2's logits more than the f32
-/// path's: 32.44 against llama.cpp's 31.80 on the multi-hop prompt, where the f32 path is 0.16
-/// away; every other fixture logit of the three models stays within 0.33 (docs/performance.md,
+/// path's: 32.35 against llama.cpp's 31.80 on SmolLM2's multi-hop prompt, the farthest of any
+/// fixture logit of the three models (docs/performance.md,
 /// *bf16 attention*).
 const BF16_LOGIT: f32 = 1.0;
 
@@ -154,9 +163,9 @@ fn check_fixture_model(name: &str) {
             .map(|b| b.prefill(&prompt_ids).expect("bf16 prefill").1);
         for &(id, l) in &top5 {
             let paths = [
-                ("dense", &first[..], 0.5),
+                ("dense", &first[..], F32_LOGIT),
                 ("quantized", &first_q[..], QUANTIZED_LOGIT),
-                ("candle k-quants", &first_k[..], 0.5),
+                ("candle k-quants", &first_k[..], F32_LOGIT),
             ];
             for (path, first, bound) in paths.into_iter().chain(
                 first_b

@@ -172,8 +172,8 @@ impl DeviceCache {
                 .transpose(0, 1)?
                 .contiguous()?)
         };
-        self.k[layer].slice_set(&up(k)?, 1, range.start)?;
-        self.v[layer].slice_set(&up(v)?, 1, range.start)?;
+        self.k[layer].slice_set(&as_cached(&up(k)?)?, 1, range.start)?;
+        self.v[layer].slice_set(&as_cached(&up(v)?)?, 1, range.start)?;
         Ok(())
     }
 
@@ -395,8 +395,9 @@ impl DeviceModel {
                 let row = |t: &Tensor| -> Result<Tensor> {
                     Ok(t.narrow(0, i, 1)?.transpose(0, 1)?.contiguous()?)
                 };
-                cache.k[l].slice_set(&row(&k)?, 1, p)?;
-                cache.v[l].slice_set(&row(&v.reshape((n, c.n_kv_head, c.head_dim))?)?, 1, p)?;
+                cache.k[l].slice_set(&as_cached(&row(&k)?)?, 1, p)?;
+                let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
+                cache.v[l].slice_set(&as_cached(&row(&v)?)?, 1, p)?;
                 let keys = cache.k[l].narrow(1, 0, p + 1)?;
                 let values = cache.v[l].narrow(1, 0, p + 1)?;
                 outs.push(self.attend_one(&q.narrow(0, i, 1)?, &keys, &values)?);
@@ -748,8 +749,8 @@ impl DeviceModel {
             Some(s) => Some(self.shift_moves(l, s, cache, (&k, &v))?),
             None => None,
         };
-        cache.k[l].scatter_set(&pass.rows_at, &k, 1)?;
-        cache.v[l].scatter_set(&pass.rows_at, &v, 1)?;
+        cache.k[l].scatter_set(&pass.rows_at, &as_cached(&k)?, 1)?;
+        cache.v[l].scatter_set(&pass.rows_at, &as_cached(&v)?, 1)?;
         if let (Some(s), Some(m)) = (shift, moves) {
             self.apply_shift(l, s, &m, cache)?;
         }
@@ -907,4 +908,11 @@ fn load_layer(f: &mut GgufFile, c: &ModelConfig, device: &Device, l: usize) -> R
         up: matmul(f, &p("ffn_up.weight"), device)?,
         down: matmul(f, &p("ffn_down.weight"), device)?,
     })
+}
+
+/// K or V rows as a cache keeps them: every value rounded to the nearest f16, as the CPU
+/// engine's cache ([`crate::KvCache`]) and the chunk store hold them, so a GPU prefill keeps
+/// the rows a stored chunk gives back.
+pub(crate) fn as_cached(rows: &Tensor) -> Result<Tensor> {
+    Ok(rows.to_dtype(DType::F16)?.to_dtype(DType::F32)?)
 }

@@ -131,8 +131,12 @@ impl DeviceModel {
             let dk = self.rotate_rows(&w.matmul(&m.dk)?, &redo)?;
             let dv = w.matmul(&m.dv)?;
             let rows = self.rows_index(&g.targets)?;
-            cache.k[layer].scatter_set(&rows, &(old_k + dk)?.contiguous()?, 1)?;
-            cache.v[layer].scatter_set(&rows, &(old_v + dv)?.contiguous()?, 1)?;
+            let (k, v) = (
+                super::as_cached(&(old_k + dk)?)?,
+                super::as_cached(&(old_v + dv)?)?,
+            );
+            cache.k[layer].scatter_set(&rows, &k.contiguous()?, 1)?;
+            cache.v[layer].scatter_set(&rows, &v.contiguous()?, 1)?;
         }
         Ok(())
     }
