@@ -494,8 +494,8 @@ fn arrange(hits: &mut [retriever::Hit], order: ChunkOrder, passages: bool) {
     }
 }
 
-/// The leading rows of a blended prefill's cache that a full prefill computes alike, up to
-/// the f16 rounding of stored KV: the template prefix and the first chunk, where that chunk
+/// The leading rows of a blended prefill's cache that a full prefill computes alike (cache
+/// rows are f16, as stored KV is): the template prefix and the first chunk, where that chunk
 /// was precomputed after the same prefix at its place and the blend left every row of it as
 /// stored (none recomputed or moved; [`SelectInput::skips_exact`]). 0 otherwise: an
 /// escalation then computes every row.
@@ -1261,9 +1261,8 @@ impl Pipeline {
     /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
     /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
     /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
-    /// recompute's, token for token, for the same seed, except where full recompute's own
-    /// choice is nearly a tie that the kept chunk's f16 rounding tips (`exact` requests never
-    /// take such a cache). The client, which holds `shown` of the text of `generated`, sees
+    /// recompute's, token for token, for the same seed (`exact` requests never take such a
+    /// cache all the same). The client, which holds `shown` of the text of `generated`, sees
     /// the kept prefix extended, or replaced where text it holds was withdrawn. Also returns
     /// when the full cache was ready.
     fn escalate(

@@ -200,11 +200,9 @@ impl KvCache {
         }
     }
 
-    /// Writes reused rows of one layer at `positions`, growing the cache as needed (the caller
-    /// marks them computed once every layer is in place).
-    /// Overwrites the K and V rows of `layer` at `positions` (all below `len()`), e.g. to
-    /// inject KV computed elsewhere or to test that a damaged cache cannot change a verified
-    /// answer.
+    /// Overwrites the K and V rows of `layer` at `positions` (all below `len()`), rounded to
+    /// f16 as every write is, e.g. to inject KV computed elsewhere or to test that a damaged
+    /// cache cannot change a verified answer.
     pub fn set_rows(
         &mut self,
         layer: usize,
@@ -230,6 +228,8 @@ impl KvCache {
         Ok(())
     }
 
+    /// Writes reused rows of one layer at `positions`, growing the cache as needed (the caller
+    /// marks them computed once every layer is in place).
     pub(crate) fn place_rows(&mut self, layer: usize, positions: &[usize], k: &[f32], v: &[f32]) {
         self.grow(positions.iter().max().map_or(0, |&p| p + 1));
         self.write(layer, positions, k, v);
@@ -288,6 +288,27 @@ mod tests {
         assert!(c.prepare(&[5]).is_err(), "rows 3 and 4 are empty");
         assert!(c.prepare(&[3, 3]).is_err(), "duplicate position");
         assert!(c.prepare(&[4, 3]).is_ok(), "order does not matter");
+    }
+
+    #[test]
+    fn rows_are_kept_as_f16_and_stored_values_go_in_unchanged() {
+        let mut c = KvCache::with_shape(1, 4);
+        c.prepare(&[0, 1]).expect("room");
+        let k = [0.1f32, 1.0 + 1e-4, -3.141_592_7, 70_000.0];
+        let v = [1e-9f32, 2049.0, 0.333_333_34, -0.0];
+        c.write(0, &[0], &k, &v);
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        for i in 0..4 {
+            assert_eq!(c.k(0)[i].to_bits(), f16(k[i]).to_bits(), "K {i}");
+            assert_eq!(c.v(0)[i].to_bits(), f16(v[i]).to_bits(), "V {i}");
+        }
+        assert_ne!(c.k(0)[0], 0.1, "rounded, not copied");
+        assert_eq!(c.v(0)[1], 2048.0, "2049 ties to even");
+        assert!(c.k(0)[3].is_infinite(), "past f16's range, as the store converts it");
+        // A stored chunk's rows (f16 values) go in bit for bit.
+        let stored: Vec<f32> = c.k(0)[..3].iter().chain(&[0.5]).copied().collect();
+        c.set_rows(0, &[0], &stored, &stored).expect("rows");
+        assert_eq!(&c.k(0)[..4], &stored[..]);
     }
 
     #[test]
