@@ -294,7 +294,7 @@ mod tests {
     fn rows_are_kept_as_f16_and_stored_values_go_in_unchanged() {
         let mut c = KvCache::with_shape(1, 4);
         c.prepare(&[0, 1]).expect("room");
-        let k = [0.1f32, 1.0 + 1e-4, -3.141_592_7, 70_000.0];
+        let k = [0.1f32, 1.0 + 1e-4, -5.123_457, 70_000.0];
         let v = [1e-9f32, 2049.0, 0.333_333_34, -0.0];
         c.write(0, &[0], &k, &v);
         let f16 = |x: f32| half::f16::from_f32(x).to_f32();
@@ -304,7 +304,10 @@ mod tests {
         }
         assert_ne!(c.k(0)[0], 0.1, "rounded, not copied");
         assert_eq!(c.v(0)[1], 2048.0, "2049 ties to even");
-        assert!(c.k(0)[3].is_infinite(), "past f16's range, as the store converts it");
+        assert!(
+            c.k(0)[3].is_infinite(),
+            "past f16's range, as the store converts it"
+        );
         // A stored chunk's rows (f16 values) go in bit for bit.
         let stored: Vec<f32> = c.k(0)[..3].iter().chain(&[0.5]).copied().collect();
         c.set_rows(0, &[0], &stored, &stored).expect("rows");
