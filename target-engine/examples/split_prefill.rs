@@ -19,19 +19,20 @@ fn main() -> Res<()> {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../ARCHITECTURE.md"))?;
     let ids = model.tokenizer().encode(&text, false).ids;
     let ids = &ids[..prompt.min(ids.len())];
-    let (_, whole) = model.prefill(ids)?;
+    let (whole_cache, whole) = model.prefill(ids)?;
+    let max_diff =
+        |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     for split in [1, 7, 64, ids.len() / 3, ids.len() - 1] {
-        let mut cache = model.new_cache();
-        let first: Vec<usize> = (0..split).collect();
-        model.forward(&ids[..split], &first, &mut cache, false)?;
-        let rest: Vec<usize> = (split..ids.len()).collect();
-        let out = model.forward(&ids[split..], &rest, &mut cache, false)?;
-        let logits = model.last_logits(&out)?;
-        let d = logits
-            .iter()
-            .zip(&whole)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        println!("split at {split}: max |logit difference| {d:e}");
+        let (cache, logits) = target_engine::testing::prefill_in_pieces(&model, ids, &[split])?;
+        let rows = (0..model.config().n_layer)
+            .map(|l| {
+                max_diff(cache.k(l), whole_cache.k(l)).max(max_diff(cache.v(l), whole_cache.v(l)))
+            })
+            .fold(0f32, f32::max);
+        println!(
+            "split at {split}: max |logit difference| {:e}, max |K/V difference| {rows:e}",
+            max_diff(&logits, &whole)
+        );
     }
     Ok(())
 }

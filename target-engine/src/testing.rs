@@ -542,3 +542,35 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
     Ok(())
 }
+
+/// A prefill of `ids` run in pieces cut at `cuts` (strictly increasing, inside `ids`), each
+/// piece attending to the cache the ones before it left: the cache and the last position's
+/// logits. Against [`crate::Model::prefill`] it shows whether this CPU's kernels give a row
+/// the same numbers whatever batch computes it, which every "bit for bit after a split"
+/// claim (a stored first chunk, an escalation's kept rows) rests on.
+pub fn prefill_in_pieces(
+    m: &crate::Model,
+    ids: &[u32],
+    cuts: &[usize],
+) -> Result<(crate::KvCache, Vec<f32>)> {
+    let mut bounds = vec![0];
+    bounds.extend_from_slice(cuts);
+    bounds.push(ids.len());
+    if bounds.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(crate::error::EngineError::InvalidInput(format!(
+            "cuts {cuts:?} must increase strictly inside 0..{}",
+            ids.len()
+        )));
+    }
+    let mut cache = m.new_cache();
+    let mut last = None;
+    for w in bounds.windows(2) {
+        let positions: Vec<usize> = (w[0]..w[1]).collect();
+        last = Some(m.forward(&ids[w[0]..w[1]], &positions, &mut cache, false)?);
+    }
+    let logits = match last {
+        Some(out) => m.last_logits(&out)?,
+        None => Vec::new(),
+    };
+    Ok((cache, logits))
+}

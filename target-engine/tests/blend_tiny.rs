@@ -1,7 +1,7 @@
 //! Invariants of chunk precompute, positional recovery and blended prefill on tiny models.
 
 use target_engine::prelude::*;
-use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
+use target_engine::testing::{family_specs, prefill_in_pieces, write_tiny_gguf, TinySpec};
 use target_engine::{
     budget, even_shares, top_k, widen_to_chunks, Architecture, CacheBlend, ChunkKv, Epic,
     FullRecompute, FullReuse, LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random,
@@ -125,19 +125,7 @@ fn recompute_everything_equals_full_prefill() {
 /// int8 per row, and the dense f32 panels on this project's AVX-512 machines).
 fn split_is_exact(m: &Model, ids: &[u32], cuts: &[usize]) -> bool {
     let (whole_cache, whole) = m.prefill(ids).expect("prefill");
-    let mut cache = m.new_cache();
-    let mut bounds = vec![0];
-    bounds.extend_from_slice(cuts);
-    bounds.push(ids.len());
-    let mut out = None;
-    for w in bounds.windows(2) {
-        let pos: Vec<usize> = (w[0]..w[1]).collect();
-        out = Some(
-            m.forward(&ids[w[0]..w[1]], &pos, &mut cache, false)
-                .expect("piece"),
-        );
-    }
-    let last = m.last_logits(&out.expect("a piece")).expect("logits");
+    let (cache, last) = prefill_in_pieces(m, ids, cuts).expect("pieces");
     last == whole
         && (0..m.config().n_layer)
             .all(|l| cache.k(l) == whole_cache.k(l) && cache.v(l) == whole_cache.v(l))

@@ -6,6 +6,7 @@ mod common;
 use candle_core::{Device, Tensor};
 use std::sync::{Arc, Mutex, OnceLock};
 use target_engine::prelude::*;
+use target_engine::testing::prefill_in_pieces;
 use target_engine::{argmax, GenerateParams, LoadOptions, Model};
 
 /// Models are loaded once per test binary and shared by the tests that run in it.
@@ -600,7 +601,11 @@ fn blended_prefill_invariants_on_the_default_target() {
         "one chunk reused as is vs full prefill: max {:.4} mean {:.5} cosine {:.7}",
         d.max, d.mean, d.cosine
     );
-    if split_prefill(&m, &one.ids, &[seg.start, seg.end]) == full {
+    if prefill_in_pieces(&m, &one.ids, &[seg.start, seg.end])
+        .expect("pieces")
+        .1
+        == full
+    {
         // Cache rows are f16, as the store keeps them, so the stored chunk is the rows a
         // prefill computes: reused as is, it is full prefill bit for bit wherever a prefill
         // split at the same points is (on AVX-512 VNNI and AVX2 alike: int8 rows).
@@ -609,23 +614,6 @@ fn blended_prefill_invariants_on_the_default_target() {
         reuse_within_kernel_rounding(&m, &one.ids, &full, &d);
     }
     assert_eq!(argmax(&out.logits), argmax(&full));
-}
-
-/// The last logits of a prefill of `ids` run in pieces cut at `cuts`.
-fn split_prefill(m: &Model, ids: &[u32], cuts: &[usize]) -> Vec<f32> {
-    let mut cache = m.new_cache();
-    let mut bounds = vec![0];
-    bounds.extend_from_slice(cuts);
-    bounds.push(ids.len());
-    let mut last = None;
-    for w in bounds.windows(2) {
-        let pos: Vec<usize> = (w[0]..w[1]).collect();
-        last = Some(
-            m.forward(&ids[w[0]..w[1]], &pos, &mut cache, false)
-                .expect("piece"),
-        );
-    }
-    m.last_logits(&last.expect("a piece")).expect("logits")
 }
 
 /// Reusing one chunk moved the logits (`d`, against the full prefill `full` of `ids`) no more
