@@ -310,8 +310,16 @@ mod tests {
         );
         // A stored chunk's rows (f16 values) go in bit for bit.
         let stored: Vec<f32> = c.k(0)[..3].iter().chain(&[0.5]).copied().collect();
-        c.set_rows(0, &[0], &stored, &stored).expect("rows");
+        let other = [0.1f32, 0.2, 0.3, 0.4];
+        c.set_rows(0, &[0], &stored, &other).expect("rows");
         assert_eq!(&c.k(0)[..4], &stored[..]);
+        for (i, &x) in other.iter().enumerate() {
+            assert_eq!(
+                c.v(0)[i].to_bits(),
+                f16(x).to_bits(),
+                "set_rows rounds V {i}"
+            );
+        }
     }
 
     #[test]

@@ -126,9 +126,11 @@ fn recompute_everything_equals_full_prefill() {
 fn split_is_exact(m: &Model, ids: &[u32], cuts: &[usize]) -> bool {
     let (whole_cache, whole) = m.prefill(ids).expect("prefill");
     let (cache, last) = prefill_in_pieces(m, ids, cuts).expect("pieces");
-    last == whole
+    let exact = last == whole
         && (0..m.config().n_layer)
-            .all(|l| cache.k(l) == whole_cache.k(l) && cache.v(l) == whole_cache.v(l))
+            .all(|l| cache.k(l) == whole_cache.k(l) && cache.v(l) == whole_cache.v(l));
+    eprintln!("a prefill split at {cuts:?} is bit for bit on this CPU: {exact}");
+    exact
 }
 
 /// Every cache row is an f16, as the chunk store keeps it, so a chunk precomputed after the
@@ -677,7 +679,7 @@ fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
     let half = n_layer / 2;
     // One chunk after the prefix: its own context is the whole context, so every chunk token
     // recomputed through the deeper half from its own residual stream is the full prefill,
-    // up to the f16 rounding of the stored rows (the bound of the test above).
+    // up to the rounding of the residual stream at the split (below).
     let (asm, prefix, kv) = one_chunk_after_prefix(&m);
     let (_, full) = m.prefill(&asm.ids).expect("prefill");
     let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -688,9 +690,8 @@ fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
         .expect("deep");
     assert_eq!(out.recomputed, all);
     // Two passes where the full prefill runs one: the residual stream's int8 rounding at the
-    // split adds to the f16 rounding of the stored rows (0.30% of the largest logit on AVX-512
-    // VNNI kernels, under 0.2% on AVX2); a pick continued from the wrong stream is off by
-    // whole logits.
+    // split (0.30% of the largest logit on AVX-512 VNNI kernels, under 0.2% on AVX2, measured
+    // with f32 cache rows); a pick continued from the wrong stream is off by whole logits.
     let d = max_diff(&out.logits, &full);
     assert!(d < 5e-3 * scale, "{d} of {scale}");
     // Three chunks, nothing picked: the question alone, its layers split in two passes, is
@@ -870,11 +871,18 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     let moved = max_diff(&plain.logits, &full);
     let left = max_diff(&shifted.logits, &full);
     assert!(left < moved / 8.0, "{left} of {moved}");
+    // Two f16 roundings at layer 0 (the moved rows, the shifted rows: within two steps of the
+    // largest value's binade), 2.5% of the scale past it.
     for l in 0..m.config().n_layer {
-        let bound = if l == 0 { 4e-3 } else { 5e-2 };
+        let scale = |c: &[f32]| c.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let bound = |s: f32| if l == 0 { s / 512.0 } else { s / 40.0 };
         let k = max_diff(shifted.cache.k(l), full_cache.k(l));
         let v = max_diff(shifted.cache.v(l), full_cache.v(l));
-        assert!(k < bound && v < bound, "layer {l}: K {k}, V {v}");
+        let (bk, bv) = (bound(scale(full_cache.k(l))), bound(scale(full_cache.v(l))));
+        assert!(
+            k < bk && v < bv,
+            "layer {l}: K {k} (bound {bk}), V {v} (bound {bv})"
+        );
     }
     // A chunk without a pick keeps its rows; with every candidate picked it is a plain blend.
     let no_last: Vec<usize> = picks[..picks.len() - 1].to_vec();

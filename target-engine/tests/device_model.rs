@@ -185,7 +185,8 @@ fn device_blend_identities() {
             .expect("blend");
         let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
         let d = max_diff(&full, &logits);
-        // The prefix rows went through f16, as stored prefix KV does on the CPU engine.
+        // Cache rows are f16 as stored; what is left is candle's products rounding a row
+        // differently in another batch.
         assert!(
             d < 1e-2 * scale,
             "{name}: rho = 1 differs by {d} (scale {scale})"
@@ -224,7 +225,8 @@ fn device_blend_identities() {
             .expect("fused");
         let got = dev.blend(&one, &mut fused, &[]).expect("blend");
         let d = max_diff(&want, &got);
-        // The chunk's rows went through f16, as the store keeps them.
+        // The chunk's stored f16 rows are the rows a prefill keeps; what is left is candle's
+        // products rounding a row differently in another batch.
         assert!(d < 1e-2 * scale, "{name}: exact first chunk differs by {d}");
     }
 }
@@ -457,7 +459,7 @@ fn moved_per_chunk_and_layer(cpu: &Model, p: &RagPrompt, cache: &DeviceCache) ->
 /// reused chunk row that is constant per chunk and layer (K before RoPE) is removed by one
 /// recomputed token per chunk up to the cache's f16 rounding of the moved rows, as on the CPU
 /// engine (`blend_tiny.rs`), where a plain blend keeps it; a chunk without a pick keeps its
-/// rows. The rounding is one f16 step at layer 0; the random tiny models' int8 activations
+/// rows. The rounding is within two f16 steps at layer 0; the random tiny models' int8 activations
 /// grow it to ~0.4% of the rows' scale at layer 1 and ~3% of the plain blend's logit error
 /// (observed).
 #[test]
@@ -492,10 +494,11 @@ fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
             d_shift < d_plain / 8.0,
             "{name}: shifted differs by {d_shift}"
         );
-        // One f16 step of the largest value's binade at layer 0, 1% of the scale past it.
+        // Two f16 roundings at layer 0 (the moved rows, the shifted rows: within two steps of
+        // the largest value's binade), 1% of the scale past it.
         let bound = |l: usize, scale: f32| {
             if l == 0 {
-                scale.max(1.0) / 1024.0
+                scale.max(1.0) / 512.0
             } else {
                 scale.max(1.0) / 100.0
             }

@@ -608,7 +608,7 @@ fn blended_prefill_invariants_on_the_default_target() {
     {
         // Cache rows are f16, as the store keeps them, so the stored chunk is the rows a
         // prefill computes: reused as is, it is full prefill bit for bit wherever a prefill
-        // split at the same points is (on AVX-512 VNNI and AVX2 alike: int8 rows).
+        // split at the same points is (as on this project's AVX-512 VNNI machines).
         assert_eq!(out.logits, full, "one chunk reused as is");
     } else {
         reuse_within_kernel_rounding(&m, &one.ids, &full, &d);

@@ -96,7 +96,7 @@ impl DeviceModel {
     }
 
     /// The fused cache of `prompt`: the prefix's exact rows (copied on the device from
-    /// `prefix`, the prefix's own cache, kept in f32 as the CPU engine keeps prefix KV), then
+    /// `prefix`, the prefix's own cache, f16 values as every cache row), then
     /// each chunk's stored rows rotated to its place; room for `capacity` positions.
     pub fn fused(
         &self,

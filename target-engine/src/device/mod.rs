@@ -583,7 +583,8 @@ impl DeviceModel {
             let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
             let heads = c.n_layer * kv.len * c.n_kv_head;
             let flat = k.reshape((1, heads, c.head_dim))?;
-            k = self.rotate(&flat, &cos, &sin)?.reshape(shape)?;
+            // Rotated in f32, then rounded as every cache write is (the CPU's `place_chunk`).
+            k = as_cached(&self.rotate(&flat, &cos, &sin)?.reshape(shape)?)?;
         }
         let v = up(&kv.v)?;
         for l in 0..c.n_layer {
