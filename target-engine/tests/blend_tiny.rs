@@ -840,6 +840,22 @@ fn moved_per_chunk_and_layer(
     fused
 }
 
+/// `got`'s rows are `want`'s up to two f16 roundings at layer 0 (the moved rows, the shifted
+/// rows: within two steps of the largest value's binade), and 2.5% of the scale past it.
+fn rows_within_f16_roundings(got: &target_engine::KvCache, want: &target_engine::KvCache) {
+    let scale = |c: &[f32]| c.iter().fold(1f32, |m, x| m.max(x.abs()));
+    for l in 0..want.n_layer() {
+        let bound = |s: f32| if l == 0 { s / 512.0 } else { s / 40.0 };
+        let k = max_diff(got.k(l), want.k(l));
+        let v = max_diff(got.v(l), want.v(l));
+        let (bk, bv) = (bound(scale(want.k(l))), bound(scale(want.v(l))));
+        assert!(
+            k < bk && v < bv,
+            "layer {l}: K {k} (bound {bk}), V {v} (bound {bv})"
+        );
+    }
+}
+
 #[test]
 fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     let (_d, m) = tiny_of(&TinySpec {
@@ -871,19 +887,7 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     let moved = max_diff(&plain.logits, &full);
     let left = max_diff(&shifted.logits, &full);
     assert!(left < moved / 8.0, "{left} of {moved}");
-    // Two f16 roundings at layer 0 (the moved rows, the shifted rows: within two steps of the
-    // largest value's binade), 2.5% of the scale past it.
-    for l in 0..m.config().n_layer {
-        let scale = |c: &[f32]| c.iter().fold(1f32, |m, x| m.max(x.abs()));
-        let bound = |s: f32| if l == 0 { s / 512.0 } else { s / 40.0 };
-        let k = max_diff(shifted.cache.k(l), full_cache.k(l));
-        let v = max_diff(shifted.cache.v(l), full_cache.v(l));
-        let (bk, bv) = (bound(scale(full_cache.k(l))), bound(scale(full_cache.v(l))));
-        assert!(
-            k < bk && v < bv,
-            "layer {l}: K {k} (bound {bk}), V {v} (bound {bv})"
-        );
-    }
+    rows_within_f16_roundings(&shifted.cache, &full_cache);
     // A chunk without a pick keeps its rows; with every candidate picked it is a plain blend.
     let no_last: Vec<usize> = picks[..picks.len() - 1].to_vec();
     let partial = m
