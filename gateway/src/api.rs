@@ -265,14 +265,33 @@ fn served_method(m: &str) -> Result<Method> {
     })
 }
 
+/// What a request that leaves a field out gets where the server sets it: `specrag serve
+/// --fidelity` and `--ratio`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestDefaults {
+    /// `fidelity` of a request that sends neither it nor `verify`.
+    pub fidelity: crate::fidelity::Fidelity,
+    /// `recompute_ratio` of a request that does not send it.
+    pub recompute_ratio: f64,
+}
+
+impl Default for RequestDefaults {
+    fn default() -> Self {
+        Self {
+            fidelity: crate::fidelity::Fidelity::default(),
+            recompute_ratio: crate::pipeline::DEFAULT_RATIO,
+        }
+    }
+}
+
 impl QueryRequest {
-    /// Checks every field and fills in the defaults (fidelity `balanced`).
+    /// Checks every field and fills in the defaults (fidelity `balanced`, ρ 0.25).
     pub fn validate(&self) -> Result<Query> {
-        self.validate_with(crate::fidelity::Fidelity::default())
+        self.validate_with(RequestDefaults::default())
     }
 
-    /// [`QueryRequest::validate`] with the server's default fidelity.
-    pub fn validate_with(&self, default_fidelity: crate::fidelity::Fidelity) -> Result<Query> {
+    /// [`QueryRequest::validate`] with the server's defaults.
+    pub fn validate_with(&self, defaults: RequestDefaults) -> Result<Query> {
         use crate::fidelity::Fidelity;
         let d = Query::default();
         let query = self.query.trim();
@@ -294,7 +313,7 @@ impl QueryRequest {
             None => d.method,
             Some(m) => served_method(m)?,
         };
-        let ratio = self.recompute_ratio.unwrap_or(d.ratio);
+        let ratio = self.recompute_ratio.unwrap_or(defaults.recompute_ratio);
         let ratio = within("recompute_ratio", ratio, 0.0, 1.0)?;
         let max_tokens = self.max_tokens.unwrap_or(d.max_tokens as u64);
         let max_tokens = within("max_tokens", max_tokens, 1, MAX_TOKENS as u64)?;
@@ -314,7 +333,7 @@ impl QueryRequest {
             }
             (_, true) => Fidelity::Exact,
             (Some(f), false) => f,
-            (None, false) => default_fidelity,
+            (None, false) => defaults.fidelity,
         };
         let documents = match &self.documents {
             Some(d) => validate_passages("documents", d)?,
@@ -624,6 +643,45 @@ mod tests {
             Err(GatewayError::BadInput { field, .. }) => Some(field),
             _ => None,
         }
+    }
+
+    #[test]
+    fn the_servers_defaults_fill_only_the_fields_a_request_leaves_out() -> Result<()> {
+        use crate::fidelity::Fidelity;
+        let server = RequestDefaults {
+            fidelity: Fidelity::Fast,
+            recompute_ratio: 0.35,
+        };
+        let bare = QueryRequest {
+            query: "q".into(),
+            ..Default::default()
+        };
+        let q = bare.validate_with(server)?;
+        assert_eq!((q.ratio, q.fidelity), (0.35, Fidelity::Fast));
+        let q = bare.validate()?;
+        assert_eq!(
+            (q.ratio, q.fidelity),
+            (crate::pipeline::DEFAULT_RATIO, Fidelity::Balanced)
+        );
+        let own = QueryRequest {
+            recompute_ratio: Some(0.1),
+            fidelity: Some(Fidelity::Exact),
+            ..bare.clone()
+        };
+        let q = own.validate_with(server)?;
+        assert_eq!((q.ratio, q.fidelity), (0.1, Fidelity::Exact));
+        let out_of_range = QueryRequest {
+            recompute_ratio: Some(1.5),
+            ..bare
+        };
+        assert!(matches!(
+            out_of_range.validate_with(server),
+            Err(GatewayError::BadInput {
+                field: "recompute_ratio",
+                ..
+            })
+        ));
+        Ok(())
     }
 
     #[test]

@@ -127,6 +127,70 @@ async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> Te
     Ok(())
 }
 
+/// `specrag serve --ratio`: a request that sends no `recompute_ratio` gets the server's, one
+/// that sends it keeps its own, on `/rag/query` and on the OpenAI route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_recompute_ratio_gets_the_servers() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let recomputed = |s: AppState, ratio: Option<f64>| async move {
+        let mut body = json!({"query": "where is the antenna?", "max_tokens": 1, "top_k": 3});
+        if let Some(r) = ratio {
+            body["recompute_ratio"] = json!(r);
+        }
+        let (status, text, _) = send(&s, post("/rag/query", &body)).await;
+        let v: Value = serde_json::from_str(&text).unwrap_or_default();
+        (status, v["reuse"]["recomputed_tokens"].as_u64(), text)
+    };
+    let wide = ServerConfig {
+        recompute_ratio: 0.6,
+        ..Default::default()
+    };
+    let (status, server_default, text) = recomputed(state(p.clone(), wide.clone()), None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (_, sent, _) = recomputed(state(p.clone(), ServerConfig::default()), Some(0.6)).await;
+    assert_eq!(server_default, sent, "no field: the server's 0.6");
+    let (_, own, _) = recomputed(state(p.clone(), wide.clone()), Some(0.1)).await;
+    let (_, builtin, _) = recomputed(state(p.clone(), ServerConfig::default()), None).await;
+    let (own, builtin, server_default) = (
+        own.ok_or("0.1 sent")?,
+        builtin.ok_or("built in")?,
+        server_default.ok_or("the server's")?,
+    );
+    assert!(
+        own < builtin && builtin < server_default,
+        "0.1 sent: {own:?}; 0.25 built in: {builtin:?}; 0.6 the server's: {server_default:?}"
+    );
+
+    // The OpenAI route's `specrag` extension takes the same default.
+    let chat = |ratio: Option<f64>| {
+        let mut ext = json!({"collection": "default"});
+        if let Some(r) = ratio {
+            ext["recompute_ratio"] = json!(r);
+        }
+        json!({"model": "specrag", "max_tokens": 1,
+               "messages": [{"role": "user", "content": "where is the antenna?"}],
+               "specrag": ext})
+    };
+    let (status, text, _) = send(
+        &state(p.clone(), wide),
+        post("/v1/chat/completions", &chat(None)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (_, sent_text, _) = send(
+        &state(p, ServerConfig::default()),
+        post("/v1/chat/completions", &chat(Some(0.6))),
+    )
+    .await;
+    let reuse = |t: &str| {
+        serde_json::from_str::<Value>(t).map(|v| v["specrag"]["reuse"]["recomputed_tokens"].clone())
+    };
+    assert_eq!(reuse(&text)?, reuse(&sent_text)?, "{text}");
+    assert!(reuse(&text)?.is_u64(), "{text}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rho_one_answers_as_full_recompute_with_every_method() -> TestResult {
     let dir = tempfile::tempdir()?;

@@ -53,7 +53,7 @@ pub(crate) async fn rag_query(
     body: Result<Json<QueryRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
-    let query = req.validate_with(state.config.fidelity)?;
+    let query = req.validate_with(state.config.request_defaults())?;
     let submitted = submit_query(&state, &grant, query)?;
     if req.stream.unwrap_or(false) {
         let stream = tokio_stream::wrappers::ReceiverStream::new(submitted.rx).map(move |e| {

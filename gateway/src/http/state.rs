@@ -31,6 +31,18 @@ pub struct ServerConfig {
     pub speculator_kv: bool,
     /// The fidelity of requests that do not say (`--fidelity`).
     pub fidelity: crate::fidelity::Fidelity,
+    /// The recompute ratio ρ of requests that do not say (`--ratio`).
+    pub recompute_ratio: f64,
+}
+
+impl ServerConfig {
+    /// What requests that leave `fidelity` or `recompute_ratio` out get.
+    pub fn request_defaults(&self) -> crate::api::RequestDefaults {
+        crate::api::RequestDefaults {
+            fidelity: self.fidelity,
+            recompute_ratio: self.recompute_ratio,
+        }
+    }
 }
 
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
@@ -52,6 +64,7 @@ impl Default for ServerConfig {
             body_timeout: Duration::from_secs(30),
             speculator_kv: false,
             fidelity: crate::fidelity::Fidelity::default(),
+            recompute_ratio: crate::pipeline::DEFAULT_RATIO,
         }
     }
 }

@@ -152,6 +152,13 @@ pub struct ServeArgs {
     /// as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
+    /// Recompute ratio ρ of requests that do not say (`recompute_ratio` in the API): the share
+    /// of chunk tokens the target recomputes (0..=1). Over long technical chunks (this
+    /// repository's docs, 512-token chunks) 0.35 answered as full recompute 12.5 points more
+    /// often than 0.25 and escalated half as often, for 0.1 more of a full prefill's time to
+    /// first token (docs/fidelity-guard.md, *Forty more docs questions*).
+    #[arg(long, env = "SPECRAG_RECOMPUTE_RATIO", value_parser = parse_ratio, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
+    pub ratio: f64,
     #[command(flatten)]
     pub guard: GuardArgs,
     /// Speculative decoding: a drafter (--spec-draft) proposes tokens and the target checks
@@ -338,6 +345,15 @@ impl GuardArgs {
             margin: self.guard_margin,
             horizon: self.guard_horizon,
         }
+    }
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!(
+            "{s:?} is not a share of chunk tokens between 0 and 1"
+        )),
     }
 }
 

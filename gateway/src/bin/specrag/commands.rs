@@ -204,6 +204,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
         body_timeout: std::time::Duration::from_secs(a.body_timeout_secs),
         fidelity: a.fidelity,
+        recompute_ratio: a.ratio,
         speculator_kv: a.speculator_kv,
     };
     let state = gateway::http::AppState::new(Arc::new(pipeline), config);

@@ -410,7 +410,7 @@ pub(super) fn to_query(
         stream: None,
     };
     let mut q = base
-        .validate_with(state.config.fidelity)
+        .validate_with(state.config.request_defaults())
         .map_err(|e| OaiError::from_api(ApiError::Gateway(e), ""))?;
     if !conv.passages.is_empty() {
         q.documents = crate::api::validate_passages("messages", &conv.passages)
