@@ -138,7 +138,8 @@ pub struct QueryRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Method>)]
     pub method: Option<String>,
-    /// ρ, the share of chunk tokens to recompute, 0 to 1 (default 0.25).
+    /// ρ, the share of chunk tokens to recompute, 0 to 1 (default: the server's `--ratio`, 0.25
+    /// unless set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 0.0, maximum = 1.0)]
     pub recompute_ratio: Option<f64>,

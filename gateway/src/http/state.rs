@@ -31,7 +31,8 @@ pub struct ServerConfig {
     pub speculator_kv: bool,
     /// The fidelity of requests that do not say (`--fidelity`).
     pub fidelity: crate::fidelity::Fidelity,
-    /// The recompute ratio ρ of requests that do not say (`--ratio`).
+    /// The recompute ratio ρ of requests that do not say (`--ratio`), within 0..=1 (outside it,
+    /// such requests are refused as if they had sent it).
     pub recompute_ratio: f64,
 }
 

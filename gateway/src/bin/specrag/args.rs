@@ -155,8 +155,9 @@ pub struct ServeArgs {
     /// Recompute ratio ρ of requests that do not say (`recompute_ratio` in the API): the share
     /// of chunk tokens the target recomputes (0..=1). Over long technical chunks (this
     /// repository's docs, 512-token chunks) 0.35 answered as full recompute 12.5 points more
-    /// often than 0.25 and escalated half as often, for 0.1 more of a full prefill's time to
-    /// first token (docs/fidelity-guard.md, *Forty more docs questions*).
+    /// often than 0.25 unguarded (and would have escalated half as often), for 0.1 more of a
+    /// full prefill's time to first token (docs/fidelity-guard.md, *Forty more docs
+    /// questions*).
     #[arg(long, env = "SPECRAG_RECOMPUTE_RATIO", value_parser = parse_ratio, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
     #[command(flatten)]
@@ -235,7 +236,7 @@ pub struct QueryArgs {
     #[arg(long, value_enum, default_value_t = Method::TargetProbeShift)]
     pub method: Method,
     /// Share of chunk tokens to recompute (0..=1).
-    #[arg(long, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
+    #[arg(long, env = "SPECRAG_RECOMPUTE_RATIO", value_parser = parse_ratio, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
     /// Chunks to retrieve (1..=256; the prompt must fit --max-context-tokens).
     #[arg(long, default_value_t = 4)]
@@ -611,7 +612,39 @@ pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_ratio, parse_size, Cli, Cmd};
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn the_servers_recompute_ratio_is_a_share_from_the_flag_or_its_variable() {
+        assert_eq!(parse_ratio("0.35"), Ok(0.35));
+        assert_eq!(parse_ratio("1"), Ok(1.0));
+        for bad in ["1.5", "-0.1", "nan", "", "a quarter"] {
+            assert!(parse_ratio(bad).is_err(), "{bad:?}");
+        }
+        let ratio = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
+            Ok(Cmd::Serve(a)) => Some(a.ratio),
+            _ => None,
+        };
+        assert_eq!(ratio(&["specrag", "serve", "--ratio", "0.35"]), Some(0.35));
+        assert_eq!(
+            ratio(&["specrag", "serve"]),
+            Some(gateway::pipeline::DEFAULT_RATIO)
+        );
+        assert_eq!(ratio(&["specrag", "serve", "--ratio", "2"]), None);
+        let cli = Cli::command();
+        for sub in ["serve", "query"] {
+            let env = cli
+                .find_subcommand(sub)
+                .and_then(|c| c.get_arguments().find(|a| a.get_id() == "ratio"))
+                .and_then(|a| a.get_env());
+            assert_eq!(
+                env.and_then(|e| e.to_str()),
+                Some("SPECRAG_RECOMPUTE_RATIO"),
+                "{sub}"
+            );
+        }
+    }
 
     #[test]
     fn sizes_take_decimal_and_binary_units() {

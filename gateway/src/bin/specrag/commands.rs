@@ -211,13 +211,17 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
     if let Some(log) = state.pipeline.corpus.doclog.clone() {
         gateway::replication::follow(state.engine.clone(), log);
     }
+    let defaults = state.config.request_defaults();
     gateway::http::runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(a.addr)
             .await
             .with_context(|| format!("binding {}", a.addr))?;
         eprintln!(
-            "specrag listening on http://{} (API docs at /docs)",
-            listener.local_addr()?
+            "specrag listening on http://{} (API docs at /docs); requests that do not say get \
+             fidelity {} and recompute ratio {}",
+            listener.local_addr()?,
+            defaults.fidelity.name(),
+            defaults.recompute_ratio
         );
         gateway::http::serve_on(state, listener).await?;
         anyhow::Ok(())

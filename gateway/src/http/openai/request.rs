@@ -100,7 +100,7 @@ pub struct RagOptions {
     /// How the tokens to recompute are chosen (as `/rag/query`'s `method`).
     #[serde(default)]
     pub method: Option<String>,
-    /// ρ, 0 to 1 (default 0.25).
+    /// ρ, 0 to 1 (default: the server's `--ratio`, 0.25 unless set).
     #[serde(default)]
     #[schema(minimum = 0.0, maximum = 1.0)]
     pub recompute_ratio: Option<f64>,
