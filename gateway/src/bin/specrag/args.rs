@@ -155,9 +155,8 @@ pub struct ServeArgs {
     /// Recompute ratio ρ of requests that do not say (`recompute_ratio` in the API): the share
     /// of chunk tokens the target recomputes (0..=1). Over long technical chunks (this
     /// repository's docs, 512-token chunks) 0.35 answered as full recompute 12.5 points more
-    /// often than 0.25 unguarded (and would have escalated half as often), for 0.1 more of a
-    /// full prefill's time to first token (docs/fidelity-guard.md, *Forty more docs
-    /// questions*).
+    /// often than 0.25 unguarded and, guarded, escalated half as often, for 0.1 more of a full
+    /// prefill's time to first token (docs/fidelity-guard.md, *Forty more docs questions*).
     #[arg(long, env = "SPECRAG_RECOMPUTE_RATIO", value_parser = parse_ratio, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
     #[command(flatten)]
