@@ -11,10 +11,14 @@ other answer's: the bound the engine's fixtures and GPU parity checks hold kerne
 record it as `split`), the median time to first token and the mean request time over full
 recompute's, and the escalated requests' median and worst time over full recompute's. Then
 every answer that differs: where it splits, full recompute's gap there, whether the guard
-escalated, and its smallest top-2 gap.
+escalated, and its smallest top-2 gap. Last, identity split by whether full recompute's own
+answer is right (contains a gold answer, the study's `correct`), and each configuration's
+correct answers against full recompute's on the same cases (paired: cases only it gets right /
+only full recompute does, with a bootstrap 95% interval of the difference in points).
 
     python3 scripts/guard_summary.py RECORDS.jsonl[.gz] [MORE.jsonl[.gz] ...]
 """
+import random
 import statistics
 import sys
 
@@ -84,6 +88,53 @@ def main():
                 f"smallest gap {g.get('min_margin', min(r.get('margins') or [float('nan')])):.2f}; "
                 f"full {c['full_recompute']['answer'][:60]!r} / this {r['answer'][:60]!r}"
             )
+    correctness_table(cases, labels)
+
+
+def paired_points(pairs, resamples=2000, seed=11):
+    """Bootstrap 95% interval of (this correct - full correct) in points over `pairs`."""
+    rng = random.Random(seed)
+    d = [int(r["correct"]) - int(f["correct"]) for r, f in pairs]
+    means = sorted(
+        100 * sum(d[rng.randrange(len(d))] for _ in d) / len(d) for _ in range(resamples)
+    )
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def by_correctness(label, ds, pairs):
+    right = [(r, f) for r, f in pairs if f["correct"]]
+    wrong = [(r, f) for r, f in pairs if not f["correct"]]
+    cells = []
+    for part in (right, wrong):
+        k = sum(r["identical"] for r, _ in part)
+        lo, hi = wilson(k, len(part))
+        cells.append(f"{k}/{len(part)} [{100 * lo:.0f}, {100 * hi:.0f}]" if part else "-")
+    only_it = sum(r["correct"] and not f["correct"] for r, f in pairs)
+    only_full = sum(f["correct"] and not r["correct"] for r, f in pairs)
+    lo, hi = paired_points(pairs)
+    print(
+        f"| {label} | {ds} | {cells[0]} | {cells[1]} | {sum(f['correct'] for _, f in pairs)} "
+        f"| {sum(r['correct'] for r, _ in pairs)} | {only_it} / {only_full} [{lo:+.1f}, {hi:+.1f}] |"
+    )
+
+
+def correctness_table(cases, labels):
+    print()
+    print(
+        "| configuration | dataset | identical where full recompute is right (Wilson 95%) "
+        "| identical where it is wrong | full recompute right | this right "
+        "| only this / only full right [95% points] |"
+    )
+    print("|---|---|---|---|---:|---:|---|")
+    for label in labels:
+        pairs = {
+            k: (c[label], c["full_recompute"])
+            for k, c in sorted(cases.items())
+            if label in c and "full_recompute" in c
+        }
+        datasets = sorted({k[0] for k in pairs})
+        for ds in datasets + (["pooled"] if len(datasets) > 1 else []):
+            by_correctness(label, ds, [p for k, p in pairs.items() if ds in ("pooled", k[0])])
 
 
 if __name__ == "__main__":
