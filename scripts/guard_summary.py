@@ -12,9 +12,11 @@ record it as `split`), the median time to first token and the mean request time 
 recompute's, and the escalated requests' median and worst time over full recompute's. Then
 every answer that differs: where it splits, full recompute's gap there, whether the guard
 escalated, and its smallest top-2 gap. Last, identity split by whether full recompute's own
-answer is right (contains a gold answer, the study's `correct`), and each configuration's
-correct answers against full recompute's on the same cases (paired: cases only it gets right /
-only full recompute does, with a bootstrap 95% interval of the difference in points).
+answer is right, and each configuration's right answers against full recompute's on the same
+cases (paired: cases only it gets right / only full recompute does, with a bootstrap 95%
+interval of the difference in points). Right: the answer contains a gold answer (the study's
+`correct`) or has a token F1 of at least RIGHT_F1 with one (the study's `f1`), so that a bare
+"64" for the gold "64 passages" counts.
 
     python3 scripts/guard_summary.py RECORDS.jsonl[.gz] [MORE.jsonl[.gz] ...]
 """
@@ -25,6 +27,7 @@ import sys
 from guard_signals import read_cases, wilson
 
 NEAR_TIE = 0.15
+RIGHT_F1 = 0.5
 
 
 def near_tie(r):
@@ -91,10 +94,14 @@ def main():
     correctness_table(cases, labels)
 
 
+def right(r):
+    return bool(r["correct"]) or r.get("f1", 0.0) >= RIGHT_F1
+
+
 def paired_points(pairs, resamples=2000, seed=11):
     """Bootstrap 95% interval of (this correct - full correct) in points over `pairs`."""
     rng = random.Random(seed)
-    d = [int(r["correct"]) - int(f["correct"]) for r, f in pairs]
+    d = [int(right(r)) - int(right(f)) for r, f in pairs]
     means = sorted(
         100 * sum(d[rng.randrange(len(d))] for _ in d) / len(d) for _ in range(resamples)
     )
@@ -102,19 +109,17 @@ def paired_points(pairs, resamples=2000, seed=11):
 
 
 def by_correctness(label, ds, pairs):
-    right = [(r, f) for r, f in pairs if f["correct"]]
-    wrong = [(r, f) for r, f in pairs if not f["correct"]]
     cells = []
-    for part in (right, wrong):
+    for part in ([p for p in pairs if right(p[1])], [p for p in pairs if not right(p[1])]):
         k = sum(r["identical"] for r, _ in part)
         lo, hi = wilson(k, len(part))
         cells.append(f"{k}/{len(part)} [{100 * lo:.0f}, {100 * hi:.0f}]" if part else "-")
-    only_it = sum(r["correct"] and not f["correct"] for r, f in pairs)
-    only_full = sum(f["correct"] and not r["correct"] for r, f in pairs)
+    only_it = sum(right(r) and not right(f) for r, f in pairs)
+    only_full = sum(right(f) and not right(r) for r, f in pairs)
     lo, hi = paired_points(pairs)
     print(
-        f"| {label} | {ds} | {cells[0]} | {cells[1]} | {sum(f['correct'] for _, f in pairs)} "
-        f"| {sum(r['correct'] for r, _ in pairs)} | {only_it} / {only_full} [{lo:+.1f}, {hi:+.1f}] |"
+        f"| {label} | {ds} | {cells[0]} | {cells[1]} | {sum(right(f) for _, f in pairs)} "
+        f"| {sum(right(r) for r, _ in pairs)} | {only_it} / {only_full} [{lo:+.1f}, {hi:+.1f}] |"
     )
 
 
