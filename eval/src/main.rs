@@ -168,7 +168,8 @@ struct Args {
     guard_horizon: usize,
     /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
     /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
-    /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens.
+    /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens (a
+    /// `.gz` file is read as is: the committed records under eval/study/).
     #[arg(long, value_name = "FILE")]
     guard_curve: Option<PathBuf>,
     /// The reused (`fast`) configuration --guard-curve guards.

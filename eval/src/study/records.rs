@@ -183,9 +183,10 @@ pub fn read_records(path: &Path) -> anyhow::Result<Vec<StudyRecord>> {
     read_jsonl(path)
 }
 
-/// The lines of a JSON-lines file of `T` (see [`read_records`]).
+/// The lines of a JSON-lines file of `T` (see [`read_records`]); a name ending in `.gz` is
+/// read through gzip (the committed records under eval/study/ are kept so).
 pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<Vec<T>> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_text(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
@@ -200,6 +201,20 @@ pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result
         }
     }
     Ok(out)
+}
+
+/// The text of `path`, gunzipped when its name ends in `.gz`.
+fn read_text(path: &Path) -> std::io::Result<String> {
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut flate2::read::GzDecoder::new(std::fs::File::open(path)?),
+            &mut text,
+        )?;
+        Ok(text)
+    } else {
+        std::fs::read_to_string(path)
+    }
 }
 
 /// Cuts a torn last line (a run killed while writing) off a study.jsonl, so appends start on
@@ -236,4 +251,36 @@ pub fn append<T: Serialize>(path: &Path, records: &[T]) -> anyhow::Result<()> {
     f.write_all(buf.as_bytes())?;
     f.sync_data()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_jsonl;
+    use std::io::Write;
+
+    #[test]
+    fn gzipped_records_read_as_the_plain_file_and_drop_a_torn_last_line(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let text = "{\"a\": 1}\n{\"a\": 2}\n{\"a\": 3";
+        let plain = dir.path().join("study.jsonl");
+        std::fs::write(&plain, text)?;
+        let packed = dir.path().join("study.jsonl.gz");
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&packed)?,
+            flate2::Compression::default(),
+        );
+        gz.write_all(text.as_bytes())?;
+        gz.finish()?;
+        let a: Vec<serde_json::Value> = read_jsonl(&plain)?;
+        let b: Vec<serde_json::Value> = read_jsonl(&packed)?;
+        assert_eq!(a.len(), 2);
+        assert_eq!(a, b);
+        // Not gzip at all: an error naming the file, not a panic or an empty read.
+        let fake = dir.path().join("fake.jsonl.gz");
+        std::fs::write(&fake, text)?;
+        let err = read_jsonl::<serde_json::Value>(&fake).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("fake.jsonl.gz")));
+        Ok(())
+    }
 }
