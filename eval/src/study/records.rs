@@ -279,7 +279,9 @@ mod tests {
         // Not gzip at all: an error naming the file, not a panic or an empty read.
         let fake = dir.path().join("fake.jsonl.gz");
         std::fs::write(&fake, text)?;
-        let err = read_jsonl::<serde_json::Value>(&fake).err().map(|e| e.to_string());
+        let err = read_jsonl::<serde_json::Value>(&fake)
+            .err()
+            .map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("fake.jsonl.gz")));
         Ok(())
     }
