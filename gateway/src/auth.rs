@@ -99,6 +99,15 @@ impl Grant {
     }
 }
 
+/// The token of an `Authorization` value of the Bearer scheme, whose name is matched
+/// case-insensitively (RFC 9110, section 11.1): `Bearer k`, `bearer k` and `BEARER k` alike.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
+}
+
 /// The grant of the bearer token in `headers`: `Some(open)` without keys, `None` when the
 /// token is missing or matches no key. Every key is compared in full, so timing does not
 /// reveal a matching prefix.
@@ -109,7 +118,7 @@ pub fn grant(keys: &[ApiKey], headers: &HeaderMap) -> Option<Grant> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .unwrap_or("");
     let mut found = None;
     for k in keys {
@@ -160,6 +169,21 @@ mod tests {
         h.insert(header::AUTHORIZATION, "Bearer x".parse()?);
         assert!(grant(&keys, &h).is_none());
         assert!(grant(&[], &HeaderMap::new()).is_some_and(|g| g.admin));
+        Ok(())
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_whatever_its_case() -> R {
+        let keys: Vec<ApiKey> = vec!["a".parse()?];
+        let mut h = HeaderMap::new();
+        for ok in ["bearer a", "BEARER a", "Bearer  a"] {
+            h.insert(header::AUTHORIZATION, ok.parse()?);
+            assert!(grant(&keys, &h).is_some(), "{ok:?}");
+        }
+        for bad in ["Basic a", "Bearera", "a", "Bearer", "Bearer b"] {
+            h.insert(header::AUTHORIZATION, bad.parse()?);
+            assert!(grant(&keys, &h).is_none(), "{bad:?}");
+        }
         Ok(())
     }
 }

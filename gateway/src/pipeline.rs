@@ -604,6 +604,16 @@ impl Pipeline {
 
     /// Checks what the loaded models decide about a query (run before queueing it).
     pub fn check(&self, q: &Query) -> Result<()> {
+        // A query that would retrieve from a collection holding nothing (a name mistyped, or
+        // not ingested yet) is refused, not answered from no context at all. With passages of
+        // its own the collection only scopes their stored KV, and may be new.
+        if q.documents.is_empty() && self.corpus.index.collection_chunks(&q.collection)? == 0 {
+            return Err(GatewayError::NotFound(format!(
+                "no collection `{}`: nothing is ingested into it (specrag ingest --collection {0}, \
+                 or POST /documents), and the request sends no passages of its own",
+                q.collection
+            )));
+        }
         if q.method.uses_speculator() && self.engines.spec.is_none() {
             return Err(GatewayError::bad(
                 "method",
@@ -667,6 +677,19 @@ impl Pipeline {
                          exceeds the context limit of {context} tokens (max_context_tokens); \
                          shorten the query",
                         asm.ids.len(),
+                        q.max_tokens
+                    ),
+                )
+            } else if !q.documents.is_empty() && !q.retrieve_too {
+                // The client's own passages: `top_k` does not apply to them.
+                GatewayError::bad(
+                    "documents",
+                    format!(
+                        "the prompt ({} tokens with {} passages) plus max_tokens ({}) exceeds \
+                         the context limit of {context} tokens (max_context_tokens); send fewer \
+                         or shorter passages, or lower max_tokens",
+                        asm.ids.len(),
+                        hits.len(),
                         q.max_tokens
                     ),
                 )

@@ -341,6 +341,76 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
     let (status, text, _) = send(&s, post("/rag/query", &json!({"query": "q", "topk": 3}))).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(text.contains("unknown field `topk`"), "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text)?["field"], "topk");
+    // A body of the wrong shape is a 400 naming the field by its path.
+    for (body, field) in [
+        (r#"{"query": "q", "top_k": "3"}"#, "top_k"),
+        (r#"{"query": "q", "max_tokens": -1}"#, "max_tokens"),
+        (r#"{"query": "q", "top_k": 1, "top_k": 2}"#, "top_k"),
+        (
+            r#"{"query": "q", "documents": [{"text": 5}]}"#,
+            "documents[0].text",
+        ),
+    ] {
+        let req = Request::post("/rag/query")
+            .header("content-type", "application/json")
+            .body(Body::from(body))?;
+        let (status, text, _) = send(&s, req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {text}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&text)?["field"],
+            field,
+            "{text}"
+        );
+    }
+    // Not JSON at all: nothing to name.
+    let req = Request::post("/rag/query")
+        .header("content-type", "application/json")
+        .body(Body::from("{\"query\": "))?;
+    let (status, text, _) = send(&s, req).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        serde_json::from_str::<Value>(&text)?.get("field").is_none(),
+        "{text}"
+    );
+    // A collection nothing was ingested into is a 404 naming it, not an answer from no
+    // context; with passages of its own a request may name a new one.
+    let (status, text, _) = send(
+        &s,
+        post("/rag/query", &json!({"query": "q", "collection": "nope"})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{text}");
+    assert!(text.contains("no collection `nope`"), "{text}");
+    let (status, text, _) = send(
+        &s,
+        post(
+            "/rag/query",
+            &json!({"query": "the ant?", "collection": "nope", "max_tokens": 2,
+                    "documents": [{"text": "the tin holds a thin ant"}]}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    // A body announced over the limit is refused at once, before it is read (issue 59's
+    // review: it used to wait for the body deadline).
+    for path in ["/rag/query", "/v1/chat/completions"] {
+        let req = Request::post(path)
+            .header("content-type", "application/json")
+            .header("content-length", "1000000000000")
+            .body(Body::from("{}"))?;
+        let (status, text, headers) = send(&s, req).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{path}: {text}");
+        assert!(text.contains("1000000000000 bytes"), "{text}");
+        assert_eq!(header(&headers, "connection"), Some("close"));
+    }
+    assert_eq!(
+        send(&s, post("/v1/chat/completions", &json!({"model": 3})))
+            .await
+            .0,
+        StatusCode::BAD_REQUEST,
+        "a body within the limit is read as before"
+    );
     let (status, _, _) = send(
         &s,
         post("/rag/query", &json!({"query": "q".repeat(2_200_000)})),
@@ -1065,6 +1135,23 @@ fn openai_bad_requests() -> Vec<(Value, StatusCode, &'static str)> {
             StatusCode::BAD_REQUEST,
             "specrag.collection",
         ),
+        // Values of the wrong type name their field too (the body's shape, before any check).
+        (
+            json!({"max_tokens": "8"}),
+            StatusCode::BAD_REQUEST,
+            "max_tokens",
+        ),
+        (json!({"seed": -1}), StatusCode::BAD_REQUEST, "seed"),
+        (
+            json!({"specrag": {"top_k": -1}}),
+            StatusCode::BAD_REQUEST,
+            "specrag.top_k",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            StatusCode::BAD_REQUEST,
+            "messages[0].content",
+        ),
     ]
 }
 
@@ -1107,6 +1194,23 @@ async fn openai_errors_have_openai_shape_and_name_the_param() -> TestResult {
         serde_json::from_str::<Value>(&text)?["error"]["code"],
         "model_not_found"
     );
+    // A collection nothing was ingested into: 404, unless the messages bring passages.
+    let mut body = ok.clone();
+    body["specrag"] = json!({"collection": "nope"});
+    let (status, text, _) = send(&s, post("/v1/chat/completions", &body)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text)?["error"]["type"],
+        "not_found_error"
+    );
+    // A paragraph of at least 200 characters is a passage (docs/api.md).
+    body["messages"] = json!([
+        {"role": "system", "content": "the tin holds a thin ant. ".repeat(10)},
+        {"role": "user", "content": "ant?"}
+    ]);
+    body["max_tokens"] = json!(2);
+    let (status, text, _) = send(&s, post("/v1/chat/completions", &body)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
     Ok(())
 }
 
@@ -1779,6 +1883,18 @@ async fn long_context_drafting_answers_as_plain_decoding() -> TestResult {
         body.contains("\"field\":\"top_k\"") && body.contains("context limit of 20"),
         "{body}"
     );
+    // The client's own passages that do not fit name `documents`: `top_k` does not apply.
+    let (status, body, _) = send(
+        &s,
+        ask(
+            "the thin ant?",
+            json!({"max_context_tokens": 20, "max_tokens": 8,
+                   "documents": [{"text": "the tin holds a thin ant"}]}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.contains("\"field\":\"documents\""), "{body}");
     let (status, body, _) = send(
         &s,
         ask("the thin ant?", json!({"max_context_tokens": 1_000_000})),

@@ -446,6 +446,15 @@ impl Index {
         Ok(out)
     }
 
+    /// Committed chunks of `collection` (0 for a collection nothing was ingested into).
+    pub fn collection_chunks(&self, collection: &str) -> Result<usize> {
+        check_collection(collection)?;
+        self.reader
+            .searcher()
+            .search(&self.collection_query(collection), &Count)
+            .map_err(tantivy_err("count collection"))
+    }
+
     /// Chunk-store keys of every committed chunk, in one pass over the stored records.
     pub fn all_keys(&self) -> Result<std::collections::HashSet<String>> {
         Ok(self

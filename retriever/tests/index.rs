@@ -414,9 +414,13 @@ fn emptied_collection_is_not_listed() {
     add(&index, "gone", "d", "bye");
     add(&index, "kept", "d", "hi");
     index.commit().unwrap();
+    assert_eq!(index.collection_chunks("gone").unwrap(), 1);
     index.delete_document("gone", "d").unwrap();
     index.commit().unwrap();
     assert_eq!(index.collections().unwrap(), [("kept".to_string(), 1)]);
+    assert_eq!(index.collection_chunks("gone").unwrap(), 0);
+    assert_eq!(index.collection_chunks("kept").unwrap(), 1);
+    assert_eq!(index.collection_chunks("never").unwrap(), 0);
 }
 
 #[test]

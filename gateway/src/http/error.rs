@@ -12,8 +12,11 @@ use axum::response::{IntoResponse, Response};
 #[derive(Debug)]
 pub enum ApiError {
     Gateway(GatewayError),
-    /// The body is not the JSON the route expects.
+    /// The body is not what the route expects (its target, headers or encoding).
     Body(StatusCode, String),
+    /// The body is not the JSON the route expects; the field, where one is to blame (its
+    /// path, e.g. `top_k` or `documents[2].text`).
+    Json(StatusCode, String, Option<String>),
     Unauthorized,
     Busy,
     Deadline,
@@ -64,8 +67,39 @@ impl From<JsonRejection> for ApiError {
             StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             _ => StatusCode::BAD_REQUEST,
         };
-        Self::Body(status, r.body_text())
+        Self::Json(status, r.body_text(), rejected_field(&r))
     }
+}
+
+/// The field a JSON body was refused for: the path where a value had the wrong type or range
+/// (`top_k`, `specrag.top_k`, `messages[0].content`), or the name of an unknown or repeated
+/// field; `None` for a body that is not JSON at all.
+pub(crate) fn rejected_field(r: &JsonRejection) -> Option<String> {
+    let JsonRejection::JsonDataError(e) = r else {
+        return None;
+    };
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        if let Some(p) = inner.downcast_ref::<serde_path_to_error::Error<serde_json::Error>>() {
+            let path = p.path().to_string();
+            let named = |m: &str| {
+                ["unknown field `", "duplicate field `"]
+                    .iter()
+                    .find_map(|pre| {
+                        let rest = m.split_once(pre)?.1;
+                        Some(rest.split_once('`')?.0.to_string())
+                    })
+            };
+            // At the top level the path is `.`: the message may still name the field.
+            return if path == "." {
+                named(&p.inner().to_string())
+            } else {
+                Some(path)
+            };
+        }
+        src = inner.source();
+    }
+    None
 }
 
 impl From<QueryRejection> for ApiError {
@@ -87,6 +121,7 @@ impl ApiError {
                 (status, self.detail(), field.map(str::to_string))
             }
             Self::Body(s, m) => (*s, m.clone(), None),
+            Self::Json(s, m, f) => (*s, m.clone(), f.clone()),
             Self::Unauthorized => (
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong API key: send `Authorization: Bearer <key>`".into(),

@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 
 use super::error::{ApiError, BodyTimeout};
-use super::state::AppState;
+use super::state::{AppState, DOCUMENTS_BODY_LIMIT, OPENAI_BODY_LIMIT, QUERY_BODY_LIMIT};
 
 /// Longest request target (path and query) answered; longer gets 414.
 pub const MAX_URI_BYTES: usize = 8 * 1024;
@@ -109,6 +109,9 @@ pub async fn limits(State(state): State<AppState>, req: Request, next: Next) -> 
         )
         .into_response();
     }
+    if let Some(refused) = declared_too_large(&req) {
+        return refused;
+    }
     let timeout = state.config.body_timeout;
     let req = req.map(|inner| {
         Body::new(DeadlineBody {
@@ -119,6 +122,46 @@ pub async fn limits(State(state): State<AppState>, req: Request, next: Next) -> 
         })
     });
     next.run(req).await
+}
+
+/// A 413 at once for a body whose `Content-Length` already passes its route's limit, so that
+/// a client announcing too much neither waits for the body deadline nor holds the connection
+/// while it sends (the limit also holds on the bytes themselves, for bodies of unknown length).
+fn declared_too_large(req: &Request) -> Option<Response> {
+    let path = req.uri().path();
+    let limit = match path {
+        "/rag/query" => QUERY_BODY_LIMIT,
+        "/v1/chat/completions" => OPENAI_BODY_LIMIT,
+        "/documents" => DOCUMENTS_BODY_LIMIT,
+        _ => return None,
+    };
+    let declared: u64 = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if declared <= limit as u64 {
+        return None;
+    }
+    let message = format!(
+        "the request body is {declared} bytes (Content-Length); at most {limit} are accepted \
+         on {path}"
+    );
+    let status = StatusCode::PAYLOAD_TOO_LARGE;
+    let mut r = if path.starts_with("/v1/") {
+        super::openai::OaiError::new(status, "invalid_request_error", None, message).into_response()
+    } else {
+        ApiError::Body(status, message).into_response()
+    };
+    // The body is never read: this connection is done.
+    r.headers_mut().insert(
+        axum::http::header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    Some(r)
 }
 
 /// The first `%` escape of `path` that is not `%` and two hex digits (shown with what

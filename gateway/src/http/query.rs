@@ -35,8 +35,9 @@ pub(crate) struct SseEvent {
     responses(
         (status = 200, description = "The answer with its chunks, timings and reuse statistics. With `\"stream\": true`: server-sent events, `token` events carrying `{\"text\"}` pieces, then one `done` event carrying this object (or one `error` event carrying a problem). With `\"verify\": true` (greedy) the pieces come as `draft` (`{\"text\"}`, not final), `commit` (`{\"text\"}`, final) and `retract` (`{\"tokens\": n}`: the last n `draft` events are withdrawn) events; the committed text is the full-recompute answer. When the fidelity guard moves an answer to the full cache and withdraws streamed text, a `replace` event (`{\"text\"}`) carries the answer so far, which replaces what was streamed, and `token` events continue from it. Applied in order, the events leave exactly the `done` event's `answer`.",
             content((Answer = "application/json"), (SseEvent = "text/event-stream"))),
-        (status = 400, description = "The body is not JSON of this shape (an unknown field is named)", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "The body is not JSON of this shape; `field` names the field by its path where one is to blame (a value of the wrong type, an unknown or repeated field)", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "The collection holds nothing (or is outside the key's reach) and the request sends no passages of its own", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body larger than 2 MiB", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",

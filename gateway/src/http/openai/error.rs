@@ -35,7 +35,7 @@ pub struct OaiError {
 }
 
 impl OaiError {
-    pub(super) fn new(
+    pub(crate) fn new(
         status: StatusCode,
         kind: &str,
         param: Option<&str>,

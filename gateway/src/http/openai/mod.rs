@@ -131,7 +131,7 @@ fn unix_now() -> u64 {
             content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "A field is invalid or not served; `error.param` names it", body = OpenAiError),
         (status = 401, description = "Missing or wrong API key", body = OpenAiError),
-        (status = 404, description = "Unknown model (`model_not_found`) or collection", body = OpenAiError),
+        (status = 404, description = "Unknown model (`model_not_found`), or a collection that holds nothing (or is outside the key's reach) when the messages bring no passages", body = OpenAiError),
         (status = 413, description = "Body larger than 2 MiB", body = OpenAiError),
         (status = 429, description = "The engine queue is full; see Retry-After", body = OpenAiError),
         (status = 504, description = "Not finished within the server's deadline", body = OpenAiError),
@@ -153,7 +153,13 @@ pub(crate) async fn chat_completions(
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,
         };
-        OaiError::new(status, "invalid_request_error", None, r.body_text())
+        let param = super::error::rejected_field(&r);
+        OaiError::new(
+            status,
+            "invalid_request_error",
+            param.as_deref(),
+            r.body_text(),
+        )
     })?;
     let query = to_query(&state, &req)?;
     let api = |e: ApiError| OaiError::from_api(e, &id);
