@@ -508,6 +508,41 @@ fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize {
     }
 }
 
+/// The 422 of a prompt (`prompt` tokens with `chunks` chunks) that does not fit `context`
+/// with the answer: naming the query when no chunk was retrieved, `documents` when the chunks
+/// are the client's own passages (`top_k` does not apply to them), `top_k` otherwise.
+fn too_long(q: &Query, prompt: usize, chunks: usize, context: usize) -> GatewayError {
+    let max_tokens = q.max_tokens;
+    if chunks == 0 {
+        GatewayError::bad(
+            "query",
+            format!(
+                "the prompt ({prompt} tokens, the question and no chunk) plus max_tokens \
+                 ({max_tokens}) exceeds the context limit of {context} tokens \
+                 (max_context_tokens); shorten the query"
+            ),
+        )
+    } else if !q.documents.is_empty() && !q.retrieve_too {
+        GatewayError::bad(
+            "documents",
+            format!(
+                "the prompt ({prompt} tokens with {chunks} passages) plus max_tokens \
+                 ({max_tokens}) exceeds the context limit of {context} tokens \
+                 (max_context_tokens); send fewer or shorter passages, or lower max_tokens"
+            ),
+        )
+    } else {
+        GatewayError::bad(
+            "top_k",
+            format!(
+                "the prompt ({prompt} tokens with {chunks} chunks) plus max_tokens \
+                 ({max_tokens}) exceeds the context limit of {context} tokens \
+                 (max_context_tokens); lower top_k or max_tokens"
+            ),
+        )
+    }
+}
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -668,44 +703,7 @@ impl Pipeline {
             .unwrap_or(self.max_context_tokens)
             .min(self.max_context_tokens);
         if asm.ids.len() + q.max_tokens > context {
-            // With no chunk retrieved the question alone is too long: name the query.
-            return Err(if texts.is_empty() {
-                GatewayError::bad(
-                    "query",
-                    format!(
-                        "the prompt ({} tokens, the question and no chunk) plus max_tokens ({}) \
-                         exceeds the context limit of {context} tokens (max_context_tokens); \
-                         shorten the query",
-                        asm.ids.len(),
-                        q.max_tokens
-                    ),
-                )
-            } else if !q.documents.is_empty() && !q.retrieve_too {
-                // The client's own passages: `top_k` does not apply to them.
-                GatewayError::bad(
-                    "documents",
-                    format!(
-                        "the prompt ({} tokens with {} passages) plus max_tokens ({}) exceeds \
-                         the context limit of {context} tokens (max_context_tokens); send fewer \
-                         or shorter passages, or lower max_tokens",
-                        asm.ids.len(),
-                        hits.len(),
-                        q.max_tokens
-                    ),
-                )
-            } else {
-                GatewayError::bad(
-                    "top_k",
-                    format!(
-                        "the prompt ({} tokens with {} chunks) plus max_tokens ({}) exceeds the \
-                         context limit of {context} tokens (max_context_tokens); lower top_k or \
-                         max_tokens",
-                        asm.ids.len(),
-                        hits.len(),
-                        q.max_tokens
-                    ),
-                )
-            });
+            return Err(too_long(q, asm.ids.len(), hits.len(), context));
         }
         if q.verify && q.temperature == 0.0 && !q.method.is_full() {
             // The full prefill starts now, beside KV load, speculation and the blend. (Full

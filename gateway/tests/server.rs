@@ -342,6 +342,24 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(text.contains("unknown field `topk`"), "{text}");
     assert_eq!(serde_json::from_str::<Value>(&text)?["field"], "topk");
+
+    let (status, _, _) = send(
+        &s,
+        post("/rag/query", &json!({"query": "q".repeat(2_200_000)})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let (status, _, _) = send(&s, Request::post("/rag/query").body(Body::from("{}"))?).await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    Ok(())
+}
+
+/// Bodies of the wrong shape name the field, a collection that holds nothing is a 404, and a
+/// body announced over the limit is refused before it is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_shapes_name_the_field_and_empty_collections_are_not_found() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
     // A body of the wrong shape is a 400 naming the field by its path.
     for (body, field) in [
         (r#"{"query": "q", "top_k": "3"}"#, "top_k"),
@@ -411,14 +429,6 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
         StatusCode::BAD_REQUEST,
         "a body within the limit is read as before"
     );
-    let (status, _, _) = send(
-        &s,
-        post("/rag/query", &json!({"query": "q".repeat(2_200_000)})),
-    )
-    .await;
-    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
-    let (status, _, _) = send(&s, Request::post("/rag/query").body(Body::from("{}"))?).await;
-    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     Ok(())
 }
 
