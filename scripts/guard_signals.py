@@ -13,10 +13,12 @@ what it costs against full recompute on the same cases (median time to first tok
 request time), charging an escalation at the i-th token the reused prefill, i tokens of
 reused decoding and full recompute's whole request.
 
-    python3 scripts/guard_signals.py TUNE.jsonl[.gz] [HELD_OUT.jsonl[.gz]]
+    python3 scripts/guard_signals.py [--label L] TUNE.jsonl[.gz][,MORE...] [HELD_OUT...]
 
 With a second file the combined policy's threshold is chosen on the first and reported on
-both (held-out apart).
+both (held-out apart). `--label` names the default's rows (`target_probe@0.25` unless
+given); files joined by commas are read as one, so `full_reuse` rows of one run can join the
+default's rows of another over the same prompts.
 """
 import collections
 import gzip
@@ -65,6 +67,16 @@ def logit_gap(sig):
     return lps[0] - lps[1] if len(lps) > 1 else math.inf
 
 
+def pair_move(blend, r0):
+    """How far the blend moved its own top-2 logit difference from ρ 0's (the probe's view):
+    |(a - b) at ρ 0.25 - (a - b) at ρ 0|, a and b the blend's two likeliest first tokens (a
+    token outside ρ 0's top choices counted at its least likely one)."""
+    (a, la), (b, lb) = blend["first_top"][0], blend["first_top"][1]
+    z = dict((i, lp) for i, lp in r0["first_top"])
+    floor = min(z.values())
+    return abs((la - lb) - (z.get(a, floor) - z.get(b, floor)))
+
+
 def tv(p, q):
     """Total variation between two top-k distributions (mass outside both counted once)."""
     ids = set(p) | set(q)
@@ -73,17 +85,21 @@ def tv(p, q):
     return 0.5 * (inside + outside)
 
 
+LABEL = "target_probe@0.25"
+
+
 def cases(path):
     by = collections.defaultdict(dict)
-    with opener(path) as f:
-        for line in f:
-            r = json.loads(line)
-            by[(r["dataset"], r["case"])][r["label"]] = r
+    for part in path.split(","):
+        with opener(part) as f:
+            for line in f:
+                r = json.loads(line)
+                by[(r["dataset"], r["case"])].setdefault(r["label"], r)
     out = []
     for (ds, case), d in sorted(by.items()):
-        if "full_recompute" not in d or "target_probe@0.25" not in d:
+        if "full_recompute" not in d or LABEL not in d:
             continue
-        full, tp = d["full_recompute"], d["target_probe@0.25"]
+        full, tp = d["full_recompute"], d[LABEL]
         margins = tp.get("margins") or []
         row = {
             "dataset": ds,
@@ -112,6 +128,7 @@ def cases(path):
                 row["tv_r0"] = tv(q, p)
                 row["top1_r0_differs"] = max(q, key=q.get) != max(p, key=p.get)
                 row["gap_shift"] = abs(logit_gap(s) - logit_gap(r0))
+                row["pair_move"] = pair_move(s, r0)
         out.append(row)
     return out
 
@@ -127,6 +144,7 @@ SCORES = [
     ("first-token TV distance, ρ 0 vs ρ 0.25", "tv_r0", True),
     ("first token's top choice differs, ρ 0 vs ρ 0.25", "top1_r0_differs", True),
     ("first token's gap moved, ρ 0 to ρ 0.25", "gap_shift", True),
+    ("blend's top-2 difference moved from ρ 0's", "pair_move", True),
     ("answer differs from ρ 0's", "differs_r0", True),
     ("answer differs from ρ 0.5's", "differs_r05", True),
 ]
@@ -242,10 +260,16 @@ def policies(rows):
 
 
 def main():
-    tune = cases(sys.argv[1])
+    global LABEL
+    args = sys.argv[1:]
+    if len(args) > 1 and args[0] == "--label":
+        LABEL, args = args[1], args[2:]
+    if not args:
+        sys.exit(__doc__)
+    tune = cases(args[0])
     sets = [("tuning", tune)]
-    if len(sys.argv) > 2:
-        sets.append(("held out", cases(sys.argv[2])))
+    if len(args) > 1:
+        sets.append(("held out", cases(args[1])))
     for what, rows in sets:
         for ds in sorted({r["dataset"] for r in rows}):
             signals_table(f"{what}, {ds}", [r for r in rows if r["dataset"] == ds])
