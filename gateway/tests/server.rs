@@ -1204,6 +1204,51 @@ async fn openai_errors_have_openai_shape_and_name_the_param() -> TestResult {
         serde_json::from_str::<Value>(&text)?["error"]["code"],
         "model_not_found"
     );
+    Ok(())
+}
+
+/// Unknown routes and methods, and collections that hold nothing, in each route's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_routes_and_empty_collections_answer_in_the_routes_shape() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let ok = json!({"model": "specrag", "messages": [{"role": "user", "content": "ant"}]});
+    // Routes and methods it does not serve answer in OpenAI's shape under /v1/, as problems
+    // elsewhere.
+    for (req, want) in [
+        (
+            Request::put("/v1/chat/completions").body(Body::empty())?,
+            StatusCode::METHOD_NOT_ALLOWED,
+        ),
+        (
+            Request::post("/v1/embeddings").body(Body::empty())?,
+            StatusCode::NOT_FOUND,
+        ),
+    ] {
+        let (status, text, _) = send(&s, req).await;
+        assert_eq!(status, want, "{text}");
+        assert!(
+            serde_json::from_str::<Value>(&text)?["error"]["message"].is_string(),
+            "{text}"
+        );
+    }
+    for (req, want) in [
+        (
+            Request::put("/rag/query").body(Body::empty())?,
+            StatusCode::METHOD_NOT_ALLOWED,
+        ),
+        (
+            Request::get("/nope").body(Body::empty())?,
+            StatusCode::NOT_FOUND,
+        ),
+    ] {
+        let (status, text, headers) = send(&s, req).await;
+        assert_eq!(status, want, "{text}");
+        assert_eq!(
+            header(&headers, "content-type"),
+            Some("application/problem+json")
+        );
+    }
     // A collection nothing was ingested into: 404, unless the messages bring passages.
     let mut body = ok.clone();
     body["specrag"] = json!({"collection": "nope"});

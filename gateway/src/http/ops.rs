@@ -13,17 +13,41 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use utoipa::OpenApi;
 
-pub(crate) async fn not_found() -> ApiError {
+/// 404 for a route that does not exist: in OpenAI's error shape under `/v1/` (an OpenAI
+/// client calling an endpoint specrag does not serve), a problem elsewhere.
+pub(crate) async fn not_found(uri: axum::http::Uri) -> Response {
+    if uri.path().starts_with("/v1/") {
+        return crate::http::openai::OaiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            None,
+            format!(
+                "specrag does not serve `{}`: it serves POST /v1/chat/completions and GET \
+                 /v1/models (see /openapi.json)",
+                uri.path()
+            ),
+        )
+        .into_response();
+    }
     ApiError::Gateway(GatewayError::NotFound(
         "no such route; see /openapi.json or /docs".into(),
     ))
+    .into_response()
 }
 
-pub(crate) async fn method_not_allowed() -> ApiError {
-    ApiError::Body(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "this route does not accept that method; see /openapi.json".into(),
-    )
+/// 405 for a method a route does not take, in the route's error shape (OpenAI's under `/v1/`).
+pub(crate) async fn method_not_allowed(uri: axum::http::Uri) -> Response {
+    let message = "this route does not accept that method; see /openapi.json";
+    if uri.path().starts_with("/v1/") {
+        return crate::http::openai::OaiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            None,
+            message.into(),
+        )
+        .into_response();
+    }
+    ApiError::Body(StatusCode::METHOD_NOT_ALLOWED, message.into()).into_response()
 }
 
 pub(crate) fn model_info(m: &target_engine::Model, admin: bool) -> ModelInfo {
