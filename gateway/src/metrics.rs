@@ -30,6 +30,8 @@ const CORRUPT: &str = "specrag_store_corrupt_total";
 const BYTES: &str = "specrag_store_bytes";
 const STORE_ERRORS: &str = "specrag_store_errors_total";
 const GUARD: &str = "specrag_guard_total";
+const GUARD_PREFILL: &str = "specrag_guard_full_prefill_seconds";
+const GUARD_WITHDRAWN: &str = "specrag_guard_withdrawn_tokens_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 const SPEC_DECODE: &str = "specrag_spec_decode_tokens_total";
@@ -56,6 +58,7 @@ impl Default for Metrics {
             (RATIO, &RATIO_BUCKETS[..]),
             (INTER_TOKEN, &TOKEN_BUCKETS[..]),
             (QUEUE_TIME, &QUEUE_BUCKETS[..]),
+            (GUARD_PREFILL, &LATENCY_BUCKETS[..]),
         ] {
             // Only fails for an empty bucket list.
             b = b
@@ -83,6 +86,17 @@ impl Default for Metrics {
                 "Answers by fidelity and what the guard did (kept: answered from the reused \
                  cache; loop, uncertain: moved to the full cache because the decode looped or a \
                  token's margin fell below --guard-margin)."
+            );
+            describe_histogram!(
+                GUARD_PREFILL,
+                "The full prefill each escalated answer ran, by fidelity (0 when the \
+                 exact-context cache held it): what the guard added to requests' time; \
+                 _count is the number of escalations."
+            );
+            describe_counter!(
+                GUARD_WITHDRAWN,
+                "Tokens decoded from the reused cache, shown or held, that an escalation \
+                 withdrew because the full cache disagreed."
             );
             describe_counter!(
                 STORE_ERRORS,
@@ -114,6 +128,7 @@ impl Default for Metrics {
                 metrics::counter!(REJECTED, "reason" => reason).increment(0);
             }
             metrics::counter!(TOKENS).increment(0);
+            metrics::counter!(GUARD_WITHDRAWN).increment(0);
         });
         m
     }
@@ -162,6 +177,11 @@ impl Metrics {
             };
             metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
                 .increment(1);
+            if g.escalated {
+                metrics::histogram!(GUARD_PREFILL, "fidelity" => g.fidelity.name())
+                    .record(g.full_prefill_ms / 1e3);
+                metrics::counter!(GUARD_WITHDRAWN).increment(g.withdrawn_tokens as u64);
+            }
             if let Some(s) = &a.spec_decode {
                 metrics::counter!(SPEC_DECODE, "kind" => "drafted").increment(s.drafted as u64);
                 metrics::counter!(SPEC_DECODE, "kind" => "accepted").increment(s.accepted as u64);

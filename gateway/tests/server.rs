@@ -1674,6 +1674,19 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
     assert_eq!(guard["escalated"], true, "{whole}");
     assert!(guard["full_prefill_ms"].as_f64() > Some(0.0), "{whole}");
     assert_eq!(guard["full_prefill_kept_rows"], 0, "{whole}");
+    // `/metrics` counts each escalation's full prefill: two questions, plain and streamed,
+    // and the ρ 1 one.
+    let (_, text, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
+    let count = text
+        .lines()
+        .find(|l| l.starts_with("specrag_guard_full_prefill_seconds_count{fidelity=\"balanced\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse::<u64>().ok());
+    assert_eq!(count, Some(5), "{text}");
+    assert!(
+        text.contains("specrag_guard_withdrawn_tokens_total"),
+        "{text}"
+    );
     // Unset, each method's own margin applies and is reported.
     let dir3 = tempfile::tempdir()?;
     let s = state(pipeline(dir3.path())?, ServerConfig::default());
