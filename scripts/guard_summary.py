@@ -67,16 +67,7 @@ def main():
         "| median TTFT ÷ full | mean request ÷ full | escalated ÷ full: median, worst |"
     )
     print("|---|---|---:|---:|---|---|---:|---:|---|")
-    for label in labels:
-        pairs = {
-            k: (c[label], c["full_recompute"])
-            for k, c in sorted(cases.items())
-            if label in c and "full_recompute" in c
-        }
-        datasets = sorted({k[0] for k in pairs})
-        for ds in datasets + (["pooled"] if len(datasets) > 1 else []):
-            sel = [p for k, p in pairs.items() if ds in ("pooled", k[0])]
-            line(label, ds, sel)
+    each_slice(cases, labels, line)
     print()
     for label in labels:
         for (ds, case), c in sorted(cases.items()):
@@ -131,6 +122,12 @@ def correctness_table(cases, labels):
         "| only this / only full right [95% points] |"
     )
     print("|---|---|---|---|---:|---:|---|")
+    each_slice(cases, labels, by_correctness)
+
+
+def each_slice(cases, labels, row):
+    """`row(label, dataset, pairs)` for each configuration, per dataset and pooled, `pairs`
+    its (row, full recompute's row) of the cases that have both."""
     for label in labels:
         pairs = {
             k: (c[label], c["full_recompute"])
@@ -139,7 +136,7 @@ def correctness_table(cases, labels):
         }
         datasets = sorted({k[0] for k in pairs})
         for ds in datasets + (["pooled"] if len(datasets) > 1 else []):
-            by_correctness(label, ds, [p for k, p in pairs.items() if ds in ("pooled", k[0])])
+            row(label, ds, [p for k, p in pairs.items() if ds in ("pooled", k[0])])
 
 
 if __name__ == "__main__":
