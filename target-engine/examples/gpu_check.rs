@@ -359,9 +359,11 @@ fn continuous(dev: &DeviceModel) -> Result<Value> {
     let vocab = dev.tokenizer().vocab_size();
     let mut out = serde_json::Map::new();
     for clients in [1usize, 4, 16] {
-        let run = closed_loop(dev, clients, 2, |c, k| BatchRequest {
-            prompt: ids(512, 300 + (c * 2 + k) as u32, vocab),
-            max_new: 48 + (c * 7 + k * 13) % 32,
+        let run = closed_loop(dev, clients, 2, |c, k| {
+            BatchRequest::greedy(
+                ids(512, 300 + (c * 2 + k) as u32, vocab),
+                48 + (c * 7 + k * 13) % 32,
+            )
         })?;
         let (p50, p95, tps) = (run.ttft_ms(0.5), run.ttft_ms(0.95), run.tokens_per_s());
         log(&format!(

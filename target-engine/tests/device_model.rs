@@ -6,7 +6,7 @@ use target_engine::device::{
     closed_loop, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel, HostKv, RagPrompt,
 };
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
-use target_engine::{argmax, Architecture, LoadOptions, Model};
+use target_engine::{argmax, Architecture, LoadOptions, Model, Sampler, SamplingParams};
 
 /// The families the device forward runs, as the llama.cpp fixtures write them.
 fn specs() -> Vec<(&'static str, TinySpec)> {
@@ -310,17 +310,17 @@ fn continuous_batching_gives_each_request_its_answer_alone() {
     };
     let (_dir, cpu, dev) = load(&spec);
     let vocab = cpu.tokenizer().vocab_size();
+    // Client 1 samples (a seed per request), the others decode greedily.
     let request = |client: usize, k: usize| BatchRequest {
         prompt: ids(9 + 5 * client + 3 * k, (10 * client + k) as u32 + 40, vocab),
         max_new: 1 + (3 * client + 5 * k) % 9,
+        sampling: SamplingParams {
+            temperature: if client == 1 { 0.9 } else { 0.0 },
+            top_p: 0.95,
+            seed: 7 + k as u64,
+        },
     };
-    let alone = |r: &BatchRequest| -> Vec<u32> {
-        let (mut cache, logits) = dev
-            .prefill(&r.prompt, r.prompt.len() + r.max_new)
-            .expect("prefill");
-        dev.greedy(&mut cache, r.prompt.len(), &logits, r.max_new)
-            .expect("greedy")
-    };
+    let alone = |r: &BatchRequest| decode_alone(&dev, r);
     // Three clients, three requests each, answers of 1 to 9 tokens: requests join while
     // others decode and leave before them.
     let run = closed_loop(&dev, 3, 3, request).expect("closed loop");
@@ -367,24 +367,64 @@ fn continuous_batching_gives_each_request_its_answer_alone() {
             "{name}: capped batch, request {c}"
         );
     }
-    let empty = BatchRequest {
-        prompt: vec![],
-        max_new: 3,
-    };
+    let empty = BatchRequest::greedy(vec![], 3);
     assert!(b
         .submit(empty)
         .expect_err("empty")
         .to_string()
         .contains("empty prompt"));
-    let none = BatchRequest {
-        prompt: vec![1],
-        max_new: 0,
-    };
+    let none = BatchRequest::greedy(vec![1], 0);
     assert!(b
         .submit(none)
         .expect_err("zero")
         .to_string()
         .contains("max_new"));
+}
+
+/// A request decoded by itself on the device: greedy, or drawn as its sampling says.
+fn decode_alone(dev: &DeviceModel, r: &BatchRequest) -> Vec<u32> {
+    let (mut cache, logits) = dev
+        .prefill(&r.prompt, r.prompt.len() + r.max_new)
+        .expect("prefill");
+    let sampler = Sampler::new(r.sampling);
+    dev.decode(&mut cache, (r.prompt.len(), &logits), r.max_new, &sampler)
+        .expect("decode")
+}
+
+/// Sampled on the device: the seed decides the tokens (the i-th drawn at index i, as the CPU
+/// engine draws it), and temperature 0 is the greedy answer.
+#[test]
+fn device_sampling_follows_the_seed_and_temperature_zero_is_greedy() {
+    let Some((name, spec)) = specs().into_iter().next() else {
+        panic!("no device family");
+    };
+    let (_dir, cpu, dev) = load(&spec);
+    let prompt = ids(17, 3, cpu.tokenizer().vocab_size());
+    let sampled = |seed| BatchRequest {
+        prompt: prompt.clone(),
+        max_new: 6,
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed,
+        },
+    };
+    assert_eq!(
+        decode_alone(&dev, &sampled(5)),
+        decode_alone(&dev, &sampled(5)),
+        "{name}: one seed, one answer"
+    );
+    assert!(
+        (0..8).any(|s| decode_alone(&dev, &sampled(s)) != decode_alone(&dev, &sampled(s + 100))),
+        "{name}: the seed changes what is drawn"
+    );
+    let (mut cache, logits) = dev.prefill(&prompt, prompt.len() + 6).expect("prefill");
+    assert_eq!(
+        decode_alone(&dev, &BatchRequest::greedy(prompt.clone(), 6)),
+        dev.greedy(&mut cache, prompt.len(), &logits, 6)
+            .expect("greedy"),
+        "{name}"
+    );
 }
 
 /// What the device path does not run is refused by name, and an unknown device is an error.

@@ -1,19 +1,34 @@
 //! Continuous batching on the device path: requests join a running batch when they arrive
 //! (their prompt prefilled into a cache of their own) and leave it when their answer is done,
 //! while the others keep decoding, one [`DeviceModel::forward_batch`] row per active request
-//! per step. Greedy answers; each request's tokens are what it would get decoded alone
-//! (`tests/device_model.rs` holds that on the CPU).
+//! per step. Greedy or seeded sampled answers ([`crate::Sampler`]: a token's draw depends on
+//! the seed, its index and the logits only); each request's tokens are what it would get
+//! decoded alone (`tests/device_model.rs` holds that on the CPU).
 
 use super::{DeviceCache, DeviceModel};
+use crate::decode::sampling::{Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-/// A prompt to answer greedily with `max_new` tokens (at least 1).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A prompt to answer with `max_new` tokens (at least 1), drawn as `sampling` says (the
+/// default: greedy).
+#[derive(Debug, Clone, PartialEq)]
 pub struct BatchRequest {
     pub prompt: Vec<u32>,
     pub max_new: usize,
+    pub sampling: SamplingParams,
+}
+
+impl BatchRequest {
+    /// A greedy request.
+    pub fn greedy(prompt: Vec<u32>, max_new: usize) -> Self {
+        Self {
+            prompt,
+            max_new,
+            sampling: SamplingParams::default(),
+        }
+    }
 }
 
 /// A finished request: its tokens and its times from submission.
@@ -38,6 +53,7 @@ struct Active {
     max_new: usize,
     len: usize,
     next: u32,
+    sampler: Sampler,
 }
 
 /// The scheduler: a queue of submitted requests and the batch being decoded.
@@ -108,7 +124,8 @@ impl<'a> ContinuousBatcher<'a> {
             admitted += 1;
             let capacity = req.prompt.len() + req.max_new;
             let (cache, logits) = self.model.prefill(&req.prompt, capacity)?;
-            let first = crate::argmax(&logits);
+            let sampler = Sampler::new(req.sampling);
+            let first = sampler.sample_at(&logits, 0);
             let a = Active {
                 id,
                 submitted,
@@ -117,6 +134,7 @@ impl<'a> ContinuousBatcher<'a> {
                 max_new: req.max_new,
                 len: req.prompt.len(),
                 next: first,
+                sampler,
             };
             if a.max_new == 1 {
                 done.push(finish(a));
@@ -134,7 +152,7 @@ impl<'a> ContinuousBatcher<'a> {
                     .forward_batch(&ids, &positions, &mut self.caches[..decoding])?;
             for (a, logits) in self.active.iter_mut().zip(self.model.logits(&hidden)?) {
                 a.len += 1;
-                a.next = crate::argmax(&logits);
+                a.next = a.sampler.sample_at(&logits, a.tokens.len());
                 a.tokens.push(a.next);
             }
             // Finished requests leave; the order of the others does not matter.

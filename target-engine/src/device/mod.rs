@@ -487,15 +487,32 @@ impl DeviceModel {
         logits: &[f32],
         n: usize,
     ) -> Result<Vec<u32>> {
+        self.decode(
+            cache,
+            (len, logits),
+            n,
+            &crate::Sampler::new(Default::default()),
+        )
+    }
+
+    /// [`DeviceModel::greedy`] drawing each token with `sampler` (the answer's i-th token at
+    /// index i, as the CPU engine draws it).
+    pub fn decode(
+        &self,
+        cache: &mut DeviceCache,
+        (len, logits): (usize, &[f32]),
+        n: usize,
+        sampler: &crate::Sampler,
+    ) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(n);
-        let mut next = crate::argmax(logits);
+        let mut next = sampler.sample_at(logits, 0);
         for i in 0..n {
             out.push(next);
             if i + 1 == n {
                 break;
             }
             let hidden = self.forward(&[next], &[len + i], cache)?;
-            next = crate::argmax(&self.last_logits(&hidden)?);
+            next = sampler.sample_at(&self.last_logits(&hidden)?, i + 1);
         }
         Ok(out)
     }
