@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use target_engine::device::{
-    closed_loop, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, RagPrompt,
+    closed_loop_chunked, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, RagPrompt,
 };
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{argmax, LoadOptions, Model, Result};
@@ -358,27 +358,39 @@ fn batching(dev: &DeviceModel) -> Result<Value> {
 fn continuous(dev: &DeviceModel) -> Result<Value> {
     let vocab = dev.tokenizer().vocab_size();
     let mut out = serde_json::Map::new();
-    for clients in [1usize, 4, 16] {
-        let run = closed_loop(dev, clients, 2, |c, k| {
+    // Whole prompts at 1/4/16 clients, then 16 clients with prompts prefilled 128 tokens per
+    // step (chunked prefill): the decoding requests' longest wait between tokens against the
+    // arrivals' time to first token.
+    for (clients, chunk) in [(1usize, 0usize), (4, 0), (16, 0), (16, 128)] {
+        let run = closed_loop_chunked(dev, (clients, 2), chunk, |c, k| {
             BatchRequest::greedy(
                 ids(512, 300 + (c * 2 + k) as u32, vocab),
                 48 + (c * 7 + k * 13) % 32,
             )
         })?;
         let (p50, p95, tps) = (run.ttft_ms(0.5), run.ttft_ms(0.95), run.tokens_per_s());
+        let (gap50, gap95) = (run.max_gap_ms(0.5), run.max_gap_ms(0.95));
         log(&format!(
-            "continuous batching: {clients} clients, {} requests, peak batch {}, {tps:.0} tokens/s, TTFT p50 {p50:.1} ms p95 {p95:.1} ms",
+            "continuous batching: {clients} clients, prefill chunk {chunk} (0: whole), {} requests, peak batch {}, {tps:.0} tokens/s, TTFT p50 {p50:.1} ms p95 {p95:.1} ms, longest gap between tokens p50 {gap50:.1} ms p95 {gap95:.1} ms",
             run.outcomes.len(),
             run.peak_batch
         ));
+        let key = if chunk == 0 {
+            clients.to_string()
+        } else {
+            format!("{clients}_chunk{chunk}")
+        };
         out.insert(
-            clients.to_string(),
+            key,
             json!({
                 "requests": run.outcomes.len(),
                 "peak_batch": run.peak_batch,
+                "prefill_chunk": chunk,
                 "tokens_per_s": tps,
                 "ttft_p50_ms": p50,
                 "ttft_p95_ms": p95,
+                "max_gap_p50_ms": gap50,
+                "max_gap_p95_ms": gap95,
                 "wall_s": run.wall.as_secs_f64(),
             }),
         );

@@ -3,7 +3,8 @@
 //! random-weight models of each family the device path runs.
 
 use target_engine::device::{
-    closed_loop, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel, HostKv, RagPrompt,
+    closed_loop, closed_loop_chunked, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel,
+    HostKv, RagPrompt,
 };
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{argmax, Architecture, LoadOptions, Model, Sampler, SamplingParams};
@@ -379,6 +380,43 @@ fn continuous_batching_gives_each_request_its_answer_alone() {
         .expect_err("zero")
         .to_string()
         .contains("max_new"));
+}
+
+/// Chunked prefill: arrivals are prefilled a piece per step while the batch decodes, and each
+/// request still gets the tokens it gets alone.
+#[test]
+fn chunked_prefill_gives_each_request_its_answer_alone_a_piece_per_step() {
+    let Some((name, spec)) = specs().into_iter().next() else {
+        panic!("no device family");
+    };
+    let (_dir, cpu, dev) = load(&spec);
+    let vocab = cpu.tokenizer().vocab_size();
+    let request = |client: usize, k: usize| {
+        BatchRequest::greedy(
+            ids(7 + 6 * client + 2 * k, (10 * client + k) as u32 + 70, vocab),
+            1 + (2 * client + 3 * k) % 7,
+        )
+    };
+    let run = closed_loop_chunked(&dev, (3, 3), 4, request).expect("closed loop");
+    assert_eq!(run.outcomes.len(), 9, "{name}");
+    let mut seen = std::collections::HashMap::<usize, usize>::new();
+    for (client, o) in &run.outcomes {
+        let k = seen.entry(*client).or_default();
+        assert_eq!(
+            o.tokens,
+            decode_alone(&dev, &request(*client, *k)),
+            "{name}"
+        );
+        *k += 1;
+    }
+    assert!(run.max_gap_ms(1.0) >= run.max_gap_ms(0.5));
+    // A 10-token prompt in pieces of 4: its only token comes with the third step.
+    let mut b = ContinuousBatcher::new(&dev, 2, 1).with_prefill_chunk(4);
+    b.submit(BatchRequest::greedy(ids(10, 5, vocab), 1))
+        .expect("submit");
+    let steps: Vec<usize> = (0..3).map(|_| b.step().expect("step").len()).collect();
+    assert_eq!(steps, [0, 0, 1], "{name}");
+    assert_eq!(b.pending(), 0);
 }
 
 /// A request decoded by itself on the device: greedy, or drawn as its sampling says.

@@ -41,6 +41,9 @@ pub struct BatchOutcome {
     pub ttft: Duration,
     /// Submission to the last token.
     pub total: Duration,
+    /// The longest wait between two of its tokens (zero for a one-token answer): what other
+    /// requests' prefills cost it while it was decoding.
+    pub max_gap: Duration,
 }
 
 /// A request in the batch: its cache is filled below `len`, `next` is the token to feed.
@@ -54,6 +57,18 @@ struct Active {
     len: usize,
     next: u32,
     sampler: Sampler,
+    last_token: Instant,
+    max_gap: Duration,
+}
+
+/// A request whose prompt is being prefilled a piece per step ([`ContinuousBatcher::with_prefill_chunk`]):
+/// its cache holds the prompt's first `done` tokens.
+struct Prefilling {
+    id: u64,
+    request: BatchRequest,
+    submitted: Instant,
+    cache: DeviceCache,
+    done: usize,
 }
 
 /// The scheduler: a queue of submitted requests and the batch being decoded.
@@ -63,6 +78,8 @@ pub struct ContinuousBatcher<'a> {
     prefills_per_step: usize,
     next_id: u64,
     waiting: VecDeque<(u64, BatchRequest, Instant)>,
+    prefilling: Option<Prefilling>,
+    prefill_chunk: usize,
     active: Vec<Active>,
     caches: Vec<DeviceCache>,
     peak: usize,
@@ -79,10 +96,21 @@ impl<'a> ContinuousBatcher<'a> {
             prefills_per_step: prefills_per_step.max(1),
             next_id: 0,
             waiting: VecDeque::new(),
+            prefilling: None,
+            prefill_chunk: 0,
             active: Vec::new(),
             caches: Vec::new(),
             peak: 0,
         }
+    }
+
+    /// Prefills arrivals `tokens` prompt tokens per step (chunked prefill), one request at a
+    /// time, instead of each whole before the next decode step: a long prompt then delays the
+    /// running answers by a piece's forward per step rather than by its whole prefill, and
+    /// takes more steps to its own first token. 0 (the default): whole prompts.
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens;
+        self
     }
 
     /// Queues `request`; its id comes back in its [`BatchOutcome`].
@@ -101,9 +129,9 @@ impl<'a> ContinuousBatcher<'a> {
         Ok(id)
     }
 
-    /// Requests queued or being decoded.
+    /// Requests queued, being prefilled or being decoded.
     pub fn pending(&self) -> usize {
-        self.waiting.len() + self.active.len()
+        self.waiting.len() + usize::from(self.prefilling.is_some()) + self.active.len()
     }
 
     /// The most requests that were in the batch together.
@@ -111,36 +139,24 @@ impl<'a> ContinuousBatcher<'a> {
         self.peak
     }
 
-    /// One scheduling step: admits arrivals (prefill, first token), then decodes one token for
-    /// every request admitted before; returns the requests that finished.
+    /// One scheduling step: admits arrivals (prefill, first token; with a prefill chunk, one
+    /// piece of one arrival's prompt), then decodes one token for every request admitted
+    /// before; returns the requests that finished.
     pub fn step(&mut self) -> Result<Vec<BatchOutcome>> {
         let mut done = Vec::new();
         let decoding = self.active.len();
-        let mut admitted = 0;
-        while admitted < self.prefills_per_step && self.active.len() < self.max_batch {
-            let Some((id, req, submitted)) = self.waiting.pop_front() else {
-                break;
-            };
-            admitted += 1;
-            let capacity = req.prompt.len() + req.max_new;
-            let (cache, logits) = self.model.prefill(&req.prompt, capacity)?;
-            let sampler = Sampler::new(req.sampling);
-            let first = sampler.sample_at(&logits, 0);
-            let a = Active {
-                id,
-                submitted,
-                ttft: submitted.elapsed(),
-                tokens: vec![first],
-                max_new: req.max_new,
-                len: req.prompt.len(),
-                next: first,
-                sampler,
-            };
-            if a.max_new == 1 {
-                done.push(finish(a));
-            } else {
-                self.active.push(a);
-                self.caches.push(cache);
+        if self.prefill_chunk > 0 {
+            self.prefill_piece(&mut done)?;
+        } else {
+            let mut admitted = 0;
+            while admitted < self.prefills_per_step && self.active.len() < self.max_batch {
+                let Some((id, req, submitted)) = self.waiting.pop_front() else {
+                    break;
+                };
+                admitted += 1;
+                let capacity = req.prompt.len() + req.max_new;
+                let (cache, logits) = self.model.prefill(&req.prompt, capacity)?;
+                self.admit(id, req, submitted, (cache, &logits), &mut done);
             }
         }
         self.peak = self.peak.max(self.active.len());
@@ -154,6 +170,8 @@ impl<'a> ContinuousBatcher<'a> {
                 a.len += 1;
                 a.next = a.sampler.sample_at(&logits, a.tokens.len());
                 a.tokens.push(a.next);
+                a.max_gap = a.max_gap.max(a.last_token.elapsed());
+                a.last_token = Instant::now();
             }
             // Finished requests leave; the order of the others does not matter.
             let mut i = 0;
@@ -170,12 +188,79 @@ impl<'a> ContinuousBatcher<'a> {
     }
 }
 
+impl ContinuousBatcher<'_> {
+    /// A prefilled request's first token: it joins the batch, or is done already.
+    fn admit(
+        &mut self,
+        id: u64,
+        req: BatchRequest,
+        submitted: Instant,
+        (cache, logits): (DeviceCache, &[f32]),
+        done: &mut Vec<BatchOutcome>,
+    ) {
+        let sampler = Sampler::new(req.sampling);
+        let first = sampler.sample_at(logits, 0);
+        let a = Active {
+            id,
+            submitted,
+            ttft: submitted.elapsed(),
+            tokens: vec![first],
+            max_new: req.max_new,
+            len: req.prompt.len(),
+            next: first,
+            sampler,
+            last_token: Instant::now(),
+            max_gap: Duration::ZERO,
+        };
+        if a.max_new == 1 {
+            done.push(finish(a));
+        } else {
+            self.active.push(a);
+            self.caches.push(cache);
+        }
+    }
+
+    /// Chunked prefill: the next piece of the arrival being prefilled (taking the next one
+    /// from the queue when there is room in the batch); its last piece admits it.
+    fn prefill_piece(&mut self, done: &mut Vec<BatchOutcome>) -> Result<()> {
+        if self.prefilling.is_none() && self.active.len() < self.max_batch {
+            if let Some((id, request, submitted)) = self.waiting.pop_front() {
+                let capacity = request.prompt.len() + request.max_new;
+                self.prefilling = Some(Prefilling {
+                    id,
+                    cache: self.model.new_cache(capacity)?,
+                    request,
+                    submitted,
+                    done: 0,
+                });
+            }
+        }
+        let Some(p) = self.prefilling.as_mut() else {
+            return Ok(());
+        };
+        let end = (p.done + self.prefill_chunk).min(p.request.prompt.len());
+        let positions: Vec<usize> = (p.done..end).collect();
+        let hidden =
+            self.model
+                .forward(&p.request.prompt[p.done..end], &positions, &mut p.cache)?;
+        p.done = end;
+        if end == p.request.prompt.len() {
+            let logits = self.model.last_logits(&hidden)?;
+            if let Some(p) = self.prefilling.take() {
+                self.admit(p.id, p.request, p.submitted, (p.cache, &logits), done);
+            }
+        }
+        Ok(())
+    }
+}
+
 fn finish(a: Active) -> BatchOutcome {
     BatchOutcome {
         id: a.id,
         tokens: a.tokens,
         ttft: a.ttft,
         total: a.submitted.elapsed(),
+        max_gap: a.max_gap,
     }
 }
 
@@ -198,10 +283,19 @@ impl ClosedLoop {
 
     /// The `q` quantile (0-1, nearest rank) of the requests' time to first token, in ms.
     pub fn ttft_ms(&self, q: f64) -> f64 {
+        self.quantile_ms(q, |o| o.ttft)
+    }
+
+    /// The `q` quantile of the requests' longest wait between two of their tokens, in ms.
+    pub fn max_gap_ms(&self, q: f64) -> f64 {
+        self.quantile_ms(q, |o| o.max_gap)
+    }
+
+    fn quantile_ms(&self, q: f64, of: impl Fn(&BatchOutcome) -> Duration) -> f64 {
         let mut v: Vec<f64> = self
             .outcomes
             .iter()
-            .map(|(_, o)| o.ttft.as_secs_f64() * 1e3)
+            .map(|(_, o)| of(o).as_secs_f64() * 1e3)
             .collect();
         if v.is_empty() {
             return f64::NAN;
@@ -220,9 +314,20 @@ pub fn closed_loop(
     model: &DeviceModel,
     clients: usize,
     per_client: usize,
+    request: impl FnMut(usize, usize) -> BatchRequest,
+) -> Result<ClosedLoop> {
+    closed_loop_chunked(model, (clients, per_client), 0, request)
+}
+
+/// [`closed_loop`] with prompts prefilled `prefill_chunk` tokens per step
+/// ([`ContinuousBatcher::with_prefill_chunk`]; 0: whole).
+pub fn closed_loop_chunked(
+    model: &DeviceModel,
+    (clients, per_client): (usize, usize),
+    prefill_chunk: usize,
     mut request: impl FnMut(usize, usize) -> BatchRequest,
 ) -> Result<ClosedLoop> {
-    let mut b = ContinuousBatcher::new(model, clients, 1);
+    let mut b = ContinuousBatcher::new(model, clients, 1).with_prefill_chunk(prefill_chunk);
     let mut owner = std::collections::HashMap::new();
     let mut sent = vec![0usize; clients];
     let start = Instant::now();

@@ -28,7 +28,9 @@ use std::sync::Arc;
 pub mod batcher;
 pub mod blend;
 mod shift;
-pub use batcher::{closed_loop, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher};
+pub use batcher::{
+    closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
+};
 pub use blend::{BlendTimes, RagPrompt, Verified};
 
 /// Score matrices of one attention call stay under this many f32 values (1 GiB): longer
