@@ -227,8 +227,8 @@ pub struct QueryArgs {
     pub query: String,
     #[command(flatten)]
     pub data: DataArgs,
-    /// Collection to retrieve from.
-    #[arg(long, default_value = "default")]
+    /// Collection to retrieve from (1 to 128 ASCII letters, digits, `-`, `_` and `.`).
+    #[arg(long, default_value = "default", value_parser = collection_name)]
     pub collection: String,
     /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
     /// refused here as by the API).
@@ -490,11 +490,12 @@ pub struct IngestArgs {
     pub paths: Vec<PathBuf>,
     #[command(flatten)]
     pub data: DataArgs,
-    /// Collection to add the documents to (retrieval and KV reuse never cross collections).
-    #[arg(long, default_value = "default")]
+    /// Collection to add the documents to (retrieval and KV reuse never cross collections):
+    /// 1 to 128 ASCII letters, digits, `-`, `_` and `.`, as the HTTP API names them.
+    #[arg(long, default_value = "default", value_parser = collection_name)]
     pub collection: String,
-    /// Most target tokens per chunk (1..=4096).
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    /// Most target tokens per chunk (16..=4096, as `POST /documents` takes them).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..=4096))]
     pub chunk_tokens: u32,
     /// Documents per index commit (a crash loses at most one batch).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
@@ -609,6 +610,14 @@ pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
     s.parse()
 }
 
+/// A collection name the HTTP API accepts too (so what the CLI ingests can be queried, listed
+/// and deleted over HTTP).
+fn collection_name(s: &str) -> Result<String, String> {
+    gateway::api::validate_collection("collection", s)
+        .map(|()| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{parse_ratio, parse_size, Cli, Cmd};
@@ -643,6 +652,25 @@ mod tests {
                 "{sub}"
             );
         }
+    }
+
+    #[test]
+    fn collection_names_are_the_ones_the_http_api_takes() {
+        let parses = |c: &str| {
+            Cli::try_parse_from(["specrag", "ingest", "--collection", c, "x.md"]).is_ok()
+                && Cli::try_parse_from(["specrag", "query", "--collection", c, "q"]).is_ok()
+        };
+        for ok in ["default", "docs-v2.1", "A_b"] {
+            assert!(parses(ok), "{ok:?}");
+        }
+        let long = "c".repeat(129);
+        for bad in ["", " ", "../escape", "a/b", "名前", "a\nb", long.as_str()] {
+            assert!(!parses(bad), "{bad:?}");
+        }
+        let tokens = |n: &str| {
+            Cli::try_parse_from(["specrag", "ingest", "--chunk-tokens", n, "x.md"]).is_ok()
+        };
+        assert!(tokens("16") && tokens("4096") && !tokens("15") && !tokens("4097"));
     }
 
     #[test]
