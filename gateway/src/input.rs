@@ -77,6 +77,16 @@ fn collect_files(paths: &[PathBuf], out: &mut Inputs) -> Vec<PathBuf> {
                 continue;
             }
         };
+        if !explicit && meta.is_symlink() && std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+            // Followed, a link to a parent folder would loop: say so rather than skip it unseen.
+            out.problems.push(InputProblem {
+                origin,
+                message: "a link to a folder, not followed inside a folder (give the folder \
+                          itself as an argument)"
+                    .into(),
+            });
+            continue;
+        }
         if meta.is_dir() {
             let mut entries: Vec<PathBuf> = match std::fs::read_dir(&path) {
                 Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
@@ -112,14 +122,39 @@ fn markdown_title(text: &str) -> Option<String> {
     (!t.is_empty()).then(|| t.to_string())
 }
 
-/// A file's text, or the problem that keeps it out (unreadable, or not UTF-8, with the line
-/// of the first bad byte).
+/// Largest file read (a bound on memory whatever a path points at); larger: split it.
+pub const MAX_FILE_BYTES: u64 = 1 << 30;
+
+/// A file's text, or the problem that keeps it out (not a regular file, over
+/// [`MAX_FILE_BYTES`], unreadable, or not UTF-8, with the line of the first bad byte). A
+/// UTF-8 byte order mark is dropped.
 fn read_utf8(file: &Path) -> Result<String, InputProblem> {
     let origin = file.display().to_string();
-    let bytes = std::fs::read(file).map_err(|e| InputProblem {
+    let problem = |message: String| InputProblem {
         origin: origin.clone(),
-        message: format!("cannot read: {e}"),
-    })?;
+        message,
+    };
+    let meta = std::fs::metadata(file).map_err(|e| problem(format!("cannot read: {e}")))?;
+    // A FIFO would block the read for ever, a device (`/dev/zero`) never end.
+    if !meta.is_file() {
+        return Err(problem(
+            "not a regular file (a FIFO, device or socket); give a file or a folder".into(),
+        ));
+    }
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(file).and_then(|f| {
+        std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_FILE_BYTES + 1), &mut bytes)
+    });
+    read.map_err(|e| problem(format!("cannot read: {e}")))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(problem(format!(
+            "larger than {} MiB; split it into several files",
+            MAX_FILE_BYTES >> 20
+        )));
+    }
+    if bytes.starts_with(b"\xEF\xBB\xBF") {
+        bytes.drain(..3);
+    }
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
         let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
@@ -157,6 +192,13 @@ pub fn read_inputs(paths: &[PathBuf]) -> Inputs {
             }
         };
         if extension(&file).as_deref() == Some("jsonl") {
+            if text.trim().is_empty() {
+                out.problems.push(InputProblem {
+                    origin,
+                    message: "no documents (the file is empty)".into(),
+                });
+                continue;
+            }
             for (i, line) in text.lines().enumerate() {
                 if line.trim().is_empty() {
                     continue;
@@ -306,6 +348,43 @@ mod tests {
         let inputs = read_inputs(&[root.join("image.png"), root.join("missing.txt")]);
         assert!(inputs.docs.is_empty());
         assert_eq!(inputs.problems.len(), 2);
+        Ok(())
+    }
+
+    /// Paths that would hang or exhaust a reader are named, never read: a FIFO (blocks for
+    /// ever), a device (never ends); a link to a folder inside a folder is named, not skipped
+    /// unseen; a byte order mark is dropped; an empty `.jsonl` is a problem.
+    #[cfg(unix)]
+    #[test]
+    fn special_files_and_linked_folders_are_named_not_read(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let root = dir.path().join("corpus");
+        let other = dir.path().join("other");
+        std::fs::create_dir_all(&root)?;
+        std::fs::create_dir_all(&other)?;
+        std::fs::write(other.join("c.md"), "Text of c.")?;
+        std::fs::write(root.join("bom.txt"), b"\xEF\xBB\xBFText after a BOM.")?;
+        std::fs::write(root.join("none.jsonl"), "\n")?;
+        std::os::unix::fs::symlink(&other, root.join("linked"))?;
+        std::os::unix::fs::symlink("/dev/zero", root.join("zero.md"))?;
+        let fifo = root.join("pipe.md");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+        assert!(made.success());
+        let inputs = read_inputs(std::slice::from_ref(&root));
+        let ids: Vec<&str> = inputs.docs.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["bom.txt"]);
+        assert_eq!(inputs.docs[0].text, "Text after a BOM.");
+        let problems: Vec<String> = inputs.problems.iter().map(|p| p.to_string()).collect();
+        let has = |needle: &str| problems.iter().any(|p| p.contains(needle));
+        assert!(has("linked: a link to a folder"), "{problems:?}");
+        assert!(has("zero.md: not a regular file"), "{problems:?}");
+        assert!(has("pipe.md: not a regular file"), "{problems:?}");
+        assert!(has("none.jsonl: no documents"), "{problems:?}");
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        // Given as an argument, the linked folder is read.
+        let inputs = read_inputs(&[root.join("linked")]);
+        assert_eq!(inputs.docs.len(), 1);
         Ok(())
     }
 }

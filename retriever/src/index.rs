@@ -185,6 +185,15 @@ impl Index {
             )));
         }
         let this = Self::with_index(index, fields).map_err(|e| match e {
+            RetrieverError::Tantivy {
+                source: tantivy::TantivyError::LockFailure(..),
+                ..
+            } => dir_err(
+                "is in use: another specrag process (a server or an ingestion) holds its index \
+                 for writing, and one writer at a time may; stop that one or use another --data \
+                 directory (a directory on a read-only file system cannot be opened either)"
+                    .into(),
+            ),
             RetrieverError::Tantivy { action, source } => {
                 dir_err(format!("cannot {action}: {source}"))
             }

@@ -680,3 +680,18 @@ fn rollback_drops_uncommitted_changes_and_all_keys_lists_committed_ones() {
     let keys = index.all_keys().unwrap();
     assert_eq!(keys.into_iter().collect::<Vec<_>>(), vec!["k1".to_string()]);
 }
+
+#[test]
+fn a_directory_in_use_is_refused_saying_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Index::open(dir.path()).unwrap();
+    let err = Index::open(dir.path()).err().map(|e| e.to_string());
+    assert!(
+        err.as_deref().is_some_and(
+            |e| e.contains("is in use") && e.contains(&dir.path().display().to_string())
+        ),
+        "{err:?}"
+    );
+    drop(first);
+    assert!(Index::open(dir.path()).is_ok(), "free again once closed");
+}
