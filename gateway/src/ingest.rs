@@ -3,9 +3,9 @@
 //!
 //! Durability order, per batch: every chunk blob is written and the store flushed *before* the
 //! index commit that makes the document searchable, and a document is reported done only after
-//! that commit. A crash can therefore leave blobs the index does not know (removed by the
-//! garbage collection that starts the next run, or reused as is when the same text comes back,
-//! since keys are content addresses) but never an indexed chunk without its KV.
+//! that commit. A crash can therefore leave blobs the index does not know (reused as is when
+//! the same text comes back, since keys are content addresses, and otherwise removed by the
+//! garbage collection that ends the next run) but never an indexed chunk without its KV.
 
 use crate::corpus::{Corpus, Engines};
 use crate::error::Result;
@@ -212,7 +212,6 @@ fn ingest_inner(
     let disk_before = corpus.store.disk().stats().disk_bytes;
     let mut report = IngestReport {
         collection: cfg.collection.clone(),
-        garbage_removed: corpus.collect_garbage(engines)?,
         ..Default::default()
     };
     let planned = plan(engines, docs, cfg, &mut report, &mut on_event);
@@ -269,10 +268,10 @@ fn ingest_inner(
         report.documents += done.len();
         on_event(IngestEvent::Committed { documents: done });
     }
-    if !replaced_keys.is_empty() {
-        // Chunks of replaced documents that no document uses any more.
-        report.garbage_removed += corpus.collect_garbage_after(engines, &replaced_keys)?;
-    }
+    // Last, not first: blobs an interrupted run left behind are reused above when their text
+    // comes back, and only the rest goes, with the chunks of replaced documents that no
+    // document uses any more.
+    report.garbage_removed += corpus.collect_garbage_after(engines, &replaced_keys)?;
     report.seconds = t0.elapsed().as_secs_f64();
     report.kv_stored_bytes = corpus.store.disk().stats().disk_bytes as i64 - disk_before as i64;
     report.chunks_per_s = report.chunks as f64 / report.seconds.max(1e-9);

@@ -527,6 +527,44 @@ fn a_panic_during_ingestion_rolls_back_the_batch_in_flight() -> TestResult {
     check_consistent(&dir.path().join("data"), false).map(|_| ())
 }
 
+/// Blobs an interrupted run left behind are reused when their text comes back, and removed
+/// by the end of the next run otherwise (garbage collection runs last, not first).
+#[test]
+fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next() -> TestResult {
+    use gateway::ingest::{ingest, ingest_until, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 6)?;
+    let cfg = IngestConfig {
+        collection: "c".into(),
+        batch_docs: 2,
+        ..Default::default()
+    };
+    // Stopped before d3's chunk: d0 and d1 committed, d2's blob stored but never indexed.
+    let interrupted = |docs: Vec<gateway::input::SourceDoc>| {
+        let mut seen = 0;
+        ingest_until(&corpus, &engines, docs, &cfg, |_| {}, &mut || {
+            seen += 1;
+            seen == 4
+        })
+    };
+    assert!(interrupted(docs[..4].to_vec()).is_err());
+    assert_eq!(corpus.store.keys()?.len(), 3, "d2's blob left behind");
+    let again = ingest(&corpus, &engines, vec![docs[2].clone()], &cfg, |_| {})?;
+    assert_eq!((again.reused_chunks, again.garbage_removed), (1, 0));
+    // Left behind again (d5's blob), and this time its text does not come back.
+    let more = vec![
+        docs[3].clone(),
+        docs[4].clone(),
+        docs[5].clone(),
+        docs[0].clone(),
+    ];
+    assert!(interrupted(more).is_err());
+    let other = ingest(&corpus, &engines, vec![docs[3].clone()], &cfg, |_| {})?;
+    assert_eq!((other.reused_chunks, other.garbage_removed), (1, 1));
+    drop(corpus);
+    check_consistent(&dir.path().join("data"), true).map(|_| ())
+}
+
 #[test]
 fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
     let dir = tempfile::tempdir()?;
