@@ -39,9 +39,25 @@ pub enum GatewayError {
         #[source]
         source: std::io::Error,
     },
+    /// What failed while one document was being ingested, and which document (its file, or
+    /// `file:line`).
+    #[error("while ingesting {origin}: {source}")]
+    InDocument {
+        origin: String,
+        #[source]
+        source: Box<GatewayError>,
+    },
 }
 
 impl GatewayError {
+    /// This error, said to have happened while ingesting the document from `origin`.
+    pub fn in_document(self, origin: &str) -> Self {
+        Self::InDocument {
+            origin: origin.to_string(),
+            source: Box::new(self),
+        }
+    }
+
     /// A bad-input error for `field`.
     pub fn bad(field: &'static str, message: impl Into<String>) -> Self {
         Self::BadInput {
@@ -69,6 +85,7 @@ impl GatewayError {
             },
             Self::Engine(e) => Fault::of_engine(e),
             Self::Internal(_) | Self::Store(_) | Self::Io { .. } => Fault::Internal,
+            Self::InDocument { source, .. } => source.fault(),
         }
     }
 

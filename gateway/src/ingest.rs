@@ -240,7 +240,8 @@ fn ingest_inner(
                         report.documents
                     )));
                 }
-                let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)?;
+                let (key, cached) = store_chunk(corpus, engines, cfg, &chunk.text, &mut report)
+                    .map_err(|e| e.in_document(&p.doc.origin))?;
                 keys.extend((cached || cfg.kv == KvMode::Eager).then_some(key));
                 let tokens = chunk.ids.len();
                 (report.chunks, report.tokens) = (report.chunks + 1, report.tokens + tokens);

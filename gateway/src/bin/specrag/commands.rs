@@ -39,7 +39,18 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
     };
     let report = gateway::ingest::ingest(&p.corpus, &p.engines, inputs.docs, &cfg, |e| {
         progress.on_event(e)
-    })?;
+    });
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            progress.finish();
+            if a.json {
+                // The run's last line says how it ended, as `POST /documents` streams it.
+                println!("{}", error_line(&e));
+            }
+            return Err(e.into());
+        }
+    };
     progress.finish();
     let problems = progress.problems;
     if a.json {
@@ -57,6 +68,23 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
         std::process::exit(EXIT_PARTIAL);
     }
     Ok(())
+}
+
+/// The `{"event":"error"}` line a `--json` ingestion ends with when it fails: the status and
+/// field an HTTP ingestion would answer, and what failed (naming the document in flight).
+fn error_line(e: &gateway::GatewayError) -> serde_json::Value {
+    use gateway::error::Fault;
+    let (status, field) = match e.fault() {
+        Fault::BadInput(f) => (422, f),
+        Fault::TooLarge(f) => (413, Some(f)),
+        Fault::NotFound => (404, None),
+        Fault::Internal => (500, None),
+    };
+    let mut v = json!({"event": "error", "status": status, "detail": e.to_string()});
+    if let Some(f) = field {
+        v["field"] = json!(f);
+    }
+    v
 }
 
 fn print_ingest_summary(report: &IngestReport) {
@@ -369,4 +397,33 @@ async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyho
         println!("  full recompute answered differently: {}", answer(&full));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_line;
+    use gateway::GatewayError;
+
+    #[test]
+    fn a_failed_json_ingestion_ends_with_an_error_line_naming_the_document() {
+        let e = GatewayError::Internal("disk full".into()).in_document("docs/a.md");
+        let v = error_line(&e);
+        assert_eq!(v["event"], "error");
+        assert_eq!(v["status"], 500);
+        assert_eq!(
+            v["detail"],
+            "while ingesting docs/a.md: internal error: disk full"
+        );
+        assert!(v.get("field").is_none());
+        let big = GatewayError::TooLarge {
+            field: "documents",
+            message: "over the budget".into(),
+        }
+        .in_document("b.jsonl:3");
+        let v = error_line(&big);
+        assert_eq!(
+            (v["status"].as_u64(), v["field"].as_str()),
+            (Some(413), Some("documents"))
+        );
+    }
 }
