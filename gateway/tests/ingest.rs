@@ -978,12 +978,16 @@ fn a_redirected_ingestion_logs_plain_progress_lines() -> TestResult {
     write_corpus(&corpus_dir, 6)?;
     let out = specrag(&models)
         .env("SPECRAG_PROGRESS_SECS", "0")
+        .env("RUST_LOG", "info")
         .args(["ingest", "--chunk-tokens", "24", "--data"])
         .arg(dir.path().join("data"))
         .arg(&corpus_dir)
         .output()?;
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{log}");
+    // Log lines are plain text where stderr is not a terminal: no colour escapes.
+    assert!(log.contains("INFO"), "{log}");
+    assert!(!log.contains('\u{1b}'), "{log}");
     let lines: Vec<&str> = log.lines().filter(|l| l.starts_with("ingest: ")).collect();
     let total = lines
         .first()
