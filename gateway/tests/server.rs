@@ -410,8 +410,8 @@ async fn wrong_shapes_name_the_field_and_empty_collections_are_not_found() -> Te
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    // A body announced over the limit is refused at once, before it is read (issue 59's
-    // review: it used to wait for the body deadline).
+    // A body announced over the limit is refused at once, before it is read (not after the
+    // body deadline).
     for path in ["/rag/query", "/v1/chat/completions"] {
         let req = Request::post(path)
             .header("content-type", "application/json")
