@@ -101,6 +101,35 @@ fn study_pairs_every_configuration_with_full_recompute_and_resumes(
     Ok(())
 }
 
+/// Each guarded configuration of a case pays for its own escalations: the full cache one
+/// configuration's escalation computed is not left for the next one over the same prompt.
+#[test]
+fn every_guarded_configuration_pays_for_its_own_escalations(
+) -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
+    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    let out = d.join("out");
+    let guarded = [
+        "--study-configs",
+        "target_probe@0.15:balanced,target_probe@0.40:balanced",
+    ];
+    ok(&study_cmd(d, &out, "2", &guarded)?);
+    let recs: Vec<StudyRecord> = study::read_records(&out.join("study.jsonl"))?;
+    let escalated: Vec<&StudyRecord> = recs
+        .iter()
+        .filter(|r| r.label == "target_probe@0.40:balanced")
+        .filter(|r| r.guard.is_some_and(|g| g.escalated))
+        .collect();
+    assert!(!escalated.is_empty(), "the tiny models escalate: {recs:?}");
+    for r in escalated {
+        let g = r.guard.ok_or("guard")?;
+        assert!(g.full_prefill_ms > 0.0, "{}: a cached full prefill", r.case);
+    }
+    Ok(())
+}
+
 #[test]
 fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;

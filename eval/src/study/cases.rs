@@ -153,6 +153,9 @@ pub fn run_case(
         let (t, t_forced) = if i == 0 {
             (reference.clone(), ref_forced.clone())
         } else {
+            // Each configuration pays for its own escalations: a full cache another
+            // configuration's escalation left for the same prompt would make this one's free.
+            pipeline.contexts.clear();
             let t = ask(pipeline, ds, case, config, false, true)?;
             let f = forced(&t)?;
             (t, f)
