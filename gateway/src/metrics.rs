@@ -311,7 +311,8 @@ mod tests {
 
     /// The families, types, labels and buckets of the hand-written exposition this replaced
     /// (2026-11-23), plus the two histograms added with the exporter, the store's error
-    /// counter and the guard's outcomes (2026-11-26).
+    /// counter, the guard's outcomes (2026-11-26) and its withdrawn tokens (its full-prefill
+    /// histogram appears with the first escalation, checked in tests/server.rs).
     #[test]
     fn families_types_labels_and_buckets_are_those_of_before_plus_two() {
         let m = Metrics::default();
@@ -344,6 +345,7 @@ mod tests {
             (CORRUPT, "counter", set(&[]), vec![]),
             (STORE_ERRORS, "counter", set(&["tier"]), vec![]),
             (GUARD, "counter", set(&["fidelity", "outcome"]), vec![]),
+            (GUARD_WITHDRAWN, "counter", set(&[]), vec![]),
             (SPEC_DECODE, "counter", set(&["kind"]), vec![]),
             (BYTES, "gauge", set(&["tier"]), vec![]),
             (
