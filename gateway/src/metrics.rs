@@ -316,18 +316,20 @@ mod tests {
     #[test]
     fn families_types_labels_and_buckets_are_those_of_before_plus_two() {
         let m = Metrics::default();
-        m.request("/rag/query", 200);
-        m.request("/rag/query", 200);
-        m.request("/rag/query", 422);
+        for status in [200, 200, 422] {
+            m.request("/rag/query", status);
+        }
         m.answer(&answer(4));
         m.queued(Duration::from_millis(3));
         m.busy();
         let text = m.render(2, &chunkstore::StoreStats::default());
-        let latency: Vec<String> = LATENCY_BUCKETS
-            .iter()
-            .map(|b| b.to_string())
-            .chain(["+Inf".to_string()])
-            .collect();
+        let buckets = |b: &[f64]| -> Vec<String> {
+            b.iter()
+                .map(|b| b.to_string())
+                .chain(["+Inf".to_string()])
+                .collect()
+        };
+        let latency = buckets(&LATENCY_BUCKETS[..]);
         let ratio: Vec<String> = ["0", "0.05", "0.1", "0.15", "0.2", "0.3", "0.5", "1", "+Inf"]
             .map(String::from)
             .to_vec();
@@ -352,21 +354,13 @@ mod tests {
                 INTER_TOKEN,
                 "histogram",
                 set(&["method"]),
-                TOKEN_BUCKETS
-                    .iter()
-                    .map(|b| b.to_string())
-                    .chain(["+Inf".into()])
-                    .collect(),
+                buckets(&TOKEN_BUCKETS[..]),
             ),
             (
                 QUEUE_TIME,
                 "histogram",
                 set(&[]),
-                QUEUE_BUCKETS
-                    .iter()
-                    .map(|b| b.to_string())
-                    .chain(["+Inf".into()])
-                    .collect(),
+                buckets(&QUEUE_BUCKETS[..]),
             ),
         ]
         .into_iter()
