@@ -8,6 +8,13 @@ use std::process::{Command, Output};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::Architecture;
 
+/// The tiny target and speculator every study test runs, written into `d`.
+fn tiny_models(d: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
+    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    Ok(())
+}
+
 fn study_cmd(models: &Path, out: &Path, cases: &str, extra: &[&str]) -> std::io::Result<Output> {
     Command::new(env!("CARGO_BIN_EXE_specrag-eval"))
         .arg("--target")
@@ -108,8 +115,7 @@ fn every_guarded_configuration_pays_for_its_own_escalations(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let d = dir.path();
-    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
-    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    tiny_models(d)?;
     let out = d.join("out");
     let guarded = [
         "--study-configs",
@@ -134,8 +140,7 @@ fn every_guarded_configuration_pays_for_its_own_escalations(
 fn study_configs_runs_only_the_named_configurations() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let d = dir.path();
-    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
-    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    tiny_models(d)?;
     let out = d.join("out");
     let only = ["--study-configs", "epic@0.15,target_probe@0.40,epic@0.30"];
     let o = study_cmd(d, &out, "2", &only)?;
@@ -192,8 +197,7 @@ fn study_pairs_a_codec_with_raw_storage_and_measures_verification(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let d = dir.path();
-    write_tiny_gguf(&d.join("target.gguf"), &TinySpec::new(Architecture::Qwen2))?;
-    write_tiny_gguf(&d.join("spec.gguf"), &TinySpec::new(Architecture::Llama))?;
+    tiny_models(d)?;
     let out = d.join("out");
     let only = [
         "--study-configs",
