@@ -642,7 +642,7 @@ impl Pipeline {
         // A query that would retrieve from a collection holding nothing (a name mistyped, or
         // not ingested yet) is refused, not answered from no context at all. With passages of
         // its own the collection only scopes their stored KV, and may be new.
-        if q.documents.is_empty() && self.corpus.index.collection_chunks(&q.collection)? == 0 {
+        if q.documents.is_empty() && !self.corpus.index.has_collection(&q.collection)? {
             return Err(GatewayError::NotFound(format!(
                 "no collection `{}`: nothing is ingested into it (specrag ingest --collection {0}, \
                  or POST /documents), and the request sends no passages of its own",

@@ -464,6 +464,30 @@ impl Index {
             .map_err(tantivy_err("count collection"))
     }
 
+    /// Whether `collection` holds a committed chunk: the term's document frequency per
+    /// segment, without visiting its postings unless a segment with deletions is all that
+    /// names it (a check every query makes; [`Index::collection_chunks`] counts).
+    pub fn has_collection(&self, collection: &str) -> Result<bool> {
+        check_collection(collection)?;
+        let searcher = self.reader.searcher();
+        let term = Term::from_field_text(self.fields.collection, collection);
+        let mut maybe = false;
+        for segment in searcher.segment_readers() {
+            let freq = segment
+                .inverted_index(self.fields.collection)
+                .map_err(tantivy_err("read collections"))?
+                .doc_freq(&term)
+                .map_err(|e| tantivy_err("read collections")(e.into()))?;
+            if freq > 0 {
+                if segment.num_deleted_docs() == 0 {
+                    return Ok(true);
+                }
+                maybe = true;
+            }
+        }
+        Ok(maybe && self.collection_chunks(collection)? > 0)
+    }
+
     /// Chunk-store keys of every committed chunk, in one pass over the stored records.
     pub fn all_keys(&self) -> Result<std::collections::HashSet<String>> {
         Ok(self

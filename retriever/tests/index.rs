@@ -421,6 +421,9 @@ fn emptied_collection_is_not_listed() {
     assert_eq!(index.collection_chunks("gone").unwrap(), 0);
     assert_eq!(index.collection_chunks("kept").unwrap(), 1);
     assert_eq!(index.collection_chunks("never").unwrap(), 0);
+    for (c, has) in [("gone", false), ("kept", true), ("never", false)] {
+        assert_eq!(index.has_collection(c).unwrap(), has, "{c}");
+    }
 }
 
 #[test]

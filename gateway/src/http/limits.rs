@@ -151,11 +151,7 @@ fn declared_too_large(req: &Request) -> Option<Response> {
          on {path}"
     );
     let status = StatusCode::PAYLOAD_TOO_LARGE;
-    let mut r = if path.starts_with("/v1/") {
-        super::openai::OaiError::new(status, "invalid_request_error", None, message).into_response()
-    } else {
-        ApiError::Body(status, message).into_response()
-    };
+    let mut r = super::error::in_route_shape(path, status, "invalid_request_error", message);
     // The body is never read: this connection is done.
     r.headers_mut().insert(
         axum::http::header::CONNECTION,

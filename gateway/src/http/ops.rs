@@ -2,7 +2,7 @@
 //! and the answers for unknown routes and methods.
 
 use super::documents::{__path_delete_document, __path_list_documents, __path_post_documents};
-use super::error::{engine_dropped, ApiError};
+use super::error::{engine_dropped, in_route_shape, ApiError};
 use super::query::__path_rag_query;
 use super::state::AppState;
 use crate::api::{CollectionInfo, Health, ModelInfo};
@@ -13,41 +13,34 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use utoipa::OpenApi;
 
-/// 404 for a route that does not exist: in OpenAI's error shape under `/v1/` (an OpenAI
-/// client calling an endpoint specrag does not serve), a problem elsewhere.
+/// 404 for a route that does not exist, in its route's shape (an OpenAI client calling an
+/// endpoint specrag does not serve gets OpenAI's).
 pub(crate) async fn not_found(uri: axum::http::Uri) -> Response {
-    if uri.path().starts_with("/v1/") {
-        return crate::http::openai::OaiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            None,
-            format!(
-                "specrag does not serve `{}`: it serves POST /v1/chat/completions and GET \
-                 /v1/models (see /openapi.json)",
-                uri.path()
-            ),
+    let message = if uri.path().starts_with("/v1/") {
+        format!(
+            "specrag does not serve `{}`: it serves POST /v1/chat/completions and GET \
+             /v1/models (see /openapi.json)",
+            uri.path()
         )
-        .into_response();
-    }
-    ApiError::Gateway(GatewayError::NotFound(
-        "no such route; see /openapi.json or /docs".into(),
-    ))
-    .into_response()
+    } else {
+        "no such route; see /openapi.json or /docs".into()
+    };
+    in_route_shape(
+        uri.path(),
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        message,
+    )
 }
 
-/// 405 for a method a route does not take, in the route's error shape (OpenAI's under `/v1/`).
+/// 405 for a method a route does not take, in the route's error shape.
 pub(crate) async fn method_not_allowed(uri: axum::http::Uri) -> Response {
-    let message = "this route does not accept that method; see /openapi.json";
-    if uri.path().starts_with("/v1/") {
-        return crate::http::openai::OaiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request_error",
-            None,
-            message.into(),
-        )
-        .into_response();
-    }
-    ApiError::Body(StatusCode::METHOD_NOT_ALLOWED, message.into()).into_response()
+    in_route_shape(
+        uri.path(),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "this route does not accept that method; see /openapi.json".into(),
+    )
 }
 
 pub(crate) fn model_info(m: &target_engine::Model, admin: bool) -> ModelInfo {
