@@ -102,21 +102,6 @@ pub(crate) fn rejected_field(r: &JsonRejection) -> Option<String> {
     None
 }
 
-/// An error answered in its route's shape: OpenAI's under `/v1/` (`kind` its `type`), a
-/// problem elsewhere.
-pub(crate) fn in_route_shape(
-    path: &str,
-    status: StatusCode,
-    kind: &str,
-    message: String,
-) -> Response {
-    if path.starts_with("/v1/") {
-        super::openai::OaiError::new(status, kind, None, message).into_response()
-    } else {
-        ApiError::Body(status, message).into_response()
-    }
-}
-
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
         Self::Body(StatusCode::BAD_REQUEST, r.body_text())

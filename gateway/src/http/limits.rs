@@ -151,7 +151,7 @@ fn declared_too_large(req: &Request) -> Option<Response> {
          on {path}"
     );
     let status = StatusCode::PAYLOAD_TOO_LARGE;
-    let mut r = super::error::in_route_shape(path, status, "invalid_request_error", message);
+    let mut r = super::openai::in_route_shape(path, status, "invalid_request_error", message);
     // The body is never read: this connection is done.
     r.headers_mut().insert(
         axum::http::header::CONNECTION,

@@ -2,7 +2,8 @@
 //! and the answers for unknown routes and methods.
 
 use super::documents::{__path_delete_document, __path_list_documents, __path_post_documents};
-use super::error::{engine_dropped, in_route_shape, ApiError};
+use super::error::{engine_dropped, ApiError};
+use super::openai::in_route_shape;
 use super::query::__path_rag_query;
 use super::state::AppState;
 use crate::api::{CollectionInfo, Health, ModelInfo};

@@ -129,3 +129,18 @@ impl IntoResponse for OaiError {
         r
     }
 }
+
+/// An error answered in its route's shape: OpenAI's under `/v1/` (`kind` its `type`), a
+/// problem elsewhere.
+pub(crate) fn in_route_shape(
+    path: &str,
+    status: StatusCode,
+    kind: &str,
+    message: String,
+) -> Response {
+    if path.starts_with("/v1/") {
+        OaiError::new(status, kind, None, message).into_response()
+    } else {
+        ApiError::Body(status, message).into_response()
+    }
+}

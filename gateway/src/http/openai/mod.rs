@@ -13,6 +13,7 @@ mod error;
 mod request;
 mod response;
 
+pub(crate) use error::in_route_shape;
 pub use error::{OaiError, OpenAiError, OpenAiErrorBody};
 use request::to_query;
 pub use request::{ChatMessage, ChatRequest, RagOptions, StreamOptions};
