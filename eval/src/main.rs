@@ -166,6 +166,10 @@ struct Args {
     /// --guard-horizon`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
     guard_horizon: usize,
+    /// The fidelity guard's second look for `:balanced` study configurations (as `specrag
+    /// serve --guard-second-look`; 0: escalate at once).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_SECOND_LOOK)]
+    guard_second_look: f64,
     /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
     /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
     /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens (a

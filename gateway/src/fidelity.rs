@@ -80,6 +80,17 @@ pub struct GuardReport {
     /// `exact`, full recompute).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub margin: Option<f32>,
+    /// A second look ran: more chunk tokens recomputed and the answer so far checked on
+    /// that cache (where it agreed, decoding went on from it; where not, the request
+    /// escalated).
+    #[serde(default)]
+    pub second_look: bool,
+    /// Chunk tokens the second look recomputed on top of the method's.
+    #[serde(default)]
+    pub second_look_tokens: usize,
+    /// Time of the second look's recompute (0 without one).
+    #[serde(default)]
+    pub second_look_ms: f64,
     /// The request moved to the full cache (its answer is full recompute's).
     pub escalated: bool,
     /// Tokens decoded from the reused cache that the full cache agreed with and were kept.
@@ -106,6 +117,13 @@ pub struct GuardPolicy {
     pub margin: Option<f32>,
     /// How many of the answer's first tokens are watched for it.
     pub horizon: usize,
+    /// Where a token's gap fell below the margin (not a loop), the share of the chunk tokens
+    /// a second look recomputes on top of the method's picks, the next the selector ranked,
+    /// before anything escalates: decoding restarts from that cache, and where it chooses the
+    /// tokens chosen so far (the doubted one included) it goes on from there, still guarded;
+    /// where it does not, the request escalates (0: escalate at once). A selector that ranks
+    /// nothing, or a request drafting its tokens, escalates at once.
+    pub second_look: f64,
 }
 
 /// The margin of methods without one of their own ([`default_margin`]): the point of
@@ -119,6 +137,10 @@ pub const DEFAULT_GUARD_MARGIN: f32 = 0.5;
 pub const SHIFT_GUARD_MARGIN: f32 = 0.3;
 /// The default [`GuardPolicy::horizon`].
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
+/// The default [`GuardPolicy::second_look`]: at ρ 0.25 + 0.10 the answers that reuse changes
+/// differ from the default's own, so agreement there says the doubted token was the model's
+/// own uncertainty rather than reuse's (docs/fidelity-guard.md, *A second look*).
+pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.
 pub fn default_margin(method: crate::method::Method) -> f32 {
@@ -133,6 +155,7 @@ impl Default for GuardPolicy {
         Self {
             margin: None,
             horizon: DEFAULT_GUARD_HORIZON,
+            second_look: DEFAULT_GUARD_SECOND_LOOK,
         }
     }
 }
@@ -177,6 +200,7 @@ mod tests {
         let p = GuardPolicy {
             margin: Some(1.5),
             horizon: 4,
+            second_look: 0.0,
         };
         assert!(p.doubts(m, 1, 1.0));
         assert!(p.doubts(m, 4, 1.49));
@@ -189,6 +213,7 @@ mod tests {
         let off = GuardPolicy {
             margin: Some(0.0),
             horizon: usize::MAX,
+            second_look: 0.0,
         };
         assert!(!off.doubts(m, 1, 0.0));
     }

@@ -32,6 +32,7 @@ const STORE_ERRORS: &str = "specrag_store_errors_total";
 const GUARD: &str = "specrag_guard_total";
 const GUARD_PREFILL: &str = "specrag_guard_full_prefill_seconds";
 const GUARD_WITHDRAWN: &str = "specrag_guard_withdrawn_tokens_total";
+const GUARD_SECOND_LOOK: &str = "specrag_guard_second_looks_total";
 const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 const SPEC_DECODE: &str = "specrag_spec_decode_tokens_total";
@@ -97,6 +98,12 @@ impl Default for Metrics {
                 GUARD_WITHDRAWN,
                 "Tokens decoded from the reused cache, shown or held, that an escalation \
                  withdrew because the full cache disagreed."
+            );
+            describe_counter!(
+                GUARD_SECOND_LOOK,
+                "Second looks the guard took at a doubted token (more chunk tokens \
+                 recomputed, the answer so far decoded again), by outcome: kept (the same \
+                 tokens chosen again, decoding went on from that cache) or escalated."
             );
             describe_counter!(
                 STORE_ERRORS,
@@ -177,6 +184,10 @@ impl Metrics {
             };
             metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
                 .increment(1);
+            if g.second_look {
+                let outcome = if g.escalated { "escalated" } else { "kept" };
+                metrics::counter!(GUARD_SECOND_LOOK, "outcome" => outcome).increment(1);
+            }
             if g.escalated {
                 metrics::histogram!(GUARD_PREFILL, "fidelity" => g.fidelity.name())
                     .record(g.full_prefill_ms / 1e3);

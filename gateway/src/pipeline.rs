@@ -332,6 +332,15 @@ struct Escalation<'a> {
     exact_rows: usize,
 }
 
+/// What the guard's second look starts from: the prompt, the chunk tokens it recomputes, the
+/// first decode (the doubted token last) and the text of it the client holds.
+struct SecondLook<'a> {
+    asm: &'a Assembly,
+    extra: &'a [usize],
+    first: &'a target_engine::Generation,
+    sent: &'a str,
+}
+
 /// What decoding produced besides the answer's tokens.
 struct Decoded {
     g: target_engine::Generation,
@@ -1073,21 +1082,45 @@ impl Pipeline {
                 long: None,
             });
         }
-        let mut cache = out.cache;
-        let (mut g, mut spec, sent) = self.decode_guarded(
+        let BlendOutput {
+            mut cache,
+            logits,
+            reserve,
+            chunk_tokens,
+            ..
+        } = out;
+        let (mut g, mut spec, mut sent) = self.decode_guarded(
             q,
-            (&mut cache, out.logits),
+            (&mut cache, logits),
             drafter.as_mut(),
             &mut report,
             on_piece,
         )?;
-        g.prefill_ms = timings.prefill_ms;
         if !q.method.is_full() {
             report.min_margin = g.margins.iter().copied().reduce(f32::min);
             if report.fidelity == Fidelity::Balanced {
                 report.margin = Some(self.guard.margin_for(q.method));
             }
         }
+        let extra = self.second_look_tokens(&report, &reserve, chunk_tokens);
+        if extra > 0 {
+            let look = SecondLook {
+                asm,
+                extra: &reserve[..extra],
+                first: &g,
+                sent: &sent,
+            };
+            let again = (&mut cache, drafter.as_mut());
+            let (g2, sent2, more, ready) =
+                self.second_look(q, look, again, &mut report, on_piece)?;
+            spec.merge(&more);
+            if !report.escalated && g.ids.len() == 1 {
+                // The doubted token was the first: nothing was shown before the second look.
+                timings.ttft_ms += ready.duration_since(started).as_secs_f64() * 1e3;
+            }
+            (g, sent) = (g2, sent2);
+        }
+        g.prefill_ms = timings.prefill_ms;
         let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,
@@ -1125,6 +1158,84 @@ impl Pipeline {
         })
     }
 
+    /// How many of `reserve` a second look recomputes for a request the guard just stopped
+    /// (`report`): the policy's share of the `chunk_tokens`, where the guard doubted a token
+    /// (not a loop) and the selector ranked what it left; 0 otherwise.
+    fn second_look_tokens(&self, report: &GuardReport, reserve: &[usize], chunks: usize) -> usize {
+        if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
+            return 0;
+        }
+        target_engine::reuse::select::budget(self.guard.second_look, chunks).min(reserve.len())
+    }
+
+    /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in
+    /// `cache` (the question with them), then decoding restarted from that cache under the
+    /// guard with one more rule: each of the tokens the first decode chose (`look.first`, the
+    /// doubted one last) must be chosen again. The text the client holds (`look.sent`) is not
+    /// sent twice. Where every one is chosen again, decoding goes on from there and
+    /// `report.escalated` is cleared; where one is not, the request escalates with the first
+    /// decode's tokens and text; where the guard stops the decode later, with this one's.
+    /// Returns the generation and text to go on with, and when the recompute was done.
+    fn second_look(
+        &self,
+        q: &Query,
+        look: SecondLook<'_>,
+        (cache, drafter): (&mut KvCache, Option<&mut target_engine::Drafter<'_>>),
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(target_engine::Generation, String, SpecStats, Instant)> {
+        let SecondLook {
+            asm,
+            extra,
+            first,
+            sent,
+        } = look;
+        let t = Instant::now();
+        let mut blended = std::mem::replace(cache, self.engines.target.new_cache());
+        blended.truncate(asm.ids.len());
+        let out = self.engines.target.blend_prefill_on(asm, blended, extra)?;
+        let ready = Instant::now();
+        report.second_look = true;
+        report.second_look_tokens = extra.len();
+        report.second_look_ms = ms(t);
+        *report = GuardReport {
+            loop_detected: false,
+            uncertain: false,
+            escalated: false,
+            ..*report
+        };
+        *cache = out.cache;
+        // The client holds `sent`: the same tokens give the same text, which is not sent again.
+        let mut skip = sent.len();
+        let mut forward = |p: Piece<'_>| match p {
+            Piece::Token(t) if skip > 0 => {
+                let n = t.len().min(skip);
+                skip -= n;
+                match t.get(n..) {
+                    Some("") => true,
+                    Some(rest) => on_piece(Piece::Token(rest)),
+                    None => on_piece(Piece::Token(t)),
+                }
+            }
+            p => on_piece(p),
+        };
+        let mut disagreed = false;
+        let (g, spec, text) = self.decode_watched_as(
+            q,
+            (cache, out.logits),
+            drafter,
+            report,
+            (&first.ids, &mut disagreed),
+            &mut forward,
+        )?;
+        if disagreed {
+            report.escalated = true;
+            report.uncertain = true;
+            return Ok((first.clone(), sent.to_string(), spec, ready));
+        }
+        Ok((g, text, spec, ready))
+    }
+
     /// Whether `q`'s answer over a prompt of `prompt_tokens` drafts from the long-context
     /// view: greedy, not `verify` (which drafts from the blended cache against the full
     /// one), and the request's `long_context`, else the server's above its `min_tokens`.
@@ -1147,11 +1258,38 @@ impl Pipeline {
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, SpecStats, String)> {
+        let mut disagreed = false;
+        self.decode_watched_as(
+            q,
+            (cache, logits),
+            drafter,
+            report,
+            (&[], &mut disagreed),
+            on_piece,
+        )
+    }
+
+    /// [`Pipeline::decode_guarded`] where the first `agree.0.len()` tokens must be those ids
+    /// (a second look's; not held to the margin): the decode stops at the first that is not,
+    /// setting `agree.1`. The rest are held to the guard.
+    fn decode_watched_as(
+        &self,
+        q: &Query,
+        (cache, logits): (&mut KvCache, Vec<f32>),
+        drafter: Option<&mut target_engine::Drafter<'_>>,
+        report: &mut GuardReport,
+        (agree, disagreed): (&[u32], &mut bool),
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(target_engine::Generation, SpecStats, String)> {
         let guarded = report.fidelity == Fidelity::Balanced && !q.method.is_full();
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
         let (mut looped, mut uncertain) = (false, false);
         let mut watch = |ids: &[u32], gap: f32| {
+            if let Some(&want) = agree.get(ids.len() - 1) {
+                *disagreed = ids.last() != Some(&want);
+                return *disagreed;
+            }
             looped = guarded && detector.fires(ids);
             uncertain = guarded && policy.doubts(q.method, ids.len(), gap);
             looped || uncertain

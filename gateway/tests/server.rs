@@ -1606,6 +1606,7 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
         margin: Some(100.0),
         horizon: 1024,
+        ..gateway::fidelity::GuardPolicy::default()
     };
     let s = state(p, ServerConfig::default());
     let dir2 = tempfile::tempdir()?;
@@ -1613,6 +1614,7 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
         margin: Some(100.0),
         horizon: 0,
+        ..gateway::fidelity::GuardPolicy::default()
     };
     let blind = state(p, ServerConfig::default());
     let mut kept_rows = Vec::new();
@@ -1686,6 +1688,104 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
         let margin = got["reuse"]["guard"]["margin"].as_f64().map(|m| m as f32);
         assert_eq!(margin, Some(want), "{method}: {got}");
     }
+    Ok(())
+}
+
+/// A server whose guard doubts every token it watches (the first `horizon`), taking second
+/// looks at `share` more of the chunk tokens.
+fn doubting(
+    dir: &std::path::Path,
+    horizon: usize,
+    share: f64,
+) -> Result<AppState, Box<dyn std::error::Error>> {
+    let mut p = pipeline(dir)?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        margin: Some(100.0),
+        horizon,
+        second_look: share,
+    };
+    Ok(state(p, ServerConfig::default()))
+}
+
+/// The guard's second look: a doubted token sends the request to a cache with more chunk
+/// tokens recomputed, where the answer is decoded again. Where that decode chooses the same
+/// tokens it goes on (still guarded); where it does not, or the guard doubts again, the request
+/// escalates and answers as full recompute. Either way the client is sent each piece of text
+/// once: the streamed text is the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhere() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    // Every token watched: the second look's first new token is doubted again.
+    let every = doubting(dir.path(), 1024, 0.5)?;
+    let dir2 = tempfile::tempdir()?;
+    // Only the first token watched: what the second look confirms is kept.
+    let first = doubting(dir2.path(), 1, 0.5)?;
+    // Fewer tokens than a loop takes to be seen (these tiny models loop readily).
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
+    let (mut kept, mut escalated) = (0, 0);
+    for q in [
+        "the thin ant?",
+        "what is in the tin?",
+        "where is the antenna?",
+        "a lamp?",
+    ] {
+        let f = json!({"method": "full_recompute", "max_tokens": 8});
+        let (_, full, _) = send(&every, ask(q, f)).await;
+        let full: Value = serde_json::from_str(&full)?;
+        let (_, got, _) = send(&every, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], true, "{got}");
+        assert!(guard["second_look_tokens"].as_u64() > Some(0), "{got}");
+        assert_eq!(guard["escalated"], true, "{got}");
+        assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+        let (_, sse, _) = send(&every, ask(q, with(&m, "stream", json!(true)))).await;
+        assert_eq!(
+            shown_text(&sse),
+            full["answer"].as_str().unwrap_or(""),
+            "{q}"
+        );
+
+        let (_, fast, _) = send(&first, ask(q, with(&m, "fidelity", json!("fast")))).await;
+        let fast: Value = serde_json::from_str(&fast)?;
+        let (_, got, _) = send(&first, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], true, "{got}");
+        if guard["escalated"] == true {
+            escalated += 1;
+            assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+        } else {
+            kept += 1;
+            // The first token was chosen again: the answers share their first token's text.
+            let (a, b) = (got["answer"].as_str(), fast["answer"].as_str());
+            let (a, b) = (a.unwrap_or(""), b.unwrap_or(""));
+            assert!(
+                !a.is_empty() && a.chars().next() == b.chars().next(),
+                "{a:?} {b:?}"
+            );
+            assert_eq!(guard["uncertain"], false, "{got}");
+        }
+        let (_, sse, _) = send(&first, ask(q, with(&m, "stream", json!(true)))).await;
+        assert_eq!(
+            shown_text(&sse),
+            got["answer"].as_str().unwrap_or(""),
+            "{q}"
+        );
+    }
+    assert!(
+        kept > 0,
+        "no second look kept its answer ({escalated} escalated)"
+    );
+    // At ρ 0 the method ranked nothing it left: the request escalates at once.
+    let none = json!({"method": "target_probe", "recompute_ratio": 0.0});
+    let (_, got, _) = send(&first, ask("the thin ant?", none)).await;
+    let got: Value = serde_json::from_str(&got)?;
+    assert_eq!(got["reuse"]["guard"]["second_look"], false, "{got}");
+    assert_eq!(got["reuse"]["guard"]["escalated"], true, "{got}");
+    let (_, text, _) = send(&first, Request::get("/metrics").body(Body::empty())?).await;
+    let looks = "specrag_guard_second_looks_total{outcome=\"kept\"}";
+    assert_eq!(sample(&text, looks), Some(f64::from(2 * kept)), "{text}");
     Ok(())
 }
 

@@ -266,6 +266,7 @@ fn main() -> Res<()> {
         chunk_tokens: 0,
         select_ms: 0.0,
         signals: Default::default(),
+        reserve: Vec::new(),
     };
     let mut runs = vec![decode(&m, "full", full, max_tokens)?];
     let reuse = m.blend_prefill(&asm, &prefix, &refs, &more)?;

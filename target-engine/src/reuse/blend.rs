@@ -32,6 +32,10 @@ pub struct BlendOutput {
     /// What the blend saw of its own error, free per request (the fidelity guard's candidate
     /// signals; docs/fidelity-guard.md measures them).
     pub signals: BlendSignals,
+    /// The candidates left to reuse, best first as the selector ranked them, for a second
+    /// look that recomputes more ([`Blend::blend_prefill_on`] over this cache with the first
+    /// of them); empty where the selector ranks nothing.
+    pub reserve: Vec<usize>,
 }
 
 /// Per-request quantities a blended prefill knows without a full prefill. Each is 0 where it
@@ -263,6 +267,7 @@ impl Blend for Model {
                 deviation_v,
                 uncovered: 0.0,
             },
+            reserve: Vec::new(),
         })
     }
 
@@ -495,6 +500,7 @@ impl Model {
             chunk_tokens,
             select_ms: 0.0,
             signals: BlendSignals::default(),
+            reserve: Vec::new(),
         })
     }
 

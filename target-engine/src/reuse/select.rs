@@ -239,6 +239,7 @@ impl Selector for FullRecompute {
             recomputed,
             select_ms: 0.0,
             signals: Default::default(),
+            reserve: Vec::new(),
         })
     }
 }
@@ -361,6 +362,21 @@ pub fn top_k(
         }
     }
     (0..asm.ids.len()).filter(|&p| chosen[p]).collect()
+}
+
+/// The `candidates` not in `picked`, highest `score` first (ties: earlier first): what a
+/// second look recomputes next.
+pub fn ranked_rest(
+    candidates: &[usize],
+    picked: &[usize],
+    score: impl Fn(usize) -> f32,
+) -> Vec<usize> {
+    let end = candidates.iter().chain(picked).max().map_or(0, |&p| p + 1);
+    let mut taken = vec![false; end];
+    picked.iter().for_each(|&p| taken[p] = true);
+    let mut rest: Vec<usize> = candidates.iter().copied().filter(|&p| !taken[p]).collect();
+    rest.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+    rest
 }
 
 /// Layers `from_depth × n_layer .. n_layer` (at least the last one).
@@ -554,6 +570,7 @@ impl Selector for TargetProbe {
         let t = Instant::now();
         let (model, asm) = (input.model, input.assembly);
         let mut cache = input.fused()?;
+        let mut reserve = Vec::new();
         let (picked, uncovered) = match input.spend() {
             0 => (Vec::new(), 0.0),
             k => {
@@ -578,6 +595,7 @@ impl Selector for TargetProbe {
                 } else {
                     0.0
                 };
+                reserve = ranked_rest(&candidates, &picked, &score);
                 (picked, uncovered)
             }
         };
@@ -599,6 +617,7 @@ impl Selector for TargetProbe {
         };
         out.select_ms = select_ms;
         out.signals.uncovered = uncovered;
+        out.reserve = reserve;
         Ok(out)
     }
 }
@@ -646,6 +665,16 @@ impl Selector for Oracle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_reserve_is_what_the_top_k_left_best_first() {
+        let score = |p: usize| [0.1, 0.9, 0.5, 0.5, 0.7, 0.0][p];
+        assert_eq!(
+            ranked_rest(&[0, 1, 2, 3, 4, 5], &[1, 4], score),
+            vec![2, 3, 0, 5]
+        );
+        assert!(ranked_rest(&[2, 3], &[2, 3], score).is_empty());
+    }
 
     #[test]
     fn even_shares_give_what_short_groups_cannot_use_to_the_others() {

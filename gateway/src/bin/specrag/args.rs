@@ -336,6 +336,13 @@ pub struct GuardArgs {
     /// throughout).
     #[arg(long, env = "SPECRAG_GUARD_HORIZON", default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
     pub guard_horizon: usize,
+    /// Before escalating for a doubted token, recompute this share of the chunk tokens more
+    /// (the next the method ranked) and decode again: where that cache chooses the same
+    /// tokens, the answer goes on from it, still guarded; where not, the request escalates
+    /// (0: escalate at once). Between 0 and 1.
+    #[arg(long, env = "SPECRAG_GUARD_SECOND_LOOK", value_parser = parse_ratio,
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_SECOND_LOOK)]
+    pub guard_second_look: f64,
 }
 
 impl GuardArgs {
@@ -344,6 +351,7 @@ impl GuardArgs {
         gateway::fidelity::GuardPolicy {
             margin: self.guard_margin,
             horizon: self.guard_horizon,
+            second_look: self.guard_second_look,
         }
     }
 }
