@@ -9,7 +9,9 @@ dataset and pooled: the share of requests escalated, identity with full recomput
 recompute's only where full recompute's logit for its token was less than NEAR_TIE above the
 other answer's: the bound the engine's fixtures and GPU parity checks hold kernels to; rows
 record it as `split`), the median time to first token and the mean request time over full
-recompute's, and the escalated requests' median and worst time over full recompute's. Then
+recompute's, the escalated requests' median and worst time over full recompute's, and the
+second looks the guard took (`guard.second_look`), how many kept their answer and what those
+requests cost over full recompute's. Then
 every answer that differs: where it splits, full recompute's gap there, whether the guard
 escalated, and its smallest top-2 gap. Last, identity split by whether full recompute's own
 answer is right, and each configuration's right answers against full recompute's on the same
@@ -50,10 +52,14 @@ def line(label, ds, pairs):
     lo, hi = wilson(ident, n)
     nlo, nhi = wilson(near, n)
     worst = f"{statistics.median(et):.2f}, {max(et):.2f}" if et else "-"
+    looks = [(r, f) for r, f in pairs if (r.get("guard") or {}).get("second_look")]
+    kept = [r["timings"]["total_ms"] / f["timings"]["total_ms"] for r, f in looks if not escalated(r)]
+    kept_cost = f"{statistics.median(kept):.2f}, {max(kept):.2f}" if kept else "-"
     print(
-        f"| {label} | {ds} | {n} | {len(esc) / n:.0%} | {ident / n:.0%} [{100 * lo:.0f}, {100 * hi:.0f}] "
+        f"| {label} | {ds} | {n} | {len(esc) / n:.0%} | {len(looks)} ({len(kept)}) "
+        f"| {ident / n:.0%} [{100 * lo:.0f}, {100 * hi:.0f}] "
         f"| {near / n:.0%} [{100 * nlo:.0f}, {100 * nhi:.0f}] | {statistics.median(ttft):.2f} "
-        f"| {statistics.mean(total):.3f} | {worst} |"
+        f"| {statistics.mean(total):.3f} | {worst} | {kept_cost} |"
     )
 
 
@@ -63,10 +69,11 @@ def main():
     cases = read_cases(sys.argv[1:])
     labels = sorted({l for c in cases.values() for l in c if l != "full_recompute"})
     print(
-        "| configuration | dataset | cases | escalated | identical | identical or a near-tie split "
-        "| median TTFT ÷ full | mean request ÷ full | escalated ÷ full: median, worst |"
+        "| configuration | dataset | cases | escalated | second looks (kept) | identical "
+        "| identical or a near-tie split | median TTFT ÷ full | mean request ÷ full "
+        "| escalated ÷ full: median, worst | kept after a second look ÷ full: median, worst |"
     )
-    print("|---|---|---:|---:|---|---|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---|---|---:|---:|---|---|")
     each_slice(cases, labels, line)
     print()
     for label in labels:

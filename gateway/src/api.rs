@@ -167,10 +167,11 @@ pub struct QueryRequest {
     pub verify: Option<bool>,
     /// How much quality the answer may trade for speed (default: the server's
     /// `--fidelity`, `balanced` unless set): `fast` reuses as the method selects, unguarded;
-    /// `balanced` guards the decode (a decode from the reused cache that falls into a loop, or
-    /// chooses a token by a top-2 logit gap under the server's `--guard-margin`, moves to the
-    /// full cache and answers as full recompute; `reuse.guard` says what happened); `exact` is
-    /// `verify: true`.
+    /// `balanced` guards the decode (a decode from the reused cache that chooses a token by a
+    /// top-2 logit gap under the server's `--guard-margin` is decoded again with more chunk
+    /// tokens recomputed and goes on where that chooses the same tokens; one that falls into
+    /// a loop, or that this does not confirm, moves to the full cache and answers as full
+    /// recompute; `reuse.guard` says what happened); `exact` is `verify: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fidelity: Option<crate::fidelity::Fidelity>,
     /// Speculative decoding (default: the server's `--spec-decode`): a drafter (`spec_draft`)

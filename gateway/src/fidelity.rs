@@ -6,7 +6,10 @@
 //! a loop (a run of [`target_engine::decode::repetition::DEFAULT_LOOP_TOKENS`] tokens repeated, as
 //! the README's demo question did under reuse and not under full recompute), and a token
 //! chosen by a top-2 logit gap under [`GuardPolicy::margin`] (where reuse's small change to
-//! the logits can flip greedy's choice; docs/fidelity-guard.md measures it). When one fires,
+//! the logits can flip greedy's choice; docs/fidelity-guard.md measures it). A doubted token
+//! first gets a second look ([`GuardPolicy::second_look`]): a share more of the chunk tokens
+//! recomputed and the answer decoded again from that cache; where it chooses the same
+//! tokens, decoding goes on from it, still guarded. When a loop is seen, or the second look chooses otherwise or doubts again,
 //! the full prefill of the same prompt is computed, the tokens decoded so far are checked
 //! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
 //! answer is the full-recompute answer and the user never sees a loop full recompute would
@@ -33,9 +36,11 @@ use serde::{Deserialize, Serialize};
 pub enum Fidelity {
     /// Reuse as the method selects; no guard.
     Fast,
-    /// Reuse, guarded: a decode that falls into a loop, or chooses a token by a top-2 logit
-    /// gap under the guard's margin, moves to the full cache and answers as full recompute
-    /// would (the default).
+    /// Reuse, guarded: a decode that chooses a token by a top-2 logit gap under the guard's
+    /// margin is decoded again with more chunk tokens recomputed, and goes on from there where
+    /// that chooses the same tokens; one that falls into a loop, or that the second look does
+    /// not confirm, moves to the full cache and answers as full recompute would (the
+    /// default).
     #[default]
     Balanced,
     /// Verified decoding: token for token the full-recompute answer (`verify: true`).

@@ -1102,6 +1102,8 @@ impl Pipeline {
                 report.margin = Some(self.guard.margin_for(q.method));
             }
         }
+        // Rows an escalation keeps as full prefill's stay as they are.
+        let reserve: Vec<usize> = reserve.into_iter().filter(|&p| p >= exact_rows).collect();
         let extra = self.second_look_tokens(&report, &reserve, chunk_tokens);
         if extra > 0 {
             let look = SecondLook {

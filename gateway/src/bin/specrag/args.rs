@@ -147,9 +147,10 @@ pub struct ServeArgs {
     #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
     pub chunk_order: gateway::pipeline::ChunkOrder,
     /// Fidelity of requests that do not say (`fidelity` in the API): `fast` (reuse as the method selects),
-    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop or
-    /// chooses a token by a logit gap under --guard-margin moves to the full cache and answers
-    /// as full recompute would) or `exact` (= --verify).
+    /// `balanced` (the fidelity guard: a decode from the reused cache that chooses a token by a
+    /// logit gap under --guard-margin is decoded again with --guard-second-look more of the
+    /// chunk tokens recomputed; one that falls into a loop, or that this does not confirm,
+    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
     /// Recompute ratio ρ of requests that do not say (`recompute_ratio` in the API): the share
@@ -253,9 +254,10 @@ pub struct QueryArgs {
     #[arg(long)]
     pub verify: bool,
     /// How much quality the answer may trade for speed: `fast` (reuse as the method selects),
-    /// `balanced` (the fidelity guard: a decode from the reused cache that falls into a loop or
-    /// chooses a token by a logit gap under --guard-margin moves to the full cache and answers
-    /// as full recompute would) or `exact` (= --verify).
+    /// `balanced` (the fidelity guard: a decode from the reused cache that chooses a token by a
+    /// logit gap under --guard-margin is decoded again with --guard-second-look more of the
+    /// chunk tokens recomputed; one that falls into a loop, or that this does not confirm,
+    /// moves to the full cache and answers as full recompute would) or `exact` (= --verify).
     #[arg(long, env = "SPECRAG_FIDELITY", value_enum, default_value_t = gateway::fidelity::Fidelity::Balanced)]
     pub fidelity: gateway::fidelity::Fidelity,
     #[command(flatten)]
