@@ -341,6 +341,18 @@ struct SecondLook<'a> {
     sent: &'a str,
 }
 
+/// What the guard's second look needs of the blend besides its cache: the prompt, the chunk
+/// tokens the selector ranked but left, the leading rows an escalation keeps, how many chunk
+/// tokens there are, and when decoding started (for the time to first token it may add to).
+struct LookAgain<'a> {
+    asm: &'a Assembly,
+    reserve: Vec<usize>,
+    exact_rows: usize,
+    chunk_tokens: usize,
+    started: Instant,
+    timings: &'a mut Timings,
+}
+
 /// What decoding produced besides the answer's tokens.
 struct Decoded {
     g: target_engine::Generation,
@@ -1082,74 +1094,49 @@ impl Pipeline {
                 long: None,
             });
         }
-        let BlendOutput {
-            mut cache,
-            logits,
-            reserve,
-            chunk_tokens,
-            ..
-        } = out;
+        let mut cache = out.cache;
         let (mut g, mut spec, mut sent) = self.decode_guarded(
             q,
-            (&mut cache, logits),
+            (&mut cache, out.logits),
             drafter.as_mut(),
             &mut report,
             on_piece,
         )?;
-        if !q.method.is_full() {
-            report.min_margin = g.margins.iter().copied().reduce(f32::min);
-            if report.fidelity == Fidelity::Balanced {
-                report.margin = Some(self.guard.margin_for(q.method));
-            }
-        }
-        // Rows an escalation keeps as full prefill's stay as they are.
-        let reserve: Vec<usize> = reserve.into_iter().filter(|&p| p >= exact_rows).collect();
-        let extra = self.second_look_tokens(&report, &reserve, chunk_tokens);
-        if extra > 0 {
-            let look = SecondLook {
-                asm,
-                extra: &reserve[..extra],
-                first: &g,
-                sent: &sent,
-            };
-            let again = (&mut cache, drafter.as_mut());
-            let (g2, sent2, more, ready) =
-                self.second_look(q, look, again, &mut report, on_piece)?;
-            spec.merge(&more);
-            if !report.escalated && g.ids.len() == 1 {
-                // The doubted token was the first: nothing was shown before the second look.
-                timings.ttft_ms += ready.duration_since(started).as_secs_f64() * 1e3;
-            }
-            (g, sent) = (g2, sent2);
-        }
+        self.note_margins(q, &g, &mut report);
+        let look = LookAgain {
+            asm,
+            reserve: out.reserve,
+            exact_rows,
+            chunk_tokens: out.chunk_tokens,
+            started,
+            timings: &mut *timings,
+        };
+        let again = (&mut cache, drafter.as_mut());
+        let decoded = (&mut g, &mut sent, &mut spec);
+        self.look_again_if_doubted(q, (look, again), decoded, &mut report, on_piece)?;
         g.prefill_ms = timings.prefill_ms;
         let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
             first_commit_ms: timings.ttft_ms,
             ..Default::default()
         });
-        if !report.escalated {
-            return Ok(Decoded {
-                g,
-                verify,
-                guard: report,
-                long: long_of(&spec),
-                spec: spec_of(&drafter, spec),
-            });
-        }
-        let moved = Escalation {
-            prompt: &asm.ids,
-            generated: &g.ids,
-            shown: &sent,
-            reused: cache,
-            exact_rows,
-        };
-        let (g, ready, more) = self.escalate(q, moved, drafter.as_mut(), &mut report, on_piece)?;
-        spec.merge(&more);
-        // Every token shown so far withdrawn: the answer's first token is the full cache's, so
-        // time to first token runs until that cache was ready.
-        if let Some(r) = ready.filter(|_| report.kept_tokens == 0) {
-            timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
+        if report.escalated {
+            let moved = Escalation {
+                prompt: &asm.ids,
+                generated: &g.ids,
+                shown: &sent,
+                reused: cache,
+                exact_rows,
+            };
+            let (full, ready, more) =
+                self.escalate(q, moved, drafter.as_mut(), &mut report, on_piece)?;
+            spec.merge(&more);
+            g = full;
+            // Every token shown so far withdrawn: the answer's first token is the full
+            // cache's, so time to first token runs until that cache was ready.
+            if let Some(r) = ready.filter(|_| report.kept_tokens == 0) {
+                timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
+            }
         }
         Ok(Decoded {
             g,
@@ -1158,6 +1145,60 @@ impl Pipeline {
             long: long_of(&spec),
             spec: spec_of(&drafter, spec),
         })
+    }
+
+    /// What the guard saw of the first decode (`g`): the smallest top-2 gap, and for
+    /// `balanced` requests the margin it was held to (methods that reuse nothing: none).
+    fn note_margins(&self, q: &Query, g: &target_engine::Generation, report: &mut GuardReport) {
+        if !q.method.is_full() {
+            report.min_margin = g.margins.iter().copied().reduce(f32::min);
+            if report.fidelity == Fidelity::Balanced {
+                report.margin = Some(self.guard.margin_for(q.method));
+            }
+        }
+    }
+
+    /// The guard's second look ([`Pipeline::second_look`]) where it doubted a token of the
+    /// first decode (`decoded`: the generation, the text sent and the drafts), on `cache`:
+    /// `decoded` becomes what decoding goes on with, and the time to first token gains the
+    /// recompute where the doubted token was the first and the look kept it. Nothing where
+    /// the guard did not doubt a token or the selector ranked nothing it left.
+    fn look_again_if_doubted(
+        &self,
+        q: &Query,
+        (look, (cache, drafter)): (
+            LookAgain<'_>,
+            (&mut KvCache, Option<&mut target_engine::Drafter<'_>>),
+        ),
+        (g, sent, spec): (&mut target_engine::Generation, &mut String, &mut SpecStats),
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<()> {
+        // Rows an escalation keeps as full prefill's stay as they are.
+        let reserve: Vec<usize> = look
+            .reserve
+            .into_iter()
+            .filter(|&p| p >= look.exact_rows)
+            .collect();
+        let extra = self.second_look_tokens(report, &reserve, look.chunk_tokens);
+        if extra == 0 {
+            return Ok(());
+        }
+        let second = SecondLook {
+            asm: look.asm,
+            extra: &reserve[..extra],
+            first: g,
+            sent,
+        };
+        let (g2, sent2, more, ready) =
+            self.second_look(q, second, (cache, drafter), report, on_piece)?;
+        spec.merge(&more);
+        if !report.escalated && g.ids.len() == 1 {
+            // The doubted token was the first: nothing was shown before the second look.
+            look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
+        }
+        (*g, *sent) = (g2, sent2);
+        Ok(())
     }
 
     /// How many of `reserve` a second look recomputes for a request the guard just stopped
@@ -1224,8 +1265,7 @@ impl Pipeline {
         let mut disagreed = false;
         let (g, spec, text) = self.decode_watched_as(
             q,
-            (cache, out.logits),
-            drafter,
+            (cache, out.logits, drafter),
             report,
             (&first.ids, &mut disagreed),
             &mut forward,
@@ -1263,8 +1303,7 @@ impl Pipeline {
         let mut disagreed = false;
         self.decode_watched_as(
             q,
-            (cache, logits),
-            drafter,
+            (cache, logits, drafter),
             report,
             (&[], &mut disagreed),
             on_piece,
@@ -1277,8 +1316,11 @@ impl Pipeline {
     fn decode_watched_as(
         &self,
         q: &Query,
-        (cache, logits): (&mut KvCache, Vec<f32>),
-        drafter: Option<&mut target_engine::Drafter<'_>>,
+        (cache, logits, drafter): (
+            &mut KvCache,
+            Vec<f32>,
+            Option<&mut target_engine::Drafter<'_>>,
+        ),
         report: &mut GuardReport,
         (agree, disagreed): (&[u32], &mut bool),
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,

@@ -595,7 +595,7 @@ impl Selector for TargetProbe {
                 } else {
                     0.0
                 };
-                reserve = ranked_rest(&candidates, &picked, &score);
+                reserve = ranked_rest(&candidates, &picked, score);
                 (picked, uncovered)
             }
         };
