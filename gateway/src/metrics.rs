@@ -125,25 +125,25 @@ fn describe_guard() {
     describe_counter!(
         GUARD,
         "Answers by fidelity and what the guard did (kept: answered from the reused \
-             cache; loop, uncertain: moved to the full cache because the decode looped or a \
-             token's margin fell below --guard-margin)."
+         cache; loop, uncertain: moved to the full cache because the decode looped or a \
+         token's margin fell below --guard-margin)."
     );
     describe_histogram!(
         GUARD_PREFILL,
         "The full prefill each escalated answer ran, by fidelity (0 when the \
-             exact-context cache held it): what the guard added to requests' time; \
-             _count is the number of escalations."
+         exact-context cache held it): what the guard added to requests' time; \
+         _count is the number of escalations."
     );
     describe_counter!(
         GUARD_WITHDRAWN,
         "Tokens decoded from the reused cache, shown or held, that an escalation \
-             withdrew because the full cache disagreed."
+         withdrew because the full cache disagreed."
     );
     describe_counter!(
         GUARD_SECOND_LOOK,
         "Second looks the guard took at a doubted token (more chunk tokens \
-             recomputed, the answer so far decoded again), by outcome: kept (the same \
-             tokens chosen again, decoding went on from that cache) or escalated."
+         recomputed, the answer so far decoded again), by outcome: kept (the same \
+         tokens chosen again, decoding went on from that cache) or escalated."
     );
 }
 

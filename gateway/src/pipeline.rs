@@ -1174,19 +1174,14 @@ impl Pipeline {
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<()> {
-        // Rows an escalation keeps as full prefill's stay as they are.
-        let reserve: Vec<usize> = look
-            .reserve
-            .into_iter()
-            .filter(|&p| p >= look.exact_rows)
-            .collect();
-        let extra = self.second_look_tokens(report, &reserve, look.chunk_tokens);
-        if extra == 0 {
+        let extra =
+            self.second_look_picks(report, look.reserve, look.exact_rows, look.chunk_tokens);
+        if extra.is_empty() {
             return Ok(());
         }
         let second = SecondLook {
             asm: look.asm,
-            extra: &reserve[..extra],
+            extra: &extra,
             first: g,
             sent,
         };
@@ -1201,14 +1196,26 @@ impl Pipeline {
         Ok(())
     }
 
-    /// How many of `reserve` a second look recomputes for a request the guard just stopped
-    /// (`report`): the policy's share of the `chunk_tokens`, where the guard doubted a token
-    /// (not a loop) and the selector ranked what it left; 0 otherwise.
-    fn second_look_tokens(&self, report: &GuardReport, reserve: &[usize], chunks: usize) -> usize {
+    /// The chunk tokens a second look recomputes for a request the guard just stopped
+    /// (`report`): the first of `reserve` (best first) at or after `exact_rows` (rows an
+    /// escalation keeps as full prefill's stay as they are), the policy's share of the
+    /// `chunks` tokens, where the guard doubted a token (not a loop); none otherwise.
+    fn second_look_picks(
+        &self,
+        report: &GuardReport,
+        reserve: Vec<usize>,
+        exact_rows: usize,
+        chunks: usize,
+    ) -> Vec<usize> {
         if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
-            return 0;
+            return Vec::new();
         }
-        target_engine::reuse::select::budget(self.guard.second_look, chunks).min(reserve.len())
+        let budget = target_engine::reuse::select::budget(self.guard.second_look, chunks);
+        reserve
+            .into_iter()
+            .filter(|&p| p >= exact_rows)
+            .take(budget)
+            .collect()
     }
 
     /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in
