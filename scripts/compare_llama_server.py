@@ -31,7 +31,10 @@ second run over the same OUT (other configurations, one engine) starts at once.
 Needs `cargo build --release -p gateway --bin specrag`, the default models in `models/` and
 llama-server (Python's standard library is enough otherwise), built from the vendored sources of
 the `llama-cpp-python` sdist: in `vendor/llama.cpp`, `cmake -B build -DGGML_NATIVE=ON
--DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server -j2` (~25 min on 2 cores).
+-DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server -j2` (~10-25 min on 2 cores).
+On a CPU with AMX add `-DCMAKE_C_FLAGS="-mno-amx-int8 -mno-amx-tile"` and the same
+`-DCMAKE_CXX_FLAGS`: that build's AMX matmul segfaulted in llama-server's warmup on a 2-core
+Xeon with AMX (0.3.36, Q4_K_M), and specrag has no AMX kernels to compare it with.
 """
 import argparse
 import glob
