@@ -170,6 +170,10 @@ struct Args {
     /// serve --guard-second-look`; 0: escalate at once).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_SECOND_LOOK)]
     guard_second_look: f64,
+    /// The gap a second look must choose the doubted token by for `:balanced` study
+    /// configurations (as `specrag serve --guard-confirm-gap`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
+    guard_confirm_gap: f32,
     /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
     /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
     /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens (a

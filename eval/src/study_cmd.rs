@@ -77,6 +77,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
         margin: args.guard_margin,
         horizon: args.guard_horizon,
         second_look: args.guard_second_look,
+        confirm_gap: args.guard_confirm_gap,
     };
     Ok(pipeline)
 }

@@ -129,6 +129,10 @@ pub struct GuardPolicy {
     /// where it does not, the request escalates (0: escalate at once). A selector that ranks
     /// nothing, or a request drafting its tokens, escalates at once.
     pub second_look: f64,
+    /// The top-2 gap the second look must choose the doubted token by to keep it: a look
+    /// that chooses the same token by less is as undecided as the first decode and
+    /// escalates (0: the same token is enough).
+    pub confirm_gap: f32,
 }
 
 /// The margin of methods without one of their own ([`default_margin`]): the point of
@@ -146,6 +150,11 @@ pub const DEFAULT_GUARD_HORIZON: usize = 1024;
 /// differ from the default's own, so agreement there says the doubted token was the model's
 /// own uncertainty rather than reuse's (docs/fidelity-guard.md, *A second look*).
 pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
+/// The default [`GuardPolicy::confirm_gap`]: on the docs questions the second look was
+/// chosen on, the smallest gap that escalates the one kept answer full recompute did not
+/// give (its look chose the doubted token by 0.099), at two needless escalations in 40
+/// (docs/fidelity-guard.md, *A second look*).
+pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
 
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.
 pub fn default_margin(method: crate::method::Method) -> f32 {
@@ -161,6 +170,7 @@ impl Default for GuardPolicy {
             margin: None,
             horizon: DEFAULT_GUARD_HORIZON,
             second_look: DEFAULT_GUARD_SECOND_LOOK,
+            confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
         }
     }
 }
@@ -175,6 +185,12 @@ impl GuardPolicy {
     /// top-2 gap `gap`, is too uncertain to keep decoding from the reused cache.
     pub fn doubts(&self, method: crate::method::Method, n: usize, gap: f32) -> bool {
         n <= self.horizon && gap < self.margin_for(method)
+    }
+
+    /// Whether a second look that chose the doubted token again, by top-2 gap `gap`, keeps
+    /// it.
+    pub fn confirms(&self, gap: f32) -> bool {
+        gap >= self.confirm_gap
     }
 }
 
@@ -206,6 +222,7 @@ mod tests {
             margin: Some(1.5),
             horizon: 4,
             second_look: 0.0,
+            confirm_gap: 0.0,
         };
         assert!(p.doubts(m, 1, 1.0));
         assert!(p.doubts(m, 4, 1.49));
@@ -219,8 +236,21 @@ mod tests {
             margin: Some(0.0),
             horizon: usize::MAX,
             second_look: 0.0,
+            confirm_gap: 0.0,
         };
         assert!(!off.doubts(m, 1, 0.0));
+    }
+
+    #[test]
+    fn a_second_look_confirms_only_by_the_confirm_gap() {
+        let p = GuardPolicy::default();
+        assert!(!p.confirms(DEFAULT_GUARD_CONFIRM_GAP - 0.01));
+        assert!(p.confirms(DEFAULT_GUARD_CONFIRM_GAP));
+        let any = GuardPolicy {
+            confirm_gap: 0.0,
+            ..p
+        };
+        assert!(any.confirms(0.0), "0: the same token is enough");
     }
 
     #[test]

@@ -1221,8 +1221,9 @@ impl Pipeline {
     /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in
     /// `cache` (the question with them), then decoding restarted from that cache under the
     /// guard with one more rule: each of the tokens the first decode chose (`look.first`, the
-    /// doubted one last) must be chosen again. The text the client holds (`look.sent`) is not
-    /// sent twice. Where every one is chosen again, decoding goes on from there and
+    /// doubted one last) must be chosen again, the doubted one by at least the policy's
+    /// [`confirm_gap`](crate::fidelity::GuardPolicy::confirm_gap). The text the client holds
+    /// (`look.sent`) is not sent twice. Where every one is chosen again, decoding goes on from there and
     /// `report.escalated` is cleared; where one is not, the request escalates with the first
     /// decode's tokens and text; where the guard stops the decode later, with this one's.
     /// Returns the generation and text to go on with, and when the recompute was done.
@@ -1318,8 +1319,9 @@ impl Pipeline {
     }
 
     /// [`Pipeline::decode_guarded`] where the first `agree.0.len()` tokens must be those ids
-    /// (a second look's; not held to the margin): the decode stops at the first that is not,
-    /// setting `agree.1`. The rest are held to the guard.
+    /// (a second look's; not held to the margin, the last held to the confirm gap): the
+    /// decode stops at the first that is not, setting `agree.1`. The rest are held to the
+    /// guard.
     fn decode_watched_as(
         &self,
         q: &Query,
@@ -1338,7 +1340,9 @@ impl Pipeline {
         let (mut looped, mut uncertain) = (false, false);
         let mut watch = |ids: &[u32], gap: f32| {
             if let Some(&want) = agree.get(ids.len() - 1) {
-                *disagreed = ids.last() != Some(&want);
+                // The doubted token (the last to agree on) must be chosen decidedly.
+                let doubted = ids.len() == agree.len();
+                *disagreed = ids.last() != Some(&want) || (doubted && !policy.confirms(gap));
                 return *disagreed;
             }
             looped = guarded && detector.fires(ids);

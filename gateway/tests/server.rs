@@ -1692,17 +1692,18 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
 }
 
 /// A server whose guard doubts every token it watches (the first `horizon`), taking second
-/// looks at `share` more of the chunk tokens.
+/// looks at `share` more of the chunk tokens that keep a doubted token chosen by `confirm`.
 fn doubting(
     dir: &std::path::Path,
     horizon: usize,
-    share: f64,
+    (share, confirm): (f64, f32),
 ) -> Result<AppState, Box<dyn std::error::Error>> {
     let mut p = pipeline(dir)?;
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
         margin: Some(100.0),
         horizon,
         second_look: share,
+        confirm_gap: confirm,
     };
     Ok(state(p, ServerConfig::default()))
 }
@@ -1716,10 +1717,13 @@ fn doubting(
 async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhere() -> TestResult {
     let dir = tempfile::tempdir()?;
     // Every token watched: the second look's first new token is doubted again.
-    let every = doubting(dir.path(), 1024, 0.5)?;
+    let every = doubting(dir.path(), 1024, (0.5, 0.0))?;
     let dir2 = tempfile::tempdir()?;
     // Only the first token watched: what the second look confirms is kept.
-    let first = doubting(dir2.path(), 1, 0.5)?;
+    let first = doubting(dir2.path(), 1, (0.5, 0.0))?;
+    let dir3 = tempfile::tempdir()?;
+    // The same, but no look chooses a token by a gap of 100: none confirms.
+    let unsure = doubting(dir3.path(), 1, (0.5, 100.0))?;
     // Fewer tokens than a loop takes to be seen (these tiny models loop readily).
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
     let (mut kept, mut escalated) = (0, 0);
@@ -1772,6 +1776,13 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
             got["answer"].as_str().unwrap_or(""),
             "{q}"
         );
+
+        let (_, got, _) = send(&unsure, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], true, "{got}");
+        assert_eq!(guard["escalated"], true, "{q}: an unsure look kept {got}");
+        assert_eq!(got["answer"], full["answer"], "{q}: {got}");
     }
     assert!(
         kept > 0,

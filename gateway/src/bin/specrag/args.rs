@@ -345,6 +345,12 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_SECOND_LOOK", value_parser = parse_ratio,
           default_value_t = gateway::fidelity::DEFAULT_GUARD_SECOND_LOOK)]
     pub guard_second_look: f64,
+    /// Keep what a second look chose only where it chose the doubted token by at least this
+    /// top-2 logit gap; a look as undecided as the first decode escalates (0: the same token
+    /// is enough).
+    #[arg(long, env = "SPECRAG_GUARD_CONFIRM_GAP", value_parser = parse_margin,
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
+    pub guard_confirm_gap: f32,
 }
 
 impl GuardArgs {
@@ -354,6 +360,7 @@ impl GuardArgs {
             margin: self.guard_margin,
             horizon: self.guard_horizon,
             second_look: self.guard_second_look,
+            confirm_gap: self.guard_confirm_gap,
         }
     }
 }
