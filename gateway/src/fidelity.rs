@@ -9,7 +9,8 @@
 //! the logits can flip greedy's choice; docs/fidelity-guard.md measures it). A doubted token
 //! first gets a second look ([`GuardPolicy::second_look`]): a share more of the chunk tokens
 //! recomputed and the answer decoded again from that cache; where it chooses the same
-//! tokens, decoding goes on from it, still guarded. When a loop is seen, or the second look chooses otherwise or doubts again,
+//! tokens (the doubted one by at least [`GuardPolicy::confirm_gap`]), decoding goes on from
+//! it, still guarded. When a loop is seen, or the second look chooses otherwise or doubts again,
 //! the full prefill of the same prompt is computed, the tokens decoded so far are checked
 //! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
 //! answer is the full-recompute answer and the user never sees a loop full recompute would
