@@ -154,7 +154,7 @@ pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 /// The default [`GuardPolicy::confirm_gap`]: on the docs questions the second look was
 /// chosen on, the smallest gap that escalates the one kept answer full recompute did not
 /// give (its look chose the doubted token by 0.099), at two needless escalations in 40
-/// (docs/fidelity-guard.md, *A second look*).
+/// (docs/fidelity-guard.md, *Ninety more held-out questions*).
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
 
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.

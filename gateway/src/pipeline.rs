@@ -1223,9 +1223,10 @@ impl Pipeline {
     /// guard with one more rule: each of the tokens the first decode chose (`look.first`, the
     /// doubted one last) must be chosen again, the doubted one by at least the policy's
     /// [`confirm_gap`](crate::fidelity::GuardPolicy::confirm_gap). The text the client holds
-    /// (`look.sent`) is not sent twice. Where every one is chosen again, decoding goes on from there and
-    /// `report.escalated` is cleared; where one is not, the request escalates with the first
-    /// decode's tokens and text; where the guard stops the decode later, with this one's.
+    /// (`look.sent`) is not sent twice. Where every one is chosen again, decoding goes on
+    /// from there and `report.escalated` is cleared; where one is not, the request escalates
+    /// with the first decode's tokens and text; where the guard stops the decode later, with
+    /// this one's.
     /// Returns the generation and text to go on with, and when the recompute was done.
     fn second_look(
         &self,
