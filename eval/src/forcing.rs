@@ -16,6 +16,8 @@ pub struct Knobs {
     pub keep_prefill: bool,
     /// Measure the blend's deviation signals (the fidelity study records them).
     pub blend_signals: bool,
+    /// Which chunk tokens the guard's second look recomputes (`None`: the pipeline's).
+    pub look: Option<gateway::fidelity::LookRows>,
 }
 
 impl Experiment for Knobs {
@@ -36,6 +38,9 @@ impl Experiment for Knobs {
     }
     fn blend_signals(&self) -> bool {
         self.blend_signals
+    }
+    fn look(&self) -> Option<gateway::fidelity::LookRows> {
+        self.look
     }
 }
 

@@ -174,6 +174,10 @@ struct Args {
     /// configurations (as `specrag serve --guard-confirm-gap`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
     guard_confirm_gap: f32,
+    /// Which chunk tokens the second look recomputes for `:balanced` study configurations
+    /// that do not name one (as `specrag serve --guard-look`).
+    #[arg(long, value_enum, default_value_t = gateway::fidelity::LookRows::default())]
+    guard_look: gateway::fidelity::LookRows,
     /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
     /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
     /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens (a

@@ -134,6 +134,45 @@ pub struct GuardPolicy {
     /// that chooses the same token by less is as undecided as the first decode and
     /// escalates (0: the same token is enough).
     pub confirm_gap: f32,
+    /// Which chunk tokens the second look recomputes.
+    pub look: LookRows,
+}
+
+/// Which chunk tokens a second look recomputes ([`GuardPolicy::look`]; `--guard-look`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum LookRows {
+    /// The next the method ranked, wherever they are: the closest approximation for the
+    /// rows, lost when the request escalates after all.
+    #[default]
+    Ranked,
+    /// The chunk tokens right after the rows already exact (the prefix and the first chunk),
+    /// in order: computed over exact rows, they are the full prefill's own, so an escalation
+    /// after the look keeps them and its full prefill starts after them. Where nothing is
+    /// exact (the first chunk was recomputed, or stored lossily) they are recomputed all the
+    /// same and an escalation keeps nothing.
+    Extend,
+}
+
+impl LookRows {
+    /// Every kind, in `--help`'s order.
+    pub const ALL: [LookRows; 2] = [Self::Ranked, Self::Extend];
+
+    /// The name the command line and the study's labels use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ranked => "ranked",
+            Self::Extend => "extend",
+        }
+    }
+
+    /// The kind `name` names.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|l| l.name() == name)
+    }
 }
 
 /// The margin of methods without one of their own ([`default_margin`]): the point of
@@ -172,6 +211,7 @@ impl Default for GuardPolicy {
             horizon: DEFAULT_GUARD_HORIZON,
             second_look: DEFAULT_GUARD_SECOND_LOOK,
             confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
+            look: LookRows::default(),
         }
     }
 }
@@ -224,6 +264,7 @@ mod tests {
             horizon: 4,
             second_look: 0.0,
             confirm_gap: 0.0,
+            look: LookRows::Ranked,
         };
         assert!(p.doubts(m, 1, 1.0));
         assert!(p.doubts(m, 4, 1.49));
@@ -238,6 +279,7 @@ mod tests {
             horizon: usize::MAX,
             second_look: 0.0,
             confirm_gap: 0.0,
+            look: LookRows::Ranked,
         };
         assert!(!off.doubts(m, 1, 0.0));
     }
@@ -252,6 +294,19 @@ mod tests {
             ..p
         };
         assert!(any.confirms(0.0), "0: the same token is enough");
+    }
+
+    #[test]
+    fn look_kinds_round_trip_through_parse_serde_and_clap() {
+        use clap::ValueEnum;
+        for l in LookRows::ALL {
+            assert_eq!(LookRows::parse(l.name()), Some(l));
+            let json = serde_json::to_string(&l).ok();
+            assert_eq!(json, Some(format!("\"{}\"", l.name())));
+            let pv = l.to_possible_value().map(|v| v.get_name().to_string());
+            assert_eq!(pv.as_deref(), Some(l.name()));
+        }
+        assert_eq!(LookRows::parse("prefix"), None);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use crate::corpus::{Corpus, Engines, LoadedChunk, Tier};
 use crate::error::{GatewayError, Result};
-use crate::fidelity::{Fidelity, GuardPolicy, GuardReport};
+use crate::fidelity::{Fidelity, GuardPolicy, GuardReport, LookRows};
 use serde::{Deserialize, Serialize};
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::sync::Arc;
@@ -80,6 +80,11 @@ pub trait Experiment {
     /// rows, which a served query does not pay for).
     fn blend_signals(&self) -> bool {
         false
+    }
+    /// Which chunk tokens the guard's second look recomputes; `None`: the pipeline's
+    /// ([`GuardPolicy::look`]).
+    fn look(&self) -> Option<LookRows> {
+        None
     }
 }
 
@@ -316,6 +321,8 @@ struct DecodeInput<'a> {
     out: BlendOutput,
     /// Leading rows of `out.cache` a full prefill computes alike ([`exact_rows`]).
     exact_rows: usize,
+    /// Which chunk tokens a second look recomputes.
+    look: LookRows,
     full_prefill: Option<FullPrefill>,
     asm: &'a Assembly,
     texts: &'a [&'a str],
@@ -341,11 +348,13 @@ struct SecondLook<'a> {
     sent: &'a str,
 }
 
-/// What the guard's second look needs of the blend besides its cache: the prompt, the chunk
-/// tokens the selector ranked but left, the leading rows an escalation keeps, how many chunk
-/// tokens there are, and when decoding started (for the time to first token it may add to).
+/// What the guard's second look needs of the blend besides its cache: the prompt, which
+/// tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the leading
+/// rows an escalation keeps, how many chunk tokens there are, and when decoding started (for
+/// the time to first token it may add to).
 struct LookAgain<'a> {
     asm: &'a Assembly,
+    look: LookRows,
     reserve: Vec<usize>,
     exact_rows: usize,
     chunk_tokens: usize,
@@ -804,6 +813,7 @@ impl Pipeline {
         let input = DecodeInput {
             out,
             exact_rows,
+            look: exp.look().unwrap_or(self.guard.look),
             full_prefill,
             asm,
             texts: &texts,
@@ -1064,7 +1074,8 @@ impl Pipeline {
         let started = Instant::now();
         let DecodeInput {
             out,
-            exact_rows,
+            mut exact_rows,
+            look,
             full_prefill,
             asm,
             texts,
@@ -1105,6 +1116,7 @@ impl Pipeline {
         self.note_margins(q, &g, &mut report);
         let look = LookAgain {
             asm,
+            look,
             reserve: out.reserve,
             exact_rows,
             chunk_tokens: out.chunk_tokens,
@@ -1113,7 +1125,8 @@ impl Pipeline {
         };
         let again = (&mut cache, drafter.as_mut());
         let decoded = (&mut g, &mut sent, &mut spec);
-        self.look_again_if_doubted(q, (look, again), decoded, &mut report, on_piece)?;
+        exact_rows =
+            self.look_again_if_doubted(q, (look, again), decoded, &mut report, on_piece)?;
         g.prefill_ms = timings.prefill_ms;
         let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
@@ -1162,7 +1175,9 @@ impl Pipeline {
     /// first decode (`decoded`: the generation, the text sent and the drafts), on `cache`:
     /// `decoded` becomes what decoding goes on with, and the time to first token gains the
     /// recompute where the doubted token was the first and the look kept it. Nothing where
-    /// the guard did not doubt a token or the selector ranked nothing it left.
+    /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
+    /// leading rows of `cache` a full prefill computes alike: `look.exact_rows`, and the
+    /// look's own where it extended them ([`LookRows::Extend`]).
     fn look_again_if_doubted(
         &self,
         q: &Query,
@@ -1173,12 +1188,24 @@ impl Pipeline {
         (g, sent, spec): (&mut target_engine::Generation, &mut String, &mut SpecStats),
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<()> {
-        let extra =
-            self.second_look_picks(report, look.reserve, look.exact_rows, look.chunk_tokens);
+    ) -> Result<usize> {
+        let extra = self.second_look_picks(report, &look);
         if extra.is_empty() {
-            return Ok(());
+            return Ok(look.exact_rows);
         }
+        let exact_rows = match look.look {
+            LookRows::Extend if look.exact_rows > 0 => {
+                // The picks run in order from the first row not exact: each is computed over
+                // rows that are.
+                let run = extra
+                    .iter()
+                    .zip(look.exact_rows..)
+                    .take_while(|(p, want)| **p == *want)
+                    .count();
+                look.exact_rows + run
+            }
+            _ => look.exact_rows,
+        };
         let second = SecondLook {
             asm: look.asm,
             extra: &extra,
@@ -1193,29 +1220,41 @@ impl Pipeline {
             look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
         }
         (*g, *sent) = (g2, sent2);
-        Ok(())
+        Ok(exact_rows)
     }
 
     /// The chunk tokens a second look recomputes for a request the guard just stopped
-    /// (`report`): the first of `reserve` (best first) at or after `exact_rows` (rows an
-    /// escalation keeps as full prefill's stay as they are), the policy's share of the
-    /// `chunks` tokens, where the guard doubted a token (not a loop); none otherwise.
-    fn second_look_picks(
-        &self,
-        report: &GuardReport,
-        reserve: Vec<usize>,
-        exact_rows: usize,
-        chunks: usize,
-    ) -> Vec<usize> {
+    /// (`report`), the policy's share of the chunk tokens, where the guard doubted a token
+    /// (not a loop); none otherwise. [`LookRows::Ranked`]: the first of the selector's reserve
+    /// (best first) at or after the exact rows (rows an escalation keeps as full prefill's
+    /// stay as they are). [`LookRows::Extend`]: the chunk tokens from the first row not exact
+    /// on, in order. None for either where the selector ranked nothing it left.
+    fn second_look_picks(&self, report: &GuardReport, look: &LookAgain<'_>) -> Vec<usize> {
         if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
             return Vec::new();
         }
-        let budget = target_engine::reuse::select::budget(self.guard.second_look, chunks);
-        reserve
-            .into_iter()
-            .filter(|&p| p >= exact_rows)
-            .take(budget)
-            .collect()
+        let budget =
+            target_engine::reuse::select::budget(self.guard.second_look, look.chunk_tokens);
+        let exact = look.exact_rows;
+        match look.look {
+            LookRows::Ranked => look
+                .reserve
+                .iter()
+                .copied()
+                .filter(|&p| p >= exact)
+                .take(budget)
+                .collect(),
+            // Only where the selector ranked what it left, as for ranked picks: the same
+            // requests take a look under either kind.
+            LookRows::Extend if look.reserve.is_empty() => Vec::new(),
+            LookRows::Extend => look
+                .asm
+                .chunk_positions()
+                .into_iter()
+                .filter(|&p| p >= exact)
+                .take(budget)
+                .collect(),
+        }
     }
 
     /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in

@@ -1704,6 +1704,7 @@ fn doubting(
         horizon,
         second_look: share,
         confirm_gap: confirm,
+        ..Default::default()
     };
     Ok(state(p, ServerConfig::default()))
 }
@@ -1712,7 +1713,8 @@ fn doubting(
 /// tokens recomputed, where the answer is decoded again. Where that decode chooses the same
 /// tokens it goes on (still guarded); where it does not, or the guard doubts again, the request
 /// escalates and answers as full recompute. Either way the client is sent each piece of text
-/// once: the streamed text is the answer.
+/// once: the streamed text is the answer. A look that recomputes the chunk tokens after the
+/// exact rows in order hands them, full prefill's rows, to its escalation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhere() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -1724,6 +1726,18 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
     let dir3 = tempfile::tempdir()?;
     // The same, but no look chooses a token by a gap of 100: none confirms.
     let unsure = doubting(dir3.path(), 1, (0.5, 100.0))?;
+    let dir4 = tempfile::tempdir()?;
+    // Unsure too, its looks recomputing the chunk tokens after the exact rows in order.
+    let mut p = pipeline(dir4.path())?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        margin: Some(100.0),
+        horizon: 1,
+        second_look: 0.5,
+        confirm_gap: 100.0,
+        look: gateway::fidelity::LookRows::Extend,
+    };
+    let extend = state(p, ServerConfig::default());
+    let mut extended = 0;
     // Fewer tokens than a loop takes to be seen (these tiny models loop readily).
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
     let (mut kept, mut escalated) = (0, 0);
@@ -1783,11 +1797,34 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
         assert_eq!(guard["second_look"], true, "{got}");
         assert_eq!(guard["escalated"], true, "{q}: an unsure look kept {got}");
         assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+        let ranked_kept = guard["full_prefill_kept_rows"].as_u64();
+
+        // An extending look's rows are full prefill's: its escalation keeps them too.
+        let (_, got, _) = send(&extend, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], true, "{got}");
+        assert_eq!(guard["escalated"], true, "{q}: {got}");
+        assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+        let looked = guard["second_look_tokens"].as_u64().unwrap_or(0);
+        let want = match ranked_kept {
+            Some(0) => 0,
+            r => {
+                extended += 1;
+                r.unwrap_or(0) + looked
+            }
+        };
+        assert_eq!(
+            guard["full_prefill_kept_rows"].as_u64(),
+            Some(want),
+            "{q}: {got}"
+        );
     }
     assert!(
         kept > 0,
         "no second look kept its answer ({escalated} escalated)"
     );
+    assert!(extended > 0, "no escalation kept a first chunk's rows");
     // At ρ 0 the method ranked nothing it left: the request escalates at once.
     let none = json!({"method": "target_probe", "recompute_ratio": 0.0});
     let (_, got, _) = send(&first, ask("the thin ant?", none)).await;

@@ -220,6 +220,76 @@ fn a_prefill_after_the_stored_first_chunk_is_full_prefill() {
     }
 }
 
+/// The fidelity guard's `extend` second look: chunk tokens recomputed in order from the first
+/// row after the exact ones (the prefix and the first chunk, stored after it) are computed over
+/// exact rows only, so they are the full prefill's rows, and an escalation's prefill after
+/// them is full prefill (bit for bit wherever a prefill split at the same points is; elsewhere
+/// within the bounds above). The same number of tokens further on are not: each row needs
+/// every row before it exact.
+#[test]
+fn rows_recomputed_in_order_after_the_exact_ones_are_full_prefills() {
+    for (arch, spec) in family_specs() {
+        let (_d, m) = tiny_of(&spec);
+        let s = setup(&m);
+        let refs: Vec<&ChunkKv> = s.after_prefix.iter().collect();
+        let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
+        let mut segs = s.asm.chunks();
+        let first = segs.next().expect("a chunk").ids.clone();
+        let second = segs.next().expect("two chunks").ids.clone();
+        let (kept, upto) = (first.end, second.start + second.len() / 2);
+        assert_eq!(kept, second.start, "{arch}: chunks follow each other");
+        let row = m.config().kv_row();
+        let below = |c: &target_engine::KvCache, upto: usize| {
+            (0..m.config().n_layer)
+                .map(|l| {
+                    let (k, v) = (&c.k(l)[..upto * row], &c.v(l)[..upto * row]);
+                    let (fk, fv) = (
+                        &full_cache.k(l)[..upto * row],
+                        &full_cache.v(l)[..upto * row],
+                    );
+                    max_diff(k, fk).max(max_diff(v, fv))
+                })
+                .fold(0f32, f32::max)
+        };
+        let look = |picks: &[usize]| {
+            let reused = m
+                .blend_prefill(&s.asm, &s.prefix, &refs, &[])
+                .expect("blend");
+            m.blend_prefill_on(&s.asm, reused.cache, picks)
+                .expect("look")
+        };
+        let ordered: Vec<usize> = (kept..upto).collect();
+        let out = look(&ordered);
+        let rows = below(&out.cache, upto);
+        let mut cache = out.cache.clone();
+        let logits = m
+            .prefill_after(&mut cache, &s.asm.ids, upto)
+            .expect("prefill after");
+        let d = max_diff(&logits, &full);
+        let all = below(&cache, s.asm.ids.len());
+        if split_is_exact(&m, &s.asm.ids, &[first.start, kept, upto]) {
+            assert_eq!(rows, 0.0, "{arch}: the look's rows");
+            assert_eq!((d, all), (0.0, 0.0), "{arch}: the prefill after them");
+        } else {
+            let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(rows < 0.1 && all < 0.1, "{arch}: {rows} {all}");
+            assert!(d < 3e-2 * scale, "{arch}: {d} of {scale}");
+        }
+        let further: Vec<usize> = (upto..second.end).take(ordered.len()).collect();
+        let out = look(&further);
+        let moved = (0..m.config().n_layer)
+            .map(|l| {
+                let r = upto * row..(upto + further.len()) * row;
+                max_diff(&out.cache.k(l)[r.clone()], &full_cache.k(l)[r])
+            })
+            .fold(0f32, f32::max);
+        assert!(
+            moved > 0.0,
+            "{arch}: rows after approximate ones came out exact"
+        );
+    }
+}
+
 #[test]
 fn every_reused_row_sits_at_its_position() {
     let (_d, m) = tiny(Architecture::Llama);

@@ -94,6 +94,7 @@ pub(crate) fn ask(
         // A measured answer keeps its prefill (teacher forcing) and the blend's signals.
         keep_prefill: measured,
         blend_signals: measured,
+        look: config.look,
         ..Default::default()
     };
     pipeline

@@ -413,6 +413,7 @@ mod tests {
                 },
                 ratio: if full { 1.0 } else { 0.25 },
                 fidelity: Default::default(),
+                look: None,
             },
             label: label.into(),
             answer: String::new(),

@@ -18,7 +18,7 @@ pub use records::*;
 pub use summary::*;
 
 use chunkstore::Codec;
-use gateway::fidelity::Fidelity;
+use gateway::fidelity::{Fidelity, LookRows};
 use gateway::pipeline::Method;
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +36,10 @@ pub struct StudyConfig {
     /// measures the selector as it selects.
     #[serde(default = "fast", skip_serializing_if = "is_fast")]
     pub fidelity: Fidelity,
+    /// Which chunk tokens the guard's second look recomputes (`None`: the run's
+    /// `--guard-look`); only a guarded configuration names one (`…:balanced:extend`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub look: Option<LookRows>,
 }
 
 fn fast() -> Fidelity {
@@ -53,20 +57,25 @@ impl StudyConfig {
             method,
             ratio,
             fidelity: Fidelity::Fast,
+            look: None,
         }
     }
 
     /// `method@ratio` (the ratio-free methods by name), then `:balanced` or `:exact` when the
-    /// configuration is not `fast`.
+    /// configuration is not `fast`, then `:ranked` or `:extend` when it names a second look.
     pub fn label(&self) -> String {
         let base = if self.method.budgeted() {
             format!("{}@{:.2}", self.method.name(), self.ratio)
         } else {
             self.method.name().to_string()
         };
-        match self.fidelity {
+        let guarded = match self.fidelity {
             Fidelity::Fast => base,
             f => format!("{base}:{}", f.name()),
+        };
+        match self.look {
+            Some(l) => format!("{guarded}:{}", l.name()),
+            None => guarded,
         }
     }
 
@@ -75,9 +84,19 @@ impl StudyConfig {
     ///
     /// [`label`]: StudyConfig::label
     pub fn parse(label: &str) -> Option<Self> {
-        let (base, fidelity) = match label.split_once(':') {
-            Some((b, f)) => (b, Fidelity::parse(f).filter(|f| *f != Fidelity::Fast)?),
-            None => (label, Fidelity::Fast),
+        let (base, guard) = match label.split_once(':') {
+            Some((b, g)) => (b, Some(g)),
+            None => (label, None),
+        };
+        let (fidelity, look) = match guard.map(|g| g.split_once(':').unwrap_or((g, ""))) {
+            Some((f, l)) => (
+                Fidelity::parse(f).filter(|f| *f != Fidelity::Fast)?,
+                match l {
+                    "" => None,
+                    l => Some(LookRows::parse(l)?),
+                },
+            ),
+            None => (Fidelity::Fast, None),
         };
         let mut c = match base.split_once('@') {
             Some((m, r)) => Self::at(
@@ -90,6 +109,7 @@ impl StudyConfig {
             }
         };
         c.fidelity = fidelity;
+        c.look = look;
         (c.label() == label).then_some(c)
     }
 
@@ -173,6 +193,19 @@ mod tests {
             (Method::TargetProbe, Fidelity::Balanced)
         );
         assert_eq!(g.label(), "target_probe@0.25:balanced");
+        assert_eq!(g.look, None, "the run's second look");
+        let e = StudyConfig::parse("target_probe_shift@0.25:balanced:extend").expect("a look");
+        assert_eq!(
+            (e.fidelity, e.look),
+            (Fidelity::Balanced, Some(LookRows::Extend))
+        );
+        assert_eq!(e.label(), "target_probe_shift@0.25:balanced:extend");
+        for bad in [
+            "target_probe@0.25:extend",
+            "target_probe@0.25:balanced:wide",
+        ] {
+            assert_eq!(StudyConfig::parse(bad), None, "{bad}");
+        }
         // Old rows (no fidelity) read as fast, and fast configurations write no fidelity.
         let old: StudyConfig =
             serde_json::from_str(r#"{"method":"epic","ratio":0.15}"#).expect("an old row");

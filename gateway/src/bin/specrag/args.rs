@@ -351,6 +351,12 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_CONFIRM_GAP", value_parser = parse_margin,
           default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
     pub guard_confirm_gap: f32,
+    /// Which chunk tokens a second look recomputes: `ranked`, the next the method ranked
+    /// anywhere; `extend`, the chunk tokens right after the rows already exact (the first
+    /// chunk's), in order, which an escalation after the look then keeps as full prefill's.
+    #[arg(long, env = "SPECRAG_GUARD_LOOK", value_enum,
+          default_value_t = gateway::fidelity::LookRows::default())]
+    pub guard_look: gateway::fidelity::LookRows,
 }
 
 impl GuardArgs {
@@ -361,6 +367,7 @@ impl GuardArgs {
             horizon: self.guard_horizon,
             second_look: self.guard_second_look,
             confirm_gap: self.guard_confirm_gap,
+            look: self.guard_look,
         }
     }
 }
