@@ -372,6 +372,19 @@ struct Decoded {
     long: Option<crate::answer::SpecDecodeReport>,
 }
 
+/// What the guard reports for `q` before it decides anything: the fidelity it runs at
+/// (`exact` where the request verifies).
+fn guard_report(q: &Query) -> GuardReport {
+    GuardReport {
+        fidelity: if q.verify {
+            Fidelity::Exact
+        } else {
+            q.fidelity
+        },
+        ..Default::default()
+    }
+}
+
 /// How `q` samples and stops.
 fn generate_params(q: &Query) -> GenerateParams {
     GenerateParams {
@@ -1080,14 +1093,7 @@ impl Pipeline {
             asm,
             texts,
         } = input;
-        let mut report = GuardReport {
-            fidelity: if q.verify {
-                Fidelity::Exact
-            } else {
-                q.fidelity
-            },
-            ..Default::default()
-        };
+        let mut report = guard_report(q);
         let long = self.long_context_for(q, asm.ids.len());
         // The blended cache's decode, verification and escalation share the drafter (none
         // where long-context drafting replaces it).
