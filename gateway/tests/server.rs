@@ -1709,6 +1709,14 @@ fn doubting(
     Ok(state(p, ServerConfig::default()))
 }
 
+/// The questions the second-look tests ask the tiny models.
+const LOOKED_AT: [&str; 4] = [
+    "the thin ant?",
+    "what is in the tin?",
+    "where is the antenna?",
+    "a lamp?",
+];
+
 /// A second look that recomputes the chunk tokens after the exact rows in order (the
 /// default, `extend`) hands them, full prefill's rows, to its escalation: the full prefill
 /// keeps the first chunk and the look's tokens, where after a look at the next-ranked tokens
@@ -1730,12 +1738,7 @@ async fn an_escalation_after_an_extending_look_keeps_the_looks_rows() -> TestRes
     let ranked = state(p, ServerConfig::default());
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
     let mut kept_first_chunk = 0;
-    for q in [
-        "the thin ant?",
-        "what is in the tin?",
-        "where is the antenna?",
-        "a lamp?",
-    ] {
+    for q in LOOKED_AT {
         let f = json!({"method": "full_recompute", "max_tokens": 8});
         let (_, full, _) = send(&extend, ask(q, f)).await;
         let full: Value = serde_json::from_str(&full)?;
@@ -1786,12 +1789,7 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
     // Fewer tokens than a loop takes to be seen (these tiny models loop readily).
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
     let (mut kept, mut escalated) = (0, 0);
-    for q in [
-        "the thin ant?",
-        "what is in the tin?",
-        "where is the antenna?",
-        "a lamp?",
-    ] {
+    for q in LOOKED_AT {
         let f = json!({"method": "full_recompute", "max_tokens": 8});
         let (_, full, _) = send(&every, ask(q, f)).await;
         let full: Value = serde_json::from_str(&full)?;
