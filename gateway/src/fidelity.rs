@@ -152,10 +152,10 @@ pub enum LookRows {
     /// in order: computed over exact rows, they are the full prefill's own, so an escalation
     /// after the look keeps them and its full prefill starts after them. Where nothing is
     /// exact (the first chunk was recomputed, or stored lossily) they are recomputed all the
-    /// same and an escalation keeps nothing. The default: on 80 real questions its
-    /// escalations cost at most 1.13x full recompute's request against 1.22x for `ranked`,
-    /// for 10% escalated against 9% and one answer fewer identical, a near tie of full
-    /// recompute's own (docs/fidelity-guard.md, *Which tokens the second look recomputes*).
+    /// same and an escalation keeps nothing. The default: on 130 real questions its
+    /// escalations cost at most 1.15x full recompute's request against 1.22-1.33x for
+    /// `ranked`, for two answers fewer identical, both near ties of full recompute's own
+    /// (docs/fidelity-guard.md, *Which tokens the second look recomputes*).
     #[default]
     Extend,
 }
