@@ -124,7 +124,7 @@ pub struct GuardPolicy {
     /// How many of the answer's first tokens are watched for it.
     pub horizon: usize,
     /// Where a token's gap fell below the margin (not a loop), the share of the chunk tokens
-    /// a second look recomputes on top of the method's picks, the next the selector ranked,
+    /// a second look recomputes on top of the method's picks (which ones: [`GuardPolicy::look`]),
     /// before anything escalates: decoding restarts from that cache, and where it chooses the
     /// tokens chosen so far (the doubted one included) it goes on from there, still guarded;
     /// where it does not, the request escalates (0: escalate at once). A selector that ranks

@@ -339,7 +339,7 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_HORIZON", default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
     pub guard_horizon: usize,
     /// Before escalating for a doubted token, recompute this share of the chunk tokens more
-    /// (the next the method ranked) and decode again: where that cache chooses the same
+    /// (which ones: --guard-look) and decode again: where that cache chooses the same
     /// tokens, the answer goes on from it, still guarded; where not, the request escalates
     /// (0: escalate at once). Between 0 and 1.
     #[arg(long, env = "SPECRAG_GUARD_SECOND_LOOK", value_parser = parse_ratio,
