@@ -16,7 +16,7 @@ Run once by hand from a fetched snapshot (see eval/data/README.md); nothing in t
 tests runs it.
 
     python3 scripts/convert_multihop.py --input hotpot.json --dataset hotpotqa \\
-        --sample 150 --seed 39 --out eval/data/hotpotqa.jsonl
+        --sample 150 --seed 39 --rest --out eval/data/hotpotqa.jsonl
 """
 
 import argparse
@@ -90,6 +90,12 @@ def main():
     ap.add_argument("--seed", type=int, default=39)
     ap.add_argument("--min-passages", type=int, default=5)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--rest",
+        action="store_true",
+        help="after the sample, append every other usable record (in the source's order): "
+        "questions no choice was made on, so that later measurements can hold them out",
+    )
     a = ap.parse_args()
 
     usable = []
@@ -106,7 +112,13 @@ def main():
     with open(a.out, "w", encoding="utf-8") as f:
         for i in keep:
             f.write(json.dumps(usable[i], ensure_ascii=False) + "\n")
-    print(f"{a.out}: {a.sample} of {len(usable)} usable records (seed {a.seed})")
+        rest = sorted(set(range(len(usable))) - set(keep)) if a.rest else []
+        for i in rest:
+            f.write(json.dumps(usable[i], ensure_ascii=False) + "\n")
+    print(
+        f"{a.out}: {a.sample} of {len(usable)} usable records (seed {a.seed})"
+        + (f", then the other {len(rest)}" if a.rest else "")
+    )
 
 
 if __name__ == "__main__":
