@@ -155,7 +155,7 @@ pub enum LookRows {
     /// same and an escalation keeps nothing. The default: on 130 real questions its
     /// escalations cost at most 1.15x full recompute's request against 1.22-1.33x for
     /// `ranked`, for two answers fewer identical, both near ties of full recompute's own
-    /// (docs/fidelity-guard.md, *Which tokens the second look recomputes*).
+    /// (eval/study/guard-measurements.md, *Which tokens the second look recomputes*).
     #[default]
     Extend,
 }
@@ -191,12 +191,12 @@ pub const SHIFT_GUARD_MARGIN: f32 = 0.3;
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
 /// The default [`GuardPolicy::second_look`]: at ρ 0.25 + 0.10 the answers that reuse changes
 /// differ from the default's own, so agreement there says the doubted token was the model's
-/// own uncertainty rather than reuse's (docs/fidelity-guard.md, *A second look*).
+/// own uncertainty rather than reuse's (eval/study/guard-measurements.md, *A second look*).
 pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 /// The default [`GuardPolicy::confirm_gap`]: on the docs questions the second look was
 /// chosen on, the smallest gap that escalates the one kept answer full recompute did not
 /// give (its look chose the doubted token by 0.099), at two needless escalations in 40
-/// (docs/fidelity-guard.md, *Ninety more held-out questions*).
+/// (eval/study/guard-measurements.md, *Ninety more held-out questions*).
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
 
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.

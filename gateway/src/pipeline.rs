@@ -45,7 +45,7 @@ pub enum ChunkOrder {
     /// stored KV is exact where it stands (precomputed after the template prefix), so the
     /// blend recomputes none of it and an escalation's full prefill keeps it: the longer it
     /// is, the fewer rows are approximated and the less an escalation recomputes. Passages a
-    /// client sends keep their order. The server's default (docs/fidelity-guard.md,
+    /// client sends keep their order. The server's default (eval/study/guard-measurements.md,
     /// *The longest chunk first*).
     #[default]
     LongestFirst,
