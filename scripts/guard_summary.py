@@ -13,7 +13,8 @@ recompute's, the escalated requests' median and worst time over full recompute's
 second looks the guard took (`guard.second_look`), how many kept their answer and what those
 requests cost over full recompute's. Then
 every answer that differs: where it splits, full recompute's gap there, whether the guard
-escalated, and its smallest top-2 gap. Last, identity split by whether full recompute's own
+escalated, its smallest top-2 gap and, after a second look, the gap that look chose the
+doubted token by (`guard.second_look_gap`, where the records have it). Last, identity split by whether full recompute's own
 answer is right, and each configuration's right answers against full recompute's on the same
 cases (paired: cases only it gets right / only full recompute does, with a bootstrap 95%
 interval of the difference in points). Right: the answer contains a gold answer (the study's
@@ -84,9 +85,14 @@ def main():
             s = r.get("split")
             where = f"token {s['at']}, full's gap {s['gap']:.3f}" if s else "not recorded"
             g = r.get("guard") or {}
+            look = ""
+            if g.get("second_look"):
+                gap = g.get("second_look_gap")
+                look = f"second look's gap {gap:.3f}; " if gap is not None else "second look; "
             print(
                 f"{label} {case}: splits at {where}; escalated {escalated(r)}, "
                 f"smallest gap {g.get('min_margin', min(r.get('margins') or [float('nan')])):.2f}; "
+                f"{look}"
                 f"full {c['full_recompute']['answer'][:60]!r} / this {r['answer'][:60]!r}"
             )
     correctness_table(cases, labels)

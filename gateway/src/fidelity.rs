@@ -97,6 +97,11 @@ pub struct GuardReport {
     /// Time of the second look's recompute (0 without one).
     #[serde(default)]
     pub second_look_ms: f64,
+    /// The top-2 logit gap by which the second look chose the doubted token again: it kept
+    /// the token where this reached `--guard-confirm-gap` (absent where no look ran, or it
+    /// chose another token first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub second_look_gap: Option<f32>,
     /// The request moved to the full cache (its answer is full recompute's).
     pub escalated: bool,
     /// Tokens decoded from the reused cache that the full cache agreed with and were kept.

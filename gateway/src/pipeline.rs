@@ -1384,11 +1384,16 @@ impl Pipeline {
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
         let (mut looped, mut uncertain) = (false, false);
+        let mut look_gap = None;
         let mut watch = |ids: &[u32], gap: f32| {
             if let Some(&want) = agree.get(ids.len() - 1) {
                 // The doubted token (the last to agree on) must be chosen decidedly.
                 let doubted = ids.len() == agree.len();
-                *disagreed = ids.last() != Some(&want) || (doubted && !policy.confirms(gap));
+                let same = ids.last() == Some(&want);
+                if doubted && same {
+                    look_gap = Some(gap);
+                }
+                *disagreed = !same || (doubted && !policy.confirms(gap));
                 return *disagreed;
             }
             looped = guarded && detector.fires(ids);
@@ -1404,6 +1409,9 @@ impl Pipeline {
         };
         let (g, escalate, spec) =
             self.decode_from(q, (cache, logits), drafter, &mut track, &mut watch)?;
+        if !agree.is_empty() {
+            report.second_look_gap = look_gap;
+        }
         if escalate {
             report.loop_detected = looped;
             report.uncertain = uncertain && !looped;

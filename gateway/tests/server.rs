@@ -1818,6 +1818,8 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
             assert_eq!(got["answer"], full["answer"], "{q}: {got}");
         } else {
             kept += 1;
+            let gap = guard["second_look_gap"].as_f64();
+            assert!(gap >= Some(0.0), "a kept look says its gap: {got}");
             // The first token was chosen again: the answers share their first token's text.
             let (a, b) = (got["answer"].as_str(), fast["answer"].as_str());
             let (a, b) = (a.unwrap_or(""), b.unwrap_or(""));
@@ -1839,6 +1841,11 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
         let guard = &got["reuse"]["guard"];
         assert_eq!(guard["second_look"], true, "{got}");
         assert_eq!(guard["escalated"], true, "{q}: an unsure look kept {got}");
+        // Where it chose the doubted token again, it was by less than the confirm gap.
+        assert!(
+            guard["second_look_gap"].as_f64().is_none_or(|g| g < 100.0),
+            "{got}"
+        );
         assert_eq!(got["answer"], full["answer"], "{q}: {got}");
     }
     assert!(
