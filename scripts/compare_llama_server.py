@@ -122,7 +122,14 @@ class Server:
     def stop(self):
         if self.proc:
             self.proc.terminate()
-            self.proc.wait(60)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                # llama-server has been seen to outlive SIGTERM after a run with several
+                # slots; the next configuration needs the port and the cores.
+                log(f"{type(self).__name__} outlived SIGTERM by 60 s: killed")
+                self.proc.kill()
+                self.proc.wait()
             self.proc = None
 
 
