@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""Convert HotpotQA / 2WikiMultihopQA (distractor format) to the LongBench JSONL that
-`specrag-eval` reads, with a seeded sample of the questions.
+"""Convert HotpotQA / 2WikiMultihopQA (distractor format) and MuSiQue to the LongBench JSONL
+that `specrag-eval` reads, with a seeded sample of the questions.
 
-Input: a JSON-lines file (or a JSON list) of records in the HotpotQA shape shared by both
-datasets: `_id`, `question`, `answer`, `context` ([[title, [sentence, ...]], ...]) and
-`supporting_facts` ([[title, sentence index], ...]). Records without a context, with fewer
-than --min-passages passages or without an answer are left out before sampling.
+Input: a JSON-lines file (or a JSON list) of records in the HotpotQA shape shared by the first
+two datasets: `_id`, `question`, `answer`, `context` ([[title, [sentence, ...]], ...]) and
+`supporting_facts` ([[title, sentence index], ...]); or in MuSiQue's: `id`, `question`,
+`answer`, `answer_aliases`, `answerable` and `paragraphs` ([{title, paragraph_text,
+is_supporting}, ...]). Records without a context, with fewer than --min-passages passages,
+without an answer or marked unanswerable are left out before sampling.
 
 Output, one line per question, LongBench's fields (`input`, `context`, `answers`, `length`,
 `dataset`, `language`, `all_classes`, `_id`) plus `supporting` (the titles of the passages the
-answer needs). `context` is LongBench's passage layout: "Passage 1:\\n<title>\\n<text>\\n
-Passage 2:\\n...", which the harness splits back into one document per passage.
+answer needs) and, for MuSiQue, whose distractors often share a title with a supporting
+paragraph, `supporting_passages` (the supporting passages' 1-based numbers). `context` is
+LongBench's passage layout: "Passage 1:\\n<title>\\n<text>\\nPassage 2:\\n...", which the
+harness splits back into one document per passage.
 
 Run once by hand from a fetched snapshot (see eval/data/README.md); nothing in the build or the
 tests runs it.
 
     python3 scripts/convert_multihop.py --input hotpot.json --dataset hotpotqa \\
         --sample 150 --seed 39 --rest --out eval/data/hotpotqa.jsonl
+    python3 scripts/convert_multihop.py --input musique.json --dataset musique \\
+        --sample 100 --seed 39 --rest --out eval/data/musique.jsonl
 """
 
 import argparse
@@ -82,6 +88,41 @@ def convert(rec, dataset):
     }, len(passages)
 
 
+def convert_musique(rec, dataset):
+    """MuSiQue: each paragraph a passage, the answer and its aliases as the answers."""
+    passages, support = [], []
+    for p in as_list(rec.get("paragraphs") or []):
+        title, body = p["title"].strip(), p["paragraph_text"].strip()
+        if not body:
+            continue
+        lines = [title] + body.splitlines()
+        if any(PASSAGE_HEADER.match(line) for line in lines):
+            raise ValueError(f"{rec['id']}: a passage line looks like a passage header")
+        passages.append((title, body))
+        if p.get("is_supporting"):
+            support.append(len(passages))
+    ctx = "\n".join(
+        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
+    )
+    answers = [str(rec["answer"]).strip()]
+    for a in as_list(rec.get("answer_aliases") or []):
+        a = str(a).strip()
+        if a and a not in answers:
+            answers.append(a)
+    return {
+        "_id": f"{dataset}-{rec['id']}",
+        "input": rec["question"].strip(),
+        "context": ctx,
+        "answers": answers,
+        "length": len(ctx.split()),
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "supporting": sorted({passages[i - 1][0] for i in support}),
+        "supporting_passages": support,
+    }, len(passages)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True)
@@ -100,9 +141,14 @@ def main():
 
     usable = []
     for rec in read_records(a.input):
-        if not rec.get("context") or not str(rec.get("answer", "")).strip():
+        if not str(rec.get("answer", "")).strip() or rec.get("answerable") is False:
             continue
-        line, n = convert(rec, a.dataset)
+        if "paragraphs" in rec:
+            line, n = convert_musique(rec, a.dataset)
+        elif rec.get("context"):
+            line, n = convert(rec, a.dataset)
+        else:
+            continue
         if n >= a.min_passages and line["supporting"]:
             usable.append(line)
     if len(usable) < a.sample:

@@ -365,7 +365,7 @@ pub fn split_passages(context: &str) -> Vec<String> {
 /// `supporting`?): each passage of the context becomes a document `<id>-p<n>` (its first line,
 /// the title, stays in its text), retrieved like any document. `supporting` (titles of the
 /// passages the answer needs, an addition of `scripts/convert_multihop.py`) names the gold
-/// documents.
+/// documents; `supporting_passages` (their 1-based numbers), where present, instead.
 pub fn load_longbench_passages(path: &Path) -> Result<Vec<Case>, DatasetError> {
     #[derive(Deserialize)]
     struct Line {
@@ -376,6 +376,10 @@ pub fn load_longbench_passages(path: &Path) -> Result<Vec<Case>, DatasetError> {
         id: Option<String>,
         #[serde(default)]
         supporting: Vec<String>,
+        /// The gold passages by 1-based number, where titles do not tell them apart (MuSiQue's
+        /// distractors often share a supporting paragraph's title); preferred over `supporting`.
+        #[serde(default)]
+        supporting_passages: Vec<usize>,
     }
     let name = path.display().to_string();
     read_lines(path)?
@@ -403,13 +407,32 @@ pub fn load_longbench_passages(path: &Path) -> Result<Vec<Case>, DatasetError> {
                     message: "`context` holds no passage".into(),
                 });
             }
+            if let Some(&bad) = line
+                .supporting_passages
+                .iter()
+                .find(|&&i| i == 0 || i > documents.len())
+            {
+                return Err(DatasetError::Line {
+                    path: name.clone(),
+                    line: n,
+                    message: format!(
+                        "`supporting_passages` names passage {bad}, not one of 1..={}",
+                        documents.len()
+                    ),
+                });
+            }
             let gold = documents
                 .iter()
-                .filter(|d| {
-                    let title = d.text.lines().next().unwrap_or("").trim();
-                    line.supporting.iter().any(|s| s.trim() == title)
+                .enumerate()
+                .filter(|(i, d)| {
+                    if line.supporting_passages.is_empty() {
+                        let title = d.text.lines().next().unwrap_or("").trim();
+                        line.supporting.iter().any(|s| s.trim() == title)
+                    } else {
+                        line.supporting_passages.contains(&(i + 1))
+                    }
                 })
-                .map(|d| d.id.clone())
+                .map(|(_, d)| d.id.clone())
                 .collect();
             Ok(Case {
                 documents,
@@ -625,6 +648,22 @@ mod tests {
         let ids: Vec<&str> = c.documents.iter().map(|d| d.id.as_str()).collect();
         assert_eq!(ids, ["x-p1", "x-p2"]);
         assert_eq!(c.gold, ["x-p2"]);
+        // Two passages share the gold title: the numbers say which one is gold.
+        std::fs::write(
+            &lb,
+            "{\"input\":\"q?\",\"context\":\"Passage 1:\\nB\\none\\nPassage 2:\\nB\\ntwo\",\"answers\":[\"a\"],\"_id\":\"x\",\"supporting\":[\"B\"],\"supporting_passages\":[2]}\n",
+        )?;
+        assert_eq!(load_longbench_passages(&lb)?[0].gold, ["x-p2"]);
+        std::fs::write(
+            &lb,
+            "{\"input\":\"q?\",\"context\":\"Passage 1:\\nB\\none\",\"answers\":[\"a\"],\"supporting_passages\":[2]}\n",
+        )?;
+        let err = load_longbench_passages(&lb).expect_err("passage 2 of 1");
+        assert!(
+            err.to_string()
+                .contains("`supporting_passages` names passage 2"),
+            "{err}"
+        );
         std::fs::write(
             &lb,
             "{\"input\":\"q\",\"context\":\" \",\"answers\":[\"a\"]}\n",

@@ -72,7 +72,7 @@ struct Args {
     #[arg(long, value_name = "FILE")]
     longbench: Vec<PathBuf>,
     /// Real-text datasets committed in eval/data (eval/data/README.md): `hotpotqa`,
-    /// `2wikimqa` (multi-hop QA, each passage a document) and `repo_docs` (questions on this
+    /// `2wikimqa`, `musique` (multi-hop QA, each passage a document) and `repo_docs` (questions on this
     /// repository's docs, over the demo corpus). Retrieved as the server does (top 4 by BM25,
     /// 512-token chunks); --limit caps each, --max-tokens bounds the answers.
     #[arg(long, value_delimiter = ',', value_name = "NAMES",
@@ -130,7 +130,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', requires = "study")]
     study_configs: Vec<String>,
     /// Run only these study datasets: `profiles`, `records` (synthetic) and the real-text
-    /// `hotpotqa`, `2wikimqa`, `repo_docs` (see --datasets; at most --study-cases of each)
+    /// `hotpotqa`, `2wikimqa`, `musique`, `repo_docs` (see --datasets; at most --study-cases of
+    /// each)
     /// [default: profiles, records].
     #[arg(long, value_delimiter = ',', requires = "study")]
     study_datasets: Vec<String>,

@@ -1,8 +1,8 @@
 //! The real-text datasets committed under `eval/data/` (sources, licences and sampling in
 //! `eval/data/README.md`), run by name (`--datasets`, `--study-datasets`):
 //!
-//! - `hotpotqa`, `2wikimqa`: multi-hop QA over Wikipedia paragraphs in LongBench JSONL; each
-//!   passage is a document of the case's own collection.
+//! - `hotpotqa`, `2wikimqa`, `musique`: multi-hop QA over Wikipedia paragraphs in LongBench
+//!   JSONL; each passage is a document of the case's own collection.
 //! - `repo_docs`: questions about this repository's documentation, answered over the demo
 //!   corpus (README.md, ARCHITECTURE.md, docs/*.md, read as `specrag demo` reads them) in one
 //!   shared collection.
@@ -16,7 +16,7 @@ use gateway::pipeline::ChunkOrder;
 use std::path::{Path, PathBuf};
 
 /// The names `--datasets` accepts.
-pub const NAMES: [&str; 3] = ["hotpotqa", "2wikimqa", "repo_docs"];
+pub const NAMES: [&str; 4] = ["hotpotqa", "2wikimqa", "musique", "repo_docs"];
 
 /// Appended to every question, as the synthetic cases ask for a short answer: F1 against a
 /// short gold answer measures the fact, not the phrasing around it.
@@ -66,7 +66,7 @@ pub fn demo_docs(root: &Path) -> anyhow::Result<Vec<CaseDoc>> {
 pub fn cases(name: &str) -> anyhow::Result<Vec<Case>> {
     let file = data_dir().join(format!("{name}.jsonl"));
     let mut cases = match name {
-        "hotpotqa" | "2wikimqa" => datasets::load_longbench_passages(&file)?,
+        "hotpotqa" | "2wikimqa" | "musique" => datasets::load_longbench_passages(&file)?,
         "repo_docs" => {
             datasets::load_doc_questions(&file, &demo_docs(&repo_root())?, DOCS_COLLECTION)?
         }

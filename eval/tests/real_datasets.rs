@@ -45,8 +45,9 @@ fn check_common(name: &str, cases: &[Case], at_least: usize) {
 
 #[test]
 fn multi_hop_sets_have_their_passages() -> anyhow::Result<()> {
-    // The seeded sample of 150, then every other usable record of the source (eval/data/README.md).
-    for (name, usable) in [("hotpotqa", 199), ("2wikimqa", 164)] {
+    // The seeded sample (150; MuSiQue 100), then every other usable record of the source
+    // (eval/data/README.md).
+    for (name, usable) in [("hotpotqa", 199), ("2wikimqa", 164), ("musique", 200)] {
         let cases = real::cases(name)?;
         check_common(name, &cases, 100);
         assert_eq!(cases.len(), usable, "{name}: the committed records");
