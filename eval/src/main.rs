@@ -179,6 +179,10 @@ struct Args {
     /// that do not name one (as `specrag serve --guard-look`).
     #[arg(long, value_enum, default_value_t = gateway::fidelity::LookRows::default())]
     guard_look: gateway::fidelity::LookRows,
+    /// The estimated cost of an escalation after a second look above which `:balanced`
+    /// study configurations escalate at once (as `specrag serve --guard-look-cost`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_COST)]
+    guard_look_cost: f64,
     /// Run nothing: print the fidelity guard's operating curve (identity with full recompute,
     /// escalations, TTFT and cost ÷ full recompute's per margin threshold, per dataset) from
     /// this study.jsonl's rows of --guard-curve-label, watching --guard-horizon tokens (a

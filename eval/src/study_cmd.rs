@@ -79,6 +79,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
         second_look: args.guard_second_look,
         confirm_gap: args.guard_confirm_gap,
         look: args.guard_look,
+        look_cost: args.guard_look_cost,
     };
     Ok(pipeline)
 }

@@ -97,6 +97,11 @@ pub struct GuardReport {
     /// Time of the second look's recompute (0 without one).
     #[serde(default)]
     pub second_look_ms: f64,
+    /// The guard doubted a token but ran no second look: an escalation after one was
+    /// estimated to cost more than `--guard-look-cost` times full recompute's prefill
+    /// ([`LookCost`]), so the request escalated at once.
+    #[serde(default)]
+    pub second_look_skipped: bool,
     /// The top-2 logit gap by which the second look chose the doubted token again: it kept
     /// the token where this reached `--guard-confirm-gap` (absent where no look ran, or it
     /// chose another token first).
@@ -141,6 +146,53 @@ pub struct GuardPolicy {
     pub confirm_gap: f32,
     /// Which chunk tokens the second look recomputes.
     pub look: LookRows,
+    /// The most an escalation after a second look may be estimated to cost, as a multiple of
+    /// full recompute's prefill of the same prompt ([`LookCost::after_look`]); where the
+    /// estimate is higher, a doubted token escalates at once instead of taking the look.
+    pub look_cost: f64,
+}
+
+/// What a request has spent and would spend, in its own prefill's rate, should the guard's
+/// second look run and the request escalate after it: the basis of
+/// [`GuardPolicy::look_cost`]. Prefill on these CPUs is bound by the matrix products, so a
+/// pass costs about its rows times the rate this request's blended prefill ran at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LookCost {
+    /// Time the reused path has taken so far beyond what full recompute spends: loading KV,
+    /// selection, the blended prefill and the decode up to the doubted token.
+    pub spent_ms: f64,
+    /// Time of the blended prefill alone, and the rows it computed (recomputed chunk tokens
+    /// and the question).
+    pub blend_ms: f64,
+    pub blend_rows: usize,
+    /// Rows of the prompt, the leading ones an escalation keeps ([`exact_rows`]), and the
+    /// question's (a second look recomputes them again).
+    ///
+    /// [`exact_rows`]: crate::pipeline
+    pub prompt_rows: usize,
+    pub exact_rows: usize,
+    pub question_rows: usize,
+    /// Chunk tokens the look would recompute, and whether an escalation after it keeps them
+    /// ([`LookRows::Extend`] after exact rows).
+    pub look_rows: usize,
+    pub look_kept: bool,
+}
+
+impl LookCost {
+    /// The estimated cost of look-then-escalate ÷ full recompute's prefill: what was spent,
+    /// plus the look's rows and the question's, plus every row after the kept ones, all at
+    /// the blend's rate, over the prompt's rows at that rate. `None` where the blend gives
+    /// no rate (nothing timed or no rows).
+    pub fn after_look(&self) -> Option<f64> {
+        if self.blend_rows == 0 || self.blend_ms <= 0.0 || self.prompt_rows == 0 {
+            return None;
+        }
+        let rate = self.blend_ms / self.blend_rows as f64;
+        let lost = if self.look_kept { 0 } else { self.look_rows };
+        let after = self.prompt_rows.saturating_sub(self.exact_rows);
+        let rows = self.question_rows + lost + after;
+        Some((self.spent_ms + rate * rows as f64) / (rate * self.prompt_rows as f64))
+    }
 }
 
 /// Which chunk tokens a second look recomputes ([`GuardPolicy::look`]; `--guard-look`).
@@ -203,6 +255,12 @@ pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 /// give (its look chose the doubted token by 0.099), at two needless escalations in 40
 /// (eval/study/guard-measurements.md, *Ninety more held-out questions*).
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
+/// The default [`GuardPolicy::look_cost`]: none (every look runs). The estimate read
+/// 0.01-0.11 below the measured cost of look-then-escalate on 223 recorded requests, and on
+/// 50 held-out MuSiQue questions a bound of 1.05 still let a 1.28x escalation through while
+/// raising escalations to 18% and the mean request to 0.56 of full recompute's
+/// (docs/fidelity-guard.md, *The look's cost bound*).
+pub const DEFAULT_GUARD_LOOK_COST: f64 = f64::INFINITY;
 
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.
 pub fn default_margin(method: crate::method::Method) -> f32 {
@@ -220,6 +278,7 @@ impl Default for GuardPolicy {
             second_look: DEFAULT_GUARD_SECOND_LOOK,
             confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
             look: LookRows::default(),
+            look_cost: DEFAULT_GUARD_LOOK_COST,
         }
     }
 }
@@ -240,6 +299,13 @@ impl GuardPolicy {
     /// it.
     pub fn confirms(&self, gap: f32) -> bool {
         gap >= self.confirm_gap
+    }
+
+    /// Whether a second look may run for a request whose costs are `cost`: where the
+    /// estimate of an escalation after it is within [`GuardPolicy::look_cost`] (or there is
+    /// no estimate).
+    pub fn affords_look(&self, cost: &LookCost) -> bool {
+        cost.after_look().is_none_or(|c| c <= self.look_cost)
     }
 }
 
@@ -273,6 +339,7 @@ mod tests {
             second_look: 0.0,
             confirm_gap: 0.0,
             look: LookRows::Ranked,
+            look_cost: DEFAULT_GUARD_LOOK_COST,
         };
         assert!(p.doubts(m, 1, 1.0));
         assert!(p.doubts(m, 4, 1.49));
@@ -288,6 +355,7 @@ mod tests {
             second_look: 0.0,
             confirm_gap: 0.0,
             look: LookRows::Ranked,
+            look_cost: DEFAULT_GUARD_LOOK_COST,
         };
         assert!(!off.doubts(m, 1, 0.0));
     }
@@ -302,6 +370,66 @@ mod tests {
             ..p
         };
         assert!(any.confirms(0.0), "0: the same token is enough");
+    }
+
+    #[test]
+    fn the_look_cost_counts_the_spent_time_and_every_row_an_escalation_still_computes() {
+        // A short prompt: 400 rows, 150 exact; the blend ran 100 + 30 rows in 650 ms (5 ms a
+        // row), and 900 ms went to KV, selection, the blend and a decode step.
+        let short = LookCost {
+            spent_ms: 900.0,
+            blend_ms: 650.0,
+            blend_rows: 130,
+            prompt_rows: 400,
+            exact_rows: 150,
+            question_rows: 30,
+            look_rows: 40,
+            look_kept: true,
+        };
+        // (900 + 5 x (30 + 250)) / (5 x 400) = 2300 / 2000.
+        let c = short.after_look().unwrap_or(f64::NAN);
+        assert!((c - 1.15).abs() < 1e-12, "{c}");
+        // Rows the escalation does not keep are paid twice.
+        let lost = LookCost {
+            look_kept: false,
+            ..short
+        };
+        let c = lost.after_look().unwrap_or(f64::NAN);
+        assert!((c - 1.25).abs() < 1e-12, "{c}");
+        // A long prompt with the same spend leaves room for the look.
+        let long = LookCost {
+            prompt_rows: 2000,
+            exact_rows: 500,
+            ..short
+        };
+        let c = long.after_look().unwrap_or(f64::NAN);
+        assert!(c < 0.9, "{c}");
+        let p = GuardPolicy::default();
+        assert!(p.affords_look(&short), "the default bounds nothing");
+        let p = GuardPolicy {
+            look_cost: 1.05,
+            ..p
+        };
+        assert!(!p.affords_look(&short), "1.15 is above 1.05");
+        assert!(p.affords_look(&long));
+        let any = GuardPolicy {
+            look_cost: 2.0,
+            ..p
+        };
+        assert!(
+            any.affords_look(&short)
+                && !any.affords_look(&LookCost {
+                    spent_ms: 3000.0,
+                    ..short
+                })
+        );
+        // No rate, no estimate: the look runs as before.
+        let untimed = LookCost {
+            blend_ms: 0.0,
+            ..short
+        };
+        assert_eq!(untimed.after_look(), None);
+        assert!(p.affords_look(&untimed));
     }
 
     #[test]

@@ -143,7 +143,9 @@ fn describe_guard() {
         GUARD_SECOND_LOOK,
         "Second looks the guard took at a doubted token (more chunk tokens \
          recomputed, the answer so far decoded again), by outcome: kept (the same \
-         tokens chosen again, decoding went on from that cache) or escalated."
+         tokens chosen again, decoding went on from that cache) or escalated; skipped: \
+         looks not taken because an escalation after one was estimated to cost more \
+         than --guard-look-cost times full recompute's prefill."
     );
 }
 
@@ -190,8 +192,12 @@ impl Metrics {
             };
             metrics::counter!(GUARD, "fidelity" => g.fidelity.name(), "outcome" => outcome)
                 .increment(1);
-            if g.second_look {
-                let outcome = if g.escalated { "escalated" } else { "kept" };
+            if g.second_look || g.second_look_skipped {
+                let outcome = match (g.second_look_skipped, g.escalated) {
+                    (true, _) => "skipped",
+                    (false, true) => "escalated",
+                    (false, false) => "kept",
+                };
                 metrics::counter!(GUARD_SECOND_LOOK, "outcome" => outcome).increment(1);
             }
             if g.escalated {

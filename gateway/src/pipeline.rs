@@ -358,6 +358,8 @@ struct LookAgain<'a> {
     reserve: Vec<usize>,
     exact_rows: usize,
     chunk_tokens: usize,
+    /// Rows the blended prefill computed (recomputed chunk tokens and the question).
+    blend_rows: usize,
     started: Instant,
     timings: &'a mut Timings,
 }
@@ -1126,6 +1128,7 @@ impl Pipeline {
             reserve: out.reserve,
             exact_rows,
             chunk_tokens: out.chunk_tokens,
+            blend_rows: out.recomputed.len() + asm.question_positions().len(),
             started,
             timings: &mut *timings,
         };
@@ -1197,6 +1200,27 @@ impl Pipeline {
     ) -> Result<usize> {
         let extra = self.second_look_picks(report, &look);
         if extra.is_empty() {
+            return Ok(look.exact_rows);
+        }
+        let t = &look.timings;
+        let cost = crate::fidelity::LookCost {
+            spent_ms: t.kv_load_ms
+                + t.speculate_ms
+                + t.align_ms
+                + t.prefill_ms
+                + look.started.elapsed().as_secs_f64() * 1e3,
+            blend_ms: t.prefill_ms,
+            blend_rows: look.blend_rows,
+            prompt_rows: look.asm.ids.len(),
+            exact_rows: look.exact_rows,
+            question_rows: look.asm.question_positions().len(),
+            look_rows: extra.len(),
+            look_kept: look.look == LookRows::Extend && look.exact_rows > 0,
+        };
+        if !self.guard.affords_look(&cost) {
+            // An escalation after the look would cost more than the bound allows: escalate
+            // now, from the rows already exact.
+            report.second_look_skipped = true;
             return Ok(look.exact_rows);
         }
         let exact_rows = match look.look {

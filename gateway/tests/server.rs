@@ -1704,6 +1704,7 @@ fn doubting(
         horizon,
         second_look: share,
         confirm_gap: confirm,
+        look_cost: f64::INFINITY,
         ..Default::default()
     };
     Ok(state(p, ServerConfig::default()))
@@ -1734,6 +1735,7 @@ async fn an_escalation_after_an_extending_look_keeps_the_looks_rows() -> TestRes
         second_look: 0.5,
         confirm_gap: 100.0,
         look: gateway::fidelity::LookRows::Ranked,
+        look_cost: f64::INFINITY,
     };
     let ranked = state(p, ServerConfig::default());
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
@@ -1861,6 +1863,55 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
     let (_, text, _) = send(&first, Request::get("/metrics").body(Body::empty())?).await;
     let looks = "specrag_guard_second_looks_total{outcome=\"kept\"}";
     assert_eq!(sample(&text, looks), Some(f64::from(2 * kept)), "{text}");
+    Ok(())
+}
+
+/// `--guard-look-cost` bounds what a second look may make an escalation cost: at 0 no
+/// estimate fits, so every doubted token escalates at once (no look, `second_look_skipped`,
+/// counted as skipped in `/metrics`) and answers as full recompute, streamed the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_that_would_make_escalation_too_dear_is_skipped() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut p = pipeline(dir.path())?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        margin: Some(100.0),
+        horizon: 1,
+        second_look: 0.5,
+        look_cost: 0.0,
+        ..Default::default()
+    };
+    let bounded = state(p, ServerConfig::default());
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
+    for q in LOOKED_AT {
+        let f = json!({"method": "full_recompute", "max_tokens": 8});
+        let (_, full, _) = send(&bounded, ask(q, f)).await;
+        let full: Value = serde_json::from_str(&full)?;
+        let (_, got, _) = send(&bounded, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], false, "{got}");
+        assert_eq!(guard["second_look_skipped"], true, "{got}");
+        assert_eq!(guard["second_look_tokens"], 0, "{got}");
+        assert_eq!(guard["escalated"], true, "{got}");
+        assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+        let (_, sse, _) = send(&bounded, ask(q, with(&m, "stream", json!(true)))).await;
+        assert_eq!(
+            shown_text(&sse),
+            full["answer"].as_str().unwrap_or(""),
+            "{q}"
+        );
+    }
+    // Unbounded (the other tests' servers), the same requests take their looks.
+    let dir2 = tempfile::tempdir()?;
+    let looking = doubting(dir2.path(), 1, (0.5, 100.0))?;
+    let (_, got, _) = send(&looking, ask(LOOKED_AT[0], m.clone())).await;
+    let got: Value = serde_json::from_str(&got)?;
+    assert_eq!(got["reuse"]["guard"]["second_look"], true, "{got}");
+    assert_eq!(got["reuse"]["guard"]["second_look_skipped"], false, "{got}");
+    let (_, text, _) = send(&bounded, Request::get("/metrics").body(Body::empty())?).await;
+    let skipped = "specrag_guard_second_looks_total{outcome=\"skipped\"}";
+    let n = 2.0 * LOOKED_AT.len() as f64;
+    assert_eq!(sample(&text, skipped), Some(n), "{text}");
     Ok(())
 }
 

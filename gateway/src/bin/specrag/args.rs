@@ -357,6 +357,15 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_LOOK", value_enum,
           default_value_t = gateway::fidelity::LookRows::default())]
     pub guard_look: gateway::fidelity::LookRows,
+    /// Take a second look only where an escalation after it is estimated to cost at most
+    /// this many times full recompute's prefill of the prompt (from the request's own
+    /// blended prefill rate: what it spent, plus the look's and the escalation's rows);
+    /// above it, a doubted token escalates at once. Off by default (inf): the estimate
+    /// reads 0.01-0.11 below, and sometimes further below, the measured cost
+    /// (docs/fidelity-guard.md, *The look's cost bound*).
+    #[arg(long, env = "SPECRAG_GUARD_LOOK_COST", value_parser = parse_cost,
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_COST)]
+    pub guard_look_cost: f64,
 }
 
 impl GuardArgs {
@@ -368,7 +377,18 @@ impl GuardArgs {
             second_look: self.guard_second_look,
             confirm_gap: self.guard_confirm_gap,
             look: self.guard_look,
+            look_cost: self.guard_look_cost,
         }
+    }
+}
+
+fn parse_cost(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(c) if c >= 0.0 => Ok(c),
+        _ => Err(format!(
+            "{s:?} is not a cost multiple of full recompute's prefill (a number >= 0 such as \
+             1.05, or inf for no bound)"
+        )),
     }
 }
 
