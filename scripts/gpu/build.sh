@@ -2,8 +2,8 @@
 # Builds specrag's CUDA binaries on a machine without a GPU or a CUDA install, from PyPI's
 # CUDA 13.0 wheels, and packs them for the GPU machine (docs/gpu.md).
 #
-#   scripts/gpu/build.sh            # build and pack into target/gpu-pack (~40 min cold on 2 cores)
-#   scripts/gpu/build.sh --check    # only `cargo check --features cuda` (SPECRAG_CI_CUDA=1 .ci/run)
+#   scripts/gpu/build.sh            # build and pack into target/gpu-pack (~13 min cold on 2 cores)
+#   scripts/gpu/build.sh --check    # only `cargo check --features cuda` (~9 min cold; .ci/run runs it)
 #   scripts/gpu/build.sh --deps     # only the CUDA dependencies (warms the cache)
 #
 # What it does, and why:
