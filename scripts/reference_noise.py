@@ -9,34 +9,20 @@ run under another numerics (`SPECRAG_ATTENTION=bf16`, f16 KV rows against f32). 
 share of identical answers (Wilson 95%), each differing pair with the smallest top-2 gap over
 either answer, and the guarded default's identity against each reference.
 """
-import gzip
-import json
 import math
 import sys
 
+from guard_signals import read_cases, wilson
+
 
 def load(path, label):
-    opener = gzip.open if path.endswith(".gz") else open
-    rows = {}
-    with opener(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            if r["label"] == label:
-                rows[(r["dataset"], r["case"])] = r
-    return rows
-
-
-def wilson(k, n, z=1.96):
-    p = k / n
-    den = 1 + z * z / n
-    c = p + z * z / (2 * n)
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return 100 * (c - h) / den, 100 * (c + h) / den
+    """(dataset, case) -> the row labelled `label` in `path`."""
+    return {k: rows[label] for k, rows in read_cases([path]).items() if label in rows}
 
 
 def share(k, n):
     lo, hi = wilson(k, n)
-    return f"{k}/{n} = {100 * k / n:.1f}% [{lo:.0f}, {hi:.0f}]"
+    return f"{k}/{n} = {100 * k / n:.1f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
 def main():
