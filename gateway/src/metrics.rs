@@ -25,6 +25,7 @@ const CHUNKS: &str = "specrag_chunk_loads_total";
 const TOKENS: &str = "specrag_tokens_generated_total";
 const QUEUE_DEPTH: &str = "specrag_queue_depth";
 const REJECTED: &str = "specrag_rejected_total";
+const BODY_BYTES: &str = "specrag_body_bytes_in_flight";
 const LOOKUPS: &str = "specrag_store_lookups_total";
 const CORRUPT: &str = "specrag_store_corrupt_total";
 const BYTES: &str = "specrag_store_bytes";
@@ -79,6 +80,10 @@ impl Default for Metrics {
             describe_counter!(TOKENS, "Generated tokens.");
             describe_gauge!(QUEUE_DEPTH, "Requests waiting for the engine.");
             describe_counter!(REJECTED, "Requests turned away, by reason.");
+            describe_gauge!(
+                BODY_BYTES,
+                "Request body bytes held now, against --max-body-bytes-in-flight."
+            );
             describe_counter!(LOOKUPS, "Chunk store lookups by tier and result.");
             describe_counter!(CORRUPT, "Stored blobs found damaged and dropped.");
             describe_gauge!(BYTES, "Bytes held by each store tier.");
@@ -109,9 +114,16 @@ impl Default for Metrics {
             for kind in ["drafted", "accepted"] {
                 metrics::counter!(SPEC_DECODE, "kind" => kind).increment(0);
             }
-            for reason in ["queue_full", "deadline", "connections", "body_timeout"] {
+            for reason in [
+                "queue_full",
+                "deadline",
+                "connections",
+                "body_timeout",
+                "body_bytes",
+            ] {
                 metrics::counter!(REJECTED, "reason" => reason).increment(0);
             }
+            metrics::gauge!(BODY_BYTES).set(0.0);
             metrics::counter!(TOKENS).increment(0);
             metrics::counter!(GUARD_WITHDRAWN).increment(0);
         });
@@ -234,6 +246,16 @@ impl Metrics {
     /// A request whose body did not arrive within `--body-timeout-secs`.
     pub fn body_timeout(&self) {
         self.with(|| metrics::counter!(REJECTED, "reason" => "body_timeout").increment(1));
+    }
+
+    /// A request whose body did not fit the bytes in flight (`--max-body-bytes-in-flight`).
+    pub fn body_budget_refused(&self) {
+        self.with(|| metrics::counter!(REJECTED, "reason" => "body_bytes").increment(1));
+    }
+
+    /// The request body bytes held now (read when `/metrics` is rendered).
+    pub fn body_bytes_in_flight(&self, bytes: usize) {
+        self.with(|| metrics::gauge!(BODY_BYTES).set(bytes as f64));
     }
 
     /// A request that ran past its deadline.
@@ -366,6 +388,7 @@ mod tests {
             (TOKENS, "counter", set(&[]), vec![]),
             (QUEUE_DEPTH, "gauge", set(&[]), vec![]),
             (REJECTED, "counter", set(&["reason"]), vec![]),
+            (BODY_BYTES, "gauge", set(&[]), vec![]),
             (LOOKUPS, "counter", set(&["tier", "result"]), vec![]),
             (CORRUPT, "counter", set(&[]), vec![]),
             (STORE_ERRORS, "counter", set(&["tier"]), vec![]),

@@ -207,3 +207,165 @@ async fn oversized_and_malformed_requests_are_answered_as_problems() -> TestResu
     }
     Ok(())
 }
+
+/// What `/metrics` answers.
+async fn metrics_text(addr: std::net::SocketAddr) -> Result<String, String> {
+    let mut conn = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let request = format!("GET /metrics HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    read_to_close(&mut conn, Duration::from_secs(5)).await
+}
+
+/// `specrag_body_bytes_in_flight` on `/metrics`.
+async fn body_bytes_in_flight(addr: std::net::SocketAddr) -> Result<u64, String> {
+    let text = metrics_text(addr).await?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("specrag_body_bytes_in_flight "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .ok_or_else(|| format!("no specrag_body_bytes_in_flight in {text}"))
+}
+
+/// Waits until `/metrics` shows `bytes` of bodies in flight.
+async fn wait_in_flight(addr: std::net::SocketAddr, bytes: u64) -> TestResult {
+    let t0 = Instant::now();
+    loop {
+        let now = body_bytes_in_flight(addr).await?;
+        if now == bytes {
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            return Err(format!("{now} body bytes in flight, not {bytes}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A POST to `path` announcing a `length`-byte body, of which only `{` is sent now.
+async fn stalled_body(
+    addr: std::net::SocketAddr,
+    path: &str,
+    length: usize,
+) -> Result<TcpStream, Box<dyn std::error::Error>> {
+    let mut conn = TcpStream::connect(addr).await?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {length}\r\n\r\n{{"
+    );
+    conn.write_all(head.as_bytes()).await?;
+    Ok(conn)
+}
+
+/// A server whose request bodies may hold at most `budget` bytes at once.
+async fn budget_server(
+    dir: &std::path::Path,
+    budget: usize,
+) -> Result<std::net::SocketAddr, Box<dyn std::error::Error>> {
+    let s = server(
+        dir,
+        ServerConfig {
+            max_body_bytes_in_flight: budget,
+            ..Default::default()
+        },
+    )?;
+    Ok(gateway::http::spawn_loopback(s).await?)
+}
+
+/// Regression (issue 88): each body was bounded by its route's limit only, so 256
+/// connections could buffer 256 x 32 MiB before any check. Now bodies announced past the
+/// bytes in flight are answered 503 with Retry-After at once (in each route's shape), and the
+/// bytes come back when their requests end: a later request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_past_the_bytes_in_flight_are_answered_503_until_released() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let addr = budget_server(dir.path(), 2500).await?;
+    let holders = [
+        stalled_body(addr, "/rag/query", 1000).await?,
+        stalled_body(addr, "/documents", 1000).await?,
+    ];
+    wait_in_flight(addr, 2000).await?;
+
+    let mut over = stalled_body(addr, "/rag/query", 1000).await?;
+    let answer = read_to_close(&mut over, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(answer.contains("connection: close"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(answer.contains("--max-body-bytes-in-flight"), "{answer}");
+
+    let mut over = stalled_body(addr, "/v1/chat/completions", 1000).await?;
+    let answer = read_to_close(&mut over, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(answer.contains("\"type\":\"server_error\""), "{answer}");
+    assert!(answer.contains("--max-body-bytes-in-flight"), "{answer}");
+    wait_in_flight(addr, 2000).await?;
+
+    // The holders hang up: their bytes come back and a body of the same size is served.
+    drop(holders);
+    wait_in_flight(addr, 0).await?;
+    let body = r#"{"documents": [{"id": "ants", "text": "The thin ant ran in the sand."}]}"#;
+    let padded = format!("{body:<1000}");
+    let mut conn = TcpStream::connect(addr).await?;
+    let request = format!(
+        "POST /documents HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{padded}",
+        padded.len()
+    );
+    conn.write_all(request.as_bytes()).await?;
+    let answer = read_to_close(&mut conn, Duration::from_secs(60)).await?;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    wait_in_flight(addr, 0).await?;
+    let metrics = metrics_text(addr).await?;
+    assert!(
+        metrics.contains("specrag_rejected_total{reason=\"body_bytes\"} 2"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+/// A body of unknown length (chunked) is charged as it arrives: past the bytes in flight it
+/// is answered 503 mid-way; a body larger than all of them is answered 413, announced or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_are_charged_as_they_grow() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let addr = budget_server(dir.path(), 2500).await?;
+    let holder = stalled_body(addr, "/rag/query", 2000).await?;
+    wait_in_flight(addr, 2000).await?;
+
+    let chunked = |bytes: usize| {
+        let piece = format!("{:<300}", "");
+        let mut request = format!(
+            "POST /rag/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+             transfer-encoding: chunked\r\n\r\n"
+        );
+        for _ in 0..bytes / 300 {
+            request.push_str(&format!("{:x}\r\n{piece}\r\n", piece.len()));
+        }
+        request
+    };
+    // 300 bytes fit beside the holder; 600 do not.
+    let mut growing = TcpStream::connect(addr).await?;
+    growing.write_all(chunked(600).as_bytes()).await?;
+    let answer = read_to_close(&mut growing, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(answer.contains("--max-body-bytes-in-flight"), "{answer}");
+
+    drop(holder);
+    wait_in_flight(addr, 0).await?;
+    // Larger than the whole budget: 413, whether it grows there or announces it.
+    let mut alone = TcpStream::connect(addr).await?;
+    alone.write_all(chunked(3000).as_bytes()).await?;
+    let answer = read_to_close(&mut alone, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("--max-body-bytes-in-flight"), "{answer}");
+    let mut announced = stalled_body(addr, "/rag/query", 3000).await?;
+    let answer = read_to_close(&mut announced, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("--max-body-bytes-in-flight"), "{answer}");
+    wait_in_flight(addr, 0).await?;
+    Ok(())
+}

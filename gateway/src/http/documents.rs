@@ -56,6 +56,7 @@ pub(crate) struct IngestLine {
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is invalid; `field` names it", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "The engine queue is full", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The request bodies being received hold all the bytes the server accepts at once (`--max-body-bytes-in-flight`, default 256 MiB); see Retry-After. A body larger than all of them is answered 413", body = Problem, content_type = "application/problem+json"),
     ),
     security((), ("bearer" = []))
 )]

@@ -1,5 +1,6 @@
 //! Limits every request meets before a handler sees it: the size of its target and headers,
-//! %-encoding of its path, and a deadline for its body.
+//! %-encoding of its path, a deadline for its body, and its share of the body bytes in flight
+//! across connections ([`super::body_budget`]).
 //!
 //! hyper refuses what it cannot parse with a bare status and no body. Our own limits sit below
 //! hyper's (which are raised in `serve_on`), so every request of ordinary shape that is too
@@ -7,16 +8,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 
+use super::body_budget::{Charge, ChargedBody, Refusal};
 use super::error::{ApiError, BodyTimeout};
 use super::state::{AppState, DOCUMENTS_BODY_LIMIT, OPENAI_BODY_LIMIT, QUERY_BODY_LIMIT};
 
@@ -70,8 +73,9 @@ impl http_body::Body for DeadlineBody {
 }
 
 /// Refuses requests over the target/header limits or with a path that is not valid
-/// %-encoding (each a problem naming the limit), and puts the body under the deadline
-/// `--body-timeout-secs`.
+/// %-encoding (each a problem naming the limit), puts the body under the deadline
+/// `--body-timeout-secs`, and charges it to the body bytes in flight
+/// (`--max-body-bytes-in-flight`: 503 when it does not fit beside the others).
 pub async fn limits(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let uri_len = req
         .uri()
@@ -109,40 +113,71 @@ pub async fn limits(State(state): State<AppState>, req: Request, next: Next) -> 
         )
         .into_response();
     }
-    if let Some(refused) = declared_too_large(&req) {
+    let path = req.uri().path().to_string();
+    let route_limit = route_body_limit(&path);
+    let declared = declared_length(&req);
+    if let Some(refused) = declared_too_large(&path, route_limit, declared) {
         return refused;
     }
+    let charge = Arc::new(Charge::new(state.body_budget.clone()));
+    // A body the handler will read is charged all its announced bytes before any is read, so
+    // that a client announcing much and sending slowly cannot pass the budget.
+    if req.method() == Method::POST && route_limit.is_some() {
+        let announced = declared.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        if let Err(refusal) = charge.raise_to(announced) {
+            return over_budget(&state, &path, refusal);
+        }
+    }
     let timeout = state.config.body_timeout;
+    let body_charge = charge.clone();
     let req = req.map(|inner| {
         Body::new(DeadlineBody {
-            inner,
+            inner: Body::new(ChargedBody::new(inner, body_charge, route_limit)),
             sleep: Box::pin(tokio::time::sleep(timeout)),
             timeout,
             expired: false,
         })
     });
-    next.run(req).await
+    let response = next.run(req).await;
+    // The handler answered a body refused mid-way as unreadable; say why instead.
+    match charge.refusal() {
+        Some(refusal) => over_budget(&state, &path, refusal),
+        None => response,
+    }
+    // `charge` drops here: the body, and what the handler parsed from it, are gone.
 }
 
-/// A 413 at once for a body whose `Content-Length` already passes its route's limit, so that
-/// a client announcing too much neither waits for the body deadline nor holds the connection
-/// while it sends (the limit also holds on the bytes themselves, for bodies of unknown length).
-fn declared_too_large(req: &Request) -> Option<Response> {
-    let path = req.uri().path();
-    let limit = match path {
-        "/rag/query" => QUERY_BODY_LIMIT,
-        "/v1/chat/completions" => OPENAI_BODY_LIMIT,
-        "/documents" => DOCUMENTS_BODY_LIMIT,
-        _ => return None,
-    };
-    let declared: u64 = req
-        .headers()
+/// The body limit of a route that reads its body.
+fn route_body_limit(path: &str) -> Option<usize> {
+    match path {
+        "/rag/query" => Some(QUERY_BODY_LIMIT),
+        "/v1/chat/completions" => Some(OPENAI_BODY_LIMIT),
+        "/documents" => Some(DOCUMENTS_BODY_LIMIT),
+        _ => None,
+    }
+}
+
+/// The body length a request announces (`Content-Length`), when it says one.
+fn declared_length(req: &Request) -> Option<u64> {
+    req.headers()
         .get(axum::http::header::CONTENT_LENGTH)?
         .to_str()
         .ok()?
         .trim()
         .parse()
-        .ok()?;
+        .ok()
+}
+
+/// A 413 at once for a body whose `Content-Length` already passes its route's limit, so that
+/// a client announcing too much neither waits for the body deadline nor holds the connection
+/// while it sends (the limit also holds on the bytes themselves, for bodies of unknown length).
+fn declared_too_large(
+    path: &str,
+    route_limit: Option<usize>,
+    declared: Option<u64>,
+) -> Option<Response> {
+    let limit = route_limit?;
+    let declared = declared?;
     if declared <= limit as u64 {
         return None;
     }
@@ -151,13 +186,55 @@ fn declared_too_large(req: &Request) -> Option<Response> {
          on {path}"
     );
     let status = StatusCode::PAYLOAD_TOO_LARGE;
-    let mut r = super::openai::in_route_shape(path, status, "invalid_request_error", message);
-    // The body is never read: this connection is done.
+    Some(closing(super::openai::in_route_shape(
+        path,
+        status,
+        "invalid_request_error",
+        message,
+    )))
+}
+
+/// A body the budget of body bytes in flight refused, in its route's shape: 503 with
+/// `Retry-After` while other bodies hold the budget, 413 for a body larger than all of it.
+fn over_budget(state: &AppState, path: &str, refusal: Refusal) -> Response {
+    state.metrics.body_budget_refused();
+    let (status, kind, message) = match refusal {
+        Refusal::Full { capacity } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            format!(
+                "the request bodies being received hold all {capacity} bytes the server \
+                 accepts at once (--max-body-bytes-in-flight); retry after the time in \
+                 Retry-After"
+            ),
+        ),
+        Refusal::TooLarge { size, capacity } => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!(
+                "the request body is {size} bytes or more; the server holds at most {capacity} \
+                 bytes of request bodies at once (--max-body-bytes-in-flight), so it is never \
+                 accepted"
+            ),
+        ),
+    };
+    let mut r = super::openai::in_route_shape(path, status, kind, message);
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+    }
+    closing(r)
+}
+
+/// `r` with `Connection: close`: the rest of the body is never read, so this connection is done.
+fn closing(mut r: Response) -> Response {
     r.headers_mut().insert(
         axum::http::header::CONNECTION,
         axum::http::HeaderValue::from_static("close"),
     );
-    Some(r)
+    r
 }
 
 /// The first `%` escape of `path` that is not `%` and two hex digits (shown with what

@@ -4,6 +4,7 @@
 //! Modules depend on `state` and `error` and on each other one way (`openai` on `query`,
 //! every route on `middleware`); only this file knows every route.
 
+mod body_budget;
 mod documents;
 mod error;
 pub mod limits;
@@ -20,5 +21,6 @@ pub use listen::{runtime, serve, serve_on, spawn_loopback, SHUTDOWN_GRACE};
 pub use ops::{openapi, openapi_json_text};
 pub use routes::app;
 pub use state::{
-    AppState, ServerConfig, DEFAULT_MAX_COLLECTION_TOKENS, DEFAULT_MAX_REQUEST_TOKENS,
+    AppState, ServerConfig, DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, DEFAULT_MAX_COLLECTION_TOKENS,
+    DEFAULT_MAX_REQUEST_TOKENS,
 };

@@ -131,6 +131,9 @@ pub(crate) fn store_health(corpus: &crate::corpus::Corpus, admin: bool) -> crate
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
     use chunkstore::ChunkStore;
     let stats = state.pipeline.corpus.store.stats();
+    state
+        .metrics
+        .body_bytes_in_flight(state.body_budget.in_flight());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(state.engine.depth(), &stats),

@@ -43,6 +43,7 @@ pub(crate) struct SseEvent {
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
             example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 256, got 0", "field": "top_k"})),
         (status = 429, description = "The engine queue is full; see Retry-After", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The request bodies being received hold all the bytes the server accepts at once (`--max-body-bytes-in-flight`, default 256 MiB); see Retry-After. A body larger than all of them is answered 413", body = Problem, content_type = "application/problem+json"),
         (status = 504, description = "Not finished within the server's deadline", body = Problem, content_type = "application/problem+json"),
     ),
     security((), ("bearer" = []))

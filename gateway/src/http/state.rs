@@ -27,6 +27,9 @@ pub struct ServerConfig {
     /// Time a client has to send a request's body once its headers are in; a body not
     /// received by then is answered 408 and the connection closed.
     pub body_timeout: Duration,
+    /// Most bytes of request bodies held at once across every connection; a body that does
+    /// not fit beside the others is answered 503, one larger than all of it 413.
+    pub max_body_bytes_in_flight: usize,
     /// Ingestion also stores the speculator's own chunk KV (`spec_attn` reads it).
     pub speculator_kv: bool,
     /// The fidelity of requests that do not say (`--fidelity`).
@@ -51,6 +54,9 @@ impl ServerConfig {
 pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;
 /// Default of [`ServerConfig::max_collection_tokens`]: ~50 GB of f16 KV for Qwen-0.5B.
 pub const DEFAULT_MAX_COLLECTION_TOKENS: usize = 4 * 1024 * 1024;
+/// Default of [`ServerConfig::max_body_bytes_in_flight`]: eight of the largest bodies
+/// (`/documents`' 32 MiB), where 256 connections could otherwise buffer 8 GiB.
+pub const DEFAULT_MAX_BODY_BYTES_IN_FLIGHT: usize = 256 * 1024 * 1024;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -63,6 +69,7 @@ impl Default for ServerConfig {
             max_connections: 256,
             header_read_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
+            max_body_bytes_in_flight: DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
             speculator_kv: false,
             fidelity: crate::fidelity::Fidelity::default(),
             recompute_ratio: crate::pipeline::DEFAULT_RATIO,
@@ -77,6 +84,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub metrics: Arc<Metrics>,
     pub config: Arc<ServerConfig>,
+    /// The request body bytes in flight, against `config.max_body_bytes_in_flight`.
+    pub(crate) body_budget: Arc<super::body_budget::BodyBudget>,
     /// When the server started, Unix seconds (`/v1/models`' `created`).
     pub started_unix: u64,
 }
@@ -90,6 +99,9 @@ impl AppState {
             pipeline,
             engine,
             metrics,
+            body_budget: Arc::new(super::body_budget::BodyBudget::new(
+                config.max_body_bytes_in_flight,
+            )),
             config: Arc::new(config),
             started_unix: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

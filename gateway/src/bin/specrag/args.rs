@@ -131,6 +131,12 @@ pub struct ServeArgs {
     /// slow bodies cannot hold the connections.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub body_timeout_secs: u64,
+    /// Most bytes of request bodies the server holds at once, over every connection (1 KiB..=1
+    /// TiB; default 256 MiB, eight of the largest POST /documents bodies). A body announced
+    /// (`Content-Length`) or arriving past it is answered 503 with `Retry-After`; one larger
+    /// than all of it, 413. Each route's own body limit still holds.
+    #[arg(long, env = "SPECRAG_MAX_BODY_BYTES_IN_FLIGHT", default_value_t = gateway::http::DEFAULT_MAX_BODY_BYTES_IN_FLIGHT as u64, value_parser = clap::value_parser!(u64).range(1024..=(1 << 40)))]
+    pub max_body_bytes_in_flight: u64,
     /// Memory tier of the chunk KV store, in MiB (1..=16777216), shared equally by the
     /// collections with chunks in it.
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]

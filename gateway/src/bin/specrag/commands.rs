@@ -231,6 +231,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         max_connections: a.max_connections as usize,
         header_read_timeout: std::time::Duration::from_secs(a.header_timeout_secs),
         body_timeout: std::time::Duration::from_secs(a.body_timeout_secs),
+        max_body_bytes_in_flight: usize::try_from(a.max_body_bytes_in_flight)?,
         fidelity: a.fidelity,
         recompute_ratio: a.ratio,
         speculator_kv: a.speculator_kv,

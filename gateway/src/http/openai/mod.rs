@@ -135,6 +135,7 @@ fn unix_now() -> u64 {
         (status = 404, description = "Unknown model (`model_not_found`), or a collection that holds nothing (or is outside the key's reach) when the messages bring no passages", body = OpenAiError),
         (status = 413, description = "Body larger than 2 MiB", body = OpenAiError),
         (status = 429, description = "The engine queue is full; see Retry-After", body = OpenAiError),
+        (status = 503, description = "The request bodies being received hold all the bytes the server accepts at once (`--max-body-bytes-in-flight`, default 256 MiB); see Retry-After. A body larger than all of them is answered 413", body = OpenAiError),
         (status = 504, description = "Not finished within the server's deadline", body = OpenAiError),
     ),
     security((), ("bearer" = []))
