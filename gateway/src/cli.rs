@@ -45,13 +45,14 @@ pub struct ModelArgs {
     /// noise (docs/performance.md)
     #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]
     pub candle_k_quants: bool,
-    /// Precision of the attention products. `bf16` needs AVX-512 BF16 (refused otherwise):
-    /// queries, keys, probabilities and values are rounded to bfloat16 (8 significant bits),
-    /// attention runs ~1.5x (64-wide heads) to ~2x (128-wide) faster, a 2048-token prefill
-    /// ~5-25%. Measured cost: next-token KL from f32's ~1e-3 on the Qwen targets (greedy
-    /// answers identical on 70 of 70 eval prompts), more on SmolLM2 (up to 3e-2);
-    /// docs/performance.md, *bf16 attention*. Ingest and serve with the same precision: the
-    /// stored chunk KV was computed with the ingesting one
+    /// Precision of the attention products: `f32`, or `bf16` (CPUs with AVX-512 BF16 only,
+    /// refused elsewhere): queries, keys, probabilities and values rounded to bfloat16 and
+    /// accumulated in f32, in heads 64 or 128 wide (other heads stay f32); faster attention at
+    /// a small cost in precision, both measured in docs/performance.md (*bf16 attention*). The
+    /// precision is part of the model's fingerprint, which every stored chunk key holds: KV
+    /// stored at one precision is never read at the other, so serving at another precision
+    /// than the ingestion's recomputes every eagerly ingested chunk at its first retrieval
+    /// (`specrag serve` warns at startup when it finds such KV). Ingest and serve at one precision
     #[arg(
         long,
         global = true,

@@ -57,8 +57,15 @@ impl Default for IngestConfig {
 /// What happened, as the run goes.
 #[derive(Debug, Clone)]
 pub enum IngestEvent {
-    /// All documents are chunked: this many chunks and tokens to precompute.
-    Planned { chunks: usize, tokens: usize },
+    /// All documents are chunked: this many chunks and tokens, of which `stored_chunks` with
+    /// `stored_tokens` tokens have their KV stored already (found in some tier of the store:
+    /// nothing to compute for them). A lazy run computes nothing and counts none stored.
+    Planned {
+        chunks: usize,
+        tokens: usize,
+        stored_chunks: usize,
+        stored_tokens: usize,
+    },
     /// One chunk of `tokens` tokens is stored (computed now, or already in the store).
     Chunk { cached: bool, tokens: usize },
     /// These documents are durable and searchable.
@@ -222,9 +229,12 @@ fn ingest_inner(
         .map(|c| c.ids.len())
         .sum();
     check_budget(corpus, cfg, &planned, total_tokens)?;
+    let (stored_chunks, stored_tokens) = stored_already(corpus, engines, cfg, &planned)?;
     on_event(IngestEvent::Planned {
         chunks: total_chunks,
         tokens: total_tokens,
+        stored_chunks,
+        stored_tokens,
     });
     let mut last_key = None;
     let mut replaced_keys = Vec::new();
@@ -317,6 +327,27 @@ fn plan(
         }
     }
     planned
+}
+
+/// The planned chunks (and their tokens) whose KV an eager run finds stored, so an estimate
+/// of the work left counts only the rest; a lazy run computes nothing, and looks nothing up.
+fn stored_already(
+    corpus: &Corpus,
+    engines: &Engines,
+    cfg: &IngestConfig,
+    planned: &[Planned],
+) -> Result<(usize, usize)> {
+    if cfg.kv == KvMode::Lazy {
+        return Ok((0, 0));
+    }
+    let (mut chunks, mut tokens) = (0, 0);
+    for chunk in planned.iter().flat_map(|p| &p.chunks) {
+        let (_, ids) = engines.segment(&chunk.text);
+        if corpus.store.contains(&engines.key(&cfg.collection, &ids))? {
+            (chunks, tokens) = (chunks + 1, tokens + chunk.ids.len());
+        }
+    }
+    Ok((chunks, tokens))
 }
 
 /// Makes sure the store holds the KV of the chunk with text `chunk_text` (and, with
@@ -436,4 +467,61 @@ pub fn delete_document(
         })?;
     }
     Ok(removed.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use target_engine::testing::{write_tiny_gguf, TinySpec};
+
+    type TestResult = std::result::Result<(), Box<dyn std::error::Error>>;
+
+    fn doc(id: &str, text: &str) -> SourceDoc {
+        SourceDoc {
+            id: id.into(),
+            title: None,
+            text: text.into(),
+            origin: id.into(),
+        }
+    }
+
+    /// The `Planned` event of ingesting `docs` eagerly: chunks, tokens, and of them stored.
+    fn planned(
+        corpus: &Corpus,
+        engines: &Engines,
+        docs: Vec<SourceDoc>,
+    ) -> std::result::Result<[usize; 4], Box<dyn std::error::Error>> {
+        let mut plan = None;
+        ingest(corpus, engines, docs, &IngestConfig::default(), |e| {
+            if let IngestEvent::Planned {
+                chunks,
+                tokens,
+                stored_chunks,
+                stored_tokens,
+            } = e
+            {
+                plan.get_or_insert([chunks, tokens, stored_chunks, stored_tokens]);
+            }
+        })?;
+        Ok(plan.ok_or("no Planned event")?)
+    }
+
+    #[test]
+    fn the_plan_counts_chunks_stored_already_apart_from_the_work_left() -> TestResult {
+        // Issue 88: the estimate counted stored tokens as still to compute.
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("target.gguf");
+        write_tiny_gguf(&path, &TinySpec::new(target_engine::Architecture::Qwen2))?;
+        let model = target_engine::Model::load(&path, &Default::default())?;
+        let engines = Engines::new(Arc::new(model), None)?;
+        let corpus = Corpus::open(&dir.path().join("data"), 1 << 20)?;
+        let a = doc("a", "The ant ran in the sand near the tent.");
+        let b = doc("b", "Then the ant sat in the attic and ate thin mints.");
+        let [chunks, tokens, stored, stored_tokens] = planned(&corpus, &engines, vec![a.clone()])?;
+        assert_eq!((stored, stored_tokens), (0, 0));
+        let [all, all_tokens, stored, stored_tokens] = planned(&corpus, &engines, vec![a, b])?;
+        assert_eq!((stored, stored_tokens), (chunks, tokens));
+        assert!(all > chunks && all_tokens > tokens);
+        Ok(())
+    }
 }

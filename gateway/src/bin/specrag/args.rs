@@ -256,6 +256,11 @@ pub struct QueryArgs {
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// End the answer before the first occurrence of this text, which the answer does not
+    /// hold. Repeatable: at most 4, each 1 to 64 characters, as the OpenAI route's `stop`.
+    /// Taken as written (in bash, `--stop $'\n'` for a newline).
+    #[arg(long, value_name = "TEXT", value_parser = parse_stop)]
+    pub stop: Vec<String>,
     /// Verify the answer equals full recompute's token for token.
     #[arg(long)]
     pub verify: bool,
@@ -655,6 +660,41 @@ pub fn parse_top_p(s: &str) -> Result<f32, String> {
     number_in(s, |p| p > 0.0 && p <= 1.0, "top-p", "(0, 1]")
 }
 
+/// Most `--stop` strings, and their longest length in characters: the OpenAI route's `stop`
+/// limits (`gateway::http::openai`, where they are private; a test holds the two together
+/// through the OpenAPI document), so a stop the command line takes the server takes too.
+pub const MAX_STOPS: usize = 4;
+pub const MAX_STOP_CHARS: usize = 64;
+
+/// One `--stop` string: 1 to [`MAX_STOP_CHARS`] characters.
+fn parse_stop(s: &str) -> Result<String, String> {
+    let n = s.chars().count();
+    if (1..=MAX_STOP_CHARS).contains(&n) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "a stop string must be 1 to {MAX_STOP_CHARS} characters, got {n}"
+        ))
+    }
+}
+
+impl QueryArgs {
+    /// The `--stop` strings, refused past [`MAX_STOPS`] of them (clap checked each one) before
+    /// any model loads.
+    pub fn stop_strings(&self) -> gateway::Result<Vec<String>> {
+        if self.stop.len() > MAX_STOPS {
+            return Err(gateway::GatewayError::bad(
+                "stop",
+                format!(
+                    "{} stop strings given (--stop); at most {MAX_STOPS}",
+                    self.stop.len()
+                ),
+            ));
+        }
+        Ok(self.stop.clone())
+    }
+}
+
 /// `--verify-mode`, parsed with the other flags (a typo fails before any model loads).
 pub fn parse_verify_mode(s: &str) -> Result<target_engine::VerifyMode, String> {
     s.parse()
@@ -670,7 +710,7 @@ fn collection_name(s: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_ratio, parse_size, Cli, Cmd};
+    use super::{parse_ratio, parse_size, Cli, Cmd, MAX_STOPS, MAX_STOP_CHARS};
     use clap::{CommandFactory, Parser};
 
     #[test]
@@ -721,6 +761,69 @@ mod tests {
             Cli::try_parse_from(["specrag", "ingest", "--chunk-tokens", n, "x.md"]).is_ok()
         };
         assert!(tokens("16") && tokens("4096") && !tokens("15") && !tokens("4097"));
+    }
+
+    #[test]
+    fn query_takes_up_to_four_stop_strings_of_1_to_64_characters() {
+        // Issue 88: docs/api.md promised `specrag query --stop`, which did not exist.
+        let stops = |extra: &[&str]| -> Result<Vec<String>, String> {
+            let args = ["specrag", "query", "q"].iter().chain(extra);
+            match Cli::try_parse_from(args).map(|c| c.command) {
+                Ok(Cmd::Query(a)) => a.stop_strings().map_err(|e| e.to_string()),
+                Ok(_) => Err("not a query".into()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(stops(&[]), Ok(vec![]));
+        assert_eq!(
+            stops(&["--stop", "\n\n", "--stop", "Question:"]),
+            Ok(vec!["\n\n".to_string(), "Question:".to_string()])
+        );
+        let longest = "é".repeat(MAX_STOP_CHARS);
+        assert_eq!(stops(&["--stop", &longest]), Ok(vec![longest.clone()]));
+        let four = ["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d"];
+        assert_eq!(stops(&four).map(|s| s.len()), Ok(MAX_STOPS));
+        let five = [&four[..], &["--stop", "e"]].concat();
+        let err = stops(&five).err().unwrap_or_default();
+        assert!(err.contains("stop") && err.contains("at most 4"), "{err}");
+        let too_long = format!("{longest}x");
+        for bad in ["", too_long.as_str()] {
+            let err = stops(&["--stop", bad]).err().unwrap_or_default();
+            assert!(err.contains("1 to 64 characters"), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_stop_limits_are_the_openai_routes() {
+        // The OpenAI route's limits are private to it; its schema states them.
+        let doc = gateway::http::openapi_json_text();
+        let said = format!("Up to {MAX_STOPS} strings, each 1 to {MAX_STOP_CHARS} characters");
+        assert!(
+            doc.contains(&said),
+            "the OpenAI route's `stop` no longer says {said:?}"
+        );
+    }
+
+    #[test]
+    fn query_help_lists_stop_and_attention_help_says_what_another_precision_costs() {
+        let mut cli = Cli::command();
+        let help = cli
+            .find_subcommand_mut("query")
+            .map(|c| c.render_long_help().to_string())
+            .unwrap_or_default();
+        assert!(help.contains("--stop <TEXT>"), "{help}");
+        let attention = Cli::command()
+            .get_arguments()
+            .find(|a| a.get_id() == "attention")
+            .and_then(|a| a.get_long_help().or(a.get_help()).map(ToString::to_string))
+            .unwrap_or_default();
+        for said in [
+            "fingerprint",
+            "recomputes every eagerly ingested chunk",
+            "warns",
+        ] {
+            assert!(attention.contains(said), "{said:?} not in {attention:?}");
+        }
     }
 
     #[test]

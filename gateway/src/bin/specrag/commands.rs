@@ -1,5 +1,6 @@
 //! The corpus commands: `ingest`, `query`, `serve` and `demo`.
 
+use crate::answer_stream::{AnswerPrinter, Output};
 use crate::args::{DemoArgs, IngestArgs, ModelArgs, QueryArgs, ServeArgs};
 use crate::progress::IngestProgress;
 use crate::{open_pipeline, EXIT_PARTIAL};
@@ -8,7 +9,6 @@ use gateway::corpus::DEFAULT_MEMORY_BYTES;
 use gateway::ingest::{IngestConfig, IngestReport};
 use gateway::pipeline::{Answer, Piece, ScoreSource};
 use serde_json::json;
-use std::io::Write;
 use std::sync::Arc;
 
 /// Memory tier of an ingestion run (blobs are written through to disk).
@@ -123,7 +123,7 @@ fn print_ingest_summary(report: &IngestReport) {
 
 /// `specrag query`.
 pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
-    let q = gateway::api::QueryRequest {
+    let mut q = gateway::api::QueryRequest {
         query: a.query.clone(),
         collection: Some(a.collection.clone()),
         top_k: Some(a.top_k.into()),
@@ -142,6 +142,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         stream: None,
     }
     .validate()?;
+    q.stop = a.stop_strings()?;
     let mut pipeline = open_pipeline(
         m,
         &a.data.data,
@@ -156,29 +157,31 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
     pipeline.chunk_order = a.chunk_order;
     pipeline.spec_draft = a.spec_draft;
     a.long_context.apply(&mut pipeline)?;
-    let json_out = a.json;
-    let answer = pipeline.query(&q, &mut |piece| {
-        if !json_out {
-            // Verified answers print committed text only (drafts go to stderr, dimmed).
-            match piece {
-                Piece::Token(t) | Piece::Commit(t) => print!("{t}"),
-                Piece::Draft(t) => eprint!("\x1b[2m{t}\x1b[0m"),
-                Piece::Retract(n) => eprint!("\x1b[2m[-{n}]\x1b[0m"),
-                Piece::Replace(t) => {
-                    eprint!("\n\x1b[2m[fidelity guard: the answer so far is replaced by the full cache's]\x1b[0m\n");
-                    print!("{t}");
-                }
-            }
-            let _ = std::io::stdout().flush();
-        }
-        true
-    })?;
-    if json_out {
+    if a.json {
+        let answer = pipeline.query(&q, &mut |_| true)?;
         println!("{}", serde_json::to_string(&answer)?);
-    } else {
-        println!();
-        print_answer_stats(&answer);
+        return Ok(());
     }
+    // What stands, only: drawn as it streams on a terminal, written once it is final elsewhere.
+    let mut printer = AnswerPrinter::new(std::io::stdout().lock(), Output::stdout());
+    let mut failed = None;
+    let answer = pipeline.query(&q, &mut |piece| match printer.apply(piece) {
+        Ok(()) => true,
+        // stdout closed (`| head`): stop generating.
+        Err(e) => {
+            failed = Some(e);
+            false
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e).context("writing the answer to stdout");
+    }
+    // The answer object is what `--json` prints; the stream applied is the same text.
+    if printer.text() != answer.answer {
+        printer.apply(Piece::Replace(&answer.answer))?;
+    }
+    drop(printer.finish().context("writing the answer to stdout")?);
+    print_answer_stats(&answer);
     Ok(())
 }
 
@@ -193,6 +196,10 @@ fn print_answer_stats(answer: &Answer) {
         r.recomputed_tokens, r.chunk_tokens, r.ratio, t.retrieve_ms, t.kv_load_ms,
         t.speculate_ms, t.align_ms, t.prefill_ms, t.ttft_ms, t.decode_ms, answer.tokens, t.total_ms
     );
+    if r.guard.escalated {
+        // Said after the answer, not inside it: what the escalation withdrew is not printed.
+        eprintln!("[fidelity guard: escalated to the full cache; the answer is full recompute's]");
+    }
 }
 
 /// `specrag serve`.
@@ -214,6 +221,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         true,
         a.spec_scores,
     )?;
+    warn_of_foreign_kv(&pipeline);
     pipeline.verify_mode = a.verify_mode;
     pipeline.guard = a.guard.policy();
     pipeline.spec_decode = a.spec_decode.on();
@@ -255,6 +263,25 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         gateway::http::serve_on(state, listener).await?;
         anyhow::Ok(())
     })
+}
+
+/// Says on stderr when the stored chunk KV was computed by the target loaded otherwise (at
+/// another `--attention`, say): it is never read, so every eager chunk would be recomputed
+/// without a word. The look is advice: where it fails, serving goes on.
+fn warn_of_foreign_kv(pipeline: &gateway::pipeline::Pipeline) {
+    let target = &pipeline.engines.target;
+    let attention = match target.attention() {
+        kernels::AttentionPrecision::F32 => "f32",
+        kernels::AttentionPrecision::Bf16 => "bf16",
+    };
+    match crate::foreign_kv::look(&pipeline.corpus, target.fingerprint()) {
+        Ok(found) => {
+            if let Some(w) = crate::foreign_kv::warning(&found, target.fingerprint(), attention) {
+                eprintln!("{w}");
+            }
+        }
+        Err(e) => tracing::warn!("could not look at the stored chunk KV's fingerprints: {e}"),
+    }
 }
 
 /// `specrag demo`: index the documents (their KV computed when a query first retrieves a chunk,
@@ -390,13 +417,7 @@ async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyho
     println!("{}", demo_line("first ask (KV computed as needed)", &first));
     println!("{}", demo_line("asked again (KV stored)", &again));
     println!("{}", demo_line("full recompute", &full));
-    let answer =
-        |v: &serde_json::Value| v["answer"].as_str().unwrap_or_default().trim().to_string();
-    if answer(&again) == answer(&full) {
-        println!("  the answers are the same, token for token");
-    } else {
-        println!("  full recompute answered differently: {}", answer(&full));
-    }
+    println!("{}", gateway::demo::agreement(&again, &full));
     Ok(())
 }
 

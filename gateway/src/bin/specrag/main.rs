@@ -2,11 +2,15 @@
 //! is one function (`commands` for the corpus commands, `tools` for models, generation and
 //! tokenization, `fetch` for the default models); the measurements are `specrag-bench`'s
 //! (eval). The model flags and loaders are `gateway::cli`'s, shared with it.
-//! They share [`open_pipeline`] and `progress` (bars on a terminal, plain lines in a log).
+//! They share [`open_pipeline`] and `progress` (bars on a terminal, plain lines in a log);
+//! `answer_stream` prints `query`'s answer (drawn as it streams on a terminal, written once
+//! final elsewhere); `foreign_kv` tells `serve` when the stored KV is another model's.
 
+mod answer_stream;
 mod args;
 mod commands;
 mod fetch;
+mod foreign_kv;
 mod progress;
 mod tools;
 

@@ -92,6 +92,8 @@ pub struct IngestProgress {
     pub problems: usize,
     chunks: (usize, usize),
     tokens: (usize, usize),
+    /// Chunks and tokens of the plan whose KV was stored before the run (not work to do).
+    stored: (usize, usize),
     /// Tokens whose KV was computed by this run (not found stored), and the seconds that took.
     computed: usize,
     computing_secs: f64,
@@ -110,6 +112,7 @@ impl IngestProgress {
             problems: 0,
             chunks: (0, 0),
             tokens: (0, 0),
+            stored: (0, 0),
             computed: 0,
             computing_secs: 0.0,
             last_chunk: None,
@@ -135,9 +138,15 @@ impl IngestProgress {
     pub fn on_event(&mut self, e: gateway::ingest::IngestEvent) {
         use gateway::ingest::IngestEvent;
         match e {
-            IngestEvent::Planned { chunks, tokens } => {
+            IngestEvent::Planned {
+                chunks,
+                tokens,
+                stored_chunks,
+                stored_tokens,
+            } => {
                 self.chunks.1 = chunks;
                 self.tokens.1 = tokens;
+                self.stored = (stored_chunks, stored_tokens);
                 self.last_chunk = Some(Instant::now());
                 if self.json {
                     return;
@@ -196,23 +205,46 @@ impl IngestProgress {
         }
     }
 
-    /// After the first computed chunk: what the whole run will take at this machine's rate,
-    /// and the way out when that is long.
-    fn estimate(&self) {
+    /// Tokens whose KV is still to compute: the plan's, less those stored before the run and
+    /// those computed since.
+    fn left_to_compute(&self) -> usize {
+        self.tokens
+            .1
+            .saturating_sub(self.stored.1)
+            .saturating_sub(self.computed)
+    }
+
+    /// After the first computed chunk: what the rest of the run will take at this machine's
+    /// rate, and the way out when that is long.
+    fn estimate_text(&self) -> String {
         let rate = self.rate();
-        let left = self.tokens.1.saturating_sub(self.tokens.0) as f64;
+        let left = self.left_to_compute() as f64;
         let secs = if rate > 0.0 { left / rate } else { 0.0 };
         let mut text = format!(
-            "ingest: {} tokens in {} chunks to precompute; at {rate:.0} tokens/s (this machine, first chunk) about {} more",
-            self.tokens.1,
-            self.chunks.1,
-            duration_text(secs)
+            "ingest: {} tokens in {} chunks to precompute",
+            self.tokens.1.saturating_sub(self.stored.1),
+            self.chunks.1.saturating_sub(self.stored.0),
         );
+        if self.stored.0 > 0 {
+            text.push_str(&format!(
+                " ({} chunks of {} tokens have their KV stored already)",
+                self.stored.0, self.stored.1
+            ));
+        }
+        text.push_str(&format!(
+            "; at {rate:.0} tokens/s (this machine, first chunk) about {} more",
+            duration_text(secs)
+        ));
         if secs > LONG_INGEST_SECS {
             text.push_str(
                 "; `--kv lazy` indexes the text in seconds and computes a chunk's KV when a query first retrieves it",
             );
         }
+        text
+    }
+
+    fn estimate(&self) {
+        let text = self.estimate_text();
         self.bar.suspend(|| eprintln!("{text}"));
     }
 
@@ -229,7 +261,7 @@ impl IngestProgress {
             "" if self.lazy => " (indexing; KV at first retrieval)".to_string(),
             "" => format!(
                 ", {rate:.0} tokens/s, ETA {}",
-                eta(self.tokens.1.saturating_sub(self.tokens.0) as f64, rate)
+                eta(self.left_to_compute() as f64, rate)
             ),
             s => format!(" ({s})"),
         };
@@ -335,6 +367,35 @@ mod tests {
         assert_eq!(eta(100.0, 0.0), "unknown");
         assert_eq!(eta(0.0, 0.0), "0s");
         assert_eq!(eta(500.0, 50.0), "10s");
+    }
+
+    #[test]
+    fn chunks_stored_before_the_run_are_not_counted_as_work_left() {
+        // Issue 88: 800 stored tokens of 1000 were estimated as still to compute.
+        use gateway::ingest::IngestEvent::{Chunk, Planned};
+        let mut p = IngestProgress::new(true, false);
+        p.on_event(Planned {
+            chunks: 10,
+            tokens: 1000,
+            stored_chunks: 8,
+            stored_tokens: 800,
+        });
+        for _ in 0..3 {
+            p.on_event(Chunk {
+                cached: true,
+                tokens: 100,
+            });
+        }
+        p.on_event(Chunk {
+            cached: false,
+            tokens: 100,
+        });
+        assert_eq!(p.left_to_compute(), 100);
+        let text = p.estimate_text();
+        assert!(
+            text.starts_with("ingest: 200 tokens in 2 chunks to precompute (8 chunks of 800 tokens have their KV stored already)"),
+            "{text}"
+        );
     }
 
     #[test]
