@@ -24,6 +24,10 @@ pub enum GatewayError {
     /// A named thing does not exist (a document, a collection).
     #[error("{0}")]
     NotFound(String),
+    /// The request does not fit the server's capacity now (its KV over the memory budget);
+    /// HTTP 503 with `Retry-After`.
+    #[error("{0}")]
+    OverCapacity(String),
     /// A fault inside the server (a panicked worker, a stopped engine).
     #[error("internal error: {0}")]
     Internal(String),
@@ -75,6 +79,7 @@ impl GatewayError {
             Self::BadInput { field, .. } => Fault::BadInput(Some(field)),
             Self::TooLarge { field, .. } => Fault::TooLarge(field),
             Self::NotFound(_) => Fault::NotFound,
+            Self::OverCapacity(_) => Fault::Unavailable,
             Self::Retriever(e) => match e {
                 R::EmptyText { .. } => Fault::BadInput(Some("documents[].text")),
                 R::InvalidArgument { field, .. } => Fault::BadInput(Some(field)),
@@ -104,6 +109,8 @@ pub enum Fault {
     TooLarge(&'static str),
     /// A named thing does not exist (HTTP 404).
     NotFound,
+    /// The server cannot take the request now (HTTP 503, `Retry-After`).
+    Unavailable,
     /// Something inside failed (HTTP 500); the caller can do nothing about it.
     Internal,
 }

@@ -7,6 +7,7 @@
 //! The one design choice a reader must know: model math lives in `target-engine`; this crate
 //! only finds files, validates what users type and reports results.
 
+pub mod admission;
 pub mod answer;
 pub mod api;
 pub mod auth;

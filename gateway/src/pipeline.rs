@@ -432,8 +432,12 @@ pub struct Pipeline {
     /// Long-context drafting (`--long-context`).
     pub long_context: LongContext,
     /// Most tokens a request's prompt and answer may take together (`--max-context-tokens`;
-    /// at most the target's context length).
+    /// at most the target's context length; [`crate::admission::DEFAULT_MAX_CONTEXT_TOKENS`]
+    /// unless set).
     pub max_context_tokens: usize,
+    /// Bytes of KV one request may hold at once (`--kv-memory-budget`): a request over it is
+    /// refused before any model work ([`crate::admission`]).
+    pub kv_memory_budget: u64,
     pub contexts: ContextCache,
 }
 
@@ -553,12 +557,30 @@ fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize {
     }
 }
 
-/// The 422 of a prompt (`prompt` tokens with `chunks` chunks) that does not fit `context`
-/// with the answer: naming the query when no chunk was retrieved, `documents` when the chunks
-/// are the client's own passages (`top_k` does not apply to them), `top_k` otherwise.
-fn too_long(q: &Query, prompt: usize, chunks: usize, context: usize) -> GatewayError {
+/// The 422 of a prompt (`prompt` tokens with `chunks` chunks, `retrieved` of them from the
+/// collection) that does not fit `context` with the answer: naming the query when no chunk was
+/// read, `documents` when the chunks are the client's own passages (`top_k` does not apply to
+/// them), `messages` when they are passages found in an OpenAI request's messages and
+/// retrieval added none, `top_k` otherwise.
+fn too_long(
+    q: &Query,
+    prompt: usize,
+    (chunks, retrieved): (usize, usize),
+    context: usize,
+) -> GatewayError {
     let max_tokens = q.max_tokens;
-    if chunks == 0 {
+    if q.retrieve_too && !q.documents.is_empty() && retrieved == 0 {
+        GatewayError::bad(
+            "messages",
+            format!(
+                "the prompt ({prompt} tokens with {chunks} chunks of the {} passages found in \
+                 the messages) plus max_tokens ({max_tokens}) exceeds the context limit of \
+                 {context} tokens (max_context_tokens); send fewer or shorter passages, or \
+                 lower max_tokens",
+                q.documents.len()
+            ),
+        )
+    } else if chunks == 0 {
         GatewayError::bad(
             "query",
             format!(
@@ -577,10 +599,18 @@ fn too_long(q: &Query, prompt: usize, chunks: usize, context: usize) -> GatewayE
             ),
         )
     } else {
+        let passages = if q.retrieve_too && !q.documents.is_empty() {
+            format!(
+                ", {} of them passages found in the messages",
+                chunks - retrieved
+            )
+        } else {
+            String::new()
+        };
         GatewayError::bad(
             "top_k",
             format!(
-                "the prompt ({prompt} tokens with {chunks} chunks) plus max_tokens \
+                "the prompt ({prompt} tokens with {chunks} chunks{passages}) plus max_tokens \
                  ({max_tokens}) exceeds the context limit of {context} tokens \
                  (max_context_tokens); lower top_k or max_tokens"
             ),
@@ -597,7 +627,8 @@ impl Pipeline {
     pub fn new(mut engines: Engines, corpus: Corpus, score_source: ScoreSource) -> Self {
         let codec = corpus.store.disk().codec();
         engines.lossy_codec = codec.is_lossy().then_some(codec);
-        let max_context_tokens = engines.target.config().context_length;
+        let max_context_tokens =
+            crate::admission::default_context(engines.target.config().context_length);
         Self {
             engines,
             corpus,
@@ -609,6 +640,7 @@ impl Pipeline {
             spec_draft: SpecDraft::default(),
             long_context: LongContext::default(),
             max_context_tokens,
+            kv_memory_budget: crate::admission::default_budget(),
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }
@@ -717,6 +749,27 @@ impl Pipeline {
         Ok(())
     }
 
+    /// The KV `q` will hold at once with a prompt of `prompt` tokens: the reused cache and
+    /// the chunk KV it is built from (one cache for full recompute), a full cache beside them
+    /// where the guard may escalate or the answer is verified, the drafter's cache when
+    /// speculative decoding runs.
+    pub fn kv_need(&self, q: &Query, prompt: usize) -> crate::admission::Need {
+        let full_too = !q.method.is_full() && (q.verify || q.fidelity != Fidelity::Fast);
+        let caches = if q.method.is_full() { 1 } else { 2 } + u64::from(full_too);
+        let drafter = match &self.engines.spec {
+            Some(spec) if q.spec_decode.unwrap_or(self.spec_decode) => {
+                crate::admission::kv_bytes_per_token(spec.speculator.config())
+            }
+            _ => 0,
+        };
+        crate::admission::Need {
+            tokens: (prompt + q.max_tokens) as u64,
+            caches,
+            target_per_token: crate::admission::kv_bytes_per_token(self.engines.target.config()),
+            drafter_per_token: drafter,
+        }
+    }
+
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
         Ok(self.query_with(q, &Served, on_piece)?.answer)
@@ -733,7 +786,7 @@ impl Pipeline {
         self.check(q)?;
         let t0 = Instant::now();
         let mut timings = Timings::default();
-        let hits = self.hits(q, exp.order().unwrap_or(self.chunk_order))?;
+        let (hits, retrieved) = self.hits(q, exp.order().unwrap_or(self.chunk_order))?;
         timings.retrieve_ms = ms(t0);
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let target = &self.engines.target;
@@ -748,8 +801,9 @@ impl Pipeline {
             .unwrap_or(self.max_context_tokens)
             .min(self.max_context_tokens);
         if asm.ids.len() + q.max_tokens > context {
-            return Err(too_long(q, asm.ids.len(), hits.len(), context));
+            return Err(too_long(q, asm.ids.len(), (hits.len(), retrieved), context));
         }
+        crate::admission::admit(&self.kv_need(q, asm.ids.len()), self.kv_memory_budget)?;
         if q.verify && q.temperature == 0.0 && !q.method.is_full() {
             // The full prefill starts now, beside KV load, speculation and the blend. (Full
             // recompute decodes from a full prefill already: its answer is the exact one.)
@@ -882,25 +936,32 @@ impl Pipeline {
     }
 
     /// The chunks the prompt reads: the passages `q` brings, or the collection's `top_k` best
-    /// (in document order when the options say so).
-    fn hits(&self, q: &Query, order: ChunkOrder) -> Result<Vec<retriever::Hit>> {
+    /// (in document order when the options say so); and how many of them retrieval found.
+    fn hits(&self, q: &Query, order: ChunkOrder) -> Result<(Vec<retriever::Hit>, usize)> {
         let mut hits = if q.documents.is_empty() {
             self.corpus.index.search(&q.collection, &q.query, q.top_k)?
         } else {
             self.passage_hits(q)?
         };
+        let mut found = if q.documents.is_empty() {
+            hits.len()
+        } else {
+            0
+        };
         if !q.documents.is_empty() && q.retrieve_too {
             let retrieved = self.corpus.index.search(&q.collection, &q.query, q.top_k)?;
             let read: std::collections::HashSet<String> =
                 hits.iter().map(|h| h.record.key.clone()).collect();
+            let before = hits.len();
             hits.extend(
                 retrieved
                     .into_iter()
                     .filter(|h| !read.contains(&h.record.key)),
             );
+            found = hits.len() - before;
         }
         arrange(&mut hits, order, !q.documents.is_empty());
-        Ok(hits)
+        Ok((hits, found))
     }
 
     /// The chunks of the passages `q` brings, as retrieval hits in their order: each passage
@@ -1717,6 +1778,34 @@ mod tests {
                 tokens,
             },
         }
+    }
+
+    /// Issue 88: a prompt of passages pasted into the messages that did not fit named
+    /// `specrag.top_k`, which the client never sent; it names the messages now.
+    #[test]
+    fn an_over_long_prompt_names_what_filled_it() {
+        let passage = |i: usize| Passage {
+            id: format!("messages[0]:{i}"),
+            text: "x".into(),
+        };
+        let pasted = Query {
+            documents: (1..=3).map(passage).collect(),
+            retrieve_too: true,
+            ..Query::default()
+        };
+        let field = |q: &Query, read: (usize, usize)| match too_long(q, 900, read, 512).fault() {
+            crate::error::Fault::BadInput(f) => f,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(&pasted, (3, 0)), Some("messages"));
+        assert_eq!(field(&pasted, (5, 2)), Some("top_k"));
+        let sent = Query {
+            retrieve_too: false,
+            ..pasted.clone()
+        };
+        assert_eq!(field(&sent, (3, 0)), Some("documents"));
+        assert_eq!(field(&Query::default(), (4, 4)), Some("top_k"));
+        assert_eq!(field(&Query::default(), (0, 0)), Some("query"));
     }
 
     fn ids(hits: &[retriever::Hit]) -> Vec<&str> {

@@ -88,6 +88,40 @@ fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
     h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
 }
 
+/// Issue 88: a request whose KV does not fit the host (`fidelity: exact` over a Llama 3 file's
+/// 131k tokens) ran until the kernel killed the server; a request over the KV memory budget is
+/// refused before any model work with 503 and `Retry-After`, naming the budget, on both routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_kv_memory_budget_gets_503_naming_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut p = Arc::try_unwrap(pipeline(dir.path())?).map_err(|_| "pipeline shared")?;
+    p.kv_memory_budget = 1 << 10;
+    let s = state(Arc::new(p), ServerConfig::default());
+    let q = json!({"query": "Where does the ant run?", "max_tokens": 4});
+    let (status, body, headers) = send(&s, post("/rag/query", &q)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(header(&headers, "retry-after"), Some("5"));
+    assert!(body.contains("--kv-memory-budget"), "{body}");
+    let chat = json!({
+        "model": "specrag",
+        "messages": [{"role": "user", "content": "Where does the ant run?"}],
+        "max_tokens": 4,
+    });
+    let (status, body, headers) = send(&s, post("/v1/chat/completions", &chat)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(header(&headers, "retry-after"), Some("5"));
+    let v: Value = serde_json::from_str(&body)?;
+    assert_eq!(v["error"]["type"], "server_error", "{body}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("budget"),
+        "{body}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -345,7 +379,7 @@ async fn bad_queries_are_problems_naming_the_field() -> TestResult {
 
     let (status, _, _) = send(
         &s,
-        post("/rag/query", &json!({"query": "q".repeat(2_200_000)})),
+        post("/rag/query", &json!({"query": "q".repeat(4_300_000)})),
     )
     .await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
@@ -1467,6 +1501,47 @@ async fn passages_in_the_request_are_read_in_order_and_reused_by_content() -> Te
     Ok(())
 }
 
+/// Issue 88: 65 pasted passages of 300 characters were refused as recomputed context ("the
+/// system messages and earlier turns are ... characters"). They are read as passages now; on
+/// the tiny model (4,096 tokens of context) such a prompt is too long, and the refusal names
+/// the messages that filled it, not `specrag.top_k`, which the client never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pasted_passages_of_real_sizes_are_read_and_an_overflow_names_the_messages() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    for (n, chars) in [(65, 300), (20, 1000)] {
+        let paragraphs: Vec<String> = (0..n)
+            .map(|i| {
+                let mut p = format!("Passage {i}:");
+                while p.len() < chars {
+                    p.push_str(" the thin ant ran in the sand");
+                }
+                p.truncate(chars);
+                p
+            })
+            .collect();
+        let body = json!({
+            "model": "specrag",
+            "messages": [
+                {"role": "system", "content": format!("Answer from the context.\n\n{}", paragraphs.join("\n\n"))},
+                {"role": "user", "content": "Where does the ant run?"},
+            ],
+            "max_tokens": 4,
+            "specrag": {"collection": "pasted"},
+        });
+        let (status, text, _) = send(&s, post("/v1/chat/completions", &body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{n} x {chars}: {text}");
+        let v: Value = serde_json::from_str(&text)?;
+        assert_eq!(v["error"]["param"], "messages", "{n} x {chars}: {text}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.contains(&format!("the {n} passages found in the messages")),
+            "{n} x {chars}: {text}"
+        );
+    }
+    Ok(())
+}
+
 /// Passages pasted into the messages (LangChain's "stuff" prompt: retrieved documents joined
 /// by blank lines into the system message) are found, read before the collection's retrieved
 /// chunks and reused by content when sent again reordered with one replaced; the short
@@ -1565,7 +1640,7 @@ async fn passages_pasted_into_messages_are_reused_by_content() -> TestResult {
 async fn bad_passage_lists_are_refused_naming_the_field() -> TestResult {
     let dir = tempfile::tempdir()?;
     let s = state(pipeline(dir.path())?, ServerConfig::default());
-    let many: Vec<Value> = (0..65)
+    let many: Vec<Value> = (0..=gateway::api::MAX_QUERY_DOCUMENTS)
         .map(|i| json!({"text": format!("passage {i}")}))
         .collect();
     for (docs, status) in [
@@ -1577,7 +1652,7 @@ async fn bad_passage_lists_are_refused_naming_the_field() -> TestResult {
         ),
         (json!(many), StatusCode::UNPROCESSABLE_ENTITY),
         (
-            json!([{"text": "x".repeat(300 * 1024)}]),
+            json!([{"text": "x".repeat(gateway::api::MAX_QUERY_DOCUMENTS_CHARS + 1)}]),
             StatusCode::PAYLOAD_TOO_LARGE,
         ),
     ] {

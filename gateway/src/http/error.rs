@@ -116,6 +116,7 @@ impl ApiError {
                     Fault::BadInput(field) => (StatusCode::UNPROCESSABLE_ENTITY, field),
                     Fault::TooLarge(field) => (StatusCode::PAYLOAD_TOO_LARGE, Some(field)),
                     Fault::NotFound => (StatusCode::NOT_FOUND, None),
+                    Fault::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, None),
                     Fault::Internal => (StatusCode::INTERNAL_SERVER_ERROR, None),
                 };
                 (status, self.detail(), field.map(str::to_string))
@@ -218,6 +219,12 @@ impl IntoResponse for ApiError {
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE
+            && !r.headers().contains_key(header::RETRY_AFTER)
+        {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         }
         r
     }

@@ -191,11 +191,20 @@ pub struct ServeArgs {
 /// Long prompts: the context limit and long-context drafting (`serve` and `query`).
 #[derive(Args, Debug, Clone)]
 pub struct LongContextArgs {
-    /// Most tokens a request's prompt and answer may take together (default: the target's
-    /// context length, which is also the ceiling); `max_context_tokens` in the API lowers it
-    /// per request. A retrieval of many chunks (`top_k` up to 256) must fit it.
+    /// Most tokens a request's prompt and answer may take together: 32768 by default for
+    /// every family (or the target's context length where smaller), whatever the GGUF claims
+    /// (Llama 3 files say 131072: KV grows with it); at most the target's context length.
+    /// `max_context_tokens` in the API lowers it per request. A retrieval of many chunks
+    /// (`top_k` up to 256) must fit it.
     #[arg(long, env = "SPECRAG_MAX_CONTEXT_TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_context_tokens: Option<u32>,
+    /// Memory one request's KV may take at once (its reused cache, the chunk KV it is built
+    /// from, the full cache of a guard's escalation or verification, the drafter's cache): a
+    /// request over it is refused with 503 before any model work, instead of exhausting the
+    /// host. Default: half the host's memory. A number with an optional unit: B, KB, MB, GB,
+    /// TB or KiB, MiB, GiB, TiB.
+    #[arg(long, env = "SPECRAG_KV_MEMORY_BUDGET", value_name = "SIZE", value_parser = parse_size)]
+    pub kv_memory_budget: Option<u64>,
     /// Long-context drafting: greedy answers over prompts of at least
     /// --long-context-min-tokens draft from SpeCache's view of the cache (each step attends to
     /// 1024 rows per kv head chosen on 4-bit keys, a 128-token window and 4 sink rows), every
@@ -221,6 +230,9 @@ impl LongContextArgs {
                 "--max-context-tokens {m} is above the target's context length of {model} tokens"
             );
             pipeline.max_context_tokens = m as usize;
+        }
+        if let Some(b) = self.kv_memory_budget {
+            pipeline.kv_memory_budget = b;
         }
         pipeline.long_context.on = self.long_context.on();
         pipeline.long_context.min_tokens = self.long_context_min_tokens as usize;

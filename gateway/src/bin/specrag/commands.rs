@@ -78,6 +78,7 @@ fn error_line(e: &gateway::GatewayError) -> serde_json::Value {
         Fault::BadInput(f) => (422, f),
         Fault::TooLarge(f) => (413, Some(f)),
         Fault::NotFound => (404, None),
+        Fault::Unavailable => (503, None),
         Fault::Internal => (500, None),
     };
     let mut v = json!({"event": "error", "status": status, "detail": e.to_string()});

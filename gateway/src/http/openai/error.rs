@@ -82,6 +82,7 @@ impl OaiError {
             StatusCode::UNAUTHORIZED => (status, "authentication_error"),
             StatusCode::NOT_FOUND => (status, "not_found_error"),
             StatusCode::TOO_MANY_REQUESTS => (status, "rate_limit_error"),
+            StatusCode::SERVICE_UNAVAILABLE => (status, "server_error"),
             StatusCode::GATEWAY_TIMEOUT | StatusCode::REQUEST_TIMEOUT => (status, "timeout_error"),
             StatusCode::INTERNAL_SERVER_ERROR => (status, "server_error"),
             _ => (status, "invalid_request_error"),
@@ -105,7 +106,7 @@ impl OaiError {
 /// Where a `/rag/query` field lives in a chat request.
 pub(super) fn openai_param(field: &str) -> String {
     match field {
-        "query" => "messages".into(),
+        "query" | "messages" => "messages".into(),
         "max_tokens" | "temperature" | "seed" => field.into(),
         f => format!("specrag.{f}"),
     }
@@ -118,7 +119,11 @@ impl IntoResponse for OaiError {
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) && !r.headers().contains_key(header::RETRY_AFTER)
+        {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         }
