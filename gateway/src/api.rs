@@ -20,11 +20,12 @@ pub const MAX_TOKENS: u32 = 1024;
 /// Largest accepted seed (2^53 - 1: exact in every JSON implementation).
 pub const MAX_SEED: u64 = (1 << 53) - 1;
 
-/// Most passages one query may bring (`documents`).
-pub const MAX_QUERY_DOCUMENTS: usize = 64;
-/// Most characters of all the passages one query brings together (the prompt's token budget
-/// bounds them further).
-pub const MAX_QUERY_DOCUMENTS_CHARS: usize = 256 * 1024;
+/// Most passages one query may bring (`documents`, or found in an OpenAI request's
+/// messages): as many as it may retrieve (`top_k`), so a retrieval pipeline's 20-100 chunks fit.
+pub const MAX_QUERY_DOCUMENTS: usize = 256;
+/// Most characters of all the passages one query brings together: 256 passages of 2,000
+/// characters (the prompt's token budget, `max_context_tokens`, bounds them further).
+pub const MAX_QUERY_DOCUMENTS_CHARS: usize = 512 * 1024;
 /// Longest id of a passage a query brings.
 pub const MAX_PASSAGE_ID_CHARS: usize = 256;
 
@@ -200,12 +201,12 @@ pub struct QueryRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1)]
     pub max_context_tokens: Option<u64>,
-    /// Passages to answer from instead of retrieving (at most 64, 256 Ki characters in all):
+    /// Passages to answer from instead of retrieving (at most 256, 512 Ki characters in all):
     /// the question is answered over them, in this order, and each passage's chunks reuse
     /// the KV stored the last time the same text was read in the same collection (computed
     /// and stored now otherwise). `top_k` does not apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(min_items = 1, max_items = 64)]
+    #[schema(min_items = 1, max_items = 256)]
     pub documents: Option<Vec<PassageInput>>,
     /// Answer with server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -111,10 +111,10 @@ impl AppState {
 }
 
 /// Largest `/rag/query` body (the question is at most 8192 characters, the passages a query
-/// brings 256 Ki characters of up to 4 bytes, escaped).
-pub(crate) const QUERY_BODY_LIMIT: usize = 2 * 1024 * 1024;
+/// brings 512 Ki characters of up to 4 bytes, escaped).
+pub(crate) const QUERY_BODY_LIMIT: usize = 4 * 1024 * 1024;
 /// Largest `/v1/chat/completions` body (the question, 16 Ki characters of earlier turns and
-/// the passages of `specrag.documents`).
-pub(crate) const OPENAI_BODY_LIMIT: usize = 2 * 1024 * 1024;
+/// the passages of `specrag.documents` or pasted into the messages).
+pub(crate) const OPENAI_BODY_LIMIT: usize = 4 * 1024 * 1024;
 /// Largest `/documents` body.
 pub(crate) const DOCUMENTS_BODY_LIMIT: usize = 32 * 1024 * 1024;

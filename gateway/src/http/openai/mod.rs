@@ -265,21 +265,79 @@ mod tests {
         assert!(c.passages.is_empty());
     }
 
-    /// Issue 57: more pasted passages than a query reads (65 paragraphs of 210 characters in
-    /// a system message) were refused with 400; past detection's limits the message stays
-    /// prompt text, as with `find_passages: false`.
+    /// Paragraphs of a passage's size: `chars` characters of words.
+    fn paragraph(n: usize, chars: usize) -> String {
+        let mut p = format!("Passage {n}:");
+        while p.len() < chars {
+            p.push_str(" the keeper counts ships");
+        }
+        p.truncate(chars);
+        p
+    }
+
+    /// Issue 88: 65 pasted paragraphs of 300 characters were refused with 400 (past 64
+    /// passages the whole message became recomputed context, capped at 16 Ki characters). A
+    /// retrieval pipeline's 20-100 chunks of 300-2,000 characters are read as passages.
     #[test]
-    fn too_many_pasted_passages_stay_prompt_text() {
-        let para = "word ".repeat(42);
-        let system = vec![para.trim(); crate::api::MAX_QUERY_DOCUMENTS + 1].join("\n\n");
-        let msgs = [msg("system", json!(system)), msg("user", json!("why?"))];
-        let c = conversation(&msgs, true).expect("served");
-        assert!(c.passages.is_empty(), "{} passages", c.passages.len());
-        assert_eq!(c.context, system);
-        let fits = vec![para.trim(); crate::api::MAX_QUERY_DOCUMENTS].join("\n\n");
-        let msgs = [msg("system", json!(fits)), msg("user", json!("why?"))];
-        let c = conversation(&msgs, true).expect("served");
-        assert_eq!(c.passages.len(), crate::api::MAX_QUERY_DOCUMENTS);
+    fn pasted_passages_of_retrieval_sizes_are_read() {
+        for (n, chars) in [(65, 300), (64, 1000), (64, 2000), (100, 1000)] {
+            let paras: Vec<String> = (0..n).map(|i| paragraph(i, chars)).collect();
+            let system = format!("Answer from the context.\n\n{}", paras.join("\n\n"));
+            let msgs = [msg("system", json!(system)), msg("user", json!("why?"))];
+            let c = conversation(&msgs, true)
+                .unwrap_or_else(|e| panic!("{n} x {chars}: {}", e.body.message));
+            assert_eq!(c.passages.len(), n, "{n} x {chars}");
+            assert_eq!(c.context, "Answer from the context.");
+            crate::api::validate_passages("messages", &c.passages).expect("within the limits");
+        }
+    }
+
+    /// Past what one query reads, the refusal names the message and the real limits.
+    #[test]
+    fn too_many_pasted_passages_are_refused_naming_the_limit() {
+        let max = crate::api::MAX_QUERY_DOCUMENTS;
+        let paras: Vec<String> = (0..=max).map(|i| paragraph(i, 300)).collect();
+        let half = paras.len() / 2;
+        let msgs = [
+            msg("system", json!(paras[..half].join("\n\n"))),
+            msg(
+                "user",
+                json!(format!("{}\n\nwhy?", paras[half..].join("\n\n"))),
+            ),
+        ];
+        let e = conversation(&msgs, true).expect_err("over the count");
+        assert_eq!(e.body.param.as_deref(), Some("messages[1].content"));
+        assert!(
+            e.body.message.contains(&format!("at most {max} passages")),
+            "{}",
+            e.body.message
+        );
+        // Under the count but over the characters.
+        let big: Vec<String> = (0..200).map(|i| paragraph(i, 3000)).collect();
+        let msgs = [
+            msg("system", json!(big.join("\n\n"))),
+            msg("user", json!("q")),
+        ];
+        let e = conversation(&msgs, true).expect_err("over the characters");
+        assert_eq!(e.body.param.as_deref(), Some("messages[0].content"));
+        let chars = crate::api::MAX_QUERY_DOCUMENTS_CHARS.to_string();
+        assert!(e.body.message.contains(&chars), "{}", e.body.message);
+    }
+
+    /// Issue 88: the context's refusal said passages were "not counted" when they were (with
+    /// detection off, every paragraph is context).
+    #[test]
+    fn the_context_refusal_says_whether_passages_were_counted() {
+        let long = "x".repeat(MAX_CONTEXT_CHARS + 1);
+        let m = [msg("system", json!(long)), msg("user", json!("q"))];
+        let off = conversation(&m, false).expect_err("too long").body.message;
+        assert!(!off.contains("besides the passages"), "{off}");
+        assert!(off.contains("find_passages"), "{off}");
+        let shorts = vec!["A short instruction."; 900].join("\n\n");
+        let text = format!("{}\n\n{shorts}", paragraph(0, 300));
+        let m = [msg("system", json!(text)), msg("user", json!("q"))];
+        let on = conversation(&m, true).expect_err("too long").body.message;
+        assert!(on.contains("besides the passages found in them"), "{on}");
     }
 
     #[test]
@@ -352,6 +410,8 @@ mod tests {
     fn rag_fields_are_named_under_specrag() {
         assert_eq!(openai_param("top_k"), "specrag.top_k");
         assert_eq!(openai_param("query"), "messages");
+        // Issue 88: an over-long prompt of pasted passages named `specrag.top_k`.
+        assert_eq!(openai_param("messages"), "messages");
         assert_eq!(openai_param("max_tokens"), "max_tokens");
     }
 }

@@ -127,7 +127,7 @@ pub struct RagOptions {
     /// chunks' KV is reused by content, in any order, under the collection's scope; the
     /// messages' text stays the recomputed part of the prompt.
     #[serde(default)]
-    #[schema(min_items = 1, max_items = 64)]
+    #[schema(min_items = 1, max_items = 256)]
     pub documents: Option<Vec<crate::api::PassageInput>>,
     /// Read the passages pasted into the messages as passages (default true, and off when
     /// `documents` is sent): paragraphs of at least 200 characters in the system messages and
@@ -178,32 +178,41 @@ pub(super) struct Conversation {
 }
 
 impl Conversation {
-    /// Keeps `text`'s passages (when `find`) and returns the rest.
+    /// Keeps `text`'s passages (when `find`) and returns the rest. Passages past what one
+    /// query reads are refused, naming the message and the limits: reading them as prompt
+    /// text instead would only move the refusal to the recomputed context's smaller cap.
     pub(super) fn take_passages(
         &mut self,
         text: &str,
         i: usize,
         keep_last: bool,
         find: bool,
-    ) -> String {
+    ) -> Result<String, OaiError> {
         if !find {
-            return text.to_string();
+            return Ok(text.to_string());
         }
         let split = crate::passages::split(text, keep_last);
         if split.passages.is_empty() {
-            return text.to_string();
+            return Ok(text.to_string());
         }
-        // Detection is a convenience: passages past what a query reads leave the whole message
-        // prompt text, as with `find_passages: false`, rather than refusing the request.
         let chars = |ps: &mut dyn Iterator<Item = &String>| -> usize {
             ps.map(|p| p.chars().count()).sum()
         };
         let count = self.passages.len() + split.passages.len();
         let total =
             chars(&mut self.passages.iter().map(|p| &p.text)) + chars(&mut split.passages.iter());
-        if count > crate::api::MAX_QUERY_DOCUMENTS || total > crate::api::MAX_QUERY_DOCUMENTS_CHARS
-        {
-            return text.to_string();
+        use crate::api::{MAX_QUERY_DOCUMENTS as MAX_N, MAX_QUERY_DOCUMENTS_CHARS as MAX_C};
+        if count > MAX_N || total > MAX_C {
+            return Err(OaiError::invalid(
+                &format!("messages[{i}].content"),
+                format!(
+                    "the messages hold {count} passages (paragraphs of {} or more characters) \
+                     of {total} characters up to this one; one query reads at most {MAX_N} \
+                     passages of {MAX_C} characters in all: send fewer, or send the rest in \
+                     another request",
+                    crate::passages::MIN_PASSAGE_CHARS
+                ),
+            ));
         }
         let prefix = format!("messages[{i}]:");
         // Earlier text parts of the same message numbered theirs first.
@@ -219,7 +228,7 @@ impl Conversation {
                 text: p,
             });
         }
-        rest
+        Ok(rest)
     }
 }
 
@@ -245,7 +254,7 @@ pub(super) fn conversation(messages: &[ChatMessage], find: bool) -> Result<Conve
     for (i, m) in messages.iter().enumerate() {
         let parts = content_parts(m, i)?;
         match (m.role.as_str(), i == last) {
-            ("user", true) => out.question = out.take_passages(&parts.join("\n"), i, true, find),
+            ("user", true) => out.question = out.take_passages(&parts.join("\n"), i, true, find)?,
             (_, true) => {
                 return Err(OaiError::invalid(
                     &format!("messages[{i}].role"),
@@ -254,7 +263,7 @@ pub(super) fn conversation(messages: &[ChatMessage], find: bool) -> Result<Conve
             }
             ("system" | "developer", false) => {
                 for part in &parts {
-                    instructions.push(out.take_passages(part, i, false, find));
+                    instructions.push(out.take_passages(part, i, false, find)?);
                 }
             }
             ("user", false) => turns.push(format!("User: {}", parts.join("\n").trim())),
@@ -269,7 +278,7 @@ pub(super) fn conversation(messages: &[ChatMessage], find: bool) -> Result<Conve
             }
         }
     }
-    out.context = context_text(&instructions, &turns)?;
+    out.context = context_text(&instructions, &turns, !out.passages.is_empty())?;
     let chars = out.question.chars().count();
     if chars > MAX_QUERY_CHARS {
         return Err(OaiError::invalid(
@@ -281,8 +290,12 @@ pub(super) fn conversation(messages: &[ChatMessage], find: bool) -> Result<Conve
 }
 
 /// The recomputed context: instructions, then the earlier turns, within
-/// [`MAX_CONTEXT_CHARS`].
-pub(super) fn context_text(instructions: &[String], turns: &[String]) -> Result<String, OaiError> {
+/// [`MAX_CONTEXT_CHARS`] (`found`: passages were taken out of the instructions).
+pub(super) fn context_text(
+    instructions: &[String],
+    turns: &[String],
+    found: bool,
+) -> Result<String, OaiError> {
     let mut context = instructions
         .iter()
         .map(|s| s.trim())
@@ -301,9 +314,20 @@ pub(super) fn context_text(instructions: &[String], turns: &[String]) -> Result<
         return Err(OaiError::invalid(
             "messages",
             format!(
-                "the system messages and earlier turns are {chars} characters (passages found \
-                 in them not counted); at most {MAX_CONTEXT_CHARS} are accepted (they are \
-                 recomputed on every request)"
+                "the system messages and earlier turns are {chars} characters{}; at most \
+                 {MAX_CONTEXT_CHARS} are accepted (they are recomputed on every request; \
+                 passages, paragraphs of {} or more characters, are read apart{})",
+                if found {
+                    " besides the passages found in them"
+                } else {
+                    ""
+                },
+                crate::passages::MIN_PASSAGE_CHARS,
+                if found {
+                    ""
+                } else {
+                    " unless `specrag.find_passages` is false or `specrag.documents` is sent"
+                },
             ),
         ));
     }
