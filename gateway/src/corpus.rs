@@ -468,35 +468,36 @@ impl Corpus {
         Ok(self.index.all_keys()?)
     }
 
-    /// Deletes blobs no indexed chunk refers to (left by a crash between storing a chunk and
-    /// committing the index, by replaced or deleted documents, or by another model or
-    /// template), then flushes. KV stored at query time under the disk budget (passages
-    /// clients sent, lazily computed chunks) is kept: the budget evicts it.
+    /// Deletes blobs no indexed chunk refers to (left by a crash or an interrupted ingestion
+    /// between storing a chunk and committing the index, by replaced or deleted documents, or
+    /// by another model or template), then flushes. KV stored at query time under the disk
+    /// budget (passages clients sent, lazily computed chunks) is kept: the budget evicts it.
+    /// A full pass over the index's records and the store's files: offline (`specrag
+    /// ingest`), or in the server split into [`Corpus::garbage_candidates`] on a thread of its
+    /// own and [`Corpus::remove_garbage`] in slices between queries.
     pub fn collect_garbage(&self, engines: &Engines) -> Result<usize> {
-        self.collect_garbage_after(engines, &[])
+        let candidates = self.garbage_candidates(engines)?;
+        let removed = self.remove_garbage(&candidates)?;
+        self.store.flush()?;
+        Ok(removed)
     }
 
-    /// [`Corpus::collect_garbage`] after the chunks of `left` (store keys) left the index (a
-    /// document deleted or replaced): their KV and speculator companions go too, budgeted or
-    /// not, unless an indexed chunk still refers to them. The speculator KV of an indexed chunk ([`Engines::spec_key`])
-    /// is kept with it. Returns how many were removed. The store is a cache, so a store that
-    /// cannot list its keys skips the collection (logged) rather than failing the caller.
-    pub fn collect_garbage_after(&self, engines: &Engines, left: &[String]) -> Result<usize> {
+    /// The stored keys that neither an indexed chunk, the disk budget, nor an indexed chunk's
+    /// speculator companion ([`Engines::spec_key`]) refers to now. Reads only: safe beside
+    /// queries on another thread. The store is a cache, so a store that cannot list its keys
+    /// yields none (logged) rather than failing the caller.
+    pub fn garbage_candidates(&self, engines: &Engines) -> Result<Vec<ChunkKey>> {
+        // Files first, references second: a blob stored after the listing is not a candidate,
+        // and one indexed after it is found referenced.
+        let keys = match self.store.keys() {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!("skipping the chunk store's garbage collection: {e}");
+                return Ok(Vec::new());
+            }
+        };
         let mut referenced = self.referenced_keys()?;
-        let left: HashSet<String> = left
-            .iter()
-            .filter(|k| !referenced.contains(*k))
-            .filter_map(|k| k.parse::<ChunkKey>().ok())
-            .flat_map(|k| std::iter::once(k).chain(engines.spec_key(&k)))
-            .map(|k| k.to_string())
-            .collect();
-        let budgeted = self.store.cached_keys();
-        referenced.extend(
-            budgeted
-                .iter()
-                .map(ToString::to_string)
-                .filter(|k| !left.contains(k)),
-        );
+        referenced.extend(self.store.cached_keys().iter().map(ToString::to_string));
         let companions: Vec<String> = referenced
             .iter()
             .filter_map(|k| k.parse::<ChunkKey>().ok())
@@ -504,22 +505,55 @@ impl Corpus {
             .map(|k| k.to_string())
             .collect();
         referenced.extend(companions);
-        let keys = match self.store.keys() {
-            Ok(keys) => keys,
-            Err(e) => {
-                tracing::warn!("skipping the chunk store's garbage collection: {e}");
-                return Ok(0);
-            }
-        };
+        Ok(keys
+            .into_iter()
+            .filter(|k| !referenced.contains(&k.to_string()))
+            .collect())
+    }
+
+    /// Removes the `candidates` ([`Corpus::garbage_candidates`]) that are still garbage: not
+    /// referenced by an indexed chunk (one index lookup each) nor budgeted. The caller makes
+    /// sure no ingestion committed since the candidates were listed (a speculator companion
+    /// cannot be checked by itself). Returns how many were removed.
+    pub fn remove_garbage(&self, candidates: &[ChunkKey]) -> Result<usize> {
+        let budgeted: HashSet<ChunkKey> = self.store.cached_keys().into_iter().collect();
         let mut removed = 0;
-        for key in keys {
-            if !referenced.contains(&key.to_string()) {
-                // Never fails: a removal the disk refuses is logged and retried next time.
+        for key in candidates {
+            if budgeted.contains(key) || self.index.refers(&key.to_string())? {
+                continue;
+            }
+            // Never fails: a removal the disk refuses is logged and retried next time.
+            self.store.remove(key)?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    /// After the chunks of `left` (store keys) left the index (a document deleted or
+    /// replaced, committed): their KV and speculator companions go, budgeted or not, unless an
+    /// indexed chunk still refers to them. One index lookup per key, so an ingestion or a
+    /// deletion costs what it touched, never a pass over the whole index or store (that is
+    /// [`Corpus::collect_garbage`]'s job). Returns how many blobs were removed.
+    pub fn collect_left(&self, engines: &Engines, left: &[String]) -> Result<usize> {
+        let mut seen = HashSet::new();
+        let mut removed = 0;
+        for k in left {
+            if !seen.insert(k.as_str()) || self.index.refers(k)? {
+                continue;
+            }
+            let Ok(key) = k.parse::<ChunkKey>() else {
+                continue;
+            };
+            for key in std::iter::once(key).chain(engines.spec_key(&key)) {
+                if self.store.disk().contains(&key).unwrap_or(false) {
+                    removed += 1;
+                }
                 self.store.remove(&key)?;
-                removed += 1;
             }
         }
-        self.store.flush()?;
+        if removed > 0 {
+            self.store.flush()?;
+        }
         Ok(removed)
     }
 }

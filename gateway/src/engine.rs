@@ -69,6 +69,13 @@ pub enum Job {
     },
 }
 
+/// Keys a garbage sweep removes before it lets waiting queries run.
+pub const SWEEP_SLICE: usize = 64;
+
+/// How long the engine waits for a job at a time while a garbage listing is under way, so it
+/// notices the listing's end without a job arriving.
+const LISTING_POLL: Duration = Duration::from_millis(200);
+
 /// What a running ingestion reports to a streaming client.
 #[derive(Debug)]
 pub enum IngestProgress {
@@ -122,7 +129,8 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs.
+/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs; a first
+/// full garbage collection is listed at once, off the engine thread.
 pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) -> EngineHandle {
     let (tx, rx) = sync_channel::<(Job, Instant)>(capacity.max(1));
     let depth = Arc::new(AtomicUsize::new(0));
@@ -132,29 +140,16 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
         .spawn(move || {
             let mut engine = Engine {
                 pipeline: &pipeline,
+                shared: Arc::clone(&pipeline),
                 metrics: &metrics,
                 rx: &rx,
                 depth: &d,
                 deferred: VecDeque::new(),
                 capacity: capacity.max(1),
+                listing: None,
             };
-            loop {
-                let (job, queued) = match engine.deferred.pop_front() {
-                    Some(job) => job,
-                    None => match rx.try_recv() {
-                        Ok(job) => job,
-                        Err(std::sync::mpsc::TryRecvError::Empty) => {
-                            // Idle: hand the last job's freed buffers back to the system
-                            // (the allocator keeps them otherwise, see process::init).
-                            crate::process::release_free_memory();
-                            match rx.recv() {
-                                Ok(job) => job,
-                                Err(_) => break,
-                            }
-                        }
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-                    },
-                };
+            engine.want_sweep();
+            while let Some((job, queued)) = engine.next_job() {
                 d.fetch_sub(1, Ordering::SeqCst);
                 metrics.queued(queued.elapsed());
                 guarded(|| engine.run(job));
@@ -170,6 +165,9 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
         capacity: capacity.max(1),
     }
 }
+
+/// Garbage listed by a collector thread while the index had seen `.1` commits.
+type Listing = (Vec<chunkstore::ChunkKey>, u64);
 
 /// How long the engine waits for a reader that does not take its events (a stalled stream)
 /// before treating the client as gone.
@@ -208,6 +206,10 @@ fn guarded(f: impl FnOnce()) {
 /// The engine thread's state.
 struct Engine<'a> {
     pipeline: &'a Pipeline,
+    /// The same pipeline, for a collector thread to list garbage on.
+    shared: Arc<Pipeline>,
+    /// The garbage listing under way on a collector thread, if any.
+    listing: Option<std::sync::mpsc::Receiver<Listing>>,
     metrics: &'a Metrics,
     rx: &'a std::sync::mpsc::Receiver<(Job, Instant)>,
     depth: &'a AtomicUsize,
@@ -219,6 +221,97 @@ struct Engine<'a> {
 }
 
 impl Engine<'_> {
+    /// The next job: a deferred one, else one from the queue; while idle, a finished garbage
+    /// listing is swept first. `None` once every handle is gone.
+    fn next_job(&mut self) -> Option<(Job, Instant)> {
+        use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+        loop {
+            if let Some(job) = self.deferred.pop_front() {
+                return Some(job);
+            }
+            match self.rx.try_recv() {
+                Ok(job) => return Some(job),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) => {}
+            }
+            if let Some(done) = self.listing.as_ref().map(|l| l.try_recv()) {
+                match done {
+                    Ok(listing) => {
+                        self.listing = None;
+                        self.sweep(listing);
+                        continue;
+                    }
+                    Err(TryRecvError::Disconnected) => self.listing = None,
+                    Err(TryRecvError::Empty) => {}
+                }
+            }
+            // Idle: hand the last job's freed buffers back to the system (the allocator
+            // keeps them otherwise, see process::init).
+            crate::process::release_free_memory();
+            if self.listing.is_none() {
+                return self.rx.recv().ok();
+            }
+            match self.rx.recv_timeout(LISTING_POLL) {
+                Ok(job) => return Some(job),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// Lists garbage on a collector thread (unless a listing is under way): the pass over
+    /// every chunk record and every KV file runs there, beside queries, not before them.
+    fn want_sweep(&mut self) {
+        if self.listing.is_some() {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("specrag-gc".into())
+            .spawn(move || {
+                let commits = p.corpus.index.commits();
+                match p.corpus.garbage_candidates(&p.engines) {
+                    Ok(keys) => {
+                        let _ = tx.send((keys, commits));
+                    }
+                    Err(e) => tracing::warn!("garbage collection skipped: {e}"),
+                }
+            });
+        match spawned {
+            Ok(_) => self.listing = Some(rx),
+            Err(e) => tracing::warn!("garbage collection skipped: no thread: {e}"),
+        }
+    }
+
+    /// Removes a listing's garbage in slices of [`SWEEP_SLICE`] keys, running the queries
+    /// that arrive meanwhile between slices. A listing the index outran (a commit since: a
+    /// speculator companion it names may belong to a chunk indexed since) is listed again.
+    fn sweep(&mut self, (keys, commits): Listing) {
+        let corpus = &self.pipeline.corpus;
+        let mut removed = 0;
+        for slice in keys.chunks(SWEEP_SLICE) {
+            if corpus.index.commits() != commits {
+                self.want_sweep();
+                break;
+            }
+            match corpus.remove_garbage(slice) {
+                Ok(n) => removed += n,
+                Err(e) => {
+                    tracing::warn!("garbage collection stopped: {e}");
+                    break;
+                }
+            }
+            self.serve_waiting_queries();
+        }
+        if removed > 0 {
+            if let Err(e) = chunkstore::ChunkStore::flush(&corpus.store) {
+                tracing::warn!("flushing after garbage collection: {e}");
+            }
+            tracing::info!(removed, "removed chunk KV no indexed chunk refers to");
+        }
+    }
+
     fn run(&mut self, job: Job) {
         match job {
             Job::Ingest {
@@ -315,6 +408,10 @@ impl Engine<'_> {
                 gone(&reply)
             },
         );
+        if out.is_err() {
+            // A batch rolled back leaves blobs no chunk refers to.
+            self.want_sweep();
+        }
         let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
     }
 }

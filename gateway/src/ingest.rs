@@ -112,6 +112,8 @@ struct Planned {
 
 /// Ingests `docs` into `corpus` with `engines`. Bad documents are reported through `on_event`
 /// and skipped; store or index failures end the run with an error (what was committed stays).
+/// Ends with a full garbage collection ([`Corpus::collect_garbage`]): the entry point of
+/// offline ingestion (`specrag ingest`, the demo); the server calls [`ingest_until`].
 pub fn ingest(
     corpus: &Corpus,
     engines: &Engines,
@@ -119,7 +121,11 @@ pub fn ingest(
     cfg: &IngestConfig,
     on_event: impl FnMut(IngestEvent),
 ) -> Result<IngestReport> {
-    ingest_until(corpus, engines, docs, cfg, on_event, &mut || false)
+    let mut report = ingest_until(corpus, engines, docs, cfg, on_event, &mut || false)?;
+    // Offline nothing waits for it: the full collection (blobs of interrupted runs, another
+    // model or template) ends the run. The server runs it on its collector thread instead.
+    report.garbage_removed += corpus.collect_garbage(engines)?;
+    Ok(report)
 }
 
 /// [`ingest`] that calls `between_chunks` before every chunk (the engine runs waiting queries
@@ -279,10 +285,12 @@ fn ingest_inner(
         report.documents += done.len();
         on_event(IngestEvent::Committed { documents: done });
     }
-    // Last, not first: blobs an interrupted run left behind are reused above when their text
-    // comes back, and only the rest goes, with the chunks of replaced documents that no
-    // document uses any more.
-    report.garbage_removed += corpus.collect_garbage_after(engines, &replaced_keys)?;
+    // The chunks of replaced documents that no document uses any more go now, key by key;
+    // blobs an interrupted run left behind are reused above when their text comes back and
+    // the rest wait for a full collection (`Corpus::collect_garbage`: at the end of `specrag
+    // ingest`, on the server's collector thread), which would cost every ingestion a pass
+    // over the whole index and store.
+    report.garbage_removed += corpus.collect_left(engines, &replaced_keys)?;
     report.seconds = t0.elapsed().as_secs_f64();
     report.kv_stored_bytes = corpus.store.disk().stats().disk_bytes as i64 - disk_before as i64;
     report.chunks_per_s = report.chunks as f64 / report.seconds.max(1e-9);
@@ -459,7 +467,7 @@ pub fn delete_document(
         return Err(e.into());
     }
     let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
-    corpus.collect_garbage_after(engines, &keys)?;
+    corpus.collect_left(engines, &keys)?;
     if let Some(l) = corpus.doclog.as_ref().filter(|_| log) {
         l.append(&crate::doclog::LogEntry::Delete {
             collection: collection.to_string(),

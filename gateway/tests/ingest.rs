@@ -565,6 +565,77 @@ fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next(
     check_consistent(&dir.path().join("data"), true).map(|_| ())
 }
 
+/// Issue 88: every ingestion and deletion read every chunk record and walked every KV file on
+/// the engine thread, so queries waited behind a pass that grows with the index. The server's
+/// ingestion (`ingest_until`) and deletion now remove what they touched (the chunks of a
+/// replaced or deleted document, key by key); other garbage waits for a full collection.
+#[test]
+fn an_ingestion_or_deletion_collects_what_it_touched_not_the_whole_store() -> TestResult {
+    use gateway::ingest::{delete_document, ingest_until, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 4)?;
+    let cfg = IngestConfig {
+        collection: "c".into(),
+        batch_docs: 2,
+        ..Default::default()
+    };
+    let mut seen = 0;
+    let stopped = ingest_until(&corpus, &engines, docs.clone(), &cfg, |_| {}, &mut || {
+        seen += 1;
+        seen == 4
+    });
+    assert!(stopped.is_err());
+    assert_eq!(corpus.store.keys()?.len(), 3, "d0, d1 and d2's orphan");
+    let mut d0 = docs[0].clone();
+    d0.text = "document 0 again: an owl hunts mice in the barn".into();
+    let replaced = ingest_until(&corpus, &engines, vec![d0], &cfg, |_| {}, &mut || false)?;
+    assert_eq!(replaced.garbage_removed, 1, "d0's old chunk");
+    assert_eq!(
+        corpus.store.keys()?.len(),
+        3,
+        "the orphan waits for a full collection"
+    );
+    delete_document(&corpus, &engines, "c", "d1", true)?;
+    assert_eq!(corpus.store.keys()?.len(), 2, "d1's chunk went with it");
+    assert_eq!(corpus.collect_garbage(&engines)?, 1, "the orphan");
+    assert_eq!(corpus.store.keys()?.len(), 1);
+    drop(corpus);
+    check_consistent(&dir.path().join("data"), true).map(|_| ())
+}
+
+/// The server's full collection runs without stopping the engine: listed on a thread of its
+/// own, removed between queries. A server started over an orphan blob removes it.
+#[test]
+fn the_server_collects_garbage_listed_off_the_engine_thread() -> TestResult {
+    use gateway::ingest::{ingest_until, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let (engines, corpus, docs) = tiny_setup(dir.path(), 4)?;
+    let cfg = IngestConfig {
+        collection: "c".into(),
+        batch_docs: 2,
+        ..Default::default()
+    };
+    let mut seen = 0;
+    let stopped = ingest_until(&corpus, &engines, docs, &cfg, |_| {}, &mut || {
+        seen += 1;
+        seen == 4
+    });
+    assert!(stopped.is_err());
+    assert_eq!(corpus.store.keys()?.len(), 3, "d0, d1 and d2's orphan");
+    let pipeline =
+        gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
+    let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while state.pipeline.corpus.store.keys()?.len() != 2 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the orphan was not collected"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 #[test]
 fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
     let dir = tempfile::tempdir()?;

@@ -147,6 +147,8 @@ pub struct Index {
     reader: IndexReader,
     fields: Fields,
     writer: Mutex<Writer>,
+    /// Commits since this index was opened ([`Index::commits`]).
+    commits: std::sync::atomic::AtomicU64,
 }
 
 impl Index {
@@ -227,6 +229,7 @@ impl Index {
                 inner,
                 pending: HashMap::new(),
             }),
+            commits: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -314,6 +317,8 @@ impl Index {
         let opstamp = w.inner.commit().map_err(tantivy_err("commit"))?;
         w.pending.clear();
         self.reader.reload().map_err(tantivy_err("reload reader"))?;
+        self.commits
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         debug!(
             opstamp,
             chunks = self.num_chunks(),
@@ -495,6 +500,24 @@ impl Index {
             .into_iter()
             .map(|r| r.key)
             .collect())
+    }
+
+    /// How many commits this index has seen since it was opened: a reader that listed
+    /// something and acts on it later knows whether the index changed meanwhile.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether some committed chunk refers to the chunk-store key `key` (one term lookup, not
+    /// a pass over the records: what incremental garbage collection asks per key).
+    pub fn refers(&self, key: &str) -> Result<bool> {
+        let term = Term::from_field_text(self.fields.key, key);
+        let n = self
+            .reader
+            .searcher()
+            .search(&TermQuery::new(term, IndexRecordOption::Basic), &Count)
+            .map_err(tantivy_err("look up a chunk key"))?;
+        Ok(n > 0)
     }
 
     /// Drops every add and delete since the last commit (after a failed batch), so a later

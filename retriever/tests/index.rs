@@ -682,6 +682,13 @@ fn rollback_drops_uncommitted_changes_and_all_keys_lists_committed_ones() {
     );
     let keys = index.all_keys().unwrap();
     assert_eq!(keys.into_iter().collect::<Vec<_>>(), vec!["k1".to_string()]);
+    // One lookup answers what the pass over every record answers, for one key.
+    assert!(index.refers("k1").unwrap());
+    assert!(!index.refers("k2").unwrap(), "rolled back");
+    index.delete_document("c", "a").unwrap();
+    assert!(index.refers("k1").unwrap(), "not committed yet");
+    index.commit().unwrap();
+    assert!(!index.refers("k1").unwrap());
 }
 
 #[test]
