@@ -93,8 +93,9 @@ def main():
 
     big = passages(a.index_docs)
     t0 = time.perf_counter()
-    for i in range(0, len(big), 1000):
-        post(a.url, "/documents", {"collection": "big", "kv": "lazy", "documents": big[i : i + 1000]})
+    # 200 passages a request stay under --max-request-tokens (65,536 by default).
+    for i in range(0, len(big), 200):
+        post(a.url, "/documents", {"collection": "big", "kv": "lazy", "documents": big[i : i + 200]})
     print(f"indexed {len(big)} passages lazily into `big` in {time.perf_counter() - t0:.1f} s", flush=True)
     post(a.url, "/documents", {"collection": "docs", "documents": doc_paragraphs(12)})
     question = "How are chunks stored and reused?"
