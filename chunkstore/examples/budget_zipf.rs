@@ -54,11 +54,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 b.touch(&key(c));
             } else {
                 stored.insert(c);
-                for k in b.admit("docs", &key(c), size) {
-                    if let Some(g) = index.get(&k) {
+                let gone = b.admit("docs", &key(c), size);
+                for k in &gone {
+                    if let Some(g) = index.get(k) {
                         stored.remove(g);
                     }
                 }
+                b.dropped(&gone);
             }
         }
         println!(

@@ -49,11 +49,24 @@ const SLED_FILES: [&str; 2] = ["conf", "db"];
 /// dropped it (a restart, a test) should not fail.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// How the disk tier writes the bytes of a new chunk file: the file system ([`FsWriter`]), or
-/// in fault tests a disk that fails part way (full, say), to check what the store does then.
+/// How the disk tier does the file operations whose failure matters: writing a new chunk
+/// file (or a rewritten budget ledger), appending to the budget ledger, and syncing a
+/// directory. The file system ([`FsWriter`]), or in fault tests a disk that fails part way
+/// (full, say), to check what the store does then.
 pub trait BlobWriter: Send + Sync {
     /// Creates `path`, writes `bytes` to it and makes them durable.
     fn write_new(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()>;
+
+    /// Appends `bytes` to `file` (a line of the budget ledger).
+    fn append(&self, file: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+        file.write_all(bytes)
+    }
+
+    /// Makes the entries of directory `dir` (files created, renamed or deleted in it)
+    /// durable.
+    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
 }
 
 /// Writes through the file system.
@@ -112,6 +125,11 @@ impl DiskStore {
     pub fn with_writer(mut self, writer: Arc<dyn BlobWriter>) -> Self {
         self.writer = writer;
         self
+    }
+
+    /// What the store writes files and syncs directories through.
+    pub fn writer(&self) -> Arc<dyn BlobWriter> {
+        Arc::clone(&self.writer)
     }
 
     /// The codec new blobs are written with.
@@ -383,15 +401,24 @@ impl ChunkStore for DiskStore {
     }
 
     /// Syncs the directories whose entries changed, so every completed put (each file is
-    /// synced when written) and remove survives a crash.
+    /// synced when written) and remove survives a crash. A directory that fails stays to
+    /// sync, with those after it, at the next flush; one deleted behind the store's back has
+    /// nothing left to sync.
     fn flush(&self) -> Result<()> {
         let dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
-        for dir in dirty {
-            let synced = File::open(&dir).and_then(|d| d.sync_all());
-            if let Err(e) = synced {
-                let e = io_err("flush", None, &dir, e);
-                self.failed(&e);
-                return Err(e);
+        let mut left = dirty.into_iter();
+        while let Some(dir) = left.next() {
+            match self.writer.sync_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    let e = io_err("flush", None, &dir, e);
+                    self.failed(&e);
+                    let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+                    dirty.insert(dir);
+                    dirty.extend(left);
+                    return Err(e);
+                }
             }
         }
         Ok(())

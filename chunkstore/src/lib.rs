@@ -1,4 +1,4 @@
-//! Storage of precomputed chunk KV caches: the blob format, an in-memory tier (moka, weighted by
+//! Storage of precomputed chunk KV caches: the blob format, an in-memory tier (weighted by
 //! payload bytes) over an on-disk tier (one checksummed file per chunk), and hit/miss statistics.
 //!
 //! A chunk's cache is addressed by a [`ChunkKey`], the sha256 of everything that determines it
@@ -30,7 +30,7 @@ pub mod tiered;
 pub mod version;
 
 pub use blob::{KvBlob, SpecScores};
-pub use budget::{DiskBudget, Eviction};
+pub use budget::{BudgetConfig, DiskBudget, Eviction};
 pub use codec::Codec;
 pub use disk::{BlobWriter, DiskStore, FsWriter};
 pub use error::{FormatError, Result, StoreError};

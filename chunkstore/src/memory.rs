@@ -1,5 +1,6 @@
-//! The in-memory tier: moka caches bounded by payload bytes rather than entry count, since one
-//! chunk's KV is megabytes and chunk lengths vary, shared fairly by collections.
+//! The in-memory tier: chunk KV bounded by payload bytes rather than entry count, since one
+//! chunk's KV is megabytes and chunk lengths vary, shared by collections with a protected
+//! floor each.
 
 use std::sync::Arc;
 
@@ -10,12 +11,13 @@ use crate::shares::{Eviction, Shares};
 use crate::stats::{Counter, StoreStats};
 use crate::store::ChunkStore;
 
-/// Chunk KV caches held in memory, evicted by moka's TinyLFU policy once their payload bytes
-/// exceed the capacity. The capacity is shared by collections ([`crate::shares`]): each
-/// collection with entries here holds at most an equal share, and its inserts evict only
-/// its own entries, so one tenant's traffic cannot push another's chunks out to disk. Entries
+/// Chunk KV caches held in memory under a capacity of payload bytes, LRU with TinyLFU
+/// admission. The capacity is shared by collections ([`crate::shares`]): a collection keeps
+/// the chunks it holds here up to its floor (the capacity divided by the configured tenants)
+/// whatever other collections insert, and borrows free room beyond it, which others reclaim;
+/// so one tenant's traffic cannot push another's protected chunks out to disk. Entries
 /// inserted without a collection ([`ChunkStore::put`], a disk hit read by key alone) share
-/// the bucket `""`. A blob larger than its share is not kept.
+/// the bucket `""`. A blob that finds no room is not kept.
 pub struct MemoryStore {
     shares: Shares<Arc<KvBlob>>,
     hits: Counter,
@@ -43,6 +45,12 @@ impl MemoryStore {
 
     /// Applies pending evictions now (they are applied at every insert).
     pub fn run_pending_tasks(&self) {}
+
+    /// Divides the capacity among `tenants`: each collection's floor is the capacity divided
+    /// by it ([`crate::shares::DEFAULT_TENANTS`] until set).
+    pub fn set_tenants(&self, tenants: u32) {
+        self.shares.set_tenants(tenants);
+    }
 
     /// Inserts without validating (for blobs that were just decoded, hence already valid),
     /// under the collection that holds `key` already, or `""`.
@@ -110,8 +118,8 @@ impl ChunkStore for MemoryStore {
         }
     }
 
-    /// The keys currently held; moka may evict any of them at any time.
+    /// The keys currently held; any of them may be evicted by the next insert.
     fn keys(&self) -> Result<Vec<ChunkKey>> {
-        Ok(self.shares.entries().into_iter().map(|(k, _)| k).collect())
+        Ok(self.shares.entries().into_iter().map(|(k, ..)| k).collect())
     }
 }

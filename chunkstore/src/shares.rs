@@ -1,25 +1,39 @@
-//! One byte capacity shared fairly by owners (collections): each owner's entries live in a
-//! moka cache of their own, bounded by an equal share of the capacity, so one owner's writes
-//! evict only its own entries and never another's.
+//! One byte capacity shared by owners (collections) so that no owner can flush another's
+//! protected bytes, however many owners appear.
 //!
-//! The share is `capacity / n`, `n` the number of owners holding entries (the one inserting
-//! counted). When an owner arrives or its last entry leaves, every owner's cache is rebuilt at
-//! the new share: what no longer fits in a smaller share is evicted then (that is the
-//! newcomer's room), and recency and frequency start afresh, as after a restart. Within an
-//! owner the policy is moka's (W-TinyLFU or LRU).
+//! Each owner has a *floor* of `capacity / tenants` bytes, `tenants` a configured number
+//! ([`DEFAULT_TENANTS`]) that does not change as owners come and go: while an owner holds no
+//! more than its floor, none of its entries is evicted for another owner. Beyond its floor an
+//! owner borrows free capacity, and borrowed bytes are what other owners' inserts reclaim,
+//! from the largest borrower first (and only from an owner that borrows more than the
+//! inserting owner would, so two borrowers never take turns evicting each other). When an
+//! insert cannot find room that way, the owner makes room among its own entries, by its
+//! policy; when that is not enough either, the new entry is refused, never a protected entry
+//! evicted. So an owner keeps at least its floor (whole entries: it loses none while it holds
+//! no more than the floor), and more than `tenants` owners at once can only be refused room,
+//! not take it from the first ones.
+//!
+//! Within an owner the victim is its least recently used entry ([`Eviction::Lru`], exact).
+//! [`Eviction::TinyLfu`] keeps that order and adds TinyLFU admission, as moka's policy does:
+//! a count-min sketch estimates how often each key was read (a hit or a miss), and an entry
+//! that would push out the owner's own entries is admitted only if its estimate exceeds the
+//! summed estimate of those it would push out. Reclaiming another owner's borrowed bytes is
+//! not subject to it: between owners the floors decide, within one owner its policy.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
-use moka::notification::RemovalCause;
-use moka::policy::EvictionPolicy;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 
 use crate::key::ChunkKey;
 
-/// Which entry of an owner goes first when its share is full.
+/// How many tenants a capacity is divided among when none is configured: each owner's floor
+/// is an eighth of the capacity.
+pub const DEFAULT_TENANTS: u32 = 8;
+
+/// Which entry of an owner goes first when it must make room.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Eviction {
-    /// W-TinyLFU: frequency-aware admission over an LRU window.
+    /// The least recently used, with TinyLFU admission: a new entry is kept only when it is
+    /// estimated to be read more often than the entries it would push out.
     #[default]
     TinyLfu,
     /// Least recently used.
@@ -49,12 +63,107 @@ impl std::fmt::Display for Eviction {
 /// How an entry weighs (bytes).
 pub type Weigher<V> = fn(&V) -> u32;
 
-type Cache<V> = moka::sync::Cache<ChunkKey, V>;
+/// An entry an insert removed: its key, owner and weight.
+pub type Removed = (ChunkKey, String, u64);
+
+/// Counters per row of the frequency sketch (a power of two).
+const SKETCH_WIDTH: usize = 1 << 12;
+const SKETCH_ROWS: usize = 4;
+/// A counter saturates here (4 bits of frequency, as in TinyLFU).
+const SKETCH_MAX: u8 = 15;
+
+/// A count-min sketch of how often keys were read, halved every `10 x width` reads so that
+/// old popularity fades (TinyLFU's reset). Keys are sha256 digests, so their bytes index the
+/// rows directly.
+struct Sketch {
+    counters: Vec<u8>,
+    added: usize,
+}
+
+impl Sketch {
+    fn new() -> Self {
+        Self {
+            counters: vec![0; SKETCH_ROWS * SKETCH_WIDTH],
+            added: 0,
+        }
+    }
+
+    fn slots(key: &ChunkKey) -> [usize; SKETCH_ROWS] {
+        let b = key.as_bytes();
+        std::array::from_fn(|row| {
+            let word =
+                u32::from_le_bytes([b[4 * row], b[4 * row + 1], b[4 * row + 2], b[4 * row + 3]]);
+            row * SKETCH_WIDTH + (word as usize & (SKETCH_WIDTH - 1))
+        })
+    }
+
+    fn increment(&mut self, key: &ChunkKey) {
+        for slot in Self::slots(key) {
+            let c = &mut self.counters[slot];
+            *c = (*c + 1).min(SKETCH_MAX);
+        }
+        self.added += 1;
+        if self.added >= 10 * SKETCH_WIDTH {
+            for c in &mut self.counters {
+                *c /= 2;
+            }
+            self.added /= 2;
+        }
+    }
+
+    fn estimate(&self, key: &ChunkKey) -> u64 {
+        Self::slots(key)
+            .into_iter()
+            .map(|slot| u64::from(self.counters[slot]))
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+struct Entry<V> {
+    owner: String,
+    value: V,
+    weight: u64,
+    /// When it was last inserted or read (its place in its owner's recency order).
+    tick: u64,
+}
+
+/// One owner's entries, least recently used first, and their bytes.
+#[derive(Default)]
+struct Owner {
+    used: u64,
+    order: BTreeMap<u64, ChunkKey>,
+}
 
 struct Inner<V> {
-    owners: HashMap<String, Cache<V>>,
-    /// Which owner holds each key.
-    owner_of: HashMap<ChunkKey, String>,
+    entries: HashMap<ChunkKey, Entry<V>>,
+    /// Owners holding entries, by name (a deterministic order to break ties in).
+    owners: BTreeMap<String, Owner>,
+    used: u64,
+    tick: u64,
+    tenants: u32,
+    sketch: Sketch,
+}
+
+impl<V> Inner<V> {
+    /// Takes `key` out, returning its entry.
+    fn take(&mut self, key: &ChunkKey) -> Option<Entry<V>> {
+        let e = self.entries.remove(key)?;
+        self.used -= e.weight;
+        if let Some(o) = self.owners.get_mut(&e.owner) {
+            o.used -= e.weight;
+            o.order.remove(&e.tick);
+            if o.order.is_empty() {
+                self.owners.remove(&e.owner);
+            }
+        }
+        Some(e)
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
 }
 
 /// Entries keyed by [`ChunkKey`], each held by one owner, under one shared capacity.
@@ -63,8 +172,6 @@ pub struct Shares<V: Clone + Send + Sync + 'static> {
     capacity: u64,
     policy: Eviction,
     weigher: Weigher<V>,
-    /// Keys evicted (by a policy or a smaller share) since the caller last drained them.
-    evicted: Arc<Mutex<Vec<ChunkKey>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -72,17 +179,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl<V: Clone + Send + Sync + 'static> Shares<V> {
-    /// Empty, with `capacity` bytes to share, weighing entries with `weigher`.
+    /// Empty, with `capacity` bytes to share among [`DEFAULT_TENANTS`] tenants, weighing
+    /// entries with `weigher`.
     pub fn new(capacity: u64, policy: Eviction, weigher: Weigher<V>) -> Self {
         Self {
             inner: Mutex::new(Inner {
-                owners: HashMap::new(),
-                owner_of: HashMap::new(),
+                entries: HashMap::new(),
+                owners: BTreeMap::new(),
+                used: 0,
+                tick: 0,
+                tenants: DEFAULT_TENANTS,
+                sketch: Sketch::new(),
             }),
             capacity,
             policy,
             weigher,
-            evicted: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
@@ -91,167 +202,183 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
         self.capacity
     }
 
-    fn cache(&self, share: u64) -> Cache<V> {
-        let sink = Arc::clone(&self.evicted);
-        let weigher = self.weigher;
-        moka::sync::Cache::builder()
-            .max_capacity(share)
-            .weigher(move |_: &ChunkKey, v: &V| weigher(v))
-            .eviction_policy(match self.policy {
-                Eviction::TinyLfu => EvictionPolicy::tiny_lfu(),
-                Eviction::Lru => EvictionPolicy::lru(),
-            })
-            .eviction_listener(move |k: Arc<ChunkKey>, _, cause: RemovalCause| {
-                if cause.was_evicted() {
-                    lock(&sink).push(*k);
-                }
-            })
-            .build()
+    /// Divides the capacity among `tenants` (at least 1) from now on: each owner's floor is
+    /// `capacity / tenants`. Nothing is evicted now; the floors apply from the next insert.
+    pub fn set_tenants(&self, tenants: u32) {
+        lock(&self.inner).tenants = tenants.max(1);
     }
 
-    /// Rebuilds every owner's cache at an equal share among `owners` (keeping their entries
-    /// where they fit).
-    fn reshare(&self, inner: &mut Inner<V>, owners: &[String]) {
-        let share = self.capacity / owners.len().max(1) as u64;
-        let mut rebuilt = HashMap::new();
-        for name in owners {
-            let fresh = self.cache(share);
-            if let Some(old) = inner.owners.get(name) {
-                for (k, v) in old.iter() {
-                    fresh.insert(*k, v);
-                }
-                fresh.run_pending_tasks();
-            }
-            rebuilt.insert(name.clone(), fresh);
-        }
-        inner.owners = rebuilt;
-    }
-
-    /// Keys evicted since the last call, less any that were inserted again since.
-    fn drain(&self, inner: &mut Inner<V>) -> Vec<ChunkKey> {
-        let gone = std::mem::take(&mut *lock(&self.evicted));
-        let mut out = Vec::new();
-        for k in gone {
-            let Some(owner) = inner.owner_of.get(&k) else {
-                continue;
-            };
-            let held = inner.owners.get(owner).is_some_and(|c| c.contains_key(&k));
-            if !held {
-                inner.owner_of.remove(&k);
-                out.push(k);
-            }
-        }
-        if !out.is_empty() {
-            self.drop_empty(inner);
-        }
-        out
-    }
-
-    /// Owners left without entries leave the sharing (the others' shares grow).
-    fn drop_empty(&self, inner: &mut Inner<V>) {
-        let live: std::collections::HashSet<&String> = inner.owner_of.values().collect();
-        if live.len() != inner.owners.len() {
-            let live: Vec<String> = live.into_iter().cloned().collect();
-            self.reshare(inner, &live);
-        }
+    /// The bytes no other owner can take from an owner.
+    pub fn floor(&self) -> u64 {
+        self.capacity / u64::from(lock(&self.inner).tenants.max(1))
     }
 
     /// Inserts `key` for `owner` (moving it from another owner if it had one). Returns the
-    /// keys evicted to make room, possibly `key` itself: only `owner`'s, unless `owner` is new
-    /// and every share shrank.
+    /// keys removed to make room, and `key` itself when it is refused (then nothing else is
+    /// removed): the caller drops what they name. Another owner's entry is removed only while
+    /// that owner holds more than its floor.
     pub fn insert(&self, owner: &str, key: ChunkKey, value: V) -> Vec<ChunkKey> {
+        self.insert_reporting(owner, key, value)
+            .into_iter()
+            .map(|(k, ..)| k)
+            .collect()
+    }
+
+    /// [`Shares::insert`], naming the owner and weight of each key removed.
+    pub fn insert_reporting(&self, owner: &str, key: ChunkKey, value: V) -> Vec<Removed> {
         let mut inner = lock(&self.inner);
-        if let Some(prev) = inner.owner_of.get(&key).filter(|p| *p != owner).cloned() {
-            if let Some(c) = inner.owners.get(&prev) {
-                c.invalidate(&key);
+        let weight = u64::from((self.weigher)(&value));
+        inner.take(&key);
+        let Some(victims) = self.room_for(&inner, owner, &key, weight) else {
+            return vec![(key, owner.to_string(), weight)];
+        };
+        let removed = victims
+            .iter()
+            .filter_map(|v| inner.take(v).map(|e| (*v, e.owner, e.weight)))
+            .collect();
+        let tick = inner.next_tick();
+        inner.used += weight;
+        let o = inner.owners.entry(owner.to_string()).or_default();
+        o.used += weight;
+        o.order.insert(tick, key);
+        inner.entries.insert(
+            key,
+            Entry {
+                owner: owner.to_string(),
+                value,
+                weight,
+                tick,
+            },
+        );
+        removed
+    }
+
+    /// The entries to remove so that `owner` can insert `key` of `weight` bytes, or `None`
+    /// when it must be refused. Decides without changing anything, so a refusal removes
+    /// nothing.
+    fn room_for(
+        &self,
+        inner: &Inner<V>,
+        owner: &str,
+        key: &ChunkKey,
+        weight: u64,
+    ) -> Option<Vec<ChunkKey>> {
+        if weight > self.capacity {
+            return None;
+        }
+        let floor = self.capacity / u64::from(inner.tenants.max(1));
+        let mut need = (inner.used + weight).saturating_sub(self.capacity);
+        // Each owner's bytes as the planned removals leave them, and how far down its
+        // recency order they reach.
+        let mut used: BTreeMap<&str, u64> = inner
+            .owners
+            .iter()
+            .map(|(n, o)| (n.as_str(), o.used))
+            .collect();
+        let mut cursors: HashMap<&str, std::collections::btree_map::Values<'_, u64, ChunkKey>> =
+            HashMap::new();
+        let mut victims = Vec::new();
+        let mut own_freq = 0u64;
+        while need > 0 {
+            let mine = used.get(owner).copied().unwrap_or(0);
+            let my_borrow = (mine + weight).saturating_sub(floor);
+            let lender = used
+                .iter()
+                .filter(|(n, _)| **n != owner)
+                .map(|(n, u)| (*n, u.saturating_sub(floor)))
+                .filter(|(_, borrow)| *borrow > my_borrow)
+                .max_by_key(|(_, borrow)| *borrow)
+                .map(|(n, _)| n);
+            let from = lender.unwrap_or(owner);
+            let cursor = cursors
+                .entry(from)
+                .or_insert_with(|| match inner.owners.get(from) {
+                    Some(o) => o.order.values(),
+                    None => std::collections::btree_map::Values::default(),
+                });
+            // Only the inserting owner can run out: a lender borrows, so it holds entries.
+            let victim = cursor.next()?;
+            let w = inner.entries.get(victim).map_or(0, |e| e.weight);
+            if from == owner {
+                own_freq += inner.sketch.estimate(victim);
             }
+            if let Some(u) = used.get_mut(from) {
+                *u -= w;
+            }
+            need = need.saturating_sub(w);
+            victims.push(*victim);
         }
-        inner.owner_of.insert(key, owner.to_string());
-        if !inner.owners.contains_key(owner) {
-            let mut owners: Vec<String> = inner.owners.keys().cloned().collect();
-            owners.push(owner.to_string());
-            self.reshare(&mut inner, &owners);
+        let pushes_own_out = victims
+            .iter()
+            .any(|v| inner.entries.get(v).is_some_and(|e| e.owner == owner));
+        if self.policy == Eviction::TinyLfu
+            && pushes_own_out
+            && inner.sketch.estimate(key) <= own_freq
+        {
+            return None;
         }
-        if let Some(c) = inner.owners.get(owner) {
-            c.insert(key, value);
-            c.run_pending_tasks();
-        }
-        self.drain(&mut inner)
+        Some(victims)
     }
 
     /// Which owner holds `key`.
     pub fn owner(&self, key: &ChunkKey) -> Option<String> {
-        lock(&self.inner).owner_of.get(key).cloned()
+        lock(&self.inner).entries.get(key).map(|e| e.owner.clone())
     }
 
-    /// The value under `key`, noting the read for its owner's policy.
+    /// The value under `key`, noting the read (a hit or a miss) for the policy.
     pub fn get(&self, key: &ChunkKey) -> Option<V> {
-        let inner = lock(&self.inner);
-        let owner = inner.owner_of.get(key)?;
-        inner.owners.get(owner)?.get(key)
+        let mut inner = lock(&self.inner);
+        inner.sketch.increment(key);
+        let (owner, old) = {
+            let e = inner.entries.get(key)?;
+            (e.owner.clone(), e.tick)
+        };
+        let tick = inner.next_tick();
+        if let Some(o) = inner.owners.get_mut(&owner) {
+            o.order.remove(&old);
+            o.order.insert(tick, *key);
+        }
+        let e = inner.entries.get_mut(key)?;
+        e.tick = tick;
+        Some(e.value.clone())
     }
 
-    /// Removes `key`, also when its eviction is not reported yet (it will not be: the caller
-    /// keeps its file). Returns whether it was held or awaiting that report.
+    /// Removes `key`; whether it was held.
     pub fn remove(&self, key: &ChunkKey) -> bool {
-        let mut inner = lock(&self.inner);
-        let Some(owner) = inner.owner_of.remove(key) else {
-            return false;
-        };
-        if let Some(c) = inner.owners.get(&owner) {
-            c.invalidate(key);
-        }
-        lock(&self.evicted).retain(|k| k != key);
-        self.drop_empty(&mut inner);
-        true
+        lock(&self.inner).take(key).is_some()
     }
 
     /// Whether `key` is held.
     pub fn contains(&self, key: &ChunkKey) -> bool {
-        let inner = lock(&self.inner);
-        inner
-            .owner_of
-            .get(key)
-            .and_then(|o| inner.owners.get(o))
-            .is_some_and(|c| c.contains_key(key))
+        lock(&self.inner).entries.contains_key(key)
     }
 
-    /// Every held key with its owner.
-    pub fn entries(&self) -> Vec<(ChunkKey, String)> {
+    /// Every held key with its owner and weight, least recently used first.
+    pub fn entries(&self) -> Vec<(ChunkKey, String, u64)> {
         let inner = lock(&self.inner);
-        let mut out = Vec::new();
-        for (owner, c) in &inner.owners {
-            out.extend(c.iter().map(|(k, _)| (*k, owner.clone())));
-        }
-        out
+        let mut out: Vec<(u64, ChunkKey, String, u64)> = inner
+            .entries
+            .iter()
+            .map(|(k, e)| (e.tick, *k, e.owner.clone(), e.weight))
+            .collect();
+        out.sort_unstable_by_key(|(tick, ..)| *tick);
+        out.into_iter().map(|(_, k, o, w)| (k, o, w)).collect()
     }
 
-    /// Bytes held, in all and per owner.
+    /// Bytes held, in all and per owner (by name).
     pub fn usage(&self) -> (u64, Vec<(String, u64)>) {
         let inner = lock(&self.inner);
-        let mut per: Vec<(String, u64)> = inner
+        let per = inner
             .owners
             .iter()
-            .map(|(o, c)| {
-                c.run_pending_tasks();
-                (o.clone(), c.weighted_size())
-            })
+            .map(|(n, o)| (n.clone(), o.used))
             .collect();
-        per.sort();
-        (per.iter().map(|(_, b)| b).sum(), per)
+        (inner.used, per)
     }
 
     /// How many entries are held.
     pub fn len(&self) -> u64 {
-        let inner = lock(&self.inner);
-        inner
-            .owners
-            .values()
-            .map(|c| {
-                c.run_pending_tasks();
-                c.entry_count()
-            })
-            .sum()
+        lock(&self.inner).entries.len() as u64
     }
 
     /// Whether nothing is held.
@@ -259,12 +386,12 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
         self.len() == 0
     }
 
-    /// Drops everything (no evictions reported).
+    /// Drops everything (the read frequencies are kept).
     pub fn clear(&self) {
         let mut inner = lock(&self.inner);
+        inner.entries.clear();
         inner.owners.clear();
-        inner.owner_of.clear();
-        lock(&self.evicted).clear();
+        inner.used = 0;
     }
 }
 
@@ -281,10 +408,11 @@ mod tests {
     }
 
     /// Regression (issue 57): tenants shared one budget, so one tenant's writes flushed
-    /// another's entries. Under shares, an owner's inserts evict only its own.
+    /// another's entries. An owner within its floor loses nothing to another's inserts.
     #[test]
     fn an_owner_never_evicts_another_owners_entries() {
         let s = Shares::new(400, Eviction::Lru, weigh);
+        s.set_tenants(2);
         assert!(s.insert("b", key(0), 100).is_empty());
         assert!(s.insert("b", key(1), 100).is_empty());
         let mut evicted = Vec::new();
@@ -293,27 +421,98 @@ mod tests {
         }
         assert!(s.contains(&key(0)) && s.contains(&key(1)), "b flushed");
         assert!(!evicted.contains(&key(0)) && !evicted.contains(&key(1)));
-        let (total, per) = s.usage();
-        assert!(total <= 400, "{per:?}");
-        assert_eq!(per, vec![("a".into(), 200), ("b".into(), 200)]);
+        assert_eq!(s.usage(), (400, vec![("a".into(), 200), ("b".into(), 200)]));
+    }
+
+    /// Regression (issue 88): every new owner re-divided the capacity as capacity / n and
+    /// evicted what no longer fit, so naming new owners flushed an existing owner's entries.
+    /// Now 100 new owners find the capacity full of protected bytes and are refused instead.
+    #[test]
+    fn a_hundred_new_owners_cannot_flush_an_owner_within_its_floor() {
+        let s = Shares::new(1000, Eviction::TinyLfu, weigh);
+        s.set_tenants(4);
+        for i in 0..4 {
+            assert!(s.insert("first", key(i), 50).is_empty());
+        }
+        let mut refused = 0;
+        for i in 0..100 {
+            let gone = s.insert(&format!("new-{i}"), key(100 + i), 50);
+            assert!(gone.iter().all(|k| *k == key(100 + i)), "{gone:?}");
+            refused += gone.len();
+        }
+        for i in 0..4 {
+            assert!(
+                s.contains(&key(i)),
+                "the first owner's entry {i} was flushed"
+            );
+        }
+        // The rest of the capacity went to the first newcomers; the others were refused.
+        assert_eq!(refused, 100 - 16);
+        assert_eq!(s.usage().0, 1000);
     }
 
     #[test]
-    fn a_newcomer_gets_its_share_and_a_leaver_gives_it_back() {
+    fn a_newcomer_reclaims_borrowed_bytes_from_the_largest_borrower() {
         let s = Shares::new(400, Eviction::Lru, weigh);
-        for i in 0..4 {
+        s.set_tenants(4);
+        for i in 0..3 {
             assert!(s.insert("a", key(i), 100).is_empty());
         }
-        // b arrives: a's share halves, two of a's entries go.
-        let gone = s.insert("b", key(10), 100);
-        assert_eq!(gone.len(), 2, "{gone:?}");
-        assert_eq!(s.usage().0, 300);
-        // b's last entry leaves: a has the whole capacity again.
-        assert!(s.remove(&key(10)));
-        for i in 20..22 {
-            assert!(s.insert("a", key(i), 100).is_empty());
+        assert!(s.insert("b", key(10), 100).is_empty());
+        // Full: a borrows 200, b nothing. c, within its floor, takes a's oldest.
+        assert_eq!(s.insert("c", key(20), 100), vec![key(0)]);
+        // a still borrows 100: d takes its next oldest, leaving a at its floor.
+        assert_eq!(s.insert("d", key(30), 100), vec![key(1)]);
+        // Now nobody borrows: e is refused, nothing else moves.
+        assert_eq!(s.insert("e", key(40), 100), vec![key(40)]);
+        // An owner beyond its floor makes room among its own entries.
+        assert_eq!(s.insert("b", key(11), 100), vec![key(10)]);
+        assert_eq!(s.usage().0, 400);
+        // A leaver's bytes are free for anyone to borrow.
+        assert!(s.remove(&key(20)));
+        assert!(s.insert("a", key(3), 100).is_empty());
+    }
+
+    #[test]
+    fn borrowers_do_not_take_turns_evicting_each_other() {
+        let s = Shares::new(400, Eviction::Lru, weigh);
+        s.set_tenants(8);
+        s.insert("a", key(0), 200);
+        s.insert("b", key(1), 200);
+        // Each borrows 150: a's next insert would borrow more than b, so it evicts its own.
+        assert_eq!(s.insert("a", key(2), 200), vec![key(0)]);
+        assert!(s.contains(&key(1)));
+    }
+
+    #[test]
+    fn lru_order_is_exact_and_reads_renew_it() {
+        let s = Shares::new(300, Eviction::Lru, weigh);
+        for i in 0..3 {
+            s.insert("a", key(i), 100);
         }
-        assert_eq!(s.usage(), (400, vec![("a".into(), 400)]));
+        assert_eq!(s.get(&key(0)), Some(100));
+        assert_eq!(s.insert("a", key(3), 100), vec![key(1)]);
+        assert_eq!(s.insert("a", key(4), 100), vec![key(2)]);
+        assert_eq!(s.insert("a", key(5), 100), vec![key(0)]);
+    }
+
+    #[test]
+    fn tinylfu_admits_a_newcomer_only_when_read_more_often_than_its_victims() {
+        let s = Shares::new(200, Eviction::TinyLfu, weigh);
+        for i in 0..2 {
+            s.insert("a", key(i), 100);
+            s.get(&key(i));
+        }
+        // Never read: refused, the entries read once stay.
+        assert_eq!(s.insert("a", key(9), 100), vec![key(9)]);
+        assert!(s.contains(&key(0)) && s.contains(&key(1)));
+        // Read (missed) twice: more than the once-read victim, admitted over it.
+        s.get(&key(9));
+        s.get(&key(9));
+        assert_eq!(s.insert("a", key(9), 100), vec![key(0)]);
+        // An entry too large for the whole capacity is refused under any policy.
+        assert_eq!(s.insert("a", key(8), 201), vec![key(8)]);
+        assert!(s.contains(&key(9)));
     }
 
     #[test]

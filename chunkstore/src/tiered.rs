@@ -5,13 +5,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::blob::KvBlob;
-use crate::budget::{DiskBudget, Eviction};
+use crate::budget::{BudgetConfig, DiskBudget, Eviction};
 use crate::codec::Codec;
 use crate::disk::DiskStore;
 use crate::error::{Result, StoreError};
 use crate::key::ChunkKey;
 use crate::memory::MemoryStore;
 use crate::remote::RemoteStore;
+use crate::shares::DEFAULT_TENANTS;
 use crate::stats::StoreStats;
 use crate::store::ChunkStore;
 
@@ -24,17 +25,21 @@ use crate::store::ChunkStore;
 ///
 /// Entries are pinned (what ingestion precomputes, [`ChunkStore::put`] and
 /// [`TieredStore::hold`]: on disk for as long as their chunk is indexed) or budgeted (KV
-/// computed while answering, [`TieredStore::put_cached`]: on disk while the budget, shared
-/// fairly by collections, keeps it). Every byte the disk tier writes is one or the other: no
-/// write, a remote tier's read-through included, leaves a file outside both, and no budgeted
-/// entry exists without its file.
+/// computed while answering, [`TieredStore::put_cached`]: on disk while the budget keeps it).
+/// Every byte the disk tier writes is one or the other: no write, a remote tier's
+/// read-through included, leaves a file outside both (a budgeted blob's ledger line is
+/// written, synced, before the blob; [`crate::budget`]), and no budgeted entry exists
+/// without its file. The memory tier and the disk budget are shared by collections with a
+/// floor each of their capacity divided by [`TieredStore::with_tenants`]' count
+/// ([`crate::shares`]).
 ///
 /// The whole store is a cache, and a tier's failure degrades the same way: a get that fails
 /// is a miss, a cached put or a remove that fails is skipped (logged with the key, counted in
 /// [`StoreStats::errors`]), so a damaged file costs a recompute, never a failed request, and
-/// one key's failure never touches another key. Two things are refused: an inconsistent
-/// blob (the caller's bug), and a pinned put whose file cannot be written (a full disk, say):
-/// ingestion must not index a chunk whose KV is not on disk.
+/// one key's failure never touches another key. Three things are refused: an inconsistent
+/// blob (the caller's bug), a pinned put whose file cannot be written (a full disk, say), and
+/// a flush that cannot make the disk tier's directories or the ledger durable: ingestion
+/// must not index a chunk whose KV is not on disk.
 ///
 /// The tiers are not updated atomically together. That is harmless because keys are content
 /// addresses: a get racing a put of the same key can only leave an equal blob in memory.
@@ -50,9 +55,11 @@ pub struct TieredStore {
     /// When a failure this store answered for last happened (the disk tier counts its own
     /// failures in its statistics; the remote tier in its own).
     last_error: Mutex<Option<Instant>>,
-    /// Held while budget evictions are applied and while a key is pinned, so a key cannot be
-    /// pinned between its eviction and the deletion of its file.
+    /// Held while budget evictions are applied and while a key is pinned or removed, so a
+    /// key cannot be pinned between its eviction and the deletion of its file.
     evicting: Mutex<()>,
+    /// Among how many tenants the memory tier and the disk budget are divided.
+    tenants: u32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -69,19 +76,35 @@ impl TieredStore {
             budget: None,
             last_error: Mutex::new(None),
             evicting: Mutex::new(()),
+            tenants: DEFAULT_TENANTS,
         }
     }
 
-    /// Puts entries stored with [`TieredStore::put_cached`] under a disk budget of `bytes`
-    /// evicted by `policy`; entries the ledger held beyond a budget lowered since are deleted
-    /// now, and ledger entries whose file is gone are dropped from it.
-    pub fn with_budget(mut self, bytes: u64, policy: Eviction) -> Result<Self> {
-        let (budget, gone) = DiskBudget::open(self.disk.path(), bytes, policy)?;
-        for key in budget.keys() {
-            if !self.disk.contains(&key).unwrap_or(false) {
-                budget.forget(&key);
-            }
+    /// Divides the memory tier and the disk budget among `tenants` (at least 1;
+    /// [`DEFAULT_TENANTS`] until set): a collection keeps what it holds of either up to the
+    /// capacity divided by `tenants`, whatever other collections store.
+    pub fn with_tenants(mut self, tenants: u32) -> Self {
+        self.tenants = tenants.max(1);
+        self.memory.set_tenants(self.tenants);
+        if let Some(b) = &self.budget {
+            b.set_tenants(self.tenants);
         }
+        self
+    }
+
+    /// Puts entries stored with [`TieredStore::put_cached`] under a disk budget of `bytes`
+    /// evicted by `policy`, reconciled with the files: ledger entries whose file is gone are
+    /// dropped, and entries the ledger held beyond a budget lowered since are deleted now.
+    pub fn with_budget(mut self, bytes: u64, policy: Eviction) -> Result<Self> {
+        let config = BudgetConfig {
+            bytes,
+            policy,
+            tenants: self.tenants,
+        };
+        let (budget, gone) =
+            DiskBudget::open_with(self.disk.path(), config, self.disk.writer(), &|k, _| {
+                self.disk.stored_bytes(k)
+            })?;
         self.budget = Some(budget);
         self.delete_evicted(gone);
         Ok(self)
@@ -93,36 +116,65 @@ impl TieredStore {
     }
 
     /// Deletes what the budget evicted: the file and the memory copy (an evicted entry is
-    /// gone, not demoted to memory).
+    /// gone, not demoted to memory); then the ledger says so.
     fn delete_evicted(&self, keys: Vec<ChunkKey>) {
-        for key in keys {
-            let _ = self.disk.remove(&key);
-            let _ = self.memory.remove(&key);
+        for key in &keys {
+            let _ = self.disk.remove(key);
+            let _ = self.memory.remove(key);
+        }
+        if let Some(b) = &self.budget {
+            b.dropped(&keys);
         }
     }
 
     /// Stores a blob computed while answering a query of `collection`: in memory, on disk
     /// under the disk budget (which may evict it or the collection's others at once), and in
-    /// the remote tier. Without a budget it is kept like any entry. A disk write that fails
-    /// leaves it in memory only and out of the budget (the request that computed it goes on;
-    /// the next one to miss both tiers recomputes it); a key already pinned on disk stays
-    /// pinned.
+    /// the remote tier. Without a budget it is kept like any entry. A disk write that fails,
+    /// or a ledger line that cannot be written ahead of it, leaves it in memory only and out
+    /// of the budget (the request that computed it goes on; the next one to miss both tiers
+    /// recomputes it); a key already pinned on disk stays pinned.
     pub fn put_cached(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<()> {
         let _serial = lock(&self.evicting);
-        let pinned = self.budget.as_ref().is_some_and(|b| !b.contains(key))
-            && self.disk.contains(key).unwrap_or(false);
-        let written = self.put_inner(collection, key, blob)?;
-        if !pinned && written {
-            self.budget_admit(collection, key);
+        blob.validate()
+            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
+        let budgeted = self.budget.as_ref().filter(|b| {
+            // Not budgeted but on disk: pinned.
+            b.contains(key) || !self.disk.contains(key).unwrap_or(false)
+        });
+        let Some(budget) = budgeted else {
+            let _ = self.disk.put(key, Arc::clone(&blob));
+            return self.spread(collection, key, blob);
+        };
+        let written = self.write_budgeted(budget, collection, key, &blob);
+        self.spread(collection, key, blob)?;
+        if let Some(bytes) = written {
+            self.delete_evicted(budget.admit(collection, key, bytes));
         }
         Ok(())
     }
 
-    /// Puts `key`, just written to disk, under the budget for `collection`, and deletes what
-    /// that evicts. The caller holds `evicting`.
-    fn budget_admit(&self, collection: &str, key: &ChunkKey) {
-        if let (Some(b), Some(stored)) = (&self.budget, self.disk.stored_bytes(key)) {
-            self.delete_evicted(b.admit(collection, key, stored));
+    /// Writes `blob` to disk for `collection` with its ledger line written ahead; the bytes
+    /// written, or `None` when the line or the blob could not be (logged and counted; the
+    /// caller admits nothing). The caller holds `evicting`.
+    fn write_budgeted(
+        &self,
+        budget: &DiskBudget,
+        collection: &str,
+        key: &ChunkKey,
+        blob: &KvBlob,
+    ) -> Option<u64> {
+        let bytes = crate::format::encode_with(blob, self.disk.codec());
+        let len = bytes.len() as u64;
+        if let Err(e) = budget.intend(collection, key, len) {
+            self.degraded("budget ledger", Some(key), &e);
+            return None;
+        }
+        match self.disk.put_raw(key, &bytes) {
+            Ok(()) => Some(len),
+            Err(_) => {
+                budget.dropped(&[*key]);
+                None
+            }
         }
     }
 
@@ -174,16 +226,6 @@ impl TieredStore {
             .as_ref()
             .map(DiskBudget::keys)
             .unwrap_or_default()
-    }
-
-    /// Writes `blob` to every tier; whether the disk took it (a failure there is logged and
-    /// counted by the disk tier).
-    fn put_inner(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) -> Result<bool> {
-        blob.validate()
-            .map_err(|source| StoreError::InvalidBlob { key: *key, source })?;
-        let written = self.disk.put(key, Arc::clone(&blob)).is_ok();
-        self.spread(collection, key, blob)?;
-        Ok(written)
     }
 
     /// Writes `blob`, already on disk (or refused there), to the remote tier and to memory
@@ -272,13 +314,19 @@ impl TieredStore {
     }
 
     /// A blob read from the remote tier into memory and onto disk under the budget (a disk
-    /// write that fails is logged and counted by the disk tier, and leaves no budget entry).
+    /// or ledger write that fails is logged and counted, and leaves no budget entry).
     fn put_local_cached(&self, collection: &str, key: &ChunkKey, blob: Arc<KvBlob>) {
         let _serial = lock(&self.evicting);
-        let written = self.disk.put(key, Arc::clone(&blob)).is_ok();
+        let written = match &self.budget {
+            Some(b) => self.write_budgeted(b, collection, key, &blob),
+            None => {
+                let _ = self.disk.put(key, Arc::clone(&blob));
+                None
+            }
+        };
         let _ = self.memory.put_for(collection, key, blob);
-        if written {
-            self.budget_admit(collection, key);
+        if let (Some(b), Some(bytes)) = (&self.budget, written) {
+            self.delete_evicted(b.admit(collection, key, bytes));
         }
     }
 
@@ -391,10 +439,14 @@ impl ChunkStore for TieredStore {
     fn remove(&self, key: &ChunkKey) -> Result<()> {
         // Local tiers only: the remote tier is shared, and one node's garbage collection
         // cannot know which entries other nodes' indexes still use. Remote entries expire by
-        // their TTL or Redis' eviction policy. A removal that fails leaves garbage, which the
-        // next collection removes.
-        self.unbudget(key);
-        let _ = self.disk.remove(key);
+        // their TTL or Redis' eviction policy. The file goes before the ledger's line, so a
+        // crash between them leaves a line without a file (dropped at open), never a file
+        // outside the budget; a removal that fails leaves the entry budgeted (evicted in
+        // time) or, when pinned, garbage, which the next collection removes.
+        let _serial = lock(&self.evicting);
+        if self.disk.remove(key).is_ok() {
+            self.unbudget(key);
+        }
         self.memory.remove(key)
     }
 
@@ -412,9 +464,15 @@ impl ChunkStore for TieredStore {
         }))
     }
 
-    /// A failed flush is logged, not returned: what it did not make durable is recomputed.
+    /// Makes the disk tier's completed puts and removes and the ledger's lines durable. A
+    /// failure is returned (after it is logged and counted): the caller must not commit an
+    /// index over blobs a crash could lose.
     fn flush(&self) -> Result<()> {
-        let _ = self.disk.flush();
+        self.disk.flush()?;
+        if let Some(b) = &self.budget {
+            b.sync()
+                .inspect_err(|e| self.degraded("budget ledger sync", None, e))?;
+        }
         Ok(())
     }
 

@@ -366,10 +366,13 @@ pub struct StoreOptions {
     pub codec: chunkstore::Codec,
     /// The disk byte budget of KV computed while answering (passages clients send, chunks
     /// ingested with lazy KV, entries read through the remote tier) and what evicts it;
-    /// ingested KV is not counted. Collections share it fairly: each with budgeted KV may
-    /// hold an equal share, and only its own writes evict its entries.
+    /// ingested KV is not counted.
     pub disk_budget: u64,
     pub eviction: chunkstore::Eviction,
+    /// How many tenants the disk budget and the memory tier are divided among: each
+    /// collection keeps up to either divided by it, whatever other collections store
+    /// ([`chunkstore::shares`]).
+    pub tenants: u32,
     pub remote: Option<RemoteOptions>,
     pub on_damaged: OnDamagedStore,
 }
@@ -380,6 +383,7 @@ impl Default for StoreOptions {
             codec: chunkstore::Codec::default(),
             disk_budget: DEFAULT_DISK_BUDGET,
             eviction: chunkstore::Eviction::default(),
+            tenants: chunkstore::shares::DEFAULT_TENANTS,
             remote: None,
             on_damaged: OnDamagedStore::default(),
         }
@@ -443,7 +447,9 @@ impl Corpus {
                 Err(e) => return Err(e.into()),
             },
         };
-        let mut store = store.with_budget(opts.disk_budget, opts.eviction)?;
+        let mut store = store
+            .with_tenants(opts.tenants)
+            .with_budget(opts.disk_budget, opts.eviction)?;
         let mut doclog = None;
         if let Some(r) = &opts.remote {
             doclog = Some(Arc::new(crate::doclog::DocLog::open(

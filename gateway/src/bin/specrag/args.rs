@@ -137,8 +137,8 @@ pub struct ServeArgs {
     /// than all of it, 413. Each route's own body limit still holds.
     #[arg(long, env = "SPECRAG_MAX_BODY_BYTES_IN_FLIGHT", default_value_t = gateway::http::DEFAULT_MAX_BODY_BYTES_IN_FLIGHT as u64, value_parser = clap::value_parser!(u64).range(1024..=(1 << 40)))]
     pub max_body_bytes_in_flight: u64,
-    /// Memory tier of the chunk KV store, in MiB (1..=16777216), shared equally by the
-    /// collections with chunks in it.
+    /// Memory tier of the chunk KV store, in MiB (1..=16777216), shared by collections: each
+    /// keeps its chunks here up to a floor of the tier divided by `--kv-tenants`.
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
     pub memory_mb: u64,
     /// POST /documents also stores the speculator's own KV of every chunk (see `specrag
@@ -480,15 +480,14 @@ pub struct DataArgs {
     /// Disk bytes for KV computed while answering: passages clients send (`documents`, or
     /// pasted into OpenAI messages) and chunks ingested with `--kv lazy`, stored on first use.
     /// Past it, `--kv-eviction` deletes entries (they are recomputed when needed again).
-    /// Collections share it equally, and only a collection's own writes evict its entries.
-    /// Ingested (`--kv eager`) KV is not counted. A number with an optional unit: B, KB, MB,
-    /// GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024).
+    /// Collections share it with a floor each (`--kv-tenants`). Ingested (`--kv eager`) KV
+    /// is not counted. A number with an optional unit: B, KB, MB, GB, TB (powers of 1000)
+    /// or KiB, MiB, GiB, TiB (powers of 1024).
     #[arg(long, env = "SPECRAG_KV_DISK_BUDGET", default_value = "8GiB", value_name = "SIZE", value_parser = parse_size)]
     pub kv_disk_budget: u64,
-    /// Which budgeted entry of a collection goes first when its share of `--kv-disk-budget` is
-    /// full: `tinylfu` (W-TinyLFU:
-    /// a new entry must be estimated to be used more often than the one it pushes out) or
-    /// `lru` (least recently used).
+    /// Which budgeted entry of a collection goes first when it must make room among its own:
+    /// `tinylfu` (the least recently used, and a new entry is kept only when it is estimated
+    /// to be read more often than those it would push out) or `lru` (least recently used).
     #[arg(
         long,
         env = "SPECRAG_KV_EVICTION",
@@ -496,6 +495,15 @@ pub struct DataArgs {
         value_name = "POLICY"
     )]
     pub kv_eviction: chunkstore::Eviction,
+    /// How many tenants the disk budget and the memory tier are divided among: each
+    /// collection keeps up to `--kv-disk-budget / N` of budgeted KV on disk and `--memory-mb /
+    /// N` of chunks in memory whatever other collections store (it loses no entry to them
+    /// while it holds no more), and may borrow free room beyond that, which other collections
+    /// reclaim. When no room is left that way, new KV is not kept (it is recomputed when
+    /// needed again) rather than another collection's evicted. Set it to the number of
+    /// tenants whose KV must stay.
+    #[arg(long, env = "SPECRAG_KV_TENANTS", default_value_t = chunkstore::shares::DEFAULT_TENANTS, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub kv_tenants: u32,
 }
 
 /// A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
@@ -536,6 +544,7 @@ impl DataArgs {
             codec: self.kv_codec,
             disk_budget: self.kv_disk_budget,
             eviction: self.kv_eviction,
+            tenants: self.kv_tenants,
             remote: self
                 .kv_remote
                 .as_ref()
