@@ -34,10 +34,37 @@ pub const SEED: u64 = 7;
 #[derive(Debug, Clone, Copy)]
 pub struct Question {
     pub text: &'static str,
-    /// The method of its reused answers (`recompute_ratio` 0, so reuse differs most).
-    pub method: &'static str,
+    /// The method and `recompute_ratio` its reused answers send; `None`: the request leaves
+    /// them (and `fidelity` where it is `balanced`) out, so the server's defaults apply, the
+    /// road most requests take.
+    pub reuse: Option<(&'static str, f64)>,
     /// What drafts when `spec_decode` is on.
     pub spec_draft: &'static str,
+}
+
+impl Question {
+    /// A question whose reused answers take the server's default method and ρ.
+    pub const fn default_reuse(text: &'static str, spec_draft: &'static str) -> Self {
+        Self {
+            text,
+            reuse: None,
+            spec_draft,
+        }
+    }
+
+    /// A question whose reused answers take `method` at `ratio` (0: reuse differs most).
+    pub const fn forced(
+        text: &'static str,
+        method: &'static str,
+        ratio: f64,
+        spec_draft: &'static str,
+    ) -> Self {
+        Self {
+            text,
+            reuse: Some((method, ratio)),
+            spec_draft,
+        }
+    }
 }
 
 /// The options of one request.
@@ -81,19 +108,20 @@ impl Opts {
     }
 
     fn body(&self, q: &Question, top_k: u64) -> Value {
-        let method = if self.full {
-            json!("full_recompute")
-        } else {
-            json!(q.method)
-        };
         let mut rag = json!({
             "top_k": top_k,
-            "method": method,
-            "fidelity": self.fidelity,
             "spec_decode": self.spec,
         });
-        if !self.full {
-            rag["recompute_ratio"] = json!(0.0);
+        match (self.full, q.reuse) {
+            (true, _) => rag["method"] = json!("full_recompute"),
+            (false, Some((method, ratio))) => {
+                rag["method"] = json!(method);
+                rag["recompute_ratio"] = json!(ratio);
+            }
+            (false, None) => {}
+        }
+        if self.full || q.reuse.is_some() || self.fidelity != Fidelity::Balanced {
+            rag["fidelity"] = json!(self.fidelity);
         }
         if self.spec {
             rag["spec_draft"] = json!(q.spec_draft);
@@ -175,19 +203,23 @@ pub struct Outcome {
     pub finish: Option<String>,
     /// The fidelity guard moved the answer to the full cache.
     pub escalated: bool,
+    /// The fidelity guard took a second look (`reuse.guard.second_look`).
+    pub second_look: bool,
     /// Streamed: the stream as its client saw it.
     pub shown: Option<Shown>,
     /// Streamed `/rag/query`: the `done` event's answer.
     pub done_answer: Option<String>,
 }
 
-/// Sends requests to one server, each set of options once (a repeated question is answered
-/// from what came back the first time).
+/// Sends requests to one server, each request once (a request asked again, by the same
+/// options or by other options that make the same body, such as the full-recompute reference
+/// of two questions of one text, is answered from what came back the first time).
 pub struct Runner<'a> {
     state: &'a AppState,
     questions: &'a [Question],
     top_k: u64,
-    seen: HashMap<Opts, Outcome>,
+    /// By run, route and body.
+    seen: HashMap<(u8, Route, String), Outcome>,
 }
 
 impl<'a> Runner<'a> {
@@ -200,6 +232,24 @@ impl<'a> Runner<'a> {
         }
     }
 
+    /// Question `i` of the fixture.
+    pub fn question(&self, i: usize) -> &Question {
+        &self.questions[i]
+    }
+
+    /// Answers `o` with `got` from now on instead of asking the server (the harness's own
+    /// tests: a failure the server would not give).
+    pub fn answer_with(&mut self, o: &Opts, got: Outcome) {
+        let key = self.key(o);
+        self.seen.insert(key, got);
+    }
+
+    /// What tells `o`'s request apart: its run, route and body.
+    fn key(&self, o: &Opts) -> (u8, Route, String) {
+        let body = o.body(&self.questions[o.question], self.top_k).to_string();
+        (o.run, o.route, body)
+    }
+
     /// Requests sent so far.
     pub fn requests(&self) -> usize {
         self.seen.len()
@@ -207,20 +257,20 @@ impl<'a> Runner<'a> {
 
     /// What `o` answers.
     pub async fn ask(&mut self, o: &Opts) -> Outcome {
-        if let Some(got) = self.seen.get(o) {
+        let key = self.key(o);
+        if let Some(got) = self.seen.get(&key) {
             return got.clone();
         }
-        let got = self.send(o).await;
-        self.seen.insert(o.clone(), got.clone());
+        let got = self.send(o, &key.2).await;
+        self.seen.insert(key, got.clone());
         got
     }
 
-    async fn send(&self, o: &Opts) -> Outcome {
+    async fn send(&self, o: &Opts, body: &str) -> Outcome {
         let path = match o.route {
             Route::Rag => "/rag/query",
             Route::OpenAi => "/v1/chat/completions",
         };
-        let body = o.body(&self.questions[o.question], self.top_k);
         let req = Request::post(path)
             .header("content-type", "application/json")
             .body(Body::from(body.to_string()))
@@ -252,6 +302,7 @@ impl<'a> Runner<'a> {
                     tokens: last["tokens"].as_u64(),
                     finish: last["finish_reason"].as_str().map(str::to_string),
                     escalated: last["reuse"]["guard"]["escalated"] == true,
+                    second_look: last["reuse"]["guard"]["second_look"] == true,
                     done_answer: last["answer"].as_str().map(str::to_string),
                     shown: Some(shown),
                     ..Default::default()
@@ -268,6 +319,7 @@ impl<'a> Runner<'a> {
                         .as_str()
                         .map(str::to_string),
                     escalated: last["specrag"]["reuse"]["guard"]["escalated"] == true,
+                    second_look: last["specrag"]["reuse"]["guard"]["second_look"] == true,
                     shown: Some(shown),
                     ..Default::default()
                 }
@@ -302,6 +354,7 @@ fn answered(route: Route, body: &str) -> Outcome {
         tokens: tokens.as_u64(),
         finish: finish.as_str().map(str::to_string),
         escalated: rag["reuse"]["guard"]["escalated"] == true,
+        second_look: rag["reuse"]["guard"]["second_look"] == true,
         ..Default::default()
     }
 }

@@ -27,8 +27,43 @@ pub struct Report {
     pub escalated: [usize; 2],
     /// Answers a stop string cut (not streamed).
     pub stop_cuts: usize,
+    /// What the guard did, for the questions at the server's default method and ρ (`[0]`)
+    /// and for those that force theirs (`[1]`).
+    pub by_reuse: [Tally; 2],
     /// Requests sent (combinations, references, probes and repeats).
     pub requests: usize,
+}
+
+/// The combinations of one kind of question, and what the guard did on them.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Tally {
+    /// Combinations run, streamed or not.
+    pub cases: usize,
+    /// Answers not streamed (each set of the other options once), and of them the
+    /// `balanced` ones.
+    pub answers: usize,
+    pub balanced: usize,
+    /// `balanced` answers (not streamed) where the guard took a second look.
+    pub second_looks: usize,
+    /// `balanced` answers (not streamed) the guard moved to the full cache, and of them
+    /// those it moved after a second look.
+    pub escalated: usize,
+    pub looked_then_escalated: usize,
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} combinations, {} answers not streamed, {} of them balanced: {} second looks, {} escalated ({} after a second look)",
+            self.cases,
+            self.answers,
+            self.balanced,
+            self.second_looks,
+            self.escalated,
+            self.looked_then_escalated
+        )
+    }
 }
 
 impl Report {
@@ -57,6 +92,32 @@ fn short(s: &str) -> String {
     } else {
         format!("{cut:?}")
     }
+}
+
+/// What `runner` answers `asked`, a request that checks a promise of `o` (its reference,
+/// its probe, the same request again), or `None` after recording that it failed: a promise
+/// that could not be checked is broken, never passed.
+async fn ask_ok(
+    runner: &mut Runner<'_>,
+    o: &Opts,
+    what: &str,
+    asked: &Opts,
+    r: &mut Report,
+) -> Option<Outcome> {
+    let got = runner.ask(asked).await;
+    if got.status == 200 && got.error.is_empty() {
+        return Some(got);
+    }
+    r.fail(
+        "ref",
+        o,
+        format!(
+            "{what} {asked} failed: status {}: {}",
+            got.status,
+            short(&got.error)
+        ),
+    );
+    None
 }
 
 /// `text` cut before the first `stop`.
@@ -113,13 +174,30 @@ impl Matrix {
     }
 }
 
+impl Matrix {
+    /// Whether some combination of `base` with a stop string is kept (only then is the
+    /// answer a stop string is taken from asked for).
+    fn keeps_a_stop(&self, base: &Opts) -> bool {
+        self.specs.iter().any(|&spec| {
+            [false, true].into_iter().any(|stream| {
+                (self.keep)(&Opts {
+                    spec,
+                    stream,
+                    stop: Some(String::new()),
+                    ..base.clone()
+                })
+            })
+        })
+    }
+}
+
 /// Runs every kept combination of `m` through `runner` and checks the promises; stop
 /// strings of `stop_len` characters, taken from the answer of the same options unstopped.
 pub async fn walk(runner: &mut Runner<'_>, m: &Matrix, stop_len: usize) -> Report {
     let mut r = Report::default();
     for base in m.bases() {
         let mut stops = vec![None];
-        if base.route == Route::OpenAi {
+        if base.route == Route::OpenAi && m.keeps_a_stop(&base) {
             let from = m
                 .specs
                 .iter()
@@ -129,10 +207,11 @@ pub async fn walk(runner: &mut Runner<'_>, m: &Matrix, stop_len: usize) -> Repor
                 })
                 .find(|o| (m.keep)(o))
                 .unwrap_or_else(|| base.clone());
-            let got = runner.ask(&from).await;
-            match stop_from(&got.text, stop_len) {
-                Some(s) => stops.push(Some(s)),
-                None => r.fail("d", &from, "no stop string to take from the answer"),
+            if let Some(got) = ask_ok(runner, &from, "the unstopped answer", &from, &mut r).await {
+                match stop_from(&got.text, stop_len) {
+                    Some(s) => stops.push(Some(s)),
+                    None => r.fail("d", &from, "no stop string to take from the answer"),
+                }
             }
         }
         for stop in stops {
@@ -146,6 +225,7 @@ pub async fn walk(runner: &mut Runner<'_>, m: &Matrix, stop_len: usize) -> Repor
                     };
                     if (m.keep)(&o) {
                         r.cases += 1;
+                        r.by_reuse[reuse_kind(runner, &o)].cases += 1;
                         check(runner, m, &o, &mut r).await;
                     }
                 }
@@ -156,10 +236,29 @@ pub async fn walk(runner: &mut Runner<'_>, m: &Matrix, stop_len: usize) -> Repor
     r
 }
 
+/// 0 for a combination whose question takes the server's default method and ρ, 1 for one
+/// that forces its own.
+fn reuse_kind(runner: &Runner<'_>, o: &Opts) -> usize {
+    usize::from(runner.question(o.question).reuse.is_some())
+}
+
+/// Counts what the guard did on the answer `got` of `o` (not streamed).
+fn tally(runner: &Runner<'_>, o: &Opts, got: &Outcome, r: &mut Report) {
+    let t = &mut r.by_reuse[reuse_kind(runner, o)];
+    t.answers += 1;
+    if o.fidelity != Fidelity::Balanced {
+        return;
+    }
+    t.balanced += 1;
+    t.second_looks += usize::from(got.second_look);
+    t.escalated += usize::from(got.escalated);
+    t.looked_then_escalated += usize::from(got.second_look && got.escalated);
+}
+
 /// Every promise that applies to the combination `o`.
 async fn check(runner: &mut Runner<'_>, m: &Matrix, o: &Opts, r: &mut Report) {
     let got = runner.ask(o).await;
-    if got.status != 200 {
+    if got.status != 200 || !got.error.is_empty() {
         r.fail("http", o, format!("status {}: {}", got.status, got.error));
         return;
     }
@@ -176,6 +275,7 @@ async fn check(runner: &mut Runner<'_>, m: &Matrix, o: &Opts, r: &mut Report) {
         streamed(runner, o, &got, r).await;
         return;
     }
+    tally(runner, o, &got, r);
     as_full_recompute(runner, o, &got, r).await;
     unchanged(runner, m, o, &got, r).await;
     if let Some(stop) = &o.stop {
@@ -189,8 +289,10 @@ async fn as_full_recompute(runner: &mut Runner<'_>, o: &Opts, got: &Outcome, r: 
         if o.fidelity == Fidelity::Balanced {
             r.escalated[usize::from(o.sampling == Sampling::Seeded)] += 1;
         }
-        let full = runner.ask(&o.reference()).await;
-        if full.status == 200 && got.text != full.text {
+        let Some(full) = ask_ok(runner, o, "its reference", &o.reference(), r).await else {
+            return;
+        };
+        if got.text != full.text {
             let what = if o.fidelity == Fidelity::Exact {
                 "the exact answer"
             } else {
@@ -217,8 +319,8 @@ async fn unchanged(runner: &mut Runner<'_>, m: &Matrix, o: &Opts, got: &Outcome,
             ..o.clone()
         };
         if (m.keep)(&off) {
-            let plain = runner.ask(&off).await;
-            if plain.status == 200 && plain.text != got.text {
+            let plain = ask_ok(runner, o, "the same without drafting", &off, r).await;
+            if let Some(plain) = plain.filter(|p| p.text != got.text) {
                 r.fail(
                     "c",
                     o,
@@ -232,13 +334,12 @@ async fn unchanged(runner: &mut Runner<'_>, m: &Matrix, o: &Opts, got: &Outcome,
         }
     }
     if o.sampling == Sampling::Seeded {
-        let again = runner
-            .ask(&Opts {
-                run: 1,
-                ..o.clone()
-            })
-            .await;
-        if again.status == 200 && again.text != got.text {
+        let twice = Opts {
+            run: 1,
+            ..o.clone()
+        };
+        let again = ask_ok(runner, o, "the same again", &twice, r).await;
+        if let Some(again) = again.filter(|a| a.text != got.text) {
             r.fail(
                 "c",
                 o,
@@ -253,11 +354,19 @@ async fn unchanged(runner: &mut Runner<'_>, m: &Matrix, o: &Opts, got: &Outcome,
 }
 
 /// A streamed combination: what its client shows is the answer, with the same usage and
-/// finish, and no U+FFFD the answer lacks.
+/// finish, no U+FFFD the answer lacks, and at no moment its stop string.
 async fn streamed(runner: &mut Runner<'_>, o: &Opts, got: &Outcome, r: &mut Report) {
-    let Some(shown) = &got.shown else { return };
+    let Some(shown) = &got.shown else {
+        r.fail("a", o, "no stream to read");
+        return;
+    };
     for e in &shown.errors {
         r.fail("a", o, e);
+    }
+    if let Some(stop) = &o.stop {
+        for leak in shown.stop_leaks(stop) {
+            r.fail("d", o, format!("the stream showed the stop string: {leak}"));
+        }
     }
     if let Some(done) = &got.done_answer {
         if *done != shown.text {
@@ -272,8 +381,8 @@ async fn streamed(runner: &mut Runner<'_>, o: &Opts, got: &Outcome, r: &mut Repo
             );
         }
     }
-    let plain = runner.ask(&o.plain()).await;
-    if plain.status == 200 {
+    let plain = ask_ok(runner, o, "the same not streamed", &o.plain(), r).await;
+    if let Some(plain) = &plain {
         if plain.text != got.text {
             r.fail(
                 "a",
@@ -297,10 +406,10 @@ async fn streamed(runner: &mut Runner<'_>, o: &Opts, got: &Outcome, r: &mut Repo
         }
     }
     // The answer: the `done` event's, else the non-streamed one.
-    let answer = match &got.done_answer {
-        Some(done) => done.as_str(),
-        None if plain.status == 200 => plain.text.as_str(),
-        None => shown.text.as_str(),
+    let answer = match (&got.done_answer, &plain) {
+        (Some(done), _) => done.as_str(),
+        (None, Some(plain)) => plain.text.as_str(),
+        (None, None) => shown.text.as_str(),
     };
     let bad = shown.replacement_chars(answer);
     if let Some(first) = bad.first() {
@@ -330,10 +439,9 @@ async fn stopped(runner: &mut Runner<'_>, o: &Opts, stop: &str, got: &Outcome, r
         max_tokens,
         ..o.clone()
     };
-    let upto = runner.ask(&probe(n)).await;
-    if upto.status != 200 {
+    let Some(upto) = ask_ok(runner, o, "its probe", &probe(n), r).await else {
         return;
-    }
+    };
     if upto.text.contains(stop) {
         r.stop_cuts += 1;
         if got.finish.as_deref() != Some("stop") {
@@ -357,8 +465,11 @@ async fn stopped(runner: &mut Runner<'_>, o: &Opts, stop: &str, got: &Outcome, r
                 ),
             );
         }
-        if n > 1 {
-            let before = runner.ask(&probe(n - 1)).await;
+        let before = match n {
+            1 => None,
+            _ => ask_ok(runner, o, "its probe", &probe(n - 1), r).await,
+        };
+        if let Some(before) = before {
             if before.text.contains(stop) && cut(&before.text, stop) == got.text {
                 r.fail(
                     "d",

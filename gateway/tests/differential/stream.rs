@@ -16,9 +16,31 @@ pub struct Shown {
     pub errors: Vec<String>,
     /// Every piece of text the stream showed, with the byte offset where it was placed.
     pub pieces: Vec<(usize, String)>,
+    /// The whole text shown after each piece (committed text and the drafts shown after
+    /// it): what a client's screen held at each moment.
+    pub views: Vec<String>,
 }
 
 impl Shown {
+    /// Where the stream showed `stop` or anything after it: a piece that holds it, or a moment
+    /// when the text shown held it (a stop string split across pieces shows only there). The
+    /// first such moment of each kind.
+    pub fn stop_leaks(&self, stop: &str) -> Vec<String> {
+        let mut leaks = Vec::new();
+        if let Some((at, piece)) = self.pieces.iter().find(|(_, p)| p.contains(stop)) {
+            leaks.push(format!("piece {piece:?} at byte {at}"));
+        }
+        if let Some((i, view)) = self
+            .views
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.contains(stop))
+        {
+            leaks.push(format!("the text shown after piece {}: {view:?}", i + 1));
+        }
+        leaks
+    }
+
     /// Pieces that showed U+FFFD where `answer` has no U+FFFD: a character split across
     /// tokens and shown before it was whole.
     pub fn replacement_chars(&self, answer: &str) -> Vec<String> {
@@ -98,6 +120,9 @@ pub fn rag(sse: &str) -> Shown {
             "error" => s.errors.push(format!("error event: {data}")),
             other => s.errors.push(format!("unknown event `{other}`: {data}")),
         }
+        if matches!(event.as_str(), "token" | "commit" | "draft" | "replace") {
+            s.views.push(format!("{}{}", s.text, drafts.concat()));
+        }
     }
     if s.last.is_none() {
         s.errors
@@ -132,11 +157,13 @@ pub fn openai(sse: &str) -> Shown {
         if let Some(replace) = v["specrag"]["replace"].as_str() {
             s.pieces.push((0, replace.to_string()));
             s.text = replace.to_string();
+            s.views.push(s.text.clone());
         }
         let choice = &v["choices"][0];
         if let Some(t) = choice["delta"]["content"].as_str() {
             s.pieces.push((s.text.len(), t.to_string()));
             s.text.push_str(t);
+            s.views.push(s.text.clone());
         }
         if choice["finish_reason"].is_string() {
             s.last = Some(v.clone());
@@ -175,6 +202,34 @@ mod tests {
         assert_eq!(s.text, "xy");
         assert!(s.errors.is_empty(), "{:?}", s.errors);
         assert_eq!(s.replacement_chars("xy"), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_stop_string_shows_in_a_piece_or_split_across_pieces() {
+        let chunk =
+            |t: &str| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":{t:?}}}}}]}}\n\n");
+        let end =
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+        let clean = openai(&format!("{}{}{end}", chunk("ab"), chunk("c")));
+        assert!(clean.errors.is_empty(), "{:?}", clean.errors);
+        assert_eq!(clean.stop_leaks("cd"), Vec::<String>::new());
+        let split = openai(&format!("{}{}{end}", chunk("abc"), chunk("dX")));
+        assert_eq!(
+            split.stop_leaks("cd").len(),
+            1,
+            "{:?}",
+            split.stop_leaks("cd")
+        );
+        let whole = openai(&format!("{}{}{end}", chunk("ab"), chunk("cdX")));
+        assert_eq!(whole.stop_leaks("cd").len(), 2);
+        // Withdrawn drafts count while they are shown.
+        let drafted = rag("event: commit\ndata: {\"text\":\"ab\"}\n\n\
+                           event: draft\ndata: {\"text\":\"c\"}\n\n\
+                           event: draft\ndata: {\"text\":\"d\"}\n\n\
+                           event: retract\ndata: {\"tokens\":2}\n\n\
+                           event: done\ndata: {\"answer\":\"ab\"}\n\n");
+        assert_eq!(drafted.text, "ab");
+        assert_eq!(drafted.stop_leaks("cd").len(), 1);
     }
 
     #[test]
