@@ -3,8 +3,8 @@
 
 Reads `specrag-eval --study` records whose cases each hold `full_recompute`, `full_reuse`
 (ρ 0), `target_probe@0.25` and `target_probe@0.50` rows with every answer token's top-2 logit
-gap (`margins`), e.g. eval/study/guard-rho-oracle.jsonl.gz and
-eval/study/guard-signals-held-out.jsonl.gz. A cascade answers from its first stage when that
+gap (`margins`), e.g. guard-rho-oracle.jsonl.gz and guard-signals-held-out.jsonl.gz
+(in git: `git show 8a44089:eval/study/NAME`). A cascade answers from its first stage when that
 stage's smallest gap over the answer is at least the stage's margin, and otherwise moves on
 at the first token (paying that stage's time to first token) to the next stage, and after
 the last to full recompute, whose answer it then is. Printed per cascade: identity with full

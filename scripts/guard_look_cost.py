@@ -11,7 +11,7 @@ full prefill keeps and the question's. The records carry the chunk tokens (full 
 skipped and the request escalates at once; its cost is then estimated as the reused part
 spent plus full recompute's prefill of the rows after the kept ones and its decode.
 
-  python3 scripts/guard_look_cost.py eval/study/defaults-musique-1-60.jsonl.gz ... \\
+  python3 scripts/guard_look_cost.py eval/study/guard/defaults-musique-1-60.jsonl.gz ... \\
       [--bounds 1.05,1.10,1.15] [--verbose]
 
 Prints, per bound: identity with full recompute, escalations, mean request ÷ full, and the

@@ -42,7 +42,7 @@ fn default_target() -> Result<Arc<Model>, Box<dyn std::error::Error>> {
 /// it passes on a 2-core AVX-512 VNNI EPYC because the guard escalates at the third token (its
 /// top-2 gap 0.18 against the default method's 0.3 margin), and CPUs without VNNI multiply the
 /// target's weights on other int8 kernels, so the gap may fall on the other side there
-/// (eval/study/demo-question.md). Run it after a docs edit: `cargo test --release -p gateway
+/// (eval/study/guard/demo-question.md). Run it after a docs edit: `cargo test --release -p gateway
 /// --test demo_question -- --ignored`.
 #[test]
 #[ignore = "depends on the CPU's kernel path; run after a docs edit (issue 59)"]

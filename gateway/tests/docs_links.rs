@@ -101,8 +101,8 @@ fn the_docs_say_what_is_true_now() {
     let guard = std::fs::metadata(root.join("docs/fidelity-guard.md")).expect("fidelity-guard.md");
     assert!(
         guard.len() <= 30_000,
-        "docs/fidelity-guard.md is {} bytes: what the guard does now; dated measurements belong \
-         in eval/study/guard-measurements.md",
+        "docs/fidelity-guard.md is {} bytes: what the guard does now, by topic; the history of \
+         its measurements is git's",
         guard.len()
     );
     let mut dirs = vec![root.join("docs")];
@@ -186,4 +186,44 @@ fn every_relative_link_resolves_inside_the_repository() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// The study's records are curated (issue 89): at most [`STUDY_BYTES`] under eval/study/, in
+/// folders by topic (nothing beside the index at the top), and every record is listed in the
+/// index with the claim it backs, so nothing stays that no document needs; git keeps the rest.
+const STUDY_BYTES: u64 = 5_000_000;
+
+#[test]
+fn the_study_records_are_few_by_topic_and_indexed() {
+    let study = root().join("eval/study");
+    let index = std::fs::read_to_string(study.join("README.md")).expect("eval/study/README.md");
+    let mut total = 0;
+    let mut loose = Vec::new();
+    let mut unlisted = Vec::new();
+    let mut dirs = vec![study.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a directory lists") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            total += std::fs::metadata(&path).expect("metadata").len();
+            let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
+            if dir == study {
+                if name != "README.md" {
+                    loose.push(name);
+                }
+            } else if name != "README.md" && !index.contains(name.trim_end_matches(".jsonl.gz"))
+            {
+                unlisted.push(path.display().to_string());
+            }
+        }
+    }
+    assert!(
+        total <= STUDY_BYTES,
+        "eval/study holds {total} bytes; keep the records today's docs cite, git keeps the rest"
+    );
+    assert!(loose.is_empty(), "records outside a topic folder: {loose:?}");
+    assert!(unlisted.is_empty(), "records eval/study/README.md does not list: {unlisted:?}");
 }

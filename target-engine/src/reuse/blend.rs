@@ -30,7 +30,7 @@ pub struct BlendOutput {
     /// Of the whole call, the time spent choosing what to recompute (milliseconds).
     pub select_ms: f64,
     /// What the blend saw of its own error, free per request (the fidelity guard's candidate
-    /// signals; eval/study/guard-measurements.md measures them).
+    /// signals; docs/fidelity-guard.md says which predict a changed answer).
     pub signals: BlendSignals,
     /// The candidates left to reuse, best first as the selector ranked them, for a second
     /// look that recomputes more ([`Blend::blend_prefill_on`] over this cache with the first

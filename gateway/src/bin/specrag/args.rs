@@ -163,7 +163,7 @@ pub struct ServeArgs {
     /// of chunk tokens the target recomputes (0..=1). Over long technical chunks (this
     /// repository's docs, 512-token chunks) 0.35 answered as full recompute 12.5 points more
     /// often than 0.25 unguarded and, guarded, escalated half as often, for 0.1 more of a full
-    /// prefill's time to first token (eval/study/guard-measurements.md, *Forty more docs questions*).
+    /// prefill's time to first token (docs/fidelity-guard.md, *Why each default*).
     #[arg(long, env = "SPECRAG_RECOMPUTE_RATIO", value_parser = parse_ratio, default_value_t = gateway::pipeline::DEFAULT_RATIO)]
     pub ratio: f64,
     #[command(flatten)]
@@ -306,7 +306,7 @@ pub struct QueryArgs {
     /// In which order retrieved chunks enter the prompt: `longest-first` (the chunk with the
     /// most tokens first, the rest by BM25 rank: its stored KV is exact there, so the longer
     /// it is, the fewer rows reuse approximates and the less an escalation recomputes;
-    /// eval/study/guard-measurements.md has it measured), `rank` (best BM25 score first) or `document`
+    /// docs/fidelity-guard.md has it measured), `rank` (best BM25 score first) or `document`
     /// (by document, then position in it). Passages a client sends keep their order.
     #[arg(long, env = "SPECRAG_CHUNK_ORDER", value_enum, default_value_t = gateway::pipeline::ChunkOrder::default())]
     pub chunk_order: gateway::pipeline::ChunkOrder,
@@ -353,7 +353,7 @@ impl OnOff {
 pub struct GuardArgs {
     /// Escalate a `balanced` request when a token decoded from the reused cache was chosen by
     /// a top-2 logit gap below this (0: on loops only) [default: the method's own, 0.3 for
-    /// `target_probe_shift` and 0.5 for the others]. eval/study/guard-measurements.md has the
+    /// `target_probe_shift` and 0.5 for the others]. docs/fidelity-guard.md has the
     /// measured operating curves (identity with full recompute against TTFT).
     #[arg(long, env = "SPECRAG_GUARD_MARGIN", value_parser = parse_margin)]
     pub guard_margin: Option<f32>,
