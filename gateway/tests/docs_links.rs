@@ -1,6 +1,8 @@
 //! The README is a front door (issue 40): at most 15,000 characters, and every relative link in
 //! it and in the other documents (and every `../` path written as code) resolves to a file of
-//! this repository: a clone has nothing beside it, so no reference leaves the repository.
+//! this repository: a clone has nothing beside it, so no reference leaves the repository. The
+//! README's figures are written in the documents it cites, and eval/study holds only the
+//! records the documents cite, by topic and indexed.
 
 use std::path::{Path, PathBuf};
 
@@ -209,13 +211,16 @@ fn the_study_records_are_few_by_topic_and_indexed() {
                 continue;
             }
             total += std::fs::metadata(&path).expect("metadata").len();
-            let name = path.file_name().unwrap_or_default().to_string_lossy().to_string();
+            let name = path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string();
             if dir == study {
                 if name != "README.md" {
                     loose.push(name);
                 }
-            } else if name != "README.md" && !index.contains(name.trim_end_matches(".jsonl.gz"))
-            {
+            } else if name != "README.md" && !index.contains(name.trim_end_matches(".jsonl.gz")) {
                 unlisted.push(path.display().to_string());
             }
         }
@@ -224,6 +229,116 @@ fn the_study_records_are_few_by_topic_and_indexed() {
         total <= STUDY_BYTES,
         "eval/study holds {total} bytes; keep the records today's docs cite, git keeps the rest"
     );
-    assert!(loose.is_empty(), "records outside a topic folder: {loose:?}");
-    assert!(unlisted.is_empty(), "records eval/study/README.md does not list: {unlisted:?}");
+    assert!(
+        loose.is_empty(),
+        "records outside a topic folder: {loose:?}"
+    );
+    assert!(
+        unlisted.is_empty(),
+        "records eval/study/README.md does not list: {unlisted:?}"
+    );
+}
+
+/// Whether `token` is a figure: a decimal, a ratio (`1.21x`), a share (`95%`) or a range of
+/// them (`0.24-0.26x`). Bare integers (counts, sizes, years) are too common to tell anything.
+fn is_figure(token: &str) -> bool {
+    let body = token.strip_suffix(['x', '%']).unwrap_or(token);
+    let number = |s: &str| {
+        let mut parts = s.split('.');
+        let whole = parts.next().unwrap_or_default();
+        let frac = parts.next();
+        !whole.is_empty()
+            && whole.bytes().all(|b| b.is_ascii_digit())
+            && frac.is_none_or(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()))
+            && parts.next().is_none()
+    };
+    let range = match body.split_once('-') {
+        Some((a, b)) => number(a) && number(b),
+        None => number(body),
+    };
+    range && (token.len() > body.len() || body.contains('.'))
+}
+
+/// The figures of `text`, as written (`0.24-0.26x`, `95%`, `0.38`).
+fn figures(text: &str) -> Vec<&str> {
+    text.split(|c: char| c.is_whitespace() || "()[]{}*,;:`\"'<>|~".contains(c))
+        .map(|t| t.trim_end_matches('.'))
+        .filter(|t| is_figure(t))
+        .collect()
+}
+
+/// The figures of `paragraph` that none of `docs` (the texts it links) writes.
+fn figures_missing_from<'a>(paragraph: &'a str, docs: &[String]) -> Vec<&'a str> {
+    figures(paragraph)
+        .into_iter()
+        .filter(|f| !docs.iter().any(|d| figures(d).contains(f)))
+        .collect()
+}
+
+/// The README's paragraphs (blank-line separated, outside fenced code) with the Markdown
+/// documents of this repository they link.
+fn readme_paragraphs_and_their_docs() -> Vec<(String, Vec<String>)> {
+    let root = root();
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let text = unfenced_lines(&readme).join("\n");
+    text.split("\n\n")
+        .map(|paragraph| {
+            let docs = links(paragraph)
+                .iter()
+                .map(|t| t.split('#').next().unwrap_or_default().to_string())
+                .filter(|t| t.ends_with(".md") && !t.contains("://"))
+                .map(|t| std::fs::read_to_string(root.join(&t)).unwrap_or_default())
+                .collect();
+            (paragraph.to_string(), docs)
+        })
+        .collect()
+}
+
+/// The README quotes figures from the docs (issue 89): each figure of a README paragraph that
+/// links a document is written, as is, in one of the documents it links, so a figure changed
+/// in one place only fails here.
+#[test]
+fn the_readmes_figures_are_the_docs_it_cites() {
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for (paragraph, docs) in readme_paragraphs_and_their_docs() {
+        if docs.is_empty() {
+            continue;
+        }
+        checked += figures(&paragraph).len();
+        for f in figures_missing_from(&paragraph, &docs) {
+            let start: String = paragraph.chars().take(60).collect();
+            missing.push(format!("{f} (in \"{start}…\")"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README figures that the documents their paragraph links do not write: {missing:?}"
+    );
+    // The README's llama-server and guard paragraphs alone quote more than this many.
+    assert!(
+        checked >= 10,
+        "only {checked} figures checked: is the parser still reading them?"
+    );
+}
+
+#[test]
+fn a_figure_changed_on_one_side_is_seen() {
+    let paragraph = "specrag answers in 0.24-0.26x its time, 95% the same, at 2 cores ([p](p.md)).";
+    assert_eq!(figures(paragraph), ["0.24-0.26x", "95%"]);
+    let same = ["a table: | 0.24-0.26x | 95% [90, 98] |".to_string()];
+    assert!(figures_missing_from(paragraph, &same).is_empty());
+    let changed = ["a table: | 0.24-0.27x | 95% [90, 98] |".to_string()];
+    assert_eq!(figures_missing_from(paragraph, &changed), ["0.24-0.26x"]);
+    for not_a_figure in [
+        "2",
+        "2-core",
+        "Qwen2.5-Coder-1.5B",
+        "1.5B",
+        "8k-32k",
+        "x",
+        "v1.2.3",
+    ] {
+        assert!(!is_figure(not_a_figure), "{not_a_figure}");
+    }
 }
