@@ -4,9 +4,10 @@
 //! President Barack Obama" and full recompute answered "Marian Lois Robinson". The space is
 //! not something reuse does to the copy: after the same answer start, " U" (547), the full
 //! prefill's own cache writes "." (13) before ".S" (808), then " S", exactly as the reused one
-//! does (candle-transformers' Qwen2 agrees, `examples/period_reuse.rs --candle`). What reuse
-//! changed is the first token, a near tie under full recompute ("M" over "Former" by ~0.5
-//! logits). This pins both facts on the default target so a change to either shows.
+//! does (candle-transformers' Qwen2 agrees: the example `period_reuse.rs --candle`, in git at
+//! 8a44089). What reuse changed is the first token, a near tie under full recompute ("M" over
+//! "Former" by ~0.5 logits). This pins both facts on the default target so a change to either
+//! shows.
 
 mod common;
 
