@@ -84,6 +84,18 @@ fn the_readme_is_a_front_door() {
     );
 }
 
+/// ARCHITECTURE.md is the map (issue 89): crates, the road of a request, where each concept
+/// lives and how the structure is checked, not the history of how it got there.
+#[test]
+fn the_architecture_is_a_map() {
+    let map = std::fs::metadata(root().join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    assert!(
+        map.len() <= 15_000,
+        "ARCHITECTURE.md is {} bytes; the map, not the history",
+        map.len()
+    );
+}
+
 /// Docs say what is true now (issue 58): performance by topic within 20 kB, no study records
 /// over 1 MB under docs/ (they live in eval/study/), and no document or source file speaks of
 /// work periods (the word is [`WORK_PERIOD`]); history is git's.
