@@ -7,8 +7,10 @@
 //! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
 //! the same call. The LM head is a separate step ([`Model::logits`]).
 //!
-//! A core and two wings. The core: [`gguf`], [`config`], [`tokenizer`], [`model`] (forward
-//! passes), [`chat`] (the file's chat template), [`kv`], [`view`] (what a forward attends over when a drafter reads less), [`stop`],
+//! A core and two wings. The core: [`gguf`], [`config`], [`tokenizer`], `weights` (loading and
+//! quantized products), [`model`] (forward passes), [`chat`] (the file's chat template), [`kv`],
+//! [`view`] (what a forward attends over when a drafter reads less), `hook` (what a forward
+//! lets a strategy do to the cache at each layer), [`stop`],
 //! [`error`] and [`testing`] (tiny random-weight files). [`decode`]: the strategies that turn a
 //! prefilled cache into an answer. [`reuse`]: precomputed chunk KV, selection and the blended
 //! prefill. The wings use the core; the core uses neither.
@@ -19,6 +21,7 @@ pub mod decode;
 pub mod device;
 pub mod error;
 pub mod gguf;
+mod hook;
 pub mod kv;
 pub mod model;
 pub mod reuse;
@@ -27,6 +30,7 @@ pub mod stop;
 pub mod testing;
 pub mod tokenizer;
 pub mod view;
+mod weights;
 
 /// Weight formats, for [`LoadOptions::requantize`].
 pub use candle_core::quantized::GgmlDType;

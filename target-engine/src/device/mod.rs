@@ -285,7 +285,7 @@ impl DeviceModel {
             });
         }
         let tokenizer = Tokenizer::from_gguf(&f)?;
-        let (rope, _) = crate::model::load_rope(&mut f, &config)?;
+        let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
         let mut layers = Vec::with_capacity(config.n_layer);
         for l in 0..config.n_layer {
             layers.push(load_layer(&mut f, &config, device, l)?);

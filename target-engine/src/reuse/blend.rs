@@ -10,10 +10,11 @@
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
-use crate::model::{Model, Shift, ShiftGroup};
+use crate::model::Model;
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
+use crate::reuse::shift::{Shift, ShiftGroup};
 use candle_core::{Device, Tensor};
 
 /// What a blended prefill returns.
@@ -385,7 +386,7 @@ impl Blend for Model {
             groups,
             by_similarity,
         };
-        let x = self.forward_shifted(&ids, &positions, &mut cache, &shift)?;
+        let x = shift.forward(self, &ids, &positions, &mut cache)?;
         self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 
