@@ -6,10 +6,12 @@
 //! more than its floor, none of its entries is evicted for another owner. Beyond its floor an
 //! owner borrows free capacity, and borrowed bytes are what other owners' inserts reclaim,
 //! from the largest borrower first (and only from an owner that borrows more than the
-//! inserting owner would, so two borrowers never take turns evicting each other). When an
-//! insert cannot find room that way, the owner makes room among its own entries, by its
-//! policy; when that is not enough either, the new entry is refused, never a protected entry
-//! evicted. So an owner keeps at least its floor (whole entries: it loses none while it holds
+//! inserting owner would, so two borrowers never take turns evicting each other), and only by
+//! an entry read more often than those it would push out (the count-min sketch below, under
+//! either policy): a burst of one-off owners, each reading its entry once, cannot reclaim a
+//! tenant's entries that were read as often, however many appear. When an insert cannot find
+//! room that way, the owner makes room among its own entries, by its policy; when that is not
+//! enough either, the new entry is refused, never a protected entry evicted. So an owner keeps at least its floor (whole entries: it loses none while it holds
 //! no more than the floor), and more than `tenants` owners at once can only be refused room,
 //! not take it from the first ones.
 //!
@@ -17,8 +19,9 @@
 //! [`Eviction::TinyLfu`] keeps that order and adds TinyLFU admission, as moka's policy does:
 //! a count-min sketch estimates how often each key was read (a hit or a miss), and an entry
 //! that would push out the owner's own entries is admitted only if its estimate exceeds the
-//! summed estimate of those it would push out. Reclaiming another owner's borrowed bytes is
-//! not subject to it: between owners the floors decide, within one owner its policy.
+//! summed estimate of those it would push out. Reclaiming another owner's borrowed bytes
+//! takes the same test under both policies: between owners the floors and the reads decide,
+//! within one owner its policy.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -229,7 +232,10 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
         let mut inner = lock(&self.inner);
         let weight = u64::from((self.weigher)(&value));
         inner.take(&key);
-        let Some(victims) = self.room_for(&inner, owner, &key, weight) else {
+        let room = self
+            .room_for(&inner, owner, &key, weight, true)
+            .or_else(|| self.room_for(&inner, owner, &key, weight, false));
+        let Some(victims) = room else {
             return vec![(key, owner.to_string(), weight)];
         };
         let removed = victims
@@ -253,15 +259,16 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
         removed
     }
 
-    /// The entries to remove so that `owner` can insert `key` of `weight` bytes, or `None`
-    /// when it must be refused. Decides without changing anything, so a refusal removes
-    /// nothing.
+    /// The entries to remove so that `owner` can insert `key` of `weight` bytes (reclaiming
+    /// other owners' borrowed bytes where `reclaim`), or `None` when it must be refused.
+    /// Decides without changing anything, so a refusal removes nothing.
     fn room_for(
         &self,
         inner: &Inner<V>,
         owner: &str,
         key: &ChunkKey,
         weight: u64,
+        reclaim: bool,
     ) -> Option<Vec<ChunkKey>> {
         if weight > self.capacity {
             return None;
@@ -279,6 +286,7 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
             HashMap::new();
         let mut victims = Vec::new();
         let mut own_freq = 0u64;
+        let mut others_freq = 0u64;
         while need > 0 {
             let mine = used.get(owner).copied().unwrap_or(0);
             let my_borrow = (mine + weight).saturating_sub(floor);
@@ -286,7 +294,7 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
                 .iter()
                 .filter(|(n, _)| **n != owner)
                 .map(|(n, u)| (*n, u.saturating_sub(floor)))
-                .filter(|(_, borrow)| *borrow > my_borrow)
+                .filter(|(_, borrow)| reclaim && *borrow > my_borrow)
                 .max_by_key(|(_, borrow)| *borrow)
                 .map(|(n, _)| n);
             let from = lender.unwrap_or(owner);
@@ -301,12 +309,20 @@ impl<V: Clone + Send + Sync + 'static> Shares<V> {
             let w = inner.entries.get(victim).map_or(0, |e| e.weight);
             if from == owner {
                 own_freq += inner.sketch.estimate(victim);
+            } else {
+                others_freq += inner.sketch.estimate(victim);
             }
             if let Some(u) = used.get_mut(from) {
                 *u -= w;
             }
             need = need.saturating_sub(w);
             victims.push(*victim);
+        }
+        let takes_others = victims
+            .iter()
+            .any(|v| inner.entries.get(v).is_some_and(|e| e.owner != owner));
+        if takes_others && inner.sketch.estimate(key) <= others_freq {
+            return None;
         }
         let pushes_own_out = victims
             .iter()
@@ -459,9 +475,12 @@ mod tests {
             assert!(s.insert("a", key(i), 100).is_empty());
         }
         assert!(s.insert("b", key(10), 100).is_empty());
-        // Full: a borrows 200, b nothing. c, within its floor, takes a's oldest.
+        // Full: a borrows 200, b nothing. c, within its floor and read more often than a's
+        // entries (never read), takes a's oldest.
+        s.get(&key(20));
         assert_eq!(s.insert("c", key(20), 100), vec![key(0)]);
         // a still borrows 100: d takes its next oldest, leaving a at its floor.
+        s.get(&key(30));
         assert_eq!(s.insert("d", key(30), 100), vec![key(1)]);
         // Now nobody borrows: e is refused, nothing else moves.
         assert_eq!(s.insert("e", key(40), 100), vec![key(40)]);
@@ -471,6 +490,34 @@ mod tests {
         // A leaver's bytes are free for anyone to borrow.
         assert!(s.remove(&key(20)));
         assert!(s.insert("a", key(3), 100).is_empty());
+    }
+
+    /// Issue 88, at the sizes a tenant really holds: its passages above its floor (four of an
+    /// eighth of the capacity each, the default 8 tenants) are borrowed bytes, and 100
+    /// one-off collections, each reading its passage once, reclaim none of them (read once
+    /// too); a collection whose passage is read more often does.
+    #[test]
+    fn one_off_owners_cannot_reclaim_a_tenants_borrowed_bytes() {
+        let s = Shares::new(800, Eviction::Lru, weigh);
+        for i in 0..4 {
+            s.get(&key(i));
+            assert!(s.insert("tenant", key(i), 150).is_empty());
+        }
+        for c in 0..100 {
+            let k = key(100 + c);
+            s.get(&k);
+            let gone = s.insert(&format!("new-{c}"), k, 100);
+            assert!(gone.iter().all(|g| *g == k), "{gone:?}");
+        }
+        for i in 0..4 {
+            assert!(s.contains(&key(i)), "the tenant's entry {i} was reclaimed");
+        }
+        // A collection that keeps asking for its passage is admitted over the oldest.
+        let k = key(900);
+        for _ in 0..3 {
+            s.get(&k);
+        }
+        assert_eq!(s.insert("busy", k, 100), vec![key(0)]);
     }
 
     #[test]

@@ -314,6 +314,48 @@ fn a_hundred_new_collections_cannot_flush_a_tenants_kv() -> TestResult {
     Ok(())
 }
 
+/// Issue 88 as seen from outside, at the default of 8 tenants: a collection's 4 passages
+/// (above its floor of an eighth: borrowed bytes), then one-passage requests under 100 new
+/// collection names, each reading its passage once the way the gateway does (a lookup that
+/// misses, the store, a touch). None reclaims the tenant's passages, read as often; they all
+/// come back from memory.
+#[test]
+fn one_passage_requests_under_new_names_do_not_flush_a_tenants_passages() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let size = one_file()?;
+    let one = small(0).payload_bytes() as u64;
+    let store =
+        TieredStore::open(dir.path(), 10 * one)?.with_budget(10 * size, Eviction::TinyLfu)?;
+    let ask = |collection: &str,
+               k: &ChunkKey,
+               i: u32|
+     -> Result<Option<Found>, Box<dyn std::error::Error>> {
+        let found = store
+            .get_in(Some(collection), k, Reach::Local)?
+            .map(|(_, f)| f);
+        if found.is_none() {
+            store.put_cached(collection, k, Arc::new(small(i)))?;
+        }
+        store.touch(k);
+        Ok(found)
+    };
+    for i in 0..4 {
+        ask("tenant", &key(i), i)?;
+    }
+    for c in 0..100 {
+        ask(&format!("new-{c}"), &key(1000 + c), 1000 + c)?;
+    }
+    for i in 0..4 {
+        assert_eq!(
+            ask("tenant", &key(i), i)?,
+            Some(Found::Memory),
+            "passage {i}"
+        );
+    }
+    assert_budget_matches_files(&store);
+    Ok(())
+}
+
 /// A disk whose ledger appends, new files or directory syncs fail on demand; appends
 /// succeed only while `appends_left` lasts.
 struct Faults {
