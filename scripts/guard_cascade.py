@@ -58,6 +58,9 @@ def simulate(cases, stages, margins):
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     cases = load(sys.argv[1:])

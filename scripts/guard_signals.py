@@ -262,6 +262,9 @@ def policies(rows):
 def main():
     global LABEL
     args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if len(args) > 1 and args[0] == "--label":
         LABEL, args = args[1], args[2:]
     if not args:

@@ -65,6 +65,9 @@ def line(label, ds, pairs):
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     cases = read_cases(sys.argv[1:])
