@@ -15,6 +15,11 @@
 //! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
 //! answer is the full-recompute answer and the user never sees a loop full recompute would
 //! not have produced.
+//!
+//! This file holds the policy (what a request asks for, when the guard doubts, what it
+//! reports); `drive.rs` runs it over a query's decode.
+
+pub(crate) mod drive;
 
 use serde::{Deserialize, Serialize};
 
@@ -212,7 +217,7 @@ pub enum LookRows {
     /// same and an escalation keeps nothing. The default: on 130 real questions its
     /// escalations cost at most 1.15x full recompute's request against 1.22-1.33x for
     /// `ranked`, for two answers fewer identical, both near ties of full recompute's own
-    /// (eval/study/guard-measurements.md, *Which tokens the second look recomputes*).
+    /// (docs/fidelity-guard.md, *Why each default*).
     #[default]
     Extend,
 }
@@ -248,12 +253,12 @@ pub const SHIFT_GUARD_MARGIN: f32 = 0.3;
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
 /// The default [`GuardPolicy::second_look`]: at ρ 0.25 + 0.10 the answers that reuse changes
 /// differ from the default's own, so agreement there says the doubted token was the model's
-/// own uncertainty rather than reuse's (eval/study/guard-measurements.md, *A second look*).
+/// own uncertainty rather than reuse's (docs/fidelity-guard.md, *Why each default*).
 pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 /// The default [`GuardPolicy::confirm_gap`]: on the docs questions the second look was
 /// chosen on, the smallest gap that escalates the one kept answer full recompute did not
 /// give (its look chose the doubted token by 0.099), at two needless escalations in 40
-/// (eval/study/guard-measurements.md, *Ninety more held-out questions*).
+/// (docs/fidelity-guard.md, *Why each default*).
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
 /// The default [`GuardPolicy::look_cost`]: none (every look runs). The estimate read
 /// 0.01-0.11 below the measured cost of look-then-escalate on 223 recorded requests, and on

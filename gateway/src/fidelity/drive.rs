@@ -1,0 +1,481 @@
+//! The fidelity guard's driving code, beside its policy (`super`): the decode from the
+//! reused cache watched token by token, the second look where it doubts a token, and the
+//! escalation to the full cache where it sees a loop or the look does not confirm.
+
+use super::{GuardReport, LookCost, LookRows};
+use crate::answer::Timings;
+use crate::error::Result;
+use crate::pipeline::generate::{finish_reason, generate_params};
+use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
+use std::time::Instant;
+use target_engine::prelude::*;
+use target_engine::{
+    Assembly, BlendOutput, Drafter, Flow, Generation, KvCache, Shown, SpecDecodeStats as SpecStats,
+    TextStream, VerifyEvent,
+};
+
+/// What the guarded decode starts from: the blend's output, the leading rows of its cache a
+/// full prefill computes alike (`exact_rows`), which chunk tokens a second look recomputes,
+/// the prompt, and when decoding started (for the time to first token a look or an
+/// escalation adds to).
+pub(crate) struct Reused<'a> {
+    pub(crate) out: BlendOutput,
+    pub(crate) exact_rows: usize,
+    pub(crate) look: LookRows,
+    pub(crate) asm: &'a Assembly,
+    pub(crate) started: Instant,
+}
+
+/// What the fidelity guard hands to [`Pipeline::escalate`]: the prompt, the tokens decoded
+/// from the reused cache and the text of them the client holds, and the reused cache itself,
+/// whose first `exact_rows` rows the full prefill keeps.
+struct Escalation<'a> {
+    prompt: &'a [u32],
+    generated: &'a [u32],
+    shown: &'a str,
+    reused: KvCache,
+    exact_rows: usize,
+}
+
+/// What the guard's second look starts from: the prompt, the chunk tokens it recomputes, the
+/// first decode (the doubted token last) and the text of it the client holds.
+struct SecondLook<'a> {
+    asm: &'a Assembly,
+    extra: &'a [usize],
+    first: &'a Generation,
+    sent: &'a str,
+}
+
+/// What the guard's second look needs of the blend besides its cache: the prompt, which
+/// tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the leading
+/// rows an escalation keeps, how many chunk tokens there are, and when decoding started (for
+/// the time to first token it may add to).
+struct LookAgain<'a> {
+    asm: &'a Assembly,
+    look: LookRows,
+    reserve: Vec<usize>,
+    exact_rows: usize,
+    chunk_tokens: usize,
+    /// Rows the blended prefill computed (recomputed chunk tokens and the question).
+    blend_rows: usize,
+    started: Instant,
+    timings: &'a mut Timings,
+}
+
+impl Pipeline {
+    /// Decoding from the blended cache of `reused`, watched by the fidelity guard where `q` is
+    /// guarded ([`Query::guarded`]): where it doubts a token, a second look; where it sees a
+    /// loop, or the look does not confirm, the escalation to the full cache. One drafter
+    /// (`drafter`) serves all three. Returns the answer's generation, what the guard
+    /// measured and decided, and the drafts' rounds; `timings.ttft_ms` gains what a look or
+    /// an escalation delayed the first token by.
+    pub(crate) fn decode_reused(
+        &self,
+        q: &Query,
+        reused: Reused<'_>,
+        mut drafter: Option<&mut Drafter<'_>>,
+        timings: &mut Timings,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(Generation, GuardReport, SpecStats)> {
+        let Reused {
+            out,
+            exact_rows,
+            look,
+            asm,
+            started,
+        } = reused;
+        let mut report = GuardReport {
+            fidelity: q.runs_at(),
+            ..Default::default()
+        };
+        let mut cache = out.cache;
+        let (mut g, mut spec, mut sent) = self.decode_guarded(
+            q,
+            (&mut cache, out.logits),
+            drafter.as_deref_mut(),
+            &mut report,
+            on_piece,
+        )?;
+        self.note_margins(q, &g, &mut report);
+        let look = LookAgain {
+            asm,
+            look,
+            reserve: out.reserve,
+            exact_rows,
+            chunk_tokens: out.chunk_tokens,
+            blend_rows: out.recomputed.len() + asm.question_positions().len(),
+            started,
+            timings: &mut *timings,
+        };
+        let again = (&mut cache, drafter.as_deref_mut());
+        let decoded = (&mut g, &mut sent, &mut spec);
+        let exact_rows =
+            self.look_again_if_doubted(q, (look, again), decoded, &mut report, on_piece)?;
+        g.prefill_ms = timings.prefill_ms;
+        if report.escalated {
+            let moved = Escalation {
+                prompt: &asm.ids,
+                generated: &g.ids,
+                shown: &sent,
+                reused: cache,
+                exact_rows,
+            };
+            let (full, ready, more) = self.escalate(q, moved, drafter, &mut report, on_piece)?;
+            spec.merge(&more);
+            g = full;
+            // Every token shown so far withdrawn: the answer's first token is the full
+            // cache's, so time to first token runs until that cache was ready.
+            if let Some(r) = ready.filter(|_| report.kept_tokens == 0) {
+                timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
+            }
+        }
+        Ok((g, report, spec))
+    }
+
+    /// What the guard saw of the first decode (`g`): the smallest top-2 gap, and for
+    /// `balanced` requests the margin it was held to (methods that reuse nothing: none).
+    fn note_margins(&self, q: &Query, g: &Generation, report: &mut GuardReport) {
+        if !q.method.is_full() {
+            report.min_margin = g.margins.iter().copied().reduce(f32::min);
+            if q.guarded() {
+                report.margin = Some(self.guard.margin_for(q.method));
+            }
+        }
+    }
+
+    /// The guard's second look ([`Pipeline::second_look`]) where it doubted a token of the
+    /// first decode (`decoded`: the generation, the text sent and the drafts), on `cache`:
+    /// `decoded` becomes what decoding goes on with, and the time to first token gains the
+    /// recompute where the doubted token was the first and the look kept it. Nothing where
+    /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
+    /// leading rows of `cache` a full prefill computes alike: `look.exact_rows`, and the
+    /// look's own where it extended them ([`LookRows::Extend`]).
+    fn look_again_if_doubted(
+        &self,
+        q: &Query,
+        (look, (cache, drafter)): (LookAgain<'_>, (&mut KvCache, Option<&mut Drafter<'_>>)),
+        (g, sent, spec): (&mut Generation, &mut String, &mut SpecStats),
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<usize> {
+        let extra = self.second_look_picks(report, &look);
+        if extra.is_empty() {
+            return Ok(look.exact_rows);
+        }
+        let t = &look.timings;
+        let cost = LookCost {
+            spent_ms: t.kv_load_ms
+                + t.speculate_ms
+                + t.align_ms
+                + t.prefill_ms
+                + look.started.elapsed().as_secs_f64() * 1e3,
+            blend_ms: t.prefill_ms,
+            blend_rows: look.blend_rows,
+            prompt_rows: look.asm.ids.len(),
+            exact_rows: look.exact_rows,
+            question_rows: look.asm.question_positions().len(),
+            look_rows: extra.len(),
+            look_kept: look.look == LookRows::Extend && look.exact_rows > 0,
+        };
+        if !self.guard.affords_look(&cost) {
+            // An escalation after the look would cost more than the bound allows: escalate
+            // now, from the rows already exact.
+            report.second_look_skipped = true;
+            return Ok(look.exact_rows);
+        }
+        let exact_rows = match look.look {
+            LookRows::Extend if look.exact_rows > 0 => {
+                // The picks run in order from the first row not exact: each is computed over
+                // rows that are.
+                let run = extra
+                    .iter()
+                    .zip(look.exact_rows..)
+                    .take_while(|(p, want)| **p == *want)
+                    .count();
+                look.exact_rows + run
+            }
+            _ => look.exact_rows,
+        };
+        let second = SecondLook {
+            asm: look.asm,
+            extra: &extra,
+            first: g,
+            sent,
+        };
+        let (g2, sent2, more, ready) =
+            self.second_look(q, second, (cache, drafter), report, on_piece)?;
+        spec.merge(&more);
+        if !report.escalated && g.ids.len() == 1 {
+            // The doubted token was the first: nothing was shown before the second look.
+            look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
+        }
+        (*g, *sent) = (g2, sent2);
+        Ok(exact_rows)
+    }
+
+    /// The chunk tokens a second look recomputes for a request the guard just stopped
+    /// (`report`), the policy's share of the chunk tokens, where the guard doubted a token
+    /// (not a loop); none otherwise. [`LookRows::Ranked`]: the first of the selector's reserve
+    /// (best first) at or after the exact rows (rows an escalation keeps as full prefill's
+    /// stay as they are). [`LookRows::Extend`]: the chunk tokens from the first row not exact
+    /// on, in order. None for either where the selector ranked nothing it left.
+    fn second_look_picks(&self, report: &GuardReport, look: &LookAgain<'_>) -> Vec<usize> {
+        if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
+            return Vec::new();
+        }
+        let budget =
+            target_engine::reuse::select::budget(self.guard.second_look, look.chunk_tokens);
+        let exact = look.exact_rows;
+        match look.look {
+            LookRows::Ranked => look
+                .reserve
+                .iter()
+                .copied()
+                .filter(|&p| p >= exact)
+                .take(budget)
+                .collect(),
+            // Only where the selector ranked what it left, as for ranked picks: the same
+            // requests take a look under either kind.
+            LookRows::Extend if look.reserve.is_empty() => Vec::new(),
+            LookRows::Extend => look
+                .asm
+                .chunk_positions()
+                .into_iter()
+                .filter(|&p| p >= exact)
+                .take(budget)
+                .collect(),
+        }
+    }
+
+    /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in
+    /// `cache` (the question with them), then decoding restarted from that cache under the
+    /// guard with one more rule: each of the tokens the first decode chose (`look.first`, the
+    /// doubted one last) must be chosen again, the doubted one by at least the policy's
+    /// [`confirm_gap`](super::GuardPolicy::confirm_gap). The text the client holds
+    /// (`look.sent`) is not sent twice. Where every one is chosen again, decoding goes on
+    /// from there and `report.escalated` is cleared; where one is not, the request escalates
+    /// with the first decode's tokens and text; where the guard stops the decode later, with
+    /// this one's.
+    /// Returns the generation and text to go on with, and when the recompute was done.
+    fn second_look(
+        &self,
+        q: &Query,
+        look: SecondLook<'_>,
+        (cache, drafter): (&mut KvCache, Option<&mut Drafter<'_>>),
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(Generation, String, SpecStats, Instant)> {
+        let SecondLook {
+            asm,
+            extra,
+            first,
+            sent,
+        } = look;
+        let t = Instant::now();
+        let mut blended = std::mem::replace(cache, self.engines.target.new_cache());
+        blended.truncate(asm.ids.len());
+        let out = self.engines.target.blend_prefill_on(asm, blended, extra)?;
+        let ready = Instant::now();
+        report.second_look = true;
+        report.second_look_tokens = extra.len();
+        report.second_look_ms = ms(t);
+        *report = GuardReport {
+            loop_detected: false,
+            uncertain: false,
+            escalated: false,
+            ..*report
+        };
+        *cache = out.cache;
+        // The client holds `sent`: the same tokens give the same text, which is not sent again.
+        let mut skip = sent.len();
+        let mut forward = |p: Piece<'_>| match p {
+            Piece::Token(t) if skip > 0 => {
+                let n = t.len().min(skip);
+                skip -= n;
+                match t.get(n..) {
+                    Some("") => true,
+                    Some(rest) => on_piece(Piece::Token(rest)),
+                    None => on_piece(Piece::Token(t)),
+                }
+            }
+            p => on_piece(p),
+        };
+        let mut disagreed = false;
+        let (g, spec, text) = self.decode_watched_as(
+            q,
+            (cache, out.logits, drafter),
+            report,
+            (&first.ids, &mut disagreed),
+            &mut forward,
+        )?;
+        if disagreed {
+            report.escalated = true;
+            report.uncertain = true;
+            return Ok((first.clone(), sent.to_string(), spec, ready));
+        }
+        Ok((g, text, spec, ready))
+    }
+
+    /// [`Pipeline::decode_from`] under the fidelity guard (not for full recompute, which
+    /// decodes from the full cache already, nor `exact`): `report` says whether it stopped
+    /// the decode to escalate, and why. Also returns the text the client was sent (what it
+    /// holds should the guard move the request to the full cache).
+    fn decode_guarded(
+        &self,
+        q: &Query,
+        (cache, logits): (&mut KvCache, Vec<f32>),
+        drafter: Option<&mut Drafter<'_>>,
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(Generation, SpecStats, String)> {
+        let mut disagreed = false;
+        self.decode_watched_as(
+            q,
+            (cache, logits, drafter),
+            report,
+            (&[], &mut disagreed),
+            on_piece,
+        )
+    }
+
+    /// [`Pipeline::decode_guarded`] where the first `agree.0.len()` tokens must be those ids
+    /// (a second look's; not held to the margin, the last held to the confirm gap): the
+    /// decode stops at the first that is not, setting `agree.1`. The rest are held to the
+    /// guard.
+    fn decode_watched_as(
+        &self,
+        q: &Query,
+        (cache, logits, drafter): (&mut KvCache, Vec<f32>, Option<&mut Drafter<'_>>),
+        report: &mut GuardReport,
+        (agree, disagreed): (&[u32], &mut bool),
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(Generation, SpecStats, String)> {
+        let guarded = q.guarded();
+        let detector = target_engine::LoopDetector::default();
+        let policy = self.guard;
+        let (mut looped, mut uncertain) = (false, false);
+        let mut look_gap = None;
+        let mut watch = |ids: &[u32], gap: f32| {
+            if let Some(&want) = agree.get(ids.len() - 1) {
+                // The doubted token (the last to agree on) must be chosen decidedly.
+                let doubted = ids.len() == agree.len();
+                let same = ids.last() == Some(&want);
+                if doubted && same {
+                    look_gap = Some(gap);
+                }
+                *disagreed = !same || (doubted && !policy.confirms(gap));
+                return *disagreed;
+            }
+            looped = guarded && detector.fires(ids);
+            uncertain = guarded && policy.doubts(q.method, ids.len(), gap);
+            looped || uncertain
+        };
+        let mut sent = String::new();
+        let mut track = |p: Piece<'_>| {
+            if let Piece::Token(t) = p {
+                sent.push_str(t);
+            }
+            on_piece(p)
+        };
+        let (g, escalate, spec) =
+            self.decode_from(q, (cache, logits), drafter, &mut track, &mut watch)?;
+        if !agree.is_empty() {
+            report.second_look_gap = look_gap;
+        }
+        if escalate {
+            report.loop_detected = looped;
+            report.uncertain = uncertain && !looped;
+            report.escalated = true;
+        }
+        Ok((g, spec, sent))
+    }
+
+    /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
+    /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
+    /// decoding continued from the full cache. The full prefill keeps the reused cache's
+    /// first `exact_rows` (the template prefix and the first chunk, precomputed after it:
+    /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
+    /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
+    /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
+    /// recompute's, token for token, for the same seed (`exact` requests never take such a
+    /// cache all the same). The client, which holds `shown` of the text of `generated`, sees
+    /// the kept prefix extended, or replaced where text it holds was withdrawn. Also returns
+    /// when the full cache was ready.
+    fn escalate(
+        &self,
+        q: &Query,
+        moved: Escalation<'_>,
+        drafter: Option<&mut Drafter<'_>>,
+        report: &mut GuardReport,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<(Generation, Option<Instant>, SpecStats)> {
+        let Escalation {
+            prompt,
+            generated,
+            shown,
+            mut reused,
+            exact_rows: exact,
+        } = moved;
+        let target = &self.engines.target;
+        let tok = target.tokenizer();
+        let t = Instant::now();
+        let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
+        // A full cache over stored rows is kept apart: `exact` requests take only true ones.
+        let kept_key = ContextCache::key_after_stored(&key, exact);
+        let hit = self.contexts.get(&key);
+        let (cache, logits) = match hit.or_else(|| self.contexts.get(&kept_key)) {
+            Some(c) => (c.0.clone(), c.1.clone()),
+            None if exact > 0 && exact < prompt.len() => {
+                let logits = target.prefill_after(&mut reused, prompt, exact)?;
+                report.full_prefill_ms = ms(t);
+                report.full_prefill_kept_rows = exact;
+                self.contexts.keep(kept_key, &reused, &logits);
+                (reused, logits)
+            }
+            None => {
+                drop(reused);
+                let (cache, logits) = target.prefill(prompt)?;
+                report.full_prefill_ms = ms(t);
+                self.contexts.keep(key, &cache, &logits);
+                (cache, logits)
+            }
+        };
+        let ready = Some(Instant::now());
+        let checked = generated.len().min(q.max_tokens);
+        let mut stream = TextStream::resume(tok, &q.stop, generated, shown);
+        let mut show = |s: Shown<'_>| match s {
+            Shown::Final(t) => on_piece(Piece::Token(t)),
+            Shown::Replace(t) => on_piece(Piece::Replace(t)),
+            // Only final tokens come in below.
+            Shown::Draft(_) | Shown::Retract(_) => true,
+        };
+        let pick = target_engine::Sampler::new(generate_params(q).sampling);
+        let vg = target.continue_exact(
+            (cache, logits),
+            generated,
+            (q.max_tokens, pick),
+            &mut |e| {
+                let flow = match e {
+                    VerifyEvent::Retract { n } => stream.keep(checked - n, &mut show),
+                    VerifyEvent::Commit { ids } => stream.commit(&ids, &mut show),
+                    VerifyEvent::Draft { .. } => Flow::Go,
+                };
+                flow == Flow::Go
+            },
+            drafter,
+        )?;
+        // Also when nothing was withdrawn and nothing added: the text held back until now.
+        let flow = stream.finish(&mut show);
+        report.kept_tokens = vg.accepted;
+        report.withdrawn_tokens = vg.drafted - vg.accepted;
+        let g = Generation {
+            text: stream.text(),
+            ids: stream.ids().to_vec(),
+            prefill_ms: 0.0,
+            decode_ms_per_token: 0.0,
+            finish: finish_reason(&stream, vg.cancelled || flow == Flow::Cancel, vg.eos),
+            margins: Vec::new(),
+        };
+        Ok((g, ready, vg.spec))
+    }
+}

@@ -1,0 +1,104 @@
+//! The evaluation's hook into the pipeline: an [`Experiment`] varies what a request cannot
+//! ask, and a [`Traced`] answer hands back what the evaluation compares.
+
+use super::request::{ChunkOrder, ScoreSource};
+use super::Pipeline;
+use crate::answer::Answer;
+use crate::fidelity::LookRows;
+use serde::{Deserialize, Serialize};
+use speculator::LayerRange;
+use target_engine::{Assembly, BlendSignals, KvCache};
+
+/// What the evaluation varies beyond what a request can ask, an interface the evaluation
+/// implements ([`Pipeline::query_with`]); a served query is [`Served`], every default.
+pub trait Experiment {
+    /// In which order the retrieved chunks enter the prompt; `None`: the pipeline's
+    /// (`--chunk-order`).
+    fn order(&self) -> Option<ChunkOrder> {
+        None
+    }
+    /// EPIC with this many recomputed tokens at the start of every chunk, instead of the `k`
+    /// that spends the ρ budget.
+    fn epic_k(&self) -> Option<usize> {
+        None
+    }
+    /// SpecCache's layer range (the ablation); `None` keeps the speculator's.
+    fn layers(&self) -> Option<LayerRange> {
+        None
+    }
+    /// Where SpecCache's scores come from; `None` keeps the pipeline's setting.
+    fn score_source(&self) -> Option<ScoreSource> {
+        None
+    }
+    /// Hand back the prefill's cache in [`Traced::prefill`] (for teacher forcing).
+    fn keep_prefill(&self) -> bool {
+        false
+    }
+    /// Measure the blend's deviation signals ([`Traced::signals`]; a copy of the recomputed
+    /// rows, which a served query does not pay for).
+    fn blend_signals(&self) -> bool {
+        false
+    }
+    /// Which chunk tokens the guard's second look recomputes; `None`: the pipeline's
+    /// ([`GuardPolicy::look`](crate::fidelity::GuardPolicy::look)).
+    fn look(&self) -> Option<LookRows> {
+        None
+    }
+}
+
+/// A served query: no experiment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Served;
+
+impl Experiment for Served {}
+
+/// An answer with what the evaluation compares beyond the text.
+#[derive(Debug, Clone)]
+pub struct Traced {
+    pub answer: Answer,
+    /// The target's logits for the first generated token (after the blended or full prefill).
+    pub first_logits: Vec<f32>,
+    /// The generated token ids.
+    pub ids: Vec<u32>,
+    /// The prompt's token ids (template, chunks, question), what a full prefill reads.
+    pub prompt_ids: Vec<u32>,
+    /// The prefill's cache before decoding, where the experiment keeps it
+    /// ([`Experiment::keep_prefill`]).
+    pub prefill: Option<KvCache>,
+    /// The chunk tokens the method recomputed.
+    pub selected: Vec<Selected>,
+    /// Per generated token decoded one by one, the top-2 logit gap it was chosen with
+    /// ([`target_engine::decode::generate::top2_gap`]); empty for verified or escalated answers.
+    pub margins: Vec<f32>,
+    /// What the blended prefill knew of its own error (zeros for full recompute).
+    pub signals: BlendSignals,
+}
+
+/// A recomputed chunk token: which chunk of the prompt, where in it, and its text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Selected {
+    /// The chunk's place in the prompt (0 = first).
+    pub chunk: usize,
+    /// Token offset within the chunk.
+    pub offset: usize,
+    pub text: String,
+}
+
+impl Pipeline {
+    /// Where each recomputed position sits among the prompt's chunks.
+    pub(super) fn selected(&self, asm: &Assembly, recomputed: &[usize]) -> Vec<Selected> {
+        let tok = self.engines.target.tokenizer();
+        let chunks: Vec<std::ops::Range<usize>> = asm.chunks().map(|s| s.ids.clone()).collect();
+        recomputed
+            .iter()
+            .filter_map(|&p| {
+                let chunk = chunks.iter().position(|r| r.contains(&p))?;
+                Some(Selected {
+                    chunk,
+                    offset: p - chunks[chunk].start,
+                    text: String::from_utf8_lossy(tok.token_bytes(asm.ids[p])).into_owned(),
+                })
+            })
+            .collect()
+    }
+}

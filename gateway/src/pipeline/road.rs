@@ -1,0 +1,229 @@
+//! A query's one road: checked, retrieved and assembled, admitted, then its chunk KV loaded
+//! and blended (`blend.rs`) and its answer decoded (`decode.rs`).
+
+use super::decode::{DecodeInput, Decoded, FullPrefill};
+use super::experiment::{Experiment, Served, Traced};
+use super::request::{Piece, Query};
+use super::retrieve::too_long;
+use super::{ms, Pipeline};
+use crate::answer::{Answer, ChunkRef, Reuse, Timings};
+use crate::corpus::Tier;
+use crate::error::{GatewayError, Result};
+use crate::fidelity::Fidelity;
+use std::time::Instant;
+use target_engine::Assembly;
+
+impl Pipeline {
+    /// Checks what the loaded models decide about a query (run before queueing it).
+    pub fn check(&self, q: &Query) -> Result<()> {
+        // A query that would retrieve from a collection holding nothing (a name mistyped, or
+        // not ingested yet) is refused, not answered from no context at all. With passages of
+        // its own the collection only scopes their stored KV, and may be new.
+        if q.documents.is_empty() && !self.corpus.index.has_collection(&q.collection)? {
+            return Err(GatewayError::NotFound(format!(
+                "no collection `{}`: nothing is ingested into it (specrag ingest --collection {0}, \
+                 or POST /documents), and the request sends no passages of its own",
+                q.collection
+            )));
+        }
+        if q.method.uses_speculator() && self.engines.spec.is_none() {
+            return Err(GatewayError::bad(
+                "method",
+                format!(
+                    "`{}` needs a speculator model and none is loaded",
+                    q.method.name()
+                ),
+            ));
+        }
+        if let Some(m) = q.max_context_tokens {
+            if m > self.max_context_tokens {
+                return Err(GatewayError::bad(
+                    "max_context_tokens",
+                    format!(
+                        "{m} is above this server's limit of {} tokens (--max-context-tokens)",
+                        self.max_context_tokens
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The KV `q` will hold at once with a prompt of `prompt` tokens: the reused cache and
+    /// the chunk KV it is built from (one cache for full recompute), a full cache beside them
+    /// where the guard may escalate or the answer is verified, the drafter's cache when
+    /// speculative decoding runs.
+    pub fn kv_need(&self, q: &Query, prompt: usize) -> crate::admission::Need {
+        let full_too = !q.method.is_full() && q.runs_at() != Fidelity::Fast;
+        let caches = if q.method.is_full() { 1 } else { 2 } + u64::from(full_too);
+        let drafter = match &self.engines.spec {
+            Some(spec) if q.spec_decode.unwrap_or(self.spec_decode) => {
+                crate::admission::kv_bytes_per_token(spec.speculator.config())
+            }
+            _ => 0,
+        };
+        crate::admission::Need {
+            tokens: (prompt + q.max_tokens) as u64,
+            caches,
+            target_per_token: crate::admission::kv_bytes_per_token(self.engines.target.config()),
+            drafter_per_token: drafter,
+        }
+    }
+
+    /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
+    pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
+        Ok(self.query_with(q, &Served, on_piece)?.answer)
+    }
+
+    /// [`Pipeline::query`] under an evaluation's experiment, also returning what the
+    /// evaluation compares (the first token's logits, the recomputed tokens, ...).
+    pub fn query_with(
+        &self,
+        q: &Query,
+        exp: &dyn Experiment,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<Traced> {
+        self.check(q)?;
+        self.road(q, exp, on_piece)
+    }
+
+    /// Retrieval and assembly, the prompt held to the context limit and the request's KV to
+    /// the memory budget, then the steps: the full prefill a verified request checks against
+    /// started beside the rest, and [`Pipeline::answer`].
+    fn road(
+        &self,
+        q: &Query,
+        exp: &dyn Experiment,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<Traced> {
+        let t0 = Instant::now();
+        let mut timings = Timings::default();
+        let (hits, retrieved) = self.hits(q, exp.order().unwrap_or(self.chunk_order))?;
+        timings.retrieve_ms = ms(t0);
+        let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
+        let asm = self.engines.template.assemble_with_context(
+            self.engines.target.tokenizer(),
+            &texts,
+            &q.context,
+            &q.query,
+        );
+        let context = q
+            .max_context_tokens
+            .unwrap_or(self.max_context_tokens)
+            .min(self.max_context_tokens);
+        if asm.ids.len() + q.max_tokens > context {
+            return Err(too_long(q, asm.ids.len(), (hits.len(), retrieved), context));
+        }
+        crate::admission::admit(&self.kv_need(q, asm.ids.len()), self.kv_memory_budget)?;
+        let prompt = Prompt {
+            hits,
+            asm: &asm,
+            t0,
+            timings,
+        };
+        self.with_full_prefill(q, &asm, |full| {
+            self.answer((q, exp), prompt, on_piece, full)
+        })
+    }
+
+    /// Everything after retrieval and assembly: KV load beside the speculator's pass, the
+    /// method's selector and blended prefill, then decoding (or verification).
+    fn answer(
+        &self,
+        (q, exp): (&Query, &dyn Experiment),
+        prompt: Prompt<'_>,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+        full_prefill: Option<FullPrefill>,
+    ) -> Result<Traced> {
+        let Prompt {
+            hits,
+            asm,
+            t0,
+            mut timings,
+        } = prompt;
+        let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
+        let (loaded, scored) = self.load_and_score((q, exp), &texts, asm, &mut timings)?;
+        let mut reuse = Reuse::default();
+        for l in &loaded {
+            match l.tier {
+                Tier::Memory => reuse.chunks_from_memory += 1,
+                Tier::Disk => reuse.chunks_from_disk += 1,
+                Tier::Remote => reuse.chunks_from_remote += 1,
+                Tier::Recomputed => reuse.chunks_recomputed += 1,
+            }
+        }
+        let (out, exact_rows) = self.blend((q, exp), asm, &loaded, scored, &mut timings)?;
+        timings.ttft_ms = ms(t0);
+        reuse.chunk_tokens = out.chunk_tokens;
+        reuse.recomputed_tokens = out.recomputed.len();
+        reuse.ratio = out.ratio();
+        let first_logits = out.logits.clone();
+        let signals = out.signals;
+        let selected = self.selected(asm, &out.recomputed);
+        let prefill = exp.keep_prefill().then(|| out.cache.clone());
+        let td = Instant::now();
+        let input = DecodeInput {
+            out,
+            exact_rows,
+            look: exp.look().unwrap_or(self.guard.look),
+            full_prefill,
+            asm,
+            texts: &texts,
+        };
+        let Decoded {
+            g,
+            verify,
+            guard,
+            spec,
+            long,
+        } = self.decode(q, input, &mut timings, on_piece)?;
+        reuse.guard = guard;
+        timings.decode_ms = ms(td);
+        timings.total_ms = ms(t0);
+        let ids = g.ids.clone();
+        let margins = g.margins.clone();
+        let answer = Answer {
+            answer: g.text,
+            method: q.method,
+            finish_reason: g.finish,
+            tokens: g.ids.len(),
+            prompt_tokens: asm.ids.len(),
+            chunks: hits
+                .into_iter()
+                .map(|h| ChunkRef {
+                    id: h.record.chunk_id,
+                    doc_id: h.record.doc_id,
+                    title: h.record.title,
+                    score: h.score,
+                    position: h.record.position,
+                    tokens: h.record.tokens,
+                    text: h.record.text,
+                })
+                .collect(),
+            timings,
+            reuse,
+            verify,
+            spec_decode: spec,
+            long_context: long,
+        };
+        Ok(Traced {
+            answer,
+            first_logits,
+            ids,
+            prompt_ids: asm.ids.clone(),
+            prefill,
+            selected,
+            margins,
+            signals,
+        })
+    }
+}
+
+/// What retrieval and assembly hand to the steps after them: the chunks read, the prompt,
+/// when the request started and the timings so far.
+struct Prompt<'a> {
+    hits: Vec<retriever::Hit>,
+    asm: &'a Assembly,
+    t0: Instant,
+    timings: Timings,
+}
