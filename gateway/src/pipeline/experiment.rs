@@ -1,5 +1,7 @@
 //! The evaluation's hook into the pipeline: an [`Experiment`] varies what a request cannot
-//! ask, and a [`Traced`] answer hands back what the evaluation compares.
+//! ask, and a [`Traced`] answer hands back what the evaluation compares. A served query
+//! ([`Served`], [`Pipeline::query`]) builds none of the trace: the road is generic over its
+//! [`Outcome`], and a bare [`Answer`] keeps nothing.
 
 use super::request::{ChunkOrder, ScoreSource};
 use super::Pipeline;
@@ -7,7 +9,7 @@ use crate::answer::Answer;
 use crate::fidelity::LookRows;
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
-use target_engine::{Assembly, BlendSignals, KvCache};
+use target_engine::{Assembly, BlendOutput, BlendSignals, Generation, KvCache};
 
 /// What the evaluation varies beyond what a request can ask, an interface the evaluation
 /// implements ([`Pipeline::query_with`]); a served query is [`Served`], every default.
@@ -84,9 +86,67 @@ pub struct Selected {
     pub text: String,
 }
 
+/// What a query's road returns: a served [`Answer`], which keeps nothing else, or an
+/// evaluation's [`Traced`], which keeps what only an evaluation reads (a copy of the first
+/// token's logits, the recomputed tokens' texts, the prefill's cache where asked).
+pub(crate) trait Outcome: Sized {
+    /// What is kept of the prefill before decoding moves its cache on.
+    type Kept;
+    /// Keeps what the outcome needs of the prefill `out` of the prompt `asm`.
+    fn keep(p: &Pipeline, exp: &dyn Experiment, asm: &Assembly, out: &BlendOutput) -> Self::Kept;
+    /// The outcome of `answer`, decoded as `g`.
+    fn finish(kept: Self::Kept, answer: Answer, g: Generation) -> Self;
+}
+
+impl Outcome for Answer {
+    type Kept = ();
+
+    fn keep(_: &Pipeline, _: &dyn Experiment, _: &Assembly, _: &BlendOutput) {}
+
+    fn finish((): (), answer: Answer, _: Generation) -> Self {
+        answer
+    }
+}
+
+/// What a [`Traced`] keeps of the prefill.
+pub(crate) struct PrefillTrace {
+    first_logits: Vec<f32>,
+    prompt_ids: Vec<u32>,
+    prefill: Option<KvCache>,
+    selected: Vec<Selected>,
+    signals: BlendSignals,
+}
+
+impl Outcome for Traced {
+    type Kept = PrefillTrace;
+
+    fn keep(p: &Pipeline, exp: &dyn Experiment, asm: &Assembly, out: &BlendOutput) -> PrefillTrace {
+        PrefillTrace {
+            first_logits: out.logits.clone(),
+            prompt_ids: asm.ids.clone(),
+            prefill: exp.keep_prefill().then(|| out.cache.clone()),
+            selected: p.selected(asm, &out.recomputed),
+            signals: out.signals,
+        }
+    }
+
+    fn finish(kept: PrefillTrace, answer: Answer, g: Generation) -> Self {
+        Traced {
+            answer,
+            first_logits: kept.first_logits,
+            ids: g.ids,
+            prompt_ids: kept.prompt_ids,
+            prefill: kept.prefill,
+            selected: kept.selected,
+            margins: g.margins,
+            signals: kept.signals,
+        }
+    }
+}
+
 impl Pipeline {
     /// Where each recomputed position sits among the prompt's chunks.
-    pub(super) fn selected(&self, asm: &Assembly, recomputed: &[usize]) -> Vec<Selected> {
+    fn selected(&self, asm: &Assembly, recomputed: &[usize]) -> Vec<Selected> {
         let tok = self.engines.target.tokenizer();
         let chunks: Vec<std::ops::Range<usize>> = asm.chunks().map(|s| s.ids.clone()).collect();
         recomputed

@@ -2,7 +2,7 @@
 //! and blended (`blend.rs`) and its answer decoded (`decode.rs`).
 
 use super::decode::{DecodeInput, Decoded, FullPrefill};
-use super::experiment::{Experiment, Served, Traced};
+use super::experiment::{Experiment, Outcome, Served, Traced};
 use super::request::{Piece, Query};
 use super::retrieve::too_long;
 use super::{ms, Pipeline};
@@ -72,7 +72,8 @@ impl Pipeline {
 
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
-        Ok(self.query_with(q, &Served, on_piece)?.answer)
+        self.check(q)?;
+        self.road(q, &Served, on_piece)
     }
 
     /// [`Pipeline::query`] under an evaluation's experiment, also returning what the
@@ -90,12 +91,12 @@ impl Pipeline {
     /// Retrieval and assembly, the prompt held to the context limit and the request's KV to
     /// the memory budget, then the steps: the full prefill a verified request checks against
     /// started beside the rest, and [`Pipeline::answer`].
-    fn road(
+    fn road<O: Outcome>(
         &self,
         q: &Query,
         exp: &dyn Experiment,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-    ) -> Result<Traced> {
+    ) -> Result<O> {
         let t0 = Instant::now();
         let mut timings = Timings::default();
         let (hits, retrieved) = self.hits(q, exp.order().unwrap_or(self.chunk_order))?;
@@ -128,13 +129,13 @@ impl Pipeline {
 
     /// Everything after retrieval and assembly: KV load beside the speculator's pass, the
     /// method's selector and blended prefill, then decoding (or verification).
-    fn answer(
+    fn answer<O: Outcome>(
         &self,
         (q, exp): (&Query, &dyn Experiment),
         prompt: Prompt<'_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         full_prefill: Option<FullPrefill>,
-    ) -> Result<Traced> {
+    ) -> Result<O> {
         let Prompt {
             hits,
             asm,
@@ -157,10 +158,7 @@ impl Pipeline {
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
         reuse.ratio = out.ratio();
-        let first_logits = out.logits.clone();
-        let signals = out.signals;
-        let selected = self.selected(asm, &out.recomputed);
-        let prefill = exp.keep_prefill().then(|| out.cache.clone());
+        let kept = O::keep(self, exp, asm, &out);
         let td = Instant::now();
         let input = DecodeInput {
             out,
@@ -171,7 +169,7 @@ impl Pipeline {
             texts: &texts,
         };
         let Decoded {
-            g,
+            mut g,
             verify,
             guard,
             spec,
@@ -180,10 +178,8 @@ impl Pipeline {
         reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0);
-        let ids = g.ids.clone();
-        let margins = g.margins.clone();
         let answer = Answer {
-            answer: g.text,
+            answer: std::mem::take(&mut g.text),
             method: q.method,
             finish_reason: g.finish,
             tokens: g.ids.len(),
@@ -206,16 +202,7 @@ impl Pipeline {
             spec_decode: spec,
             long_context: long,
         };
-        Ok(Traced {
-            answer,
-            first_logits,
-            ids,
-            prompt_ids: asm.ids.clone(),
-            prefill,
-            selected,
-            margins,
-            signals,
-        })
+        Ok(O::finish(kept, answer, g))
     }
 }
 
