@@ -86,25 +86,34 @@ pub enum IngestProgress {
 }
 
 /// Why a job was not queued.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum SubmitError {
     /// The queue is full (429).
     Busy,
     /// The engine thread is gone (500).
     Stopped,
+    /// A query the loaded models cannot serve ([`Pipeline::check`]).
+    Refused(GatewayError),
 }
 
 /// A cheap, cloneable handle to the engine thread.
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
+    /// The engine's pipeline, which checks a query before it is queued.
+    pipeline: Arc<Pipeline>,
     tx: SyncSender<(Job, Instant)>,
     depth: Arc<AtomicUsize>,
     capacity: usize,
 }
 
 impl EngineHandle {
-    /// Queues `job`, or says the queue is full.
+    /// Queues `job`, or says the queue is full. A query is checked first
+    /// ([`Pipeline::check`]), so the queue holds only queries the engine can serve and the
+    /// engine thread does not check them again.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if let Job::Query { query, .. } = &job {
+            self.pipeline.check(query).map_err(SubmitError::Refused)?;
+        }
         self.depth.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send((job, Instant::now())) {
             Ok(()) => Ok(()),
@@ -134,6 +143,7 @@ impl EngineHandle {
 pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) -> EngineHandle {
     let (tx, rx) = sync_channel::<(Job, Instant)>(capacity.max(1));
     let depth = Arc::new(AtomicUsize::new(0));
+    let handle_pipeline = Arc::clone(&pipeline);
     let d = depth.clone();
     std::thread::Builder::new()
         .name("specrag-engine".into())
@@ -160,6 +170,7 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
             |_| (),
         );
     EngineHandle {
+        pipeline: handle_pipeline,
         tx,
         depth,
         capacity: capacity.max(1),
@@ -416,8 +427,9 @@ impl Engine<'_> {
     }
 }
 
-/// Runs one query, reporting through `events`; a query found past its deadline is not
-/// started, and a late or abandoned one stops within one layer.
+/// Runs one query (checked when it was queued: [`EngineHandle::submit`]), reporting through
+/// `events`; a query found past its deadline is not started, and a late or abandoned one
+/// stops within one layer.
 fn run_query(
     pipeline: &Pipeline,
     metrics: &Metrics,
@@ -440,7 +452,7 @@ fn run_query(
     let stop: target_engine::stop::StopFn =
         Arc::new(move || Instant::now() > deadline || watched.is_closed());
     let result = target_engine::stop::with_stop(Some(stop), || {
-        pipeline.query(query, &mut |piece| {
+        pipeline.query_checked(query, &mut |piece| {
             if Instant::now() > deadline {
                 late = true;
                 return false;

@@ -46,7 +46,10 @@ fn submit(
         match engine.submit(make()) {
             Ok(()) => return true,
             Err(crate::engine::SubmitError::Busy) => std::thread::sleep(Duration::from_millis(200)),
-            Err(crate::engine::SubmitError::Stopped) => return false,
+            // A refusal is for queries; this submits ingestions and deletions only.
+            Err(crate::engine::SubmitError::Stopped | crate::engine::SubmitError::Refused(_)) => {
+                return false
+            }
         }
     }
 }

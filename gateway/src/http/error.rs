@@ -37,6 +37,7 @@ impl From<SubmitError> for ApiError {
             SubmitError::Stopped => Self::Gateway(GatewayError::Internal(
                 "the engine thread has stopped".into(),
             )),
+            SubmitError::Refused(e) => Self::Gateway(e),
         }
     }
 }

@@ -77,7 +77,7 @@ pub(crate) fn reach(grant: &Grant, collection: &str) -> Result<(), ApiError> {
 
 pub(crate) fn submit(state: &AppState, job: Job) -> Result<(), ApiError> {
     state.engine.submit(job).map_err(|e| {
-        if e == SubmitError::Busy {
+        if matches!(e, SubmitError::Busy) {
             state.metrics.busy();
         }
         ApiError::from(e)

@@ -101,16 +101,16 @@ pub(crate) struct Submitted {
 }
 
 /// The steps every query route takes before it waits: the collection within the key's reach,
-/// the loaded models able to serve the query, a deadline, an event channel with room for
-/// every token of the longest answer (so a client that stops reading can never block the
-/// engine thread), and the job queued.
+/// a deadline, an event channel with room for every token of the longest answer (so a client
+/// that stops reading can never block the engine thread), and the job queued where the
+/// loaded models can serve the query
+/// ([`EngineHandle::submit`](crate::engine::EngineHandle::submit) checks it).
 pub(crate) fn submit_query(
     state: &AppState,
     grant: &Grant,
     query: crate::pipeline::Query,
 ) -> Result<Submitted, ApiError> {
     reach(grant, &query.collection)?;
-    state.pipeline.check(&query)?;
     let deadline = Instant::now() + state.config.request_timeout;
     let (tx, rx) = tokio::sync::mpsc::channel(crate::api::MAX_TOKENS as usize + 8);
     submit(

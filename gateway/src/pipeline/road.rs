@@ -14,7 +14,10 @@ use std::time::Instant;
 use target_engine::Assembly;
 
 impl Pipeline {
-    /// Checks what the loaded models decide about a query (run before queueing it).
+    /// Checks what the loaded models decide about a query: the one place a query is checked
+    /// beyond its fields. The engine's queue takes only queries it passed
+    /// ([`EngineHandle::submit`](crate::engine::EngineHandle::submit) runs it), and
+    /// [`Pipeline::query`] and [`Pipeline::query_with`] run it for callers that do not queue.
     pub fn check(&self, q: &Query) -> Result<()> {
         // A query that would retrieve from a collection holding nothing (a name mistyped, or
         // not ingested yet) is refused, not answered from no context at all. With passages of
@@ -73,6 +76,16 @@ impl Pipeline {
     /// Answers `q`, streaming pieces to `on_piece` (return `false` to cancel).
     pub fn query(&self, q: &Query, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> Result<Answer> {
         self.check(q)?;
+        self.road(q, &Served, on_piece)
+    }
+
+    /// [`Pipeline::query`] for a query [`Pipeline::check`] passed already (the engine's: its
+    /// queue takes no other).
+    pub(crate) fn query_checked(
+        &self,
+        q: &Query,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<Answer> {
         self.road(q, &Served, on_piece)
     }
 
