@@ -9,7 +9,7 @@
 //! (from memory, over a long context) fetch ahead, so that the block's arithmetic and the next
 //! rows' loads overlap. Every lane still sees the same fused multiply-adds in the same
 //! order, and the tree adds the same lane pairs (`l` and `l + w` for w = 8, 4, 2, 1) as
-//! [`super::Lanes::dot`]; float addition is commutative, so the scores, the softmax and the
+//! [`super::tile::Lanes::dot`]; float addition is commutative, so the scores, the softmax and the
 //! outputs are the AVX2 path's exactly (tested), and a row's result still does not depend on
 //! the rows that share the call.
 //!
@@ -18,7 +18,7 @@
 // Register blocks index several arrays (queries, accumulators, keys) by the same counters.
 #![allow(clippy::needless_range_loop)]
 
-use super::{softmax_in_place, AttentionShape, Lanes, Tile, ROW_GROUP};
+use super::tile::{softmax_in_place, AttentionShape, Lanes, Tile, ROW_GROUP};
 use std::arch::x86_64::*;
 
 /// Whether the CPU runs this path (checked once).

@@ -25,9 +25,9 @@
 // Register blocks index several arrays (rows, accumulators, key blocks) by the same counters.
 #![allow(clippy::needless_range_loop)]
 
-use super::AttentionShape;
+use super::tile::AttentionShape;
 #[cfg(target_arch = "x86_64")]
-use super::{softmax_in_place, ROW_GROUP};
+use super::tile::{softmax_in_place, ROW_GROUP};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 

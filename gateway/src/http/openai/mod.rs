@@ -10,11 +10,14 @@
 //! completions and stream chunks, `error.rs` speaks OpenAI's error shape.
 
 mod error;
+mod limits;
 mod request;
 mod response;
 
 pub(crate) use error::in_route_shape;
 pub use error::{OaiError, OpenAiError, OpenAiErrorBody};
+pub(crate) use limits::{model_ids, MAX_STOPS, MAX_STOP_CHARS};
+pub use limits::{MAX_CONTEXT_CHARS, MAX_MESSAGES, MODEL_ALIAS};
 use request::to_query;
 pub use request::{ChatMessage, ChatRequest, RagOptions, StreamOptions};
 use response::{completion, stream_chunks, Meta};
@@ -30,28 +33,6 @@ use axum::response::Response;
 use axum::{Extension, Json};
 use serde::Serialize;
 use std::time::{SystemTime, UNIX_EPOCH};
-
-/// Most characters of the system messages and earlier turns together: they are recomputed on
-/// every request (~4k tokens).
-pub const MAX_CONTEXT_CHARS: usize = 16 * 1024;
-/// Most messages in one request.
-pub const MAX_MESSAGES: usize = 256;
-/// Most stop strings (OpenAI's limit) and their longest length.
-pub(crate) const MAX_STOPS: usize = 4;
-pub(crate) const MAX_STOP_CHARS: usize = 64;
-/// The model id every server lists besides its target's file name.
-pub const MODEL_ALIAS: &str = "specrag";
-
-/// The model ids this server answers to: its target's file name and [`MODEL_ALIAS`].
-pub(crate) fn model_ids(state: &AppState) -> Vec<String> {
-    let target = &state.pipeline.engines.target;
-    let stem = target
-        .path()
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| target.config().name.clone());
-    vec![stem, MODEL_ALIAS.into()]
-}
 
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<crate::auth::Grant, OaiError> {
     crate::auth::grant(&state.config.api_keys, headers).ok_or_else(|| {

@@ -1,7 +1,8 @@
 //! What a chat completion request says, read into a pipeline query: the messages, the
 //! `specrag` options, stop strings.
 
-use super::{model_ids, OaiError, MAX_CONTEXT_CHARS, MAX_MESSAGES, MAX_STOPS, MAX_STOP_CHARS};
+use super::error::OaiError;
+use super::limits::{model_ids, MAX_CONTEXT_CHARS, MAX_MESSAGES, MAX_STOPS, MAX_STOP_CHARS};
 use crate::api::{QueryRequest, MAX_QUERY_CHARS};
 use crate::http::error::ApiError;
 use crate::http::state::AppState;

@@ -1,7 +1,7 @@
 //! A completion and its stream: `chat.completion` objects and `chat.completion.chunk` events
 //! built from the pipeline's answer and events.
 
-use super::OaiError;
+use super::error::OaiError;
 use crate::answer::Answer;
 use crate::engine::QueryEvent;
 use crate::http::error::ApiError;
