@@ -25,7 +25,6 @@ mod hook;
 pub mod kv;
 pub mod model;
 pub mod reuse;
-mod spm;
 pub mod stop;
 pub mod testing;
 pub mod tokenizer;
