@@ -682,10 +682,8 @@ pub fn parse_top_p(s: &str) -> Result<f32, String> {
 }
 
 /// Most `--stop` strings, and their longest length in characters: the OpenAI route's `stop`
-/// limits (`gateway::http::openai`, where they are private; a test holds the two together
-/// through the OpenAPI document), so a stop the command line takes the server takes too.
-pub const MAX_STOPS: usize = 4;
-pub const MAX_STOP_CHARS: usize = 64;
+/// limits, so a stop the command line takes the server takes too.
+pub use gateway::http::openai::{MAX_STOPS, MAX_STOP_CHARS};
 
 /// One `--stop` string: 1 to [`MAX_STOP_CHARS`] characters.
 fn parse_stop(s: &str) -> Result<String, String> {

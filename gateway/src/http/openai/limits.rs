@@ -9,8 +9,8 @@ pub const MAX_CONTEXT_CHARS: usize = 16 * 1024;
 /// Most messages in one request.
 pub const MAX_MESSAGES: usize = 256;
 /// Most stop strings (OpenAI's limit) and their longest length.
-pub(crate) const MAX_STOPS: usize = 4;
-pub(crate) const MAX_STOP_CHARS: usize = 64;
+pub const MAX_STOPS: usize = 4;
+pub const MAX_STOP_CHARS: usize = 64;
 /// The model id every server lists besides its target's file name.
 pub const MODEL_ALIAS: &str = "specrag";
 

@@ -16,8 +16,8 @@ mod response;
 
 pub(crate) use error::in_route_shape;
 pub use error::{OaiError, OpenAiError, OpenAiErrorBody};
-pub(crate) use limits::{model_ids, MAX_STOPS, MAX_STOP_CHARS};
-pub use limits::{MAX_CONTEXT_CHARS, MAX_MESSAGES, MODEL_ALIAS};
+use limits::model_ids;
+pub use limits::{MAX_CONTEXT_CHARS, MAX_MESSAGES, MAX_STOPS, MAX_STOP_CHARS, MODEL_ALIAS};
 use request::to_query;
 pub use request::{ChatMessage, ChatRequest, RagOptions, StreamOptions};
 use response::{completion, stream_chunks, Meta};
