@@ -198,7 +198,7 @@ impl DeviceModel {
         };
         let n_layer = self.config().n_layer;
         let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, shift.as_ref()))?;
-        let hidden = super::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
+        let hidden = super::forward::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
         self.last_logits(&hidden)
     }
 

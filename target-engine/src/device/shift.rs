@@ -1,10 +1,11 @@
 //! `target_probe_shift` on the device: at every layer of a blended prefill, each chunk's
 //! reused rows move as the chunk's recomputed rows (its picks) were moved by recomputing,
 //! per kv head weighted by the softmax of the reused key's dot products with the picks' keys
-//! (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's `Model::shift_moves` and
-//! `Model::apply_shift` (its reference), as batched matrix products over the kv heads.
+//! (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's shift (`reuse/shift.rs`, its
+//! reference), as batched matrix products over the kv heads.
 
-use super::{DeviceCache, DeviceModel};
+use super::cache::{as_cached, DeviceCache};
+use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
 use candle_core::Tensor;
 
@@ -131,10 +132,7 @@ impl DeviceModel {
             let dk = self.rotate_rows(&w.matmul(&m.dk)?, &redo)?;
             let dv = w.matmul(&m.dv)?;
             let rows = self.rows_index(&g.targets)?;
-            let (k, v) = (
-                super::as_cached(&(old_k + dk)?)?,
-                super::as_cached(&(old_v + dv)?)?,
-            );
+            let (k, v) = (as_cached(&(old_k + dk)?)?, as_cached(&(old_v + dv)?)?);
             cache.k[layer].scatter_set(&rows, &k.contiguous()?, 1)?;
             cache.v[layer].scatter_set(&rows, &v.contiguous()?, 1)?;
         }

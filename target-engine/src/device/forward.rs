@@ -1,0 +1,474 @@
+//! The forward passes on the device: arbitrary query rows attending by position to the cache
+//! in bounded blocks, several requests' decode rows in one pass, the probe's attention mass,
+//! the LM head and greedy decoding.
+
+use super::cache::{as_cached, DeviceCache};
+use super::model::{DeviceModel, Layer};
+use super::shift::DeviceShift;
+use crate::error::{EngineError, Result};
+use candle_core::{DType, Module, Tensor};
+use std::ops::Range;
+
+/// Score matrices of one attention call stay under this many f32 values (1 GiB): longer
+/// passes attend in blocks of query rows.
+const MAX_SCORES: usize = 1 << 28;
+
+/// One pass's per-row inputs, uploaded once and shared by every layer.
+struct Pass {
+    cos: Tensor,
+    sin: Tensor,
+    /// Cache row of each value of the rows' K/V `(n_kv_head, n, head_dim)` (the scatter's
+    /// indexes).
+    rows_at: Tensor,
+    /// Rows `0..rows` of the cache are read.
+    rows: usize,
+    /// Attention in blocks of query rows, each reading only the cache rows below its last.
+    blocks: Vec<Block>,
+}
+
+/// Query rows `start..start + len` of a pass: they read cache rows `0..rows`.
+struct Block {
+    start: usize,
+    len: usize,
+    rows: usize,
+    /// 0 where a query may read a key, -1e30 where it may not `(len, rows)`: built once per
+    /// pass where small, else per layer from `qpos`.
+    bias: Option<Tensor>,
+    qpos: Tensor,
+}
+
+/// Masks of one pass kept for every layer up to this many values (256 MiB).
+const MAX_KEPT_BIAS: usize = 1 << 26;
+
+impl DeviceModel {
+    /// Runs every layer for `ids` at `positions` (any order, any gaps), writing their K/V rows
+    /// into `cache` and attending causally by position to every row of `cache` up to each
+    /// query's position; returns the final-normed hidden rows `(n, n_embd)`.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+    ) -> Result<Tensor> {
+        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, (None, None))?;
+        fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)
+    }
+
+    /// One decode step of several requests in one forward: row `i` is token `ids[i]` at
+    /// `positions[i]` of `caches[i]` (its cache filled below it). The projections and the FFN
+    /// run once over all rows; each row attends to its own cache. Returns the final-normed
+    /// hidden rows `(requests, n_embd)`.
+    pub fn forward_batch(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        caches: &mut [DeviceCache],
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = ids.len();
+        if n == 0 || positions.len() != n || caches.len() != n {
+            return Err(EngineError::InvalidInput(format!(
+                "{n} token ids, {} positions and {} caches",
+                positions.len(),
+                caches.len()
+            )));
+        }
+        if let Some((i, _)) = positions
+            .iter()
+            .zip(caches.iter())
+            .enumerate()
+            .find(|(_, (&p, cache))| p >= cache.capacity || cache.k.len() != c.n_layer)
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "request {i}: position {} does not fit its cache",
+                positions[i]
+            )));
+        }
+        let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
+        let mut x = self.embed(ids)?;
+        for l in 0..c.n_layer {
+            let w = &self.layers[l];
+            let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+            let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(n);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let p = positions[i];
+                let row = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.narrow(0, i, 1)?.transpose(0, 1)?.contiguous()?)
+                };
+                cache.k[l].slice_set(&as_cached(&row(&k)?)?, 1, p)?;
+                let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
+                cache.v[l].slice_set(&as_cached(&row(&v)?)?, 1, p)?;
+                let keys = cache.k[l].narrow(1, 0, p + 1)?;
+                let values = cache.v[l].narrow(1, 0, p + 1)?;
+                outs.push(self.attend_one(&q.narrow(0, i, 1)?, &keys, &values)?);
+            }
+            let attn = Tensor::cat(&outs, 0)?;
+            x = self.ffn(w, x, &attn)?;
+        }
+        fused_rms_norm(&x, &self.output_norm, c.rms_eps)
+    }
+
+    /// Token embeddings `(n, n_embd)` of `ids`, each checked against the vocabulary.
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} >= vocabulary size {vocab}"
+            )));
+        }
+        Ok(self
+            .embed
+            .index_select(&Tensor::new(ids, &self.device)?, 0)?)
+    }
+
+    /// One query row `(1, n_head, head_dim)` against every row of `keys`/`values`
+    /// `(n_kv_head, rows, head_dim)` (no mask: the row is the latest); `(1, n_head * head_dim)`.
+    fn attend_one(&self, q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Tensor> {
+        let (_, nh, hd) = q.dims3()?;
+        let nkv = self.config.n_kv_head;
+        let q = q.reshape((nkv, nh / nkv, hd))?;
+        let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        Ok(p.matmul(values)?.reshape((1, nh * hd))?)
+    }
+
+    /// The attention mass the rows `ids` at `positions` pay to every cache row at the layers
+    /// `probe`, summed over rows, heads and those layers: one value per position up to the
+    /// highest of `positions` ([`crate::Model::forward_probe`]'s quantity). Only layers
+    /// `0..probe.end` run; their K/V rows of `positions` are written.
+    pub fn probe(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        probe: Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let end = probe.end.min(self.config.n_layer);
+        let (_, mass) = self.run(ids, positions, cache, 0..end, (Some(probe), None))?;
+        match mass {
+            Some(m) => Ok(m.to_vec1::<f32>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Logits `(rows, vocabulary)` of final-normed hidden rows, cut to the tokenizer's
+    /// vocabulary.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.tokenizer.vocab_size();
+        let mut rows = self.lm_head.forward(hidden)?.to_vec2::<f32>()?;
+        rows.iter_mut().for_each(|r| r.truncate(vocab));
+        Ok(rows)
+    }
+
+    /// Logits of the last of the hidden rows.
+    pub fn last_logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
+        let n = hidden.dim(0)?;
+        let mut rows = self.logits(&hidden.narrow(0, n - 1, 1)?)?;
+        rows.pop()
+            .ok_or_else(|| EngineError::Internal("no logits row".into()))
+    }
+
+    /// Full prefill of `ids` at `0..n` into a fresh cache with room for `capacity` positions
+    /// (at least `n`); returns the cache and the last position's logits.
+    pub fn prefill(&self, ids: &[u32], capacity: usize) -> Result<(DeviceCache, Vec<f32>)> {
+        let mut cache = self.new_cache(capacity.max(ids.len()))?;
+        let positions: Vec<usize> = (0..ids.len()).collect();
+        let hidden = self.forward(ids, &positions, &mut cache)?;
+        let logits = self.last_logits(&hidden)?;
+        Ok((cache, logits))
+    }
+
+    /// Greedy continuation of `n` tokens after a cache filled up to `len` whose next-token
+    /// logits are `logits`; one row per step.
+    pub fn greedy(
+        &self,
+        cache: &mut DeviceCache,
+        len: usize,
+        logits: &[f32],
+        n: usize,
+    ) -> Result<Vec<u32>> {
+        self.decode(
+            cache,
+            (len, logits),
+            n,
+            &crate::Sampler::new(Default::default()),
+        )
+    }
+
+    /// [`DeviceModel::greedy`] drawing each token with `sampler` (the answer's i-th token at
+    /// index i, as the CPU engine draws it).
+    pub fn decode(
+        &self,
+        cache: &mut DeviceCache,
+        (len, logits): (usize, &[f32]),
+        n: usize,
+        sampler: &crate::Sampler,
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        let mut next = sampler.sample_at(logits, 0);
+        for i in 0..n {
+            out.push(next);
+            if i + 1 == n {
+                break;
+            }
+            let hidden = self.forward(&[next], &[len + i], cache)?;
+            next = sampler.sample_at(&self.last_logits(&hidden)?, i + 1);
+        }
+        Ok(out)
+    }
+
+    /// Greedy continuations of `n` tokens for several requests decoded together
+    /// ([`DeviceModel::forward_batch`] per step): request `i`'s cache is filled up to
+    /// `lens[i]` and its next-token logits are `logits[i]`.
+    pub fn greedy_batch(
+        &self,
+        caches: &mut [DeviceCache],
+        lens: &[usize],
+        logits: &[Vec<f32>],
+        n: usize,
+    ) -> Result<Vec<Vec<u32>>> {
+        let mut next: Vec<u32> = logits.iter().map(|l| crate::argmax(l)).collect();
+        let mut out = vec![Vec::with_capacity(n); next.len()];
+        for step in 0..n {
+            out.iter_mut().zip(&next).for_each(|(o, &t)| o.push(t));
+            if step + 1 == n {
+                break;
+            }
+            let positions: Vec<usize> = lens.iter().map(|&l| l + step).collect();
+            let hidden = self.forward_batch(&next, &positions, caches)?;
+            next = self
+                .logits(&hidden)?
+                .iter()
+                .map(|l| crate::argmax(l))
+                .collect();
+        }
+        Ok(out)
+    }
+
+    fn pass(&self, positions: &[usize], cache: &DeviceCache) -> Result<Pass> {
+        let n = positions.len();
+        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        if rows > cache.capacity {
+            return Err(EngineError::InvalidInput(format!(
+                "position {} is beyond the cache's {} positions",
+                rows - 1,
+                cache.capacity
+            )));
+        }
+        let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
+        Ok(Pass {
+            cos,
+            sin,
+            rows_at: self.rows_index(positions)?,
+            rows,
+            blocks: self.blocks(positions, rows)?,
+        })
+    }
+
+    /// The attention blocks of a pass over `positions` reading at most `rows` cache rows.
+    fn blocks(&self, positions: &[usize], rows: usize) -> Result<Vec<Block>> {
+        let n = positions.len();
+        let size = (MAX_SCORES / (self.config.n_head * rows).max(1)).clamp(1, n);
+        let keep = n * rows <= MAX_KEPT_BIAS;
+        let kpos = Tensor::arange(0u32, rows as u32, &self.device)?.reshape((1, rows))?;
+        let mut blocks = Vec::new();
+        for start in (0..n).step_by(size) {
+            let len = size.min(n - start);
+            let here = &positions[start..start + len];
+            let top = here.iter().max().map_or(1, |&p| p + 1);
+            let qpos: Vec<u32> = here.iter().map(|&p| p as u32).collect();
+            let qpos = Tensor::from_vec(qpos, (len, 1), &self.device)?;
+            let bias = if keep {
+                Some(mask(&kpos.narrow(1, 0, top)?, &qpos)?)
+            } else {
+                None
+            };
+            blocks.push(Block {
+                start,
+                len,
+                rows: top,
+                bias,
+                qpos,
+            });
+        }
+        Ok(blocks)
+    }
+
+    /// Layers `layers` over the rows `ids` at `positions`; the residual stream after the last
+    /// and, with `probe`, the attention mass of the probed layers; with `shift`, each chunk's
+    /// reused rows moved at every layer as its recomputed rows were (`shift.rs`).
+    pub(super) fn run(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        layers: Range<usize>,
+        (probe, shift): (Option<Range<usize>>, Option<&DeviceShift>),
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        if ids.is_empty() || ids.len() != positions.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} token ids at {} positions",
+                ids.len(),
+                positions.len()
+            )));
+        }
+        if cache.k.len() != c.n_layer || layers.end > c.n_layer {
+            return Err(EngineError::InvalidInput(
+                "cache or layers do not fit this model".into(),
+            ));
+        }
+        let pass = self.pass(positions, cache)?;
+        let mut x = self.embed(ids)?;
+        let mut mass = None;
+        for l in layers {
+            let probed = probe.as_ref().is_some_and(|p| p.contains(&l));
+            let (y, m) = self.layer(l, x, &pass, cache, (probed, shift))?;
+            x = y;
+            if let Some(m) = m {
+                mass = Some(match mass {
+                    None => m,
+                    Some(acc) => (acc + m)?,
+                });
+            }
+        }
+        Ok((x, mass))
+    }
+
+    /// One block: attention (its K/V rows written to the cache first), then the FFN.
+    fn layer(
+        &self,
+        l: usize,
+        x: Tensor,
+        pass: &Pass,
+        cache: &mut DeviceCache,
+        (probed, shift): (bool, Option<&DeviceShift>),
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        let w = &self.layers[l];
+        let n = x.dim(0)?;
+        let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+        let (q, k, v) = self.qkv(w, &h, &pass.cos, &pass.sin)?;
+        let head_major = |t: Tensor| -> Result<Tensor> {
+            let t = t.reshape((n, c.n_kv_head, c.head_dim))?;
+            Ok(t.transpose(0, 1)?.contiguous()?)
+        };
+        let (k, v) = (head_major(k)?, head_major(v)?);
+        let moves = match shift {
+            Some(s) => Some(self.shift_moves(l, s, cache, (&k, &v))?),
+            None => None,
+        };
+        cache.k[l].scatter_set(&pass.rows_at, &as_cached(&k)?, 1)?;
+        cache.v[l].scatter_set(&pass.rows_at, &as_cached(&v)?, 1)?;
+        if let (Some(s), Some(m)) = (shift, moves) {
+            self.apply_shift(l, s, &m, cache)?;
+        }
+        let keys = cache.k[l].narrow(1, 0, pass.rows)?;
+        let values = cache.v[l].narrow(1, 0, pass.rows)?;
+        let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;
+        Ok((self.ffn(w, x, &attn)?, mass))
+    }
+
+    /// Q `(n, n_head, head_dim)` and K `(n, n_kv_head, head_dim)` (biased, head-normed where
+    /// the family does, rotated) and V `(n, kv_row)` of normed rows `h`.
+    fn qkv(
+        &self,
+        w: &Layer,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = &self.config;
+        let n = h.dim(0)?;
+        let (mut q, mut k, mut v) = (w.wq.forward(h)?, w.wk.forward(h)?, w.wv.forward(h)?);
+        if let Some([bq, bk, bv]) = &w.bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        let heads = |t: Tensor, h: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let t = t.reshape((n, h, c.head_dim))?;
+            let t = match norm {
+                Some(w) => fused_rms_norm(&t, w, c.rms_eps)?,
+                None => t,
+            };
+            self.rotate(&t, cos, sin)
+        };
+        let q = heads(q, c.n_head, &w.q_norm)?;
+        let k = heads(k, c.n_kv_head, &w.k_norm)?;
+        Ok((q, k, v))
+    }
+
+    /// The rest of a block after attention: the output projection added to the residual
+    /// stream `x`, then the gated FFN the same way.
+    fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x = (x + w.wo.forward(attn)?)?;
+        let h = fused_rms_norm(&x, &w.ffn_norm, self.config.rms_eps)?;
+        let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
+        Ok((x + w.down.forward(&act)?)?)
+    }
+
+    /// Causal attention of `q` `(n, n_head, head_dim)` over the cache's first rows of every
+    /// head `(n_kv_head, rows, head_dim)` (views, read in place): a
+    /// query at position p reads rows `0..=p`. Each block of query rows reads only the rows
+    /// below its last query and keeps its score matrix bounded. With `probed`, also the
+    /// probabilities summed per key row `(rows)`.
+    fn attention(
+        &self,
+        q: &Tensor,
+        keys: &Tensor,
+        values: &Tensor,
+        pass: &Pass,
+        probed: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        let (n, nh, hd) = q.dims3()?;
+        let (nkv, rows) = (c.n_kv_head, keys.dim(1)?);
+        let g = nh / nkv;
+        let (k, v) = (keys, values);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (mut outs, mut mass) = (Vec::new(), None);
+        for b in &pass.blocks {
+            let (m, top) = (b.len, b.rows);
+            let bias = match &b.bias {
+                Some(bias) => bias.clone(),
+                None => {
+                    let kpos = Tensor::arange(0u32, top as u32, &self.device)?;
+                    mask(&kpos.reshape((1, top))?, &b.qpos)?
+                }
+            };
+            let qb = q.narrow(0, b.start, m)?.transpose(0, 1)?.contiguous()?;
+            let qb = qb.reshape((nkv, g * m, hd))?;
+            let kt = k.narrow(1, 0, top)?.t()?;
+            let s = (qb.matmul(&kt)? * scale)?.reshape((nkv, g, m, top))?;
+            let p = candle_nn::ops::softmax_last_dim(&s.broadcast_add(&bias)?)?;
+            if probed {
+                let here = p.sum((0, 1, 2))?.pad_with_zeros(0, 0, rows - top)?;
+                mass = Some(match mass {
+                    None => here,
+                    Some(acc) => (acc + here)?,
+                });
+            }
+            let o = p
+                .reshape((nkv, g * m, top))?
+                .matmul(&v.narrow(1, 0, top)?)?;
+            outs.push(o.reshape((nh, m, hd))?.transpose(0, 1)?.contiguous()?);
+        }
+        let out = Tensor::cat(&outs, 0)?.reshape((n, nh * hd))?;
+        Ok((out, mass))
+    }
+}
+
+/// 0 where key position `kpos` `(1, rows)` may be read by query position `qpos` `(m, 1)`
+/// (key <= query), -1e30 where not: `(m, rows)`.
+fn mask(kpos: &Tensor, qpos: &Tensor) -> Result<Tensor> {
+    Ok(((kpos.broadcast_le(qpos)?.to_dtype(DType::F32)? - 1.0)? * 1e30)?)
+}
+
+/// RMSNorm over the last dimension as one kernel (candle-nn's), for contiguous rows.
+pub(super) fn fused_rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?)
+}

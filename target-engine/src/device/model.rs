@@ -1,0 +1,232 @@
+//! A model's weights on a device: loading them from the file, and the RoPE and row indexes
+//! every pass uses.
+
+use super::cache::DeviceCache;
+use crate::config::{Architecture, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use crate::tokenizer::Tokenizer;
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Tensor};
+use kernels::{Rope, RopeVariant};
+use std::borrow::Cow;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One transformer block's weights on the device.
+pub(super) struct Layer {
+    pub(super) attn_norm: Tensor,
+    pub(super) ffn_norm: Tensor,
+    pub(super) wq: QMatMul,
+    pub(super) wk: QMatMul,
+    pub(super) wv: QMatMul,
+    pub(super) wo: QMatMul,
+    pub(super) bias: Option<[Tensor; 3]>,
+    pub(super) q_norm: Option<Tensor>,
+    pub(super) k_norm: Option<Tensor>,
+    pub(super) gate: QMatMul,
+    pub(super) up: QMatMul,
+    pub(super) down: QMatMul,
+}
+
+/// A model's weights on a device.
+pub struct DeviceModel {
+    pub(super) device: Device,
+    pub(super) config: ModelConfig,
+    pub(super) tokenizer: Tokenizer,
+    pub(super) rope: Rope,
+    pub(super) embed: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) output_norm: Tensor,
+    pub(super) lm_head: QMatMul,
+}
+
+impl std::fmt::Debug for DeviceModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceModel")
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `q` in `device` memory, block for block.
+fn to_device(q: QTensor, device: &Device) -> Result<QTensor> {
+    if device.is_cpu() {
+        return Ok(q);
+    }
+    let storage = QStorage::from_data(Cow::Owned(q.data()?.into_owned()), device, q.dtype())?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
+}
+
+impl DeviceModel {
+    /// Loads a qwen2, llama or qwen3 GGUF file onto `device`.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let mut f = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&f)?;
+        if !matches!(
+            config.arch,
+            Architecture::Qwen2 | Architecture::Llama | Architecture::Qwen3
+        ) || config.swa.is_some()
+        {
+            return Err(EngineError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "the device forward runs qwen2, llama and qwen3 (no sliding windows); `{}` \
+                     runs on the CPU engine (`--device cpu`)",
+                    config.arch.as_str()
+                ),
+            });
+        }
+        let tokenizer = Tokenizer::from_gguf(&f)?;
+        let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
+        let mut layers = Vec::with_capacity(config.n_layer);
+        for l in 0..config.n_layer {
+            layers.push(load_layer(&mut f, &config, device, l)?);
+        }
+        let embed_q = Arc::new(to_device(f.tensor("token_embd.weight")?, device)?);
+        let embed = embed_q.dequantize(device)?.to_dtype(DType::F32)?;
+        let lm_head = if f.has_tensor("output.weight") {
+            matmul(&mut f, "output.weight", device)?
+        } else {
+            QMatMul::from_arc(embed_q)?
+        };
+        let output_norm = vector(&mut f, "output_norm.weight", device)?;
+        Ok(Self {
+            device: device.clone(),
+            config,
+            tokenizer,
+            rope,
+            embed,
+            layers,
+            output_norm,
+            lm_head,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The tokenizer built from the file.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// An empty cache with room for `capacity` positions.
+    pub fn new_cache(&self, capacity: usize) -> Result<DeviceCache> {
+        let c = &self.config;
+        let shape = (c.n_kv_head, capacity, c.head_dim);
+        let zeros = || -> Result<Vec<Tensor>> {
+            (0..c.n_layer)
+                .map(|_| Ok(Tensor::zeros(shape, DType::F32, &self.device)?))
+                .collect()
+        };
+        Ok(DeviceCache {
+            k: zeros()?,
+            v: zeros()?,
+            capacity,
+        })
+    }
+
+    pub(super) fn upload_table(
+        &self,
+        table: &kernels::RopeTable,
+        n: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let half = self.config.head_dim / 2;
+        let t =
+            |v: &[f32]| -> Result<Tensor> { Ok(Tensor::from_slice(v, (n, half), &self.device)?) };
+        Ok((t(table.cos())?, t(table.sin())?))
+    }
+
+    /// RoPE of `x` `(n, heads, head_dim)` by the angles `cos`/`sin` `(n, head_dim / 2)`, in
+    /// the model's pair layout: rotate-half as one fused kernel (candle-nn's `rope_thd`), the
+    /// interleaved pairs as the CPU kernel's arithmetic, op for op.
+    pub(super) fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (n, heads, d) = x.dims3()?;
+        let half = d / 2;
+        Ok(match self.rope.variant() {
+            RopeVariant::RotateHalf => {
+                let x = x.contiguous()?.reshape((1, n, heads, d))?;
+                candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.reshape((n, heads, d))?
+            }
+            RopeVariant::Interleaved => {
+                let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+                let (cos, sin) = (&cos, &sin);
+                let pairs = x.reshape((n, heads, half, 2))?;
+                let a = pairs.narrow(3, 0, 1)?.squeeze(3)?;
+                let b = pairs.narrow(3, 1, 1)?.squeeze(3)?;
+                let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
+                let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
+                Tensor::stack(&[ra, rb], 3)?.reshape((n, heads, d))?
+            }
+        })
+    }
+
+    /// The cache rows of `positions` as scatter indexes `(n_kv_head, n, head_dim)`.
+    pub(super) fn rows_index(&self, positions: &[usize]) -> Result<Tensor> {
+        let (n, nkv, hd) = (positions.len(), self.config.n_kv_head, self.config.head_dim);
+        let at: Vec<u32> = positions
+            .iter()
+            .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
+            .collect();
+        let at = Tensor::from_vec(at, (1, n, hd), &self.device)?;
+        Ok(at.broadcast_as((nkv, n, hd))?.contiguous()?)
+    }
+}
+
+fn matmul(f: &mut GgufFile, name: &str, device: &Device) -> Result<QMatMul> {
+    Ok(QMatMul::from_arc(Arc::new(to_device(
+        f.tensor(name)?,
+        device,
+    )?))?)
+}
+
+fn vector(f: &mut GgufFile, name: &str, device: &Device) -> Result<Tensor> {
+    Ok(f.tensor(name)?
+        .dequantize(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_device(device)?)
+}
+
+fn load_layer(f: &mut GgufFile, c: &ModelConfig, device: &Device, l: usize) -> Result<Layer> {
+    let p = |name: &str| format!("blk.{l}.{name}");
+    let bias = if c.arch.qkv_bias() {
+        Some([
+            vector(f, &p("attn_q.bias"), device)?,
+            vector(f, &p("attn_k.bias"), device)?,
+            vector(f, &p("attn_v.bias"), device)?,
+        ])
+    } else {
+        None
+    };
+    let (q_norm, k_norm) = if c.arch.qk_norm() {
+        (
+            Some(vector(f, &p("attn_q_norm.weight"), device)?),
+            Some(vector(f, &p("attn_k_norm.weight"), device)?),
+        )
+    } else {
+        (None, None)
+    };
+    Ok(Layer {
+        attn_norm: vector(f, &p("attn_norm.weight"), device)?,
+        ffn_norm: vector(f, &p("ffn_norm.weight"), device)?,
+        wq: matmul(f, &p("attn_q.weight"), device)?,
+        wk: matmul(f, &p("attn_k.weight"), device)?,
+        wv: matmul(f, &p("attn_v.weight"), device)?,
+        wo: matmul(f, &p("attn_output.weight"), device)?,
+        bias,
+        q_norm,
+        k_norm,
+        gate: matmul(f, &p("ffn_gate.weight"), device)?,
+        up: matmul(f, &p("ffn_up.weight"), device)?,
+        down: matmul(f, &p("ffn_down.weight"), device)?,
+    })
+}
