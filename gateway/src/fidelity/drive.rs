@@ -394,7 +394,7 @@ impl Pipeline {
     /// copy), the tokens decoded so far checked against it, the agreeing prefix kept and
     /// decoding continued from the full cache. The full prefill keeps the reused cache's
     /// first `exact_rows` (the template prefix and the first chunk, precomputed after it:
-    /// [`exact_rows`]) and computes the rest, so it costs what full recompute's would less
+    /// `exact_rows` in `pipeline/blend.rs`) and computes the rest, so it costs what full recompute's would less
     /// that chunk. The full cache's tokens are chosen as a plain decode from it would choose
     /// them (greedy, or the seeded sampler's draw at each index), so the answer is full
     /// recompute's, token for token, for the same seed (`exact` requests never take such a

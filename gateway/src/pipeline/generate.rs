@@ -50,7 +50,7 @@ impl Pipeline {
 
     /// Greedy or sampled decoding from `cache` and its last `logits`, with `drafter` (if any)
     /// proposing tokens; `watch` is asked after every token (see
-    /// [`Generate::decode_watched`](target_engine::prelude::Generate::decode_watched)).
+    /// [`Generate::decode_watched`]).
     pub(crate) fn decode_from(
         &self,
         q: &Query,
