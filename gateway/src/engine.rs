@@ -177,8 +177,11 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
     }
 }
 
-/// Garbage listed by a collector thread while the index had seen `.1` commits.
-type Listing = (Vec<chunkstore::ChunkKey>, u64);
+/// Garbage listed by a collector thread, and how many commits the index had seen then.
+struct Listing {
+    keys: Vec<chunkstore::ChunkKey>,
+    commits: u64,
+}
 
 /// How long the engine waits for a reader that does not take its events (a stalled stream)
 /// before treating the client as gone.
@@ -284,7 +287,7 @@ impl Engine<'_> {
                 let commits = p.corpus.index.commits();
                 match p.corpus.garbage_candidates(&p.engines) {
                     Ok(keys) => {
-                        let _ = tx.send((keys, commits));
+                        let _ = tx.send(Listing { keys, commits });
                     }
                     Err(e) => tracing::warn!("garbage collection skipped: {e}"),
                 }
@@ -298,7 +301,8 @@ impl Engine<'_> {
     /// Removes a listing's garbage in slices of [`SWEEP_SLICE`] keys, running the queries
     /// that arrive meanwhile between slices. A listing the index outran (a commit since: a
     /// speculator companion it names may belong to a chunk indexed since) is listed again.
-    fn sweep(&mut self, (keys, commits): Listing) {
+    fn sweep(&mut self, listing: Listing) {
+        let Listing { keys, commits } = listing;
         let corpus = &self.pipeline.corpus;
         let mut removed = 0;
         for slice in keys.chunks(SWEEP_SLICE) {

@@ -5,7 +5,7 @@
 use super::{GuardReport, LookCost, LookRows};
 use crate::answer::Timings;
 use crate::error::Result;
-use crate::pipeline::generate::{finish_reason, generate_params};
+use crate::pipeline::generate::{finish_reason, generate_params, Decoding};
 use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
 use std::time::Instant;
 use target_engine::prelude::*;
@@ -38,19 +38,39 @@ struct Escalation<'a> {
 }
 
 /// What the guard's second look starts from: the prompt, the chunk tokens it recomputes, the
-/// first decode (the doubted token last) and the text of it the client holds.
-struct SecondLook<'a> {
+/// first decode (the doubted token last) and the text of it the client holds, the blended
+/// cache it recomputes them on and the drafter that goes on serving.
+struct SecondLook<'a, 'd> {
     asm: &'a Assembly,
     extra: &'a [usize],
     first: &'a Generation,
     sent: &'a str,
+    cache: &'a mut KvCache,
+    drafter: Option<&'a mut Drafter<'d>>,
 }
 
-/// What the guard's second look needs of the blend besides its cache: the prompt, which
-/// tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the leading
-/// rows an escalation keeps, how many chunk tokens there are, and when decoding started (for
-/// the time to first token it may add to).
-struct LookAgain<'a> {
+/// The first decode from the reused cache as it stands: the generation, the text the client
+/// was sent and the drafts' rounds; a second look replaces the first two.
+struct FirstDecode<'a> {
+    generation: &'a mut Generation,
+    sent: &'a mut String,
+    spec: &'a mut SpecStats,
+}
+
+/// Tokens a decode must choose again before the guard watches the rest (a second look's),
+/// and where it records that one was not.
+struct MustAgree<'a> {
+    ids: &'a [u32],
+    disagreed: &'a mut bool,
+}
+
+/// What the guard's second look needs of the blend: its cache and the drafter, the prompt,
+/// which tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the
+/// leading rows an escalation keeps, how many chunk tokens there are, and when decoding
+/// started (for the time to first token it may add to).
+struct LookAgain<'a, 'd> {
+    cache: &'a mut KvCache,
+    drafter: Option<&'a mut Drafter<'d>>,
     asm: &'a Assembly,
     look: LookRows,
     reserve: Vec<usize>,
@@ -89,15 +109,16 @@ impl Pipeline {
             ..Default::default()
         };
         let mut cache = out.cache;
-        let (mut g, mut spec, mut sent) = self.decode_guarded(
-            q,
-            (&mut cache, out.logits),
-            drafter.as_deref_mut(),
-            &mut report,
-            on_piece,
-        )?;
+        let from = Decoding {
+            cache: &mut cache,
+            logits: out.logits,
+            drafter: drafter.as_deref_mut(),
+        };
+        let (mut g, mut spec, mut sent) = self.decode_guarded(q, from, &mut report, on_piece)?;
         self.note_margins(q, &g, &mut report);
         let look = LookAgain {
+            cache: &mut cache,
+            drafter: drafter.as_deref_mut(),
             asm,
             look,
             reserve: out.reserve,
@@ -107,10 +128,12 @@ impl Pipeline {
             started,
             timings: &mut *timings,
         };
-        let again = (&mut cache, drafter.as_deref_mut());
-        let decoded = (&mut g, &mut sent, &mut spec);
-        let exact_rows =
-            self.look_again_if_doubted(q, (look, again), decoded, &mut report, on_piece)?;
+        let decoded = FirstDecode {
+            generation: &mut g,
+            sent: &mut sent,
+            spec: &mut spec,
+        };
+        let exact_rows = self.look_again_if_doubted(q, look, decoded, &mut report, on_piece)?;
         g.prefill_ms = timings.prefill_ms;
         if report.escalated {
             let moved = Escalation {
@@ -144,20 +167,25 @@ impl Pipeline {
     }
 
     /// The guard's second look ([`Pipeline::second_look`]) where it doubted a token of the
-    /// first decode (`decoded`: the generation, the text sent and the drafts), on `cache`:
+    /// first decode (`decoded`), on `look.cache`:
     /// `decoded` becomes what decoding goes on with, and the time to first token gains the
     /// recompute where the doubted token was the first and the look kept it. Nothing where
     /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
-    /// leading rows of `cache` a full prefill computes alike: `look.exact_rows`, and the
+    /// leading rows of `look.cache` a full prefill computes alike: `look.exact_rows`, and the
     /// look's own where it extended them ([`LookRows::Extend`]).
     fn look_again_if_doubted(
         &self,
         q: &Query,
-        (look, (cache, drafter)): (LookAgain<'_>, (&mut KvCache, Option<&mut Drafter<'_>>)),
-        (g, sent, spec): (&mut Generation, &mut String, &mut SpecStats),
+        look: LookAgain<'_, '_>,
+        decoded: FirstDecode<'_>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<usize> {
+        let FirstDecode {
+            generation: g,
+            sent,
+            spec,
+        } = decoded;
         let extra = self.second_look_picks(report, &look);
         if extra.is_empty() {
             return Ok(look.exact_rows);
@@ -201,9 +229,10 @@ impl Pipeline {
             extra: &extra,
             first: g,
             sent,
+            cache: look.cache,
+            drafter: look.drafter,
         };
-        let (g2, sent2, more, ready) =
-            self.second_look(q, second, (cache, drafter), report, on_piece)?;
+        let (g2, sent2, more, ready) = self.second_look(q, second, report, on_piece)?;
         spec.merge(&more);
         if !report.escalated && g.ids.len() == 1 {
             // The doubted token was the first: nothing was shown before the second look.
@@ -219,7 +248,7 @@ impl Pipeline {
     /// (best first) at or after the exact rows (rows an escalation keeps as full prefill's
     /// stay as they are). [`LookRows::Extend`]: the chunk tokens from the first row not exact
     /// on, in order. None for either where the selector ranked nothing it left.
-    fn second_look_picks(&self, report: &GuardReport, look: &LookAgain<'_>) -> Vec<usize> {
+    fn second_look_picks(&self, report: &GuardReport, look: &LookAgain<'_, '_>) -> Vec<usize> {
         if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
             return Vec::new();
         }
@@ -248,7 +277,7 @@ impl Pipeline {
     }
 
     /// The guard's second look: `look.extra` chunk tokens recomputed on top of the blend in
-    /// `cache` (the question with them), then decoding restarted from that cache under the
+    /// `look.cache` (the question with them), then decoding restarted from that cache under the
     /// guard with one more rule: each of the tokens the first decode chose (`look.first`, the
     /// doubted one last) must be chosen again, the doubted one by at least the policy's
     /// [`confirm_gap`](super::GuardPolicy::confirm_gap). The text the client holds
@@ -260,8 +289,7 @@ impl Pipeline {
     fn second_look(
         &self,
         q: &Query,
-        look: SecondLook<'_>,
-        (cache, drafter): (&mut KvCache, Option<&mut Drafter<'_>>),
+        look: SecondLook<'_, '_>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, String, SpecStats, Instant)> {
@@ -270,6 +298,8 @@ impl Pipeline {
             extra,
             first,
             sent,
+            cache,
+            drafter,
         } = look;
         let t = Instant::now();
         let mut blended = std::mem::replace(cache, self.engines.target.new_cache());
@@ -301,13 +331,16 @@ impl Pipeline {
             p => on_piece(p),
         };
         let mut disagreed = false;
-        let (g, spec, text) = self.decode_watched_as(
-            q,
-            (cache, out.logits, drafter),
-            report,
-            (&first.ids, &mut disagreed),
-            &mut forward,
-        )?;
+        let from = Decoding {
+            cache,
+            logits: out.logits,
+            drafter,
+        };
+        let agree = MustAgree {
+            ids: &first.ids,
+            disagreed: &mut disagreed,
+        };
+        let (g, spec, text) = self.decode_watched_as(q, from, report, agree, &mut forward)?;
         if disagreed {
             report.escalated = true;
             report.uncertain = true;
@@ -323,33 +356,34 @@ impl Pipeline {
     fn decode_guarded(
         &self,
         q: &Query,
-        (cache, logits): (&mut KvCache, Vec<f32>),
-        drafter: Option<&mut Drafter<'_>>,
+        from: Decoding<'_, '_>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, SpecStats, String)> {
         let mut disagreed = false;
-        self.decode_watched_as(
-            q,
-            (cache, logits, drafter),
-            report,
-            (&[], &mut disagreed),
-            on_piece,
-        )
+        let agree = MustAgree {
+            ids: &[],
+            disagreed: &mut disagreed,
+        };
+        self.decode_watched_as(q, from, report, agree, on_piece)
     }
 
-    /// [`Pipeline::decode_guarded`] where the first `agree.0.len()` tokens must be those ids
+    /// [`Pipeline::decode_guarded`] where the first `must.ids.len()` tokens must be those ids
     /// (a second look's; not held to the margin, the last held to the confirm gap): the
-    /// decode stops at the first that is not, setting `agree.1`. The rest are held to the
-    /// guard.
+    /// decode stops at the first that is not, setting `must.disagreed`. The rest are held to
+    /// the guard.
     fn decode_watched_as(
         &self,
         q: &Query,
-        (cache, logits, drafter): (&mut KvCache, Vec<f32>, Option<&mut Drafter<'_>>),
+        from: Decoding<'_, '_>,
         report: &mut GuardReport,
-        (agree, disagreed): (&[u32], &mut bool),
+        must: MustAgree<'_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, SpecStats, String)> {
+        let MustAgree {
+            ids: agree,
+            disagreed,
+        } = must;
         let guarded = q.guarded();
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
@@ -377,8 +411,7 @@ impl Pipeline {
             }
             on_piece(p)
         };
-        let (g, escalate, spec) =
-            self.decode_from(q, (cache, logits), drafter, &mut track, &mut watch)?;
+        let (g, escalate, spec) = self.decode_from(q, from, &mut track, &mut watch)?;
         if !agree.is_empty() {
             report.second_look_gap = look_gap;
         }

@@ -1,7 +1,7 @@
 //! Steps 1 and 2: each chunk's KV (memory, disk or recomputed) loaded beside the
 //! speculator's pass over the prompt, then the method's selector and the blended prefill.
 
-use super::experiment::Experiment;
+use super::experiment::Run;
 use super::request::{Query, ScoreSource};
 use super::{ms, Pipeline};
 use crate::answer::Timings;
@@ -37,11 +37,12 @@ impl Pipeline {
     /// query-time pass when the method needs one. Records `kv_load_ms` and `speculate_ms`.
     pub(super) fn load_and_score(
         &self,
-        (q, exp): (&Query, &dyn Experiment),
+        run: Run<'_>,
         texts: &[&str],
         asm: &Assembly,
         timings: &mut Timings,
     ) -> Result<(Vec<LoadedChunk>, Option<ScoredTokens>)> {
+        let Run { query: q, exp } = run;
         let need_kv = !Self::reads_no_kv(q);
         let score_source = exp.score_source().unwrap_or(self.score_source);
         let layers = exp.layers();
@@ -102,12 +103,13 @@ impl Pipeline {
     /// the fused cache's leading rows a full prefill would compute alike ([`exact_rows`]).
     pub(super) fn blend(
         &self,
-        (q, exp): (&Query, &dyn Experiment),
+        run: Run<'_>,
         asm: &Assembly,
         loaded: &[LoadedChunk],
         mut scored: Option<ScoredTokens>,
         timings: &mut Timings,
     ) -> Result<(BlendOutput, usize)> {
+        let Run { query: q, exp } = run;
         let target = &self.engines.target;
         let method = if Self::reads_no_kv(q) {
             Method::FullRecompute

@@ -76,7 +76,7 @@ impl Pipeline {
         let mut drafter = self.drafter(q, asm, texts).filter(|_| !long);
         let spec_of = |d: &Option<_>, s: SpecStats| d.as_ref().map(|_: &_| s.into());
         if let Some(full) = full_prefill {
-            let (g, mut stats, spec) = self.verify(out, full, (q, drafter.as_mut()), on_piece)?;
+            let (g, mut stats, spec) = self.verify(out, full, q, drafter.as_mut(), on_piece)?;
             stats.first_commit_ms += timings.ttft_ms;
             return Ok(Decoded {
                 g,
@@ -166,7 +166,8 @@ impl Pipeline {
         &self,
         draft: BlendOutput,
         full: FullPrefill,
-        (q, drafter): (&Query, Option<&mut target_engine::Drafter<'_>>),
+        q: &Query,
+        drafter: Option<&mut target_engine::Drafter<'_>>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, VerifyStats, SpecStats)> {
         let (max_tokens, stop) = (q.max_tokens, &q.stop);

@@ -3,13 +3,21 @@
 //! ([`Served`], [`Pipeline::query`]) builds none of the trace: the road is generic over its
 //! [`Outcome`], and a bare [`Answer`] keeps nothing.
 
-use super::request::{ChunkOrder, ScoreSource};
+use super::request::{ChunkOrder, Query, ScoreSource};
 use super::Pipeline;
 use crate::answer::Answer;
 use crate::fidelity::LookRows;
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
 use target_engine::{Assembly, BlendOutput, BlendSignals, Generation, KvCache};
+
+/// A query and the experiment it runs under ([`Served`] for a served query), as the road's
+/// steps take them.
+#[derive(Clone, Copy)]
+pub(super) struct Run<'a> {
+    pub(super) query: &'a Query,
+    pub(super) exp: &'a dyn Experiment,
+}
 
 /// What the evaluation varies beyond what a request can ask, an interface the evaluation
 /// implements ([`Pipeline::query_with`]); a served query is [`Served`], every default.

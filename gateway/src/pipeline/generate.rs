@@ -24,6 +24,14 @@ pub(crate) fn generate_params(q: &Query) -> GenerateParams {
     }
 }
 
+/// Where a decode starts: the prefilled cache, its last logits, and the drafter (if any)
+/// that proposes tokens.
+pub(crate) struct Decoding<'a, 'd> {
+    pub(crate) cache: &'a mut KvCache,
+    pub(crate) logits: Vec<f32>,
+    pub(crate) drafter: Option<&'a mut Drafter<'d>>,
+}
+
 /// Why an answer that went through a [`TextStream`] ended.
 pub(crate) fn finish_reason(stream: &TextStream<'_>, cancelled: bool, eos: bool) -> FinishReason {
     if stream.stopped() {
@@ -48,17 +56,21 @@ impl Pipeline {
                 .unwrap_or(self.long_context.on && prompt_tokens >= self.long_context.min_tokens)
     }
 
-    /// Greedy or sampled decoding from `cache` and its last `logits`, with `drafter` (if any)
-    /// proposing tokens; `watch` is asked after every token (see
+    /// Greedy or sampled decoding from `from.cache` and its last `from.logits`, with
+    /// `from.drafter` (if any) proposing tokens; `watch` is asked after every token (see
     /// [`Generate::decode_watched`]).
     pub(crate) fn decode_from(
         &self,
         q: &Query,
-        (cache, logits): (&mut KvCache, Vec<f32>),
-        drafter: Option<&mut Drafter<'_>>,
+        from: Decoding<'_, '_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecStats)> {
+        let Decoding {
+            cache,
+            logits,
+            drafter,
+        } = from;
         let target = &self.engines.target;
         let params = generate_params(q);
         let mut on_text = |t: &str| on_piece(Piece::Token(t));

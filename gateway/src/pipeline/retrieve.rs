@@ -110,7 +110,8 @@ fn arrange(hits: &mut [retriever::Hit], order: ChunkOrder, passages: bool) {
 pub(super) fn too_long(
     q: &Query,
     prompt: usize,
-    (chunks, retrieved): (usize, usize),
+    chunks: usize,
+    retrieved: usize,
     context: usize,
 ) -> GatewayError {
     let max_tokens = q.max_tokens;
@@ -197,7 +198,11 @@ mod tests {
             retrieve_too: true,
             ..Query::default()
         };
-        let field = |q: &Query, read: (usize, usize)| match too_long(q, 900, read, 512).fault() {
+        let field = |q: &Query, (chunks, retrieved): (usize, usize)| match too_long(
+            q, 900, chunks, retrieved, 512,
+        )
+        .fault()
+        {
             crate::error::Fault::BadInput(f) => f,
             other => panic!("{other:?}"),
         };

@@ -2,7 +2,7 @@
 //! and blended (`blend.rs`) and its answer decoded (`decode.rs`).
 
 use super::decode::{DecodeInput, Decoded, FullPrefill};
-use super::experiment::{Experiment, Outcome, Served, Traced};
+use super::experiment::{Experiment, Outcome, Run, Served, Traced};
 use super::request::{Piece, Query};
 use super::retrieve::too_long;
 use super::{ms, Pipeline};
@@ -126,7 +126,7 @@ impl Pipeline {
             .unwrap_or(self.max_context_tokens)
             .min(self.max_context_tokens);
         if asm.ids.len() + q.max_tokens > context {
-            return Err(too_long(q, asm.ids.len(), (hits.len(), retrieved), context));
+            return Err(too_long(q, asm.ids.len(), hits.len(), retrieved, context));
         }
         crate::admission::admit(&self.kv_need(q, asm.ids.len()), self.kv_memory_budget)?;
         let prompt = Prompt {
@@ -136,7 +136,7 @@ impl Pipeline {
             timings,
         };
         self.with_full_prefill(q, &asm, |full| {
-            self.answer((q, exp), prompt, on_piece, full)
+            self.answer(Run { query: q, exp }, prompt, on_piece, full)
         })
     }
 
@@ -144,11 +144,12 @@ impl Pipeline {
     /// method's selector and blended prefill, then decoding (or verification).
     fn answer<O: Outcome>(
         &self,
-        (q, exp): (&Query, &dyn Experiment),
+        run: Run<'_>,
         prompt: Prompt<'_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         full_prefill: Option<FullPrefill>,
     ) -> Result<O> {
+        let Run { query: q, exp } = run;
         let Prompt {
             hits,
             asm,
@@ -156,7 +157,7 @@ impl Pipeline {
             mut timings,
         } = prompt;
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
-        let (loaded, scored) = self.load_and_score((q, exp), &texts, asm, &mut timings)?;
+        let (loaded, scored) = self.load_and_score(run, &texts, asm, &mut timings)?;
         let mut reuse = Reuse::default();
         for l in &loaded {
             match l.tier {
@@ -166,7 +167,7 @@ impl Pipeline {
                 Tier::Recomputed => reuse.chunks_recomputed += 1,
             }
         }
-        let (out, exact_rows) = self.blend((q, exp), asm, &loaded, scored, &mut timings)?;
+        let (out, exact_rows) = self.blend(run, asm, &loaded, scored, &mut timings)?;
         timings.ttft_ms = ms(t0);
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
