@@ -265,7 +265,8 @@ struct CodeModels(HashMap<(u64, u64), ClassModel>);
 
 impl CodeModels {
     fn get(&mut self, prediction: (f32, f32)) -> Result<&ClassModel, FormatError> {
-        let (mean, std) = code_gaussian(prediction);
+        let (mean, std) = prediction;
+        let (mean, std) = code_gaussian(mean, std);
         if self.0.len() >= MAX_CACHED {
             self.0.clear();
         }
@@ -337,7 +338,7 @@ pub fn decode_codes(
 }
 
 /// A code prediction made safe: finite mean, spread at least 0.3 of a code.
-fn code_gaussian((mean, std): (f32, f32)) -> (f64, f64) {
+fn code_gaussian(mean: f32, std: f32) -> (f64, f64) {
     let mean = if mean.is_finite() {
         f64::from(mean).clamp(-1e3, 1e3)
     } else {

@@ -110,15 +110,15 @@ pub(super) unsafe fn tile(t: &Tile<'_>, out: &mut [f32]) {
         for jb in (0..kmax).step_by(KEY_BLOCK) {
             let mut r0 = 0;
             while r0 < t.rows {
-                let n = ROW_GROUP.min(t.rows - r0);
+                // The first row group reads the values from memory: it fetches ahead.
+                let (n, fetch) = (ROW_GROUP.min(t.rows - r0), r0 == 0);
                 let jmax = tile_pos[r0..r0 + n].iter().max().map_or(0, |&p| p + 1);
                 let keys = jb..(jb + KEY_BLOCK).min(jmax);
                 let p = |r: usize| probs[(r0 + r) * kmax..].as_ptr();
                 let o = out[r0 * d..].as_mut_ptr();
                 for c in (0..d).step_by(64) {
                     let (v, o) = (values.add(c), |r: usize| o.add(r * d + c));
-                    // The first row group reads the values from memory: it fetches ahead.
-                    let (ks, at) = (keys.clone(), (v, row, r0 == 0));
+                    let (ks, at) = (keys.clone(), ValueRows { at: v, row, fetch });
                     match n {
                         4 => {
                             weighted_sum([p(0), p(1), p(2), p(3)], ks, at, [o(0), o(1), o(2), o(3)])
@@ -304,6 +304,15 @@ unsafe fn reduce8(a: [__m512; 8]) -> __m256 {
     }
 }
 
+/// Where [`weighted_sum`] reads the values: value `j` starts at `at + j * row`, and `fetch`
+/// prefetches them ahead (the first row group reads them from memory).
+#[derive(Clone, Copy)]
+struct ValueRows {
+    at: *const f32,
+    row: usize,
+    fetch: bool,
+}
+
 /// Adds keys `keys` (in position order) to 64 output lanes of `N` rows: `out[r] += Σ_j
 /// p[r][j] v[j]`, one fused multiply-add per lane and key as [`Lanes::axpy16`]; the
 /// accumulators round-trip through `out` exactly between blocks of keys.
@@ -311,9 +320,10 @@ unsafe fn reduce8(a: [__m512; 8]) -> __m256 {
 unsafe fn weighted_sum<const N: usize>(
     probs: [*const f32; N],
     keys: std::ops::Range<usize>,
-    (v, row, fetch): (*const f32, usize, bool),
+    values: ValueRows,
     out: [*mut f32; N],
 ) {
+    let ValueRows { at: v, row, fetch } = values;
     // SAFETY: probability rows hold the keys' values, value rows of `keys` lie inside the
     // cache and output rows have 64 lanes from `out[r]` (the caller's bounds).
     unsafe {
