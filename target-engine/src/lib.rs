@@ -7,13 +7,15 @@
 //! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
 //! the same call. The LM head is a separate step ([`Model::logits`]).
 //!
-//! A core and two wings. The core: [`gguf`], [`config`], [`tokenizer`], `weights` (loading and
-//! quantized products), [`model`] (forward passes), [`chat`] (the file's chat template), [`kv`],
-//! [`view`] (what a forward attends over when a drafter reads less), `hook` (what a forward
-//! lets a strategy do to the cache at each layer), [`stop`],
-//! [`error`] and [`testing`] (tiny random-weight files). [`decode`]: the strategies that turn a
-//! prefilled cache into an answer. [`reuse`]: precomputed chunk KV, selection and the blended
-//! prefill. The wings use the core; the core uses neither.
+//! A core and three wings. The core: [`gguf`], [`config`], [`tokenizer`], `weights` (loading
+//! and quantized products), [`model`] (forward passes), [`chat`] (the file's chat template),
+//! [`kv`], [`view`] (what a forward attends over when a drafter reads less), `hook` (what a
+//! forward lets a strategy do to the cache at each layer), [`sampling`] (choosing a token from
+//! logits, greedy or seeded), [`stop`], [`error`] and [`testing`] (tiny random-weight files).
+//! The wings: [`decode`], the strategies that turn a prefilled cache into an answer;
+//! [`reuse`], precomputed chunk KV, selection and the blended prefill; [`device`], the forward,
+//! blend and batched decode as candle ops on any device. The wings use the core, never each
+//! other, and the core uses none of them.
 
 pub mod chat;
 pub mod config;
@@ -25,6 +27,7 @@ mod hook;
 pub mod kv;
 pub mod model;
 pub mod reuse;
+pub mod sampling;
 pub mod stop;
 pub mod testing;
 pub mod tokenizer;
@@ -40,7 +43,6 @@ pub use decode::generate::{
     chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,
 };
 pub use decode::repetition::LoopDetector;
-pub use decode::sampling::{argmax, Sampler, SamplingParams};
 pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewGeneration, ViewParams};
 pub use decode::specontext::{
     ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView,
@@ -58,6 +60,7 @@ pub use reuse::select::{
     budget, even_shares, top_k, widen_to_chunks, CacheBlend, Epic, FullRecompute, FullReuse,
     Oracle, PrefixCaching, Random, SelectInput, Selector, TargetProbe,
 };
+pub use sampling::{argmax, Sampler, SamplingParams};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use view::AttentionView;
 

@@ -1,11 +1,11 @@
 //! Generation on top of the forward pass: full prefill, incremental decode, sampling,
 //! end-of-generation tokens and stop strings, and the prompt in the model's chat format.
 
-use crate::decode::sampling::{Sampler, SamplingParams};
 use crate::decode::stream::{Flow, Shown, TextStream};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 

@@ -1,6 +1,6 @@
 //! Decoding strategies: each one uses the model's forward passes (`crate::model`) and the
 //! cache's views (`crate::view`) to turn a prefilled cache into an answer. Plain and sampled
-//! decoding ([`generate`], [`sampling`], [`repetition`]'s loop detector), speculative decoding
+//! decoding ([`generate`] with the core's [`crate::sampling`], [`repetition`]'s loop detector), speculative decoding
 //! with prompt lookup or a draft model ([`speculative`]), verification of a reused cache's
 //! drafts against a full prefill ([`verify`]), long-context drafting from a sparse view
 //! ([`sparse`], SpeCache) or a retrieval head ([`specontext`], SpeContext), and the one place
@@ -15,7 +15,6 @@ pub(crate) fn ms(t: std::time::Instant) -> f64 {
 pub mod draft;
 pub mod generate;
 pub mod repetition;
-pub mod sampling;
 pub mod sparse;
 pub mod specontext;
 pub mod speculative;

@@ -23,10 +23,10 @@
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
 use crate::decode::generate::{top2_gap, Emit, FinishReason, GenerateParams, Generation};
 use crate::decode::ms;
-use crate::decode::sampling::{argmax, SamplingParams};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use crate::sampling::{argmax, SamplingParams};
 use crate::view::AttentionView;
 use kernels::{AttentionShape, LowBitKeys};
 use rayon::prelude::*;

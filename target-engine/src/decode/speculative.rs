@@ -20,11 +20,11 @@
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MIN_DRAFT_PROB};
 use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation};
 use crate::decode::ms;
-use crate::decode::sampling::{argmax, Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::model::MAX_VERIFY_ROWS;
+use crate::sampling::{argmax, Sampler, SamplingParams};
 use std::collections::VecDeque;
 use std::time::Instant;
 

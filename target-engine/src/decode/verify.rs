@@ -14,11 +14,11 @@
 //! decoding over the full cache, each pass keeping only what the full cache would have chosen.
 
 use crate::decode::draft::{DraftLength, SpecDecodeStats};
-use crate::decode::sampling::{argmax, Sampler};
 use crate::decode::speculative::{DraftRoom, Drafter};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::{Model, MAX_VERIFY_ROWS};
+use crate::sampling::{argmax, Sampler};
 use std::sync::mpsc;
 use std::time::Instant;
 

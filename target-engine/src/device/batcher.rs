@@ -6,8 +6,8 @@
 //! decoded alone (`tests/device_model.rs` holds that on the CPU).
 
 use super::{DeviceCache, DeviceModel};
-use crate::decode::sampling::{Sampler, SamplingParams};
 use crate::error::{EngineError, Result};
+use crate::sampling::{Sampler, SamplingParams};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
