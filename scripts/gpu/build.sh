@@ -53,7 +53,15 @@ git ls-files -z --cached --others --exclude-standard \
     | grep -zv -E '^(models/|eval/data/)' \
     | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
     | tar --null -T - -cf - | tar -xf - -C "$GPU/src"
-REG="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 | head -1)"
+# On a fresh machine the registry holds no sources until something fetched them: fetch first
+# (a no-op once they are there), so the candle-core copy below finds its source.
+log "cargo fetch (the registry candle-core is copied from)"
+cargo fetch --locked
+REG="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 2>/dev/null | head -1 || true)"
+if [ -z "$REG" ]; then
+    echo "error: candle-core 0.11.1 is not in the cargo registry after cargo fetch" >&2
+    exit 1
+fi
 if [ ! -f "$GPU/candle-core/Cargo.toml" ] || [ "$REG/Cargo.toml" -nt "$GPU/candle-core/Cargo.toml" ]; then
     rm -rf "$GPU/candle-core"
     cp -r "$REG" "$GPU/candle-core"
