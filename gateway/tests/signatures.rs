@@ -19,70 +19,31 @@ const CRATES: [&str; 7] = [
 /// Functions that still take a tuple, as `(file under the workspace root, fn name, why)`.
 const ALLOWED: &[(&str, &str, &str)] = &[
     (
-        "kernels/src/lowbit.rs",
-        "importance",
-        "its one caller, in target-engine/src/decode/sparse.rs, was being moved",
-    ),
-    (
         "target-engine/src/decode/sparse.rs",
         "decode_view",
-        WHY_SPLIT,
-    ),
-    (
-        "target-engine/src/decode/specontext.rs",
-        "refresh",
-        WHY_SPLIT,
+        WHY_DECODE,
     ),
     (
         "target-engine/src/decode/speculative.rs",
         "decode_speculative",
-        WHY_SPLIT,
+        WHY_DECODE,
     ),
     (
         "target-engine/src/decode/verify.rs",
         "verified_generate_from",
-        WHY_SPLIT,
+        WHY_DECODE,
     ),
     (
         "target-engine/src/decode/verify.rs",
         "continue_exact",
-        WHY_SPLIT,
+        WHY_DECODE,
     ),
-    (
-        "target-engine/src/decode/verify.rs",
-        "decode_full",
-        WHY_SPLIT,
-    ),
-    ("target-engine/src/device/batcher.rs", "admit", WHY_SPLIT),
-    (
-        "target-engine/src/device/batcher.rs",
-        "closed_loop_chunked",
-        WHY_SPLIT,
-    ),
-    (
-        "target-engine/src/device/blend.rs",
-        "blend_probe_timed",
-        WHY_SPLIT,
-    ),
-    ("target-engine/src/device/forward.rs", "decode", WHY_SPLIT),
-    ("target-engine/src/device/forward.rs", "run", WHY_SPLIT),
-    ("target-engine/src/device/forward.rs", "layer", WHY_SPLIT),
-    (
-        "target-engine/src/device/shift.rs",
-        "shift_moves",
-        WHY_SPLIT,
-    ),
-    (
-        "target-engine/src/reuse/blend.rs",
-        "own_chunk_hidden",
-        WHY_SPLIT,
-    ),
-    ("target-engine/src/reuse/shift.rs", "shift_moves", WHY_SPLIT),
-    ("target-engine/src/tokenizer/spm.rs", "encode", WHY_SPLIT),
 ];
 
-/// Why most of target-engine's are left: its files were moving under another change.
-const WHY_SPLIT: &str = "target-engine's files were being split when the rest were converted";
+/// Why the engine's public decoding entry points still take `(cache, logits)`: a prefilled
+/// cache and its logits want one named type shared by the decoding strategies, and the
+/// change reaches the gateway, eval and the engine's tests; not done in the same change.
+const WHY_DECODE: &str = "the decoding API's (cache, logits) wants one shared Prefilled type";
 
 /// The `.rs` files under `dir`, sorted.
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

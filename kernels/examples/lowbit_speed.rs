@@ -28,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         for _ in 0..10 {
             let all: Vec<usize> = (0..lb.rows() / 32).collect();
-            lb.importance(&q, 0, &all, (0, lb.rows()), &mut s)?;
+            lb.importance(&q, 0, &all, 0..lb.rows(), &mut s)?;
         }
         let imp = t.elapsed().as_secs_f64() * 1e2;
         let t = Instant::now();

@@ -333,7 +333,7 @@ impl LowBitKeys {
     }
 
     /// How much the query heads of kv head `g` would attend to each position of `blocks`
-    /// that lies in `from..to` (positions outside get 0): per head the softmax of the
+    /// that lies in `positions` (positions outside get 0): per head the softmax of the
     /// approximate scores over those positions, then the largest over the group's heads
     /// (SpeContext's max over a GQA group); laid out as [`LowBitKeys::scores_of`]'s rows.
     pub fn importance(
@@ -341,7 +341,7 @@ impl LowBitKeys {
         q: &[f32],
         g: usize,
         blocks: &[usize],
-        (from, to): (usize, usize),
+        positions: std::ops::Range<usize>,
         out: &mut Vec<f32>,
     ) -> Result<()> {
         let mut s = Vec::new();
@@ -351,7 +351,7 @@ impl LowBitKeys {
         for (i, &b) in blocks.iter().enumerate() {
             for t in 0..self.group {
                 let p = b * self.group + t;
-                if p < from || p >= to {
+                if !positions.contains(&p) {
                     for h in 0..s.len() / n.max(1) {
                         s[h * n + i * self.group + t] = f32::NEG_INFINITY;
                     }

@@ -22,7 +22,8 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use target_engine::device::{
-    closed_loop_chunked, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, RagPrompt,
+    closed_loop_chunked, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, ProbeBlend,
+    RagPrompt,
 };
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{argmax, LoadOptions, Model, Result};
@@ -250,7 +251,7 @@ fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
     let d1 = max_diff(&full, &rho1);
     let (mut exact, _) = dev.prefill(&all, cap)?;
     let (mut draft, recomputed, draft_logits, _) =
-        dev.blend_probe_timed(&p, &prefix, &chunks, (0.15, false), cap)?;
+        dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::plain(0.15), cap)?;
     let v = dev.verified_greedy(
         &mut exact,
         &full,
@@ -362,7 +363,7 @@ fn continuous(dev: &DeviceModel) -> Result<Value> {
     // step (chunked prefill): the decoding requests' longest wait between tokens against the
     // arrivals' time to first token.
     for (clients, chunk) in [(1usize, 0usize), (4, 0), (16, 0), (16, 128)] {
-        let run = closed_loop_chunked(dev, (clients, 2), chunk, |c, k| {
+        let run = closed_loop_chunked(dev, clients, 2, chunk, |c, k| {
             BatchRequest::greedy(
                 ids(512, 300 + (c * 2 + k) as u32, vocab),
                 48 + (c * 7 + k * 13) % 32,
@@ -448,13 +449,14 @@ fn blend_runs(
     let mut recomputed = 0;
     for _ in 0..runs {
         let t = Instant::now();
-        let (_, r, _, times) = dev.blend_probe_timed(p, prefix, chunks, (ratio, false), cap)?;
+        let (_, r, _, times) =
+            dev.blend_probe_timed(p, prefix, chunks, ProbeBlend::plain(ratio), cap)?;
         out[0].push(ms_since(t));
         out[1].push(times.load_ms);
         out[2].push(times.probe_ms);
         out[3].push(times.prefill_ms);
         let t = Instant::now();
-        dev.blend_probe_timed(p, prefix, chunks, (ratio, true), cap)?;
+        dev.blend_probe_timed(p, prefix, chunks, ProbeBlend::shifted(ratio), cap)?;
         out[4].push(ms_since(t));
         recomputed = r.len();
     }
@@ -482,8 +484,8 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         .collect::<Result<_>>()?;
     let precompute_ms = ms_since(t) / a.chunks as f64;
     let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
-    dev.blend_probe_timed(&p, &prefix, &chunks, (a.ratio, false), cap)?;
-    dev.blend_probe_timed(&p, &prefix, &chunks, (a.ratio, true), cap)?;
+    dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::plain(a.ratio), cap)?;
+    dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::shifted(a.ratio), cap)?;
     let mut full = Vec::new();
     for _ in 0..a.runs {
         sync()?;

@@ -4,7 +4,7 @@
 
 use target_engine::device::{
     closed_loop, closed_loop_chunked, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel,
-    HostKv, RagPrompt,
+    HostKv, ProbeBlend, RagPrompt,
 };
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{argmax, Architecture, LoadOptions, Model, Sampler, SamplingParams};
@@ -250,7 +250,7 @@ fn device_verification_equals_full_recompute() {
         let (mut exact, _) = dev.prefill(&all, cap).expect("prefill");
         let (prefix_kv, chunks) = stored(&dev, &p);
         let (mut draft, recomputed, draft_logits, _) = dev
-            .blend_probe_timed(&p, &prefix_kv, &chunks, (0.15, false), cap)
+            .blend_probe_timed(&p, &prefix_kv, &chunks, ProbeBlend::plain(0.15), cap)
             .expect("blend");
         assert_eq!(recomputed.len(), (0.15f64 * 71.0).ceil() as usize, "{name}");
         let v = dev
@@ -397,7 +397,7 @@ fn chunked_prefill_gives_each_request_its_answer_alone_a_piece_per_step() {
             1 + (2 * client + 3 * k) % 7,
         )
     };
-    let run = closed_loop_chunked(&dev, (3, 3), 4, request).expect("closed loop");
+    let run = closed_loop_chunked(&dev, 3, 3, 4, request).expect("closed loop");
     assert_eq!(run.outcomes.len(), 9, "{name}");
     let mut seen = std::collections::HashMap::<usize, usize>::new();
     for (client, o) in &run.outcomes {
@@ -425,7 +425,7 @@ fn decode_alone(dev: &DeviceModel, r: &BatchRequest) -> Vec<u32> {
         .prefill(&r.prompt, r.prompt.len() + r.max_new)
         .expect("prefill");
     let sampler = Sampler::new(r.sampling);
-    dev.decode(&mut cache, (r.prompt.len(), &logits), r.max_new, &sampler)
+    dev.decode(&mut cache, r.prompt.len(), &logits, r.max_new, &sampler)
         .expect("decode")
 }
 

@@ -122,7 +122,7 @@ impl TopKView {
                 blocks = order.into_iter().map(|i| blocks[i]).collect();
             }
             let mut importance = Vec::new();
-            keys.importance(q, g, &blocks, (sink_end, qrows), &mut importance)?;
+            keys.importance(q, g, &blocks, sink_end..qrows, &mut importance)?;
             let at = |i: usize| blocks[i / group] * group + i % group;
             let mut order: Vec<usize> = (0..importance.len())
                 .filter(|&i| (sink_end..qrows).contains(&at(i)))

@@ -615,6 +615,16 @@ pub struct SpeContextView {
     loaded: u64,
 }
 
+/// Which buffer a refresh brings up to date, and to what: the decode step, the layer, the kv
+/// head `g`, and the position `p` the step writes.
+#[derive(Clone, Copy)]
+struct RefreshAt {
+    step: u64,
+    layer: usize,
+    g: usize,
+    p: usize,
+}
+
 impl SpeContextView {
     /// A view for a target with `n_kv_head` kv heads, rows chosen by `head`, which already
     /// holds the context before the first step ([`RowScorer::feed`]).
@@ -641,16 +651,18 @@ impl SpeContextView {
         self.config
     }
 
-    /// Brings `buf` (layer `layer`, kv head `g`) to this step: its pending loads, or every
-    /// slot when it missed a step; the row at `p` is reloaded always (written this layer).
+    /// Brings `buf` (layer `at.layer`, kv head `at.g`) to step `at.step`: its pending loads,
+    /// or every slot when it missed a step; the row at `at.p` is reloaded always (written
+    /// this layer).
     fn refresh(
         buf: &mut Buffer,
         slots: &Slots,
-        (step, layer, g, p): (u64, usize, usize, usize),
+        at: RefreshAt,
         cache: &KvCache,
         d: usize,
         row: usize,
     ) -> u64 {
+        let RefreshAt { step, layer, g, p } = at;
         let n = slots.at.len();
         buf.k.resize(n * d, 0.0);
         buf.v.resize(n * d, 0.0);
@@ -740,7 +752,8 @@ impl AttentionView for SpeContextView {
             .par_iter_mut()
             .enumerate()
             .map(|(g, buf)| {
-                let loaded = Self::refresh(buf, &slots[g], (step, layer, g, p), cache, d, row);
+                let at = RefreshAt { step, layer, g, p };
+                let loaded = Self::refresh(buf, &slots[g], at, cache, d, row);
                 let n = slots[g].at.len();
                 let qg = &q[g * heads * d..(g + 1) * heads * d];
                 let o = kernels::causal_attention(qg, &[n - 1], &buf.k, &buf.v, one)?;

@@ -283,7 +283,7 @@ impl Verify for Model {
             verify_round(self, &mut f, &mut d, &mut out, params.max_tokens, on_event)?;
             if !out.cancelled && params.mode == VerifyMode::FromFull {
                 let d = drafter.as_deref_mut();
-                decode_full(self, &mut f, &mut out, (params.max_tokens, d), on_event)?;
+                decode_full(self, &mut f, &mut out, params.max_tokens, d, on_event)?;
             }
             full = Some(f);
             if out.cancelled {
@@ -334,7 +334,7 @@ impl Verify for Model {
             out.cancelled = true;
             return Ok(out);
         }
-        decode_full(self, &mut f, &mut out, (max_tokens, drafter), on_event)?;
+        decode_full(self, &mut f, &mut out, max_tokens, drafter, on_event)?;
         Ok(out)
     }
 }
@@ -433,7 +433,8 @@ fn decode_full(
     model: &Model,
     f: &mut Full,
     out: &mut VerifiedGeneration,
-    (max_tokens, mut drafter): (usize, Option<&mut Drafter<'_>>),
+    max_tokens: usize,
+    mut drafter: Option<&mut Drafter<'_>>,
     on_event: &mut dyn FnMut(VerifyEvent) -> bool,
 ) -> Result<()> {
     let tok = model.tokenizer();

@@ -156,7 +156,11 @@ impl<'a> ContinuousBatcher<'a> {
                 admitted += 1;
                 let capacity = req.prompt.len() + req.max_new;
                 let (cache, logits) = self.model.prefill(&req.prompt, capacity)?;
-                self.admit(id, req, submitted, (cache, &logits), &mut done);
+                let prefilled = Prefilled {
+                    cache,
+                    logits: &logits,
+                };
+                self.admit(id, req, submitted, prefilled, &mut done);
             }
         }
         self.peak = self.peak.max(self.active.len());
@@ -188,6 +192,12 @@ impl<'a> ContinuousBatcher<'a> {
     }
 }
 
+/// A request's prompt prefilled: its cache and the logits of its last position.
+struct Prefilled<'a> {
+    cache: DeviceCache,
+    logits: &'a [f32],
+}
+
 impl ContinuousBatcher<'_> {
     /// A prefilled request's first token: it joins the batch, or is done already.
     fn admit(
@@ -195,9 +205,10 @@ impl ContinuousBatcher<'_> {
         id: u64,
         req: BatchRequest,
         submitted: Instant,
-        (cache, logits): (DeviceCache, &[f32]),
+        prefilled: Prefilled<'_>,
         done: &mut Vec<BatchOutcome>,
     ) {
+        let Prefilled { cache, logits } = prefilled;
         let sampler = Sampler::new(req.sampling);
         let first = sampler.sample_at(logits, 0);
         let a = Active {
@@ -247,7 +258,11 @@ impl ContinuousBatcher<'_> {
         if end == p.request.prompt.len() {
             let logits = self.model.last_logits(&hidden)?;
             if let Some(p) = self.prefilling.take() {
-                self.admit(p.id, p.request, p.submitted, (p.cache, &logits), done);
+                let prefilled = Prefilled {
+                    cache: p.cache,
+                    logits: &logits,
+                };
+                self.admit(p.id, p.request, p.submitted, prefilled, done);
             }
         }
         Ok(())
@@ -316,14 +331,15 @@ pub fn closed_loop(
     per_client: usize,
     request: impl FnMut(usize, usize) -> BatchRequest,
 ) -> Result<ClosedLoop> {
-    closed_loop_chunked(model, (clients, per_client), 0, request)
+    closed_loop_chunked(model, clients, per_client, 0, request)
 }
 
 /// [`closed_loop`] with prompts prefilled `prefill_chunk` tokens per step
 /// ([`ContinuousBatcher::with_prefill_chunk`]; 0: whole).
 pub fn closed_loop_chunked(
     model: &DeviceModel,
-    (clients, per_client): (usize, usize),
+    clients: usize,
+    per_client: usize,
     prefill_chunk: usize,
     mut request: impl FnMut(usize, usize) -> BatchRequest,
 ) -> Result<ClosedLoop> {

@@ -5,6 +5,7 @@
 //! answer decoded on the fused cache against the full-prefill cache. The same steps as the CPU
 //! engine's `reuse` and `decode::verify`, on [`DeviceModel`].
 
+use super::forward::PassHooks;
 use super::{DeviceCache, DeviceModel, HostKv};
 use crate::error::{EngineError, Result};
 use std::ops::Range;
@@ -81,6 +82,31 @@ pub struct Verified {
     pub accepted: usize,
     /// Checking passes run on the exact cache.
     pub rounds: usize,
+}
+
+/// How [`DeviceModel::blend_probe_timed`] blends: the share of chunk tokens the probe
+/// recomputes, and whether the reused rows shift with the recomputed ones.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeBlend {
+    /// The share of chunk tokens recomputed.
+    pub ratio: f64,
+    /// Whether the reused rows move as the recomputed rows did.
+    pub shift: bool,
+}
+
+impl ProbeBlend {
+    /// Recomputing `ratio` of the chunk tokens, the rest as stored.
+    pub fn plain(ratio: f64) -> Self {
+        Self {
+            ratio,
+            shift: false,
+        }
+    }
+
+    /// Recomputing `ratio` of the chunk tokens, the rest shifted with them.
+    pub fn shifted(ratio: f64) -> Self {
+        Self { ratio, shift: true }
+    }
 }
 
 impl DeviceModel {
@@ -197,22 +223,28 @@ impl DeviceModel {
             false => None,
         };
         let n_layer = self.config().n_layer;
-        let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, (None, shift.as_ref()))?;
+        let hooks = PassHooks {
+            probe: None,
+            shift: shift.as_ref(),
+        };
+        let (x, _) = self.run(&rows, &positions, cache, 0..n_layer, hooks)?;
         let hidden = super::forward::fused_rms_norm(&x, &self.output_norm, self.config().rms_eps)?;
         self.last_logits(&hidden)
     }
 
-    /// [`DeviceModel::fused`], [`DeviceModel::select_probe`] and [`DeviceModel::blend`] (with
-    /// `shift`, [`DeviceModel::blend_shift`]: `target_probe_shift`) in a row, timed part by
-    /// part: the fused cache, the recomputed positions, the logits and the times.
+    /// [`DeviceModel::fused`], [`DeviceModel::select_probe`] at `how.ratio` and
+    /// [`DeviceModel::blend`] (with `how.shift`, [`DeviceModel::blend_shift`]:
+    /// `target_probe_shift`) in a row, timed part by part: the fused cache, the recomputed
+    /// positions, the logits and the times.
     pub fn blend_probe_timed(
         &self,
         prompt: &RagPrompt,
         prefix: &DeviceCache,
         chunks: &[HostKv],
-        (ratio, shift): (f64, bool),
+        how: ProbeBlend,
         capacity: usize,
     ) -> Result<(DeviceCache, Vec<usize>, Vec<f32>, BlendTimes)> {
+        let ProbeBlend { ratio, shift } = how;
         let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
         let mut cache = self.fused(prompt, prefix, chunks, capacity)?;

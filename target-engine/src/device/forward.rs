@@ -40,6 +40,14 @@ struct Block {
 /// Masks of one pass kept for every layer up to this many values (256 MiB).
 const MAX_KEPT_BIAS: usize = 1 << 26;
 
+/// What a pass does besides the forward: the layers whose attention mass it sums
+/// (`probe`), and the shift that moves each chunk's reused rows as its recomputed rows moved.
+#[derive(Default)]
+pub(super) struct PassHooks<'a> {
+    pub(super) probe: Option<Range<usize>>,
+    pub(super) shift: Option<&'a DeviceShift>,
+}
+
 impl DeviceModel {
     /// Runs every layer for `ids` at `positions` (any order, any gaps), writing their K/V rows
     /// into `cache` and attending causally by position to every row of `cache` up to each
@@ -50,7 +58,13 @@ impl DeviceModel {
         positions: &[usize],
         cache: &mut DeviceCache,
     ) -> Result<Tensor> {
-        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, (None, None))?;
+        let (x, _) = self.run(
+            ids,
+            positions,
+            cache,
+            0..self.config.n_layer,
+            PassHooks::default(),
+        )?;
         fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)
     }
 
@@ -146,7 +160,11 @@ impl DeviceModel {
         probe: Range<usize>,
     ) -> Result<Vec<f32>> {
         let end = probe.end.min(self.config.n_layer);
-        let (_, mass) = self.run(ids, positions, cache, 0..end, (Some(probe), None))?;
+        let hooks = PassHooks {
+            probe: Some(probe),
+            shift: None,
+        };
+        let (_, mass) = self.run(ids, positions, cache, 0..end, hooks)?;
         match mass {
             Some(m) => Ok(m.to_vec1::<f32>()?),
             None => Ok(Vec::new()),
@@ -191,7 +209,8 @@ impl DeviceModel {
     ) -> Result<Vec<u32>> {
         self.decode(
             cache,
-            (len, logits),
+            len,
+            logits,
             n,
             &crate::Sampler::new(Default::default()),
         )
@@ -202,7 +221,8 @@ impl DeviceModel {
     pub fn decode(
         &self,
         cache: &mut DeviceCache,
-        (len, logits): (usize, &[f32]),
+        len: usize,
+        logits: &[f32],
         n: usize,
         sampler: &crate::Sampler,
     ) -> Result<Vec<u32>> {
@@ -298,15 +318,15 @@ impl DeviceModel {
     }
 
     /// Layers `layers` over the rows `ids` at `positions`; the residual stream after the last
-    /// and, with `probe`, the attention mass of the probed layers; with `shift`, each chunk's
-    /// reused rows moved at every layer as its recomputed rows were (`shift.rs`).
+    /// and, with `hooks.probe`, the attention mass of the probed layers; with `hooks.shift`,
+    /// each chunk's reused rows moved at every layer as its recomputed rows were (`shift.rs`).
     pub(super) fn run(
         &self,
         ids: &[u32],
         positions: &[usize],
         cache: &mut DeviceCache,
         layers: Range<usize>,
-        (probe, shift): (Option<Range<usize>>, Option<&DeviceShift>),
+        hooks: PassHooks<'_>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
         if ids.is_empty() || ids.len() != positions.len() {
@@ -325,8 +345,7 @@ impl DeviceModel {
         let mut x = self.embed(ids)?;
         let mut mass = None;
         for l in layers {
-            let probed = probe.as_ref().is_some_and(|p| p.contains(&l));
-            let (y, m) = self.layer(l, x, &pass, cache, (probed, shift))?;
+            let (y, m) = self.layer(l, x, &pass, cache, &hooks)?;
             x = y;
             if let Some(m) = m {
                 mass = Some(match mass {
@@ -338,15 +357,18 @@ impl DeviceModel {
         Ok((x, mass))
     }
 
-    /// One block: attention (its K/V rows written to the cache first), then the FFN.
+    /// One block: attention (its K/V rows written to the cache first), then the FFN; the
+    /// attention mass too where `hooks` probe layer `l`.
     fn layer(
         &self,
         l: usize,
         x: Tensor,
         pass: &Pass,
         cache: &mut DeviceCache,
-        (probed, shift): (bool, Option<&DeviceShift>),
+        hooks: &PassHooks<'_>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let probed = hooks.probe.as_ref().is_some_and(|p| p.contains(&l));
+        let shift = hooks.shift;
         let c = &self.config;
         let w = &self.layers[l];
         let n = x.dim(0)?;
@@ -358,7 +380,7 @@ impl DeviceModel {
         };
         let (k, v) = (head_major(k)?, head_major(v)?);
         let moves = match shift {
-            Some(s) => Some(self.shift_moves(l, s, cache, (&k, &v))?),
+            Some(s) => Some(self.shift_moves(l, s, cache, &k, &v)?),
             None => None,
         };
         cache.k[l].scatter_set(&pass.rows_at, &as_cached(&k)?, 1)?;

@@ -31,7 +31,7 @@ mod shift;
 pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
 };
-pub use blend::{BlendTimes, RagPrompt, Verified};
+pub use blend::{BlendTimes, ProbeBlend, RagPrompt, Verified};
 pub use cache::DeviceCache;
 pub use host_kv::HostKv;
 pub use model::DeviceModel;

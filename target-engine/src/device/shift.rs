@@ -72,14 +72,15 @@ impl DeviceModel {
         Ok(Tensor::from_vec(at, positions.len(), &self.device)?)
     }
 
-    /// Per group, how the pass's new rows `(k, v)` (kv-head-major, every row of the pass)
+    /// Per group, how the pass's new rows `k` and `v` (kv-head-major, every row of the pass)
     /// move its picks at `layer`, taken before they overwrite the cache.
     pub(crate) fn shift_moves(
         &self,
         layer: usize,
         shift: &DeviceShift,
         cache: &DeviceCache,
-        (k, v): (&Tensor, &Tensor),
+        k: &Tensor,
+        v: &Tensor,
     ) -> Result<Vec<Option<Moves>>> {
         let mut out = Vec::with_capacity(shift.groups.len());
         for g in &shift.groups {

@@ -417,7 +417,8 @@ impl Blend for Model {
                 "position {bad} to recompute is not a chunk token"
             )));
         }
-        let mut rows = self.own_chunk_hidden(asm, stored, &recomputed, from_layer)?;
+        let (prefix, chunks) = stored;
+        let mut rows = self.own_chunk_hidden(asm, prefix, chunks, &recomputed, from_layer)?;
         let qids: Vec<u32> = question.iter().map(|&p| asm.ids[p]).collect();
         let (xq, _) = self.forward_layers(
             self.embed(&qids)?,
@@ -512,7 +513,8 @@ impl Model {
     fn own_chunk_hidden(
         &self,
         asm: &Assembly,
-        (prefix, chunks): (&PrefixKv, &[&ChunkKv]),
+        prefix: &PrefixKv,
+        chunks: &[&ChunkKv],
         picked: &[usize],
         from_layer: usize,
     ) -> Result<Vec<Tensor>> {

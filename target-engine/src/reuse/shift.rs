@@ -103,7 +103,7 @@ impl LayerHook for ShiftHook<'_> {
         v: &[f32],
         cache: &KvCache,
     ) -> Result<()> {
-        self.moves = self.shift_moves(layer, positions, cache, (k, v))?;
+        self.moves = self.shift_moves(layer, positions, cache, k, v)?;
         Ok(())
     }
 
@@ -131,7 +131,8 @@ impl ShiftHook<'_> {
         layer: usize,
         positions: &[usize],
         cache: &KvCache,
-        (k, v): (&[f32], &[f32]),
+        k: &[f32],
+        v: &[f32],
     ) -> Result<Vec<Moves>> {
         let shift = self.shift;
         let row = cache.row_len();

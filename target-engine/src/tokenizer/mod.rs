@@ -112,7 +112,7 @@ impl Tokenizer {
                 Fragment::Text(s, e) => {
                     match &self.spm {
                         Some(spm) => {
-                            spm.encode(text, (s, e), after_special, &mut out.ids, &mut out.offsets)
+                            spm.encode(text, s..e, after_special, &mut out.ids, &mut out.offsets)
                         }
                         None => self.encode_plain(text, s, e, &mut out),
                     }

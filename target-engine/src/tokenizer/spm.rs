@@ -61,16 +61,17 @@ impl PartialOrd for Bigram {
 const NONE: usize = usize::MAX;
 
 impl Spm {
-    /// Tokenizes `text[s..e]`, appending to `ids` and their byte `offsets`; `prefix` puts a
+    /// Tokenizes `text[range]`, appending to `ids` and their byte `offsets`; `prefix` puts a
     /// space before it (an empty range in the offsets).
     pub fn encode(
         &self,
         text: &str,
-        (s, e): (usize, usize),
+        range: std::ops::Range<usize>,
         prefix: bool,
         ids: &mut Vec<u32>,
         offsets: &mut Vec<(usize, usize)>,
     ) {
+        let std::ops::Range { start: s, end: e } = range;
         let mut syms: Vec<Symbol> = Vec::with_capacity(e - s + 1);
         let mut push = |start: usize, end: usize, t: &str| {
             let i = syms.len();
