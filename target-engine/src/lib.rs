@@ -40,10 +40,10 @@ pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig, SlidingWindow};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
-    chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, DEFAULT_SYSTEM,
+    chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, Prefilled, DEFAULT_SYSTEM,
 };
 pub use decode::repetition::LoopDetector;
-pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewGeneration, ViewParams};
+pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewDraft, ViewGeneration, ViewParams};
 pub use decode::specontext::{
     ContextHead, RetrievalHead, RowScorer, SpeContextConfig, SpeContextView,
 };

@@ -254,9 +254,16 @@ fn streamed_view_decoding_hands_out_what_plain_decoding_does() {
                     let length = ViewParams::default().length;
                     let (g, s, _) = m
                         .decode_view(
-                            (&mut cache, logits),
+                            target_engine::Prefilled {
+                                cache: &mut cache,
+                                logits,
+                            },
                             v,
-                            (&params, length, 0.0),
+                            target_engine::ViewDraft {
+                                params: &params,
+                                length,
+                                min_prob: 0.0,
+                            },
                             &mut on_text,
                             &mut watch,
                         )

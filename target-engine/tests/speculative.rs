@@ -97,7 +97,16 @@ fn speculative_with(
 ) -> (Decoded, SpecDecodeStats) {
     let (mut cache, logits) = m.prefill(prompt).expect("prefill");
     let ((g, w, stats), text, seen) = recorded(stop_at, |on_text, watch| {
-        m.decode_speculative((&mut cache, logits), &mut d, params, on_text, watch)
+        m.decode_speculative(
+            target_engine::Prefilled {
+                cache: &mut cache,
+                logits,
+            },
+            &mut d,
+            params,
+            on_text,
+            watch,
+        )
     });
     ((g, w, text, seen), stats)
 }
@@ -247,7 +256,16 @@ fn a_drafter_that_cannot_be_built_costs_speed_not_the_answer() {
         }),
     );
     let ((g, w, stats), text, seen) = recorded(0, |on_text, watch| {
-        m.decode_speculative((&mut cache, logits), &mut d, &params, on_text, watch)
+        m.decode_speculative(
+            target_engine::Prefilled {
+                cache: &mut cache,
+                logits,
+            },
+            &mut d,
+            &params,
+            on_text,
+            watch,
+        )
     });
     drop(d);
     assert!(built, "the drafter was built once drafting started");
@@ -367,7 +385,10 @@ fn sampled_speculative_decoding_samples_the_targets_distribution() {
         let mut cache = tc.clone();
         let (g, _, s) = target
             .decode_speculative(
-                (&mut cache, tl.clone()),
+                target_engine::Prefilled {
+                    cache: &mut cache,
+                    logits: tl.clone(),
+                },
                 &mut d,
                 &params,
                 &mut |_| true,

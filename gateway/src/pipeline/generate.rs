@@ -77,17 +77,23 @@ impl Pipeline {
         if self.long_context_for(q, cache.len()) {
             let mut view = target_engine::TopKView::new(self.long_context.view);
             let length = target_engine::ViewParams::default().length;
+            let draft = target_engine::ViewDraft {
+                params: &params,
+                length,
+                min_prob: 0.0,
+            };
             return Ok(target.decode_view(
-                (cache, logits),
+                target_engine::Prefilled { cache, logits },
                 &mut view,
-                (&params, length, 0.0),
+                draft,
                 &mut on_text,
                 watch,
             )?);
         }
         Ok(match drafter {
             Some(d) => {
-                target.decode_speculative((cache, logits), d, &params, &mut on_text, watch)?
+                let from = target_engine::Prefilled { cache, logits };
+                target.decode_speculative(from, d, &params, &mut on_text, watch)?
             }
             None => {
                 let (g, e) = target.decode_watched(cache, logits, &params, &mut on_text, watch)?;

@@ -12,6 +12,14 @@ use std::time::Instant;
 /// Default system message of the chat template (the one llama.cpp's fixtures use).
 pub const DEFAULT_SYSTEM: &str = "You are a helpful assistant.";
 
+/// A prefilled cache to decode from, and the next-token logits of its last position.
+pub struct Prefilled<'a> {
+    /// The cache, filled through the prompt's last position.
+    pub cache: &'a mut KvCache,
+    /// The logits at the prompt's last position.
+    pub logits: Vec<f32>,
+}
+
 /// Generation settings.
 #[derive(Debug, Clone)]
 pub struct GenerateParams {

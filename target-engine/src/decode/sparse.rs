@@ -21,7 +21,9 @@
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
-use crate::decode::generate::{top2_gap, Emit, FinishReason, GenerateParams, Generation};
+use crate::decode::generate::{
+    top2_gap, Emit, FinishReason, GenerateParams, Generation, Prefilled,
+};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -367,13 +369,13 @@ pub trait ViewDecode {
     /// pass ([`Model::forward_decode_path`], rows bit-identical to one-token steps): the
     /// agreeing drafts and the full cache's own next token are handed out, with the gaps
     /// full attention computed for them, so the text, the watch's calls and the cache left
-    /// behind are plain decoding's. `draft` is the starting draft length and the divergence
+    /// behind are plain decoding's. `draft` holds the starting draft length and the divergence
     /// signal (a draft below that probability ends the round).
     fn decode_view(
         &self,
-        cache_logits: (&mut KvCache, Vec<f32>),
+        from: Prefilled<'_>,
         view: &mut (dyn AttentionView + Send),
-        params_len_min_prob: (&GenerateParams, DraftLength, f32),
+        draft: ViewDraft<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)>;
@@ -399,6 +401,17 @@ pub trait ViewDecode {
     ) -> Result<Vec<Vec<f32>>>;
 }
 
+/// How [`ViewDecode::decode_view`] drafts: the answer's sampling (greedy only) and stopping,
+/// the starting draft length, and the probability below which a draft ends its round.
+pub struct ViewDraft<'a> {
+    /// How the answer is sampled and stopped.
+    pub params: &'a GenerateParams,
+    /// The starting draft length.
+    pub length: DraftLength,
+    /// A draft the view gave less probability than this ends its round (is verified now).
+    pub min_prob: f32,
+}
+
 impl ViewDecode for Model {
     fn view_verified_generate(
         &self,
@@ -413,13 +426,17 @@ impl ViewDecode for Model {
             sampling: SamplingParams::default(),
             ..GenerateParams::default()
         };
-        let (g, _, stats) = self.decode_view(
-            (cache, logits.to_vec()),
-            view,
-            (&gen, params.length, params.min_prob),
-            &mut |_| true,
-            &mut |_, _| false,
-        )?;
+        let from = Prefilled {
+            cache,
+            logits: logits.to_vec(),
+        };
+        let draft = ViewDraft {
+            params: &gen,
+            length: params.length,
+            min_prob: params.min_prob,
+        };
+        let (g, _, stats) =
+            self.decode_view(from, view, draft, &mut |_| true, &mut |_, _| false)?;
         Ok(ViewGeneration {
             eos: g.finish == FinishReason::Eos,
             ids: g.ids,
@@ -434,12 +451,18 @@ impl ViewDecode for Model {
 
     fn decode_view(
         &self,
-        (cache, logits): (&mut KvCache, Vec<f32>),
+        from: Prefilled<'_>,
         view: &mut (dyn AttentionView + Send),
-        (params, mut len, min_prob): (&GenerateParams, DraftLength, f32),
+        draft: ViewDraft<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)> {
+        let Prefilled { cache, logits } = from;
+        let ViewDraft {
+            params,
+            length: mut len,
+            min_prob,
+        } = draft;
         if params.sampling.temperature > 0.0 {
             return Err(EngineError::InvalidInput(
                 "drafting from a view of the cache is greedy only".into(),

@@ -18,7 +18,7 @@
 //! top-2 gaps the fidelity guard watches, are the ones plain decoding would have computed.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MIN_DRAFT_PROB};
-use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation};
+use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation, Prefilled};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -507,7 +507,7 @@ pub trait Speculate {
     /// module documentation).
     fn decode_speculative(
         &self,
-        cache_logits: (&mut KvCache, Vec<f32>),
+        from: Prefilled<'_>,
         drafter: &mut Drafter<'_>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
@@ -518,12 +518,13 @@ pub trait Speculate {
 impl Speculate for Model {
     fn decode_speculative(
         &self,
-        (cache, logits): (&mut KvCache, Vec<f32>),
+        from: Prefilled<'_>,
         drafter: &mut Drafter<'_>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)> {
+        let Prefilled { cache, logits } = from;
         let vocab = self.tokenizer().vocab_size();
         if drafter.vocab_size().is_some_and(|v| v != vocab) {
             return Err(EngineError::InvalidInput(

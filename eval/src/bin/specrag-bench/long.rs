@@ -183,13 +183,12 @@ fn token_rows(
         progress(&format!("{name}, verified"));
         let mut c = prompt.cache.clone();
         let t = std::time::Instant::now();
-        let (g, _, stats) = model.decode_speculative(
-            (&mut c, prompt.logits.clone()),
-            &mut d,
-            &params,
-            &mut |_| true,
-            &mut |_, _| false,
-        )?;
+        let from = target_engine::Prefilled {
+            cache: &mut c,
+            logits: prompt.logits.clone(),
+        };
+        let (g, _, stats) =
+            model.decode_speculative(from, &mut d, &params, &mut |_| true, &mut |_, _| false)?;
         let ms = t.elapsed().as_secs_f64() * 1e3 / g.ids.len().max(1) as f64;
         rows.push(DrafterRow {
             drafter: name.to_string(),
