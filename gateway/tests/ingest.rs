@@ -565,27 +565,45 @@ fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next(
     check_consistent(&dir.path().join("data"), true).map(|_| ())
 }
 
+/// Four tiny documents in batches of two, the run stopped before d3's chunk: d0 and d1
+/// committed, d2's blob stored but never indexed (an orphan, as an interrupted run leaves).
+fn with_an_orphan(
+    dir: &Path,
+) -> Result<
+    (
+        Engines,
+        Corpus,
+        Vec<gateway::input::SourceDoc>,
+        gateway::ingest::IngestConfig,
+    ),
+    Box<dyn std::error::Error>,
+> {
+    let (engines, corpus, docs) = tiny_setup(dir, 4)?;
+    let cfg = gateway::ingest::IngestConfig {
+        collection: "c".into(),
+        batch_docs: 2,
+        ..Default::default()
+    };
+    let mut seen = 0;
+    let stopped =
+        gateway::ingest::ingest_until(&corpus, &engines, docs.clone(), &cfg, |_| {}, &mut || {
+            seen += 1;
+            seen == 4
+        });
+    assert!(stopped.is_err());
+    assert_eq!(corpus.store.keys()?.len(), 3, "d0, d1 and d2's orphan");
+    Ok((engines, corpus, docs, cfg))
+}
+
 /// Issue 88: every ingestion and deletion read every chunk record and walked every KV file on
 /// the engine thread, so queries waited behind a pass that grows with the index. The server's
 /// ingestion (`ingest_until`) and deletion now remove what they touched (the chunks of a
 /// replaced or deleted document, key by key); other garbage waits for a full collection.
 #[test]
 fn an_ingestion_or_deletion_collects_what_it_touched_not_the_whole_store() -> TestResult {
-    use gateway::ingest::{delete_document, ingest_until, IngestConfig};
+    use gateway::ingest::{delete_document, ingest_until};
     let dir = tempfile::tempdir()?;
-    let (engines, corpus, docs) = tiny_setup(dir.path(), 4)?;
-    let cfg = IngestConfig {
-        collection: "c".into(),
-        batch_docs: 2,
-        ..Default::default()
-    };
-    let mut seen = 0;
-    let stopped = ingest_until(&corpus, &engines, docs.clone(), &cfg, |_| {}, &mut || {
-        seen += 1;
-        seen == 4
-    });
-    assert!(stopped.is_err());
-    assert_eq!(corpus.store.keys()?.len(), 3, "d0, d1 and d2's orphan");
+    let (engines, corpus, docs, cfg) = with_an_orphan(dir.path())?;
     let mut d0 = docs[0].clone();
     d0.text = "document 0 again: an owl hunts mice in the barn".into();
     let replaced = ingest_until(&corpus, &engines, vec![d0], &cfg, |_| {}, &mut || false)?;
@@ -607,21 +625,8 @@ fn an_ingestion_or_deletion_collects_what_it_touched_not_the_whole_store() -> Te
 /// own, removed between queries. A server started over an orphan blob removes it.
 #[test]
 fn the_server_collects_garbage_listed_off_the_engine_thread() -> TestResult {
-    use gateway::ingest::{ingest_until, IngestConfig};
     let dir = tempfile::tempdir()?;
-    let (engines, corpus, docs) = tiny_setup(dir.path(), 4)?;
-    let cfg = IngestConfig {
-        collection: "c".into(),
-        batch_docs: 2,
-        ..Default::default()
-    };
-    let mut seen = 0;
-    let stopped = ingest_until(&corpus, &engines, docs, &cfg, |_| {}, &mut || {
-        seen += 1;
-        seen == 4
-    });
-    assert!(stopped.is_err());
-    assert_eq!(corpus.store.keys()?.len(), 3, "d0, d1 and d2's orphan");
+    let (engines, corpus, _, _) = with_an_orphan(dir.path())?;
     let pipeline =
         gateway::pipeline::Pipeline::new(engines, corpus, gateway::pipeline::ScoreSource::Query);
     let state = gateway::http::AppState::new(Arc::new(pipeline), Default::default());
