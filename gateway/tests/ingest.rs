@@ -565,19 +565,17 @@ fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next(
     check_consistent(&dir.path().join("data"), true).map(|_| ())
 }
 
+/// What [`with_an_orphan`] leaves: the models, the corpus, its documents and their config.
+type Orphaned = (
+    Engines,
+    Corpus,
+    Vec<gateway::input::SourceDoc>,
+    gateway::ingest::IngestConfig,
+);
+
 /// Four tiny documents in batches of two, the run stopped before d3's chunk: d0 and d1
 /// committed, d2's blob stored but never indexed (an orphan, as an interrupted run leaves).
-fn with_an_orphan(
-    dir: &Path,
-) -> Result<
-    (
-        Engines,
-        Corpus,
-        Vec<gateway::input::SourceDoc>,
-        gateway::ingest::IngestConfig,
-    ),
-    Box<dyn std::error::Error>,
-> {
+fn with_an_orphan(dir: &Path) -> Result<Orphaned, Box<dyn std::error::Error>> {
     let (engines, corpus, docs) = tiny_setup(dir, 4)?;
     let cfg = gateway::ingest::IngestConfig {
         collection: "c".into(),
