@@ -344,7 +344,7 @@ fn tiered_survives_a_small_memory_tier() -> TestResult {
     for i in 0..20 {
         store.put(&key(i), Arc::new(small(i)))?;
     }
-    // moka evicts lazily; apply the evictions now so that some gets must go to disk.
+    // Apply any pending evictions now so that some gets must go to disk.
     store.memory().run_pending_tasks();
     for i in 0..20 {
         assert_eq!(store.get(&key(i))?.as_deref(), Some(&small(i)), "entry {i}");
