@@ -522,10 +522,10 @@ impl Corpus {
     /// sure no ingestion committed since the candidates were listed (a speculator companion
     /// cannot be checked by itself). Returns how many were removed.
     pub fn remove_garbage(&self, candidates: &[ChunkKey]) -> Result<usize> {
-        let budgeted: HashSet<ChunkKey> = self.store.cached_keys().into_iter().collect();
+        let budgeted = |k: &ChunkKey| self.store.budget().is_some_and(|b| b.contains(k));
         let mut removed = 0;
         for key in candidates {
-            if budgeted.contains(key) || self.index.refers(&key.to_string())? {
+            if budgeted(key) || self.index.refers(&key.to_string())? {
                 continue;
             }
             // Never fails: a removal the disk refuses is logged and retried next time.
