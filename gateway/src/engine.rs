@@ -239,6 +239,7 @@ impl Engine<'_> {
     /// listing is swept first. `None` once every handle is gone.
     fn next_job(&mut self) -> Option<(Job, Instant)> {
         use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+        let mut released = false;
         loop {
             if let Some(job) = self.deferred.pop_front() {
                 return Some(job);
@@ -260,8 +261,11 @@ impl Engine<'_> {
                 }
             }
             // Idle: hand the last job's freed buffers back to the system (the allocator
-            // keeps them otherwise, see process::init).
-            crate::process::release_free_memory();
+            // keeps them otherwise, see process::init), once, not at every poll for a listing.
+            if !released {
+                crate::process::release_free_memory();
+                released = true;
+            }
             if self.listing.is_none() {
                 return self.rx.recv().ok();
             }
