@@ -6,12 +6,13 @@ use crate::Args;
 use anyhow::Context as _;
 use eval::datasets::{self, BridgeParams, Case, NeedleParams};
 use eval::load::{self, LoadPlan};
+use eval::method::Method;
 use eval::plan::{self, Budget, Config, ConfigKey, Pairing, PairingName};
 use eval::report::{self, Meta, Results};
 use eval::run::{self, Dataset, Record};
 use gateway::corpus::{Corpus, Engines};
 use gateway::models::{self, Role};
-use gateway::pipeline::{ChunkOrder, Method, Pipeline, ScoreSource};
+use gateway::pipeline::{ChunkOrder, Pipeline, ScoreSource};
 use std::io::IsTerminal as _;
 use std::path::Path;
 use std::sync::Arc;
@@ -149,11 +150,7 @@ pub(crate) fn load_test(
             .load_methods
             .iter()
             .map(|m| {
-                let ratio = if *m == Method::FullRecompute {
-                    1.0
-                } else {
-                    plan::MAIN_RATIO
-                };
+                let ratio = if m.is_full() { 1.0 } else { plan::MAIN_RATIO };
                 (*m, ratio)
             })
             .collect(),

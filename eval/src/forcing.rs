@@ -1,13 +1,18 @@
 //! The evaluation's side of a query: its [`Knobs`] (what it varies beyond a request, the
 //! [`Experiment`] the pipeline asks) and teacher forcing over the prefill's cache it kept.
 
-use gateway::pipeline::{ChunkOrder, Experiment, ScoreSource, Traced};
+use crate::method::Method;
+use crate::selectors::Measured;
+use gateway::pipeline::{ChunkOrder, Experiment, Query, ScoreSource, Traced};
 use speculator::LayerRange;
-use target_engine::Model;
+use target_engine::{Model, Selector};
 
 /// What the evaluation sets on a query that a request cannot.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Knobs {
+    /// The method the evaluation runs: where it is one of the evaluation's own (an ablation,
+    /// a bound), its selector replaces the query's ([`Method::own_selector`]).
+    pub method: Option<Method>,
     pub order: ChunkOrder,
     pub epic_k: Option<usize>,
     pub layers: Option<LayerRange>,
@@ -36,8 +41,16 @@ impl Experiment for Knobs {
     fn keep_prefill(&self) -> bool {
         self.keep_prefill
     }
-    fn blend_signals(&self) -> bool {
-        self.blend_signals
+    fn selector<'a>(&'a self, q: &Query, served: Box<dyn Selector + 'a>) -> Box<dyn Selector + 'a> {
+        let chosen = match self.method.and_then(|m| m.own_selector(q.seed)) {
+            Some(own) => own,
+            None => served,
+        };
+        if self.blend_signals {
+            Box::new(Measured { inner: chosen })
+        } else {
+            chosen
+        }
     }
     fn look(&self) -> Option<gateway::fidelity::LookRows> {
         self.look

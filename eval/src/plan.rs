@@ -3,7 +3,8 @@
 //! default run).
 
 use crate::forcing::Knobs;
-use gateway::pipeline::{Method, ScoreSource};
+use crate::method::Method;
+use gateway::pipeline::{Method as Served, ScoreSource};
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
 
@@ -340,6 +341,7 @@ impl Config {
     /// What this configuration varies on a query beyond the request.
     pub fn knobs(&self) -> Knobs {
         Knobs {
+            method: Some(self.method),
             epic_k: self.epic_k,
             layers: self.layers,
             score_source: self.score_source,
@@ -432,7 +434,8 @@ pub struct Budget {
     /// service rate.
     pub load_requests: usize,
     pub load_factors: Vec<f64>,
-    pub load_methods: Vec<Method>,
+    /// Served methods: the load test goes through the HTTP API.
+    pub load_methods: Vec<Served>,
 }
 
 impl Budget {
@@ -450,7 +453,7 @@ impl Budget {
             large_cases: 0,
             load_requests: 3,
             load_factors: vec![2.0],
-            load_methods: vec![Method::FullRecompute, Method::TargetProbe],
+            load_methods: vec![Served::FullRecompute, Served::TargetProbe],
         }
     }
 
@@ -468,11 +471,11 @@ impl Budget {
             load_requests: 12,
             load_factors: vec![0.5, 1.0, 2.0],
             load_methods: vec![
-                Method::FullRecompute,
-                Method::TargetProbe,
-                Method::Epic,
-                Method::Cacheblend,
-                Method::Speccache,
+                Served::FullRecompute,
+                Served::TargetProbe,
+                Served::Epic,
+                Served::Cacheblend,
+                Served::Speccache,
             ],
         }
     }

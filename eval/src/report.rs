@@ -3,11 +3,11 @@
 //! check, the Markdown report and the SVG charts.
 
 use crate::load::LoadPoint;
+use crate::method::Method;
 use crate::metrics::{mean, median};
 use crate::plan::{Config, ConfigKey, Group, Pairing, PairingName};
 use crate::plot::{svg, Chart, Series};
 use crate::run::{IngestInfo, Record};
-use gateway::pipeline::Method;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -769,7 +769,7 @@ mod tests {
         let mut r = results();
         r.load.push(LoadPoint {
             pairing: PairingName::Small,
-            method: Method::Speccache,
+            method: gateway::pipeline::Method::Speccache,
             ratio: 0.15,
             factor: 1.0,
             rate_rps: 0.2,

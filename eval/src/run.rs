@@ -156,7 +156,7 @@ pub fn query(ds: &Dataset, case: &Case, config: &Config) -> (Query, Knobs) {
         query: case.question.clone(),
         collection: collection_of(case),
         top_k: ds.top_k,
-        method: config.method,
+        method: config.method.query_method(),
         ratio: config.ratio,
         max_tokens: ds.max_tokens,
         temperature: 0.0,

@@ -2,9 +2,9 @@
 //! structure and the ρ = 1 identity (every ρ = 1 configuration answers exactly as full
 //! recompute), not speed.
 
+use eval::method::Method;
 use eval::plan::{ConfigKey, Group, PairingName};
 use eval::report::Results;
-use gateway::pipeline::Method;
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -1,6 +1,6 @@
 //! The demo question (`specrag demo`'s) over the repository's current docs, answered by
 //! several methods and fidelities on the same retrieved chunks, to see which of them answers
-//! as full recompute does. Measurement-only methods (`probe_whole`, ...) are allowed here.
+//! as full recompute does.
 //!
 //! `cargo run --release -p gateway --example demo_methods -- [--question Q] [--max-tokens N]
 //! [--top-k K] [METHOD[:FIDELITY]...]` (default: `full_recompute target_probe:fast

@@ -247,23 +247,16 @@ fn within<T: PartialOrd + std::fmt::Display>(
     }
 }
 
-/// The method a request names, if the API serves it (`oracle` and `random` are measurement
-/// bounds: refused, saying so).
+/// The method a request names; an unknown name is refused, naming every method.
 fn served_method(m: &str) -> Result<Method> {
-    Method::parse(m).filter(Method::servable).ok_or_else(|| {
-        let names: Vec<&str> = Method::ALL
-            .iter()
-            .filter(|m| m.servable())
-            .map(|m| m.name())
-            .collect();
-        let why = if Method::parse(m).is_some() {
-            "is for measurement (bench, evaluation) and not served"
-        } else {
-            "is unknown"
-        };
+    Method::parse(m).ok_or_else(|| {
+        let names: Vec<&str> = Method::ALL.iter().map(|m| m.name()).collect();
         GatewayError::bad(
             "method",
-            format!("method `{m}` {why}; expected one of {}", names.join(", ")),
+            format!(
+                "method `{m}` is unknown; expected one of {}",
+                names.join(", ")
+            ),
         )
     })
 }
@@ -645,6 +638,28 @@ mod tests {
         match r.validate() {
             Err(GatewayError::BadInput { field, .. }) => Some(field),
             _ => None,
+        }
+    }
+
+    /// Every method the type names is served: the API refuses none of them, and refuses an
+    /// unknown name (the evaluation's `oracle` among them) listing every method.
+    #[test]
+    fn every_method_is_served_and_an_unknown_one_is_refused_naming_them_all() {
+        for m in Method::ALL {
+            assert_eq!(served_method(m.name()).ok(), Some(*m));
+        }
+        for name in ["oracle", "probe_deep", "nope"] {
+            match served_method(name) {
+                Err(GatewayError::BadInput { field, message }) => {
+                    assert_eq!(field, "method");
+                    assert!(
+                        message.contains(&format!("`{name}` is unknown")),
+                        "{message}"
+                    );
+                    assert!(Method::ALL.iter().all(|m| message.contains(m.name())));
+                }
+                other => panic!("{name}: {other:?}"),
+            }
         }
     }
 

@@ -57,9 +57,10 @@ pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
 pub use reuse::blend::{kind_at, BlendOutput, BlendSignals};
 pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use reuse::select::{
-    budget, even_shares, top_k, widen_to_chunks, CacheBlend, Epic, FullRecompute, FullReuse,
-    Oracle, PrefixCaching, Random, SelectInput, Selector, TargetProbe,
+    budget, layer_span, ranked_rest, top_k, uncovered, CacheBlend, Epic, FullRecompute, FullReuse,
+    PrefixCaching, Probe, ProbeScores, SelectInput, Selector, TargetProbe,
 };
+pub use reuse::shift::ShiftRule;
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use view::AttentionView;

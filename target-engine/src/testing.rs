@@ -574,3 +574,73 @@ pub fn prefill_in_pieces(
     };
     Ok((cache, logits))
 }
+
+/// Writes the tiny model of `spec` to `path` and loads it with every projection on the
+/// dense path (`dense_min_rows: 1`), as the blend tests run it.
+pub fn load_tiny(path: &Path, spec: &TinySpec) -> Result<crate::Model> {
+    write_tiny_gguf(path, spec)?;
+    crate::Model::load(
+        path,
+        &crate::LoadOptions {
+            dense_min_rows: 1,
+            ..Default::default()
+        },
+    )
+}
+
+/// Three short documents in the tiny vocabulary's letters, and a question over them.
+pub const TINY_DOCS: [&str; 3] = [
+    "the thin ant ran in the sand and then the ant sat",
+    "an ant and the other ant than the thing in a tin",
+    "a hint: the antenna is in the attic near the tent",
+];
+/// The question asked over [`TINY_DOCS`].
+pub const TINY_QUESTION: &str = "where is the antenna?";
+
+/// A RAG prompt of [`TINY_DOCS`] under the default template, with its prefix KV and each
+/// chunk's KV precomputed both ways (alone, and after the prefix).
+pub struct TinyRag {
+    pub asm: crate::Assembly,
+    pub prefix: crate::PrefixKv,
+    pub standalone: Vec<crate::ChunkKv>,
+    pub after_prefix: Vec<crate::ChunkKv>,
+}
+
+impl TinyRag {
+    /// The prompt of every document of [`TINY_DOCS`] on `m`.
+    pub fn new(m: &crate::Model) -> Result<Self> {
+        Self::of(m, &TINY_DOCS)
+    }
+
+    /// The prompt of `docs` and [`TINY_QUESTION`] on `m`.
+    pub fn of(m: &crate::Model, docs: &[&str]) -> Result<Self> {
+        use crate::reuse::chunk::Precompute;
+        let asm = crate::RagTemplate::default().assemble(m.tokenizer(), docs, TINY_QUESTION);
+        let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()])?;
+        let chunk_ids: Vec<&[u32]> = asm.chunks().map(|s| &asm.ids[s.ids.clone()]).collect();
+        let standalone = chunk_ids
+            .iter()
+            .map(|ids| m.precompute(ids, None))
+            .collect::<Result<_>>()?;
+        let after_prefix = chunk_ids
+            .iter()
+            .map(|ids| m.precompute(ids, Some(&prefix)))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            asm,
+            prefix,
+            standalone,
+            after_prefix,
+        })
+    }
+}
+
+/// The largest absolute difference between two equally long slices (panics on a length
+/// mismatch: a test's bug).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared slices differ in length");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}

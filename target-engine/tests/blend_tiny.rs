@@ -1,11 +1,12 @@
 //! Invariants of chunk precompute, positional recovery and blended prefill on tiny models.
 
 use target_engine::prelude::*;
-use target_engine::testing::{family_specs, prefill_in_pieces, write_tiny_gguf, TinySpec};
+use target_engine::testing::{
+    family_specs, load_tiny, prefill_in_pieces, TinyRag, TinySpec, TINY_DOCS,
+};
 use target_engine::{
-    budget, even_shares, top_k, widen_to_chunks, Architecture, CacheBlend, ChunkKv, Epic,
-    FullRecompute, FullReuse, LoadOptions, Model, Oracle, PrefixCaching, RagTemplate, Random,
-    SelectInput, Selector, TargetProbe,
+    budget, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, Model,
+    PrefixCaching, RagTemplate, SelectInput, Selector, ShiftRule, TargetProbe,
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
@@ -14,62 +15,16 @@ fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
 
 fn tiny_of(spec: &TinySpec) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, spec).expect("write");
-    let m = Model::load(
-        &path,
-        &LoadOptions {
-            dense_min_rows: 1,
-            ..Default::default()
-        },
-    )
-    .expect("load");
+    let m = load_tiny(&dir.path().join("tiny.gguf"), spec).expect("load");
     (dir, m)
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
+use target_engine::testing::max_abs_diff as max_diff;
 
-const DOCS: [&str; 3] = [
-    "the thin ant ran in the sand and then the ant sat",
-    "an ant and the other ant than the thing in a tin",
-    "a hint: the antenna is in the attic near the tent",
-];
+const DOCS: [&str; 3] = TINY_DOCS;
 
-struct Setup {
-    asm: target_engine::Assembly,
-    prefix: target_engine::PrefixKv,
-    standalone: Vec<ChunkKv>,
-    after_prefix: Vec<ChunkKv>,
-}
-
-fn setup(m: &Model) -> Setup {
-    let t = RagTemplate::default();
-    let asm = t.assemble(m.tokenizer(), &DOCS, "where is the antenna?");
-    let prefix = m.prefix_kv(&asm.ids[asm.prefix_range()]).expect("prefix");
-    let chunk_ids: Vec<Vec<u32>> = asm
-        .chunks()
-        .map(|s| asm.ids[s.ids.clone()].to_vec())
-        .collect();
-    let standalone = chunk_ids
-        .iter()
-        .map(|ids| m.precompute(ids, None).expect("precompute"))
-        .collect();
-    let after_prefix = chunk_ids
-        .iter()
-        .map(|ids| m.precompute(ids, Some(&prefix)).expect("precompute"))
-        .collect();
-    Setup {
-        asm,
-        prefix,
-        standalone,
-        after_prefix,
-    }
+fn setup(m: &Model) -> TinyRag {
+    TinyRag::new(m).expect("setup")
 }
 
 /// The first document alone, its chunk precomputed after the prefix.
@@ -470,7 +425,6 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
     };
     let selectors: Vec<(&str, Box<dyn Selector>)> = vec![
         ("cacheblend", Box::new(cb)),
-        ("random", Box::new(Random { seed: 3 })),
         ("target_probe", Box::new(TargetProbe::default())),
         (
             "target_probe_window",
@@ -488,28 +442,12 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
             }),
         ),
         (
-            "probe_smooth",
+            "target_probe_shift",
             Box::new(TargetProbe {
-                smooth: 2,
+                shift: true,
                 ..TargetProbe::default()
             }),
         ),
-        (
-            "probe_fused",
-            Box::new(TargetProbe {
-                from_depth: 0.0,
-                per_layer: true,
-                ..TargetProbe::default()
-            }),
-        ),
-        (
-            "probe_anchors",
-            Box::new(TargetProbe {
-                per_chunk: true,
-                ..TargetProbe::default()
-            }),
-        ),
-        ("oracle", Box::new(Oracle)),
     ];
     for (name, sel) in &selectors {
         let out = sel.prefill(&input).expect(name);
@@ -532,115 +470,21 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
     let one = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
     assert!(!one.skips_exact());
     assert_eq!(one.candidates(), s.asm.chunk_positions());
-    // Random is seeded.
-    let r = |seed| Random { seed }.select(&input).expect("random");
-    assert_eq!(r(3), r(3));
-    assert_ne!(r(3), r(4));
 }
 
 #[test]
-fn whole_chunk_rules_recompute_whole_inexact_chunks_on_top_of_the_probes_picks() {
-    let (_d, m) = tiny(Architecture::Qwen2);
-    let s = setup(&m);
-    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
-    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.3);
-    let candidates = input.candidates();
-    let inexact: Vec<_> = s.asm.chunks().skip(1).map(|c| c.ids.clone()).collect();
-    let plain = TargetProbe::default().select(&input).expect("probe");
-    // Half of a chunk picked widens it: the rule applied to the plain picks.
-    let whole = TargetProbe {
-        whole_at: 0.5,
-        ..TargetProbe::default()
-    }
-    .prefill(&input)
-    .expect("whole");
-    assert_eq!(
-        whole.recomputed,
-        widen_to_chunks(&s.asm, &candidates, &plain, 0.5)
-    );
-    assert!(plain.iter().all(|p| whole.recomputed.contains(p)));
-    for chunk in &inexact {
-        let hit = plain.iter().filter(|p| chunk.contains(p)).count();
-        let now = whole
-            .recomputed
-            .iter()
-            .filter(|p| chunk.contains(p))
-            .count();
-        assert_eq!(
-            now,
-            if 2 * hit >= chunk.len() {
-                chunk.len()
-            } else {
-                hit
-            }
-        );
-    }
-    // The top chunk whole: one inexact chunk entirely, only candidates, at least the budget
-    // unless that chunk alone is larger.
-    let top = TargetProbe {
-        whole_top: true,
-        ..TargetProbe::default()
-    }
-    .prefill(&input)
-    .expect("top chunk");
-    assert!(top.recomputed.iter().all(|p| candidates.contains(p)));
-    let full_chunks = inexact
-        .iter()
-        .filter(|c| (c.start..c.end).all(|p| top.recomputed.contains(&p)))
-        .count();
-    assert!(full_chunks >= 1, "{:?}", top.recomputed);
-    assert!(top.recomputed.len() >= input.spend().min(candidates.len()));
-    // Recomputing whole chunks is still a blend: at ρ = 1 every rule is full prefill's logits.
-    let (_, full_logits) = m.prefill(&s.asm.ids).expect("prefill");
-    let one = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
-    let out = TargetProbe {
-        whole_at: 0.5,
-        whole_top: true,
-        ..TargetProbe::default()
-    }
-    .prefill(&one)
-    .expect("rho 1");
-    let diff = full_logits
-        .iter()
-        .zip(&out.logits)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(diff < 1e-4, "ρ = 1 differs from full prefill by {diff}");
-}
-
-#[test]
-fn anchors_give_every_inexact_chunk_its_even_share_of_the_budget() {
-    let (_d, m) = tiny(Architecture::Qwen2);
-    let s = setup(&m);
-    let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
-    let input = SelectInput::new(&m, &s.asm, &s.prefix, &after, 0.3);
-    assert!(input.skips_exact());
-    let anchored = TargetProbe {
-        per_chunk: true,
-        ..TargetProbe::default()
-    }
-    .select(&input)
-    .expect("anchors");
-    let inexact: Vec<_> = s.asm.chunks().skip(1).map(|c| c.ids.clone()).collect();
-    let sizes: Vec<usize> = inexact.iter().map(|r| r.len()).collect();
-    let per_chunk: Vec<usize> = inexact
-        .iter()
-        .map(|r| anchored.iter().filter(|p| r.contains(p)).count())
-        .collect();
-    assert_eq!(per_chunk, even_shares(&sizes, input.spend()));
-}
-
-#[test]
-fn bounds_and_probe_at_ratio_one_equal_full_prefill() {
+fn the_probe_at_ratio_one_equals_full_prefill() {
     let (_d, m) = tiny(Architecture::Qwen2);
     let s = setup(&m);
     let after: Vec<&ChunkKv> = s.after_prefix.iter().collect();
     let (_, full) = m.prefill(&s.asm.ids).expect("prefill");
     let all = SelectInput::new(&m, &s.asm, &s.prefix, &after, 1.0);
     let selectors: Vec<Box<dyn Selector>> = vec![
-        Box::new(Random { seed: 1 }),
         Box::new(TargetProbe::default()),
-        Box::new(Oracle),
+        Box::new(TargetProbe {
+            shift: true,
+            ..TargetProbe::default()
+        }),
     ];
     for (i, sel) in selectors.iter().enumerate() {
         let out = sel.prefill(&all).expect("prefill");
@@ -717,163 +561,6 @@ fn an_assembled_segment_is_the_chunk_tokenized_alone() {
     }
 }
 
-/// The blend measures how far recomputing moved the recomputed rows only when asked (the copy
-/// it needs is the evaluation's, not a served request's), and measuring changes no output.
-#[test]
-fn the_blend_measures_its_deviation_only_when_asked() {
-    let (_d, m) = tiny(Architecture::Qwen2);
-    let s = setup(&m);
-    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
-    let some: Vec<usize> = s.asm.chunk_positions().into_iter().step_by(3).collect();
-    let fused = || m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
-    let plain = m
-        .blend_prefill_measured(&s.asm, fused(), &some, false)
-        .expect("blend");
-    let measured = m
-        .blend_prefill_measured(&s.asm, fused(), &some, true)
-        .expect("blend");
-    assert_eq!(plain.signals.deviation_k, 0.0);
-    assert!(measured.signals.deviation_k > 0.0 && measured.signals.deviation_v > 0.0);
-    assert_eq!(plain.logits, measured.logits);
-}
-
-#[test]
-fn deep_recompute_continues_each_pick_from_its_own_chunks_residual_stream() {
-    // Four layers: a pick's rows at the first recomputed layer depend on its residual stream
-    // there alone (its own chunk's), so only the layers after it can change.
-    let (_d, m) = tiny_of(&TinySpec {
-        n_layer: 4,
-        ..TinySpec::new(Architecture::Qwen2)
-    });
-    let n_layer = m.config().n_layer;
-    let half = n_layer / 2;
-    // One chunk after the prefix: its own context is the whole context, so every chunk token
-    // recomputed through the deeper half from its own residual stream is the full prefill,
-    // up to the rounding of the residual stream at the split (below).
-    let (asm, prefix, kv) = one_chunk_after_prefix(&m);
-    let (_, full) = m.prefill(&asm.ids).expect("prefill");
-    let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let all = asm.chunk_positions();
-    let fused = m.fused_cache(&asm, &prefix, &[&kv]).expect("fused");
-    let out = m
-        .blend_prefill_deep(&asm, fused.clone(), (&prefix, &[&kv]), &all, half)
-        .expect("deep");
-    assert_eq!(out.recomputed, all);
-    // Two passes where the full prefill runs one: the residual stream's int8 rounding at the
-    // split (0.30% of the largest logit on AVX-512 VNNI kernels, under 0.2% on AVX2, measured
-    // with f32 cache rows); a pick continued from the wrong stream is off by whole logits.
-    let d = max_diff(&out.logits, &full);
-    assert!(d < 5e-3 * scale, "{d} of {scale}");
-    // Three chunks, nothing picked: the question alone, its layers split in two passes, is
-    // the ordinary blend with nothing recomputed.
-    let s = setup(&m);
-    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
-    let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
-    let plain = m
-        .blend_prefill_on(&s.asm, fused.clone(), &[])
-        .expect("blend");
-    let stored = (&s.prefix, refs.as_slice());
-    let none = m
-        .blend_prefill_deep(&s.asm, fused.clone(), stored, &[], half)
-        .expect("deep");
-    assert!(max_diff(&none.logits, &plain.logits) < 1e-5);
-    // Picks change the answer's logits, differently from recomputing them through every layer.
-    let picks: Vec<usize> = s.asm.chunk_positions().into_iter().step_by(3).collect();
-    let deep = m
-        .blend_prefill_deep(&s.asm, fused.clone(), stored, &picks, half)
-        .expect("deep");
-    let through = m
-        .blend_prefill_on(&s.asm, fused.clone(), &picks)
-        .expect("blend");
-    assert!(max_diff(&deep.logits, &plain.logits) > 1e-4);
-    assert!(max_diff(&deep.logits, &through.logits) > 1e-4);
-    for (bad, what) in [(0, "must be within"), (n_layer, "must be within")] {
-        let e = m
-            .blend_prefill_deep(&s.asm, fused.clone(), stored, &picks, bad)
-            .expect_err("layer out of range")
-            .to_string();
-        assert!(e.contains(what), "{e}");
-    }
-    let e = m
-        .blend_prefill_deep(&s.asm, fused.clone(), stored, &[0], half)
-        .expect_err("a prefix position")
-        .to_string();
-    assert!(e.contains("not a chunk token"), "{e}");
-    // The selector: the same picks as target_probe, recomputed the deep way.
-    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.5);
-    let probe = TargetProbe::default().prefill(&input).expect("probe");
-    let deep_sel = TargetProbe {
-        deep_from: 0.5,
-        ..TargetProbe::default()
-    }
-    .prefill(&input)
-    .expect("probe_deep");
-    assert_eq!(deep_sel.recomputed, probe.recomputed);
-    let again = m
-        .blend_prefill_deep(&s.asm, fused, stored, &probe.recomputed, half)
-        .expect("deep");
-    assert_eq!(deep_sel.logits, again.logits);
-}
-
-#[test]
-fn shallow_refresh_gives_every_reused_token_full_prefills_rows_below_the_split() {
-    let (_d, m) = tiny_of(&TinySpec {
-        n_layer: 4,
-        ..TinySpec::new(Architecture::Qwen2)
-    });
-    let s = setup(&m);
-    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
-    let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
-    let (full_cache, full) = m.prefill(&s.asm.ids).expect("prefill");
-    let all = s.asm.chunk_positions();
-    let picks: Vec<usize> = all.iter().copied().step_by(4).collect();
-    let out = m
-        .blend_prefill_shallow(&s.asm, &fused, &all, &picks, 2)
-        .expect("shallow");
-    assert_eq!(out.recomputed, picks);
-    // Below the split every row is the full prefill's; above it only the picks were rewritten.
-    for l in 0..2 {
-        assert!(
-            max_diff(out.cache.k(l), full_cache.k(l)) < 1e-4,
-            "layer {l}"
-        );
-        assert!(
-            max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4,
-            "layer {l}"
-        );
-    }
-    let row = m.config().kv_row();
-    let unpicked = all.iter().find(|p| !picks.contains(p)).expect("one left");
-    let at = |c: &[f32]| c[unpicked * row..(unpicked + 1) * row].to_vec();
-    assert_eq!(at(out.cache.k(3)), at(fused.k(3)));
-    // Everything continuing is the full prefill.
-    let every = m
-        .blend_prefill_shallow(&s.asm, &fused, &all, &all, 2)
-        .expect("shallow");
-    assert!(max_diff(&every.logits, &full) < 1e-4);
-    for (shallow, picks, what) in [
-        (0, &picks, "must be within"),
-        (4, &picks, "must be within"),
-        (2, &vec![0], "not a candidate"),
-    ] {
-        let e = m
-            .blend_prefill_shallow(&s.asm, &fused, &all, picks, shallow)
-            .expect_err("refused")
-            .to_string();
-        assert!(e.contains(what), "{e}");
-    }
-    // The selector keeps target_probe's picks.
-    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.25);
-    let probe = TargetProbe::default().prefill(&input).expect("probe");
-    let shallow = TargetProbe {
-        shallow_all: 0.5,
-        ..TargetProbe::default()
-    }
-    .prefill(&input)
-    .expect("probe_shallow");
-    assert_eq!(shallow.recomputed, probe.recomputed);
-}
-
 /// `cache` with every chunk's rows (`segs`, positions) moved by a constant of its own at each
 /// layer (K before RoPE): a deviation the shift can learn from any one recomputed token.
 fn moved_per_chunk_and_layer(
@@ -943,7 +630,7 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
         .blend_prefill_on(&s.asm, fused.clone(), &picks)
         .expect("plain blend");
     let shifted = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &picks, false)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &picks, ShiftRule::Mean)
         .expect("shifted blend");
     assert_eq!(shifted.recomputed, picks);
     assert!(
@@ -961,7 +648,7 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     // A chunk without a pick keeps its rows; with every candidate picked it is a plain blend.
     let no_last: Vec<usize> = picks[..picks.len() - 1].to_vec();
     let partial = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &no_last, false)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &no_last, ShiftRule::Mean)
         .expect("shifted blend");
     let last = segs.last().expect("a chunk")[0];
     let at = |c: &[f32]| c[last * row..(last + 1) * row].to_vec();
@@ -973,19 +660,19 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
         .flat_map(|p| [p[p.len() / 3], p[2 * p.len() / 3]])
         .collect();
     let similar = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &two, true)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &two, ShiftRule::Similar)
         .expect("shifted blend");
     let left = max_diff(&similar.logits, &full);
     assert!(left < moved / 8.0, "{left} of {moved}");
     let every = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &all, false)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &all, ShiftRule::Mean)
         .expect("shifted blend");
     let reference = m
         .blend_prefill_on(&s.asm, fused.clone(), &all)
         .expect("plain blend");
     assert_eq!(every.logits, reference.logits);
     let e = m
-        .blend_prefill_shift(&s.asm, fused.clone(), &all, &[0], false)
+        .blend_prefill_shift(&s.asm, fused.clone(), &all, &[0], ShiftRule::Mean)
         .expect_err("a prefix position")
         .to_string();
     assert!(e.contains("not a candidate"), "{e}");
@@ -993,19 +680,22 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
     let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.25);
     let probe = TargetProbe::default().prefill(&input).expect("probe");
-    let shift = TargetProbe {
+    let similar = TargetProbe {
         shift: true,
         ..TargetProbe::default()
     }
     .prefill(&input)
-    .expect("probe_shift");
-    assert_eq!(shift.recomputed, probe.recomputed);
-    let similar = TargetProbe {
-        shift_similar: true,
-        ..TargetProbe::default()
-    }
-    .prefill(&input)
-    .expect("probe_shift_similar");
+    .expect("target_probe_shift");
     assert_eq!(similar.recomputed, probe.recomputed);
-    assert!(max_diff(&similar.logits, &shift.logits) > 1e-4);
+    assert!(max_diff(&similar.logits, &probe.logits) > 1e-4);
+    // The mean rule moves the same rows differently.
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let fused = || m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+    let cands = input.candidates();
+    let rule = |r| {
+        m.blend_prefill_shift(&s.asm, fused(), &cands, &probe.recomputed, r)
+            .expect("shift")
+    };
+    let (mean, sim) = (rule(ShiftRule::Mean), rule(ShiftRule::Similar));
+    assert!(max_diff(&mean.logits, &sim.logits) > 1e-4);
 }

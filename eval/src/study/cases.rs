@@ -78,7 +78,7 @@ pub(crate) fn ask(
         query: case.question.clone(),
         collection: run::collection_of(case),
         top_k: ds.top_k,
-        method: config.method,
+        method: config.method.query_method(),
         ratio: config.ratio,
         max_tokens: MAX_TOKENS,
         temperature: 0.0,
@@ -90,6 +90,7 @@ pub(crate) fn ask(
         ..Default::default()
     };
     let knobs = Knobs {
+        method: Some(config.method),
         order: ds.order,
         // A measured answer keeps its prefill (teacher forcing) and the blend's signals.
         keep_prefill: measured,
@@ -163,7 +164,7 @@ pub fn run_case(
         };
         // The verified answer of the same query: drafts from this method's cache, checked
         // against full recompute's. A cached full context would skip the drafting.
-        let verified = if run.verify && i > 0 && config.method.servable() {
+        let verified = if run.verify && i > 0 && config.method.served().is_some() {
             pipeline.contexts.clear();
             Some(ask(pipeline, ds, case, config, true, false)?)
         } else {

@@ -396,8 +396,9 @@ pub fn markdown(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::method::Method;
     use crate::study::StudyConfig;
-    use gateway::pipeline::{Method, Timings};
+    use gateway::pipeline::Timings;
 
     fn row(label: &str, case: &str, identical: bool, margins: Option<Vec<f32>>) -> StudyRecord {
         let full = label == "full_recompute";

@@ -17,9 +17,9 @@ pub use cases::*;
 pub use records::*;
 pub use summary::*;
 
+use crate::method::Method;
 use chunkstore::Codec;
 use gateway::fidelity::{Fidelity, LookRows};
-use gateway::pipeline::Method;
 use serde::{Deserialize, Serialize};
 
 /// Generated tokens of every answer (identity is judged on whole answers of this length).

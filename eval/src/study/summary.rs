@@ -2,8 +2,9 @@
 //! head comparisons, codec and verification rows, and the markdown report.
 
 use super::*;
+use crate::method::Method;
 use crate::stats::{self, Interval, McNemar};
-use gateway::pipeline::{Method, VerifyStats};
+use gateway::pipeline::VerifyStats;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;

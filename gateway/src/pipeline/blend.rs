@@ -7,7 +7,7 @@ use super::{ms, Pipeline};
 use crate::answer::Timings;
 use crate::corpus::LoadedChunk;
 use crate::error::{GatewayError, Result};
-use crate::method::{Method, SelectorInputs};
+use crate::method::{Method, SelectorInputs, SpecScores};
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::time::Instant;
 use target_engine::{Assembly, BlendOutput, ChunkKv, SelectInput};
@@ -48,10 +48,13 @@ impl Pipeline {
         let layers = exp.layers();
         // spec_attn's scores depend on the question: never stored, always a query-time pass
         // (over the stored speculator chunk KV, or for spec_attn_full over the whole prompt).
-        let attention = matches!(q.method, Method::SpecAttn | Method::SpecAttnFull);
-        let query_time_scores = q.method.uses_speculator()
-            && need_kv
-            && (attention || score_source == ScoreSource::Query);
+        let scores = q.method.spec_scores();
+        let query_time_scores = need_kv
+            && match scores {
+                Some(SpecScores::Norms) => score_source == ScoreSource::Query,
+                Some(_) => true,
+                None => false,
+            };
         let (loaded, scored) = std::thread::scope(|s| {
             let spec = query_time_scores.then(|| {
                 let stop = target_engine::stop::current();
@@ -59,9 +62,11 @@ impl Pipeline {
                     target_engine::stop::with_stop(stop, || {
                         let t = Instant::now();
                         let spec = self.speculator(layers)?;
-                        let toks = match q.method {
-                            Method::SpecAttn => self.stored_attention(&spec, q, texts, asm)?,
-                            Method::SpecAttnFull => spec.attention_scores(asm)?,
+                        let toks = match scores {
+                            Some(SpecScores::StoredAttention) => {
+                                self.stored_attention(&spec, q, texts, asm)?
+                            }
+                            Some(SpecScores::PromptAttention) => spec.attention_scores(asm)?,
                             _ => spec.query_scores(asm)?,
                         };
                         Ok((toks, ms(t)))
@@ -118,7 +123,7 @@ impl Pipeline {
         };
         let spec = if method.uses_speculator() {
             let mut spec = self.speculator(exp.layers())?;
-            spec.params.complete_spans = method != Method::SpeccacheNospan;
+            spec.params.complete_spans = method.completes_spans();
             if scored.is_none() {
                 scored = Some(self.ingest_scores(&spec, asm, loaded, timings)?);
             }
@@ -126,15 +131,14 @@ impl Pipeline {
         } else {
             None
         };
-        let selector = method.selector(SelectorInputs {
+        let served = method.selector(SelectorInputs {
             spec: spec.as_ref(),
             scores: scored,
             epic_k: exp.epic_k(),
-            seed: q.seed,
         });
+        let selector = exp.selector(q, served);
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
         let mut input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
-        input.measure = exp.blend_signals();
         if self.engines.lossy_codec.is_some() {
             // Stored lossily, even the chunk precomputed after this very prefix is not exact:
             // it competes for the budget like the others.

@@ -9,7 +9,7 @@ use crate::answer::Answer;
 use crate::fidelity::LookRows;
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
-use target_engine::{Assembly, BlendOutput, BlendSignals, Generation, KvCache};
+use target_engine::{Assembly, BlendOutput, BlendSignals, Generation, KvCache, Selector};
 
 /// A query and the experiment it runs under ([`Served`] for a served query), as the road's
 /// steps take them.
@@ -44,10 +44,16 @@ pub trait Experiment {
     fn keep_prefill(&self) -> bool {
         false
     }
-    /// Measure the blend's deviation signals ([`Traced::signals`]; a copy of the recomputed
-    /// rows, which a served query does not pay for).
-    fn blend_signals(&self) -> bool {
-        false
+    /// The selector that runs the query's blend, given the one its method serves with: that
+    /// one (a served query's), or the evaluation's own (an ablation, a bound, a wrapper that
+    /// measures the blend's deviation signals into [`Traced::signals`]).
+    fn selector<'a>(
+        &'a self,
+        query: &Query,
+        served: Box<dyn Selector + 'a>,
+    ) -> Box<dyn Selector + 'a> {
+        let _ = query;
+        served
     }
     /// Which chunk tokens the guard's second look recomputes; `None`: the pipeline's
     /// ([`GuardPolicy::look`](crate::fidelity::GuardPolicy::look)).

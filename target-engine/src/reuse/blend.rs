@@ -14,7 +14,7 @@ use crate::model::Model;
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
-use crate::reuse::shift::{Shift, ShiftGroup};
+use crate::reuse::shift::{Shift, ShiftGroup, ShiftRule};
 use candle_core::{Device, Tensor};
 
 /// What a blended prefill returns.
@@ -40,8 +40,8 @@ pub struct BlendOutput {
 }
 
 /// Per-request quantities a blended prefill knows without a full prefill. Each is 0 where it
-/// does not apply (nothing recomputed, a selector without a probe) or was not asked for (the
-/// deviations: [`SelectInput::measure`](crate::SelectInput::measure)).
+/// does not apply (nothing recomputed, a selector without a probe) or was not measured: the
+/// deviations need a copy of the recomputed rows, which only the evaluation makes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct BlendSignals {
     /// How far the recomputed tokens' fresh K moved from their reused K, over every layer:
@@ -96,17 +96,6 @@ pub trait Blend {
         recompute: &[usize],
     ) -> Result<BlendOutput>;
 
-    /// [`Blend::blend_prefill_on`], also measuring how far recomputing moved the recomputed
-    /// rows ([`BlendSignals::deviation_k`], `deviation_v`) when `measure` is set: a copy of
-    /// those rows over every layer, so only the evaluation asks for it.
-    fn blend_prefill_measured(
-        &self,
-        asm: &Assembly,
-        cache: KvCache,
-        recompute: &[usize],
-        measure: bool,
-    ) -> Result<BlendOutput>;
-
     /// CacheBlend: the `candidates` (chunk tokens whose reused KV is not exact) and the
     /// question run through layers `0..=check_layer`; the `k` candidates whose fresh K (or V)
     /// at the check layer deviates most from the reused one, plus the question, continue
@@ -120,47 +109,31 @@ pub trait Blend {
         check: (usize, bool),
     ) -> Result<BlendOutput>;
 
-    /// Every candidate (and the question) through the first `shallow` layers, so the rows
-    /// there are fresh for all of them; then only `picks` (candidates) and the question through
-    /// the rest. A measurement (`probe_shallow`): fresh shallow rows for every reused token at
-    /// `shallow / n_layer` of a full prefill's cost.
-    fn blend_prefill_shallow(
+    /// A blend in two stages: the `candidates` and the question run layers `..through` over a
+    /// copy of `fused` (their rows there fresh), then `choose`, given that cache, names the
+    /// candidates that continue with the question through the remaining layers. CacheBlend
+    /// chooses by deviation at its check layer; the evaluation's `probe_shallow` by its probe.
+    fn blend_prefill_staged(
         &self,
         asm: &Assembly,
         fused: &KvCache,
         candidates: &[usize],
-        picks: &[usize],
-        shallow: usize,
+        through: usize,
+        choose: &mut dyn FnMut(&KvCache) -> Vec<usize>,
     ) -> Result<BlendOutput>;
 
     /// The blended prefill of `recompute` (and the question) over `cache`, where at every layer
-    /// each chunk's candidates left to reuse are moved by the mean deviation (new minus reused,
-    /// K with RoPE undone) its recomputed tokens showed at that layer, or with `by_similarity`
-    /// by their moves weighted by how much each pick's key resembles the reused token's. A
-    /// measurement (`probe_shift`) and a method (`target_probe_shift`): whether what the picks learn of the
-    /// other chunks carries over to their neighbours, at no extra recompute.
+    /// each chunk's candidates left to reuse are moved as its recomputed tokens were moved
+    /// there (new minus reused, K with RoPE undone), by the [`ShiftRule`]. The default method
+    /// (`target_probe_shift`, [`ShiftRule::Similar`]): what the picks learn of the other
+    /// chunks carries over to their neighbours at no extra recompute.
     fn blend_prefill_shift(
         &self,
         asm: &Assembly,
         cache: KvCache,
         candidates: &[usize],
         recompute: &[usize],
-        by_similarity: bool,
-    ) -> Result<BlendOutput>;
-
-    /// Blended prefill recomputing the chunk tokens at `recompute` only through the layers
-    /// `from_layer..`, starting from the residual stream each had at `from_layer` within its own
-    /// chunk (computed here from the chunk's stored KV; ingestion could store it instead), while
-    /// the question runs every layer. Below `from_layer` those tokens keep their reused rows, so
-    /// twice the tokens recomputed through the deeper half cost what ρ costs through all layers.
-    /// A measurement (`probe_deep`): is breadth or depth what reuse is missing?
-    fn blend_prefill_deep(
-        &self,
-        asm: &Assembly,
-        cache: KvCache,
-        stored: (&PrefixKv, &[&ChunkKv]),
-        recompute: &[usize],
-        from_layer: usize,
+        rule: ShiftRule,
     ) -> Result<BlendOutput>;
 }
 
@@ -213,18 +186,8 @@ impl Blend for Model {
     fn blend_prefill_on(
         &self,
         asm: &Assembly,
-        cache: KvCache,
-        recompute: &[usize],
-    ) -> Result<BlendOutput> {
-        self.blend_prefill_measured(asm, cache, recompute, false)
-    }
-
-    fn blend_prefill_measured(
-        &self,
-        asm: &Assembly,
         mut cache: KvCache,
         recompute: &[usize],
-        measure: bool,
     ) -> Result<BlendOutput> {
         let chunk_pos = asm.chunk_positions();
         let mut is_chunk = vec![false; asm.ids.len()];
@@ -253,21 +216,15 @@ impl Blend for Model {
             ));
         }
         let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-        let before = measure.then(|| ReusedRows::copy(&cache, &recomputed));
         let out = self.forward(&ids, &positions, &mut cache, false)?;
         let logits = self.last_logits(&out)?;
-        let (deviation_k, deviation_v) = before.map_or((0.0, 0.0), |b| b.deviation(&cache));
         Ok(BlendOutput {
             cache,
             logits,
             recomputed,
             chunk_tokens: chunk_pos.len(),
             select_ms: 0.0,
-            signals: BlendSignals {
-                deviation_k,
-                deviation_v,
-                uncovered: 0.0,
-            },
+            signals: BlendSignals::default(),
             reserve: Vec::new(),
         })
     }
@@ -289,7 +246,7 @@ impl Blend for Model {
             )));
         }
         let row = self.config().kv_row();
-        let choose = |cache: &KvCache| -> Vec<usize> {
+        let mut choose = |cache: &KvCache| -> Vec<usize> {
             let (fresh, reused) = if by_value {
                 (cache.v(check_layer), fused.v(check_layer))
             } else {
@@ -309,29 +266,44 @@ impl Blend for Model {
             scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             scored.iter().take(k).map(|s| s.1).collect()
         };
-        self.blend_two_stage(asm, fused, candidates, check_layer + 1, choose)
+        self.blend_prefill_staged(asm, fused, candidates, check_layer + 1, &mut choose)
     }
 
-    fn blend_prefill_shallow(
+    fn blend_prefill_staged(
         &self,
         asm: &Assembly,
         fused: &KvCache,
         candidates: &[usize],
-        picks: &[usize],
-        shallow: usize,
+        through: usize,
+        choose: &mut dyn FnMut(&KvCache) -> Vec<usize>,
     ) -> Result<BlendOutput> {
         let n_layer = self.config().n_layer;
-        if shallow == 0 || shallow >= n_layer {
-            return Err(EngineError::InvalidInput(format!(
-                "the layers every candidate runs ({shallow}) must be within 1..{n_layer}"
-            )));
-        }
-        if let Some(&bad) = picks.iter().find(|p| !candidates.contains(p)) {
-            return Err(EngineError::InvalidInput(format!(
-                "pick {bad} is not a candidate"
-            )));
-        }
-        self.blend_two_stage(asm, fused, candidates, shallow, |_| picks.to_vec())
+        let chunk_pos = asm.chunk_positions();
+        let question = question_of(asm)?;
+        let mut all = candidates.to_vec();
+        all.extend(&question);
+        let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
+        let mut cache = fused.clone();
+        let (h, _) = self.forward_layers(self.embed(&ids)?, &all, &mut cache, 0..through, false)?;
+        let mut recomputed = choose(&cache);
+        recomputed.sort_unstable();
+        recomputed.dedup();
+        // Rows of `h` (ordered as `all`) that continue: the chosen chunk tokens and the question.
+        let mut keep = vec![false; asm.ids.len()];
+        recomputed
+            .iter()
+            .chain(&question)
+            .for_each(|&p| keep[p] = true);
+        let rows: Vec<u32> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, &p)| keep[p])
+            .map(|(i, _)| i as u32)
+            .collect();
+        let positions: Vec<usize> = rows.iter().map(|&i| all[i as usize]).collect();
+        let h = h.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
+        let (x, _) = self.forward_layers(h, &positions, &mut cache, through..n_layer, false)?;
+        self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 
     fn blend_prefill_shift(
@@ -340,7 +312,7 @@ impl Blend for Model {
         mut cache: KvCache,
         candidates: &[usize],
         recompute: &[usize],
-        by_similarity: bool,
+        rule: ShiftRule,
     ) -> Result<BlendOutput> {
         if !self.rope_recovery_ok() {
             return self.blend_prefill_on(asm, cache, recompute);
@@ -384,107 +356,18 @@ impl Blend for Model {
         let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
         let shift = Shift {
             groups,
-            by_similarity,
+            by_similarity: rule == ShiftRule::Similar,
         };
         let x = shift.forward(self, &ids, &positions, &mut cache)?;
-        self.blend_output(&x, cache, recomputed, chunk_pos.len())
-    }
-
-    fn blend_prefill_deep(
-        &self,
-        asm: &Assembly,
-        mut cache: KvCache,
-        stored: (&PrefixKv, &[&ChunkKv]),
-        recompute: &[usize],
-        from_layer: usize,
-    ) -> Result<BlendOutput> {
-        let n_layer = self.config().n_layer;
-        if from_layer == 0 || from_layer >= n_layer {
-            return Err(EngineError::InvalidInput(format!(
-                "the first recomputed layer {from_layer} must be within 1..{n_layer}"
-            )));
-        }
-        let chunk_pos = asm.chunk_positions();
-        let question = question_of(asm)?;
-        let mut recomputed = recompute.to_vec();
-        recomputed.sort_unstable();
-        recomputed.dedup();
-        if let Some(&bad) = recomputed
-            .iter()
-            .find(|p| chunk_pos.binary_search(p).is_err())
-        {
-            return Err(EngineError::InvalidInput(format!(
-                "position {bad} to recompute is not a chunk token"
-            )));
-        }
-        let (prefix, chunks) = stored;
-        let mut rows = self.own_chunk_hidden(asm, prefix, chunks, &recomputed, from_layer)?;
-        let qids: Vec<u32> = question.iter().map(|&p| asm.ids[p]).collect();
-        let (xq, _) = self.forward_layers(
-            self.embed(&qids)?,
-            &question,
-            &mut cache,
-            0..from_layer,
-            false,
-        )?;
-        rows.push(xq);
-        let mut positions = recomputed.clone();
-        positions.extend(&question);
-        let (x, _) = self.forward_layers(
-            Tensor::cat(&rows, 0)?,
-            &positions,
-            &mut cache,
-            from_layer..n_layer,
-            false,
-        )?;
         self.blend_output(&x, cache, recomputed, chunk_pos.len())
     }
 }
 
 impl Model {
-    /// Two-stage blend: the `candidates` and the question run layers `..through` over a copy
-    /// of `fused` (their rows there fresh), then `choose` (given that cache) names the
-    /// candidates that continue with the question through the remaining layers.
-    fn blend_two_stage(
-        &self,
-        asm: &Assembly,
-        fused: &KvCache,
-        candidates: &[usize],
-        through: usize,
-        choose: impl FnOnce(&KvCache) -> Vec<usize>,
-    ) -> Result<BlendOutput> {
-        let n_layer = self.config().n_layer;
-        let chunk_pos = asm.chunk_positions();
-        let question = question_of(asm)?;
-        let mut all = candidates.to_vec();
-        all.extend(&question);
-        let ids: Vec<u32> = all.iter().map(|&p| asm.ids[p]).collect();
-        let mut cache = fused.clone();
-        let (h, _) = self.forward_layers(self.embed(&ids)?, &all, &mut cache, 0..through, false)?;
-        let mut recomputed = choose(&cache);
-        recomputed.sort_unstable();
-        recomputed.dedup();
-        // Rows of `h` (ordered as `all`) that continue: the chosen chunk tokens and the question.
-        let mut keep = vec![false; asm.ids.len()];
-        recomputed
-            .iter()
-            .chain(&question)
-            .for_each(|&p| keep[p] = true);
-        let rows: Vec<u32> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, &p)| keep[p])
-            .map(|(i, _)| i as u32)
-            .collect();
-        let positions: Vec<usize> = rows.iter().map(|&i| all[i as usize]).collect();
-        let h = h.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
-        let (x, _) = self.forward_layers(h, &positions, &mut cache, through..n_layer, false)?;
-        self.blend_output(&x, cache, recomputed, chunk_pos.len())
-    }
-
     /// A blend's output once its last pass left the residual rows `x` (the prompt's last
-    /// position last): that row's logits, with `cache` and `recomputed` as they are.
-    fn blend_output(
+    /// position last): that row's logits, with `cache` and `recomputed` as they are. For a
+    /// blend built from the forward's pieces ([`Model::forward_layers`]).
+    pub fn blend_output(
         &self,
         x: &Tensor,
         cache: KvCache,
@@ -505,105 +388,10 @@ impl Model {
             reserve: Vec::new(),
         })
     }
-
-    /// The residual stream at `from_layer` of the chunk tokens at `picked` (sorted absolute
-    /// positions), each computed within its own chunk as ingestion computed the chunk: a pass
-    /// of those tokens alone through layers `..from_layer` over the chunk's stored rows placed
-    /// where they were computed (after the prefix, or alone). Rows in `picked` order.
-    fn own_chunk_hidden(
-        &self,
-        asm: &Assembly,
-        prefix: &PrefixKv,
-        chunks: &[&ChunkKv],
-        picked: &[usize],
-        from_layer: usize,
-    ) -> Result<Vec<Tensor>> {
-        let mut out = Vec::new();
-        for (seg, kv) in asm.chunks().zip(chunks) {
-            let mine: Vec<usize> = picked
-                .iter()
-                .copied()
-                .filter(|p| seg.ids.contains(p))
-                .collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let mut own = match kv.mode {
-                crate::reuse::chunk::PrecomputeMode::AfterPrefix { .. } => {
-                    let mut c = prefix.cache.clone();
-                    c.truncate(kv.base_pos);
-                    c
-                }
-                crate::reuse::chunk::PrecomputeMode::Standalone => self.new_cache(),
-            };
-            self.place_chunk(&mut own, kv, kv.base_pos)?;
-            let pos: Vec<usize> = mine
-                .iter()
-                .map(|p| kv.base_pos + (p - seg.ids.start))
-                .collect();
-            let ids: Vec<u32> = mine.iter().map(|&p| asm.ids[p]).collect();
-            let (x, _) =
-                self.forward_layers(self.embed(&ids)?, &pos, &mut own, 0..from_layer, false)?;
-            out.push(x);
-        }
-        Ok(out)
-    }
-}
-
-/// The reused K and V rows of the positions a blend recomputes, every layer, kept to measure
-/// how far recomputing moved them.
-struct ReusedRows {
-    positions: Vec<usize>,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-}
-
-impl ReusedRows {
-    fn copy(cache: &KvCache, positions: &[usize]) -> Self {
-        let row = cache.row_len();
-        let rows = |data: &[f32]| -> Vec<f32> {
-            positions
-                .iter()
-                .flat_map(|&p| data[p * row..(p + 1) * row].iter().copied())
-                .collect()
-        };
-        Self {
-            positions: positions.to_vec(),
-            k: (0..cache.n_layer()).map(|l| rows(cache.k(l))).collect(),
-            v: (0..cache.n_layer()).map(|l| rows(cache.v(l))).collect(),
-        }
-    }
-
-    /// `sqrt(Σ|fresh - reused|² / Σ|reused|²)` over every layer, for K and for V.
-    fn deviation(&self, fresh: &KvCache) -> (f32, f32) {
-        (
-            self.ratio(&self.k, |l| fresh.k(l), fresh.row_len()),
-            self.ratio(&self.v, |l| fresh.v(l), fresh.row_len()),
-        )
-    }
-
-    fn ratio<'c>(&self, old: &[Vec<f32>], new: impl Fn(usize) -> &'c [f32], row: usize) -> f32 {
-        let (mut diff, mut norm) = (0f64, 0f64);
-        for (l, old) in old.iter().enumerate() {
-            let data = new(l);
-            for (i, &p) in self.positions.iter().enumerate() {
-                let was = &old[i * row..(i + 1) * row];
-                for (&a, &b) in data[p * row..(p + 1) * row].iter().zip(was) {
-                    diff += f64::from(a - b) * f64::from(a - b);
-                    norm += f64::from(b) * f64::from(b);
-                }
-            }
-        }
-        if norm > 0.0 {
-            (diff / norm).sqrt() as f32
-        } else {
-            0.0
-        }
-    }
 }
 
 /// The question's positions; a blend with no question has nothing to compute.
-fn question_of(asm: &Assembly) -> Result<Vec<usize>> {
+pub fn question_of(asm: &Assembly) -> Result<Vec<usize>> {
     let question = asm.question_positions();
     if question.is_empty() {
         return Err(EngineError::InvalidInput(

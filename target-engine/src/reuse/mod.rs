@@ -9,4 +9,4 @@ pub mod blend;
 pub mod chunk;
 pub mod fidelity;
 pub mod select;
-pub(crate) mod shift;
+pub mod shift;

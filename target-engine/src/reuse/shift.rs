@@ -11,6 +11,16 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use candle_core::Tensor;
 
+/// How a reused row estimates its move from its chunk's picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShiftRule {
+    /// As the picks whose keys it resembles: a softmax over key dot products per kv head (the
+    /// default method, `target_probe_shift`).
+    Similar,
+    /// By the picks' mean move (the evaluation's `probe_shift`).
+    Mean,
+}
+
 /// The reused rows a pass corrects, chunk by chunk, and how each estimates its move.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Shift {

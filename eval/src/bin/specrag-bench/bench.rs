@@ -2,8 +2,9 @@
 //! `specrag-bench blend` (blended against full prefill, every selector at each ratio).
 
 use crate::args::{BenchMode, BlendArgs, PrefillArgs};
+use eval::method::Method;
 use gateway::cli::{load, load_pair, spinner, ModelArgs};
-use gateway::method::{Method, SelectorInputs};
+use gateway::method::SelectorInputs;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -291,7 +292,7 @@ impl Bench<'_> {
         }
         let mut rows = Vec::new();
         for (method, ratio) in runs {
-            let selector = method.selector(SelectorInputs::default());
+            let selector = method.selector(SelectorInputs::default(), 0);
             let mut times = Vec::new();
             let mut last = None;
             for r in 0..self.reps {

@@ -249,8 +249,7 @@ pub struct QueryArgs {
     /// Collection to retrieve from (1 to 128 ASCII letters, digits, `-`, `_` and `.`).
     #[arg(long, default_value = "default", value_parser = collection_name)]
     pub collection: String,
-    /// How the tokens to recompute are chosen (`oracle` and `random` are measurement bounds,
-    /// refused here as by the API).
+    /// How the tokens to recompute are chosen (every method the API serves).
     #[arg(long, value_enum, default_value_t = Method::TargetProbeShift)]
     pub method: Method,
     /// Share of chunk tokens to recompute (0..=1).
