@@ -40,7 +40,8 @@ pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig, SlidingWindow};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
-    chat_prompt, raw_prompt, FinishReason, GenerateParams, Generation, Prefilled, DEFAULT_SYSTEM,
+    chat_prompt, raw_prompt, FilledCache, FinishReason, GenerateParams, Generation, Prefilled,
+    DEFAULT_SYSTEM,
 };
 pub use decode::repetition::LoopDetector;
 pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewDraft, ViewGeneration, ViewParams};
@@ -49,7 +50,7 @@ pub use decode::specontext::{
 };
 pub use decode::speculative::{Drafter, PromptLookup};
 pub use decode::stream::{Flow, Shown, TextStream};
-pub use decode::verify::{VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
+pub use decode::verify::{Continuation, VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
 pub use error::{EngineError, Result};
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};

@@ -64,8 +64,12 @@ fn recompute_everything_equals_full_prefill() {
                 assert!(max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4);
             }
             let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
+            let check = CacheBlend {
+                check_layer: 0,
+                by_value: false,
+            };
             let cb = m
-                .blend_prefill_cacheblend(&s.asm, &fused, &all, all.len(), (0, false))
+                .blend_prefill_cacheblend(&s.asm, &fused, &all, all.len(), check)
                 .expect("cacheblend");
             assert!(
                 max_diff(&cb.logits, &full) < 1e-4,

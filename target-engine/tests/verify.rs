@@ -7,8 +7,8 @@ mod common;
 use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    Architecture, ChunkKv, Drafter, Epic, GenerateParams, KvCache, LoadOptions, Model,
-    PromptLookup, RagTemplate, Sampler, SamplingParams, SelectInput, Selector, VerifyEvent,
+    Architecture, ChunkKv, Continuation, Drafter, Epic, GenerateParams, KvCache, LoadOptions,
+    Model, PromptLookup, RagTemplate, Sampler, SamplingParams, SelectInput, Selector, VerifyEvent,
     VerifyMode, VerifyParams,
 };
 
@@ -65,10 +65,15 @@ fn verified(
     let mut events = Vec::new();
     let ids = c.asm.ids.clone();
     let g = m
-        .verified_generate(d, || m.prefill(&ids), params, &mut |e| {
-            events.push(e);
-            true
-        })
+        .verified_generate(
+            d.into(),
+            || m.prefill(&ids).map(Into::into),
+            params,
+            &mut |e| {
+                events.push(e);
+                true
+            },
+        )
         .expect("verify");
     (g, events)
 }
@@ -84,10 +89,11 @@ fn verified_drafting(
 ) -> (target_engine::VerifiedGeneration, Vec<VerifyEvent>) {
     let mut events = Vec::new();
     let (tx, rx) = std::sync::mpsc::channel();
-    tx.send(m.prefill(&c.asm.ids)).expect("send");
+    tx.send(m.prefill(&c.asm.ids).map(Into::into))
+        .expect("send");
     let g = m
         .verified_generate_from(
-            d,
+            d.into(),
             rx,
             params,
             &mut |e| {
@@ -239,9 +245,12 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         let full = m.prefill(&c.asm.ids).expect("prefill");
         let g = m
             .continue_exact(
-                full,
-                &generated,
-                (max, greedy()),
+                full.into(),
+                Continuation {
+                    generated: &generated,
+                    max_tokens: max,
+                    pick: greedy(),
+                },
                 &mut |e| {
                     events.push(e);
                     true
@@ -256,9 +265,12 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
         let mut d = Drafter::new(&m, cache, logits).with_min_prob(0.0);
         let drafted = m
             .continue_exact(
-                full,
-                &generated,
-                (max, greedy()),
+                full.into(),
+                Continuation {
+                    generated: &generated,
+                    max_tokens: max,
+                    pick: greedy(),
+                },
                 &mut |_| true,
                 Some(&mut d),
             )
@@ -314,9 +326,12 @@ fn a_sampled_continuation_is_full_recomputes_sample_for_the_seed() {
             .expect("approx");
         let got = m
             .continue_exact(
-                m.prefill(&c.asm.ids).expect("prefill"),
-                &approx.ids,
-                (max, Sampler::new(params.sampling)),
+                m.prefill(&c.asm.ids).expect("prefill").into(),
+                Continuation {
+                    generated: &approx.ids,
+                    max_tokens: max,
+                    pick: Sampler::new(params.sampling),
+                },
                 &mut |_| true,
                 None,
             )

@@ -484,9 +484,12 @@ impl Pipeline {
         };
         let pick = target_engine::Sampler::new(generate_params(q).sampling);
         let vg = target.continue_exact(
-            (cache, logits),
-            generated,
-            (q.max_tokens, pick),
+            target_engine::FilledCache { cache, logits },
+            target_engine::Continuation {
+                generated,
+                max_tokens: q.max_tokens,
+                pick,
+            },
             &mut |e| {
                 let flow = match e {
                     VerifyEvent::Retract { n } => stream.keep(checked - n, &mut show),

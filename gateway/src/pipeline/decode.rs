@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Instant;
 use target_engine::prelude::*;
 use target_engine::{
-    Assembly, BlendOutput, Flow, KvCache, Shown, SpecDecodeStats as SpecStats, TextStream,
+    Assembly, BlendOutput, FilledCache, Flow, Shown, SpecDecodeStats as SpecStats, TextStream,
     VerifyEvent, VerifyMode, VerifyParams,
 };
 
 /// The full prefill of a verified request, running since the request started.
 pub(super) struct FullPrefill {
-    rx: std::sync::mpsc::Receiver<target_engine::Result<(KvCache, Vec<f32>)>>,
+    rx: std::sync::mpsc::Receiver<target_engine::Result<FilledCache>>,
     hit: bool,
     ms: Arc<std::sync::Mutex<f64>>,
 }
@@ -135,7 +135,10 @@ impl Pipeline {
             let (tx, rx) = std::sync::mpsc::channel();
             match cached {
                 Some(c) => {
-                    let _ = tx.send(Ok((c.0.clone(), c.1.clone())));
+                    let _ = tx.send(Ok(FilledCache {
+                        cache: c.0.clone(),
+                        logits: c.1.clone(),
+                    }));
                 }
                 None => {
                     let (ids, ms_out, contexts) = (&asm.ids, full_ms.clone(), &self.contexts);
@@ -147,7 +150,7 @@ impl Pipeline {
                         if let Ok((cache, logits)) = &r {
                             contexts.keep(key, cache, logits);
                         }
-                        let _ = tx.send(r);
+                        let _ = tx.send(r.map(FilledCache::from));
                     });
                 }
             }
@@ -193,7 +196,10 @@ impl Pipeline {
             Shown::Replace(t) => on_piece(Piece::Replace(t)),
         };
         let g = target.verified_generate_from(
-            (draft.cache, draft.logits),
+            FilledCache {
+                cache: draft.cache,
+                logits: draft.logits,
+            },
             full.rx,
             &params,
             &mut |e| {

@@ -20,6 +20,24 @@ pub struct Prefilled<'a> {
     pub logits: Vec<f32>,
 }
 
+/// A cache filled through a prompt and the logits at its last position, owned: what a
+/// prefill returns and what verification drafts on or checks against.
+#[derive(Debug, Clone)]
+pub struct FilledCache {
+    pub cache: KvCache,
+    pub logits: Vec<f32>,
+}
+
+impl From<(KvCache, Vec<f32>)> for FilledCache {
+    /// What [`Model::prefill`](crate::Model::prefill) returns.
+    fn from(prefill: (KvCache, Vec<f32>)) -> Self {
+        Self {
+            cache: prefill.0,
+            logits: prefill.1,
+        }
+    }
+}
+
 /// Generation settings.
 #[derive(Debug, Clone)]
 pub struct GenerateParams {

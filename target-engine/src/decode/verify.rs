@@ -14,6 +14,7 @@
 //! decoding over the full cache, each pass keeping only what the full cache would have chosen.
 
 use crate::decode::draft::{DraftLength, SpecDecodeStats};
+use crate::decode::generate::FilledCache;
 use crate::decode::speculative::{DraftRoom, Drafter};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -143,8 +144,8 @@ struct Draft {
 }
 
 /// The full prefill as it arrives from its thread, checked against the prompt's length.
-fn receive_full(r: Option<Result<(KvCache, Vec<f32>)>>, prompt_len: usize) -> Result<Full> {
-    let (cache, logits) =
+fn receive_full(r: Option<Result<FilledCache>>, prompt_len: usize) -> Result<Full> {
+    let FilledCache { cache, logits } =
         r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
     if cache.len() != prompt_len {
         return Err(EngineError::Internal(format!(
@@ -172,6 +173,17 @@ struct Full {
     pick: Sampler,
 }
 
+/// What [`Verify::continue_exact`] goes on from: the tokens an approximate cache decoded, and
+/// the limits the full cache decodes under.
+#[derive(Debug, Clone, Copy)]
+pub struct Continuation<'g> {
+    /// The tokens decoded from the approximate cache, checked against the full cache.
+    pub generated: &'g [u32],
+    pub max_tokens: usize,
+    /// How the full cache chooses its tokens (greedy, or the request's seeded sampler).
+    pub pick: Sampler,
+}
+
 /// Verified decoding: drafts from a reused cache checked against the full prefill's, so the
 /// answer is full recompute's token for token.
 pub trait Verify {
@@ -180,8 +192,8 @@ pub trait Verify {
     /// prefill, run on its own thread) is ready. `on_event` returning `false` cancels.
     fn verified_generate(
         &self,
-        draft: (KvCache, Vec<f32>),
-        full: impl FnOnce() -> Result<(KvCache, Vec<f32>)> + Send,
+        draft: FilledCache,
+        full: impl FnOnce() -> Result<FilledCache> + Send,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration>;
@@ -193,8 +205,8 @@ pub trait Verify {
     /// committed token still the full cache's greedy choice.
     fn verified_generate_from(
         &self,
-        cache_logits: (KvCache, Vec<f32>),
-        rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
+        draft: FilledCache,
+        rx: mpsc::Receiver<Result<FilledCache>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
@@ -211,9 +223,8 @@ pub trait Verify {
     /// decode from the full cache.
     fn continue_exact(
         &self,
-        cache_logits: (KvCache, Vec<f32>),
-        generated: &[u32],
-        max_tokens_pick: (usize, Sampler),
+        full: FilledCache,
+        answer: Continuation<'_>,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration>;
@@ -222,8 +233,8 @@ pub trait Verify {
 impl Verify for Model {
     fn verified_generate(
         &self,
-        draft: (KvCache, Vec<f32>),
-        full: impl FnOnce() -> Result<(KvCache, Vec<f32>)> + Send,
+        draft: FilledCache,
+        full: impl FnOnce() -> Result<FilledCache> + Send,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration> {
@@ -239,12 +250,13 @@ impl Verify for Model {
 
     fn verified_generate_from(
         &self,
-        (cache, logits): (KvCache, Vec<f32>),
-        rx: mpsc::Receiver<Result<(KvCache, Vec<f32>)>>,
+        draft: FilledCache,
+        rx: mpsc::Receiver<Result<FilledCache>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         mut drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
+        let FilledCache { cache, logits } = draft;
         let t0 = Instant::now();
         let mut d = Draft {
             t0,
@@ -295,12 +307,17 @@ impl Verify for Model {
 
     fn continue_exact(
         &self,
-        (cache, logits): (KvCache, Vec<f32>),
-        generated: &[u32],
-        (max_tokens, pick): (usize, Sampler),
+        full: FilledCache,
+        answer: Continuation<'_>,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
+        let FilledCache { cache, logits } = full;
+        let Continuation {
+            generated,
+            max_tokens,
+            pick,
+        } = answer;
         let t0 = Instant::now();
         let tok = self.tokenizer();
         let mut out = VerifiedGeneration::default();

@@ -14,6 +14,7 @@ use crate::model::Model;
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
+use crate::reuse::select::CacheBlend;
 use crate::reuse::shift::{Shift, ShiftGroup, ShiftRule};
 use candle_core::{Device, Tensor};
 
@@ -106,7 +107,7 @@ pub trait Blend {
         fused: &KvCache,
         candidates: &[usize],
         k: usize,
-        check: (usize, bool),
+        check: CacheBlend,
     ) -> Result<BlendOutput>;
 
     /// A blend in two stages: the `candidates` and the question run layers `..through` over a
@@ -235,9 +236,12 @@ impl Blend for Model {
         fused: &KvCache,
         candidates: &[usize],
         k: usize,
-        check: (usize, bool),
+        check: CacheBlend,
     ) -> Result<BlendOutput> {
-        let (check_layer, by_value) = check;
+        let CacheBlend {
+            check_layer,
+            by_value,
+        } = check;
         let n_layer = self.config().n_layer;
         if check_layer + 1 >= n_layer {
             return Err(EngineError::InvalidInput(format!(

@@ -256,10 +256,10 @@ impl Selector for CacheBlend {
             &fused,
             &input.candidates(),
             input.spend(),
-            (
-                self.check_layer.min(n_layer.saturating_sub(2)),
-                self.by_value,
-            ),
+            CacheBlend {
+                check_layer: self.check_layer.min(n_layer.saturating_sub(2)),
+                by_value: self.by_value,
+            },
         )
     }
 }
