@@ -2,10 +2,10 @@
 //! [`Experiment`] the pipeline asks) and teacher forcing over the prefill's cache it kept.
 
 use crate::method::Method;
-use crate::selectors::Measured;
+use crate::selectors::{record_deviation, reused_rows};
 use gateway::pipeline::{ChunkOrder, Experiment, Query, ScoreSource, Traced};
 use speculator::LayerRange;
-use target_engine::{Model, Selector};
+use target_engine::{BlendOutput, KvCache, Model, SelectInput, Selector};
 
 /// What the evaluation sets on a query that a request cannot.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -42,14 +42,20 @@ impl Experiment for Knobs {
         self.keep_prefill
     }
     fn selector<'a>(&'a self, q: &Query, served: Box<dyn Selector + 'a>) -> Box<dyn Selector + 'a> {
-        let chosen = match self.method.and_then(|m| m.own_selector(q.seed)) {
+        match self.method.and_then(|m| m.own_selector(q.seed)) {
             Some(own) => own,
             None => served,
-        };
-        if self.blend_signals {
-            Box::new(Measured { inner: chosen })
-        } else {
-            chosen
+        }
+    }
+    fn before_blend(&self, input: &SelectInput<'_>) -> target_engine::Result<Option<KvCache>> {
+        match self.blend_signals {
+            true => reused_rows(input),
+            false => Ok(None),
+        }
+    }
+    fn after_blend(&self, before: Option<KvCache>, out: &mut BlendOutput) {
+        if let Some(before) = before {
+            record_deviation(&before, out);
         }
     }
     fn look(&self) -> Option<gateway::fidelity::LookRows> {

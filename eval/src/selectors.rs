@@ -1,8 +1,8 @@
 //! The evaluation's own selectors, built from the engine's public pieces and handed to the
 //! pipeline through [`Knobs`](crate::forcing::Knobs): the ablations of `target_probe` (each
 //! changes one thing: how the probe scores, how it picks, or how the picks are recomputed), the
-//! [`Oracle`] upper bound, the [`Random`] floor, and [`Measured`], which records how far a
-//! blend moved the rows it recomputed. None of them is served.
+//! [`Oracle`] upper bound, the [`Random`] floor; and [`record_deviation`], how far a blend
+//! moved the rows it recomputed. None of them is served.
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -333,51 +333,44 @@ impl Selector for Oracle {
     }
 }
 
-/// A selector whose blend also reports how far recomputing moved the rows it recomputed
-/// ([`BlendSignals::deviation_k`](target_engine::BlendSignals::deviation_k), `deviation_v`):
-/// the reused rows are a fresh fused cache of the same inputs, built before the blend. The
-/// copy is the evaluation's cost; where the query read no chunk KV (full recompute) nothing is
-/// measured.
-pub struct Measured<'a> {
-    pub inner: Box<dyn Selector + 'a>,
+/// The reused rows a blend starts from, kept to measure how far it moved them
+/// ([`record_deviation`]): the fused cache of `input`, or `None` where the query read no chunk
+/// KV (full recompute). The copy is the evaluation's cost, taken off the query's clock
+/// ([`Experiment::before_blend`](gateway::pipeline::Experiment::before_blend)).
+pub fn reused_rows(input: &SelectInput) -> Result<Option<KvCache>> {
+    let read_kv = input.chunks.len() == input.assembly.chunks().count();
+    read_kv.then(|| input.fused()).transpose()
 }
 
-impl Selector for Measured<'_> {
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
-        self.inner.select(input)
-    }
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
-        let read_kv = input.chunks.len() == input.assembly.chunks().count();
-        let before = if read_kv { Some(input.fused()?) } else { None };
-        let mut out = self.inner.prefill(input)?;
-        if let Some(before) = before {
-            let rows = |c: &KvCache, l: usize, k: bool| -> Vec<f32> {
-                let (row, data) = (c.row_len(), if k { c.k(l) } else { c.v(l) });
-                out.recomputed
-                    .iter()
-                    .flat_map(|&p| data[p * row..(p + 1) * row].iter().copied())
-                    .collect()
+/// How far the blend `out` moved the rows it recomputed from `before` (what
+/// [`reused_rows`] kept), into its [`BlendSignals`](target_engine::BlendSignals):
+/// `sqrt(Σ|fresh - reused|² / Σ|reused|²)` over every layer, for K and for V.
+pub fn record_deviation(before: &KvCache, out: &mut BlendOutput) {
+    let ratio = |k: bool| -> f32 {
+        let row = before.row_len();
+        let (mut diff, mut norm) = (0f64, 0f64);
+        for l in 0..before.n_layer() {
+            let (new, old) = if k {
+                (out.cache.k(l), before.k(l))
+            } else {
+                (out.cache.v(l), before.v(l))
             };
-            let ratio = |k: bool| -> f32 {
-                let (mut diff, mut norm) = (0f64, 0f64);
-                for l in 0..before.n_layer() {
-                    for (a, b) in rows(&out.cache, l, k).into_iter().zip(rows(&before, l, k)) {
-                        diff += f64::from(a - b) * f64::from(a - b);
-                        norm += f64::from(b) * f64::from(b);
-                    }
+            for &p in &out.recomputed {
+                let span = p * row..(p + 1) * row;
+                for (&a, &b) in new[span.clone()].iter().zip(&old[span]) {
+                    diff += f64::from(a - b) * f64::from(a - b);
+                    norm += f64::from(b) * f64::from(b);
                 }
-                if norm > 0.0 {
-                    (diff / norm).sqrt() as f32
-                } else {
-                    0.0
-                }
-            };
-            let (k, v) = (ratio(true), ratio(false));
-            out.signals.deviation_k = k;
-            out.signals.deviation_v = v;
+            }
         }
-        Ok(out)
-    }
+        if norm > 0.0 {
+            (diff / norm).sqrt() as f32
+        } else {
+            0.0
+        }
+    };
+    out.signals.deviation_k = ratio(true);
+    out.signals.deviation_v = ratio(false);
 }
 
 /// Each layer's mass divided by its sum over `candidates` (a layer with none is skipped),

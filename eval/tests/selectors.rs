@@ -4,14 +4,12 @@
 
 use eval::method::Method;
 use eval::selectors::{
-    blend_deep, blend_shallow, even_shares, widen_to_chunks, Ablation, Measured, Oracle, Random,
-    Stored,
+    blend_deep, blend_shallow, even_shares, record_deviation, reused_rows, widen_to_chunks,
+    Ablation, Oracle, Random, Stored,
 };
 use target_engine::prelude::*;
 use target_engine::testing::{load_tiny, max_abs_diff as max_diff, TinyRag, TinySpec, TINY_DOCS};
-use target_engine::{
-    budget, Architecture, ChunkKv, FullRecompute, Model, SelectInput, Selector, TargetProbe,
-};
+use target_engine::{budget, Architecture, ChunkKv, Model, SelectInput, Selector, TargetProbe};
 
 fn tiny_of(spec: &TinySpec) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -209,34 +207,24 @@ fn measuring_the_blend_reports_its_deviation_and_changes_nothing() {
     let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
     let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.3);
     let plain = TargetProbe::default().prefill(&input).expect("blend");
-    let measured = Measured {
-        inner: Box::new(TargetProbe::default()),
-    }
-    .prefill(&input)
-    .expect("blend");
+    let before = reused_rows(&input).expect("fused").expect("chunk KV read");
+    let mut measured = TargetProbe::default().prefill(&input).expect("blend");
+    record_deviation(&before, &mut measured);
     assert_eq!(plain.signals.deviation_k, 0.0);
     assert!(measured.signals.deviation_k > 0.0 && measured.signals.deviation_v > 0.0);
     assert_eq!(plain.logits, measured.logits);
     assert_eq!(plain.signals.uncovered, measured.signals.uncovered);
     // Nothing recomputed: nothing moved.
     let none = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.0);
-    let idle = Measured {
-        inner: Box::new(TargetProbe::default()),
-    }
-    .prefill(&none)
-    .expect("blend");
+    let mut idle = TargetProbe::default().prefill(&none).expect("blend");
+    record_deviation(&before, &mut idle);
     assert_eq!(
         (idle.signals.deviation_k, idle.signals.deviation_v),
         (0.0, 0.0)
     );
-    // Full recompute reads no chunk KV: the wrapper builds no fused cache.
+    // Full recompute reads no chunk KV: nothing is kept to measure against.
     let no_kv = SelectInput::new(&m, &s.asm, &s.prefix, &[], 1.0);
-    let full = Measured {
-        inner: Box::new(FullRecompute),
-    }
-    .prefill(&no_kv)
-    .expect("full");
-    assert_eq!(full.signals.deviation_k, 0.0);
+    assert!(reused_rows(&no_kv).expect("no copy").is_none());
 }
 
 #[test]

@@ -55,7 +55,7 @@ pub use error::{EngineError, Result};
 pub use kv::KvCache;
 pub use model::{ForwardOutput, LoadOptions, Model};
 pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
-pub use reuse::blend::{kind_at, BlendOutput, BlendSignals};
+pub use reuse::blend::{kind_at, BlendOutput, BlendSignals, DeviationCheck};
 pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use reuse::select::{
     budget, layer_span, ranked_rest, top_k, uncovered, CacheBlend, Epic, FullRecompute, FullReuse,

@@ -64,8 +64,8 @@ fn recompute_everything_equals_full_prefill() {
                 assert!(max_diff(out.cache.v(l), full_cache.v(l)) < 1e-4);
             }
             let fused = m.fused_cache(&s.asm, &s.prefix, &refs).expect("fused");
-            let check = CacheBlend {
-                check_layer: 0,
+            let check = target_engine::DeviationCheck {
+                layer: 0,
                 by_value: false,
             };
             let cb = m

@@ -26,6 +26,15 @@ pub(super) fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize
     }
 }
 
+/// What step 2 hands on: the blend's output, how many of its leading rows a full prefill
+/// computes alike ([`exact_rows`]), and the time the experiment's hooks took (off the
+/// query's clock).
+pub(super) struct Blended {
+    pub(super) out: BlendOutput,
+    pub(super) exact_rows: usize,
+    pub(super) experiment_ms: f64,
+}
+
 impl Pipeline {
     /// True when `q` decodes from a full prefill and reads no chunk KV (full recompute, or
     /// sampling with verification: exact samples come from the full cache).
@@ -104,8 +113,7 @@ impl Pipeline {
     }
 
     /// Step 2: the method's selector over the loaded KV, and its blended prefill (or the full
-    /// prefill). Records `align_ms` (selection) and `prefill_ms`. Also returns how many of
-    /// the fused cache's leading rows a full prefill would compute alike ([`exact_rows`]).
+    /// prefill). Records `align_ms` (selection) and `prefill_ms`.
     pub(super) fn blend(
         &self,
         run: Run<'_>,
@@ -113,7 +121,7 @@ impl Pipeline {
         loaded: &[LoadedChunk],
         mut scored: Option<ScoredTokens>,
         timings: &mut Timings,
-    ) -> Result<(BlendOutput, usize)> {
+    ) -> Result<Blended> {
         let Run { query: q, exp } = run;
         let target = &self.engines.target;
         let method = if Self::reads_no_kv(q) {
@@ -144,12 +152,22 @@ impl Pipeline {
             // it competes for the budget like the others.
             input.first_chunk_exact = false;
         }
+        let before_ms = Instant::now();
+        let before = exp.before_blend(&input)?;
+        let mut experiment_ms = ms(before_ms);
         let t = Instant::now();
-        let out = selector.prefill(&input)?;
+        let mut out = selector.prefill(&input)?;
         timings.align_ms = out.select_ms;
         timings.prefill_ms = ms(t) - out.select_ms;
-        let kept = exact_rows(&input, &out.recomputed);
-        Ok((out, kept))
+        let after_ms = Instant::now();
+        exp.after_blend(before, &mut out);
+        experiment_ms += ms(after_ms);
+        let exact_rows = exact_rows(&input, &out.recomputed);
+        Ok(Blended {
+            out,
+            exact_rows,
+            experiment_ms,
+        })
     }
 
     /// The SpecCache selector (over `layers`, where the experiment sets them).

@@ -9,7 +9,9 @@ use crate::answer::Answer;
 use crate::fidelity::LookRows;
 use serde::{Deserialize, Serialize};
 use speculator::LayerRange;
-use target_engine::{Assembly, BlendOutput, BlendSignals, Generation, KvCache, Selector};
+use target_engine::{
+    Assembly, BlendOutput, BlendSignals, Generation, KvCache, SelectInput, Selector,
+};
 
 /// A query and the experiment it runs under ([`Served`] for a served query), as the road's
 /// steps take them.
@@ -45,8 +47,7 @@ pub trait Experiment {
         false
     }
     /// The selector that runs the query's blend, given the one its method serves with: that
-    /// one (a served query's), or the evaluation's own (an ablation, a bound, a wrapper that
-    /// measures the blend's deviation signals into [`Traced::signals`]).
+    /// one (a served query's), or the evaluation's own (an ablation, a bound).
     fn selector<'a>(
         &'a self,
         query: &Query,
@@ -54,6 +55,18 @@ pub trait Experiment {
     ) -> Box<dyn Selector + 'a> {
         let _ = query;
         served
+    }
+    /// Called with the blend's inputs before its prefill, off the query's clock: what the
+    /// experiment keeps of them for [`Experiment::after_blend`] (the reused rows, to measure
+    /// the blend's deviation signals into [`Traced::signals`]); a served query keeps nothing.
+    fn before_blend(&self, input: &SelectInput<'_>) -> target_engine::Result<Option<KvCache>> {
+        let _ = input;
+        Ok(None)
+    }
+    /// Called with the blend's output after its prefill, off the query's clock, with what
+    /// [`Experiment::before_blend`] kept.
+    fn after_blend(&self, before: Option<KvCache>, out: &mut BlendOutput) {
+        let _ = (before, out);
     }
     /// Which chunk tokens the guard's second look recomputes; `None`: the pipeline's
     /// ([`GuardPolicy::look`](crate::fidelity::GuardPolicy::look)).

@@ -167,8 +167,12 @@ impl Pipeline {
                 Tier::Recomputed => reuse.chunks_recomputed += 1,
             }
         }
-        let (out, exact_rows) = self.blend(run, asm, &loaded, scored, &mut timings)?;
-        timings.ttft_ms = ms(t0);
+        let super::blend::Blended {
+            out,
+            exact_rows,
+            experiment_ms,
+        } = self.blend(run, asm, &loaded, scored, &mut timings)?;
+        timings.ttft_ms = ms(t0) - experiment_ms;
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
         reuse.ratio = out.ratio();
@@ -191,7 +195,7 @@ impl Pipeline {
         } = self.decode(q, input, &mut timings, on_piece)?;
         reuse.guard = guard;
         timings.decode_ms = ms(td);
-        timings.total_ms = ms(t0);
+        timings.total_ms = ms(t0) - experiment_ms;
         let answer = Answer {
             answer: std::mem::take(&mut g.text),
             method: q.method,

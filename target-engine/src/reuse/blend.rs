@@ -14,7 +14,6 @@ use crate::model::Model;
 use crate::reuse::assembly::{Assembly, SegmentKind};
 use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
-use crate::reuse::select::CacheBlend;
 use crate::reuse::shift::{Shift, ShiftGroup, ShiftRule};
 use candle_core::{Device, Tensor};
 
@@ -66,6 +65,14 @@ impl BlendOutput {
     }
 }
 
+/// Where CacheBlend compares fresh rows with reused ones: the layer, and K or V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviationCheck {
+    pub layer: usize,
+    /// Compare V rows instead of K rows.
+    pub by_value: bool,
+}
+
 /// Blended prefill on the model: the fused cache of reused rows, and the forward over the
 /// recomputed positions and the question.
 pub trait Blend {
@@ -107,7 +114,7 @@ pub trait Blend {
         fused: &KvCache,
         candidates: &[usize],
         k: usize,
-        check: CacheBlend,
+        check: DeviationCheck,
     ) -> Result<BlendOutput>;
 
     /// A blend in two stages: the `candidates` and the question run layers `..through` over a
@@ -236,10 +243,10 @@ impl Blend for Model {
         fused: &KvCache,
         candidates: &[usize],
         k: usize,
-        check: CacheBlend,
+        check: DeviationCheck,
     ) -> Result<BlendOutput> {
-        let CacheBlend {
-            check_layer,
+        let DeviationCheck {
+            layer: check_layer,
             by_value,
         } = check;
         let n_layer = self.config().n_layer;

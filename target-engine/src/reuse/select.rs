@@ -13,7 +13,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use crate::reuse::assembly::Assembly;
 use crate::reuse::blend::Blend;
-use crate::reuse::blend::BlendOutput;
+use crate::reuse::blend::{BlendOutput, DeviationCheck};
 use crate::reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
 use crate::reuse::shift::ShiftRule;
 use std::time::Instant;
@@ -256,8 +256,8 @@ impl Selector for CacheBlend {
             &fused,
             &input.candidates(),
             input.spend(),
-            CacheBlend {
-                check_layer: self.check_layer.min(n_layer.saturating_sub(2)),
+            DeviationCheck {
+                layer: self.check_layer.min(n_layer.saturating_sub(2)),
                 by_value: self.by_value,
             },
         )

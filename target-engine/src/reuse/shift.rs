@@ -41,9 +41,8 @@ struct Moves {
     keys: Vec<f32>,
 }
 
-/// One chunk's reused rows, corrected at every layer of a pass by the mean deviation the
-/// chunk's recomputed rows showed at that layer (`probe_shift`, a measurement: whether what
-/// the picks learn of the other chunks carries over to the tokens left to reuse).
+/// One chunk's reused rows, corrected at every layer of a pass as the chunk's recomputed rows
+/// were moved at that layer (by the [`ShiftRule`]).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ShiftGroup {
     /// Indices, among the pass's rows, of the chunk's recomputed tokens.
