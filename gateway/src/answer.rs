@@ -90,6 +90,64 @@ pub struct Answer {
     /// The answer is the one plain decoding gives, token for token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub long_context: Option<SpecDecodeReport>,
+    /// With `logprobs`: per answer token, its log-probability under the distribution that
+    /// chose it (the decode step, speculative or verification pass that chose it) and the
+    /// most likely tokens there, in OpenAI's layout. Greedy answers' tokens are each their
+    /// position's first alternative.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// One answer token's evidence (OpenAI's `logprobs.content[]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TokenLogprob {
+    /// The token's text (invalid UTF-8, a piece of a character, shown as U+FFFD).
+    pub token: String,
+    /// Natural log of its probability (-9999 where it is 0).
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at this position, most likely first (as many as asked).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// A likely token at one position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// A logprob as the API writes it: -9999 for an impossible token, as OpenAI does (JSON has
+/// no infinity).
+fn finite(logprob: f32) -> f32 {
+    if logprob.is_finite() {
+        logprob.max(-9999.0)
+    } else {
+        -9999.0
+    }
+}
+
+impl TokenLogprob {
+    /// The API's form of `t`, its tokens spelled by `tok`.
+    pub fn of(tok: &target_engine::Tokenizer, t: &target_engine::TokenLogprobs) -> Self {
+        let top = |l: &target_engine::Logprob| {
+            let bytes = tok.token_bytes(l.id).to_vec();
+            TopLogprob {
+                token: String::from_utf8_lossy(&bytes).into_owned(),
+                logprob: finite(l.logprob),
+                bytes,
+            }
+        };
+        let chosen = top(&t.chosen);
+        Self {
+            token: chosen.token,
+            logprob: chosen.logprob,
+            bytes: chosen.bytes,
+            top_logprobs: t.top.iter().map(top).collect(),
+        }
+    }
 }
 
 /// What speculative decoding did for one answer: prompt lookup or the speculator (over its

@@ -211,6 +211,12 @@ pub struct QueryRequest {
     /// Answer with server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
+    /// Report each answer token's log-probability and this many most likely alternatives (0
+    /// to 20) in the answer's `logprobs`, from the pass that chose the token, for every
+    /// method, verified and speculative decoding included. Absent: none (no cost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 20)]
+    pub logprobs: Option<u64>,
 }
 
 /// A collection name: 1 to 128 ASCII letters, digits, `-`, `_` and `.`.
@@ -339,6 +345,11 @@ impl QueryRequest {
             Some(m) => Some(within("max_context_tokens", m, 1, u64::from(u32::MAX))? as usize),
             None => None,
         };
+        let top = target_engine::MAX_TOP_LOGPROBS as u64;
+        let logprobs = match self.logprobs {
+            Some(k) => Some(within("logprobs", k, 0, top)? as usize),
+            None => None,
+        };
         Ok(Query {
             query: query.to_string(),
             documents,
@@ -355,6 +366,7 @@ impl QueryRequest {
             spec_draft: self.spec_draft,
             long_context: self.long_context,
             max_context_tokens,
+            logprobs,
             ..d
         })
     }

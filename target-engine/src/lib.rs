@@ -43,6 +43,7 @@ pub use decode::generate::{
     chat_prompt, raw_prompt, FilledCache, FinishReason, GenerateParams, Generation, Prefilled,
     DEFAULT_SYSTEM,
 };
+pub use decode::logprobs::{Logprob, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use decode::repetition::LoopDetector;
 pub use decode::sparse::{kivi_cache, TopKConfig, TopKView, ViewDraft, ViewGeneration, ViewParams};
 pub use decode::specontext::{

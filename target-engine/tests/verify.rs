@@ -150,6 +150,7 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
     ] {
         for ratio in [0.0, 0.15, 1.0] {
             let params = VerifyParams {
+                logprobs: None,
                 max_tokens: 40,
                 mode,
                 max_early_drafts: 6,
@@ -175,6 +176,7 @@ fn verified_output_equals_full_recompute_on_a_tiny_model_in_both_modes() {
     // Speculative decoding from the full cache: prompt lookup, then the model drafting over
     // the blended cache (close to the full one, not equal).
     let params = VerifyParams {
+        logprobs: None,
         max_tokens: 40,
         mode: VerifyMode::FromFull,
         max_early_drafts: 6,
@@ -207,6 +209,7 @@ fn verified_output_equals_full_recompute_on_every_family() {
         let c = antenna_case(&m);
         let want = reference(&m, &c.asm.ids, 24);
         let params = VerifyParams {
+            logprobs: None,
             max_tokens: 24,
             mode: VerifyMode::FromFull,
             max_early_drafts: 6,
@@ -247,6 +250,7 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
             .continue_exact(
                 full.into(),
                 Continuation {
+                    logprobs: None,
                     generated: &generated,
                     max_tokens: max,
                     pick: greedy(),
@@ -267,6 +271,7 @@ fn continuing_from_the_full_cache_equals_full_recompute_whatever_came_before() {
             .continue_exact(
                 full.into(),
                 Continuation {
+                    logprobs: None,
                     generated: &generated,
                     max_tokens: max,
                     pick: greedy(),
@@ -328,6 +333,7 @@ fn a_sampled_continuation_is_full_recomputes_sample_for_the_seed() {
             .continue_exact(
                 m.prefill(&c.asm.ids).expect("prefill").into(),
                 Continuation {
+                    logprobs: None,
                     generated: &approx.ids,
                     max_tokens: max,
                     pick: Sampler::new(params.sampling),
@@ -392,6 +398,7 @@ fn verified_output_equals_full_recompute_with_bf16_attention() {
     for mode in [VerifyMode::FromFull, VerifyMode::DraftEvery(4)] {
         for ratio in [0.0, 0.15, 1.0] {
             let params = VerifyParams {
+                logprobs: None,
                 max_tokens: 30,
                 mode,
                 max_early_drafts: 6,
@@ -431,6 +438,7 @@ fn a_corrupted_draft_cache_still_yields_the_exact_output() {
         .for_each(|(i, x)| *x = (i % 7) as f32);
     for mode in [VerifyMode::FromFull, VerifyMode::DraftEvery(5)] {
         let params = VerifyParams {
+            logprobs: None,
             max_tokens: 24,
             mode,
             max_early_drafts: 8,
@@ -484,6 +492,7 @@ fn verified_output_equals_full_recompute_on_20_real_prompts() {
                 VerifyMode::DraftEvery(6)
             };
             let params = VerifyParams {
+                logprobs: None,
                 max_tokens: 16,
                 mode,
                 max_early_drafts: 8,
@@ -502,6 +511,7 @@ fn verified_output_equals_full_recompute_on_20_real_prompts() {
         }
         // Composed with speculative decoding (prompt lookup over the full cache).
         let params = VerifyParams {
+            logprobs: None,
             max_tokens: 16,
             mode: VerifyMode::FromFull,
             max_early_drafts: 8,

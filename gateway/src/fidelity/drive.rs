@@ -489,6 +489,7 @@ impl Pipeline {
                 generated,
                 max_tokens: q.max_tokens,
                 pick,
+                logprobs: q.logprobs,
             },
             &mut |e| {
                 let flow = match e {
@@ -511,6 +512,7 @@ impl Pipeline {
             decode_ms_per_token: 0.0,
             finish: finish_reason(&stream, vg.cancelled || flow == Flow::Cancel, vg.eos),
             margins: Vec::new(),
+            logprobs: crate::pipeline::generate::logprobs_of(vg.logprobs, stream.ids().len()),
         };
         Ok((g, ready, vg.spec))
     }

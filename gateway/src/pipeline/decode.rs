@@ -184,6 +184,7 @@ impl Pipeline {
             } else {
                 self.verify_mode
             },
+            logprobs: q.logprobs,
             ..Default::default()
         };
         // Drafts, commits and withdrawals reach the client through one text stream: stop
@@ -231,6 +232,8 @@ impl Pipeline {
             decode_ms_per_token: 0.0,
             finish,
             margins: Vec::new(),
+            // One per committed token; the stream's stop strings may have cut the answer.
+            logprobs: super::generate::logprobs_of(g.logprobs, stream.ids().len()),
         };
         Ok((generation, stats, g.spec))
     }

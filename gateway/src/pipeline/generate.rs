@@ -8,7 +8,7 @@ use crate::error::{GatewayError, Result};
 use target_engine::prelude::*;
 use target_engine::{
     Assembly, ChunkKv, Drafter, FinishReason, GenerateParams, Generation, KvCache, SamplingParams,
-    SpecDecodeStats as SpecStats, TextStream,
+    SpecDecodeStats as SpecStats, TextStream, TokenLogprobs,
 };
 
 /// How `q` samples and stops.
@@ -21,7 +21,15 @@ pub(crate) fn generate_params(q: &Query) -> GenerateParams {
             seed: q.seed,
         },
         stop: q.stop.clone(),
+        logprobs: q.logprobs,
     }
+}
+
+/// The logprobs of an answer's first `n` tokens (an answer a stop string cut keeps the
+/// logprobs of the tokens it kept).
+pub(crate) fn logprobs_of(mut all: Vec<TokenLogprobs>, n: usize) -> Vec<TokenLogprobs> {
+    all.truncate(n);
+    all
 }
 
 /// Where a decode starts: the prefilled cache, its last logits, and the drafter (if any)

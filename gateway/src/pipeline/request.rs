@@ -46,6 +46,9 @@ pub struct Query {
     /// Most tokens the prompt and the answer may take together; `None`: the pipeline's
     /// `max_context_tokens` (never above it).
     pub max_context_tokens: Option<usize>,
+    /// Report each answer token's logprob and this many alternatives (0 to 20); `None`:
+    /// none (no cost).
+    pub logprobs: Option<usize>,
 }
 
 /// The default ρ. The fidelity study found no selector, the oracle bound included, identical to
@@ -102,6 +105,7 @@ impl Default for Query {
             spec_draft: None,
             long_context: None,
             max_context_tokens: None,
+            logprobs: None,
         }
     }
 }

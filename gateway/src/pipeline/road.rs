@@ -6,7 +6,7 @@ use super::experiment::{Experiment, Outcome, Run, Served, Traced};
 use super::request::{Piece, Query};
 use super::retrieve::too_long;
 use super::{ms, Pipeline};
-use crate::answer::{Answer, ChunkRef, Reuse, Timings};
+use crate::answer::{Answer, ChunkRef, Reuse, Timings, TokenLogprob};
 use crate::corpus::Tier;
 use crate::error::{GatewayError, Result};
 use crate::fidelity::Fidelity;
@@ -219,6 +219,13 @@ impl Pipeline {
             verify,
             spec_decode: spec,
             long_context: long,
+            logprobs: q.logprobs.map(|_| {
+                let tok = self.engines.target.tokenizer();
+                g.logprobs
+                    .iter()
+                    .map(|t| TokenLogprob::of(tok, t))
+                    .collect()
+            }),
         };
         Ok(O::finish(kept, answer, g))
     }

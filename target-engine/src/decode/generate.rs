@@ -1,6 +1,7 @@
 //! Generation on top of the forward pass: full prefill, incremental decode, sampling,
 //! end-of-generation tokens and stop strings, and the prompt in the model's chat format.
 
+use crate::decode::logprobs::TokenLogprobs;
 use crate::decode::stream::{Flow, Shown, TextStream};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -45,6 +46,9 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation stops when the text contains any of these; the stop string is cut off.
     pub stop: Vec<String>,
+    /// Record each token's logprob and this many most likely alternatives
+    /// ([`Generation::logprobs`]); `None`: record nothing (no cost).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateParams {
@@ -53,6 +57,7 @@ impl Default for GenerateParams {
             max_tokens: 128,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -86,6 +91,29 @@ pub struct Generation {
     /// was chosen from ([`top2_gap`]): how far the model was from choosing another token.
     /// Empty where the tokens were not decoded one by one (verification, escalation).
     pub margins: Vec<f32>,
+    /// Per generated token, its logprob and the most likely tokens at its position, from
+    /// the row that chose it, where [`GenerateParams::logprobs`] asked (else empty).
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+/// A token on its way out and what it was chosen from: the row's top-2 gap and, where asked,
+/// the token's logprobs.
+#[derive(Debug, Clone)]
+pub(crate) struct Chosen {
+    pub(crate) id: u32,
+    pub(crate) gap: f32,
+    pub(crate) logprobs: Option<TokenLogprobs>,
+}
+
+impl Chosen {
+    /// `id`, chosen from `row`, with the `k` alternatives [`GenerateParams::logprobs`] asks.
+    pub(crate) fn from_row(id: u32, row: &[f32], k: Option<usize>) -> Self {
+        Self {
+            id,
+            gap: top2_gap(row),
+            logprobs: k.map(|k| TokenLogprobs::of(row, id, k)),
+        }
+    }
 }
 
 /// The gap between the largest and second largest logit (0 with fewer than two): the
@@ -216,7 +244,7 @@ impl Generate for Model {
         let mut steps = 0usize;
         while !emit.ended() {
             let next = sampler.sample_at(&logits, emit.len());
-            if emit.take(next, top2_gap(&logits)) {
+            if emit.take(Chosen::from_row(next, &logits, params.logprobs)) {
                 break;
             }
             let pos = cache.len();
@@ -238,6 +266,7 @@ pub(crate) struct Emit<'a> {
     watch: &'a mut dyn FnMut(&[u32], f32) -> bool,
     ids: Vec<u32>,
     margins: Vec<f32>,
+    logprobs: Vec<TokenLogprobs>,
     finish: FinishReason,
     out: TextStream<'a>,
     watched: bool,
@@ -258,6 +287,7 @@ impl<'a> Emit<'a> {
             watch,
             ids: Vec::new(),
             margins: Vec::new(),
+            logprobs: Vec::new(),
             finish: FinishReason::Length,
             out: TextStream::new(tok, &params.stop),
             watched: false,
@@ -280,14 +310,16 @@ impl<'a> Emit<'a> {
         &self.ids
     }
 
-    /// Takes the next token, chosen from a distribution whose [`top2_gap`] was `gap`; true
-    /// when generation ends with it.
-    pub(crate) fn take(&mut self, id: u32, gap: f32) -> bool {
+    /// Takes the next token, with the [`top2_gap`] and logprobs of the distribution it was
+    /// chosen from; true when generation ends with it.
+    pub(crate) fn take(&mut self, chosen: Chosen) -> bool {
         if self.done {
             return true;
         }
+        let Chosen { id, gap, logprobs } = chosen;
         self.ids.push(id);
         self.margins.push(gap);
+        self.logprobs.extend(logprobs);
         // Asked before the end is taken: ending the answer is a choice like any other.
         self.done = if (self.watch)(&self.ids, gap) {
             self.watched = true;
@@ -325,6 +357,7 @@ impl<'a> Emit<'a> {
             // The tokens after the one that completed the stop string never happened.
             self.ids.truncate(self.out.ids().len());
             self.margins.truncate(self.ids.len());
+            self.logprobs.truncate(self.ids.len());
         }
         let g = Generation {
             text: self.out.text(),
@@ -337,6 +370,7 @@ impl<'a> Emit<'a> {
             },
             finish: self.finish,
             margins: self.margins,
+            logprobs: self.logprobs,
         };
         (g, self.watched)
     }

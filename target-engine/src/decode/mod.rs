@@ -14,6 +14,7 @@ pub(crate) fn ms(t: std::time::Instant) -> f64 {
 
 pub mod draft;
 pub mod generate;
+pub mod logprobs;
 pub mod repetition;
 pub mod sparse;
 pub mod specontext;

@@ -21,9 +21,7 @@
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
-use crate::decode::generate::{
-    top2_gap, Emit, FinishReason, GenerateParams, Generation, Prefilled,
-};
+use crate::decode::generate::{Chosen, Emit, FinishReason, GenerateParams, Generation, Prefilled};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -473,10 +471,12 @@ impl ViewDecode for Model {
         cache.reserve(params.max_tokens + MAX_DRAFT + 1);
         let t0 = Instant::now();
         let prompt_len = cache.len();
-        let mut ready: VecDeque<(u32, f32)> =
-            VecDeque::from([(argmax(&logits), top2_gap(&logits))]);
-        while let Some((next, gap)) = ready.pop_front() {
-            if emit.take(next, gap) {
+        let k = params.logprobs;
+        let mut ready: VecDeque<Chosen> =
+            VecDeque::from([Chosen::from_row(argmax(&logits), &logits, k)]);
+        while let Some(c) = ready.pop_front() {
+            let next = c.id;
+            if emit.take(c) {
                 break;
             }
             if !ready.is_empty() {
@@ -505,7 +505,11 @@ impl ViewDecode for Model {
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
             view.rows_written(base, &feed[..1 + agree])?;
-            ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
+            ready.extend(
+                ids.into_iter()
+                    .zip(&rows)
+                    .map(|(id, r)| Chosen::from_row(id, r, k)),
+            );
             stats.verify_ms += ms(t);
             stats.drafted += drafts.len();
             stats.accepted += agree;

@@ -18,7 +18,7 @@
 //! top-2 gaps the fidelity guard watches, are the ones plain decoding would have computed.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MIN_DRAFT_PROB};
-use crate::decode::generate::{top2_gap, Emit, GenerateParams, Generation, Prefilled};
+use crate::decode::generate::{Chosen, Emit, GenerateParams, Generation, Prefilled};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -540,11 +540,13 @@ impl Speculate for Model {
         // The answer's rows and a checking pass's beyond it.
         cache.reserve(params.max_tokens + MAX_VERIFY_ROWS);
         let t0 = Instant::now();
-        // Tokens the target has chosen but not yet handed out, each with its gap.
-        let mut ready: VecDeque<(u32, f32)> =
-            VecDeque::from([(sampler.sample_at(&logits, 0), top2_gap(&logits))]);
-        while let Some((next, gap)) = ready.pop_front() {
-            if emit.take(next, gap) {
+        // Tokens the target has chosen but not yet handed out, each with its row's evidence.
+        let k = params.logprobs;
+        let mut ready: VecDeque<Chosen> =
+            VecDeque::from([Chosen::from_row(sampler.sample_at(&logits, 0), &logits, k)]);
+        while let Some(c) = ready.pop_front() {
+            let next = c.id;
+            if emit.take(c) {
                 break;
             }
             if !ready.is_empty() {
@@ -578,7 +580,11 @@ impl Speculate for Model {
             let ids = chosen[..=agree].to_vec();
             // Rows after a disagreement followed a wrong token.
             cache.truncate(base + 1 + agree);
-            ready.extend(ids.into_iter().zip(rows.iter().map(|r| top2_gap(r))));
+            ready.extend(
+                ids.into_iter()
+                    .zip(&rows)
+                    .map(|(id, r)| Chosen::from_row(id, r, k)),
+            );
             let pass_ms = ms(t);
             gate.passed(feed.len(), pass_ms);
             if p.source == Source::Lookup {

@@ -15,6 +15,7 @@
 
 use crate::decode::draft::{DraftLength, SpecDecodeStats};
 use crate::decode::generate::FilledCache;
+use crate::decode::logprobs::TokenLogprobs;
 use crate::decode::speculative::{DraftRoom, Drafter};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -72,6 +73,9 @@ pub struct VerifyParams {
     pub mode: VerifyMode,
     /// Most tokens drafted while the full prefill runs (drafting shares the CPU with it).
     pub max_early_drafts: usize,
+    /// Record each committed token's logprob and this many alternatives, from the full
+    /// cache's row that chose it ([`VerifiedGeneration::logprobs`]); `None`: nothing.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for VerifyParams {
@@ -80,6 +84,7 @@ impl Default for VerifyParams {
             max_tokens: 128,
             mode: VerifyMode::DraftEvery(8),
             max_early_drafts: 32,
+            logprobs: None,
         }
     }
 }
@@ -118,6 +123,43 @@ pub struct VerifiedGeneration {
     pub cancelled: bool,
     /// Speculative decoding from the full cache (a drafter given): what it drafted and kept.
     pub spec: SpecDecodeStats,
+    /// Per committed token, its logprobs from the full cache's row that chose it, where
+    /// asked (else empty).
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+impl VerifiedGeneration {
+    /// Commits `c`: its ids and, where recorded, their logprobs.
+    fn commit(&mut self, c: &Committed) {
+        self.ids.extend(&c.ids);
+        self.logprobs.extend(c.logprobs.iter().cloned());
+    }
+}
+
+/// Tokens the full cache committed in one check, with their logprobs where asked (then one
+/// per token).
+#[derive(Debug, Default)]
+struct Committed {
+    ids: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
+}
+
+impl Committed {
+    fn truncate(&mut self, n: usize) {
+        self.ids.truncate(n);
+        self.logprobs.truncate(n);
+    }
+
+    /// Cut after the first end-of-generation token; true when there was one.
+    fn end_at_eos(&mut self, tok: &crate::tokenizer::Tokenizer) -> bool {
+        match self.ids.iter().position(|&t| tok.is_end_of_generation(t)) {
+            Some(at) => {
+                self.truncate(at + 1);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl VerifiedGeneration {
@@ -144,7 +186,11 @@ struct Draft {
 }
 
 /// The full prefill as it arrives from its thread, checked against the prompt's length.
-fn receive_full(r: Option<Result<FilledCache>>, prompt_len: usize) -> Result<Full> {
+fn receive_full(
+    r: Option<Result<FilledCache>>,
+    prompt_len: usize,
+    logprobs: Option<usize>,
+) -> Result<Full> {
     let FilledCache { cache, logits } =
         r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
     if cache.len() != prompt_len {
@@ -153,13 +199,12 @@ fn receive_full(r: Option<Result<FilledCache>>, prompt_len: usize) -> Result<Ful
             cache.len()
         )));
     }
-    let pick = Sampler::new(Default::default());
-    Ok(Full {
-        next: Some(pick.sample_at(&logits, 0)),
+    Ok(Full::new(
         cache,
-        pending: None,
-        pick,
-    })
+        &logits,
+        Sampler::new(Default::default()),
+        logprobs,
+    ))
 }
 
 /// The full cache during verification. Its rows are exact up to `cache.len()`; then either
@@ -169,8 +214,27 @@ fn receive_full(r: Option<Result<FilledCache>>, prompt_len: usize) -> Result<Ful
 struct Full {
     cache: KvCache,
     next: Option<u32>,
+    /// The logprobs of `next`, where asked.
+    next_logprobs: Option<TokenLogprobs>,
     pending: Option<u32>,
     pick: Sampler,
+    /// Alternatives per committed token's logprobs; `None`: none recorded.
+    logprobs: Option<usize>,
+}
+
+impl Full {
+    /// The full cache filled through the prompt, its first token chosen from `logits`.
+    fn new(cache: KvCache, logits: &[f32], pick: Sampler, logprobs: Option<usize>) -> Self {
+        let next = pick.sample_at(logits, 0);
+        Self {
+            next: Some(next),
+            next_logprobs: logprobs.map(|k| TokenLogprobs::of(logits, next, k)),
+            cache,
+            pending: None,
+            pick,
+            logprobs,
+        }
+    }
 }
 
 /// What [`Verify::continue_exact`] goes on from: the tokens an approximate cache decoded, and
@@ -182,6 +246,9 @@ pub struct Continuation<'g> {
     pub max_tokens: usize,
     /// How the full cache chooses its tokens (greedy, or the request's seeded sampler).
     pub pick: Sampler,
+    /// Record each committed token's logprobs with this many alternatives
+    /// ([`VerifiedGeneration::logprobs`]); `None`: nothing.
+    pub logprobs: Option<usize>,
 }
 
 /// Verified decoding: drafts from a reused cache checked against the full prefill's, so the
@@ -271,7 +338,7 @@ impl Verify for Model {
         while !out.eos && out.ids.len() < params.max_tokens {
             if full.is_none() {
                 if let Ok(r) = rx.try_recv() {
-                    full = Some(receive_full(Some(r), d.prompt_len)?);
+                    full = Some(receive_full(Some(r), d.prompt_len, params.logprobs)?);
                     out.full_ready_ms = ms(t0);
                 }
             }
@@ -287,7 +354,7 @@ impl Verify for Model {
             let mut f = match full.take() {
                 Some(f) => f,
                 None => {
-                    let f = receive_full(rx.recv().ok(), d.prompt_len)?;
+                    let f = receive_full(rx.recv().ok(), d.prompt_len, params.logprobs)?;
                     out.full_ready_ms = ms(t0);
                     f
                 }
@@ -317,16 +384,12 @@ impl Verify for Model {
             generated,
             max_tokens,
             pick,
+            logprobs,
         } = answer;
         let t0 = Instant::now();
         let tok = self.tokenizer();
         let mut out = VerifiedGeneration::default();
-        let mut f = Full {
-            cache,
-            next: Some(pick.sample_at(&logits, 0)),
-            pending: None,
-            pick,
-        };
+        let mut f = Full::new(cache, &logits, pick, logprobs);
         let drafts = &generated[..generated.len().min(max_tokens)];
         let (mut commit, agreed) = verify_drafts(self, &mut f, drafts, 0)?;
         out.drafted = drafts.len();
@@ -340,11 +403,8 @@ impl Verify for Model {
             return Ok(out);
         }
         commit.truncate(max_tokens);
-        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-            commit.truncate(at + 1);
-            out.eos = true;
-        }
-        out.ids = commit;
+        out.eos = commit.end_at_eos(tok);
+        out.commit(&commit);
         out.first_commit_ms = ms(t0);
         let fresh = out.ids[agreed.min(out.ids.len())..].to_vec();
         if !fresh.is_empty() && !on_event(VerifyEvent::Commit { ids: fresh }) {
@@ -416,15 +476,14 @@ fn verify_round(
         return Ok(());
     }
     commit.truncate(room);
-    if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-        commit.truncate(at + 1);
+    if commit.end_at_eos(tok) {
         out.eos = true;
     }
-    if out.ids.is_empty() && !commit.is_empty() {
+    if out.ids.is_empty() && !commit.ids.is_empty() {
         out.first_commit_ms = ms(d.t0);
     }
-    out.ids.extend(&commit);
-    if !on_event(VerifyEvent::Commit { ids: commit }) {
+    out.commit(&commit);
+    if !on_event(VerifyEvent::Commit { ids: commit.ids }) {
         out.cancelled = true;
         return Ok(());
     }
@@ -473,15 +532,14 @@ fn decode_full(
             out.spec.record(p, agreed, &mut len);
         }
         commit.truncate(room);
-        if commit.is_empty() {
+        if commit.ids.is_empty() {
             break;
         }
-        if let Some(at) = commit.iter().position(|&t| tok.is_end_of_generation(t)) {
-            commit.truncate(at + 1);
+        if commit.end_at_eos(tok) {
             out.eos = true;
         }
-        out.ids.extend(&commit);
-        if !on_event(VerifyEvent::Commit { ids: commit }) {
+        out.commit(&commit);
+        if !on_event(VerifyEvent::Commit { ids: commit.ids }) {
             out.cancelled = true;
             break;
         }
@@ -506,8 +564,8 @@ fn verify_drafts(
     f: &mut Full,
     drafts: &[u32],
     start: usize,
-) -> Result<(Vec<u32>, usize)> {
-    let mut committed = Vec::new();
+) -> Result<(Committed, usize)> {
+    let mut committed = Committed::default();
     let mut i = 0;
     loop {
         let pending = f.pending.take();
@@ -518,14 +576,16 @@ fn verify_drafts(
         // preds[j]: the full cache's token where drafts[i + j] stands (j <= take), the
         // answer's token at index start + i + j.
         let mut preds: Vec<u32> = f.next.take().into_iter().collect();
+        // The logprobs of each pred, where asked (the first's kept from its own row).
+        let mut evidence: Vec<TokenLogprobs> = f.next_logprobs.take().into_iter().collect();
         if !feed.is_empty() {
             let first = start + i + preds.len();
             let rows = model.rows_logits(&mut f.cache, &feed)?;
-            preds.extend(
-                rows.iter()
-                    .enumerate()
-                    .map(|(j, r)| f.pick.sample_at(r, first + j)),
-            );
+            for (j, r) in rows.iter().enumerate() {
+                let id = f.pick.sample_at(r, first + j);
+                preds.push(id);
+                evidence.extend(f.logprobs.map(|k| TokenLogprobs::of(r, id, k)));
+            }
         }
         if preds.len() != take + 1 {
             return Err(EngineError::Internal(
@@ -533,18 +593,23 @@ fn verify_drafts(
             ));
         }
         let agree = (0..take).take_while(|&j| drafts[i + j] == preds[j]).count();
-        committed.extend(&drafts[i..i + agree]);
+        committed.ids.extend(&drafts[i..i + agree]);
+        let mut evidence = evidence.into_iter();
+        committed.logprobs.extend(evidence.by_ref().take(agree));
+        let t_logprobs = evidence.next();
         // Rows after a disagreement followed a wrong token: drop them.
         f.cache
             .truncate(base + usize::from(pending.is_some()) + agree);
         let t = preds[agree];
         i += agree;
         if agree < take || i == drafts.len() {
-            committed.push(t);
+            committed.ids.push(t);
+            committed.logprobs.extend(t_logprobs);
             f.pending = Some(t);
             return Ok((committed, i));
         }
         f.next = Some(t);
+        f.next_logprobs = t_logprobs;
     }
 }
 

@@ -318,6 +318,10 @@ pub struct QueryArgs {
     /// Print the API's JSON answer object.
     #[arg(long)]
     pub json: bool,
+    /// With --json: each answer token's log-probability and this many most likely
+    /// alternatives (0 to 20) in the answer's `logprobs`, from the pass that chose it.
+    #[arg(long, value_name = "K", requires = "json", value_parser = clap::value_parser!(u64).range(0..=20))]
+    pub logprobs: Option<u64>,
 }
 
 /// A switch on the command line.

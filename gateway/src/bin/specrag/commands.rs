@@ -141,6 +141,7 @@ pub fn query(m: &ModelArgs, a: QueryArgs) -> anyhow::Result<()> {
         max_context_tokens: None,
         documents: None,
         stream: None,
+        logprobs: a.logprobs,
     }
     .validate()?;
     q.stop = a.stop_strings()?;

@@ -82,6 +82,7 @@ pub fn generate(m: &ModelArgs, a: GenerateArgs) -> anyhow::Result<()> {
             seed: a.seed,
         },
         stop: a.stop,
+        logprobs: None,
     };
     let g = model.generate(&ids, &params)?;
     if a.json {

@@ -57,9 +57,14 @@ pub struct ChatRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tools: Option<Value>,
-    /// Not served (400 when true).
+    /// Return each answer token's log-probability in `choices[0].logprobs.content`, from the
+    /// pass that chose it (every method, verified and speculative decoding included).
     #[serde(default)]
     pub logprobs: Option<bool>,
+    /// With `logprobs: true`, this many most likely tokens at each position (0 to 20).
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    pub top_logprobs: Option<u64>,
     /// Not served (400 unless `{"type": "text"}`).
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
@@ -369,6 +374,29 @@ pub(super) fn stops(v: &Option<Value>) -> Result<Vec<String>, OaiError> {
     Ok(list)
 }
 
+/// The alternatives per token a chat request asks logprobs with (`top_logprobs`, 0 without
+/// it), or `None` without `logprobs: true`.
+fn logprobs_asked(req: &ChatRequest) -> Result<Option<u64>, OaiError> {
+    match (req.logprobs == Some(true), req.top_logprobs) {
+        (false, Some(_)) => Err(OaiError::invalid(
+            "top_logprobs",
+            "needs `logprobs: true` (send both, or neither)",
+        )),
+        (false, None) => Ok(None),
+        (true, k) => {
+            let k = k.unwrap_or(0);
+            let most = target_engine::MAX_TOP_LOGPROBS as u64;
+            if k > most {
+                return Err(OaiError::invalid(
+                    "top_logprobs",
+                    format!("must be 0 to {most}, got {k}"),
+                ));
+            }
+            Ok(Some(k))
+        }
+    }
+}
+
 /// The validated query of a chat request.
 pub(super) fn to_query(
     state: &AppState,
@@ -393,9 +421,7 @@ pub(super) fn to_query(
     if req.tools.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(OaiError::invalid("tools", "tools are not served"));
     }
-    if req.logprobs == Some(true) {
-        return Err(OaiError::invalid("logprobs", "logprobs are not served"));
-    }
+    let logprobs = logprobs_asked(req)?;
     if let Some(f) = req.response_format.as_ref().filter(|f| !f.is_null()) {
         if f.get("type").and_then(Value::as_str) != Some("text") {
             return Err(OaiError::invalid(
@@ -433,6 +459,7 @@ pub(super) fn to_query(
         max_context_tokens: rag.max_context_tokens,
         documents: rag.documents.clone(),
         stream: None,
+        logprobs,
     };
     let mut q = base
         .validate_with(state.config.request_defaults())

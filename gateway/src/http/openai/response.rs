@@ -33,8 +33,20 @@ pub struct ChatCompletion {
 pub struct Choice {
     pub index: u32,
     pub message: AssistantMessage,
+    /// With `logprobs: true`: each answer token's log-probability; else null.
+    pub logprobs: Option<ChoiceLogprobs>,
     /// `stop` (end of text or a stop string) or `length`.
     pub finish_reason: String,
+}
+
+/// A choice's token log-probabilities.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ChoiceLogprobs {
+    pub content: Vec<crate::answer::TokenLogprob>,
+}
+
+pub(super) fn logprobs(a: &Answer) -> Option<ChoiceLogprobs> {
+    a.logprobs.clone().map(|content| ChoiceLogprobs { content })
 }
 
 /// The assistant's answer.
@@ -114,6 +126,7 @@ pub(super) fn completion(meta: Meta, a: &Answer) -> Response {
                 role: "assistant".into(),
                 content: a.answer.clone(),
             },
+            logprobs: logprobs(a),
             finish_reason: finish(a).into(),
         }],
         usage: usage(a),
@@ -167,6 +180,10 @@ pub(super) fn event_chunks(
         QueryEvent::Draft(_) | QueryEvent::Retract(_) => Vec::new(),
         QueryEvent::Done(a) => {
             let mut last = meta.chunk(json!({}), Some(finish(&a)));
+            // The answer's tokens arrive with the text; their logprobs, all of them, here.
+            if let Some(l) = logprobs(&a) {
+                last["choices"][0]["logprobs"] = json!(l);
+            }
             last["specrag"] = rag_info(&a);
             last["specrag"]["replaced"] = json!(sent.replaced);
             let mut out = vec![last];
