@@ -103,8 +103,8 @@ pub struct Answer {
 pub struct TokenLogprob {
     /// The token's text (invalid UTF-8, a piece of a character, shown as U+FFFD).
     pub token: String,
-    /// Natural log of its probability (-9999 where it is 0).
-    pub logprob: f32,
+    /// Natural log of its probability (-9999 where it is 0), computed in f32.
+    pub logprob: f64,
     /// The token's bytes.
     pub bytes: Vec<u8>,
     /// The most likely tokens at this position, most likely first (as many as asked).
@@ -115,15 +115,15 @@ pub struct TokenLogprob {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TopLogprob {
     pub token: String,
-    pub logprob: f32,
+    pub logprob: f64,
     pub bytes: Vec<u8>,
 }
 
 /// A logprob as the API writes it: -9999 for an impossible token, as OpenAI does (JSON has
-/// no infinity).
-fn finite(logprob: f32) -> f32 {
+/// no infinity), widened to f64 so that every route writes the same digits.
+fn finite(logprob: f32) -> f64 {
     if logprob.is_finite() {
-        logprob.max(-9999.0)
+        f64::from(logprob.max(-9999.0))
     } else {
         -9999.0
     }

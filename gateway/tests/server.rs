@@ -338,6 +338,139 @@ async fn verified_answers_plain_streamed_and_sampled_equal_full_recompute() -> T
     Ok(())
 }
 
+/// Issue 92: every answer carries its tokens' logprobs when asked, from the pass that chose
+/// them: greedy tokens are their position's first alternative, the guard's smallest margin is
+/// the smallest top-2 gap the response reports, and a verified answer's logprobs are full
+/// recompute's. The chat route carries the same in OpenAI's layout, plain and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_carry_the_logprobs_of_the_pass_that_chose_each_token() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let ask = |extra: Value| {
+        let mut body = json!({"query": "the thin ant?", "max_tokens": 12, "logprobs": 3});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            body[k] = v.clone();
+        }
+        post("/rag/query", &body)
+    };
+    let mut answers = Vec::new();
+    for extra in [
+        json!({"method": "full_recompute"}),
+        json!({}),
+        json!({"fidelity": "fast", "method": "target_probe"}),
+        json!({"method": "speccache", "verify": true}),
+        json!({"spec_decode": true}),
+    ] {
+        let (status, body, _) = send(&s, ask(extra.clone())).await;
+        assert_eq!(status, StatusCode::OK, "{extra}: {body}");
+        let v: Value = serde_json::from_str(&body)?;
+        let lp = v["logprobs"].as_array().ok_or("logprobs")?.clone();
+        assert_eq!(Some(lp.len() as u64), v["tokens"].as_u64(), "{extra}");
+        let mut gaps = Vec::new();
+        for t in &lp {
+            let top = t["top_logprobs"].as_array().ok_or("top_logprobs")?;
+            assert_eq!(top.len(), 3, "{t}");
+            assert_eq!(top[0]["token"], t["token"], "greedy: {extra}");
+            assert_eq!(top[0]["logprob"], t["logprob"]);
+            let (a, b) = (top[0]["logprob"].as_f64(), top[1]["logprob"].as_f64());
+            gaps.push(a.zip(b).map(|(a, b)| a - b).ok_or("a gap")?);
+        }
+        let guard = &v["reuse"]["guard"];
+        if let Some(m) = guard["min_margin"].as_f64() {
+            if guard["escalated"] == false && guard["second_look"] == false {
+                let least = gaps.iter().copied().fold(f64::INFINITY, f64::min);
+                assert!(
+                    (least - m).abs() < 1e-3,
+                    "{extra}: {least} vs the guard's {m}"
+                );
+            }
+        }
+        answers.push(v);
+    }
+    // Verified: full recompute's tokens and logprobs.
+    assert_eq!(answers[3]["answer"], answers[0]["answer"]);
+    assert_eq!(answers[3]["logprobs"], answers[0]["logprobs"]);
+    assert_eq!(
+        answers[4]["logprobs"], answers[1]["logprobs"],
+        "spec_decode"
+    );
+    // Not asked: not there.
+    let (_, body, _) = send(&s, post("/rag/query", &json!({"query": "the thin ant?"}))).await;
+    assert!(serde_json::from_str::<Value>(&body)?
+        .get("logprobs")
+        .is_none());
+    for (bad, want) in [
+        (json!(21), StatusCode::UNPROCESSABLE_ENTITY),
+        (json!(-1), StatusCode::BAD_REQUEST),
+        (json!("3"), StatusCode::BAD_REQUEST),
+    ] {
+        let (status, body, _) = send(&s, ask(json!({"logprobs": bad}))).await;
+        assert_eq!(status, want, "{body}");
+        assert!(body.contains("\"field\":\"logprobs\""), "{body}");
+    }
+    Ok(())
+}
+
+/// The chat route carries what `/rag/query` does in OpenAI's layout, plain and on the
+/// streamed finish chunk, and `null` when not asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_carry_logprobs_in_openais_layout() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    let body = json!({"query": "the thin ant?", "max_tokens": 12, "logprobs": 3, "method": "full_recompute"});
+    let (_, rag, _) = send(&s, post("/rag/query", &body)).await;
+    let answers = [serde_json::from_str::<Value>(&rag)?];
+    let chat = |stream: bool| {
+        json!({
+            "model": "specrag", "max_tokens": 12, "logprobs": true, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": "the thin ant?"}],
+            "specrag": {"method": "full_recompute"}, "stream": stream,
+        })
+    };
+    let (status, body, _) = send(&s, post("/v1/chat/completions", &chat(false))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body)?;
+    let content = &v["choices"][0]["logprobs"]["content"];
+    assert_eq!(
+        content.as_array().map(Vec::len),
+        v["usage"]["completion_tokens"].as_u64().map(|n| n as usize)
+    );
+    for (got, want) in content
+        .as_array()
+        .into_iter()
+        .flatten()
+        .zip(answers[0]["logprobs"].as_array().into_iter().flatten())
+    {
+        assert_eq!(got["token"], want["token"]);
+        assert_eq!(got["logprob"], want["logprob"]);
+        assert_eq!(got["bytes"], want["bytes"]);
+        assert_eq!(got["top_logprobs"].as_array().map(Vec::len), Some(2));
+    }
+    let (_, text, _) = send(&s, post("/v1/chat/completions", &chat(true))).await;
+    let chunks: Vec<Value> = sse_data(&text)
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(Some(&streamed), content.as_array(), "{text}");
+    let (_, body, _) = send(
+        &s,
+        post(
+            "/v1/chat/completions",
+            &json!({"model": "specrag", "messages": [{"role": "user", "content": "q"}]}),
+        ),
+    )
+    .await;
+    let plain: Value = serde_json::from_str(&body)?;
+    assert!(plain["choices"][0]["logprobs"].is_null(), "{body}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_queries_are_problems_naming_the_field() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -1138,9 +1271,14 @@ fn openai_bad_requests() -> Vec<(Value, StatusCode, &'static str)> {
             "tools",
         ),
         (
-            json!({"logprobs": true}),
+            json!({"top_logprobs": 2}),
             StatusCode::BAD_REQUEST,
-            "logprobs",
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            StatusCode::BAD_REQUEST,
+            "top_logprobs",
         ),
         (
             json!({"response_format": {"type": "json_object"}}),
