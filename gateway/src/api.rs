@@ -216,6 +216,7 @@ pub struct QueryRequest {
     /// method, verified and speculative decoding included. Absent: none (no cost).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 0, maximum = 20)]
+    #[serde(deserialize_with = "de_opt_int")]
     pub logprobs: Option<u64>,
 }
 

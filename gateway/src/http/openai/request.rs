@@ -62,7 +62,7 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: Option<bool>,
     /// With `logprobs: true`, this many most likely tokens at each position (0 to 20).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::de_opt_int")]
     #[schema(minimum = 0, maximum = 20)]
     pub top_logprobs: Option<u64>,
     /// Not served (400 unless `{"type": "text"}`).
