@@ -6,8 +6,9 @@ recompute, measured as a client measures them: over HTTP, from two responses wit
         --data eval/data/2wikimqa.jsonl --offset 0 --limit 40 --out splits.jsonl
 
 For each question of a LongBench-format JSONL (`input`, `context` of "Passage N:\\n<title>\\n
-<text>" blocks, `_id`): its passages are ingested, one document each, into a collection of
-its own (`POST /documents`); the question, with the instruction appended, is asked with
+<text>" blocks, `_id`): its passages are ingested, one document each with its title as the
+first line (as LongBench gives them; `--title-apart` sends the title as metadata only), into
+a collection of its own (`POST /documents`); the question, with the instruction appended, is asked with
 `method: full_recompute` and with the server's default method (`POST /rag/query`, top 5
 retrieved, 16 tokens, `logprobs: 2`). Two answers that differ split at their first differing
 token; the split is a near tie when full recompute's own gap between its first two
@@ -97,6 +98,11 @@ def main():
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--instruction", default=INSTRUCTION)
+    ap.add_argument(
+        "--title-apart",
+        action="store_true",
+        help="send each passage's title only as the document's title, not as its first line",
+    )
     ap.add_argument("--out", help="one JSON line per question")
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
@@ -109,7 +115,8 @@ def main():
     for i, row in enumerate(rows):
         coll = collection_of(row["_id"])
         docs = [
-            {"id": f"p{j + 1}", "title": t, "text": x} for j, (t, x) in enumerate(passages(row["context"]))
+            {"id": f"p{j + 1}", "title": t, "text": x if a.title_apart else f"{t}\n{x}"}
+            for j, (t, x) in enumerate(passages(row["context"]))
         ]
         post(f"{a.url}/documents", {"collection": coll, "documents": docs}, a.timeout)
         ask = {
