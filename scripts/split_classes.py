@@ -28,18 +28,10 @@ import sys
 import urllib.error
 import urllib.request
 
+from guard_signals import wilson
+
 INSTRUCTION = "Answer the question directly based on the given passages, within 5 words."
 NEAR_TIE = 0.15
-
-
-def wilson(k, n, z=1.96):
-    if n == 0:
-        return (0.0, 0.0)
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)
 
 
 def share(k, n):
