@@ -242,14 +242,15 @@ impl Generate for Model {
         cache.reserve(params.max_tokens);
         let t0 = Instant::now();
         let mut steps = 0usize;
+        // Steps go through this thread's batcher, if the server installed one.
+        let _seat = super::batch::seat();
         while !emit.ended() {
             let next = sampler.sample_at(&logits, emit.len());
             if emit.take(Chosen::from_row(next, &logits, params.logprobs)) {
                 break;
             }
             let pos = cache.len();
-            let forward = self.forward(&[next], &[pos], cache, false)?;
-            logits = self.last_logits(&forward)?;
+            logits = super::batch::step(self, next, pos, cache)?;
             steps += 1;
         }
         Ok(emit.finish(t0.elapsed().as_secs_f64() * 1e3, steps))

@@ -1,4 +1,4 @@
-//! Decoding strategies: each one uses the model's forward passes (`crate::model`) and the
+//! Decoding strategies ([`batch`] runs the decode steps of concurrent requests together): each one uses the model's forward passes (`crate::model`) and the
 //! cache's views (`crate::view`) to turn a prefilled cache into an answer. Plain and sampled
 //! decoding ([`generate`] with the core's [`crate::sampling`], [`repetition`]'s loop detector), speculative decoding
 //! with prompt lookup or a draft model ([`speculative`]), verification of a reused cache's
@@ -12,6 +12,7 @@ pub(crate) fn ms(t: std::time::Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+pub mod batch;
 pub mod draft;
 pub mod generate;
 pub mod logprobs;

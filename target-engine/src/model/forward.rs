@@ -289,15 +289,63 @@ impl Model {
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let stop = crate::stop::current();
         kernels::in_pool(|| {
-            crate::stop::with_stop(stop, || self.run_layers(x, positions, cache, layers, pass))
+            crate::stop::with_stop(stop, || {
+                self.run_layers(x, &mut [Segment { positions, cache }], layers, pass)
+            })
         })
     }
 
+    /// One decode step for each of several caches in one pass over the weights: row `i` is
+    /// token `rows[i].0` at position `rows[i].1` of cache `rows[i].2`. The projections, the
+    /// FFN and the LM head run once over all rows; each row attends over its own cache only.
+    /// Several rows run on the decode path, where rows do not interact, so each row's logits
+    /// (cut to the vocabulary) are bit-identical to [`Model::forward_decode_path`] of that row
+    /// alone, which is [`Model::forward`]'s one-row step unless the model was loaded with
+    /// `dense_min_rows: 1`: batching requests changes no answer. One row runs as
+    /// [`Model::forward`]. Runs on the kernels' pool with this thread's stop condition.
+    pub fn decode_rows(&self, rows: &mut [(u32, usize, &mut KvCache)]) -> Result<Vec<Vec<f32>>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        let positions: Vec<[usize; 1]> = rows.iter().map(|r| [r.1]).collect();
+        let x = self.embed(&ids)?;
+        let mut segments: Vec<Segment<'_>> = rows
+            .iter_mut()
+            .zip(&positions)
+            .map(|(r, p)| Segment {
+                positions: p,
+                cache: &mut *r.2,
+            })
+            .collect();
+        let pass = Pass {
+            collect_layers: false,
+            allow_dense: segments.len() == 1,
+            probe: None,
+            view: None,
+            hook: None,
+        };
+        let stop = crate::stop::current();
+        let (x, _) = kernels::in_pool(|| {
+            crate::stop::with_stop(stop, || {
+                self.run_layers(x, &mut segments, 0..self.config.n_layer, pass)
+            })
+        })?;
+        let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        let vocab = self.tokenizer.vocab_size();
+        let mut logits = self.logits(&hidden)?.to_vec2::<f32>()?;
+        logits.iter_mut().for_each(|row| row.truncate(vocab));
+        Ok(logits)
+    }
+
+    /// The layers for residual rows `x`, laid out segment after segment: each segment's rows
+    /// are at its positions in its own cache. The products run once over all rows; the cache
+    /// writes, the hook, the probe and the attention run per segment (a hook, a probe or a
+    /// view needs the pass to have one segment).
     fn run_layers(
         &self,
         mut x: Tensor,
-        positions: &[usize],
-        cache: &mut KvCache,
+        segments: &mut [Segment<'_>],
         layers: std::ops::Range<usize>,
         pass: Pass<'_>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
@@ -308,15 +356,27 @@ impl Model {
             mut view,
             mut hook,
         } = pass;
+        if segments.len() != 1 && (probe.is_some() || view.is_some() || hook.is_some()) {
+            return Err(EngineError::InvalidInput(
+                "a probe, a view or a hook runs over one cache".into(),
+            ));
+        }
         let c = &self.config;
-        let n = self.check_pass(&x, positions, cache, &layers)?;
-        cache.prepare(positions)?;
-        let rows = positions.iter().max().map_or(0, |&p| p + 1);
+        let positions: Vec<usize> = segments
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .collect();
+        let n = self.check_rows(&x, &positions, &layers)?;
+        for s in segments.iter_mut() {
+            self.check_cache(s.cache)?;
+            s.cache.prepare(s.positions)?;
+        }
         let dense = allow_dense && self.has_dense && n >= self.dense_min_rows;
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let table = self.rope.table(&angles);
         let table_swa = self.rope_swa.as_ref().map(|r| r.table(&angles));
         let shape = shape_of(c);
+        let (q_row, kv_row) = (c.q_width(), c.kv_row());
         let mut collected = Vec::new();
         let finishes = layers.end == c.n_layer;
         for l in layers {
@@ -334,56 +394,72 @@ impl Model {
             };
             self.rope_at(l).apply(table, &mut q, c.n_head)?;
             self.rope_at(l).apply(table, &mut k, c.n_kv_head)?;
-            if let Some(h) = hook.as_deref_mut() {
-                h.before_write(l, positions, &k, &v, cache)?;
-            }
-            cache.write(l, positions, &k, &v);
-            if let Some(h) = hook.as_deref_mut() {
-                h.after_write(l, cache)?;
-            }
-            if let Some((probe_layers, mass)) = probe.as_mut() {
-                if probe_layers.contains(&l) {
-                    let mut m =
-                        kernels::attention_mass(&q, positions, cache.k_prefix(l, rows), shape)?;
-                    m.resize(rows, 0.0);
-                    mass.push(m);
+            let mut attn = Vec::with_capacity(n * q_row);
+            let mut start = 0;
+            for s in segments.iter_mut() {
+                let (positions, cache) = (s.positions, &mut *s.cache);
+                let end = start + positions.len();
+                let (q, k, v) = (
+                    &q[start * q_row..end * q_row],
+                    &k[start * kv_row..end * kv_row],
+                    &v[start * kv_row..end * kv_row],
+                );
+                start = end;
+                let rows = positions.iter().max().map_or(0, |&p| p + 1);
+                if let Some(h) = hook.as_deref_mut() {
+                    h.before_write(l, positions, k, v, cache)?;
                 }
+                cache.write(l, positions, k, v);
+                if let Some(h) = hook.as_deref_mut() {
+                    h.after_write(l, cache)?;
+                }
+                if let Some((probe_layers, mass)) = probe.as_mut() {
+                    if probe_layers.contains(&l) {
+                        let mut m =
+                            kernels::attention_mass(q, positions, cache.k_prefix(l, rows), shape)?;
+                        m.resize(rows, 0.0);
+                        mass.push(m);
+                    }
+                }
+                let out = if let Some(window) = c.window_of(l) {
+                    // A sliding layer reads few keys: exact, whatever a drafter's view would
+                    // read.
+                    windowed_attention(q, positions, cache, l, shape, window)?
+                } else if let Some(view) = view.as_mut() {
+                    view.attend(l, q, positions, cache, shape)?
+                } else if self.bf16_attention {
+                    kernels::causal_attention_packed(q, positions, cache.bf16(l, rows, shape))?
+                } else {
+                    kernels::causal_attention(
+                        q,
+                        positions,
+                        cache.k_prefix(l, rows),
+                        cache.v_prefix(l, rows),
+                        shape,
+                    )?
+                };
+                attn.extend_from_slice(&out);
             }
-            let attn = if let Some(window) = c.window_of(l) {
-                // A sliding layer reads few keys: exact, whatever a drafter's view would read.
-                windowed_attention(&q, positions, cache, l, shape, window)?
-            } else if let Some(view) = view.as_mut() {
-                view.attend(l, &q, positions, cache, shape)?
-            } else if self.bf16_attention {
-                kernels::causal_attention_packed(&q, positions, cache.bf16(l, rows, shape))?
-            } else {
-                kernels::causal_attention(
-                    &q,
-                    positions,
-                    cache.k_prefix(l, rows),
-                    cache.v_prefix(l, rows),
-                    shape,
-                )?
-            };
-            let attn = Tensor::from_vec(attn, (n, c.q_width()), &Device::Cpu)?;
+            let attn = Tensor::from_vec(attn, (n, q_row), &Device::Cpu)?;
             x = self.after_attention(layer, x, &attn, dense)?;
             if collect_layers {
                 collected.push(x.clone());
             }
         }
         if finishes {
-            cache.mark_filled(positions);
+            for s in segments.iter_mut() {
+                s.cache.mark_filled(s.positions);
+            }
         }
         Ok((x, collected))
     }
 
-    /// Refuses a pass whose rows, positions, layers or cache do not fit this model; returns the
+    /// Refuses a pass whose rows, positions or layers do not fit this model; returns the
     /// number of rows.
-    fn check_pass(
+    fn check_rows(
         &self,
         x: &Tensor,
         positions: &[usize],
-        cache: &KvCache,
         layers: &std::ops::Range<usize>,
     ) -> Result<usize> {
         let c = &self.config;
@@ -400,12 +476,18 @@ impl Model {
                 c.n_layer
             )));
         }
+        Ok(n)
+    }
+
+    /// Refuses a cache made for another model.
+    fn check_cache(&self, cache: &KvCache) -> Result<()> {
+        let c = &self.config;
         if cache.n_layer() != c.n_layer || cache.row_len() != c.kv_row() {
             return Err(EngineError::InvalidInput(
                 "cache was made for another model".into(),
             ));
         }
-        Ok(n)
+        Ok(())
     }
 
     /// A layer after its attention: the output projection (normed first where the family
@@ -497,6 +579,12 @@ impl Model {
         let out = self.forward(&ids[start..], &positions, cache, false)?;
         self.last_logits(&out)
     }
+}
+
+/// Rows of a pass that live in one cache, at these positions.
+struct Segment<'a> {
+    positions: &'a [usize],
+    cache: &'a mut KvCache,
 }
 
 /// How one pass over a range of layers runs.

@@ -1,0 +1,237 @@
+//! Continuous batching of decode steps: several requests' steps in one pass over the weights
+//! give each request exactly the logits and the cache rows it gets alone (rows do not interact
+//! on the decode path), whoever shares the pass; concurrent generations through a batcher
+//! share passes and answer token for token as they do alone; a bad row fails alone.
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+use target_engine::prelude::*;
+use target_engine::testing::{write_tiny_gguf, TinySpec};
+use target_engine::{
+    argmax, with_batcher, Architecture, DecodeBatcher, EngineError, GenerateParams, KvCache,
+    LoadOptions, Model,
+};
+
+/// A tiny model loaded as the server loads one (the default options: a one-row step on the
+/// quantized decode path).
+fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(arch)).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
+    (dir, m)
+}
+
+fn prompts(m: &Model) -> Vec<Vec<u32>> {
+    [
+        "the ant sat in the sand",
+        "a tin",
+        "where is the antenna in the attic near the tent",
+    ]
+    .iter()
+    .map(|t| m.tokenizer().encode(t, true).ids)
+    .collect()
+}
+
+fn same_rows(a: &KvCache, b: &KvCache) -> bool {
+    let n = a.len() * a.row_len();
+    a.len() == b.len()
+        && (0..a.n_layer()).all(|l| a.k(l)[..n] == b.k(l)[..n] && a.v(l)[..n] == b.v(l)[..n])
+}
+
+#[test]
+fn a_batched_pass_gives_every_row_its_own_logits_and_cache_rows_bit_for_bit() {
+    for arch in [
+        Architecture::Qwen2,
+        Architecture::Llama,
+        Architecture::Gemma3,
+    ] {
+        let (_dir, m) = tiny(arch);
+        let prefilled: Vec<(KvCache, Vec<f32>)> = prompts(&m)
+            .iter()
+            .map(|p| m.prefill(p).expect("prefill"))
+            .collect();
+        // Alone: one forward per request, two steps each.
+        let mut alone = Vec::new();
+        for (cache, logits) in &prefilled {
+            let mut cache = cache.clone();
+            let mut next = argmax(logits);
+            let mut rows = Vec::new();
+            for _ in 0..2 {
+                let pos = cache.len();
+                let out = m.forward(&[next], &[pos], &mut cache, false).expect("step");
+                let l = m.last_logits(&out).expect("logits");
+                next = argmax(&l);
+                rows.push(l);
+            }
+            alone.push((cache, rows));
+        }
+        // Together: both steps of all three requests in two passes.
+        let mut caches: Vec<KvCache> = prefilled.iter().map(|(c, _)| c.clone()).collect();
+        let mut next: Vec<u32> = prefilled.iter().map(|(_, l)| argmax(l)).collect();
+        for step in 0..2 {
+            let mut rows: Vec<(u32, usize, &mut KvCache)> = caches
+                .iter_mut()
+                .zip(&next)
+                .map(|(c, &id)| (id, c.len(), c))
+                .collect();
+            let logits = m.decode_rows(&mut rows).expect("batched step");
+            for (i, l) in logits.iter().enumerate() {
+                assert_eq!(l, &alone[i].1[step], "{arch:?}: request {i}, step {step}");
+                next[i] = argmax(l);
+            }
+        }
+        for (i, c) in caches.iter().enumerate() {
+            assert!(
+                same_rows(c, &alone[i].0),
+                "{arch:?}: request {i}'s cache rows"
+            );
+        }
+    }
+}
+
+#[test]
+fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
+    let (_dir, m) = tiny(Architecture::Qwen2);
+    let m = Arc::new(m);
+    const STEPS: usize = 10;
+    // Greedy steps of each prompt alone, the reference.
+    let run =
+        |m: &Model, p: &[u32], step: &dyn Fn(&Model, u32, usize, &mut KvCache) -> Vec<f32>| {
+            let (mut cache, logits) = m.prefill(p).expect("prefill");
+            let mut next = argmax(&logits);
+            let mut ids = vec![next];
+            for _ in 0..STEPS {
+                let pos = cache.len();
+                let l = step(m, next, pos, &mut cache);
+                next = argmax(&l);
+                ids.push(next);
+            }
+            ids
+        };
+    let alone: Vec<Vec<u32>> = prompts(&m)
+        .iter()
+        .map(|p| {
+            run(&m, p, &|m, id, pos, c| {
+                m.last_logits(&m.forward(&[id], &[pos], c, false).expect("step"))
+                    .expect("logits")
+            })
+        })
+        .collect();
+    // The window is long enough that every pass waits for the three seated requests.
+    let batcher = Arc::new(DecodeBatcher::new(8, Duration::from_secs(2)));
+    let seated = Arc::new(Barrier::new(3));
+    let threads: Vec<_> = prompts(&m)
+        .into_iter()
+        .map(|p| {
+            let (m, b, seated) = (Arc::clone(&m), Arc::clone(&batcher), Arc::clone(&seated));
+            std::thread::spawn(move || {
+                let _seat = b.seat();
+                seated.wait();
+                run(&m, &p, &|m, id, pos, c| {
+                    b.step(m, id, pos, c).expect("batched step")
+                })
+            })
+        })
+        .collect();
+    let together: Vec<Vec<u32>> = threads
+        .into_iter()
+        .map(|t| t.join().expect("no panic"))
+        .collect();
+    assert_eq!(together, alone, "batching changed an answer");
+    let s = batcher.stats();
+    assert_eq!(s.rows, 3 * STEPS as u64);
+    assert_eq!(s.max_rows, 3, "{s:?}");
+    assert_eq!(
+        s.passes, STEPS as u64,
+        "every pass carried all three: {s:?}"
+    );
+    assert_eq!(s.seated, 0, "seats given back");
+}
+
+#[test]
+fn generations_through_an_installed_batcher_equal_those_alone() {
+    let (_dir, m) = tiny(Architecture::Llama);
+    let m = Arc::new(m);
+    let params = GenerateParams {
+        max_tokens: 12,
+        logprobs: Some(2),
+        ..Default::default()
+    };
+    let alone: Vec<_> = prompts(&m)
+        .iter()
+        .map(|p| m.generate(p, &params).expect("generate"))
+        .collect();
+    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(50)));
+    let threads: Vec<_> = prompts(&m)
+        .into_iter()
+        .map(|p| {
+            let (m, b, params) = (Arc::clone(&m), Arc::clone(&batcher), params.clone());
+            std::thread::spawn(move || {
+                with_batcher(Some(b), || m.generate(&p, &params).expect("generate"))
+            })
+        })
+        .collect();
+    for (t, a) in threads.into_iter().zip(&alone) {
+        let g = t.join().expect("no panic");
+        assert_eq!((&g.ids, &g.text, g.finish), (&a.ids, &a.text, a.finish));
+        assert_eq!(g.margins, a.margins);
+        assert_eq!(g.logprobs, a.logprobs);
+    }
+    let s = batcher.stats();
+    let decoded: usize = alone.iter().map(|g| g.ids.len().saturating_sub(1)).sum();
+    assert!(s.rows as usize <= decoded && s.seated == 0, "{s:?}");
+}
+
+#[test]
+fn a_bad_row_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
+    let (_dir, m) = tiny(Architecture::Qwen2);
+    let m = Arc::new(m);
+    let p = prompts(&m).remove(0);
+    let (cache, logits) = m.prefill(&p).expect("prefill");
+    let next = argmax(&logits);
+    let want = {
+        let mut c = cache.clone();
+        let out = m.forward(&[next], &[c.len()], &mut c, false).expect("step");
+        m.last_logits(&out).expect("logits")
+    };
+    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_secs(2)));
+    let seated = Arc::new(Barrier::new(2));
+    let spawn = |id: u32| {
+        let (m, b, seated, mut c) = (
+            Arc::clone(&m),
+            Arc::clone(&batcher),
+            Arc::clone(&seated),
+            cache.clone(),
+        );
+        std::thread::spawn(move || {
+            let _seat = b.seat();
+            seated.wait();
+            let pos = c.len();
+            (b.step(&m, id, pos, &mut c), c.len())
+        })
+    };
+    let good = spawn(next);
+    let bad = spawn(u32::MAX);
+    let (good, bad) = (
+        good.join().expect("no panic"),
+        bad.join().expect("no panic"),
+    );
+    assert_eq!(good.0.expect("the good row answers"), want);
+    assert_eq!(
+        good.1,
+        cache.len() + 1,
+        "its cache came back with the new row"
+    );
+    assert!(
+        matches!(bad.0, Err(EngineError::InvalidInput(_))),
+        "{:?}",
+        bad.0
+    );
+    assert_eq!(
+        bad.1,
+        cache.len(),
+        "the bad row's cache came back unchanged"
+    );
+    assert_eq!(batcher.stats().rows, 2);
+}
