@@ -4,10 +4,12 @@
 //! A request's KV is what it holds at once: the reused (blended) cache of its prompt and
 //! answer, the chunk KV loaded to build it, the full cache a guard's escalation or
 //! verification computes beside it, and the drafter's cache when speculative decoding runs.
-//! The engine thread answers one query at a time, so a request is admitted against the whole
-//! budget; one that cannot fit is refused (503 with `Retry-After`, naming the budget and what
-//! the request needs) before any model work, instead of being killed by the kernel's OOM
-//! killer mid-prefill.
+//! A request larger than the whole budget is refused (503 with `Retry-After`, naming the budget
+//! and what the request needs) before any model work, instead of being killed by the kernel's
+//! OOM killer mid-prefill. Requests run side by side (the engine's query threads), so each
+//! one's KV is reserved in the pipeline's [`KvLedger`] before its model work starts and given
+//! back when it ends; one that fits the budget but not beside the requests running now waits
+//! for them (its deadline and its client still stop it).
 
 use crate::error::GatewayError;
 
@@ -79,6 +81,61 @@ pub fn admit(need: &Need, budget: u64) -> Result<(), GatewayError> {
     )))
 }
 
+/// The KV the running requests have reserved, against the budget.
+#[derive(Debug, Default)]
+pub struct KvLedger {
+    held: std::sync::Mutex<u64>,
+    freed: std::sync::Condvar,
+}
+
+/// How often a request waiting for KV memory checks its stop condition.
+const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+impl KvLedger {
+    /// Bytes reserved now.
+    pub fn held(&self) -> u64 {
+        *self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves `need` within `budget` for as long as the returned reservation lives: refused
+    /// at once when it could never fit ([`admit`]), else waits until the running requests
+    /// leave room, or until this thread's stop condition (the request's deadline, its client
+    /// leaving) ends the wait.
+    pub fn reserve(&self, need: &Need, budget: u64) -> Result<Reservation<'_>, GatewayError> {
+        admit(need, budget)?;
+        let bytes = need.bytes();
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        while held.saturating_add(bytes) > budget {
+            target_engine::stop::check()?;
+            held = self
+                .freed
+                .wait_timeout(held, WAIT_POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *held += bytes;
+        Ok(Reservation {
+            ledger: self,
+            bytes,
+        })
+    }
+}
+
+/// KV bytes reserved in a [`KvLedger`], given back when dropped.
+#[derive(Debug)]
+pub struct Reservation<'a> {
+    ledger: &'a KvLedger,
+    bytes: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut held = self.ledger.held.lock().unwrap_or_else(|e| e.into_inner());
+        *held = held.saturating_sub(self.bytes);
+        self.ledger.freed.notify_all();
+    }
+}
+
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / f64::from(1u32 << 30))
 }
@@ -140,6 +197,47 @@ mod tests {
         assert_eq!(default_context(131_072), 32_768);
         assert_eq!(default_context(40_960), 32_768);
         assert_eq!(default_context(8_192), 8_192);
+    }
+
+    #[test]
+    fn a_request_that_fits_only_alone_waits_for_the_running_ones_and_stops_with_its_caller() {
+        let need = |tokens| Need {
+            tokens,
+            caches: 1,
+            target_per_token: 1,
+            drafter_per_token: 0,
+        };
+        let ledger = std::sync::Arc::new(KvLedger::default());
+        let first = ledger.reserve(&need(60), 100).expect("fits");
+        assert_eq!(ledger.held(), 60);
+        // 50 more does not fit beside the 60 held: it waits until they are given back.
+        let (l, started) = (std::sync::Arc::clone(&ledger), std::time::Instant::now());
+        let waiter = std::thread::spawn(move || {
+            let r = l.reserve(&need(50), 100).map(|r| r.bytes);
+            (r.ok(), started.elapsed())
+        });
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        assert!(
+            !waiter.is_finished(),
+            "admitted beside a request it does not fit beside"
+        );
+        drop(first);
+        let (got, waited) = waiter.join().expect("no panic");
+        assert_eq!(got, Some(50));
+        assert!(waited >= std::time::Duration::from_millis(150));
+        assert_eq!(ledger.held(), 0, "given back when dropped");
+        // A waiting request whose caller stops (deadline, client gone) stops waiting.
+        let _held = ledger.reserve(&need(100), 100).expect("the whole budget");
+        let stop: target_engine::stop::StopFn = std::sync::Arc::new(|| true);
+        let e = target_engine::stop::with_stop(Some(stop), || ledger.reserve(&need(1), 100))
+            .expect_err("stopped while waiting");
+        assert!(matches!(
+            e,
+            GatewayError::Engine(target_engine::EngineError::Stopped)
+        ));
+        // One larger than the whole budget never waits: refused at once.
+        let e = ledger.reserve(&need(101), 100).expect_err("never fits");
+        assert_eq!(e.fault(), crate::error::Fault::Unavailable);
     }
 
     #[test]

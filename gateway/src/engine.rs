@@ -1,7 +1,14 @@
-//! The engine thread: the one place model work runs, behind a bounded queue. Handlers submit
+//! The engine thread: where model work is scheduled, behind a bounded queue. Handlers submit
 //! jobs and wait on a channel; a full queue is refused at once (429), a job found past its
 //! deadline is not started (504), and a query whose client went away or whose deadline passed
 //! stops at its next token.
+//!
+//! Queries run on up to `max_batch` query threads at once, whose decode steps one
+//! [`target_engine::DecodeBatcher`] runs together (one pass over the weights for every
+//! request decoding); the engine thread hands a query to a free thread and takes the next job
+//! when one is free. Ingestion, deletion and garbage sweeps run on the engine thread alone,
+//! once the running queries have finished; the queries that arrive meanwhile run between
+//! their chunks or slices, batched with each other.
 
 use crate::error::GatewayError;
 use crate::ingest::{IngestConfig, IngestReport};
@@ -68,6 +75,11 @@ pub enum Job {
         reply: oneshot::Sender<Result<usize, JobError>>,
     },
 }
+
+/// How long a batched decode step waits for the other decoding requests to ask for theirs:
+/// a small share of a step (tens of milliseconds on the CPU), so a request busy elsewhere (a
+/// slow client, the guard's second look) holds the others up for at most this long.
+pub const BATCH_WINDOW: Duration = Duration::from_millis(4);
 
 /// Keys a garbage sweep removes before it lets waiting queries run.
 pub const SWEEP_SLICE: usize = 64;
@@ -138,9 +150,15 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs; a first
-/// full garbage collection is listed at once, off the engine thread.
-pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) -> EngineHandle {
+/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs, running up
+/// to `max_batch` queries at once with their decode steps batched; a first full garbage
+/// collection is listed at once, off the engine thread.
+pub fn start(
+    pipeline: Arc<Pipeline>,
+    capacity: usize,
+    max_batch: usize,
+    metrics: Arc<Metrics>,
+) -> EngineHandle {
     let (tx, rx) = sync_channel::<(Job, Instant)>(capacity.max(1));
     let depth = Arc::new(AtomicUsize::new(0));
     let handle_pipeline = Arc::clone(&pipeline);
@@ -152,6 +170,7 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
                 pipeline: &pipeline,
                 shared: Arc::clone(&pipeline),
                 metrics: &metrics,
+                workers: Workers::new(max_batch, Arc::clone(&pipeline), Arc::clone(&metrics)),
                 rx: &rx,
                 depth: &d,
                 deferred: VecDeque::new(),
@@ -159,7 +178,12 @@ pub fn start(pipeline: Arc<Pipeline>, capacity: usize, metrics: Arc<Metrics>) ->
                 listing: None,
             };
             engine.want_sweep();
-            while let Some((job, queued)) = engine.next_job() {
+            // A job is taken off the queue only once a query thread is free, so what waits
+            // stays in the queue, counted and bounded.
+            while let Some((job, queued)) = {
+                engine.workers.wait_for_room();
+                engine.next_job()
+            } {
                 d.fetch_sub(1, Ordering::SeqCst);
                 metrics.queued(queued.elapsed());
                 guarded(|| engine.run(job));
@@ -225,6 +249,8 @@ struct Engine<'a> {
     /// The garbage listing under way on a collector thread, if any.
     listing: Option<std::sync::mpsc::Receiver<Listing>>,
     metrics: &'a Metrics,
+    /// The query threads.
+    workers: Workers,
     rx: &'a std::sync::mpsc::Receiver<(Job, Instant)>,
     depth: &'a AtomicUsize,
     /// Jobs taken off the queue during an ingestion (to reach the queries behind them) that
@@ -307,6 +333,7 @@ impl Engine<'_> {
     /// speculator companion it names may belong to a chunk indexed since) is listed again.
     fn sweep(&mut self, listing: Listing) {
         let Listing { keys, commits } = listing;
+        self.workers.drain();
         let corpus = &self.pipeline.corpus;
         let mut removed = 0;
         for slice in keys.chunks(SWEEP_SLICE) {
@@ -332,6 +359,9 @@ impl Engine<'_> {
     }
 
     fn run(&mut self, job: Job) {
+        if !matches!(job, Job::Query { .. }) {
+            self.workers.drain();
+        }
         match job {
             Job::Ingest {
                 docs,
@@ -343,7 +373,7 @@ impl Engine<'_> {
                 query,
                 deadline,
                 events,
-            } => run_query(self.pipeline, self.metrics, &query, deadline, &events),
+            } => self.workers.dispatch(query, deadline, events),
             Job::Delete {
                 collection,
                 id,
@@ -363,12 +393,13 @@ impl Engine<'_> {
         }
     }
 
-    /// Runs the queries waiting in the queue now; other jobs wait in `deferred` until the
-    /// running ingestion ends (while there is room).
+    /// Runs the queries waiting in the queue now (batched with each other) and waits for them
+    /// to finish; other jobs wait in `deferred` until the running ingestion ends (while there
+    /// is room).
     fn serve_waiting_queries(&mut self) {
         while self.deferred.len() < self.capacity {
             let Ok((job, queued)) = self.rx.try_recv() else {
-                return;
+                break;
             };
             match job {
                 Job::Query {
@@ -378,11 +409,12 @@ impl Engine<'_> {
                 } => {
                     self.depth.fetch_sub(1, Ordering::SeqCst);
                     self.metrics.queued(queued.elapsed());
-                    guarded(|| run_query(self.pipeline, self.metrics, &query, deadline, &events));
+                    self.workers.dispatch(query, deadline, events);
                 }
                 job => self.deferred.push_back((job, queued)),
             }
         }
+        self.workers.drain();
     }
 
     fn ingest(
@@ -432,6 +464,90 @@ impl Engine<'_> {
             self.want_sweep();
         }
         let _ = reply.send(out.map(|r| (r, problems)).map_err(JobError::from));
+    }
+}
+
+/// The query threads: at most `max` queries run at once, each on its own thread with the
+/// shared decode batcher installed.
+struct Workers {
+    max: usize,
+    /// Queries running now.
+    running: Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>,
+    batcher: Arc<target_engine::DecodeBatcher>,
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+}
+
+impl Workers {
+    fn new(max: usize, pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Self {
+        let max = max.max(1);
+        let batcher = Arc::new(target_engine::DecodeBatcher::new(max, BATCH_WINDOW));
+        metrics.set_batcher(Arc::clone(&batcher));
+        Self {
+            max,
+            running: Arc::new((std::sync::Mutex::new(0), std::sync::Condvar::new())),
+            batcher,
+            pipeline,
+            metrics,
+        }
+    }
+
+    /// Waits until fewer than `at_most` queries run.
+    fn wait_below(&self, at_most: usize) {
+        let (count, freed) = &*self.running;
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n >= at_most {
+            n = freed.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Waits until no query runs.
+    fn drain(&self) {
+        self.wait_below(1);
+    }
+
+    /// Waits until another query can start.
+    fn wait_for_room(&self) {
+        self.wait_below(self.max);
+    }
+
+    /// Runs the query on a thread of its own once one of the `max` is free (so the queue, not
+    /// the threads, holds what waits).
+    fn dispatch(&self, query: Query, deadline: Instant, events: mpsc::Sender<QueryEvent>) {
+        self.wait_for_room();
+        let (count, _) = &*self.running;
+        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let done = Done(Arc::clone(&self.running));
+        let (pipeline, metrics) = (Arc::clone(&self.pipeline), Arc::clone(&self.metrics));
+        let batcher = Arc::clone(&self.batcher);
+        let job = move || {
+            let _done = done;
+            guarded(|| {
+                target_engine::with_batcher(Some(batcher), || {
+                    run_query(&pipeline, &metrics, &query, deadline, &events)
+                })
+            });
+        };
+        // Where no thread can be had the job is dropped with its channel, which its handler
+        // reports as a 500 (as for a panic), and its slot is freed.
+        let spawned = std::thread::Builder::new()
+            .name("specrag-query".into())
+            .spawn(job);
+        if let Err(e) = spawned {
+            tracing::error!("cannot start a query thread: {e}; the query is dropped");
+        }
+    }
+}
+
+/// Counts a query as finished when dropped (also when it panicked).
+struct Done(Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        let (count, freed) = &*self.0;
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        freed.notify_all();
     }
 }
 

@@ -38,11 +38,17 @@ const INTER_TOKEN: &str = "specrag_inter_token_latency_seconds";
 const QUEUE_TIME: &str = "specrag_queue_time_seconds";
 const SPEC_DECODE: &str = "specrag_spec_decode_tokens_total";
 const LONG_CONTEXT: &str = "specrag_long_context_tokens_total";
+const BATCH_PASSES: &str = "specrag_decode_passes_total";
+const BATCH_STEPS: &str = "specrag_decode_steps_total";
+const BATCH_SEATED: &str = "specrag_decoding_requests";
+const KV_HELD: &str = "specrag_kv_bytes_held";
 
 /// The server's metrics. Cheap to update from any thread.
 pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
+    /// The engine's decode batcher, read when `/metrics` is rendered.
+    batcher: std::sync::OnceLock<std::sync::Arc<target_engine::DecodeBatcher>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -69,7 +75,11 @@ impl Default for Metrics {
         }
         let recorder = b.build_recorder();
         let handle = recorder.handle();
-        let m = Self { recorder, handle };
+        let m = Self {
+            recorder,
+            handle,
+            batcher: std::sync::OnceLock::new(),
+        };
         m.with(|| {
             use metrics::{describe_counter, describe_gauge, describe_histogram};
             describe_counter!(REQUESTS, "HTTP requests by route and status.");
@@ -228,6 +238,38 @@ impl Metrics {
         });
     }
 
+    /// The engine's decode batcher, whose passes `/metrics` reports from now on.
+    pub fn set_batcher(&self, batcher: std::sync::Arc<target_engine::DecodeBatcher>) {
+        if self.batcher.set(batcher).is_ok() {
+            self.with(|| {
+                use metrics::{describe_counter, describe_gauge};
+                describe_counter!(
+                    BATCH_PASSES,
+                    "Decode passes over the target's weights (each carries one step of every \
+                     request decoding then: steps_total / passes_total is the mean batch)."
+                );
+                describe_counter!(
+                    BATCH_STEPS,
+                    "Decode steps run: a request's token, or its token and the drafts checked \
+                     with it."
+                );
+                describe_gauge!(BATCH_SEATED, "Requests decoding now.");
+            });
+        }
+    }
+
+    /// The KV bytes the running requests hold (admission's ledger), against `budget`.
+    pub fn kv_held(&self, held: u64, budget: u64) {
+        self.with(|| {
+            metrics::describe_gauge!(
+                KV_HELD,
+                "KV bytes reserved by running requests (held) and the --kv-memory-budget."
+            );
+            metrics::gauge!(KV_HELD, "kind" => "held").set(held as f64);
+            metrics::gauge!(KV_HELD, "kind" => "budget").set(budget as f64);
+        });
+    }
+
     /// A job that waited `wait` in the queue before the engine took it.
     pub fn queued(&self, wait: Duration) {
         self.with(|| metrics::histogram!(QUEUE_TIME).record(wait.as_secs_f64()));
@@ -280,6 +322,12 @@ impl Metrics {
             metrics::counter!(STORE_ERRORS, "tier" => "remote").absolute(store.remote_errors);
             metrics::gauge!(BYTES, "tier" => "memory").set(store.memory_bytes as f64);
             metrics::gauge!(BYTES, "tier" => "disk").set(store.disk_bytes as f64);
+            if let Some(b) = self.batcher.get() {
+                let s = b.stats();
+                metrics::counter!(BATCH_PASSES).absolute(s.passes);
+                metrics::counter!(BATCH_STEPS).absolute(s.steps);
+                metrics::gauge!(BATCH_SEATED).set(s.seated as f64);
+            }
         });
         self.handle.render()
     }

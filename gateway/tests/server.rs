@@ -697,6 +697,87 @@ async fn documents_are_added_listed_searched_and_deleted() -> TestResult {
     Ok(())
 }
 
+/// Requests served together (the engine's query threads, their decode steps batched) answer
+/// exactly as they do one at a time, and `/metrics` counts the decode passes and the steps
+/// they carried. (That passes do carry several steps is held in target-engine/tests/batch.rs,
+/// where timing is controlled.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_served_together_answer_as_they_do_one_at_a_time() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let questions = [
+        "Where does the ant run?",
+        "What is in the tin?",
+        "the sand",
+        "Who sat near the tent?",
+    ];
+    let ask = |q: &str, method: &str| {
+        post(
+            "/rag/query",
+            &json!({"query": q, "max_tokens": 24, "method": method, "logprobs": 2}),
+        )
+    };
+    let answer = |body: &str| -> Result<(String, Value), Box<dyn std::error::Error>> {
+        let v: Value = serde_json::from_str(body)?;
+        Ok((
+            v["answer"].as_str().unwrap_or("?").to_string(),
+            v["logprobs"].clone(),
+        ))
+    };
+    for method in ["target_probe_shift", "full_recompute"] {
+        let one = state(
+            p.clone(),
+            ServerConfig {
+                max_batch: 1,
+                ..Default::default()
+            },
+        );
+        let mut alone = Vec::new();
+        for q in questions {
+            let (status, body, _) = send(&one, ask(q, method)).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            alone.push(answer(&body)?);
+        }
+        let many = state(
+            p.clone(),
+            ServerConfig {
+                max_batch: 4,
+                ..Default::default()
+            },
+        );
+        let running: Vec<_> = questions
+            .iter()
+            .map(|q| {
+                let (s, req) = (many.clone(), ask(q, method));
+                tokio::spawn(async move { send(&s, req).await })
+            })
+            .collect();
+        for (r, want) in running.into_iter().zip(&alone) {
+            let (status, body, _) = r.await?;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            assert_eq!(&answer(&body)?, want, "{method}: served together: {body}");
+        }
+        let (_, text, _) = send(&many, Request::get("/metrics").body(Body::empty())?).await;
+        let passes = sample(&text, "specrag_decode_passes_total").ok_or("no passes")?;
+        let steps = sample(&text, "specrag_decode_steps_total").ok_or("no steps")?;
+        assert!(
+            passes > 0.0 && steps >= passes,
+            "{passes} passes, {steps} steps: {text}"
+        );
+        assert_eq!(
+            sample(&text, "specrag_decoding_requests"),
+            Some(0.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "specrag_kv_bytes_held{kind=\"held\"}"),
+            Some(0.0),
+            "{text}"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_metrics_and_docs_are_served() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -773,12 +854,13 @@ async fn api_keys_full_queue_and_deadline() -> TestResult {
     let (status, _, _) = send(&keyed, Request::get("/health").body(Body::empty())?).await;
     assert_eq!(status, StatusCode::OK, "health stays open");
 
-    // A full queue answers 429 with Retry-After: block the engine on a query whose events
-    // nobody reads, fill the one waiting slot, then ask.
+    // A full queue answers 429 with Retry-After: block the engine's one query thread on a
+    // query whose events nobody reads, fill the one waiting slot, then ask.
     let busy = state(
         p.clone(),
         ServerConfig {
             queue_capacity: 1,
+            max_batch: 1,
             ..Default::default()
         },
     );

@@ -1,7 +1,7 @@
 //! Continuous batching of decode steps: several requests' steps in one pass over the weights
 //! give each request exactly the logits and the cache rows it gets alone (rows do not interact
 //! on the decode path), whoever shares the pass; concurrent generations through a batcher
-//! share passes and answer token for token as they do alone; a bad row fails alone.
+//! share passes and answer token for token as they do alone; a bad step fails alone.
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -39,8 +39,29 @@ fn same_rows(a: &KvCache, b: &KvCache) -> bool {
         && (0..a.n_layer()).all(|l| a.k(l)[..n] == b.k(l)[..n] && a.v(l)[..n] == b.v(l)[..n])
 }
 
+/// One step of token `id` alone: [`Model::forward`], as plain decoding runs it unbatched.
+fn step_alone(m: &Model, id: u32, c: &mut KvCache) -> Vec<f32> {
+    let pos = c.len();
+    let out = m.forward(&[id], &[pos], c, false).expect("step");
+    m.last_logits(&out).expect("logits")
+}
+
+/// Decode-path rows of `ids` alone, as a speculative check runs them unbatched.
+fn rows_alone(m: &Model, ids: &[u32], c: &mut KvCache) -> Vec<Vec<f32>> {
+    let positions: Vec<usize> = (c.len()..c.len() + ids.len()).collect();
+    let out = m.forward_decode_path(ids, &positions, c).expect("alone");
+    let mut rows = m
+        .logits(&out.hidden)
+        .expect("head")
+        .to_vec2::<f32>()
+        .expect("rows");
+    rows.iter_mut()
+        .for_each(|r| r.truncate(m.tokenizer().vocab_size()));
+    rows
+}
+
 #[test]
-fn a_batched_pass_gives_every_row_its_own_logits_and_cache_rows_bit_for_bit() {
+fn a_batched_pass_gives_every_request_its_own_logits_and_cache_rows_bit_for_bit() {
     for arch in [
         Architecture::Qwen2,
         Architecture::Llama,
@@ -58,9 +79,7 @@ fn a_batched_pass_gives_every_row_its_own_logits_and_cache_rows_bit_for_bit() {
             let mut next = argmax(logits);
             let mut rows = Vec::new();
             for _ in 0..2 {
-                let pos = cache.len();
-                let out = m.forward(&[next], &[pos], &mut cache, false).expect("step");
-                let l = m.last_logits(&out).expect("logits");
+                let l = step_alone(&m, next, &mut cache);
                 next = argmax(&l);
                 rows.push(l);
             }
@@ -68,17 +87,21 @@ fn a_batched_pass_gives_every_row_its_own_logits_and_cache_rows_bit_for_bit() {
         }
         // Together: both steps of all three requests in two passes.
         let mut caches: Vec<KvCache> = prefilled.iter().map(|(c, _)| c.clone()).collect();
-        let mut next: Vec<u32> = prefilled.iter().map(|(_, l)| argmax(l)).collect();
+        let mut next: Vec<[u32; 1]> = prefilled.iter().map(|(_, l)| [argmax(l)]).collect();
         for step in 0..2 {
-            let mut rows: Vec<(u32, usize, &mut KvCache)> = caches
-                .iter_mut()
-                .zip(&next)
-                .map(|(c, &id)| (id, c.len(), c))
+            let mut steps: Vec<(&[u32], &mut KvCache)> = next
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(id, c)| (&id[..], c))
                 .collect();
-            let logits = m.decode_rows(&mut rows).expect("batched step");
+            let logits = m.decode_rows(&mut steps).expect("batched step");
             for (i, l) in logits.iter().enumerate() {
-                assert_eq!(l, &alone[i].1[step], "{arch:?}: request {i}, step {step}");
-                next[i] = argmax(l);
+                assert_eq!(
+                    l[..],
+                    alone[i].1[step..=step],
+                    "{arch:?}: request {i}, step {step}"
+                );
+                next[i] = [argmax(&l[0])];
             }
         }
         for (i, c) in caches.iter().enumerate() {
@@ -87,6 +110,21 @@ fn a_batched_pass_gives_every_row_its_own_logits_and_cache_rows_bit_for_bit() {
                 "{arch:?}: request {i}'s cache rows"
             );
         }
+        // A speculative check (a token and three drafts) sharing a pass with a one-token
+        // step: each gets the rows of its own decode-path pass alone.
+        let drafts = [next[0][0], 5, 6, 7];
+        let want = vec![
+            rows_alone(&m, &drafts, &mut caches[0].clone()),
+            rows_alone(&m, &next[1], &mut caches[1].clone()),
+        ];
+        let (a, b) = caches.split_at_mut(1);
+        let got = m
+            .decode_rows(&mut [(&drafts[..], &mut a[0]), (&next[1][..], &mut b[0])])
+            .expect("batched check");
+        assert_eq!(
+            got, want,
+            "{arch:?}: drafts checked beside another request's step"
+        );
     }
 }
 
@@ -95,28 +133,20 @@ fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
     let (_dir, m) = tiny(Architecture::Qwen2);
     let m = Arc::new(m);
     const STEPS: usize = 10;
-    // Greedy steps of each prompt alone, the reference.
-    let run =
-        |m: &Model, p: &[u32], step: &dyn Fn(&Model, u32, usize, &mut KvCache) -> Vec<f32>| {
-            let (mut cache, logits) = m.prefill(p).expect("prefill");
-            let mut next = argmax(&logits);
-            let mut ids = vec![next];
-            for _ in 0..STEPS {
-                let pos = cache.len();
-                let l = step(m, next, pos, &mut cache);
-                next = argmax(&l);
-                ids.push(next);
-            }
-            ids
-        };
+    // Greedy steps of a prompt, each step run by `step`.
+    let run = |m: &Model, p: &[u32], step: &dyn Fn(&Model, u32, &mut KvCache) -> Vec<f32>| {
+        let (mut cache, logits) = m.prefill(p).expect("prefill");
+        let mut next = argmax(&logits);
+        let mut ids = vec![next];
+        for _ in 0..STEPS {
+            next = argmax(&step(m, next, &mut cache));
+            ids.push(next);
+        }
+        ids
+    };
     let alone: Vec<Vec<u32>> = prompts(&m)
         .iter()
-        .map(|p| {
-            run(&m, p, &|m, id, pos, c| {
-                m.last_logits(&m.forward(&[id], &[pos], c, false).expect("step"))
-                    .expect("logits")
-            })
-        })
+        .map(|p| run(&m, p, &step_alone))
         .collect();
     // The window is long enough that every pass waits for the three seated requests.
     let batcher = Arc::new(DecodeBatcher::new(8, Duration::from_secs(2)));
@@ -128,8 +158,8 @@ fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
             std::thread::spawn(move || {
                 let _seat = b.seat();
                 seated.wait();
-                run(&m, &p, &|m, id, pos, c| {
-                    b.step(m, id, pos, c).expect("batched step")
+                run(&m, &p, &|m, id, c| {
+                    b.step(m, &[id], c).expect("batched step").remove(0)
                 })
             })
         })
@@ -140,8 +170,8 @@ fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
         .collect();
     assert_eq!(together, alone, "batching changed an answer");
     let s = batcher.stats();
-    assert_eq!(s.rows, 3 * STEPS as u64);
-    assert_eq!(s.max_rows, 3, "{s:?}");
+    assert_eq!((s.steps, s.rows), (3 * STEPS as u64, 3 * STEPS as u64));
+    assert_eq!(s.max_steps, 3, "{s:?}");
     assert_eq!(
         s.passes, STEPS as u64,
         "every pass carried all three: {s:?}"
@@ -180,21 +210,17 @@ fn generations_through_an_installed_batcher_equal_those_alone() {
     }
     let s = batcher.stats();
     let decoded: usize = alone.iter().map(|g| g.ids.len().saturating_sub(1)).sum();
-    assert!(s.rows as usize <= decoded && s.seated == 0, "{s:?}");
+    assert!(s.steps as usize == decoded && s.seated == 0, "{s:?}");
 }
 
 #[test]
-fn a_bad_row_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
+fn a_bad_step_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
     let (_dir, m) = tiny(Architecture::Qwen2);
     let m = Arc::new(m);
     let p = prompts(&m).remove(0);
     let (cache, logits) = m.prefill(&p).expect("prefill");
     let next = argmax(&logits);
-    let want = {
-        let mut c = cache.clone();
-        let out = m.forward(&[next], &[c.len()], &mut c, false).expect("step");
-        m.last_logits(&out).expect("logits")
-    };
+    let want = step_alone(&m, next, &mut cache.clone());
     let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_secs(2)));
     let seated = Arc::new(Barrier::new(2));
     let spawn = |id: u32| {
@@ -207,8 +233,7 @@ fn a_bad_row_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
         std::thread::spawn(move || {
             let _seat = b.seat();
             seated.wait();
-            let pos = c.len();
-            (b.step(&m, id, pos, &mut c), c.len())
+            (b.step(&m, &[id], &mut c), c.len())
         })
     };
     let good = spawn(next);
@@ -217,7 +242,7 @@ fn a_bad_row_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
         good.join().expect("no panic"),
         bad.join().expect("no panic"),
     );
-    assert_eq!(good.0.expect("the good row answers"), want);
+    assert_eq!(good.0.expect("the good step answers"), vec![want]);
     assert_eq!(
         good.1,
         cache.len() + 1,
@@ -231,7 +256,7 @@ fn a_bad_row_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
     assert_eq!(
         bad.1,
         cache.len(),
-        "the bad row's cache came back unchanged"
+        "the bad step's cache came back unchanged"
     );
-    assert_eq!(batcher.stats().rows, 2);
+    assert_eq!(batcher.stats().steps, 2);
 }

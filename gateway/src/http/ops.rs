@@ -134,6 +134,10 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
     state
         .metrics
         .body_bytes_in_flight(state.body_budget.in_flight());
+    state.metrics.kv_held(
+        state.pipeline.kv_held.held(),
+        state.pipeline.kv_memory_budget,
+    );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(state.engine.depth(), &stats),

@@ -14,6 +14,8 @@ pub struct ServerConfig {
     pub api_keys: Vec<ApiKey>,
     /// Jobs that may wait for the engine before requests are refused with 429.
     pub queue_capacity: usize,
+    /// Queries that run at once, their decode steps batched (`--max-batch`).
+    pub max_batch: usize,
     /// A request not finished within this time is answered 504 (and its work stopped).
     pub request_timeout: Duration,
     /// Most tokens one `POST /documents` may precompute (413 above).
@@ -49,6 +51,9 @@ impl ServerConfig {
     }
 }
 
+/// Default of [`ServerConfig::max_batch`]: four requests decode in about the time of one on
+/// 2 CPU cores (docs/performance.md, *Requests batched*).
+pub const DEFAULT_MAX_BATCH: usize = 4;
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
 /// Qwen-0.5B on 2 cores.
 pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;
@@ -63,6 +68,7 @@ impl Default for ServerConfig {
         Self {
             api_keys: Vec::new(),
             queue_capacity: 8,
+            max_batch: DEFAULT_MAX_BATCH,
             request_timeout: Duration::from_secs(300),
             max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
@@ -94,7 +100,12 @@ impl AppState {
     /// Starts the engine thread over `pipeline`.
     pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Self {
         let metrics = Arc::new(Metrics::default());
-        let engine = crate::engine::start(pipeline.clone(), config.queue_capacity, metrics.clone());
+        let engine = crate::engine::start(
+            pipeline.clone(),
+            config.queue_capacity,
+            config.max_batch,
+            metrics.clone(),
+        );
         Self {
             pipeline,
             engine,

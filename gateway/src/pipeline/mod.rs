@@ -58,6 +58,8 @@ pub struct Pipeline {
     /// Bytes of KV one request may hold at once (`--kv-memory-budget`): a request over it is
     /// refused before any model work ([`crate::admission`]).
     pub kv_memory_budget: u64,
+    /// The KV the running requests hold, against `kv_memory_budget`.
+    pub kv_held: crate::admission::KvLedger,
     pub contexts: ContextCache,
 }
 
@@ -85,6 +87,7 @@ impl Pipeline {
             long_context: LongContext::default(),
             max_context_tokens,
             kv_memory_budget: crate::admission::default_budget(),
+            kv_held: crate::admission::KvLedger::default(),
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }
     }

@@ -128,7 +128,9 @@ impl Pipeline {
         if asm.ids.len() + q.max_tokens > context {
             return Err(too_long(q, asm.ids.len(), hits.len(), retrieved, context));
         }
-        crate::admission::admit(&self.kv_need(q, asm.ids.len()), self.kv_memory_budget)?;
+        let _kv = self
+            .kv_held
+            .reserve(&self.kv_need(q, asm.ids.len()), self.kv_memory_budget)?;
         let prompt = Prompt {
             hits,
             asm: &asm,

@@ -1,17 +1,19 @@
 //! Continuous batching of decode steps on the CPU engine: requests that decode at the same
-//! time, each on its own thread, have their next tokens computed in one pass over the weights
+//! time, each on its own thread, have their next rows computed in one pass over the weights
 //! ([`Model::decode_rows`]). A decode step reads every weight once whatever the number of rows
 //! it carries, so on a memory-bound CPU `n` requests decode in little more than one's time.
 //!
-//! A request thread installs the server's [`DecodeBatcher`] with [`with_batcher`]; plain
-//! decoding ([`crate::Generate::decode_watched`]) then takes a seat for as long as it decodes
-//! and hands each step to the batcher. Requests join and leave between any two steps. The
-//! first thread to ask for a step while no pass runs leads the next one: it waits until every
-//! seated request has asked (or [`DecodeBatcher::window`] has passed, so a request busy
-//! elsewhere, say streaming to a slow client, holds nobody up for longer), takes up to
-//! `max_rows` waiting rows, runs them and hands each thread its logits and its cache back.
-//! Rows do not interact, so an answer is the same token for token whichever requests it
-//! shared its passes with. Without a batcher installed a step is [`Model::forward`] as before.
+//! A request thread installs the server's [`DecodeBatcher`] with [`with_batcher`]; plain and
+//! speculative decoding ([`crate::Generate::decode_watched`],
+//! [`crate::decode::speculative::Speculate`]) then take a seat for as long as they decode and
+//! hand each step (a token, or a token and the drafts after it) to the batcher. Requests join
+//! and leave between any two steps. The first thread to ask while no pass runs leads the next
+//! one: it waits until every seated request has asked (or [`DecodeBatcher::window`] has
+//! passed, so a request busy elsewhere, say streaming to a slow client, holds nobody up for
+//! longer), takes up to `max_steps` waiting steps, runs them and hands each thread its logits
+//! and its cache back. Rows do not interact, so an answer is the same token for token
+//! whichever requests it shared its passes with. Without a batcher installed a step runs alone
+//! as before.
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -23,7 +25,7 @@ use std::time::{Duration, Instant};
 /// Batches the decode steps of the threads that install it ([`with_batcher`]).
 #[derive(Debug)]
 pub struct DecodeBatcher {
-    max_rows: usize,
+    max_steps: usize,
     window: Duration,
     state: Mutex<State>,
     wake: Condvar,
@@ -34,10 +36,12 @@ pub struct DecodeBatcher {
 pub struct BatchStats {
     /// Passes over the weights run for decode steps.
     pub passes: u64,
-    /// Rows (one request's step each) those passes carried.
+    /// Steps (one request's each) those passes carried.
+    pub steps: u64,
+    /// Token rows those steps carried (more than steps where drafts were checked).
     pub rows: u64,
-    /// The most rows one pass carried.
-    pub max_rows: usize,
+    /// The most steps one pass carried.
+    pub max_steps: usize,
     /// Requests decoding now.
     pub seated: usize,
 }
@@ -51,7 +55,7 @@ struct State {
     /// A thread is gathering or running a pass.
     leading: bool,
     /// Steps computed, waiting for their thread to take them.
-    done: Vec<(u64, Result<Vec<f32>>, KvCache)>,
+    done: Vec<(u64, Result<Vec<Vec<f32>>>, KvCache)>,
     next_ticket: u64,
     stats: BatchStats,
 }
@@ -61,17 +65,16 @@ struct Row {
     ticket: u64,
     /// The model's address: a pass carries the rows of one model.
     model: usize,
-    id: u32,
-    pos: usize,
+    ids: Vec<u32>,
     cache: KvCache,
 }
 
 impl DecodeBatcher {
-    /// A batcher whose passes carry at most `max_rows` steps (at least 1), whose leader waits
+    /// A batcher whose passes carry at most `max_steps` steps (at least 1), whose leader waits
     /// at most `window` for the seated requests to ask.
-    pub fn new(max_rows: usize, window: Duration) -> Self {
+    pub fn new(max_steps: usize, window: Duration) -> Self {
         Self {
-            max_rows: max_rows.max(1),
+            max_steps: max_steps.max(1),
             window,
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
@@ -79,8 +82,8 @@ impl DecodeBatcher {
     }
 
     /// The most steps one pass carries.
-    pub fn max_rows(&self) -> usize {
-        self.max_rows
+    pub fn max_steps(&self) -> usize {
+        self.max_steps
     }
 
     /// How long a pass's leader waits for the seated requests to ask.
@@ -109,15 +112,9 @@ impl DecodeBatcher {
         Seat(Arc::clone(self))
     }
 
-    /// The logits after token `id` at position `pos` of `cache` (its K/V rows written there),
-    /// computed in a pass shared with the other requests asking meanwhile.
-    pub fn step(
-        &self,
-        model: &Model,
-        id: u32,
-        pos: usize,
-        cache: &mut KvCache,
-    ) -> Result<Vec<f32>> {
+    /// The logits after each of `ids` fed at the end of `cache` (their K/V rows written
+    /// there), computed in a pass shared with the other requests asking meanwhile.
+    pub fn step(&self, model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Vec<Vec<f32>>> {
         crate::stop::check()?;
         let me = model as *const Model as usize;
         let mut st = self.lock();
@@ -127,8 +124,7 @@ impl DecodeBatcher {
         st.waiting.push(Row {
             ticket,
             model: me,
-            id,
-            pos,
+            ids: ids.to_vec(),
             cache: own,
         });
         self.wake.notify_all();
@@ -144,13 +140,14 @@ impl DecodeBatcher {
             }
             st.leading = true;
             st = self.gather(st, me);
-            let mut rows = take_rows(&mut st.waiting, me, self.max_rows);
+            let mut rows = take_rows(&mut st.waiting, me, self.max_steps);
             drop(st);
             let results = run_pass(model, &mut rows);
             st = self.lock();
             st.stats.passes += 1;
-            st.stats.rows += rows.len() as u64;
-            st.stats.max_rows = st.stats.max_rows.max(rows.len());
+            st.stats.steps += rows.len() as u64;
+            st.stats.rows += rows.iter().map(|r| r.ids.len() as u64).sum::<u64>();
+            st.stats.max_steps = st.stats.max_steps.max(rows.len());
             for (row, logits) in rows.into_iter().zip(results) {
                 st.done.push((row.ticket, logits, row.cache));
             }
@@ -160,13 +157,13 @@ impl DecodeBatcher {
     }
 
     /// Waits (the lock released meanwhile) until every seated request has a step of model
-    /// `me` waiting, `max_rows` are waiting, or the window has passed.
+    /// `me` waiting, `max_steps` are waiting, or the window has passed.
     fn gather<'a>(&self, mut st: MutexGuard<'a, State>, me: usize) -> MutexGuard<'a, State> {
         let until = Instant::now() + self.window;
         loop {
             let ready = st.waiting.iter().filter(|r| r.model == me).count();
             let now = Instant::now();
-            if ready >= st.seated.max(1) || ready >= self.max_rows || now >= until {
+            if ready >= st.seated.max(1) || ready >= self.max_steps || now >= until {
                 return st;
             }
             st = self
@@ -195,11 +192,11 @@ fn take_rows(waiting: &mut Vec<Row>, me: usize, max: usize) -> Vec<Row> {
 /// One pass over `rows`, with no stop condition (each request checks its own between steps:
 /// one request leaving must not fail the others' step). A pass that fails is run again row by
 /// row, so each request gets its own error; a panic becomes an error for every row.
-fn run_pass(model: &Model, rows: &mut [Row]) -> Vec<Result<Vec<f32>>> {
-    let pass = |rows: &mut [Row]| -> Result<Vec<Vec<f32>>> {
-        let mut refs: Vec<(u32, usize, &mut KvCache)> = rows
+fn run_pass(model: &Model, rows: &mut [Row]) -> Vec<Result<Vec<Vec<f32>>>> {
+    let pass = |rows: &mut [Row]| -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut refs: Vec<(&[u32], &mut KvCache)> = rows
             .iter_mut()
-            .map(|r| (r.id, r.pos, &mut r.cache))
+            .map(|r| (r.ids.as_slice(), &mut r.cache))
             .collect();
         let run = std::panic::AssertUnwindSafe(|| {
             crate::stop::with_stop(None, || model.decode_rows(&mut refs))
@@ -215,7 +212,7 @@ fn run_pass(model: &Model, rows: &mut [Row]) -> Vec<Result<Vec<f32>>> {
         Err(e) if rows.len() == 1 => vec![Err(e)],
         Err(_) => rows
             .iter_mut()
-            .map(|r| pass(std::slice::from_mut(r)).map(|mut v| v.remove(0)))
+            .map(|r| pass(std::slice::from_mut(r))?.pop().ok_or_else(no_row))
             .collect(),
     }
 }
@@ -258,14 +255,32 @@ pub(crate) fn seat() -> Option<Seat> {
     BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))
 }
 
-/// One decode step: through this thread's batcher, or [`Model::forward`] alone.
-pub(crate) fn step(model: &Model, id: u32, pos: usize, cache: &mut KvCache) -> Result<Vec<f32>> {
-    let batcher = BATCHER.with(|b| b.borrow().clone());
-    match batcher {
-        Some(b) => b.step(model, id, pos, cache),
+fn installed() -> Option<Arc<DecodeBatcher>> {
+    BATCHER.with(|b| b.borrow().clone())
+}
+
+/// One decode step of token `id` at the end of `cache`: through this thread's batcher, or
+/// [`Model::forward`] alone.
+pub(crate) fn step(model: &Model, id: u32, cache: &mut KvCache) -> Result<Vec<f32>> {
+    match installed() {
+        Some(b) => b.step(model, &[id], cache)?.pop().ok_or_else(no_row),
         None => {
+            let pos = cache.len();
             let forward = model.forward(&[id], &[pos], cache, false)?;
             model.last_logits(&forward)
         }
     }
+}
+
+/// Decode-path rows of `ids` at the end of `cache` (a token and the drafts after it): through
+/// this thread's batcher, or [`Model::rows_logits`] alone.
+pub(crate) fn rows(model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+    match installed() {
+        Some(b) => b.step(model, ids, cache),
+        None => model.rows_logits(cache, ids),
+    }
+}
+
+fn no_row() -> EngineError {
+    EngineError::Internal("a batched decode step returned no row".into())
 }

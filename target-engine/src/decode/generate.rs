@@ -249,8 +249,7 @@ impl Generate for Model {
             if emit.take(Chosen::from_row(next, &logits, params.logprobs)) {
                 break;
             }
-            let pos = cache.len();
-            logits = super::batch::step(self, next, pos, cache)?;
+            logits = super::batch::step(self, next, cache)?;
             steps += 1;
         }
         Ok(emit.finish(t0.elapsed().as_secs_f64() * 1e3, steps))

@@ -539,6 +539,8 @@ impl Speculate for Model {
         let mut gate = LookupGate::default();
         // The answer's rows and a checking pass's beyond it.
         cache.reserve(params.max_tokens + MAX_VERIFY_ROWS);
+        // Checking passes go through this thread's batcher, if the server installed one.
+        let _seat = super::batch::seat();
         let t0 = Instant::now();
         // Tokens the target has chosen but not yet handed out, each with its row's evidence.
         let k = params.logprobs;
@@ -562,7 +564,7 @@ impl Speculate for Model {
             let mut feed = vec![next];
             feed.extend(&p.ids);
             let base = cache.len();
-            let rows = self.rows_logits(cache, &feed)?;
+            let rows = super::batch::rows(self, &feed, cache)?;
             // rows[j] comes before the answer's token at index `emit.len() + j`: the target's
             // own choice there is what plain decoding would take; drafts stand where it agrees.
             let at = emit.len();

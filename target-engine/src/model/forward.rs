@@ -295,32 +295,40 @@ impl Model {
         })
     }
 
-    /// One decode step for each of several caches in one pass over the weights: row `i` is
-    /// token `rows[i].0` at position `rows[i].1` of cache `rows[i].2`. The projections, the
-    /// FFN and the LM head run once over all rows; each row attends over its own cache only.
-    /// Several rows run on the decode path, where rows do not interact, so each row's logits
-    /// (cut to the vocabulary) are bit-identical to [`Model::forward_decode_path`] of that row
-    /// alone, which is [`Model::forward`]'s one-row step unless the model was loaded with
-    /// `dense_min_rows: 1`: batching requests changes no answer. One row runs as
-    /// [`Model::forward`]. Runs on the kernels' pool with this thread's stop condition.
-    pub fn decode_rows(&self, rows: &mut [(u32, usize, &mut KvCache)]) -> Result<Vec<Vec<f32>>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
+    /// Decode-path rows of several caches in one pass over the weights: `steps[i].0` are tokens
+    /// fed at the end of cache `steps[i].1` (one decode step, or a token and the drafts after
+    /// it). The projections, the FFN and the LM head run once over all rows; each cache's
+    /// rows attend over that cache only. Returns, per cache, the logits after each of its
+    /// tokens, cut to the vocabulary.
+    ///
+    /// Rows do not interact on the decode path, so each cache's logits are bit-identical to
+    /// [`Model::forward_decode_path`] of its tokens alone, which for one token is
+    /// [`Model::forward`]'s step unless the model was loaded with `dense_min_rows: 1`:
+    /// batching requests changes no answer. A pass of one row runs as [`Model::forward`].
+    /// Runs on the kernels' pool with this thread's stop condition.
+    pub fn decode_rows(&self, steps: &mut [(&[u32], &mut KvCache)]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let ids: Vec<u32> = steps.iter().flat_map(|s| s.0.iter().copied()).collect();
+        if ids.is_empty() || steps.iter().any(|s| s.0.is_empty()) {
+            return Err(EngineError::InvalidInput(
+                "a decode step without tokens".into(),
+            ));
         }
-        let ids: Vec<u32> = rows.iter().map(|r| r.0).collect();
-        let positions: Vec<[usize; 1]> = rows.iter().map(|r| [r.1]).collect();
+        let positions: Vec<Vec<usize>> = steps
+            .iter()
+            .map(|s| (s.1.len()..s.1.len() + s.0.len()).collect())
+            .collect();
         let x = self.embed(&ids)?;
-        let mut segments: Vec<Segment<'_>> = rows
+        let mut segments: Vec<Segment<'_>> = steps
             .iter_mut()
             .zip(&positions)
-            .map(|(r, p)| Segment {
+            .map(|(s, p)| Segment {
                 positions: p,
-                cache: &mut *r.2,
+                cache: &mut *s.1,
             })
             .collect();
         let pass = Pass {
             collect_layers: false,
-            allow_dense: segments.len() == 1,
+            allow_dense: ids.len() == 1,
             probe: None,
             view: None,
             hook: None,
@@ -333,9 +341,19 @@ impl Model {
         })?;
         let hidden = rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
         let vocab = self.tokenizer.vocab_size();
-        let mut logits = self.logits(&hidden)?.to_vec2::<f32>()?;
-        logits.iter_mut().for_each(|row| row.truncate(vocab));
-        Ok(logits)
+        let mut logits = self.logits(&hidden)?.to_vec2::<f32>()?.into_iter();
+        Ok(steps
+            .iter()
+            .map(|s| {
+                (&mut logits)
+                    .take(s.0.len())
+                    .map(|mut row| {
+                        row.truncate(vocab);
+                        row
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// The layers for residual rows `x`, laid out segment after segment: each segment's rows
