@@ -22,7 +22,12 @@ specrag how many requests the guard escalated; one JSON line per request goes to
 
     python3 scripts/compare_llama_server.py \
         --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
-        [--clients 1,4] [--threads 2] [--engines specrag,llama-server]
+        [--clients 1,4] [--threads 2] [--engines specrag,llama-server] [--max-batch 4]
+
+`--max-batch 1,4` runs specrag once per value (`specrag serve --max-batch N`, engines named
+`specrag/bN`): batching against one request at a time in the same run. With
+`--engines specrag` no llama-server is needed (`--llama-server` may be left out; the
+questions are warmed without llama.cpp's token ids).
 
 llama-server gets as many slots as the configuration has clients (`-np`), 4096 tokens of
 context each. The warmed questions and their prompts are kept in OUT/questions.json, so a
@@ -134,13 +139,24 @@ class Server:
 
 
 class Specrag(Server):
-    def __init__(self, exe, data, port, threads):
+    def __init__(self, exe, data, port, threads, max_batch=None):
         self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
+        self.max_batch = max_batch
 
     def start(self):
-        self.launch([self.exe, "serve", "--data", self.data, "--addr", f"127.0.0.1:{self.port}"],
+        batch = [] if self.max_batch is None else ["--max-batch", str(self.max_batch)]
+        self.launch([self.exe, "serve", "--data", self.data, "--addr", f"127.0.0.1:{self.port}"] + batch,
                     os.path.join(self.data, "..", "specrag-serve.log"),
                     dict(os.environ, RAYON_NUM_THREADS=str(self.threads)))
+
+    def batching(self):
+        """(decode passes, decode steps) from /metrics: steps / passes is the mean batch."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+        value = lambda name: next((float(l.split()[-1]) for l in text.splitlines()
+                                   if l.startswith(name + " ")), 0.0)
+        return value("specrag_decode_passes_total"), value("specrag_decode_steps_total")
 
     def ask(self, q, max_tokens):
         first, events, total = sse(self.port, "/rag/query", {"query": q["question"], "max_tokens": max_tokens,
@@ -220,7 +236,7 @@ def prompt_ids(port, chunks, question):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--llama-server")
     ap.add_argument("--out", required=True)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--answers", default="32,256")
@@ -228,7 +244,11 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8191)
     ap.add_argument("--engines", default="specrag,llama-server")
+    ap.add_argument("--max-batch", default="", help="specrag serve --max-batch values, comma-separated")
     a = ap.parse_args()
+    with_llama = "llama-server" in a.engines.split(",")
+    if with_llama and not a.llama_server:
+        ap.error("--llama-server is needed unless --engines is specrag")
     os.makedirs(a.out, exist_ok=True)
     exe = os.path.join(ROOT, "target", "release", "specrag")
     data = os.path.join(os.path.abspath(a.out), "data")
@@ -244,8 +264,9 @@ def main():
         with open(saved) as f:
             questions = json.load(f)[: a.questions]
     else:
-        vocab = LlamaServer(a.llama_server, a.port + 1, a.threads, 1)
-        vocab.start(a.out)
+        vocab = LlamaServer(a.llama_server, a.port + 1, a.threads, 1) if with_llama else None
+        if vocab:
+            vocab.start(a.out)
         spec.start()
         questions = []
         for q in qs:
@@ -254,23 +275,31 @@ def main():
             # `chunks` lists them in the order specrag's prompt reads them.
             chunks = [c["text"] for c in r["chunks"]]
             questions.append({"id": q["_id"], "question": q["input"],
-                              "ids": prompt_ids(vocab.port, chunks, q["input"])})
+                              "ids": prompt_ids(vocab.port, chunks, q["input"]) if vocab else None})
         spec.stop()
-        vocab.stop()
+        if vocab:
+            vocab.stop()
         with open(saved, "w") as f:
             json.dump(questions, f)
     out = open(os.path.join(a.out, "requests.jsonl"), "a")
     summary = []
     engines = a.engines.split(",")
+    batches = [int(x) for x in a.max_batch.split(",") if x]
+    specs = ([("specrag", spec)] if len(batches) < 2 else
+             [(f"specrag/b{b}", Specrag(exe, data, a.port, a.threads, b)) for b in batches])
+    if len(batches) == 1:
+        spec.max_batch = batches[0]
     for ci, (max_tokens, clients) in enumerate((m, c) for m in [int(x) for x in a.answers.split(",")]
                                                 for c in [int(x) for x in a.clients.split(",")]):
         llama = LlamaServer(a.llama_server, a.port + 1, a.threads, clients)
-        pair = [(n, e) for n, e in (("specrag", spec), ("llama-server", llama)) if n in engines]
-        for name, engine in pair:
-            engine.start(*([] if engine is spec else [a.out]))
+        pair = [(n, e) for n, e in specs if "specrag" in engines]
+        pair += [("llama-server", llama)] if with_llama else []
         log(f"{len(questions)} questions, {max_tokens}-token answers, {clients} clients")
-        if clients == 1:
+        batching = {}
+        if clients == 1 and len(pair) == 2 and len(specs) == 1:
             # One request of each engine in turn, the first alternating: paired under the same load.
+            for name, engine in pair:
+                engine.start(*([] if isinstance(engine, Specrag) else [a.out]))
             rows = {n: [] for n, _ in pair}
             for i, q in enumerate(questions):
                 for name, engine in (pair if (i + ci) % 2 == 0 else pair[::-1]):
@@ -278,12 +307,19 @@ def main():
                     r["id"] = q["id"]
                     rows[name].append(r)
             walls = {n: sum(r["total_s"] for r in rs) for n, rs in rows.items()}
+            for _, engine in pair:
+                engine.stop()
         else:
+            # Each engine alone on the machine (the specrag variants share a port), the order
+            # alternating between configurations.
             rows, walls = {}, {}
+            batching = {}
             for name, engine in (pair if ci % 2 == 0 else pair[::-1]):
+                engine.start(*([] if isinstance(engine, Specrag) else [a.out]))
                 rows[name], walls[name] = run_config(engine, questions, max_tokens, clients)
-        for _, engine in pair:
-            engine.stop()
+                if isinstance(engine, Specrag):
+                    batching[name] = engine.batching()
+                engine.stop()
         for name, _ in pair:
             for r in rows[name]:
                 out.write(json.dumps(dict(r, engine=name, max_tokens=max_tokens, clients=clients)) + "\n")
@@ -292,8 +328,10 @@ def main():
             s_ = {"engine": name, "max_tokens": max_tokens, "clients": clients, "requests": len(rows[name]),
                   "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": pct(ttfts, 95),
                   "requests_per_min": 60 * len(rows[name]) / walls[name], "wall_s": walls[name]}
-            if name == "specrag":
+            if name.startswith("specrag"):
                 s_["escalated"] = sum(1 for r in rows[name] if r["escalated"])
+                if name in batching:
+                    s_["decode_passes"], s_["decode_steps"] = batching[name]
             else:
                 s_["prompt_tokens_median"] = statistics.median(r["prompt_tokens"] or 0 for r in rows[name])
             print(json.dumps(s_), flush=True)
@@ -303,6 +341,17 @@ def main():
             f.write(json.dumps(s_) + "\n")
     for mt in sorted({s["max_tokens"] for s in summary}):
         for cl in sorted({s["clients"] for s in summary}):
+            variants = [s for s in summary if s["engine"].startswith("specrag/")
+                        and s["max_tokens"] == mt and s["clients"] == cl]
+            for v in variants[1:]:
+                b = variants[0]
+                print(f"{mt:>4} tokens, {cl} clients: {v['engine']} against {b['engine']}: TTFT p50 "
+                      f"{v['ttft_p50_s']:.1f} s vs {b['ttft_p50_s']:.1f} s ({v['ttft_p50_s'] / b['ttft_p50_s']:.2f}x), "
+                      f"p95 {v['ttft_p95_s']:.1f} vs {b['ttft_p95_s']:.1f} s, requests/min "
+                      f"{v['requests_per_min']:.2f} vs {b['requests_per_min']:.2f} "
+                      f"({v['requests_per_min'] / b['requests_per_min']:.2f}x), mean decode batch "
+                      f"{v.get('decode_steps', 0) / max(v.get('decode_passes', 0), 1):.2f} vs "
+                      f"{b.get('decode_steps', 0) / max(b.get('decode_passes', 0), 1):.2f}")
             pair = [next((s for s in summary if s["engine"] == e and s["max_tokens"] == mt and s["clients"] == cl), None)
                     for e in ("specrag", "llama-server")]
             if None in pair:

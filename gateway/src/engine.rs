@@ -5,8 +5,9 @@
 //!
 //! Queries run on up to `max_batch` query threads at once, whose decode steps one
 //! [`target_engine::DecodeBatcher`] runs together (one pass over the weights for every
-//! request decoding); the engine thread hands a query to a free thread and takes the next job
-//! when one is free. Ingestion, deletion and garbage sweeps run on the engine thread alone,
+//! request decoding) and whose prefills take turns, first come first served, beside those
+//! passes; the engine thread hands a query to a free thread and takes the next job when one
+//! is free. Ingestion, deletion and garbage sweeps run on the engine thread alone,
 //! once the running queries have finished; the queries that arrive meanwhile run between
 //! their chunks or slices, batched with each other.
 
@@ -523,8 +524,15 @@ impl Workers {
         let job = move || {
             let _done = done;
             guarded(|| {
-                target_engine::with_batcher(Some(batcher), || {
-                    run_query(&pipeline, &metrics, &query, deadline, &events)
+                target_engine::with_batcher(Some(Arc::clone(&batcher)), || {
+                    run_query(
+                        &pipeline,
+                        &metrics,
+                        &query,
+                        deadline,
+                        &events,
+                        Some(&batcher),
+                    )
                 })
             });
         };
@@ -560,6 +568,7 @@ fn run_query(
     query: &Query,
     deadline: Instant,
     events: &mpsc::Sender<QueryEvent>,
+    turns: Option<&Arc<target_engine::DecodeBatcher>>,
 ) {
     if events.is_closed() {
         return;
@@ -576,6 +585,10 @@ fn run_query(
     let stop: target_engine::stop::StopFn =
         Arc::new(move || Instant::now() > deadline || watched.is_closed());
     let result = target_engine::stop::with_stop(Some(stop), || {
+        // Prefills take turns; the turn passes on when this query starts decoding.
+        if let Some(b) = turns {
+            b.take_turn()?;
+        }
         pipeline.query_checked(query, &mut |piece| {
             if Instant::now() > deadline {
                 late = true;

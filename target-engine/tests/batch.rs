@@ -260,3 +260,71 @@ fn a_bad_step_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
     );
     assert_eq!(batcher.stats().steps, 2);
 }
+
+#[test]
+fn prefills_take_turns_in_order_and_a_turn_passes_on_when_decoding_starts() {
+    let (_dir, m) = tiny(Architecture::Qwen2);
+    let m = Arc::new(m);
+    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(20)));
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // The first request holds the turn until it decodes; two more queue behind it, in order,
+    // and a third gives up waiting (its stop condition), which must not stall the queue.
+    let first = {
+        let (m, b, order) = (Arc::clone(&m), Arc::clone(&batcher), Arc::clone(&order));
+        std::thread::spawn(move || {
+            with_batcher(Some(Arc::clone(&b)), || {
+                b.take_turn().expect("first turn");
+                order.lock().expect("order").push("first prefills");
+                std::thread::sleep(Duration::from_millis(300));
+                let p = m.tokenizer().encode("the ant", true).ids;
+                let params = GenerateParams {
+                    max_tokens: 4,
+                    ..Default::default()
+                };
+                // Decoding starts in here: the turn passes on.
+                m.generate(&p, &params).expect("generate");
+                std::thread::sleep(Duration::from_millis(200));
+                order.lock().expect("order").push("first done");
+            })
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let quitter = {
+        let b = Arc::clone(&batcher);
+        std::thread::spawn(move || {
+            let stop: target_engine::stop::StopFn = Arc::new(|| true);
+            with_batcher(Some(Arc::clone(&b)), || {
+                target_engine::stop::with_stop(Some(stop), || b.take_turn())
+            })
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let next: Vec<_> = ["second", "third"]
+        .into_iter()
+        .map(|name| {
+            std::thread::sleep(Duration::from_millis(30));
+            let (b, order) = (Arc::clone(&batcher), Arc::clone(&order));
+            std::thread::spawn(move || {
+                with_batcher(Some(Arc::clone(&b)), || {
+                    b.take_turn().expect("a turn");
+                    order.lock().expect("order").push(name);
+                    std::thread::sleep(Duration::from_millis(20));
+                })
+            })
+        })
+        .collect();
+    assert!(matches!(
+        quitter.join().expect("no panic"),
+        Err(EngineError::Stopped)
+    ));
+    for t in next {
+        t.join().expect("no panic");
+    }
+    first.join().expect("no panic");
+    let order = order.lock().expect("order").clone();
+    assert_eq!(
+        order,
+        ["first prefills", "second", "third", "first done"],
+        "in order, and the second's turn came while the first was still running"
+    );
+}

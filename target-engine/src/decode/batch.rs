@@ -14,6 +14,12 @@
 //! and its cache back. Rows do not interact, so an answer is the same token for token
 //! whichever requests it shared its passes with. Without a batcher installed a step runs alone
 //! as before.
+//!
+//! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
+//! first come first served) before its model work and gives it up when it starts decoding (or
+//! ends), so one prefill at a time shares the cores with the batched decode passes. Four
+//! prefills side by side would each take four times as long and every first token would come
+//! late; in turn, the first comes after one prefill.
 
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -57,6 +63,11 @@ struct State {
     /// Steps computed, waiting for their thread to take them.
     done: Vec<(u64, Result<Vec<Vec<f32>>>, KvCache)>,
     next_ticket: u64,
+    /// Prefill turns: the next ticket to hand out, the one whose turn it is, and tickets given
+    /// up while waiting (skipped when their turn comes).
+    turn_next: u64,
+    turn_now: u64,
+    turn_dropped: Vec<u64>,
     stats: BatchStats,
 }
 
@@ -175,6 +186,62 @@ impl DecodeBatcher {
     }
 }
 
+impl DecodeBatcher {
+    /// Waits for this thread's turn at work other than decoding (first come, first served),
+    /// which it holds until it takes a decoding seat or [`with_batcher`]'s scope ends. Fails
+    /// with [`EngineError::Stopped`] when this thread's stop condition says so while waiting
+    /// (the turn is then given up).
+    pub fn take_turn(self: &Arc<Self>) -> Result<()> {
+        let mut st = self.lock();
+        let ticket = st.turn_next;
+        st.turn_next += 1;
+        while st.turn_now != ticket {
+            if crate::stop::check().is_err() {
+                st.turn_dropped.push(ticket);
+                return Err(EngineError::Stopped);
+            }
+            st = self
+                .wake
+                .wait_timeout(st, TURN_POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(st);
+        TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(self))));
+        Ok(())
+    }
+
+    /// Passes the turn on to the next ticket not given up.
+    fn pass_turn(&self) {
+        let mut st = self.lock();
+        st.turn_now += 1;
+        while let Some(i) = st.turn_dropped.iter().position(|&t| t == st.turn_now) {
+            st.turn_dropped.swap_remove(i);
+            st.turn_now += 1;
+        }
+        self.wake.notify_all();
+    }
+}
+
+/// How often a thread waiting for its prefill turn checks its stop condition.
+const TURN_POLL: Duration = Duration::from_millis(20);
+
+/// A prefill turn held by this thread; passed on when dropped.
+#[derive(Debug)]
+struct Turn(Arc<DecodeBatcher>);
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.0.pass_turn();
+    }
+}
+
+/// Gives up this thread's prefill turn, if it holds one.
+fn end_turn() {
+    let turn = TURN.with(|t| t.borrow_mut().take());
+    drop(turn);
+}
+
 /// Up to `max` waiting rows of model `me`, oldest first.
 fn take_rows(waiting: &mut Vec<Row>, me: usize, max: usize) -> Vec<Row> {
     let mut taken = Vec::new();
@@ -232,13 +299,16 @@ impl Drop for Seat {
 
 thread_local! {
     static BATCHER: RefCell<Option<Arc<DecodeBatcher>>> = const { RefCell::new(None) };
+    static TURN: RefCell<Option<Turn>> = const { RefCell::new(None) };
 }
 
-/// Puts the previous batcher back when dropped (also when `f` panics).
+/// Puts the previous batcher back when dropped (also when `f` panics), giving up a prefill
+/// turn taken in the scope.
 struct Restore(Option<Arc<DecodeBatcher>>);
 
 impl Drop for Restore {
     fn drop(&mut self) {
+        end_turn();
         let prev = self.0.take();
         BATCHER.with(|b| *b.borrow_mut() = prev);
     }
@@ -250,8 +320,10 @@ pub fn with_batcher<R>(batcher: Option<Arc<DecodeBatcher>>, f: impl FnOnce() -> 
     f()
 }
 
-/// A seat at this thread's batcher, if one is installed.
+/// A seat at this thread's batcher, if one is installed; the thread's prefill turn, if it
+/// holds one, passes to the next request.
 pub(crate) fn seat() -> Option<Seat> {
+    end_turn();
     BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))
 }
 
