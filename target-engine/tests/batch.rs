@@ -328,3 +328,34 @@ fn prefills_take_turns_in_order_and_a_turn_passes_on_when_decoding_starts() {
         "in order, and the second's turn came while the first was still running"
     );
 }
+
+#[test]
+fn prefill_work_begun_while_decoding_waits_its_turn_and_gives_it_back() {
+    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(20)));
+    let (b, held) = (Arc::clone(&batcher), Arc::new(Barrier::new(2)));
+    let h = Arc::clone(&held);
+    // Another request prefills for 300 ms.
+    let prefilling = std::thread::spawn(move || {
+        with_batcher(Some(Arc::clone(&b)), || {
+            b.take_turn().expect("a turn");
+            h.wait();
+            std::thread::sleep(Duration::from_millis(300));
+        })
+    });
+    held.wait();
+    let t = std::time::Instant::now();
+    let waited = with_batcher(Some(Arc::clone(&batcher)), || {
+        target_engine::in_prefill_turn(|| Ok(t.elapsed())).expect("its turn")
+    });
+    assert!(
+        waited >= Duration::from_millis(250),
+        "ran beside a prefill: {waited:?}"
+    );
+    prefilling.join().expect("no panic");
+    // The turn was given back: the next one comes at once.
+    let t = std::time::Instant::now();
+    with_batcher(Some(Arc::clone(&batcher)), || batcher.take_turn()).expect("a turn");
+    assert!(t.elapsed() < Duration::from_millis(200));
+    // Without a batcher it runs at once.
+    assert_eq!(target_engine::in_prefill_turn(|| Ok(7)).expect("runs"), 7);
+}

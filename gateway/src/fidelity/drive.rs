@@ -304,7 +304,10 @@ impl Pipeline {
         let t = Instant::now();
         let mut blended = std::mem::replace(cache, self.engines.target.new_cache());
         blended.truncate(asm.ids.len());
-        let out = self.engines.target.blend_prefill_on(asm, blended, extra)?;
+        // Prefill work: after the prefills waiting, not beside one (`--max-batch`).
+        let out = target_engine::in_prefill_turn(|| {
+            self.engines.target.blend_prefill_on(asm, blended, extra)
+        })?;
         let ready = Instant::now();
         report.second_look = true;
         report.second_look_tokens = extra.len();
@@ -459,7 +462,9 @@ impl Pipeline {
         let (cache, logits) = match hit.or_else(|| self.contexts.get(&kept_key)) {
             Some(c) => (c.0.clone(), c.1.clone()),
             None if exact > 0 && exact < prompt.len() => {
-                let logits = target.prefill_after(&mut reused, prompt, exact)?;
+                let logits = target_engine::in_prefill_turn(|| {
+                    target.prefill_after(&mut reused, prompt, exact)
+                })?;
                 report.full_prefill_ms = ms(t);
                 report.full_prefill_kept_rows = exact;
                 self.contexts.keep(kept_key, &reused, &logits);
@@ -467,7 +472,7 @@ impl Pipeline {
             }
             None => {
                 drop(reused);
-                let (cache, logits) = target.prefill(prompt)?;
+                let (cache, logits) = target_engine::in_prefill_turn(|| target.prefill(prompt))?;
                 report.full_prefill_ms = ms(t);
                 self.contexts.keep(key, &cache, &logits);
                 (cache, logits)

@@ -327,6 +327,23 @@ pub(crate) fn seat() -> Option<Seat> {
     BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))
 }
 
+/// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's
+/// full prefill), in a prefill turn of this thread's batcher, so it runs after the prefills
+/// already waiting rather than beside one. Without a batcher, or with a turn held already,
+/// runs `f` at once.
+pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let held = TURN.with(|t| t.borrow().is_some());
+    match installed() {
+        Some(b) if !held => {
+            b.take_turn()?;
+            let out = f();
+            end_turn();
+            out
+        }
+        _ => f(),
+    }
+}
+
 fn installed() -> Option<Arc<DecodeBatcher>> {
     BATCHER.with(|b| b.borrow().clone())
 }
