@@ -37,6 +37,27 @@ pub enum BenchCmd {
     /// adds the drafters' unverified answers and teacher-forced KL, and KIVI 2-bit alone.
     /// Example: `specrag-bench long --data DATA --contexts 8192,16384,32000 --quality`.
     Long(LongArgs),
+    /// Decode steps of several requests in one pass over the target's weights (what
+    /// `specrag serve --max-batch` runs): time per pass and tokens/s for each number of
+    /// requests, against one request alone in the same run, and whether every request's
+    /// logits were its own alone. Example: `specrag-bench batch --requests 1,2,4,8`.
+    Batch(BatchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BatchArgs {
+    /// Numbers of requests decoding together (the first is the baseline; put 1 first).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub requests: Vec<u32>,
+    /// Context tokens every request decodes after (this repository's docs).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..=32768))]
+    pub context: u32,
+    /// Decode steps per measurement (the median pass is reported).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub steps: u64,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
