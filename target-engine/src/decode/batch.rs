@@ -61,7 +61,7 @@ struct State {
     /// A thread is gathering or running a pass.
     leading: bool,
     /// Steps computed, waiting for their thread to take them.
-    done: Vec<(u64, Result<Vec<Vec<f32>>>, KvCache)>,
+    done: Vec<Finished>,
     next_ticket: u64,
     /// Prefill turns: the next ticket to hand out, the one whose turn it is, and tickets given
     /// up while waiting (skipped when their turn comes).
@@ -70,6 +70,9 @@ struct State {
     turn_dropped: Vec<u64>,
     stats: BatchStats,
 }
+
+/// A step computed: its ticket, its logits (or why not) and its cache, back for its thread.
+type Finished = (u64, Result<Vec<Vec<f32>>>, KvCache);
 
 #[derive(Debug)]
 struct Row {

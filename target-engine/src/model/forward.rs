@@ -365,16 +365,10 @@ impl Model {
         mut x: Tensor,
         segments: &mut [Segment<'_>],
         layers: std::ops::Range<usize>,
-        pass: Pass<'_>,
+        mut pass: Pass<'_>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
-        let Pass {
-            collect_layers,
-            allow_dense,
-            mut probe,
-            mut view,
-            mut hook,
-        } = pass;
-        if segments.len() != 1 && (probe.is_some() || view.is_some() || hook.is_some()) {
+        let one_cache = pass.probe.is_none() && pass.view.is_none() && pass.hook.is_none();
+        if segments.len() != 1 && !one_cache {
             return Err(EngineError::InvalidInput(
                 "a probe, a view or a hook runs over one cache".into(),
             ));
@@ -389,11 +383,10 @@ impl Model {
             self.check_cache(s.cache)?;
             s.cache.prepare(s.positions)?;
         }
-        let dense = allow_dense && self.has_dense && n >= self.dense_min_rows;
+        let dense = pass.allow_dense && self.has_dense && n >= self.dense_min_rows;
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let table = self.rope.table(&angles);
         let table_swa = self.rope_swa.as_ref().map(|r| r.table(&angles));
-        let shape = shape_of(c);
         let (q_row, kv_row) = (c.q_width(), c.kv_row());
         let mut collected = Vec::new();
         let finishes = layers.end == c.n_layer;
@@ -415,52 +408,18 @@ impl Model {
             let mut attn = Vec::with_capacity(n * q_row);
             let mut start = 0;
             for s in segments.iter_mut() {
-                let (positions, cache) = (s.positions, &mut *s.cache);
-                let end = start + positions.len();
-                let (q, k, v) = (
-                    &q[start * q_row..end * q_row],
-                    &k[start * kv_row..end * kv_row],
-                    &v[start * kv_row..end * kv_row],
-                );
-                start = end;
-                let rows = positions.iter().max().map_or(0, |&p| p + 1);
-                if let Some(h) = hook.as_deref_mut() {
-                    h.before_write(l, positions, k, v, cache)?;
-                }
-                cache.write(l, positions, k, v);
-                if let Some(h) = hook.as_deref_mut() {
-                    h.after_write(l, cache)?;
-                }
-                if let Some((probe_layers, mass)) = probe.as_mut() {
-                    if probe_layers.contains(&l) {
-                        let mut m =
-                            kernels::attention_mass(q, positions, cache.k_prefix(l, rows), shape)?;
-                        m.resize(rows, 0.0);
-                        mass.push(m);
-                    }
-                }
-                let out = if let Some(window) = c.window_of(l) {
-                    // A sliding layer reads few keys: exact, whatever a drafter's view would
-                    // read.
-                    windowed_attention(q, positions, cache, l, shape, window)?
-                } else if let Some(view) = view.as_mut() {
-                    view.attend(l, q, positions, cache, shape)?
-                } else if self.bf16_attention {
-                    kernels::causal_attention_packed(q, positions, cache.bf16(l, rows, shape))?
-                } else {
-                    kernels::causal_attention(
-                        q,
-                        positions,
-                        cache.k_prefix(l, rows),
-                        cache.v_prefix(l, rows),
-                        shape,
-                    )?
+                let end = start + s.positions.len();
+                let rows = Rows {
+                    q: &q[start * q_row..end * q_row],
+                    k: &k[start * kv_row..end * kv_row],
+                    v: &v[start * kv_row..end * kv_row],
                 };
-                attn.extend_from_slice(&out);
+                start = end;
+                attn.extend(self.attend_segment(l, rows, s, &mut pass)?);
             }
             let attn = Tensor::from_vec(attn, (n, q_row), &Device::Cpu)?;
             x = self.after_attention(layer, x, &attn, dense)?;
-            if collect_layers {
+            if pass.collect_layers {
                 collected.push(x.clone());
             }
         }
@@ -470,6 +429,52 @@ impl Model {
             }
         }
         Ok((x, collected))
+    }
+
+    /// Layer `l` for one segment's rows: their K/V written to its cache (with the pass's hook
+    /// around the write), the probe's attention mass recorded, and their attention (a sliding
+    /// window, the pass's view, bf16 or f32) returned.
+    fn attend_segment(
+        &self,
+        l: usize,
+        rows: Rows<'_>,
+        seg: &mut Segment<'_>,
+        pass: &mut Pass<'_>,
+    ) -> Result<Vec<f32>> {
+        let (positions, cache) = (seg.positions, &mut *seg.cache);
+        let Rows { q, k, v } = rows;
+        let shape = shape_of(&self.config);
+        let upto = positions.iter().max().map_or(0, |&p| p + 1);
+        if let Some(h) = pass.hook.as_deref_mut() {
+            h.before_write(l, positions, k, v, cache)?;
+        }
+        cache.write(l, positions, k, v);
+        if let Some(h) = pass.hook.as_deref_mut() {
+            h.after_write(l, cache)?;
+        }
+        if let Some((probe_layers, mass)) = pass.probe.as_mut() {
+            if probe_layers.contains(&l) {
+                let mut m = kernels::attention_mass(q, positions, cache.k_prefix(l, upto), shape)?;
+                m.resize(upto, 0.0);
+                mass.push(m);
+            }
+        }
+        Ok(if let Some(window) = self.config.window_of(l) {
+            // A sliding layer reads few keys: exact, whatever a drafter's view would read.
+            windowed_attention(q, positions, cache, l, shape, window)?
+        } else if let Some(view) = pass.view.as_mut() {
+            view.attend(l, q, positions, cache, shape)?
+        } else if self.bf16_attention {
+            kernels::causal_attention_packed(q, positions, cache.bf16(l, upto, shape))?
+        } else {
+            kernels::causal_attention(
+                q,
+                positions,
+                cache.k_prefix(l, upto),
+                cache.v_prefix(l, upto),
+                shape,
+            )?
+        })
     }
 
     /// Refuses a pass whose rows, positions or layers do not fit this model; returns the
@@ -597,6 +602,13 @@ impl Model {
         let out = self.forward(&ids[start..], &positions, cache, false)?;
         self.last_logits(&out)
     }
+}
+
+/// One segment's queries, keys and values at a layer.
+struct Rows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
 }
 
 /// Rows of a pass that live in one cache, at these positions.
