@@ -122,6 +122,45 @@ async fn a_request_over_the_kv_memory_budget_gets_503_naming_it() -> TestResult 
     Ok(())
 }
 
+/// A request that fits the KV budget alone but not beside the KV held now waits for it (here
+/// past its deadline: 504, no 503 and no model work beside it), and runs once it is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fits_only_alone_waits_for_the_kv_held() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let p = pipeline(dir.path())?;
+    let s = state(
+        p.clone(),
+        ServerConfig {
+            request_timeout: Duration::from_millis(800),
+            ..Default::default()
+        },
+    );
+    let q = json!({"query": "Where does the ant run?", "max_tokens": 4});
+    // A running request holding all but one byte of the budget.
+    let held = p.kv_held.reserve(
+        &gateway::admission::Need {
+            tokens: 1,
+            caches: 1,
+            target_per_token: p.kv_memory_budget - 1,
+            drafter_per_token: 0,
+        },
+        p.kv_memory_budget,
+    )?;
+    let t = Instant::now();
+    let (status, body, _) = send(&s, post("/rag/query", &q)).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(held);
+    let (status, body, _) = send(&s, post("/rag/query", &q)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(p.kv_held.held(), 0, "given back when the answer is done");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> TestResult {
     let dir = tempfile::tempdir()?;
