@@ -106,9 +106,9 @@ pub struct ServeArgs {
     /// Requests that may wait for the engine before new ones get 429 (1..=1024).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub queue: u32,
-    /// Queries that run at once (1..=64): their prefills share the cores and their decode
-    /// steps run together, one pass over the weights for all of them, so four requests decode
-    /// in about the time of one. 1 answers one request at a time.
+    /// Queries that run at once (1..=64): their prefills take turns, first come first served,
+    /// and their decode steps share one pass over the weights (four requests decode 2.1-2.6x
+    /// the tokens/s of one on 2 cores: docs/performance.md). 1 answers one at a time.
     #[arg(long, env = "SPECRAG_MAX_BATCH", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
     /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
