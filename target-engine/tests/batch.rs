@@ -149,7 +149,7 @@ fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
         .map(|p| run(&m, p, &step_alone))
         .collect();
     // The window is long enough that every pass waits for the three seated requests.
-    let batcher = Arc::new(DecodeBatcher::new(8, Duration::from_secs(2)));
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(8, Duration::from_secs(2)));
     let seated = Arc::new(Barrier::new(3));
     let threads: Vec<_> = prompts(&m)
         .into_iter()
@@ -159,7 +159,8 @@ fn concurrent_requests_share_passes_and_each_gets_what_it_gets_alone() {
                 let _seat = b.seat();
                 seated.wait();
                 run(&m, &p, &|m, id, c| {
-                    b.step(m, &[id], c).expect("batched step").remove(0)
+                    let start = c.len();
+                    b.step(m, &[id], start, c).expect("batched step").remove(0)
                 })
             })
         })
@@ -192,7 +193,7 @@ fn generations_through_an_installed_batcher_equal_those_alone() {
         .iter()
         .map(|p| m.generate(p, &params).expect("generate"))
         .collect();
-    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(50)));
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(50)));
     let threads: Vec<_> = prompts(&m)
         .into_iter()
         .map(|p| {
@@ -221,7 +222,7 @@ fn a_bad_step_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
     let (cache, logits) = m.prefill(&p).expect("prefill");
     let next = argmax(&logits);
     let want = step_alone(&m, next, &mut cache.clone());
-    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_secs(2)));
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_secs(2)));
     let seated = Arc::new(Barrier::new(2));
     let spawn = |id: u32| {
         let (m, b, seated, mut c) = (
@@ -233,7 +234,8 @@ fn a_bad_step_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
         std::thread::spawn(move || {
             let _seat = b.seat();
             seated.wait();
-            (b.step(&m, &[id], &mut c), c.len())
+            let start = c.len();
+            (b.step(&*m, &[id], start, &mut c), c.len())
         })
     };
     let good = spawn(next);
@@ -265,7 +267,7 @@ fn a_bad_step_fails_alone_and_the_pass_it_shared_still_answers_the_others() {
 fn prefills_take_turns_in_order_and_a_turn_passes_on_when_decoding_starts() {
     let (_dir, m) = tiny(Architecture::Qwen2);
     let m = Arc::new(m);
-    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(20)));
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(20)));
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     // The first request holds the turn until it decodes; two more queue behind it, in order,
     // and a third gives up waiting (its stop condition), which must not stall the queue.
@@ -331,7 +333,7 @@ fn prefills_take_turns_in_order_and_a_turn_passes_on_when_decoding_starts() {
 
 #[test]
 fn prefill_work_begun_while_decoding_waits_its_turn_and_gives_it_back() {
-    let batcher = Arc::new(DecodeBatcher::new(4, Duration::from_millis(20)));
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(20)));
     let (b, held) = (Arc::clone(&batcher), Arc::new(Barrier::new(2)));
     let h = Arc::clone(&held);
     // Another request prefills for 300 ms.

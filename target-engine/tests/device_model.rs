@@ -302,6 +302,67 @@ fn batched_decode_equals_each_request_alone() {
     }
 }
 
+/// The server's batcher ([`target_engine::DecodeBatcher`], written once for both engines) on
+/// the device engine: requests decoding on their own threads share passes and get, token for
+/// token, what each gets decoded alone; a step of several tokens is refused, naming why.
+#[test]
+fn the_servers_batcher_runs_the_device_engine_as_each_request_alone() {
+    use std::sync::{Arc, Barrier};
+    use target_engine::DecodeBatcher;
+    let (name, spec) = specs().remove(0);
+    let (_dir, cpu, dev) = load(&spec);
+    let vocab = cpu.tokenizer().vocab_size();
+    let dev = Arc::new(dev);
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| ids(18 + 5 * i, 40 + i as u32, vocab))
+        .collect();
+    let n = 8;
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let (mut cache, logits) = dev.prefill(p, p.len() + n).expect("prefill");
+            dev.greedy(&mut cache, p.len(), &logits, n).expect("greedy")
+        })
+        .collect();
+    let batcher = Arc::new(DecodeBatcher::<target_engine::device::DeviceModel>::new(
+        8,
+        std::time::Duration::from_secs(2),
+    ));
+    let seated = Arc::new(Barrier::new(prompts.len()));
+    let threads: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
+            let (dev, b, seated) = (Arc::clone(&dev), Arc::clone(&batcher), Arc::clone(&seated));
+            std::thread::spawn(move || {
+                let (mut cache, logits) = dev.prefill(&p, p.len() + n).expect("prefill");
+                let _seat = b.seat();
+                seated.wait();
+                let mut out = vec![argmax(&logits)];
+                for i in 1..n {
+                    let at = p.len() + i - 1;
+                    let last = *out.last().expect("a token");
+                    let rows = b.step(&*dev, &[last], at, &mut cache).expect("step");
+                    out.push(argmax(&rows[0]));
+                }
+                out
+            })
+        })
+        .collect();
+    let together: Vec<Vec<u32>> = threads
+        .into_iter()
+        .map(|t| t.join().expect("no panic"))
+        .collect();
+    assert_eq!(together, alone, "{name}");
+    let s = batcher.stats();
+    assert_eq!((s.passes, s.max_steps), (n as u64 - 1, 3), "{name}: {s:?}");
+    let (mut cache, _) = dev.prefill(&[1, 2, 3], 8).expect("prefill");
+    let err = batcher
+        .step(&*dev, &[4, 5], 3, &mut cache)
+        .expect_err("two tokens")
+        .to_string();
+    assert!(err.contains("one token per request"), "{err}");
+}
+
 /// Requests that join a running batch and leave it at different steps (continuous batching)
 /// get each the tokens it gets decoded alone, whatever else was in the batch with it.
 #[test]

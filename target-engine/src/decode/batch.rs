@@ -15,6 +15,10 @@
 //! whichever requests it shared its passes with. Without a batcher installed a step runs alone
 //! as before.
 //!
+//! The batcher is written once for both engines ([`StepEngine`]): the CPU engine ([`Model`],
+//! whose steps may carry drafts) and the device engine ([`crate::device::DeviceModel`], one
+//! token per request and step).
+//!
 //! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
 //! first come first served) before its model work and gives it up when it starts decoding (or
 //! ends), so one prefill at a time shares the cores with the batched decode passes. Four
@@ -28,12 +32,55 @@ use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Batches the decode steps of the threads that install it ([`with_batcher`]).
+/// What a [`DecodeBatcher`] runs its passes on.
+pub trait StepEngine: Sync {
+    /// A request's cache, moved into the pass and back.
+    type Cache: Send + std::fmt::Debug;
+    /// What stands where a cache was moved out while its step is in a pass (never read).
+    fn placeholder(&self) -> Self::Cache;
+    /// One pass over every step: each step's tokens at positions `start..` of its cache;
+    /// per step, the logits after each of its tokens, cut to the vocabulary. Each step's
+    /// logits must be what it gets alone.
+    fn decode_steps(&self, steps: &mut [Step<'_, Self::Cache>]) -> Result<Vec<Vec<Vec<f32>>>>;
+}
+
+/// One request's part of a pass: `ids` fed at positions `start..` of `cache`.
 #[derive(Debug)]
-pub struct DecodeBatcher {
+pub struct Step<'a, C> {
+    pub ids: &'a [u32],
+    pub start: usize,
+    pub cache: &'a mut C,
+}
+
+impl StepEngine for Model {
+    type Cache = KvCache;
+
+    fn placeholder(&self) -> KvCache {
+        KvCache::with_shape(0, 0)
+    }
+
+    /// [`Model::decode_rows`]; each step's tokens go at the end of its cache.
+    fn decode_steps(&self, steps: &mut [Step<'_, KvCache>]) -> Result<Vec<Vec<Vec<f32>>>> {
+        if let Some(s) = steps.iter().find(|s| s.start != s.cache.len()) {
+            return Err(EngineError::InvalidInput(format!(
+                "a step at position {} of a cache of {} rows: steps go at a cache's end",
+                s.start,
+                s.cache.len()
+            )));
+        }
+        let mut rows: Vec<(&[u32], &mut KvCache)> =
+            steps.iter_mut().map(|s| (s.ids, &mut *s.cache)).collect();
+        self.decode_rows(&mut rows)
+    }
+}
+
+/// Batches the decode steps of the threads that share it: on the CPU engine those that
+/// install it ([`with_batcher`]); on any engine, threads calling [`DecodeBatcher::step`].
+#[derive(Debug)]
+pub struct DecodeBatcher<E: StepEngine = Model> {
     max_steps: usize,
     window: Duration,
-    state: Mutex<State>,
+    state: Mutex<State<E::Cache>>,
     wake: Condvar,
 }
 
@@ -52,16 +99,16 @@ pub struct BatchStats {
     pub seated: usize,
 }
 
-#[derive(Debug, Default)]
-struct State {
+#[derive(Debug)]
+struct State<C> {
     /// Requests decoding now.
     seated: usize,
     /// Steps asked for and not yet taken into a pass.
-    waiting: Vec<Row>,
+    waiting: Vec<Row<C>>,
     /// A thread is gathering or running a pass.
     leading: bool,
     /// Steps computed, waiting for their thread to take them.
-    done: Vec<Finished>,
+    done: Vec<Finished<C>>,
     next_ticket: u64,
     /// Prefill turns: the next ticket to hand out, the one whose turn it is, and tickets given
     /// up while waiting (skipped when their turn comes).
@@ -71,19 +118,36 @@ struct State {
     stats: BatchStats,
 }
 
-/// A step computed: its ticket, its logits (or why not) and its cache, back for its thread.
-type Finished = (u64, Result<Vec<Vec<f32>>>, KvCache);
-
-#[derive(Debug)]
-struct Row {
-    ticket: u64,
-    /// The model's address: a pass carries the rows of one model.
-    model: usize,
-    ids: Vec<u32>,
-    cache: KvCache,
+impl<C> Default for State<C> {
+    fn default() -> Self {
+        Self {
+            seated: 0,
+            waiting: Vec::new(),
+            leading: false,
+            done: Vec::new(),
+            next_ticket: 0,
+            turn_next: 0,
+            turn_now: 0,
+            turn_dropped: Vec::new(),
+            stats: BatchStats::default(),
+        }
+    }
 }
 
-impl DecodeBatcher {
+/// A step computed: its ticket, its logits (or why not) and its cache, back for its thread.
+type Finished<C> = (u64, Result<Vec<Vec<f32>>>, C);
+
+#[derive(Debug)]
+struct Row<C> {
+    ticket: u64,
+    /// The engine's address: a pass carries the rows of one model.
+    model: usize,
+    ids: Vec<u32>,
+    start: usize,
+    cache: C,
+}
+
+impl<E: StepEngine> DecodeBatcher<E> {
     /// A batcher whose passes carry at most `max_steps` steps (at least 1), whose leader waits
     /// at most `window` for the seated requests to ask.
     pub fn new(max_steps: usize, window: Duration) -> Self {
@@ -114,31 +178,39 @@ impl DecodeBatcher {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<E::Cache>> {
         // A panic while the lock was held cannot leave the state half-changed: every change
         // under it is a push, a removal or a counter.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Counts the caller as decoding until the seat is dropped.
-    pub fn seat(self: &Arc<Self>) -> Seat {
+    pub fn seat(self: &Arc<Self>) -> Seat<E> {
         self.lock().seated += 1;
         Seat(Arc::clone(self))
     }
 
-    /// The logits after each of `ids` fed at the end of `cache` (their K/V rows written
-    /// there), computed in a pass shared with the other requests asking meanwhile.
-    pub fn step(&self, model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+    /// The logits after each of `ids` fed at positions `start..` of `cache` (their K/V rows
+    /// written there), computed in a pass of `engine` shared with the other requests asking
+    /// meanwhile.
+    pub fn step(
+        &self,
+        engine: &E,
+        ids: &[u32],
+        start: usize,
+        cache: &mut E::Cache,
+    ) -> Result<Vec<Vec<f32>>> {
         crate::stop::check()?;
-        let me = model as *const Model as usize;
+        let me = engine as *const E as usize;
         let mut st = self.lock();
         let ticket = st.next_ticket;
         st.next_ticket += 1;
-        let own = std::mem::replace(cache, KvCache::with_shape(0, 0));
+        let own = std::mem::replace(cache, engine.placeholder());
         st.waiting.push(Row {
             ticket,
             model: me,
             ids: ids.to_vec(),
+            start,
             cache: own,
         });
         self.wake.notify_all();
@@ -156,7 +228,7 @@ impl DecodeBatcher {
             st = self.gather(st, me);
             let mut rows = take_rows(&mut st.waiting, me, self.max_steps);
             drop(st);
-            let results = run_pass(model, &mut rows);
+            let results = run_pass(engine, &mut rows);
             st = self.lock();
             st.stats.passes += 1;
             st.stats.steps += rows.len() as u64;
@@ -172,7 +244,11 @@ impl DecodeBatcher {
 
     /// Waits (the lock released meanwhile) until every seated request has a step of model
     /// `me` waiting, `max_steps` are waiting, or the window has passed.
-    fn gather<'a>(&self, mut st: MutexGuard<'a, State>, me: usize) -> MutexGuard<'a, State> {
+    fn gather<'a>(
+        &self,
+        mut st: MutexGuard<'a, State<E::Cache>>,
+        me: usize,
+    ) -> MutexGuard<'a, State<E::Cache>> {
         let until = Instant::now() + self.window;
         loop {
             let ready = st.waiting.iter().filter(|r| r.model == me).count();
@@ -187,9 +263,20 @@ impl DecodeBatcher {
                 .0;
         }
     }
+
+    /// Passes the turn on to the next ticket not given up.
+    fn pass_turn(&self) {
+        let mut st = self.lock();
+        st.turn_now += 1;
+        while let Some(i) = st.turn_dropped.iter().position(|&t| t == st.turn_now) {
+            st.turn_dropped.swap_remove(i);
+            st.turn_now += 1;
+        }
+        self.wake.notify_all();
+    }
 }
 
-impl DecodeBatcher {
+impl DecodeBatcher<Model> {
     /// Waits for this thread's turn at work other than decoding (first come, first served),
     /// which it holds until it takes a decoding seat or [`with_batcher`]'s scope ends. Fails
     /// with [`EngineError::Stopped`] when this thread's stop condition says so while waiting
@@ -213,17 +300,6 @@ impl DecodeBatcher {
         TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(self))));
         Ok(())
     }
-
-    /// Passes the turn on to the next ticket not given up.
-    fn pass_turn(&self) {
-        let mut st = self.lock();
-        st.turn_now += 1;
-        while let Some(i) = st.turn_dropped.iter().position(|&t| t == st.turn_now) {
-            st.turn_dropped.swap_remove(i);
-            st.turn_now += 1;
-        }
-        self.wake.notify_all();
-    }
 }
 
 /// How often a thread waiting for its prefill turn checks its stop condition.
@@ -246,7 +322,7 @@ fn end_turn() {
 }
 
 /// Up to `max` waiting rows of model `me`, oldest first.
-fn take_rows(waiting: &mut Vec<Row>, me: usize, max: usize) -> Vec<Row> {
+fn take_rows<C>(waiting: &mut Vec<Row<C>>, me: usize, max: usize) -> Vec<Row<C>> {
     let mut taken = Vec::new();
     let mut i = 0;
     while i < waiting.len() && taken.len() < max {
@@ -262,14 +338,18 @@ fn take_rows(waiting: &mut Vec<Row>, me: usize, max: usize) -> Vec<Row> {
 /// One pass over `rows`, with no stop condition (each request checks its own between steps:
 /// one request leaving must not fail the others' step). A pass that fails is run again row by
 /// row, so each request gets its own error; a panic becomes an error for every row.
-fn run_pass(model: &Model, rows: &mut [Row]) -> Vec<Result<Vec<Vec<f32>>>> {
-    let pass = |rows: &mut [Row]| -> Result<Vec<Vec<Vec<f32>>>> {
-        let mut refs: Vec<(&[u32], &mut KvCache)> = rows
+fn run_pass<E: StepEngine>(engine: &E, rows: &mut [Row<E::Cache>]) -> Vec<Result<Vec<Vec<f32>>>> {
+    let pass = |rows: &mut [Row<E::Cache>]| -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut steps: Vec<Step<'_, E::Cache>> = rows
             .iter_mut()
-            .map(|r| (r.ids.as_slice(), &mut r.cache))
+            .map(|r| Step {
+                ids: &r.ids,
+                start: r.start,
+                cache: &mut r.cache,
+            })
             .collect();
         let run = std::panic::AssertUnwindSafe(|| {
-            crate::stop::with_stop(None, || model.decode_rows(&mut refs))
+            crate::stop::with_stop(None, || engine.decode_steps(&mut steps))
         });
         std::panic::catch_unwind(run).unwrap_or_else(|_| {
             Err(EngineError::Internal(
@@ -289,9 +369,9 @@ fn run_pass(model: &Model, rows: &mut [Row]) -> Vec<Result<Vec<Vec<f32>>>> {
 
 /// A request counted as decoding ([`DecodeBatcher::seat`]) until dropped.
 #[derive(Debug)]
-pub struct Seat(Arc<DecodeBatcher>);
+pub struct Seat<E: StepEngine = Model>(Arc<DecodeBatcher<E>>);
 
-impl Drop for Seat {
+impl<E: StepEngine> Drop for Seat<E> {
     fn drop(&mut self) {
         let mut st = self.0.lock();
         st.seated = st.seated.saturating_sub(1);
@@ -355,7 +435,10 @@ fn installed() -> Option<Arc<DecodeBatcher>> {
 /// [`Model::forward`] alone.
 pub(crate) fn step(model: &Model, id: u32, cache: &mut KvCache) -> Result<Vec<f32>> {
     match installed() {
-        Some(b) => b.step(model, &[id], cache)?.pop().ok_or_else(no_row),
+        Some(b) => {
+            let start = cache.len();
+            b.step(model, &[id], start, cache)?.pop().ok_or_else(no_row)
+        }
         None => {
             let pos = cache.len();
             let forward = model.forward(&[id], &[pos], cache, false)?;
@@ -368,7 +451,10 @@ pub(crate) fn step(model: &Model, id: u32, cache: &mut KvCache) -> Result<Vec<f3
 /// this thread's batcher, or [`Model::rows_logits`] alone.
 pub(crate) fn rows(model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Vec<Vec<f32>>> {
     match installed() {
-        Some(b) => b.step(model, ids, cache),
+        Some(b) => {
+            let start = cache.len();
+            b.step(model, ids, start, cache)
+        }
         None => model.rows_logits(cache, ids),
     }
 }

@@ -6,6 +6,7 @@
 //! decoded alone (`tests/device_model.rs` holds that on the CPU).
 
 use super::{DeviceCache, DeviceModel};
+use crate::decode::batch::{Step, StepEngine};
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
 use std::collections::VecDeque;
@@ -370,4 +371,37 @@ pub fn closed_loop_chunked(
         wall: start.elapsed(),
         peak_batch: b.peak_batch(),
     })
+}
+
+/// The server's batcher ([`crate::DecodeBatcher`]) on the device engine: one token per request
+/// and step, in one [`DeviceModel::forward_batch`].
+impl StepEngine for DeviceModel {
+    type Cache = DeviceCache;
+
+    fn placeholder(&self) -> DeviceCache {
+        DeviceCache::placeholder()
+    }
+
+    fn decode_steps(&self, steps: &mut [Step<'_, DeviceCache>]) -> Result<Vec<Vec<Vec<f32>>>> {
+        if steps.iter().any(|s| s.ids.len() != 1) {
+            return Err(EngineError::InvalidInput(
+                "the device engine's batched steps carry one token per request".into(),
+            ));
+        }
+        let ids: Vec<u32> = steps.iter().map(|s| s.ids[0]).collect();
+        let positions: Vec<usize> = steps.iter().map(|s| s.start).collect();
+        let mut caches: Vec<DeviceCache> = steps
+            .iter_mut()
+            .map(|s| std::mem::replace(&mut *s.cache, DeviceCache::placeholder()))
+            .collect();
+        let hidden = self.forward_batch(&ids, &positions, &mut caches);
+        for (s, c) in steps.iter_mut().zip(caches) {
+            *s.cache = c;
+        }
+        Ok(self
+            .logits(&hidden?)?
+            .into_iter()
+            .map(|r| vec![r])
+            .collect())
+    }
 }

@@ -15,6 +15,15 @@ pub struct DeviceCache {
 }
 
 impl DeviceCache {
+    /// A cache of no layers and no room: what stands where a cache was moved out.
+    pub(crate) fn placeholder() -> Self {
+        Self {
+            k: Vec::new(),
+            v: Vec::new(),
+            capacity: 0,
+        }
+    }
+
     /// Positions the cache has room for.
     pub fn capacity(&self) -> usize {
         self.capacity
