@@ -361,3 +361,64 @@ fn prefill_work_begun_while_decoding_waits_its_turn_and_gives_it_back() {
     // Without a batcher it runs at once.
     assert_eq!(target_engine::in_prefill_turn(|| Ok(7)).expect("runs"), 7);
 }
+
+#[test]
+fn a_decoding_request_waiting_for_a_prefill_turn_holds_no_other_request_up() {
+    let (_dir, m) = tiny(Architecture::Qwen2);
+    let m = Arc::new(m);
+    // A long window: a pass that waited for the request stepping aside would show.
+    let batcher = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(600)));
+    let (b, turn_held) = (Arc::clone(&batcher), Arc::new(Barrier::new(3)));
+    let h = Arc::clone(&turn_held);
+    // A prefill holding the turn for 2 s.
+    let prefill = std::thread::spawn(move || {
+        with_batcher(Some(Arc::clone(&b)), || {
+            b.take_turn().expect("a turn");
+            h.wait();
+            std::thread::sleep(Duration::from_millis(2000));
+        })
+    });
+    // A decoding request whose guard escalates: its prefill waits for the turn.
+    let (b, h, m2) = (Arc::clone(&batcher), Arc::clone(&turn_held), Arc::clone(&m));
+    let escalating = std::thread::spawn(move || {
+        with_batcher(Some(b), || {
+            let p = m2.tokenizer().encode("the ant", true).ids;
+            let params = GenerateParams {
+                max_tokens: 3,
+                ..Default::default()
+            };
+            let (mut cache, logits) = m2.prefill(&p).expect("prefill");
+            let mut waited = false;
+            m2.decode_watched(&mut cache, logits, &params, &mut |_| true, &mut |_, _| {
+                if !waited {
+                    waited = true;
+                    h.wait();
+                    target_engine::in_prefill_turn(|| Ok(())).expect("its turn");
+                }
+                false
+            })
+            .expect("decode");
+        })
+    });
+    turn_held.wait();
+    std::thread::sleep(Duration::from_millis(100));
+    // Another decoding request: its steps do not wait for the one stepped aside.
+    let t = std::time::Instant::now();
+    let p = m.tokenizer().encode("a tin", true).ids;
+    let params = GenerateParams {
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let g = with_batcher(Some(Arc::clone(&batcher)), || m.generate(&p, &params)).expect("generate");
+    let took = t.elapsed();
+    // Every step after the first token would wait out the 600 ms window otherwise.
+    assert!(g.ids.len() >= 2, "no decode step was taken: {:?}", g.ids);
+    assert!(
+        took < Duration::from_millis(500),
+        "{} tokens took {took:?}: the steps waited for a request stepped aside",
+        g.ids.len()
+    );
+    escalating.join().expect("no panic");
+    prefill.join().expect("no panic");
+    assert_eq!(batcher.stats().seated, 0);
+}

@@ -383,6 +383,38 @@ impl<E: StepEngine> Drop for Seat<E> {
 thread_local! {
     static BATCHER: RefCell<Option<Arc<DecodeBatcher>>> = const { RefCell::new(None) };
     static TURN: RefCell<Option<Turn>> = const { RefCell::new(None) };
+    /// Seats this thread holds at its installed batcher.
+    static SEATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// A seat this thread took at its installed batcher ([`seat`]).
+#[derive(Debug)]
+pub(crate) struct LocalSeat(#[allow(dead_code)] Seat);
+
+impl Drop for LocalSeat {
+    fn drop(&mut self) {
+        SEATED.with(|n| n.set(n.get().saturating_sub(1)));
+    }
+}
+
+/// A seated request doing other work (a prefill in its turn): not counted as decoding until
+/// dropped, so the passes of the others do not wait for it.
+struct StepAside(Arc<DecodeBatcher>);
+
+impl StepAside {
+    fn new(b: Arc<DecodeBatcher>) -> Self {
+        let mut st = b.lock();
+        st.seated = st.seated.saturating_sub(1);
+        b.wake.notify_all();
+        drop(st);
+        Self(b)
+    }
+}
+
+impl Drop for StepAside {
+    fn drop(&mut self) {
+        self.0.lock().seated += 1;
+    }
 }
 
 /// Puts the previous batcher back when dropped (also when `f` panics), giving up a prefill
@@ -405,19 +437,24 @@ pub fn with_batcher<R>(batcher: Option<Arc<DecodeBatcher>>, f: impl FnOnce() -> 
 
 /// A seat at this thread's batcher, if one is installed; the thread's prefill turn, if it
 /// holds one, passes to the next request.
-pub(crate) fn seat() -> Option<Seat> {
+pub(crate) fn seat() -> Option<LocalSeat> {
     end_turn();
-    BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))
+    let seat = BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))?;
+    SEATED.with(|n| n.set(n.get() + 1));
+    Some(LocalSeat(seat))
 }
 
 /// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's
 /// full prefill), in a prefill turn of this thread's batcher, so it runs after the prefills
-/// already waiting rather than beside one. Without a batcher, or with a turn held already,
-/// runs `f` at once.
+/// already waiting rather than beside one; a decoding request steps aside meanwhile, so the
+/// others' passes do not wait for it. Without a batcher, or with a turn held already, runs `f`
+/// at once.
 pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
     let held = TURN.with(|t| t.borrow().is_some());
     match installed() {
         Some(b) if !held => {
+            let _aside =
+                (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
             b.take_turn()?;
             let out = f();
             end_turn();
