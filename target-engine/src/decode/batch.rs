@@ -1,7 +1,8 @@
-//! Continuous batching of decode steps on the CPU engine: requests that decode at the same
-//! time, each on its own thread, have their next rows computed in one pass over the weights
+//! Continuous batching of decode steps: requests that decode at the same time, each on its own
+//! thread, have their next rows computed in one pass over the weights
 //! ([`Model::decode_rows`]). A decode step reads every weight once whatever the number of rows
-//! it carries, so on a memory-bound CPU `n` requests decode in little more than one's time.
+//! it carries, so on a memory-bound CPU four requests decode 2.1-2.6x the tokens/s of one
+//! (docs/performance.md, *Requests batched*).
 //!
 //! A request thread installs the server's [`DecodeBatcher`] with [`with_batcher`]; plain and
 //! speculative decoding ([`crate::Generate::decode_watched`],
