@@ -4,7 +4,8 @@
 //!   greedy continuation), ρ = 1 blended prefill against full prefill on the device, and a
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
-//!   target_probe@ρ (KV load from host memory, probe, prefill), decode alone and 1/4/16
+//!   target_probe@ρ and target_probe_shift@ρ, the served selectors' own code on the device
+//!   engine (selection = KV load from host memory + probe + top-k, then the blend), decode alone and 1/4/16
 //!   requests decoded together, 1/4/16 closed-loop clients under continuous batching (tokens/s,
 //!   TTFT p50/p95), device memory;
 //! - long context, last, at the first shape: prefill of `--long` tokens and full-attention decode
@@ -21,12 +22,12 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use target_engine::device::{
-    closed_loop_chunked, parse_device, BatchRequest, DeviceCache, DeviceModel, HostKv, ProbeBlend,
-    RagPrompt,
-};
+use target_engine::device::{closed_loop_chunked, parse_device, BatchRequest, DeviceModel};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
-use target_engine::{argmax, LoadOptions, Model, Result};
+use target_engine::{
+    argmax, blend_on, fused, verified_greedy, Assembly, ChunkKv, Engine, LoadOptions, Model,
+    PrefixKv, Result, SegmentKind, SelectInput, Selector, TargetProbe,
+};
 
 struct Args {
     out: PathBuf,
@@ -174,14 +175,51 @@ fn rag_prompt(
     chunk: usize,
     chunks: usize,
     question: usize,
-) -> RagPrompt {
-    RagPrompt {
-        prefix: ids(prefix, 1, vocab),
-        chunks: (0..chunks)
-            .map(|c| ids(chunk, 10 + c as u32, vocab))
-            .collect(),
-        question: ids(question, 2, vocab),
+) -> Assembly {
+    let mut asm = Assembly::default();
+    asm.push(SegmentKind::Prefix, "", &ids(prefix, 1, vocab));
+    for c in 0..chunks {
+        asm.push(SegmentKind::Chunk(c), "", &ids(chunk, 10 + c as u32, vocab));
     }
+    asm.push(SegmentKind::Question, "", &ids(question, 2, vocab));
+    asm
+}
+
+/// What ingestion stores for `p` on the device: the prefix's exact KV and each chunk's KV
+/// computed after it, in host memory.
+fn stored(dev: &DeviceModel, p: &Assembly) -> Result<(PrefixKv, Vec<ChunkKv>)> {
+    let prefix = dev.prefix_of(&p.ids[p.prefix_range()])?;
+    let chunks = p
+        .chunks()
+        .map(|s| dev.chunk_kv(&p.ids[s.ids.clone()], Some(&prefix)))
+        .collect::<Result<_>>()?;
+    Ok((prefix, chunks))
+}
+
+/// target_probe (with `shift`, target_probe_shift) at `ratio` on the device, the served
+/// selector's own code: its whole blend, and of it the selection (KV load, probe, top-k).
+fn timed_probe(
+    dev: &DeviceModel,
+    (p, prefix, chunks): (&Assembly, &PrefixKv, &[ChunkKv]),
+    ratio: f64,
+    shift: bool,
+    room: usize,
+) -> Result<(
+    target_engine::BlendOutput<target_engine::device::DeviceCache>,
+    f64,
+)> {
+    let refs: Vec<&ChunkKv> = chunks.iter().collect();
+    let mut input = SelectInput::new(dev, p, prefix, &refs, ratio);
+    input.room = room;
+    let probe = TargetProbe {
+        shift,
+        ..TargetProbe::default()
+    };
+    dev.device().synchronize()?;
+    let t = Instant::now();
+    let out = probe.prefill(&input)?;
+    dev.device().synchronize()?;
+    Ok((out, ms_since(t)))
 }
 
 fn write_report(out: &Path, report: &Value) -> Result<()> {
@@ -231,32 +269,30 @@ fn forward_parity(cpu: &Model, dev: &DeviceModel) -> Result<Value> {
     }))
 }
 
-/// On the device alone: ρ = 1 against full prefill, and verification against full recompute.
+/// On the device alone, by the code the CPU engine runs: ρ = 1 against full prefill, and
+/// verification of a target_probe@0.15 draft against full recompute.
 fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
     let vocab = dev.tokenizer().vocab_size();
     let p = rag_prompt(vocab, 16, 64, 4, 16);
-    let all = p.ids();
+    let all = p.ids.clone();
     let n = 24;
     let cap = all.len() + n + 1;
     let (mut reference, full) = dev.prefill(&all, cap)?;
     let want = dev.greedy(&mut reference, all.len(), &full, n)?;
-    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
-    let chunks: Vec<_> = p
-        .chunks
-        .iter()
-        .map(|c| dev.precompute(c))
-        .collect::<Result<_>>()?;
-    let mut fused = dev.fused(&p, &prefix, &chunks, cap)?;
-    let rho1 = dev.blend(&p, &mut fused, &p.chunk_positions())?;
+    let (prefix, chunks) = stored(dev, &p)?;
+    let refs: Vec<&ChunkKv> = chunks.iter().collect();
+    let cache = fused(dev, &p, &prefix, &refs, n + 1)?;
+    let rho1 = blend_on(dev, &p, cache, &p.chunk_positions())?.logits;
     let d1 = max_diff(&full, &rho1);
     let (mut exact, _) = dev.prefill(&all, cap)?;
-    let (mut draft, recomputed, draft_logits, _) =
-        dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::plain(0.15), cap)?;
-    let v = dev.verified_greedy(
+    let (draft, _) = timed_probe(dev, (&p, &prefix, &chunks), 0.15, false, n + 1)?;
+    let mut draft_cache = draft.cache;
+    let v = verified_greedy(
+        dev,
         &mut exact,
         &full,
-        &mut draft,
-        &draft_logits,
+        &mut draft_cache,
+        &draft.logits,
         all.len(),
         n,
         4,
@@ -267,7 +303,7 @@ fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
         split.is_none(),
         v.accepted,
         v.rounds,
-        recomputed.len()
+        draft.recomputed.len()
     ));
     Ok(json!({
         "rho1_max_abs_diff": d1,
@@ -436,29 +472,29 @@ fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Res
 }
 
 /// `runs` timed blends of `target_probe` and of `target_probe_shift`: per run the whole
-/// blend, its KV load, probe and prefill, and the shifted blend (ms); and the tokens
-/// recomputed.
+/// blend, its selection (KV load, probe, top-k), the KV load alone (the fused cache built
+/// once more, timed by itself) and the shifted blend (ms); and the tokens recomputed.
 fn blend_runs(
     dev: &DeviceModel,
-    (p, prefix, chunks): (&RagPrompt, &DeviceCache, &[HostKv]),
+    stored: (&Assembly, &PrefixKv, &[ChunkKv]),
     ratio: f64,
-    cap: usize,
+    room: usize,
     runs: usize,
-) -> Result<([Vec<f64>; 5], usize)> {
-    let mut out: [Vec<f64>; 5] = Default::default();
+) -> Result<([Vec<f64>; 4], usize)> {
+    let (p, prefix, chunks) = stored;
+    let refs: Vec<&ChunkKv> = chunks.iter().collect();
+    let mut out: [Vec<f64>; 4] = Default::default();
     let mut recomputed = 0;
     for _ in 0..runs {
+        let (blend, total) = timed_probe(dev, stored, ratio, false, room)?;
+        out[0].push(total);
+        out[1].push(blend.select_ms);
         let t = Instant::now();
-        let (_, r, _, times) =
-            dev.blend_probe_timed(p, prefix, chunks, ProbeBlend::plain(ratio), cap)?;
-        out[0].push(ms_since(t));
-        out[1].push(times.load_ms);
-        out[2].push(times.probe_ms);
-        out[3].push(times.prefill_ms);
-        let t = Instant::now();
-        dev.blend_probe_timed(p, prefix, chunks, ProbeBlend::shifted(ratio), cap)?;
-        out[4].push(ms_since(t));
-        recomputed = r.len();
+        fused(dev, p, prefix, &refs, room)?;
+        dev.device().synchronize()?;
+        out[2].push(ms_since(t));
+        out[3].push(timed_probe(dev, stored, ratio, true, room)?.1);
+        recomputed = blend.recomputed.len();
     }
     Ok((out, recomputed))
 }
@@ -471,21 +507,17 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
     let weights = used_mib(device);
     let vocab = dev.tokenizer().vocab_size();
     let p = rag_prompt(vocab, 16, a.chunk, a.chunks, 32);
-    let all = p.ids();
+    let all = p.ids.clone();
     let cap = all.len() + 64;
     let sync = || device.synchronize();
     // Warm-up (kernel loading, cuBLAS handles), then what ingestion stores.
     dev.prefill(&all, cap)?;
     let t = Instant::now();
-    let chunks: Vec<_> = p
-        .chunks
-        .iter()
-        .map(|c| dev.precompute(c))
-        .collect::<Result<_>>()?;
+    let (prefix, chunks) = stored(&dev, &p)?;
     let precompute_ms = ms_since(t) / a.chunks as f64;
-    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len())?;
-    dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::plain(a.ratio), cap)?;
-    dev.blend_probe_timed(&p, &prefix, &chunks, ProbeBlend::shifted(a.ratio), cap)?;
+    let kv = (&p, &prefix, chunks.as_slice());
+    timed_probe(&dev, kv, a.ratio, false, 64)?;
+    timed_probe(&dev, kv, a.ratio, true, 64)?;
     let mut full = Vec::new();
     for _ in 0..a.runs {
         sync()?;
@@ -495,19 +527,19 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         full.push(ms_since(t));
     }
     let peak_full = used_mib(device);
-    let ([total, load, probe, prefill, shift], recomputed) =
-        blend_runs(&dev, (&p, &prefix, &chunks), a.ratio, cap, a.runs)?;
+    let ([total, select, load, shift], recomputed) = blend_runs(&dev, kv, a.ratio, 64, a.runs)?;
+    let prefill: Vec<f64> = total.iter().zip(&select).map(|(t, s)| t - s).collect();
     let peak_blend = used_mib(device);
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
     let (full_ms, probe_ms, shift_ms) = (median(full), median(total), median(shift));
     log(&format!(
-        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; load {:.1}, probe {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
         path.display(),
         all.len(),
         a.ratio,
         full_ms / probe_ms,
+        median(select.clone()),
         median(load.clone()),
-        median(probe.clone()),
         median(prefill.clone()),
     ));
     Ok(json!({
@@ -521,8 +553,8 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
         "full_prefill_ms": full_ms,
         "target_probe_ms": probe_ms,
         "target_probe_parts_ms": {
+            "selection": median(select),
             "kv_load": median(load),
-            "probe": median(probe),
             "prefill": median(prefill),
         },
         "ttft_speedup": full_ms / probe_ms,

@@ -4,23 +4,32 @@
 //! The one design choice a reader must know: the model holds no cache. [`Model::forward`] takes
 //! token ids, their explicit positions and an external [`KvCache`] whose row `p` is the token
 //! at position `p`; it writes the rows it computes and reads the others. Full prefill, decode,
-//! and (later) recomputing an arbitrary subset of positions against reused chunk KV are all
-//! the same call. The LM head is a separate step ([`Model::logits`]).
+//! and recomputing an arbitrary subset of positions against reused chunk KV are all the same
+//! call. The LM head is a separate step ([`Model::logits`]).
+//!
+//! One engine interface, two backends: [`Engine`] is what the served path asks of a target
+//! model (prefill, chunk precompute, KV placed into a cache, the probe, the blended pass and
+//! its shift, every row's logits, batched decode steps). [`Model`], the CPU engine, is the
+//! bit-exact reference; [`device::DeviceModel`] runs the same passes as candle ops on a GPU.
+//! What is built from the passes (the fused cache, the served selectors, the blend, greedy and
+//! verified decoding, the decode batcher) is written once, generic over [`Engine`].
 //!
 //! A core and three wings. The core: [`gguf`], [`config`], [`tokenizer`], `weights` (loading
-//! and quantized products), [`model`] (forward passes), [`chat`] (the file's chat template),
-//! [`kv`], [`view`] (what a forward attends over when a drafter reads less), `hook` (what a
-//! forward lets a strategy do to the cache at each layer), [`sampling`] (choosing a token from
-//! logits, greedy or seeded), [`stop`], [`error`] and [`testing`] (tiny random-weight files).
-//! The wings: [`decode`], the strategies that turn a prefilled cache into an answer;
-//! [`reuse`], precomputed chunk KV, selection and the blended prefill; [`device`], the forward,
-//! blend and batched decode as candle ops on any device. The wings use the core, never each
-//! other, and the core uses none of them.
+//! and quantized products), [`model`] (forward passes), [`engine`], [`chat`] (the file's chat
+//! template), [`kv`] (caches, and chunk KV as stored), [`view`] (what a forward attends over
+//! when a drafter reads less), `hook` (what a forward lets a strategy do to the cache at each
+//! layer), [`sampling`] (choosing a token from logits, greedy or seeded), [`stop`], [`error`]
+//! and [`testing`] (tiny random-weight files). The wings: [`decode`], the strategies that turn
+//! a prefilled cache into an answer; [`reuse`], chunk KV, selection and the blended prefill
+//! (and the CPU engine's side of [`Engine`]); [`device`], the device engine's passes and
+//! continuous batching. The wings use the core, never each other, and the core uses none of
+//! them.
 
 pub mod chat;
 pub mod config;
 pub mod decode;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod gguf;
 mod hook;
@@ -38,9 +47,8 @@ mod weights;
 pub use candle_core::quantized::GgmlDType;
 pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig, SlidingWindow};
-pub use decode::batch::{
-    in_prefill_turn, with_batcher, BatchStats, DecodeBatcher, Step, StepEngine,
-};
+pub use decode::batch::{in_prefill_turn, with_batcher, BatchStats, DecodeBatcher};
+pub use decode::checked::{greedy, verified_greedy, Verified};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
     chat_prompt, raw_prompt, FilledCache, FinishReason, GenerateParams, Generation, Prefilled,
@@ -55,17 +63,19 @@ pub use decode::specontext::{
 pub use decode::speculative::{Drafter, PromptLookup};
 pub use decode::stream::{Flow, Shown, TextStream};
 pub use decode::verify::{Continuation, VerifiedGeneration, VerifyEvent, VerifyMode, VerifyParams};
+pub use engine::{Engine, ShiftGroup, ShiftRule, Step, StepEngine};
 pub use error::{EngineError, Result};
 pub use kv::KvCache;
+pub use kv::{ChunkKv, PrecomputeMode, PrefixKv};
 pub use model::{ForwardOutput, LoadOptions, Model};
 pub use reuse::assembly::{Assembly, RagTemplate, Segment, SegmentKind};
-pub use reuse::blend::{kind_at, BlendOutput, BlendSignals, DeviationCheck};
-pub use reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
+pub use reuse::blend::{
+    blend_on, blend_shift, fused, kind_at, BlendOutput, BlendSignals, DeviationCheck,
+};
 pub use reuse::select::{
     budget, layer_span, ranked_rest, top_k, uncovered, CacheBlend, Epic, FullRecompute, FullReuse,
     PrefixCaching, Probe, ProbeScores, SelectInput, Selector, TargetProbe,
 };
-pub use reuse::shift::ShiftRule;
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use tokenizer::{Encoding, TokenType, Tokenizer};
 pub use view::AttentionView;

@@ -1,13 +1,18 @@
-//! The device forward ([`target_engine::device`]) held to the CPU engine, run here on candle's
+//! The device engine ([`target_engine::device`]) held to the CPU engine, run here on candle's
 //! CPU device: the code a GPU runs in a `--features cuda` build, checked without a GPU. Tiny
-//! random-weight models of each family the device path runs.
+//! random-weight models of each family the device path runs. What is built on the passes (the
+//! fused cache, the served selectors, the blend and its shift, verified decoding) is one code
+//! for both engines ([`target_engine::Engine`]); these tests run it on both.
 
 use target_engine::device::{
     closed_loop, closed_loop_chunked, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel,
-    HostKv, ProbeBlend, RagPrompt,
 };
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
-use target_engine::{argmax, Architecture, LoadOptions, Model, Sampler, SamplingParams};
+use target_engine::{
+    argmax, blend_on, blend_shift, fused, verified_greedy, Architecture, Assembly, ChunkKv, Engine,
+    FullRecompute, FullReuse, LoadOptions, Model, PrefixCaching, PrefixKv, Sampler, SamplingParams,
+    SegmentKind, SelectInput, Selector, ShiftRule, TargetProbe,
+};
 
 /// The families the device forward runs, as the llama.cpp fixtures write them.
 fn specs() -> Vec<(&'static str, TinySpec)> {
@@ -42,24 +47,36 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
-/// What a store holds for `p`: the prefix's cache (on the device) and each chunk's KV
-/// computed on its own (in host memory).
-fn stored(dev: &DeviceModel, p: &RagPrompt) -> (DeviceCache, Vec<HostKv>) {
-    let (prefix, _) = dev.prefill(&p.prefix, p.prefix.len()).expect("prefix");
-    let chunks = p
-        .chunks
-        .iter()
-        .map(|c| dev.precompute(c).expect("precompute"))
+/// What a store holds for `asm` on `engine`: the prefix's exact KV and each chunk's KV
+/// computed after the prefix (how ingestion stores it), each engine its own.
+fn stored<E: Engine>(engine: &E, asm: &Assembly) -> (PrefixKv, Vec<ChunkKv>) {
+    let prefix = engine
+        .prefix_of(&asm.ids[asm.prefix_range()])
+        .expect("prefix");
+    let chunks = asm
+        .chunks()
+        .map(|s| {
+            engine
+                .chunk_kv(&asm.ids[s.ids.clone()], Some(&prefix))
+                .expect("precompute")
+        })
         .collect();
     (prefix, chunks)
 }
 
-fn prompt(vocab: usize) -> RagPrompt {
-    RagPrompt {
-        prefix: ids(7, 1, vocab),
-        chunks: vec![ids(23, 2, vocab), ids(31, 3, vocab), ids(17, 4, vocab)],
-        question: ids(9, 5, vocab),
+/// A prompt of a 7-token prefix, three chunks of 23, 31 and 17 tokens and a 9-token question.
+fn prompt(vocab: usize) -> Assembly {
+    let mut asm = Assembly::default();
+    asm.push(SegmentKind::Prefix, "", &ids(7, 1, vocab));
+    for (i, (n, seed)) in [(23, 2), (31, 3), (17, 4)].into_iter().enumerate() {
+        asm.push(SegmentKind::Chunk(i), "", &ids(n, seed, vocab));
     }
+    asm.push(SegmentKind::Question, "", &ids(9, 5, vocab));
+    asm
+}
+
+fn chunk_ranges(asm: &Assembly) -> Vec<std::ops::Range<usize>> {
+    asm.chunks().map(|s| s.ids.clone()).collect()
 }
 
 /// How far the device's first-token logits may be from the CPU engine's: the tolerance the
@@ -166,26 +183,23 @@ fn device_probe_matches_the_cpu_engine() {
 }
 
 /// ρ = 1 on the device (every chunk token recomputed over the fused cache) gives the full
-/// prefill's logits; the first chunk stored standalone and placed at position 0 behind an
-/// empty prefix is the full prefill's own KV; chunk KV placed elsewhere gets the keys a
-/// forward at those positions computes (layer 0 depends on nothing else).
+/// prefill's logits; a chunk stored standalone and placed at position 0 behind an empty prefix
+/// is the full prefill's own KV; chunk KV placed elsewhere gets the keys a forward at those
+/// positions computes (layer 0 depends on nothing else).
 #[test]
 fn device_blend_identities() {
     for (name, spec) in specs() {
         let (_dir, cpu, dev) = load(&spec);
         let vocab = cpu.tokenizer().vocab_size();
         let p = prompt(vocab);
-        let all = p.ids();
+        let all = p.ids.clone();
         let (_, full) = dev.prefill(&all, all.len()).expect("prefill");
         let (prefix_kv, chunks) = stored(&dev, &p);
-        let mut fused = dev
-            .fused(&p, &prefix_kv, &chunks, all.len())
-            .expect("fused");
-        let logits = dev
-            .blend(&p, &mut fused, &p.chunk_positions())
-            .expect("blend");
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let cache = fused(&dev, &p, &prefix_kv, &refs, 0).expect("fused");
+        let out = blend_on(&dev, &p, cache, &p.chunk_positions()).expect("blend");
         let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let d = max_diff(&full, &logits);
+        let d = max_diff(&full, &out.logits);
         // Cache rows are f16 as stored; what is left is candle's products rounding a row
         // differently in another batch.
         assert!(
@@ -193,18 +207,17 @@ fn device_blend_identities() {
             "{name}: rho = 1 differs by {d} (scale {scale})"
         );
 
-        // Placement: layer-0 keys of the second chunk, stored at 0 and placed at its offset.
-        let range = p.chunk_ranges()[1].clone();
-        let placed = fused.k_rows(0, range.clone()).expect("rows");
+        // Placement: layer-0 keys of the second chunk, stored after the prefix and placed at
+        // its offset.
+        let range = chunk_ranges(&p)[1].clone();
+        let placed = out.cache.k_rows(0, range.clone()).expect("rows");
         let positions: Vec<usize> = range.clone().collect();
         let direct = cpu
             .layer0_keys(&all[range.clone()], &positions)
             .expect("layer-0 keys");
         let kscale = direct.iter().fold(0f32, |m, x| m.max(x.abs()));
         // The blend rewrote the rows; place again into a fresh cache to read them.
-        let fresh = dev
-            .fused(&p, &prefix_kv, &chunks, all.len())
-            .expect("fused");
+        let fresh = fused(&dev, &p, &prefix_kv, &refs, 0).expect("fused");
         let placed_fresh = fresh.k_rows(0, range).expect("rows");
         let d = max_diff(&direct, &placed_fresh);
         assert!(d < 2e-2 * kscale, "{name}: placed keys differ by {d}");
@@ -213,59 +226,156 @@ fn device_blend_identities() {
             "{name}: rho = 1 rewrites every chunk row"
         );
 
-        // Empty prefix and one chunk: the stored chunk is the prompt's own exact KV.
-        let one = RagPrompt {
-            prefix: Vec::new(),
-            chunks: vec![p.chunks[0].clone()],
-            question: p.question.clone(),
-        };
-        let (_, want) = dev.prefill(&one.ids(), one.len()).expect("prefill");
-        let empty = dev.new_cache(1).expect("cache");
-        let mut fused = dev
-            .fused(&one, &empty, &chunks[..1], one.len())
-            .expect("fused");
-        let got = dev.blend(&one, &mut fused, &[]).expect("blend");
-        let d = max_diff(&want, &got);
+        // Empty prefix and one chunk stored standalone: the stored chunk is the prompt's own
+        // exact KV.
+        let mut one = Assembly::default();
+        one.push(SegmentKind::Prefix, "", &[]);
+        let first = &all[chunk_ranges(&p)[0].clone()];
+        one.push(SegmentKind::Chunk(0), "", first);
+        one.push(SegmentKind::Question, "", &all[p.question_positions()[0]..]);
+        let (_, want) = dev.prefill(&one.ids, one.ids.len()).expect("prefill");
+        let empty = dev.prefix_of(&[]).expect("empty prefix");
+        let alone = dev.chunk_kv(first, None).expect("standalone");
+        let cache = fused(&dev, &one, &empty, &[&alone], 0).expect("fused");
+        let got = blend_on(&dev, &one, cache, &[]).expect("blend");
+        let d = max_diff(&want, &got.logits);
         // The chunk's stored f16 rows are the rows a prefill keeps; what is left is candle's
         // products rounding a row differently in another batch.
         assert!(d < 1e-2 * scale, "{name}: exact first chunk differs by {d}");
     }
 }
 
-/// A greedy answer decoded on a partly reused cache and verified against the full cache is
-/// the full cache's greedy answer.
+/// The served selectors are one code on both engines: on the same prompt, each engine with
+/// the chunk KV it stored itself, every method recomputes the same chunk tokens (target_probe
+/// picks by the question's attention, which the two engines compute alike up to rounding)
+/// and the first-token logits agree within the engines' bound; ρ = 1 on the device is its
+/// full prefill. KV stored by one engine is refused by the other.
 #[test]
-fn device_verification_equals_full_recompute() {
+fn the_served_selectors_run_alike_on_both_engines() {
+    const METHODS: [&str; 5] = [
+        "full_recompute",
+        "full_reuse",
+        "prefix_caching",
+        "target_probe",
+        "target_probe_shift",
+    ];
     for (name, spec) in specs() {
         let (_dir, cpu, dev) = load(&spec);
         let vocab = cpu.tokenizer().vocab_size();
         let p = prompt(vocab);
-        let all = p.ids();
+        let (cpu_prefix, cpu_chunks) = stored(&cpu, &p);
+        let (dev_prefix, dev_chunks) = stored(&dev, &p);
+        let cpu_refs: Vec<&ChunkKv> = cpu_chunks.iter().collect();
+        let dev_refs: Vec<&ChunkKv> = dev_chunks.iter().collect();
+        let (_, full) = dev.prefill(&p.ids, p.ids.len()).expect("prefill");
+        for method in METHODS {
+            for ratio in [0.25, 1.0] {
+                let cpu_in = SelectInput::new(&cpu, &p, &cpu_prefix, &cpu_refs, ratio);
+                let mut dev_in = SelectInput::new(&dev, &p, &dev_prefix, &dev_refs, ratio);
+                dev_in.room = 4;
+                assert!(cpu_in.first_chunk_exact && dev_in.first_chunk_exact);
+                let want = served::<Model>(method).prefill(&cpu_in).expect("cpu");
+                let got = served::<DeviceModel>(method)
+                    .prefill(&dev_in)
+                    .expect("device");
+                let at = format!("{name} {method} @ {ratio}");
+                alike(&at, &want, &got);
+                if ratio == 1.0 && method != "full_reuse" {
+                    // Every chunk token recomputed: the device's own full prefill.
+                    let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let d = max_diff(&full, &got.logits);
+                    assert!(d < 1e-2 * scale, "{at}: rho = 1 differs by {d}");
+                }
+            }
+        }
+        let err = fused(&dev, &p, &dev_prefix, &cpu_refs, 0)
+            .expect_err("CPU KV on the device")
+            .to_string();
+        assert!(err.contains("another model or engine"), "{err}");
+        assert!(fused(&cpu, &p, &cpu_prefix, &dev_refs, 0).is_err());
+    }
+}
+
+/// The served selector named `method`, on engine `E`.
+fn served<E: Engine>(method: &str) -> Box<dyn Selector<E>> {
+    match method {
+        "full_recompute" => Box::new(FullRecompute),
+        "full_reuse" => Box::new(FullReuse),
+        "prefix_caching" => Box::new(PrefixCaching),
+        "target_probe" => Box::new(TargetProbe::default()),
+        _ => Box::new(TargetProbe {
+            shift: true,
+            ..TargetProbe::default()
+        }),
+    }
+}
+
+/// A blend on the device against the CPU engine's: the same number of picks, at least 90% of
+/// them shared (all were, on every family, when written), the same chunk tokens and reserve,
+/// and first-token logits within the engines' bound.
+fn alike<A, B>(
+    at: &str,
+    want: &target_engine::BlendOutput<A>,
+    got: &target_engine::BlendOutput<B>,
+) {
+    let shared = got
+        .recomputed
+        .iter()
+        .filter(|q| want.recomputed.contains(q))
+        .count();
+    let d = max_diff(&want.logits, &got.logits);
+    eprintln!(
+        "{at}: {shared} of {} picks shared, logits {d}",
+        want.recomputed.len()
+    );
+    assert_eq!(got.recomputed.len(), want.recomputed.len(), "{at}");
+    assert_eq!(got.chunk_tokens, want.chunk_tokens, "{at}");
+    assert!(
+        shared * 10 >= want.recomputed.len() * 9,
+        "{at}: {shared} picks shared"
+    );
+    assert!(d < LOGIT, "{at}: logits differ by {d}");
+    assert_eq!(got.reserve.is_empty(), want.reserve.is_empty(), "{at}");
+}
+
+/// A greedy answer decoded on a partly reused cache and verified against the full cache is
+/// the full cache's greedy answer, on either engine, by the same code.
+#[test]
+fn verification_equals_full_recompute_on_both_engines() {
+    fn check<E: Engine>(name: &str, engine: &E, p: &Assembly) {
+        let all = &p.ids;
         let n = 12;
-        let cap = all.len() + n + 1;
-        let (mut reference_cache, full) = dev.prefill(&all, cap).expect("prefill");
-        let want = dev
-            .greedy(&mut reference_cache, all.len(), &full, n)
-            .expect("greedy");
-        let (mut exact, _) = dev.prefill(&all, cap).expect("prefill");
-        let (prefix_kv, chunks) = stored(&dev, &p);
-        let (mut draft, recomputed, draft_logits, _) = dev
-            .blend_probe_timed(&p, &prefix_kv, &chunks, ProbeBlend::plain(0.15), cap)
-            .expect("blend");
-        assert_eq!(recomputed.len(), (0.15f64 * 71.0).ceil() as usize, "{name}");
-        let v = dev
-            .verified_greedy(
-                &mut exact,
-                &full,
-                &mut draft,
-                &draft_logits,
-                all.len(),
-                n,
-                4,
-            )
-            .expect("verify");
-        assert_eq!(v.tokens, want, "{name}");
+        let room = n + 1;
+        let (mut reference, full) = engine.prefill_into(all, all.len() + room).expect("prefill");
+        let want =
+            target_engine::greedy(engine, &mut reference, all.len(), &full, n).expect("greedy");
+        let (mut exact, _) = engine.prefill_into(all, all.len() + room).expect("prefill");
+        let (prefix_kv, chunks) = stored(engine, p);
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let mut input = SelectInput::new(engine, p, &prefix_kv, &refs, 0.15);
+        input.room = room;
+        let draft = TargetProbe::default().prefill(&input).expect("blend");
+        assert_eq!(draft.recomputed.len(), input.spend(), "{name}");
+        let mut draft_cache = draft.cache;
+        let v = verified_greedy(
+            engine,
+            &mut exact,
+            &full,
+            &mut draft_cache,
+            &draft.logits,
+            all.len(),
+            n,
+            4,
+        )
+        .expect("verify");
+        assert_eq!(v.tokens, want, "{name} on {}", engine.device_name());
         assert!(v.rounds >= n / 4, "{name}: {} rounds", v.rounds);
+    }
+    for (name, spec) in specs() {
+        let (_dir, cpu, dev) = load(&spec);
+        let p = prompt(cpu.tokenizer().vocab_size());
+        check(name, &cpu, &p);
+        check(name, &dev, &p);
     }
 }
 
@@ -558,10 +668,10 @@ fn device_refusals_name_what_is_missing() {
 
 /// `cache` with every chunk row of `p` moved by a deviation constant per chunk and layer (K
 /// before RoPE).
-fn moved_per_chunk_and_layer(cpu: &Model, p: &RagPrompt, cache: &DeviceCache) -> DeviceCache {
+fn moved_per_chunk_and_layer(cpu: &Model, p: &Assembly, cache: &DeviceCache) -> DeviceCache {
     let (row, heads) = (cpu.config().kv_row(), cpu.config().n_kv_head);
     let mut moved = cache.deep_copy().expect("copy");
-    for (c, range) in p.chunk_ranges().into_iter().enumerate() {
+    for (c, range) in chunk_ranges(p).into_iter().enumerate() {
         let at: Vec<i64> = range.clone().map(|q| q as i64).collect();
         for l in 0..cpu.config().n_layer {
             let ck: Vec<f32> = (0..row)
@@ -594,36 +704,40 @@ fn moved_per_chunk_and_layer(cpu: &Model, p: &RagPrompt, cache: &DeviceCache) ->
     moved
 }
 
-/// `target_probe_shift` on the device (`DeviceModel::blend_shift`): a deviation of every
-/// reused chunk row that is constant per chunk and layer (K before RoPE) is removed by one
-/// recomputed token per chunk up to the cache's f16 rounding of the moved rows, as on the CPU
-/// engine (`blend_tiny.rs`), where a plain blend keeps it; a chunk without a pick keeps its
-/// rows. The rounding is within two f16 steps at layer 0; the random tiny models' int8 activations
-/// grow it to ~0.4% of the rows' scale at layer 1 and ~3% of the plain blend's logit error
-/// (observed).
+/// `target_probe_shift`'s blend on the device (the shared `blend_shift` over the device's
+/// per-layer step): a deviation of every reused chunk row that is constant per chunk and layer
+/// (K before RoPE) is removed by one recomputed token per chunk up to the cache's f16
+/// rounding of the moved rows, as on the CPU engine (`blend_tiny.rs`), where a plain blend
+/// keeps it; a chunk without a pick keeps its rows. The rounding is within two f16 steps at
+/// layer 0; the random tiny models' int8 activations grow it to ~0.4% of the rows' scale at
+/// layer 1 and ~3% of the plain blend's logit error (observed). The CPU engine's other rule
+/// (the picks' mean) is refused by name.
 #[test]
 fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
     for (name, spec) in specs() {
         let (_dir, cpu, dev) = load(&spec);
         let vocab = cpu.tokenizer().vocab_size();
         let p = prompt(vocab);
-        let all = p.ids();
+        let all = p.ids.clone();
+        let candidates = p.chunk_positions();
         let (full_cache, full) = dev.prefill(&all, all.len()).expect("prefill");
         let moved = moved_per_chunk_and_layer(&cpu, &p, &full_cache);
-        let picks: Vec<usize> = p
-            .chunk_ranges()
+        let picks: Vec<usize> = chunk_ranges(&p)
             .iter()
             .map(|r| r.start + r.len() / 2)
             .collect();
         let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let plain = dev
-            .blend(&p, &mut moved.deep_copy().expect("copy"), &picks)
-            .expect("blend");
-        let mut shifted_cache = moved.deep_copy().expect("copy");
-        let shifted = dev
-            .blend_shift(&p, &mut shifted_cache, &picks)
-            .expect("shifted blend");
-        let (d_plain, d_shift) = (max_diff(&plain, &full), max_diff(&shifted, &full));
+        let copy = || moved.deep_copy().expect("copy");
+        let plain = blend_on(&dev, &p, copy(), &picks).expect("blend");
+        let shift = |cache, picks: &[usize]| {
+            blend_shift(&dev, &p, cache, &candidates, picks, ShiftRule::Similar)
+                .expect("shifted blend")
+        };
+        let shifted = shift(copy(), &picks);
+        let (d_plain, d_shift) = (
+            max_diff(&plain.logits, &full),
+            max_diff(&shifted.logits, &full),
+        );
         eprintln!("{name}: plain {d_plain}, shifted {d_shift} (scale {scale})");
         assert!(
             d_plain > 0.05 * scale,
@@ -643,23 +757,28 @@ fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
             }
         };
         for l in 0..cpu.config().n_layer {
-            for r in p.chunk_ranges() {
+            for r in chunk_ranges(&p) {
                 let want = full_cache.k_rows(l, r.clone()).expect("k");
-                let got = shifted_cache.k_rows(l, r.clone()).expect("k");
+                let got = shifted.cache.k_rows(l, r.clone()).expect("k");
                 let kscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
                 assert!(max_diff(&want, &got) < bound(l, kscale), "{name}: K {l}");
                 let want = full_cache.v_rows(l, r.clone()).expect("v");
-                let got = shifted_cache.v_rows(l, r).expect("v");
+                let got = shifted.cache.v_rows(l, r).expect("v");
                 let vscale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
                 assert!(max_diff(&want, &got) < bound(l, vscale), "{name}: V {l}");
             }
         }
         // The last chunk without a pick keeps its moved rows.
-        let mut partial = moved.deep_copy().expect("copy");
-        dev.blend_shift(&p, &mut partial, &picks[..picks.len() - 1])
-            .expect("partial");
-        let last = p.chunk_ranges().last().cloned().expect("chunks");
+        let partial = shift(copy(), &picks[..picks.len() - 1]);
+        let last = chunk_ranges(&p).last().cloned().expect("chunks");
         let kept = moved.k_rows(0, last.clone()).expect("k");
-        assert_eq!(partial.k_rows(0, last).expect("k"), kept, "{name}");
+        assert_eq!(partial.cache.k_rows(0, last).expect("k"), kept, "{name}");
+        let err = blend_shift(&dev, &p, copy(), &candidates, &picks, ShiftRule::Mean)
+            .expect_err("the mean rule")
+            .to_string();
+        assert!(
+            err.contains("Mean") && err.contains("--device cpu"),
+            "{err}"
+        );
     }
 }

@@ -146,7 +146,7 @@ impl Pipeline {
         });
         let selector = exp.selector(q, served);
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
-        let mut input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
+        let mut input = SelectInput::new(&**target, asm, &self.engines.prefix, &kvs, q.ratio);
         if self.engines.lossy_codec.is_some() {
             // Stored lossily, even the chunk precomputed after this very prefix is not exact:
             // it competes for the budget like the others.

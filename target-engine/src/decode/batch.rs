@@ -33,25 +33,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// What a [`DecodeBatcher`] runs its passes on.
-pub trait StepEngine: Sync {
-    /// A request's cache, moved into the pass and back.
-    type Cache: Send + std::fmt::Debug;
-    /// What stands where a cache was moved out while its step is in a pass (never read).
-    fn placeholder(&self) -> Self::Cache;
-    /// One pass over every step: each step's tokens at positions `start..` of its cache;
-    /// per step, the logits after each of its tokens, cut to the vocabulary. Each step's
-    /// logits must be what it gets alone.
-    fn decode_steps(&self, steps: &mut [Step<'_, Self::Cache>]) -> Result<Vec<Vec<Vec<f32>>>>;
-}
-
-/// One request's part of a pass: `ids` fed at positions `start..` of `cache`.
-#[derive(Debug)]
-pub struct Step<'a, C> {
-    pub ids: &'a [u32],
-    pub start: usize,
-    pub cache: &'a mut C,
-}
+pub use crate::engine::{Step, StepEngine};
 
 impl StepEngine for Model {
     type Cache = KvCache;

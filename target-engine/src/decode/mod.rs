@@ -2,7 +2,8 @@
 //! cache's views (`crate::view`) to turn a prefilled cache into an answer. Plain and sampled
 //! decoding ([`generate`] with the core's [`crate::sampling`], [`repetition`]'s loop detector), speculative decoding
 //! with prompt lookup or a draft model ([`speculative`]), verification of a reused cache's
-//! drafts against a full prefill ([`verify`]), long-context drafting from a sparse view
+//! drafts against a full prefill ([`verify`]; [`checked`] is its greedy rule on any
+//! [`crate::engine::Engine`]), long-context drafting from a sparse view
 //! ([`sparse`], SpeCache) or a retrieval head ([`specontext`], SpeContext), and the one place
 //! an answer's text is made from its tokens ([`stream`]); [`draft`] holds what the drafting
 //! strategies share, so none imports another's internals.
@@ -13,6 +14,7 @@ pub(crate) fn ms(t: std::time::Instant) -> f64 {
 }
 
 pub mod batch;
+pub mod checked;
 pub mod draft;
 pub mod generate;
 pub mod logprobs;

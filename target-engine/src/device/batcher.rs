@@ -6,7 +6,7 @@
 //! decoded alone (`tests/device_model.rs` holds that on the CPU).
 
 use super::{DeviceCache, DeviceModel};
-use crate::decode::batch::{Step, StepEngine};
+use crate::engine::{Step, StepEngine};
 use crate::error::{EngineError, Result};
 use crate::sampling::{Sampler, SamplingParams};
 use std::collections::VecDeque;

@@ -1,83 +1,103 @@
-//! Chunk KV in host memory (f16, as the chunk store keeps it): downloaded from a device cache,
-//! and placed into one at any position with its RoPE recovered on the device.
+//! Chunk KV between host memory and a device cache, in the chunk store's layout
+//! ([`ChunkKv`]: per layer, rows of kv heads x head dim in f16): a cache's rows read back, and
+//! a chunk's rows placed into a cache at any position with their RoPE recovered on the device.
 
 use super::cache::{as_cached, DeviceCache};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
+use crate::kv::ChunkKv;
 use candle_core::{DType, Tensor};
+use half::f16;
 use std::ops::Range;
 
-/// A chunk's KV rows in host memory, every layer, in f16 as the chunk store keeps them,
-/// computed at positions `base..base + len`: `k` and `v` laid out `(layer, kv head, row,
-/// head_dim)` as the device cache holds them, so a chunk moves in one copy each.
-#[derive(Debug, Clone)]
-pub struct HostKv {
-    pub base: usize,
-    pub len: usize,
-    pub k: Vec<half::f16>,
-    pub v: Vec<half::f16>,
-}
+/// Per layer, rows of kv heads x head dim in f16: a chunk's K or V as the store keeps it.
+type Layers = Vec<Vec<f16>>;
 
 impl DeviceModel {
-    /// Rows `range` of `cache` copied to host memory in f16, as a chunk store keeps them.
-    pub fn download(&self, cache: &DeviceCache, range: Range<usize>) -> Result<HostKv> {
-        let get = |layers: &[Tensor]| -> Result<Vec<half::f16>> {
-            if range.is_empty() {
-                return Ok(Vec::new());
-            }
-            let rows = layers
-                .iter()
-                .map(|t| t.narrow(1, range.start, range.len()))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Ok(Tensor::stack(&rows, 0)?
-                .to_dtype(DType::F16)?
-                .flatten_all()?
-                .to_vec1::<half::f16>()?)
-        };
-        Ok(HostKv {
-            base: range.start,
-            len: range.len(),
-            k: get(&cache.k)?,
-            v: get(&cache.v)?,
-        })
-    }
-
-    /// Writes `kv` into `cache` at positions `at..at + kv.len`: one upload each for K and V,
-    /// K rotated by `at - kv.base` positions on the device (positional recovery), then a copy
-    /// per layer into the cache.
-    pub fn place(&self, cache: &mut DeviceCache, kv: &HostKv, at: usize) -> Result<()> {
-        let c = &self.config;
-        let row = c.kv_row();
-        let size = c.n_layer * kv.len * row;
-        if at + kv.len > cache.capacity || kv.k.len() != size || kv.v.len() != size {
+    /// Rows `range` of `cache`, per layer, K then V, in host memory in f16 (rows of kv heads
+    /// x head dim): what a chunk store keeps.
+    pub(super) fn export_rows(
+        &self,
+        cache: &DeviceCache,
+        range: Range<usize>,
+    ) -> Result<(Layers, Layers)> {
+        if range.end > cache.capacity {
             return Err(EngineError::InvalidInput(format!(
-                "a chunk KV of {} rows ({} K values, {} V values) does not fit at {at} in a \
-                 {}-layer cache of {} positions",
-                kv.len,
-                kv.k.len(),
-                kv.v.len(),
-                c.n_layer,
+                "rows {range:?} of a cache of {} positions",
                 cache.capacity
             )));
         }
-        if kv.len == 0 {
+        let get = |layers: &[Tensor]| -> Result<Layers> {
+            layers
+                .iter()
+                .map(|t| {
+                    if range.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    Ok(t.narrow(1, range.start, range.len())?
+                        .transpose(0, 1)?
+                        .to_dtype(DType::F16)?
+                        .flatten_all()?
+                        .to_vec1::<f16>()?)
+                })
+                .collect()
+        };
+        Ok((get(&cache.k)?, get(&cache.v)?))
+    }
+
+    /// Writes `chunk` into `cache` at positions `at..at + chunk.len()`: one upload each for K
+    /// and V, K rotated by `at - chunk.base_pos` positions on the device (positional recovery)
+    /// and rounded as every cache row is (the CPU's `place_chunk`), then a copy per layer.
+    pub(super) fn place_chunk_kv(
+        &self,
+        cache: &mut DeviceCache,
+        chunk: &ChunkKv,
+        at: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (row, n) = (c.kv_row(), chunk.len());
+        if chunk.fingerprint != self.fingerprint {
+            return Err(EngineError::InvalidInput(
+                "chunk KV was computed by another model or engine".into(),
+            ));
+        }
+        let shaped = |layers: &[Vec<f16>]| {
+            layers.len() == c.n_layer && layers.iter().all(|l| l.len() == n * row)
+        };
+        if chunk.row != row || !shaped(&chunk.k) || !shaped(&chunk.v) {
+            return Err(EngineError::InvalidInput(
+                "chunk KV has the wrong shape for this model".into(),
+            ));
+        }
+        if at + n > cache.capacity {
+            return Err(EngineError::InvalidInput(format!(
+                "a chunk of {n} rows does not fit at {at} in a cache of {} positions",
+                cache.capacity
+            )));
+        }
+        if n == 0 {
             return Ok(());
         }
-        let shape = (c.n_layer, c.n_kv_head, kv.len, c.head_dim);
-        let up = |data: &[half::f16]| -> Result<Tensor> {
-            Ok(Tensor::from_slice(data, shape, &self.device)?.to_dtype(DType::F32)?)
+        let up = |layers: &[Vec<f16>]| -> Result<Tensor> {
+            let flat: Vec<f16> = layers.concat();
+            Ok(
+                Tensor::from_vec(flat, (c.n_layer, n, c.n_kv_head, c.head_dim), &self.device)?
+                    .to_dtype(DType::F32)?
+                    .transpose(1, 2)?
+                    .contiguous()?,
+            )
         };
-        let delta = at as i64 - kv.base as i64;
-        let mut k = up(&kv.k)?;
+        let shape = (c.n_layer, c.n_kv_head, n, c.head_dim);
+        let delta = at as i64 - chunk.base_pos as i64;
+        let mut k = up(&chunk.k)?;
         if delta != 0 {
             // One angle for every row: one "token" whose heads are all the chunk's.
             let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
-            let heads = c.n_layer * kv.len * c.n_kv_head;
+            let heads = c.n_layer * n * c.n_kv_head;
             let flat = k.reshape((1, heads, c.head_dim))?;
-            // Rotated in f32, then rounded as every cache write is (the CPU's `place_chunk`).
             k = as_cached(&self.rotate(&flat, &cos, &sin)?.reshape(shape)?)?;
         }
-        let v = up(&kv.v)?;
+        let v = up(&chunk.v)?;
         for l in 0..c.n_layer {
             cache.k[l].slice_set(&k.get(l)?, 1, at)?;
             cache.v[l].slice_set(&v.get(l)?, 1, at)?;

@@ -22,8 +22,8 @@ use crate::error::{EngineError, Result};
 use candle_core::Device;
 
 pub mod batcher;
-pub mod blend;
 mod cache;
+mod engine;
 mod forward;
 mod host_kv;
 mod model;
@@ -31,9 +31,7 @@ mod shift;
 pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
 };
-pub use blend::{BlendTimes, ProbeBlend, RagPrompt, Verified};
 pub use cache::DeviceCache;
-pub use host_kv::HostKv;
 pub use model::DeviceModel;
 
 /// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.

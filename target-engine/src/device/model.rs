@@ -39,6 +39,8 @@ pub struct DeviceModel {
     pub(super) layers: Vec<Layer>,
     pub(super) output_norm: Tensor,
     pub(super) lm_head: QMatMul,
+    /// The identity of the KV it writes: the file's and the device's numerics.
+    pub(super) fingerprint: String,
 }
 
 impl std::fmt::Debug for DeviceModel {
@@ -79,6 +81,11 @@ impl DeviceModel {
             });
         }
         let tokenizer = Tokenizer::from_gguf(&f)?;
+        let numerics = format!(
+            "engine=device;device={};weights=gguf-blocks;embedding=f32;kv=f16;attention=f32",
+            if device.is_cpu() { "cpu" } else { "cuda" }
+        );
+        let fingerprint = crate::model::identity(&f.fingerprint(), &numerics);
         let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
         let mut layers = Vec::with_capacity(config.n_layer);
         for l in 0..config.n_layer {
@@ -101,6 +108,7 @@ impl DeviceModel {
             layers,
             output_norm,
             lm_head,
+            fingerprint,
         })
     }
 

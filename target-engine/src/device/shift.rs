@@ -1,10 +1,12 @@
-//! `target_probe_shift` on the device: at every layer of a blended prefill, each chunk's
-//! reused rows move as the chunk's recomputed rows (its picks) were moved by recomputing,
-//! per kv head weighted by the softmax of the reused key's dot products with the picks' keys
-//! (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's shift (`reuse/shift.rs`, its
-//! reference), as batched matrix products over the kv heads.
+//! `target_probe_shift`'s per-layer step on the device: at every layer of a blended prefill,
+//! each chunk's reused rows move as the chunk's recomputed rows (its picks) were moved by
+//! recomputing, per kv head weighted by the softmax of the reused key's dot products with the
+//! picks' keys (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's step
+//! (`reuse/shift.rs`, its reference) as batched matrix products over the kv heads; which rows
+//! move is decided once for both engines (`reuse::blend::blend_shift`).
 
 use super::cache::{as_cached, DeviceCache};
+use super::forward::{fused_rms_norm, PassHooks};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
 use candle_core::Tensor;
@@ -33,31 +35,49 @@ pub(crate) struct Moves {
 }
 
 impl DeviceModel {
-    /// The groups of a pass over `positions` (sorted): for each chunk range, its positions
-    /// among them (the picks) and the rest of the range (the rows moved).
-    pub(crate) fn shift_groups(
+    /// Every layer for `ids` at `positions` with `shift` applied at each; the last row's
+    /// logits.
+    pub(crate) fn shifted_forward(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        shift: &DeviceShift,
+    ) -> Result<Vec<f32>> {
+        let hooks = PassHooks {
+            probe: None,
+            shift: Some(shift),
+        };
+        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, hooks)?;
+        let hidden = fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        self.last_logits(&hidden)
+    }
+
+    /// The device's form of a pass's shift groups ([`crate::engine::ShiftGroup`], built once
+    /// for both engines by `reuse::blend::blend_shift`): each group's picks as row indices on
+    /// the device and as positions.
+    pub(crate) fn shift_plan(
         &self,
         positions: &[usize],
-        chunks: &[std::ops::Range<usize>],
+        groups: &[crate::engine::ShiftGroup],
     ) -> Result<DeviceShift> {
-        let mut groups = Vec::with_capacity(chunks.len());
-        for r in chunks {
-            let rows: Vec<u32> = positions
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| r.contains(p))
-                .map(|(i, _)| i as u32)
-                .collect();
-            let at: Vec<usize> = rows.iter().map(|&i| positions[i as usize]).collect();
-            let targets: Vec<usize> = r.clone().filter(|p| at.binary_search(p).is_err()).collect();
+        let mut out = Vec::with_capacity(groups.len());
+        for g in groups {
+            if let Some(&bad) = g.rows.iter().find(|&&i| i >= positions.len()) {
+                return Err(EngineError::InvalidInput(format!(
+                    "shift row {bad} of a pass of {} rows",
+                    positions.len()
+                )));
+            }
+            let rows: Vec<u32> = g.rows.iter().map(|&i| i as u32).collect();
             let n = rows.len();
-            groups.push(ShiftGroup {
+            out.push(ShiftGroup {
                 rows: Tensor::from_vec(rows, n, &self.device)?,
-                at,
-                targets,
+                at: g.rows.iter().map(|&i| positions[i]).collect(),
+                targets: g.targets.clone(),
             });
         }
-        Ok(DeviceShift { groups })
+        Ok(DeviceShift { groups: out })
     }
 
     /// `x` `(n_kv_head, n, head_dim)` rotated row by row by `angles` (one per row).

@@ -68,7 +68,7 @@ pub(super) fn weight_forms(
 }
 
 /// sha256 of the file's fingerprint and the numerics description, as 64 hex digits.
-pub(super) fn identity(file_fingerprint: &str, numerics: &str) -> String {
+pub(crate) fn identity(file_fingerprint: &str, numerics: &str) -> String {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     h.update(b"specrag-model\0");

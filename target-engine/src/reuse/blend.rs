@@ -8,20 +8,19 @@
 //! reused rows of the rest, causally by absolute position. Cost scales with the number of
 //! recomputed tokens (attention aside).
 
+use crate::engine::{Engine, ShiftGroup, ShiftRule};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::reuse::assembly::{Assembly, SegmentKind};
-use crate::reuse::chunk::Precompute;
 use crate::reuse::chunk::{ChunkKv, PrefixKv};
-use crate::reuse::shift::{Shift, ShiftGroup, ShiftRule};
 use candle_core::{Device, Tensor};
 
 /// What a blended prefill returns.
 #[derive(Debug)]
-pub struct BlendOutput {
+pub struct BlendOutput<C = KvCache> {
     /// The fused cache, every position `0..ids.len()` filled, ready for decode.
-    pub cache: KvCache,
+    pub cache: C,
     /// Logits of the last position.
     pub logits: Vec<f32>,
     /// Chunk positions that were recomputed.
@@ -54,7 +53,7 @@ pub struct BlendSignals {
     pub uncovered: f32,
 }
 
-impl BlendOutput {
+impl<C> BlendOutput<C> {
     /// Recomputed chunk tokens over all chunk tokens (what ρ counts).
     pub fn ratio(&self) -> f64 {
         if self.chunk_tokens == 0 {
@@ -152,32 +151,7 @@ impl Blend for Model {
         prefix: &PrefixKv,
         chunks: &[&ChunkKv],
     ) -> Result<KvCache> {
-        let pr = asm.prefix_range();
-        if asm.ids[pr.clone()] != prefix.ids[..] {
-            return Err(EngineError::InvalidInput(
-                "prefix KV does not match the assembled prefix".into(),
-            ));
-        }
-        let mut cache = prefix.cache.clone();
-        cache.truncate(pr.end);
-        let segs: Vec<_> = asm.chunks().collect();
-        if segs.len() != chunks.len() {
-            return Err(EngineError::InvalidInput(format!(
-                "{} chunk segments, {} chunk KVs",
-                segs.len(),
-                chunks.len()
-            )));
-        }
-        for (seg, kv) in segs.iter().zip(chunks) {
-            if asm.ids[seg.ids.clone()] != kv.ids[..] {
-                return Err(EngineError::InvalidInput(format!(
-                    "chunk KV ids differ from the assembled chunk at {:?}",
-                    seg.ids
-                )));
-            }
-            self.place_chunk(&mut cache, kv, seg.ids.start)?;
-        }
-        Ok(cache)
+        fused(self, asm, prefix, chunks, 0)
     }
 
     fn blend_prefill(
@@ -194,47 +168,10 @@ impl Blend for Model {
     fn blend_prefill_on(
         &self,
         asm: &Assembly,
-        mut cache: KvCache,
+        cache: KvCache,
         recompute: &[usize],
     ) -> Result<BlendOutput> {
-        let chunk_pos = asm.chunk_positions();
-        let mut is_chunk = vec![false; asm.ids.len()];
-        chunk_pos.iter().for_each(|&p| is_chunk[p] = true);
-        if let Some(&bad) = recompute
-            .iter()
-            .find(|&&p| p >= asm.ids.len() || !is_chunk[p])
-        {
-            return Err(EngineError::InvalidInput(format!(
-                "position {bad} to recompute is not a chunk token"
-            )));
-        }
-        let mut recomputed: Vec<usize> = if self.rope_recovery_ok() {
-            recompute.to_vec()
-        } else {
-            chunk_pos.clone()
-        };
-        recomputed.sort_unstable();
-        recomputed.dedup();
-        let mut positions = recomputed.clone();
-        positions.extend(asm.question_positions());
-        positions.sort_unstable();
-        if positions.is_empty() {
-            return Err(EngineError::InvalidInput(
-                "nothing to compute: the question segment is empty".into(),
-            ));
-        }
-        let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-        let out = self.forward(&ids, &positions, &mut cache, false)?;
-        let logits = self.last_logits(&out)?;
-        Ok(BlendOutput {
-            cache,
-            logits,
-            recomputed,
-            chunk_tokens: chunk_pos.len(),
-            select_ms: 0.0,
-            signals: BlendSignals::default(),
-            reserve: Vec::new(),
-        })
+        blend_on(self, asm, cache, recompute)
     }
 
     fn blend_prefill_cacheblend(
@@ -320,57 +257,167 @@ impl Blend for Model {
     fn blend_prefill_shift(
         &self,
         asm: &Assembly,
-        mut cache: KvCache,
+        cache: KvCache,
         candidates: &[usize],
         recompute: &[usize],
         rule: ShiftRule,
     ) -> Result<BlendOutput> {
-        if !self.rope_recovery_ok() {
-            return self.blend_prefill_on(asm, cache, recompute);
-        }
-        let n = asm.ids.len();
-        let mut candidate = vec![false; n];
-        candidates
-            .iter()
-            .filter(|&&p| p < n)
-            .for_each(|&p| candidate[p] = true);
-        if let Some(&bad) = recompute
-            .iter()
-            .find(|&&p| !candidate.get(p).copied().unwrap_or(false))
-        {
+        blend_shift(self, asm, cache, candidates, recompute, rule)
+    }
+}
+
+/// The fused cache of a prompt on any engine, before any recompute: the prefix's exact rows,
+/// then each chunk's stored rows rotated to its place, with room for `room` positions past
+/// the prompt (the answer's).
+pub fn fused<E: Engine>(
+    engine: &E,
+    asm: &Assembly,
+    prefix: &PrefixKv,
+    chunks: &[&ChunkKv],
+    room: usize,
+) -> Result<E::Cache> {
+    let pr = asm.prefix_range();
+    if asm.ids[pr.clone()] != prefix.ids[..] {
+        return Err(EngineError::InvalidInput(
+            "prefix KV does not match the assembled prefix".into(),
+        ));
+    }
+    let segs: Vec<_> = asm.chunks().collect();
+    if segs.len() != chunks.len() {
+        return Err(EngineError::InvalidInput(format!(
+            "{} chunk segments, {} chunk KVs",
+            segs.len(),
+            chunks.len()
+        )));
+    }
+    let mut cache = engine.cache_from(&prefix.cache, pr.end, asm.ids.len() + room)?;
+    for (seg, kv) in segs.iter().zip(chunks) {
+        if asm.ids[seg.ids.clone()] != kv.ids[..] {
             return Err(EngineError::InvalidInput(format!(
-                "position {bad} to recompute is not a candidate"
+                "chunk KV ids differ from the assembled chunk at {:?}",
+                seg.ids
             )));
         }
-        let chunk_pos = asm.chunk_positions();
-        let mut recomputed = recompute.to_vec();
-        recomputed.sort_unstable();
-        recomputed.dedup();
-        let mut positions = recomputed.clone();
-        positions.extend(question_of(asm)?);
-        positions.sort_unstable();
-        let mut picked = vec![false; asm.ids.len()];
-        recomputed.iter().for_each(|&p| picked[p] = true);
-        let groups: Vec<ShiftGroup> = asm
-            .chunks()
-            .map(|seg| ShiftGroup {
-                rows: (0..positions.len())
-                    .filter(|&i| seg.ids.contains(&positions[i]))
-                    .collect(),
-                targets: seg
-                    .ids
-                    .clone()
-                    .filter(|&p| candidate[p] && !picked[p])
-                    .collect(),
-            })
-            .collect();
-        let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
-        let shift = Shift {
-            groups,
-            by_similarity: rule == ShiftRule::Similar,
-        };
-        let x = shift.forward(self, &ids, &positions, &mut cache)?;
-        self.blend_output(&x, cache, recomputed, chunk_pos.len())
+        engine.place(&mut cache, kv, seg.ids.start)?;
+    }
+    Ok(cache)
+}
+
+/// The blended prefill on any engine over a fused `cache`: the chunk tokens at `recompute`
+/// and the question run through every layer (their rows overwritten layer by layer). Where
+/// positional recovery failed its self-test at load, every chunk token is recomputed.
+pub fn blend_on<E: Engine>(
+    engine: &E,
+    asm: &Assembly,
+    mut cache: E::Cache,
+    recompute: &[usize],
+) -> Result<BlendOutput<E::Cache>> {
+    let chunk_pos = asm.chunk_positions();
+    let mut is_chunk = vec![false; asm.ids.len()];
+    chunk_pos.iter().for_each(|&p| is_chunk[p] = true);
+    if let Some(&bad) = recompute
+        .iter()
+        .find(|&&p| p >= asm.ids.len() || !is_chunk[p])
+    {
+        return Err(EngineError::InvalidInput(format!(
+            "position {bad} to recompute is not a chunk token"
+        )));
+    }
+    let mut recomputed: Vec<usize> = if engine.rope_recovery_ok() {
+        recompute.to_vec()
+    } else {
+        chunk_pos.clone()
+    };
+    recomputed.sort_unstable();
+    recomputed.dedup();
+    let mut positions = recomputed.clone();
+    positions.extend(asm.question_positions());
+    positions.sort_unstable();
+    if positions.is_empty() {
+        return Err(EngineError::InvalidInput(
+            "nothing to compute: the question segment is empty".into(),
+        ));
+    }
+    let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
+    let logits = last_row(engine.pass(&ids, &positions, &mut cache, false)?)?;
+    Ok(BlendOutput::of(cache, logits, recomputed, chunk_pos.len()))
+}
+
+/// The blended prefill of `recompute` (and the question) over `cache` on any engine, where at
+/// every layer each chunk's `candidates` left to reuse move as its recomputed tokens moved
+/// there, by `rule` (the default method: [`ShiftRule::Similar`]).
+pub fn blend_shift<E: Engine>(
+    engine: &E,
+    asm: &Assembly,
+    mut cache: E::Cache,
+    candidates: &[usize],
+    recompute: &[usize],
+    rule: ShiftRule,
+) -> Result<BlendOutput<E::Cache>> {
+    if !engine.rope_recovery_ok() {
+        return blend_on(engine, asm, cache, recompute);
+    }
+    let n = asm.ids.len();
+    let mut candidate = vec![false; n];
+    candidates
+        .iter()
+        .filter(|&&p| p < n)
+        .for_each(|&p| candidate[p] = true);
+    if let Some(&bad) = recompute
+        .iter()
+        .find(|&&p| !candidate.get(p).copied().unwrap_or(false))
+    {
+        return Err(EngineError::InvalidInput(format!(
+            "position {bad} to recompute is not a candidate"
+        )));
+    }
+    let chunk_pos = asm.chunk_positions();
+    let mut recomputed = recompute.to_vec();
+    recomputed.sort_unstable();
+    recomputed.dedup();
+    let mut positions = recomputed.clone();
+    positions.extend(question_of(asm)?);
+    positions.sort_unstable();
+    let mut picked = vec![false; n];
+    recomputed.iter().for_each(|&p| picked[p] = true);
+    let groups: Vec<ShiftGroup> = asm
+        .chunks()
+        .map(|seg| ShiftGroup {
+            rows: (0..positions.len())
+                .filter(|&i| seg.ids.contains(&positions[i]))
+                .collect(),
+            targets: seg
+                .ids
+                .clone()
+                .filter(|&p| candidate[p] && !picked[p])
+                .collect(),
+        })
+        .collect();
+    let ids: Vec<u32> = positions.iter().map(|&p| asm.ids[p]).collect();
+    let logits = engine.shifted_pass(&ids, &positions, &mut cache, &groups, rule)?;
+    Ok(BlendOutput::of(cache, logits, recomputed, chunk_pos.len()))
+}
+
+/// The one row of a pass asked for its last row's logits.
+fn last_row(rows: Vec<Vec<f32>>) -> Result<Vec<f32>> {
+    rows.into_iter()
+        .next_back()
+        .ok_or_else(|| EngineError::Internal("a pass returned no logits".into()))
+}
+
+impl<C> BlendOutput<C> {
+    /// A blend's output before selection annotates it: no selection time, no signals, no
+    /// reserve.
+    pub fn of(cache: C, logits: Vec<f32>, recomputed: Vec<usize>, chunk_tokens: usize) -> Self {
+        Self {
+            cache,
+            logits,
+            recomputed,
+            chunk_tokens,
+            select_ms: 0.0,
+            signals: BlendSignals::default(),
+            reserve: Vec::new(),
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod assembly;
 pub mod blend;
 pub mod chunk;
+mod cpu_engine;
 pub mod fidelity;
 pub mod select;
 pub mod shift;

@@ -8,14 +8,14 @@
 //! spent only on chunk tokens whose reused KV is not already exact: with chunks precomputed
 //! after the template prefix, the first chunk's KV is exact and is never a candidate.
 
+use crate::engine::{Engine, ShiftRule};
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
 use crate::reuse::assembly::Assembly;
 use crate::reuse::blend::Blend;
-use crate::reuse::blend::{BlendOutput, DeviationCheck};
+use crate::reuse::blend::{blend_on, blend_shift, fused, BlendOutput, DeviationCheck};
 use crate::reuse::chunk::{ChunkKv, PrecomputeMode, PrefixKv};
-use crate::reuse::shift::ShiftRule;
 use std::time::Instant;
 
 /// `ceil(ratio * n)` clamped to `0..=n` (ratio outside 0..=1 is clamped too).
@@ -23,10 +23,10 @@ pub fn budget(ratio: f64, n: usize) -> usize {
     ((ratio.clamp(0.0, 1.0) * n as f64).ceil() as usize).min(n)
 }
 
-/// What a selector sees: the model, the assembled prompt and the KV it will reuse.
+/// What a selector sees: the engine, the assembled prompt and the KV it will reuse.
 #[derive(Debug)]
-pub struct SelectInput<'a> {
-    pub model: &'a Model,
+pub struct SelectInput<'a, E: Engine = Model> {
+    pub model: &'a E,
     pub assembly: &'a Assembly,
     pub prefix: &'a PrefixKv,
     pub chunks: &'a [&'a ChunkKv],
@@ -34,12 +34,15 @@ pub struct SelectInput<'a> {
     pub first_chunk_exact: bool,
     /// ρ: the budget is `ceil(ratio * chunk tokens)` (ignored by the fixed methods).
     pub ratio: f64,
+    /// Positions past the prompt the fused cache makes room for (the answer's; the CPU
+    /// engine's cache grows without it, a device cache does not).
+    pub room: usize,
 }
 
-impl<'a> SelectInput<'a> {
+impl<'a, E: Engine> SelectInput<'a, E> {
     /// Bundles the inputs; `first_chunk_exact` is derived from the first chunk's precompute mode.
     pub fn new(
-        model: &'a Model,
+        model: &'a E,
         assembly: &'a Assembly,
         prefix: &'a PrefixKv,
         chunks: &'a [&'a ChunkKv],
@@ -62,6 +65,7 @@ impl<'a> SelectInput<'a> {
             chunks,
             first_chunk_exact,
             ratio,
+            room: 0,
         }
     }
 
@@ -91,27 +95,32 @@ impl<'a> SelectInput<'a> {
         budget(self.ratio, self.assembly.chunk_positions().len()).min(self.candidates().len())
     }
 
-    /// The fused cache of these inputs (prefix rows and rotated chunk rows).
-    pub fn fused(&self) -> Result<crate::kv::KvCache> {
-        self.model
-            .fused_cache(self.assembly, self.prefix, self.chunks)
+    /// The fused cache of these inputs (prefix rows and rotated chunk rows), with room for
+    /// [`SelectInput::room`] more positions.
+    pub fn fused(&self) -> Result<E::Cache> {
+        fused(
+            self.model,
+            self.assembly,
+            self.prefix,
+            self.chunks,
+            self.room,
+        )
     }
 }
 
-/// A reuse method: picks the chunk positions to recompute, and runs the blended prefill.
-pub trait Selector {
+/// A reuse method: picks the chunk positions to recompute, and runs the blended prefill. The
+/// served ones run on any [`Engine`]; a selector that needs the CPU engine's insides
+/// (CacheBlend's staged pass, the evaluation's ablations) implements it for [`Model`] only.
+pub trait Selector<E: Engine = Model> {
     /// Absolute positions of chunk tokens to recompute.
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>>;
+    fn select(&self, input: &SelectInput<'_, E>) -> Result<Vec<usize>>;
     /// The blended prefill of this method (by default: select, then recompute those tokens
     /// through every layer), with the selection's time in `select_ms`.
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+    fn prefill(&self, input: &SelectInput<'_, E>) -> Result<BlendOutput<E::Cache>> {
         let t = Instant::now();
         let positions = self.select(input)?;
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut out =
-            input
-                .model
-                .blend_prefill(input.assembly, input.prefix, input.chunks, &positions)?;
+        let mut out = blend_on(input.model, input.assembly, input.fused()?, &positions)?;
         out.select_ms = select_ms;
         Ok(out)
     }
@@ -176,12 +185,13 @@ impl Default for TargetProbe {
     }
 }
 
-impl Selector for FullRecompute {
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+impl<E: Engine> Selector<E> for FullRecompute {
+    fn select(&self, input: &SelectInput<'_, E>) -> Result<Vec<usize>> {
         Ok(input.assembly.chunk_positions())
     }
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
-        let (cache, logits) = input.model.prefill(&input.assembly.ids)?;
+    fn prefill(&self, input: &SelectInput<'_, E>) -> Result<BlendOutput<E::Cache>> {
+        let ids = &input.assembly.ids;
+        let (cache, logits) = input.model.prefill_into(ids, ids.len() + input.room)?;
         let recomputed = input.assembly.chunk_positions();
         Ok(BlendOutput {
             cache,
@@ -195,14 +205,14 @@ impl Selector for FullRecompute {
     }
 }
 
-impl Selector for FullReuse {
-    fn select(&self, _: &SelectInput) -> Result<Vec<usize>> {
+impl<E: Engine> Selector<E> for FullReuse {
+    fn select(&self, _: &SelectInput<'_, E>) -> Result<Vec<usize>> {
         Ok(Vec::new())
     }
 }
 
-impl Selector for PrefixCaching {
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+impl<E: Engine> Selector<E> for PrefixCaching {
+    fn select(&self, input: &SelectInput<'_, E>) -> Result<Vec<usize>> {
         Ok(input.candidates())
     }
 }
@@ -227,8 +237,8 @@ impl Epic {
     }
 }
 
-impl Selector for Epic {
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+impl<E: Engine> Selector<E> for Epic {
+    fn select(&self, input: &SelectInput<'_, E>) -> Result<Vec<usize>> {
         let skip = usize::from(input.skips_exact());
         let segs: Vec<_> = input.assembly.chunks().skip(skip).collect();
         let k = self.k.unwrap_or_else(|| {
@@ -332,7 +342,7 @@ pub fn uncovered(candidates: &[usize], picked: &[usize], score: impl Fn(usize) -
 }
 
 /// Layers `from × n_layer .. to × n_layer`, at least one (fractions clamped to 0..=1).
-pub fn layer_span(model: &Model, from: f64, to: f64) -> std::ops::Range<usize> {
+pub fn layer_span<E: Engine>(model: &E, from: f64, to: f64) -> std::ops::Range<usize> {
     let n = model.config().n_layer;
     let at = |f: f64| (f.clamp(0.0, 1.0) * n as f64) as usize;
     let start = at(from).min(n - 1);
@@ -342,8 +352,8 @@ pub fn layer_span(model: &Model, from: f64, to: f64) -> std::ops::Range<usize> {
 /// What the question's probe saw: the fused cache it ran over (the blended prefill continues
 /// on it) and its scores.
 #[derive(Debug)]
-pub struct Probe {
-    pub cache: KvCache,
+pub struct Probe<C = KvCache> {
+    pub cache: C,
     pub scores: ProbeScores,
 }
 
@@ -365,7 +375,12 @@ impl ProbeScores {
 
     /// `out` with what the probe knows of the picks it recomputed: the share of mass left
     /// uncovered, the candidates left to reuse best first, and `select_ms`.
-    pub fn annotate(&self, mut out: BlendOutput, picked: &[usize], select_ms: f64) -> BlendOutput {
+    pub fn annotate<C>(
+        &self,
+        mut out: BlendOutput<C>,
+        picked: &[usize],
+        select_ms: f64,
+    ) -> BlendOutput<C> {
         out.select_ms = select_ms;
         if self.k > 0 {
             out.signals.uncovered = uncovered(&self.candidates, picked, |p| self.score(p));
@@ -378,7 +393,7 @@ impl ProbeScores {
 impl TargetProbe {
     /// The fused cache of `input` and the question's attention mass over it at the probed
     /// layers (no pass when the budget is 0).
-    pub fn probe(&self, input: &SelectInput) -> Result<Probe> {
+    pub fn probe<E: Engine>(&self, input: &SelectInput<'_, E>) -> Result<Probe<E::Cache>> {
         let (model, asm) = (input.model, input.assembly);
         let mut cache = input.fused()?;
         let k = input.spend();
@@ -389,7 +404,7 @@ impl TargetProbe {
             let layers = layer_span(model, self.from_depth, self.to_depth);
             let q_pos = asm.question_positions();
             let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
-            model.forward_probe(&q_ids, &q_pos, &mut cache, layers)?
+            model.probe(&q_ids, &q_pos, &mut cache, layers)?
         };
         Ok(Probe {
             cache,
@@ -402,12 +417,12 @@ impl TargetProbe {
     }
 }
 
-impl Selector for TargetProbe {
-    fn select(&self, input: &SelectInput) -> Result<Vec<usize>> {
+impl<E: Engine> Selector<E> for TargetProbe {
+    fn select(&self, input: &SelectInput<'_, E>) -> Result<Vec<usize>> {
         Ok(self.prefill(input)?.recomputed)
     }
     /// Overridden: the probe's fused cache is the one the blended prefill then continues on.
-    fn prefill(&self, input: &SelectInput) -> Result<BlendOutput> {
+    fn prefill(&self, input: &SelectInput<'_, E>) -> Result<BlendOutput<E::Cache>> {
         let t = Instant::now();
         let (model, asm) = (input.model, input.assembly);
         let Probe { cache, scores } = self.probe(input)?;
@@ -418,9 +433,9 @@ impl Selector for TargetProbe {
         let select_ms = t.elapsed().as_secs_f64() * 1e3;
         let candidates = &scores.candidates;
         let out = if self.shift {
-            model.blend_prefill_shift(asm, cache, candidates, &picked, ShiftRule::Similar)?
+            blend_shift(model, asm, cache, candidates, &picked, ShiftRule::Similar)?
         } else {
-            model.blend_prefill_on(asm, cache, &picked)?
+            blend_on(model, asm, cache, &picked)?
         };
         Ok(scores.annotate(out, &picked, select_ms))
     }

@@ -11,15 +11,7 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use candle_core::Tensor;
 
-/// How a reused row estimates its move from its chunk's picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShiftRule {
-    /// As the picks whose keys it resembles: a softmax over key dot products per kv head (the
-    /// default method, `target_probe_shift`).
-    Similar,
-    /// By the picks' mean move (the evaluation's `probe_shift`).
-    Mean,
-}
+pub use crate::engine::{ShiftGroup, ShiftRule};
 
 /// The reused rows a pass corrects, chunk by chunk, and how each estimates its move.
 #[derive(Debug, Clone, Default)]
@@ -39,16 +31,6 @@ struct Moves {
     dv: Vec<f32>,
     /// The cached keys, RoPE undone (only when weighing by similarity).
     keys: Vec<f32>,
-}
-
-/// One chunk's reused rows, corrected at every layer of a pass as the chunk's recomputed rows
-/// were moved at that layer (by the [`ShiftRule`]).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ShiftGroup {
-    /// Indices, among the pass's rows, of the chunk's recomputed tokens.
-    pub rows: Vec<usize>,
-    /// Positions of the chunk's reused tokens, the rows corrected.
-    pub targets: Vec<usize>,
 }
 
 /// Each row of `keys` (unrotated, rows of `heads` x `d`) moved per kv head by the picks'

@@ -301,7 +301,7 @@ fn context(
         asm.ids.len()
     );
     let refs: Vec<&ChunkKv> = kvs.iter().collect();
-    let input = SelectInput::new(&engines.target, &asm, &engines.prefix, &refs, 0.0);
+    let input = SelectInput::new(&*engines.target, &asm, &engines.prefix, &refs, 0.0);
     let out = FullReuse.prefill(&input)?;
     // The speculator's cache of the same prompt, its stored chunk KV reused the same way.
     let spec = match (&engines.spec, &engines.spec_prefix, engines.drafts) {
@@ -313,7 +313,7 @@ fn context(
                 }
             }
             let refs: Vec<&ChunkKv> = skv.iter().collect();
-            let input = SelectInput::new(&s.speculator, &asm, prefix, &refs, 0.0);
+            let input = SelectInput::new(&*s.speculator, &asm, prefix, &refs, 0.0);
             let out = FullReuse.prefill(&input)?;
             Some((out.cache, out.logits))
         }
