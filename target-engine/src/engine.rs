@@ -7,7 +7,7 @@
 //!
 //! What is built from these is written once, generic over [`Engine`]: the fused cache, the
 //! served selectors and the blended prefill (`reuse`), greedy and verified decoding
-//! (`decode::verify::verified_greedy`), the decode batcher (`decode::batch`). A backend
+//! (`decode::checked`), the decode batcher (`decode::batch`). A backend
 //! implements only the passes; where it cannot run one, it returns an error naming it.
 
 use crate::config::ModelConfig;
@@ -35,6 +35,12 @@ pub trait Engine: StepEngine + Send {
     fn empty_cache(&self, capacity: usize) -> Result<Self::Cache>;
     /// A copy of `cache` that a pass may write without touching the original.
     fn copy_cache(&self, cache: &Self::Cache) -> Result<Self::Cache>;
+    /// Rows `cache` holds: one past the highest position written.
+    fn cache_len(&self, cache: &Self::Cache) -> usize;
+    /// Forgets the rows of `cache` from `len` on.
+    fn truncate_cache(&self, cache: &mut Self::Cache, len: usize);
+    /// Room in `cache` for `additional` rows past those it holds.
+    fn reserve_cache(&self, cache: &mut Self::Cache, additional: usize) -> Result<()>;
     /// A cache holding rows `0..len` of `prefix` exactly, with room for `capacity` positions.
     fn cache_from(&self, prefix: &KvCache, len: usize, capacity: usize) -> Result<Self::Cache>;
     /// KV import: `chunk`'s rows written at positions `at..`, K rotated from the position it
@@ -55,6 +61,10 @@ pub trait Engine: StepEngine + Send {
         cache: &mut Self::Cache,
         all: bool,
     ) -> Result<Vec<Vec<f32>>>;
+    /// Decode-path rows of `ids` fed at the end of `cache` (a token and the drafts after it),
+    /// each row's logits as the one-token decode step at its position gives them: what
+    /// verification checks drafts with. Runs alone, outside any batcher.
+    fn rows(&self, cache: &mut Self::Cache, ids: &[u32]) -> Result<Vec<Vec<f32>>>;
     /// The question's probe: the attention mass `ids` at `positions` pay to every position
     /// at `layers`, summed over rows, heads and those layers, one value per position up to
     /// the highest of `positions`. Only layers `0..layers.end` run; their rows are written.

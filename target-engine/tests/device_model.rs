@@ -414,7 +414,7 @@ fn batched_decode_equals_each_request_alone() {
 
 /// The server's batcher ([`target_engine::DecodeBatcher`], written once for both engines) on
 /// the device engine: requests decoding on their own threads share passes and get, token for
-/// token, what each gets decoded alone; a step of several tokens is refused, naming why.
+/// token, what each gets decoded alone; a step of several tokens gets the rows of a forward.
 #[test]
 fn the_servers_batcher_runs_the_device_engine_as_each_request_alone() {
     use std::sync::{Arc, Barrier};
@@ -465,12 +465,17 @@ fn the_servers_batcher_runs_the_device_engine_as_each_request_alone() {
     assert_eq!(together, alone, "{name}");
     let s = batcher.stats();
     assert_eq!((s.passes, s.max_steps), (n as u64 - 1, 3), "{name}: {s:?}");
+    // A token and a draft after it (a verification check) run in a forward of their own.
     let (mut cache, _) = dev.prefill(&[1, 2, 3], 8).expect("prefill");
-    let err = batcher
+    let (mut alone, _) = dev.prefill(&[1, 2, 3], 8).expect("prefill");
+    let rows = batcher
         .step(&*dev, &[4, 5], 3, &mut cache)
-        .expect_err("two tokens")
-        .to_string();
-    assert!(err.contains("one token per request"), "{err}");
+        .expect("two tokens");
+    let want = dev
+        .logits(&dev.forward(&[4, 5], &[3, 4], &mut alone).expect("forward"))
+        .expect("logits");
+    assert_eq!(rows, want, "{name}");
+    assert_eq!(cache.len(), 5, "{name}");
 }
 
 /// Requests that join a running batch and leave it at different steps (continuous batching)
@@ -780,5 +785,79 @@ fn device_shift_removes_a_constant_deviation_per_chunk_and_layer() {
             err.contains("Mean") && err.contains("--device cpu"),
             "{err}"
         );
+    }
+}
+
+/// Plain decoding (`Generate`: sampling, stop strings, logprobs, the watch) and verified
+/// decoding (`Verify`) are one code for both engines: on the device, a greedy generation is
+/// the device's own greedy continuation and splits from the CPU engine's only at a near-tie of
+/// the CPU's; a verified answer drafted on a target_probe@0.15 cache, and the guard's
+/// continuation of a reused answer on the full cache (`continue_exact`), are the device full
+/// cache's greedy answer token for token; the device cache grows past its first capacity.
+#[test]
+fn plain_and_verified_decoding_run_alike_on_both_engines() {
+    use target_engine::prelude::{Generate, Verify};
+    use target_engine::{Continuation, FilledCache, GenerateParams, VerifyParams};
+    for (name, spec) in specs() {
+        let (_dir, cpu, dev) = load(&spec);
+        let p = prompt(cpu.tokenizer().vocab_size());
+        let n = 12;
+        let params = GenerateParams {
+            max_tokens: n,
+            logprobs: Some(2),
+            ..GenerateParams::default()
+        };
+        let on_cpu = cpu.generate(&p.ids, &params).expect("cpu generate");
+        let on_dev = dev.generate(&p.ids, &params).expect("device generate");
+        let (mut cache, logits) = dev.prefill_into(&p.ids, p.ids.len()).expect("prefill");
+        let alone =
+            target_engine::greedy(&dev, &mut cache, p.ids.len(), &logits, n).expect("greedy");
+        assert_eq!(on_dev.ids, alone[..on_dev.ids.len()], "{name}");
+        assert_eq!(on_dev.logprobs.len(), on_dev.ids.len(), "{name}");
+        if let Some(i) =
+            (0..on_cpu.ids.len().min(on_dev.ids.len())).find(|&i| on_cpu.ids[i] != on_dev.ids[i])
+        {
+            let gap = on_cpu.margins[i];
+            assert!(
+                gap < DECODE_NEAR_TIE,
+                "{name}: split at {i} with a gap of {gap}"
+            );
+        }
+
+        // Verified on the device: drafted on a reused cache, committed from the full one.
+        let (prefix, chunks) = stored(&dev, &p);
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let input = SelectInput::new(&dev, &p, &prefix, &refs, 0.15);
+        let draft = TargetProbe::default().prefill(&input).expect("blend");
+        let draft = FilledCache {
+            cache: draft.cache,
+            logits: draft.logits,
+        };
+        let full = || dev.prefill_into(&p.ids, p.ids.len()).map(FilledCache::from);
+        let verify = VerifyParams {
+            max_tokens: n,
+            ..VerifyParams::default()
+        };
+        let v = dev
+            .verified_generate(draft.clone(), full, &verify, &mut |_| true)
+            .expect("verified");
+        assert_eq!(v.ids, alone[..v.ids.len()], "{name}: verified");
+        assert!(v.rounds >= 1, "{name}");
+
+        // The guard's way out: the reused cache's answer kept as far as the full cache agrees.
+        let mut reused = dev.copy_cache(&draft.cache).expect("copy");
+        let guessed = target_engine::greedy(&dev, &mut reused, p.ids.len(), &draft.logits, n)
+            .expect("greedy on the reused cache");
+        let answer = Continuation {
+            generated: &guessed,
+            max_tokens: n,
+            pick: Sampler::new(SamplingParams::default()),
+            logprobs: None,
+        };
+        let exact = full().expect("full");
+        let c = dev
+            .continue_exact(exact, answer, &mut |_| true, None)
+            .expect("continue");
+        assert_eq!(c.ids, alone[..c.ids.len()], "{name}: continued");
     }
 }

@@ -26,9 +26,11 @@
 //! prefills side by side would each take four times as long and every first token would come
 //! late; in turn, the first comes after one prefill.
 
+use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
+use std::any::Any;
 use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -477,6 +479,46 @@ pub(crate) fn rows(model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Ve
         }
         None => model.rows_logits(cache, ids),
     }
+}
+
+/// `engine` as the CPU engine with `cache` as its cache, where it is one: the thread's batcher
+/// batches the CPU engine's steps.
+fn as_cpu<'a, E: Engine + 'static>(
+    engine: &'a E,
+    cache: &'a mut E::Cache,
+) -> Option<(&'a Model, &'a mut KvCache)>
+where
+    E::Cache: 'static,
+{
+    let model = (engine as &dyn Any).downcast_ref::<Model>()?;
+    let cache = (cache as &mut dyn Any).downcast_mut::<KvCache>()?;
+    Some((model, cache))
+}
+
+/// [`seat`] for a request decoding on `engine`: a seat at this thread's batcher where the
+/// engine is the one it batches (the CPU engine), none otherwise.
+pub(crate) fn seat_on<E: Engine + 'static>(_engine: &E) -> Option<LocalSeat> {
+    if std::any::TypeId::of::<E>() == std::any::TypeId::of::<Model>() {
+        seat()
+    } else {
+        None
+    }
+}
+
+/// One decode step of token `id` at the end of `cache` on any engine: the CPU engine's
+/// through this thread's batcher ([`step`]), another's in a pass of its own.
+pub(crate) fn step_on<E: Engine + 'static>(
+    engine: &E,
+    id: u32,
+    cache: &mut E::Cache,
+) -> Result<Vec<f32>>
+where
+    E::Cache: 'static,
+{
+    if let Some((model, cache)) = as_cpu(engine, cache) {
+        return step(model, id, cache);
+    }
+    engine.rows(cache, &[id])?.pop().ok_or_else(no_row)
 }
 
 fn no_row() -> EngineError {

@@ -28,7 +28,7 @@ fn step<E: Engine>(engine: &E, cache: &mut E::Cache, id: u32, at: usize) -> Resu
 }
 
 /// `n` greedy tokens after a cache filled up to `len` whose next-token logits are `logits`,
-/// one row per step.
+/// one row per step (the cache grown to hold them).
 pub fn greedy<E: Engine>(
     engine: &E,
     cache: &mut E::Cache,
@@ -36,6 +36,7 @@ pub fn greedy<E: Engine>(
     logits: &[f32],
     n: usize,
 ) -> Result<Vec<u32>> {
+    engine.reserve_cache(cache, n)?;
     let mut out = Vec::with_capacity(n);
     let mut next = argmax(logits);
     for i in 0..n {
@@ -67,6 +68,8 @@ pub fn verified_greedy<E: Engine>(
     depth: usize,
 ) -> Result<Verified> {
     let depth = depth.max(1);
+    engine.reserve_cache(exact, n + depth)?;
+    engine.reserve_cache(draft, n + depth)?;
     let mut out = Verified::default();
     let (mut pos, mut want) = (len, argmax(exact_logits));
     let mut guess = argmax(draft_logits);

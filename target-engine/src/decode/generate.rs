@@ -3,6 +3,7 @@
 
 use crate::decode::logprobs::TokenLogprobs;
 use crate::decode::stream::{Flow, Shown, TextStream};
+use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::model::Model;
@@ -24,14 +25,14 @@ pub struct Prefilled<'a> {
 /// A cache filled through a prompt and the logits at its last position, owned: what a
 /// prefill returns and what verification drafts on or checks against.
 #[derive(Debug, Clone)]
-pub struct FilledCache {
-    pub cache: KvCache,
+pub struct FilledCache<C = KvCache> {
+    pub cache: C,
     pub logits: Vec<f32>,
 }
 
-impl From<(KvCache, Vec<f32>)> for FilledCache {
+impl<C> From<(C, Vec<f32>)> for FilledCache<C> {
     /// What [`Model::prefill`](crate::Model::prefill) returns.
-    fn from(prefill: (KvCache, Vec<f32>)) -> Self {
+    fn from(prefill: (C, Vec<f32>)) -> Self {
         Self {
             cache: prefill.0,
             logits: prefill.1,
@@ -152,15 +153,17 @@ pub fn raw_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
     ids
 }
 
-/// Plain decoding: greedy or sampled, one token per step, watched and streamed.
-pub trait Generate {
+/// Plain decoding: greedy or sampled, one token per step, watched and streamed, on any
+/// [`Engine`] (the CPU engine's steps batched with other requests' where the server installed
+/// a batcher).
+pub trait Generate: Engine {
     /// Prefills `prompt` and decodes up to `params.max_tokens` tokens.
     fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation>;
 
     /// Continues generation from a filled cache and the logits of its last position.
     fn decode_from(
         &self,
-        cache: &mut KvCache,
+        cache: &mut Self::Cache,
         logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
@@ -172,7 +175,7 @@ pub trait Generate {
     /// generation then ends with [`FinishReason::Cancelled`].
     fn decode_stream(
         &self,
-        cache: &mut KvCache,
+        cache: &mut Self::Cache,
         logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
@@ -187,7 +190,7 @@ pub trait Generate {
     /// generation's `prefill_ms` is 0: the caller timed its prefill.
     fn decode_watched(
         &self,
-        cache: &mut KvCache,
+        cache: &mut Self::Cache,
         logits: Vec<f32>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
@@ -195,20 +198,23 @@ pub trait Generate {
     ) -> Result<(Generation, bool)>;
 }
 
-impl Generate for Model {
+impl<E: Engine + 'static> Generate for E
+where
+    E::Cache: 'static,
+{
     fn generate(&self, prompt: &[u32], params: &GenerateParams) -> Result<Generation> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidInput("prompt is empty".into()));
         }
         let t0 = Instant::now();
-        let (mut cache, logits) = self.prefill(prompt)?;
+        let (mut cache, logits) = self.prefill_into(prompt, prompt.len())?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         self.decode_from(&mut cache, logits, prefill_ms, params)
     }
 
     fn decode_from(
         &self,
-        cache: &mut KvCache,
+        cache: &mut E::Cache,
         logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
@@ -218,7 +224,7 @@ impl Generate for Model {
 
     fn decode_stream(
         &self,
-        cache: &mut KvCache,
+        cache: &mut E::Cache,
         logits: Vec<f32>,
         prefill_ms: f64,
         params: &GenerateParams,
@@ -231,25 +237,25 @@ impl Generate for Model {
 
     fn decode_watched(
         &self,
-        cache: &mut KvCache,
+        cache: &mut E::Cache,
         mut logits: Vec<f32>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool)> {
         let sampler = Sampler::new(params.sampling);
-        let mut emit = Emit::new(self.tokenizer(), params, on_text, watch);
-        cache.reserve(params.max_tokens);
+        let mut emit = Emit::new(Engine::tokenizer(self), params, on_text, watch);
+        self.reserve_cache(cache, params.max_tokens)?;
         let t0 = Instant::now();
         let mut steps = 0usize;
         // Steps go through this thread's batcher, if the server installed one.
-        let _seat = super::batch::seat();
+        let _seat = super::batch::seat_on(self);
         while !emit.ended() {
             let next = sampler.sample_at(&logits, emit.len());
             if emit.take(Chosen::from_row(next, &logits, params.logprobs)) {
                 break;
             }
-            logits = super::batch::step(self, next, cache)?;
+            logits = super::batch::step_on(self, next, cache)?;
             steps += 1;
         }
         Ok(emit.finish(t0.elapsed().as_secs_f64() * 1e3, steps))

@@ -5,9 +5,10 @@
 //! disagreement is replaced by the full cache's own token. Every committed token is therefore
 //! the full-recompute greedy token, and the output equals full recompute token for token.
 //!
-//! Exactness rests on [`Model::forward_decode_path`]: a verification pass over several drafted
-//! tokens computes each row bit-identically to the one-token decode step full recompute would
-//! take there (batches are capped at [`MAX_VERIFY_ROWS`] to stay on that path).
+//! Exactness rests on [`Engine::rows`]: a verification pass over several drafted tokens
+//! computes each row as the one-token decode step full recompute would take there, on the CPU
+//! engine bit-identically ([`crate::Model::forward_decode_path`]; batches are capped at
+//! [`MAX_VERIFY_ROWS`] to stay on that path). Written once for both engines.
 //!
 //! Once decoding goes on from the full cache (after the drafts were checked, or after the
 //! fidelity guard's escalation), a [`Drafter`] may propose tokens there too: speculative
@@ -17,9 +18,9 @@ use crate::decode::draft::{DraftLength, SpecDecodeStats};
 use crate::decode::generate::FilledCache;
 use crate::decode::logprobs::TokenLogprobs;
 use crate::decode::speculative::{DraftRoom, Drafter};
+use crate::engine::Engine;
 use crate::error::{EngineError, Result};
-use crate::kv::KvCache;
-use crate::model::{Model, MAX_VERIFY_ROWS};
+use crate::model::MAX_VERIFY_ROWS;
 use crate::sampling::{argmax, Sampler};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -175,10 +176,10 @@ impl VerifiedGeneration {
 
 /// The draft side of a verification: the reused cache and its last logits, the drafts not
 /// yet verified, and the last committed token when it is not yet fed to the draft cache.
-struct Draft {
+struct Draft<C> {
     /// When the verified generation started (for `first_commit_ms`).
     t0: Instant,
-    cache: KvCache,
+    cache: C,
     logits: Vec<f32>,
     drafts: Vec<u32>,
     pending: Option<u32>,
@@ -186,19 +187,21 @@ struct Draft {
 }
 
 /// The full prefill as it arrives from its thread, checked against the prompt's length.
-fn receive_full(
-    r: Option<Result<FilledCache>>,
-    prompt_len: usize,
+fn receive_full<E: Engine>(
+    engine: &E,
+    r: Option<Result<FilledCache<E::Cache>>>,
+    (prompt_len, max_tokens): (usize, usize),
     logprobs: Option<usize>,
-) -> Result<Full> {
-    let FilledCache { cache, logits } =
+) -> Result<Full<E::Cache>> {
+    let FilledCache { mut cache, logits } =
         r.ok_or_else(|| EngineError::Internal("the full prefill thread stopped".into()))??;
-    if cache.len() != prompt_len {
+    let rows = engine.cache_len(&cache);
+    if rows != prompt_len {
         return Err(EngineError::Internal(format!(
-            "full prefill has {} rows, the draft {prompt_len}",
-            cache.len()
+            "full prefill has {rows} rows, the draft {prompt_len}"
         )));
     }
+    engine.reserve_cache(&mut cache, max_tokens + MAX_VERIFY_ROWS)?;
     Ok(Full::new(
         cache,
         &logits,
@@ -207,12 +210,12 @@ fn receive_full(
     ))
 }
 
-/// The full cache during verification. Its rows are exact up to `cache.len()`; then either
+/// The full cache during verification. Its rows are exact up to its length; then either
 /// `next` is the full cache's token for the next position, or `pending` is a committed token
 /// not yet fed (exactly one of them is set). `pick` chooses the full cache's tokens: greedy,
 /// or the seeded sampler's draw at each token's index in the answer.
-struct Full {
-    cache: KvCache,
+struct Full<C> {
+    cache: C,
     next: Option<u32>,
     /// The logprobs of `next`, where asked.
     next_logprobs: Option<TokenLogprobs>,
@@ -222,9 +225,9 @@ struct Full {
     logprobs: Option<usize>,
 }
 
-impl Full {
+impl<C> Full<C> {
     /// The full cache filled through the prompt, its first token chosen from `logits`.
-    fn new(cache: KvCache, logits: &[f32], pick: Sampler, logprobs: Option<usize>) -> Self {
+    fn new(cache: C, logits: &[f32], pick: Sampler, logprobs: Option<usize>) -> Self {
         let next = pick.sample_at(logits, 0);
         Self {
             next: Some(next),
@@ -252,15 +255,15 @@ pub struct Continuation<'g> {
 }
 
 /// Verified decoding: drafts from a reused cache checked against the full prefill's, so the
-/// answer is full recompute's token for token.
-pub trait Verify {
+/// answer is full recompute's token for token, on any [`Engine`].
+pub trait Verify: Engine {
     /// Greedy generation whose output equals decoding from the full prefill of the same prompt,
     /// drafting from `draft` (the blended cache and its last logits) until `full` (the full
     /// prefill, run on its own thread) is ready. `on_event` returning `false` cancels.
     fn verified_generate(
         &self,
-        draft: FilledCache,
-        full: impl FnOnce() -> Result<FilledCache> + Send,
+        draft: FilledCache<Self::Cache>,
+        full: impl FnOnce() -> Result<FilledCache<Self::Cache>> + Send,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration>;
@@ -272,8 +275,8 @@ pub trait Verify {
     /// committed token still the full cache's greedy choice.
     fn verified_generate_from(
         &self,
-        draft: FilledCache,
-        rx: mpsc::Receiver<Result<FilledCache>>,
+        draft: FilledCache<Self::Cache>,
+        rx: mpsc::Receiver<Result<FilledCache<Self::Cache>>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
@@ -290,18 +293,18 @@ pub trait Verify {
     /// decode from the full cache.
     fn continue_exact(
         &self,
-        full: FilledCache,
+        full: FilledCache<Self::Cache>,
         answer: Continuation<'_>,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration>;
 }
 
-impl Verify for Model {
+impl<E: Engine> Verify for E {
     fn verified_generate(
         &self,
-        draft: FilledCache,
-        full: impl FnOnce() -> Result<FilledCache> + Send,
+        draft: FilledCache<E::Cache>,
+        full: impl FnOnce() -> Result<FilledCache<E::Cache>> + Send,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
     ) -> Result<VerifiedGeneration> {
@@ -317,28 +320,34 @@ impl Verify for Model {
 
     fn verified_generate_from(
         &self,
-        draft: FilledCache,
-        rx: mpsc::Receiver<Result<FilledCache>>,
+        draft: FilledCache<E::Cache>,
+        rx: mpsc::Receiver<Result<FilledCache<E::Cache>>>,
         params: &VerifyParams,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         mut drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
-        let FilledCache { cache, logits } = draft;
+        let FilledCache { mut cache, logits } = draft;
+        self.reserve_cache(&mut cache, params.max_tokens + MAX_VERIFY_ROWS)?;
         let t0 = Instant::now();
         let mut d = Draft {
             t0,
-            prompt_len: cache.len(),
+            prompt_len: self.cache_len(&cache),
             cache,
             logits,
             drafts: Vec::new(),
             pending: None,
         };
         let mut out = VerifiedGeneration::default();
-        let mut full: Option<Full> = None;
+        let mut full: Option<Full<E::Cache>> = None;
         while !out.eos && out.ids.len() < params.max_tokens {
             if full.is_none() {
                 if let Ok(r) = rx.try_recv() {
-                    full = Some(receive_full(Some(r), d.prompt_len, params.logprobs)?);
+                    full = Some(receive_full(
+                        self,
+                        Some(r),
+                        (d.prompt_len, params.max_tokens),
+                        params.logprobs,
+                    )?);
                     out.full_ready_ms = ms(t0);
                 }
             }
@@ -354,7 +363,12 @@ impl Verify for Model {
             let mut f = match full.take() {
                 Some(f) => f,
                 None => {
-                    let f = receive_full(rx.recv().ok(), d.prompt_len, params.logprobs)?;
+                    let f = receive_full(
+                        self,
+                        rx.recv().ok(),
+                        (d.prompt_len, params.max_tokens),
+                        params.logprobs,
+                    )?;
                     out.full_ready_ms = ms(t0);
                     f
                 }
@@ -374,20 +388,21 @@ impl Verify for Model {
 
     fn continue_exact(
         &self,
-        full: FilledCache,
+        full: FilledCache<E::Cache>,
         answer: Continuation<'_>,
         on_event: &mut dyn FnMut(VerifyEvent) -> bool,
         drafter: Option<&mut Drafter<'_>>,
     ) -> Result<VerifiedGeneration> {
-        let FilledCache { cache, logits } = full;
+        let FilledCache { mut cache, logits } = full;
         let Continuation {
             generated,
             max_tokens,
             pick,
             logprobs,
         } = answer;
+        self.reserve_cache(&mut cache, max_tokens + MAX_VERIFY_ROWS)?;
         let t0 = Instant::now();
-        let tok = self.tokenizer();
+        let tok = Engine::tokenizer(self);
         let mut out = VerifiedGeneration::default();
         let mut f = Full::new(cache, &logits, pick, logprobs);
         let drafts = &generated[..generated.len().min(max_tokens)];
@@ -419,15 +434,15 @@ impl Verify for Model {
 /// Whether the drafts go to verification now: the draft ended (room used up or an end
 /// token), or enough were drafted for the mode (before the full cache is ready: the early
 /// drafts' cap).
-fn verify_now(
-    model: &Model,
-    d: &Draft,
+fn verify_now<E: Engine>(
+    model: &E,
+    d: &Draft<E::Cache>,
     full_ready: bool,
     params: &VerifyParams,
     done: usize,
 ) -> bool {
     let room = params.max_tokens - done;
-    let tok = model.tokenizer();
+    let tok = Engine::tokenizer(model);
     let ended = d.drafts.len() >= room
         || d.drafts
             .last()
@@ -442,7 +457,7 @@ fn verify_now(
 
 /// One draft step from the reused cache: feeds the pending committed token (or the last
 /// draft) and drafts the next greedy token.
-fn draft_next(model: &Model, d: &mut Draft) -> Result<u32> {
+fn draft_next<E: Engine>(model: &E, d: &mut Draft<E::Cache>) -> Result<u32> {
     if let Some(p) = d.pending.take() {
         d.logits = step(model, &mut d.cache, p)?;
     } else if let Some(&last) = d.drafts.last() {
@@ -456,15 +471,15 @@ fn draft_next(model: &Model, d: &mut Draft) -> Result<u32> {
 /// One verification round: the drafts checked against the full cache, the agreeing prefix
 /// and the correction committed, the wrong drafts retracted, and the draft cache brought
 /// back to the committed tokens. Sets `out.cancelled` when the consumer says stop.
-fn verify_round(
-    model: &Model,
-    f: &mut Full,
-    d: &mut Draft,
+fn verify_round<E: Engine>(
+    model: &E,
+    f: &mut Full<E::Cache>,
+    d: &mut Draft<E::Cache>,
     out: &mut VerifiedGeneration,
     max_tokens: usize,
     on_event: &mut dyn FnMut(VerifyEvent) -> bool,
 ) -> Result<()> {
-    let tok = model.tokenizer();
+    let tok = Engine::tokenizer(model);
     let room = max_tokens - out.ids.len();
     let (mut commit, agreed) = verify_drafts(model, f, &d.drafts, out.ids.len())?;
     let wrong = d.drafts.len() - agreed;
@@ -491,10 +506,10 @@ fn verify_round(
     // fed at the next draft step. (Rows of accepted drafts were computed against the
     // reused cache: fine for drafting, never for committing.)
     let need = d.prompt_len + out.ids.len() - 1;
-    d.cache.truncate(need);
-    while d.cache.len() < need {
+    model.truncate_cache(&mut d.cache, need);
+    while model.cache_len(&d.cache) < need {
         // The last draft had not been fed yet (all drafts agreed).
-        let j = d.cache.len() - d.prompt_len;
+        let j = model.cache_len(&d.cache) - d.prompt_len;
         step(model, &mut d.cache, out.ids[j])?;
     }
     d.pending = out.ids.last().copied();
@@ -505,15 +520,15 @@ fn verify_round(
 /// Decoding from the full cache until an end token or `max_tokens`, committing as it goes:
 /// one token per pass, or with a drafter the agreeing prefix of its proposals and the full
 /// cache's own token after it, all checked in one pass.
-fn decode_full(
-    model: &Model,
-    f: &mut Full,
+fn decode_full<E: Engine>(
+    model: &E,
+    f: &mut Full<E::Cache>,
     out: &mut VerifiedGeneration,
     max_tokens: usize,
     mut drafter: Option<&mut Drafter<'_>>,
     on_event: &mut dyn FnMut(VerifyEvent) -> bool,
 ) -> Result<()> {
-    let tok = model.tokenizer();
+    let tok = Engine::tokenizer(model);
     let mut len = DraftLength::default();
     while !out.eos && out.ids.len() < max_tokens {
         let room = max_tokens - out.ids.len();
@@ -549,19 +564,21 @@ fn decode_full(
 }
 
 /// One decode step on `cache`: feeds `id` at the next position, returns the logits.
-fn step(model: &Model, cache: &mut KvCache, id: u32) -> Result<Vec<f32>> {
-    let pos = cache.len();
-    let out = model.forward(&[id], &[pos], cache, false)?;
-    model.last_logits(&out)
+fn step<E: Engine>(model: &E, cache: &mut E::Cache, id: u32) -> Result<Vec<f32>> {
+    let pos = model.cache_len(cache);
+    model
+        .pass(&[id], &[pos], cache, false)?
+        .pop()
+        .ok_or_else(|| EngineError::Internal("a pass returned no logits".into()))
 }
 
 /// Checks `drafts` (the answer's tokens from index `start` on) against the full cache:
 /// returns the committed tokens (the agreeing drafts, then the full cache's own token at
 /// the first disagreement or after the last draft) and how many drafts agreed. The last
 /// committed token is left pending.
-fn verify_drafts(
-    model: &Model,
-    f: &mut Full,
+fn verify_drafts<E: Engine>(
+    model: &E,
+    f: &mut Full<E::Cache>,
     drafts: &[u32],
     start: usize,
 ) -> Result<(Committed, usize)> {
@@ -572,7 +589,7 @@ fn verify_drafts(
         let mut feed: Vec<u32> = pending.into_iter().collect();
         let take = (drafts.len() - i).min(MAX_VERIFY_ROWS - feed.len());
         feed.extend(&drafts[i..i + take]);
-        let base = f.cache.len();
+        let base = model.cache_len(&f.cache);
         // preds[j]: the full cache's token where drafts[i + j] stands (j <= take), the
         // answer's token at index start + i + j.
         let mut preds: Vec<u32> = f.next.take().into_iter().collect();
@@ -580,7 +597,7 @@ fn verify_drafts(
         let mut evidence: Vec<TokenLogprobs> = f.next_logprobs.take().into_iter().collect();
         if !feed.is_empty() {
             let first = start + i + preds.len();
-            let rows = model.rows_logits(&mut f.cache, &feed)?;
+            let rows = model.rows(&mut f.cache, &feed)?;
             for (j, r) in rows.iter().enumerate() {
                 let id = f.pick.sample_at(r, first + j);
                 preds.push(id);
@@ -598,8 +615,7 @@ fn verify_drafts(
         committed.logprobs.extend(evidence.by_ref().take(agree));
         let t_logprobs = evidence.next();
         // Rows after a disagreement followed a wrong token: drop them.
-        f.cache
-            .truncate(base + usize::from(pending.is_some()) + agree);
+        model.truncate_cache(&mut f.cache, base + usize::from(pending.is_some()) + agree);
         let t = preds[agree];
         i += agree;
         if agree < take || i == drafts.len() {

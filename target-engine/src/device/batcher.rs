@@ -373,8 +373,9 @@ pub fn closed_loop_chunked(
     })
 }
 
-/// The server's batcher ([`crate::DecodeBatcher`]) on the device engine: one token per request
-/// and step, in one [`DeviceModel::forward_batch`].
+/// The server's batcher ([`crate::DecodeBatcher`]) on the device engine: the one-token steps
+/// of a pass in one [`DeviceModel::forward_batch`]; a step of several tokens (a token and the
+/// drafts after it, for verification) in a forward of its own.
 impl StepEngine for DeviceModel {
     type Cache = DeviceCache;
 
@@ -383,25 +384,38 @@ impl StepEngine for DeviceModel {
     }
 
     fn decode_steps(&self, steps: &mut [Step<'_, DeviceCache>]) -> Result<Vec<Vec<Vec<f32>>>> {
-        if steps.iter().any(|s| s.ids.len() != 1) {
-            return Err(EngineError::InvalidInput(
-                "the device engine's batched steps carry one token per request".into(),
-            ));
+        if let Some(s) = steps.iter().find(|s| s.ids.is_empty()) {
+            return Err(EngineError::InvalidInput(format!(
+                "a decode step without tokens at position {}",
+                s.start
+            )));
         }
-        let ids: Vec<u32> = steps.iter().map(|s| s.ids[0]).collect();
-        let positions: Vec<usize> = steps.iter().map(|s| s.start).collect();
-        let mut caches: Vec<DeviceCache> = steps
-            .iter_mut()
-            .map(|s| std::mem::replace(&mut *s.cache, DeviceCache::placeholder()))
+        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); steps.len()];
+        let single: Vec<usize> = (0..steps.len())
+            .filter(|&i| steps[i].ids.len() == 1)
             .collect();
-        let hidden = self.forward_batch(&ids, &positions, &mut caches);
-        for (s, c) in steps.iter_mut().zip(caches) {
-            *s.cache = c;
+        if !single.is_empty() {
+            let ids: Vec<u32> = single.iter().map(|&i| steps[i].ids[0]).collect();
+            let positions: Vec<usize> = single.iter().map(|&i| steps[i].start).collect();
+            let mut caches: Vec<DeviceCache> = single
+                .iter()
+                .map(|&i| std::mem::replace(&mut *steps[i].cache, DeviceCache::placeholder()))
+                .collect();
+            let hidden = self.forward_batch(&ids, &positions, &mut caches);
+            for (&i, c) in single.iter().zip(caches) {
+                *steps[i].cache = c;
+            }
+            for (&i, row) in single.iter().zip(self.logits(&hidden?)?) {
+                out[i] = vec![row];
+            }
         }
-        Ok(self
-            .logits(&hidden?)?
-            .into_iter()
-            .map(|r| vec![r])
-            .collect())
+        for (i, s) in steps.iter_mut().enumerate() {
+            if s.ids.len() > 1 {
+                let positions: Vec<usize> = (s.start..s.start + s.ids.len()).collect();
+                let hidden = self.forward(s.ids, &positions, s.cache)?;
+                out[i] = self.logits(&hidden)?;
+            }
+        }
+        Ok(out)
     }
 }

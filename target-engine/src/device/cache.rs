@@ -12,6 +12,9 @@ pub struct DeviceCache {
     pub(super) k: Vec<Tensor>,
     pub(super) v: Vec<Tensor>,
     pub(super) capacity: usize,
+    /// Rows held: one past the highest position written since the last truncation. Rows past
+    /// it may hold anything; a pass writes a row before any query reads it.
+    pub(super) len: usize,
 }
 
 impl DeviceCache {
@@ -21,7 +24,47 @@ impl DeviceCache {
             k: Vec::new(),
             v: Vec::new(),
             capacity: 0,
+            len: 0,
         }
+    }
+
+    /// Rows held: one past the highest position written (since the last [`DeviceCache::truncate`]).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets the rows from `len` on (they are overwritten before they are read again).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Notes rows up to `end` as written.
+    pub(super) fn wrote(&mut self, end: usize) {
+        self.len = self.len.max(end);
+    }
+
+    /// Room for at least `capacity` positions: each layer's K and V copied into larger
+    /// tensors where it has less (at least doubling, so a decode grows it rarely).
+    pub fn grow(&mut self, capacity: usize) -> Result<()> {
+        if capacity <= self.capacity || self.k.is_empty() {
+            return Ok(());
+        }
+        let to = capacity.max(2 * self.capacity);
+        let extend = |t: &Tensor| -> Result<Tensor> {
+            let (heads, rows, d) = t.dims3()?;
+            let pad = Tensor::zeros((heads, to - rows, d), t.dtype(), t.device())?;
+            Ok(Tensor::cat(&[t, &pad], 1)?)
+        };
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = extend(t)?;
+        }
+        self.capacity = to;
+        Ok(())
     }
 
     /// Positions the cache has room for.
@@ -79,6 +122,7 @@ impl DeviceCache {
         };
         self.k[layer].slice_set(&as_cached(&up(k)?)?, 1, range.start)?;
         self.v[layer].slice_set(&as_cached(&up(v)?)?, 1, range.start)?;
+        self.wrote(range.end);
         Ok(())
     }
 
@@ -103,6 +147,7 @@ impl DeviceCache {
                 range.start,
             )?;
         }
+        self.wrote(range.end);
         Ok(())
     }
 
@@ -117,6 +162,7 @@ impl DeviceCache {
             k: copy(&self.k)?,
             v: copy(&self.v)?,
             capacity: self.capacity,
+            len: self.len,
         })
     }
 }

@@ -4,7 +4,7 @@
 
 use super::{DeviceCache, DeviceModel};
 use crate::config::ModelConfig;
-use crate::engine::{Engine, ShiftGroup, ShiftRule};
+use crate::engine::{Engine, ShiftGroup, ShiftRule, Step, StepEngine};
 use crate::error::{EngineError, Result};
 use crate::kv::{ChunkKv, KvCache, PrecomputeMode, PrefixKv};
 use crate::tokenizer::Tokenizer;
@@ -44,6 +44,18 @@ impl Engine for DeviceModel {
 
     fn copy_cache(&self, cache: &DeviceCache) -> Result<DeviceCache> {
         cache.deep_copy()
+    }
+
+    fn cache_len(&self, cache: &DeviceCache) -> usize {
+        cache.len()
+    }
+
+    fn truncate_cache(&self, cache: &mut DeviceCache, len: usize) {
+        cache.truncate(len);
+    }
+
+    fn reserve_cache(&self, cache: &mut DeviceCache, additional: usize) -> Result<()> {
+        cache.grow(cache.len() + additional)
     }
 
     fn cache_from(&self, prefix: &KvCache, len: usize, capacity: usize) -> Result<DeviceCache> {
@@ -139,6 +151,14 @@ impl Engine for DeviceModel {
             true => self.logits(&hidden),
             false => Ok(vec![self.last_logits(&hidden)?]),
         }
+    }
+
+    fn rows(&self, cache: &mut DeviceCache, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let start = cache.len();
+        let mut steps = [Step { ids, start, cache }];
+        self.decode_steps(&mut steps)?
+            .pop()
+            .ok_or_else(|| EngineError::Internal("a decode step returned no rows".into()))
     }
 
     fn probe(

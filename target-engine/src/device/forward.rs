@@ -114,6 +114,7 @@ impl DeviceModel {
                 cache.k[l].slice_set(&as_cached(&row(&k)?)?, 1, p)?;
                 let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
                 cache.v[l].slice_set(&as_cached(&row(&v)?)?, 1, p)?;
+                cache.wrote(p + 1);
                 let keys = cache.k[l].narrow(1, 0, p + 1)?;
                 let values = cache.v[l].narrow(1, 0, p + 1)?;
                 outs.push(self.attend_one(&q.narrow(0, i, 1)?, &keys, &values)?);
@@ -343,6 +344,7 @@ impl DeviceModel {
         }
         let pass = self.pass(positions, cache)?;
         let mut x = self.embed(ids)?;
+        cache.wrote(positions.iter().max().map_or(0, |&p| p + 1));
         let mut mass = None;
         for l in layers {
             let (y, m) = self.layer(l, x, &pass, cache, &hooks)?;

@@ -102,6 +102,7 @@ impl DeviceModel {
             cache.k[l].slice_set(&k.get(l)?, 1, at)?;
             cache.v[l].slice_set(&v.get(l)?, 1, at)?;
         }
+        cache.wrote(at + n);
         Ok(())
     }
 }

@@ -140,6 +140,7 @@ impl DeviceModel {
             k: zeros()?,
             v: zeros()?,
             capacity,
+            len: 0,
         })
     }
 

@@ -42,6 +42,19 @@ impl Engine for Model {
         Ok(cache.clone())
     }
 
+    fn cache_len(&self, cache: &KvCache) -> usize {
+        cache.len()
+    }
+
+    fn truncate_cache(&self, cache: &mut KvCache, len: usize) {
+        cache.truncate(len);
+    }
+
+    fn reserve_cache(&self, cache: &mut KvCache, additional: usize) -> Result<()> {
+        cache.reserve(additional);
+        Ok(())
+    }
+
     fn cache_from(&self, prefix: &KvCache, len: usize, capacity: usize) -> Result<KvCache> {
         if len > prefix.len() {
             return Err(EngineError::InvalidInput(format!(
@@ -82,6 +95,10 @@ impl Engine for Model {
         let mut rows = self.logits(&out.hidden)?.to_vec2::<f32>()?;
         rows.iter_mut().for_each(|r| r.truncate(vocab));
         Ok(rows)
+    }
+
+    fn rows(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.rows_logits(cache, ids)
     }
 
     fn probe(
