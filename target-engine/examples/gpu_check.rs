@@ -1,20 +1,21 @@
 //! The device path checked and timed in one run (docs/gpu.md): random-weight models of real
-//! Qwen2.5 shapes written on the spot, then
+//! Qwen2.5 shapes written on the spot, then, for each form of device weights (`--weights`:
+//! bf16, the file's matrices dequantized once; quantized, its blocks in place):
 //! - parity: the device forward against the CPU engine on the same file (first-token logits, a
 //!   greedy continuation), ρ = 1 blended prefill against full prefill on the device, and a
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
 //!   target_probe@ρ and target_probe_shift@ρ, the served selectors' own code on the device
-//!   engine (selection = KV load from host memory + probe + top-k, then the blend), decode alone and 1/4/16
-//!   requests decoded together, 1/4/16 closed-loop clients under continuous batching (tokens/s,
-//!   TTFT p50/p95), device memory;
-//! - long context, last, at the first shape: prefill of `--long` tokens and full-attention decode
-//!   after it.
+//!   engine (selection = KV load from host memory + probe + top-k, then the blend), decode
+//!   alone and 1/4/16 requests decoded together, 1/4/16 closed-loop clients under continuous
+//!   batching (tokens/s, TTFT p50/p95), device memory;
+//! - long context, last, at the first shape and weights: prefill of `--long` tokens and
+//!   full-attention decode after it.
 //!
 //! ```text
 //! gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] [--work DIR]
 //!           [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768]
-//!           [--format q8_0|q4_k]
+//!           [--format q8_0|q4_k] [--weights bf16,quantized]
 //! ```
 //! Writes DIR/gpu.json after every part (a timeout keeps what ran) and logs to stderr.
 //! `--device cpu --parity small --shapes small` runs the same steps on a CPU in seconds.
@@ -22,7 +23,9 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use target_engine::device::{closed_loop_chunked, parse_device, BatchRequest, DeviceModel};
+use target_engine::device::{
+    closed_loop_chunked, parse_device, BatchRequest, DeviceModel, DeviceWeights,
+};
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     argmax, blend_on, fused, verified_greedy, Assembly, ChunkKv, Engine, LoadOptions, Model,
@@ -43,12 +46,14 @@ struct Args {
     long: usize,
     /// The matrices' format: Q8_0 or Q4_K.
     format: target_engine::GgmlDType,
+    /// How the device keeps the matrices, each form checked and timed in turn.
+    weights: Vec<DeviceWeights>,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: gpu_check --out DIR [--device cuda] [--parity 1.5b] [--shapes 1.5b,7b] \
-         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768] [--format q8_0|q4_k]\n\
+         [--work DIR] [--chunk 512] [--chunks 4] [--ratio 0.15] [--runs 3] [--long 32768] [--format q8_0|q4_k] [--weights bf16,quantized]\n\
          shapes: small, 0.5b, 1.5b, 7b (Qwen2.5's); `none` skips the part"
     );
     std::process::exit(2)
@@ -67,6 +72,7 @@ fn args() -> Args {
         runs: 3,
         long: 32768,
         format: target_engine::GgmlDType::Q8_0,
+        weights: vec![DeviceWeights::Bf16, DeviceWeights::Quantized],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -95,6 +101,12 @@ fn args() -> Args {
             "--ratio" => a.ratio = num(&value),
             "--runs" => a.runs = (num(&value) as usize).max(1),
             "--long" => a.long = num(&value) as usize,
+            "--weights" => {
+                a.weights = value
+                    .split(',')
+                    .map(|w| w.parse().unwrap_or_else(|_| usage()))
+                    .collect()
+            }
             "--format" => {
                 a.format = match value.as_str() {
                     "q8_0" => target_engine::GgmlDType::Q8_0,
@@ -253,7 +265,8 @@ fn forward_parity(cpu: &Model, dev: &DeviceModel) -> Result<Value> {
     let scale = cl.iter().fold(0f32, |m, x| m.max(x.abs()));
     let d = max_diff(&cl, &dl);
     log(&format!(
-        "parity: first-token logits max |cpu - device| {d:.4} (logits up to {scale:.1}); greedy split at {split:?} (gap {gap:?})"
+        "parity ({} weights): first-token logits max |cpu - device| {d:.4} (logits up to {scale:.1}); greedy split at {split:?} (gap {gap:?})",
+        dev.weights().name()
     ));
     Ok(json!({
         "prompt_tokens": prompt.len(),
@@ -316,7 +329,7 @@ fn reuse_parity(dev: &DeviceModel) -> Result<Value> {
     }))
 }
 
-fn parity(path: &Path, device: &candle_core::Device) -> Result<Value> {
+fn parity(path: &Path, device: &candle_core::Device, weights: DeviceWeights) -> Result<Value> {
     let t = Instant::now();
     let cpu = Model::load(path, &LoadOptions::default())?;
     log(&format!(
@@ -324,7 +337,7 @@ fn parity(path: &Path, device: &candle_core::Device) -> Result<Value> {
         t.elapsed().as_secs_f64()
     ));
     let t = Instant::now();
-    let dev = DeviceModel::load(path, device)?;
+    let dev = DeviceModel::load_with(path, device, weights)?;
     log(&format!(
         "device model loaded in {:.1}s",
         t.elapsed().as_secs_f64()
@@ -446,8 +459,13 @@ fn decode_parts(dev: &DeviceModel, ids: &[u32], cap: usize) -> Result<(f64, Valu
 }
 
 /// Prefill of `tokens` tokens, then full-attention decode after them.
-fn long_context(path: &Path, device: &candle_core::Device, tokens: usize) -> Result<Value> {
-    let dev = DeviceModel::load(path, device)?;
+fn long_context(
+    path: &Path,
+    device: &candle_core::Device,
+    tokens: usize,
+    weights: DeviceWeights,
+) -> Result<Value> {
+    let dev = DeviceModel::load_with(path, device, weights)?;
     let ids = ids(tokens, 99, dev.tokenizer().vocab_size());
     device.synchronize()?;
     let t = Instant::now();
@@ -499,10 +517,15 @@ fn blend_runs(
     Ok((out, recomputed))
 }
 
-fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
+fn speed(
+    path: &Path,
+    device: &candle_core::Device,
+    a: &Args,
+    weights: DeviceWeights,
+) -> Result<Value> {
     let base = used_mib(device);
     let t = Instant::now();
-    let dev = DeviceModel::load(path, device)?;
+    let dev = DeviceModel::load_with(path, device, weights)?;
     let load_s = t.elapsed().as_secs_f64();
     let weights = used_mib(device);
     let vocab = dev.tokenizer().vocab_size();
@@ -533,8 +556,9 @@ fn speed(path: &Path, device: &candle_core::Device, a: &Args) -> Result<Value> {
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
     let (full_ms, probe_ms, shift_ms) = (median(full), median(total), median(shift));
     log(&format!(
-        "{}: {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        "{} ({} weights): {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
         path.display(),
+        dev.weights().name(),
         all.len(),
         a.ratio,
         full_ms / probe_ms,
@@ -581,23 +605,31 @@ fn run(a: &Args, report: &mut Value) -> Result<()> {
     let mut failed = 0;
     if a.parity != "none" {
         let path = write_shape(&a.work, &a.parity, a.format)?;
-        report["parity"] = parity(&path, &device).unwrap_or_else(|e| {
-            failed += 1;
-            log(&format!("parity failed: {e}"));
-            json!({ "error": e.to_string() })
-        });
+        for &w in &a.weights {
+            report["parity"][w.name()] = parity(&path, &device, w).unwrap_or_else(|e| {
+                failed += 1;
+                log(&format!("parity ({} weights) failed: {e}", w.name()));
+                json!({ "error": e.to_string() })
+            });
+            write_report(&a.out, report)?;
+        }
         report["parity"]["shape"] = json!(a.parity);
         write_report(&a.out, report)?;
         std::fs::remove_file(&path)?;
     }
     for shape in &a.shapes {
         let path = write_shape(&a.work, shape, a.format)?;
-        report["speed"][shape] = speed(&path, &device, a).unwrap_or_else(|e| {
-            failed += 1;
-            log(&format!("speed at {shape} failed: {e}"));
-            json!({ "error": e.to_string() })
-        });
-        write_report(&a.out, report)?;
+        for &w in &a.weights {
+            report["speed"][shape][w.name()] = speed(&path, &device, a, w).unwrap_or_else(|e| {
+                failed += 1;
+                log(&format!(
+                    "speed at {shape} ({} weights) failed: {e}",
+                    w.name()
+                ));
+                json!({ "error": e.to_string() })
+            });
+            write_report(&a.out, report)?;
+        }
         if a.long == 0 || Some(shape) != a.shapes.first() {
             std::fs::remove_file(&path)?;
         }
@@ -605,7 +637,8 @@ fn run(a: &Args, report: &mut Value) -> Result<()> {
     // Last: the longest part, at the first shape.
     if let (true, Some(shape)) = (a.long > 0, a.shapes.first()) {
         let path = a.work.join(format!("qwen2-{shape}-random.gguf"));
-        report["long_context"] = long_context(&path, &device, a.long).unwrap_or_else(|e| {
+        let w = a.weights.first().copied().unwrap_or_default();
+        report["long_context"] = long_context(&path, &device, a.long, w).unwrap_or_else(|e| {
             failed += 1;
             log(&format!("long context failed: {e}"));
             json!({ "error": e.to_string() })

@@ -861,3 +861,57 @@ fn plain_and_verified_decoding_run_alike_on_both_engines() {
         assert_eq!(c.ids, alone[..c.ids.len()], "{name}: continued");
     }
 }
+
+/// The bf16 weight path (`DeviceWeights::Bf16`: the file's matrices dequantized once, dense
+/// bf16 products accumulated in f32) agrees with the CPU engine on the same file as the
+/// quantized path does: first-token logits within the Q8_0 bound, greedy continuations equal
+/// up to a CPU near-tie, the reuse invariants kept (ρ = 1 is the full prefill). Its KV is its
+/// own (another fingerprint).
+#[test]
+fn bf16_device_weights_agree_with_the_cpu_engine() {
+    use target_engine::device::DeviceWeights;
+    for (name, spec) in specs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_gguf(&path, &spec).expect("write");
+        let cpu = Model::load(&path, &LoadOptions::default()).expect("cpu load");
+        let dev = DeviceModel::load_with(&path, &candle_core::Device::Cpu, DeviceWeights::Bf16)
+            .expect("bf16 load");
+        let quantized = DeviceModel::load(&path, &candle_core::Device::Cpu).expect("load");
+        assert_eq!(dev.weights(), DeviceWeights::Bf16);
+        assert_ne!(Engine::fingerprint(&dev), Engine::fingerprint(&quantized));
+        let vocab = cpu.tokenizer().vocab_size();
+        let p = prompt(vocab);
+        let (_, want) = cpu.prefill(&p.ids).expect("cpu prefill");
+        let (_, got) = dev.prefill(&p.ids, p.ids.len()).expect("bf16 prefill");
+        let d = max_diff(&want, &got);
+        eprintln!("{name}: bf16 first-token logits within {d}");
+        assert!(d < LOGIT, "{name}: bf16 first-token logits differ by {d}");
+        let (prefix, chunks) = stored(&dev, &p);
+        let refs: Vec<&ChunkKv> = chunks.iter().collect();
+        let cache = fused(&dev, &p, &prefix, &refs, 0).expect("fused");
+        let rho1 = blend_on(&dev, &p, cache, &p.chunk_positions()).expect("rho = 1");
+        let scale = got.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(&got, &rho1.logits);
+        assert!(d < 1e-2 * scale, "{name}: bf16 rho = 1 differs by {d}");
+        let n = 8;
+        let params = target_engine::GenerateParams {
+            max_tokens: n,
+            ..Default::default()
+        };
+        use target_engine::prelude::Generate;
+        let on_cpu = cpu.generate(&p.ids, &params).expect("cpu");
+        let on_dev = dev.generate(&p.ids, &params).expect("bf16");
+        if let Some(i) =
+            (0..on_cpu.ids.len().min(on_dev.ids.len())).find(|&i| on_cpu.ids[i] != on_dev.ids[i])
+        {
+            let gap = on_cpu.margins[i];
+            assert!(gap < DECODE_NEAR_TIE, "{name}: bf16 splits at {i} by {gap}");
+        }
+    }
+    assert!("fp8".parse::<DeviceWeights>().is_err());
+    assert_eq!(
+        "bf16".parse::<DeviceWeights>().ok(),
+        Some(DeviceWeights::Bf16)
+    );
+}

@@ -32,7 +32,7 @@ pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
 };
 pub use cache::DeviceCache;
-pub use model::DeviceModel;
+pub use model::{DeviceModel, DeviceWeights};
 
 /// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.
 pub fn parse_device(spec: &str) -> Result<Device> {

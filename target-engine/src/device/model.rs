@@ -13,20 +13,75 @@ use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
+/// How the device keeps the weight matrices (`--device-weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceWeights {
+    /// The file's quantized blocks, multiplied in place (llama.cpp's MMQ/MMVQ kernels on a
+    /// GPU): the least memory.
+    #[default]
+    Quantized,
+    /// Dequantized once at load to bf16, multiplied as dense bf16 GEMMs with f32 accumulation
+    /// (cuBLAS on a GPU): twice Q8_0's memory, the tensor cores' pace on prefill.
+    Bf16,
+}
+
+impl DeviceWeights {
+    /// Its name in flags and fingerprints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Quantized => "quantized",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceWeights {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "quantized" | "gguf" => Ok(Self::Quantized),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(EngineError::InvalidInput(format!(
+                "device weights `{other}`: expected quantized (the file's blocks) or bf16"
+            ))),
+        }
+    }
+}
+
+/// A weight matrix on the device, as [`DeviceWeights`] says: `(out, in)`, applied to rows
+/// `(n, in)` of f32 activations, giving f32 rows `(n, out)`.
+pub(super) enum Proj {
+    Quantized(QMatMul),
+    /// bf16 `(out, in)`: the activations rounded to bf16, the product accumulated in f32.
+    Bf16(Tensor),
+}
+
+impl candle_core::Module for Proj {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Quantized(m) => m.forward(x),
+            Self::Bf16(w) => x
+                .to_dtype(DType::BF16)?
+                .matmul(&w.t()?)?
+                .to_dtype(DType::F32),
+        }
+    }
+}
+
 /// One transformer block's weights on the device.
 pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
     pub(super) ffn_norm: Tensor,
-    pub(super) wq: QMatMul,
-    pub(super) wk: QMatMul,
-    pub(super) wv: QMatMul,
-    pub(super) wo: QMatMul,
+    pub(super) wq: Proj,
+    pub(super) wk: Proj,
+    pub(super) wv: Proj,
+    pub(super) wo: Proj,
     pub(super) bias: Option<[Tensor; 3]>,
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
-    pub(super) gate: QMatMul,
-    pub(super) up: QMatMul,
-    pub(super) down: QMatMul,
+    pub(super) gate: Proj,
+    pub(super) up: Proj,
+    pub(super) down: Proj,
 }
 
 /// A model's weights on a device.
@@ -38,7 +93,9 @@ pub struct DeviceModel {
     pub(super) embed: Tensor,
     pub(super) layers: Vec<Layer>,
     pub(super) output_norm: Tensor,
-    pub(super) lm_head: QMatMul,
+    pub(super) lm_head: Proj,
+    /// How the weight matrices are kept.
+    pub(super) weights: DeviceWeights,
     /// The identity of the KV it writes: the file's and the device's numerics.
     pub(super) fingerprint: String,
 }
@@ -62,8 +119,14 @@ fn to_device(q: QTensor, device: &Device) -> Result<QTensor> {
 }
 
 impl DeviceModel {
-    /// Loads a qwen2, llama or qwen3 GGUF file onto `device`.
+    /// Loads a qwen2, llama or qwen3 GGUF file onto `device`, its matrices as quantized
+    /// blocks.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        Self::load_with(path, device, DeviceWeights::Quantized)
+    }
+
+    /// [`DeviceModel::load`] with the matrices kept as `weights` says.
+    pub fn load_with(path: &Path, device: &Device, weights: DeviceWeights) -> Result<Self> {
         let mut f = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&f)?;
         if !matches!(
@@ -82,21 +145,22 @@ impl DeviceModel {
         }
         let tokenizer = Tokenizer::from_gguf(&f)?;
         let numerics = format!(
-            "engine=device;device={};weights=gguf-blocks;embedding=f32;kv=f16;attention=f32",
-            if device.is_cpu() { "cpu" } else { "cuda" }
+            "engine=device;device={};weights={};embedding=f32;kv=f16;attention=f32",
+            if device.is_cpu() { "cpu" } else { "cuda" },
+            weights.name()
         );
         let fingerprint = crate::model::identity(&f.fingerprint(), &numerics);
         let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
         let mut layers = Vec::with_capacity(config.n_layer);
         for l in 0..config.n_layer {
-            layers.push(load_layer(&mut f, &config, device, l)?);
+            layers.push(load_layer(&mut f, &config, (device, weights), l)?);
         }
         let embed_q = Arc::new(to_device(f.tensor("token_embd.weight")?, device)?);
         let embed = embed_q.dequantize(device)?.to_dtype(DType::F32)?;
         let lm_head = if f.has_tensor("output.weight") {
-            matmul(&mut f, "output.weight", device)?
+            matmul(&mut f, "output.weight", (device, weights))?
         } else {
-            QMatMul::from_arc(embed_q)?
+            proj(embed_q, device, weights)?
         };
         let output_norm = vector(&mut f, "output_norm.weight", device)?;
         Ok(Self {
@@ -108,8 +172,14 @@ impl DeviceModel {
             layers,
             output_norm,
             lm_head,
+            weights,
             fingerprint,
         })
+    }
+
+    /// How its weight matrices are kept.
+    pub fn weights(&self) -> DeviceWeights {
+        self.weights
     }
 
     /// The device the weights live on.
@@ -191,11 +261,25 @@ impl DeviceModel {
     }
 }
 
-fn matmul(f: &mut GgufFile, name: &str, device: &Device) -> Result<QMatMul> {
-    Ok(QMatMul::from_arc(Arc::new(to_device(
-        f.tensor(name)?,
+/// The file's matrix `name` on the device, kept as `weights` says.
+fn matmul(
+    f: &mut GgufFile,
+    name: &str,
+    (device, weights): (&Device, DeviceWeights),
+) -> Result<Proj> {
+    proj(
+        Arc::new(to_device(f.tensor(name)?, device)?),
         device,
-    )?))?)
+        weights,
+    )
+}
+
+/// A quantized matrix already on the device, kept as `weights` says (dequantized there).
+fn proj(q: Arc<QTensor>, device: &Device, weights: DeviceWeights) -> Result<Proj> {
+    Ok(match weights {
+        DeviceWeights::Quantized => Proj::Quantized(QMatMul::from_arc(q)?),
+        DeviceWeights::Bf16 => Proj::Bf16(q.dequantize(device)?.to_dtype(DType::BF16)?),
+    })
 }
 
 fn vector(f: &mut GgufFile, name: &str, device: &Device) -> Result<Tensor> {
@@ -205,7 +289,13 @@ fn vector(f: &mut GgufFile, name: &str, device: &Device) -> Result<Tensor> {
         .to_device(device)?)
 }
 
-fn load_layer(f: &mut GgufFile, c: &ModelConfig, device: &Device, l: usize) -> Result<Layer> {
+fn load_layer(
+    f: &mut GgufFile,
+    c: &ModelConfig,
+    (device, weights): (&Device, DeviceWeights),
+    l: usize,
+) -> Result<Layer> {
+    let w = (device, weights);
     let p = |name: &str| format!("blk.{l}.{name}");
     let bias = if c.arch.qkv_bias() {
         Some([
@@ -227,15 +317,15 @@ fn load_layer(f: &mut GgufFile, c: &ModelConfig, device: &Device, l: usize) -> R
     Ok(Layer {
         attn_norm: vector(f, &p("attn_norm.weight"), device)?,
         ffn_norm: vector(f, &p("ffn_norm.weight"), device)?,
-        wq: matmul(f, &p("attn_q.weight"), device)?,
-        wk: matmul(f, &p("attn_k.weight"), device)?,
-        wv: matmul(f, &p("attn_v.weight"), device)?,
-        wo: matmul(f, &p("attn_output.weight"), device)?,
+        wq: matmul(f, &p("attn_q.weight"), w)?,
+        wk: matmul(f, &p("attn_k.weight"), w)?,
+        wv: matmul(f, &p("attn_v.weight"), w)?,
+        wo: matmul(f, &p("attn_output.weight"), w)?,
         bias,
         q_norm,
         k_norm,
-        gate: matmul(f, &p("ffn_gate.weight"), device)?,
-        up: matmul(f, &p("ffn_up.weight"), device)?,
-        down: matmul(f, &p("ffn_down.weight"), device)?,
+        gate: matmul(f, &p("ffn_gate.weight"), w)?,
+        up: matmul(f, &p("ffn_up.weight"), w)?,
+        down: matmul(f, &p("ffn_down.weight"), w)?,
     })
 }
