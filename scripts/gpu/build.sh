@@ -19,7 +19,8 @@
 #   PyTorch's CUDA 13 libraries); check.sh points the loader at them. Only libcudart is linked
 #   here (candle-kernels' static kernels need it), from the runtime wheel. The copy keeps the
 #   patch, and the Cargo.lock it rewrites, out of the checkout.
-# - packs the stripped `gpu_check` binary, check.sh and the wheel's libcudart into one folder
+# - packs the stripped `gpu_check` binary, check.sh (with torch_anchor.py and ratios.py, the
+#   device's own PyTorch as the yardstick) and the wheel's libcudart into one folder
 #   ($SPECRAG_GPU_PACK, default target/gpu-pack), compressed to fit a 64 MiB transfer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -93,7 +94,7 @@ log "cargo build --release --features cuda --example gpu_check"
 cargo build --release -p target-engine --features cuda --example gpu_check
 rm -rf "$PACK" && mkdir -p "$PACK"
 strip -o "$PACK/gpu_check" "$CARGO_TARGET_DIR/release/examples/gpu_check"
-cp "$ROOT/scripts/gpu/check.sh" "$PACK/"
+cp "$ROOT/scripts/gpu/check.sh" "$ROOT/scripts/gpu/torch_anchor.py" "$ROOT/scripts/gpu/ratios.py" "$PACK/"
 cp "$CUDA/lib/libcudart.so.13" "$PACK/"
 # Compressed: the transfer to the GPU machine carries at most 64 MiB.
 (cd "$PACK" && xz -T0 -6 gpu_check libcudart.so.13)

@@ -644,6 +644,7 @@ fn run(a: &Args, report: &mut Value) -> Result<()> {
             json!({ "error": e.to_string() })
         });
         report["long_context"]["shape"] = json!(shape);
+        report["long_context"]["weights"] = json!(w.name());
         write_report(&a.out, report)?;
         std::fs::remove_file(&path)?;
     }

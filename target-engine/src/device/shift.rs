@@ -16,14 +16,25 @@ pub(crate) struct DeviceShift {
     pub(crate) groups: Vec<ShiftGroup>,
 }
 
-/// One chunk: its picks among the pass's rows and its reused positions.
+/// One chunk: its picks among the pass's rows and its reused positions, with everything
+/// the per-layer step reads made on the device once per pass (every layer has the same
+/// positions): no host work and no upload inside the layer loop.
 pub(crate) struct ShiftGroup {
     /// Indices among the pass's rows of the chunk's recomputed tokens `(picks,)`.
     pub(crate) rows: Tensor,
-    /// The positions of those tokens.
-    pub(crate) at: Vec<usize>,
-    /// Positions of the chunk's reused tokens, the rows moved.
-    pub(crate) targets: Vec<usize>,
+    /// The positions of those tokens (`(picks,)` on the device).
+    at: Tensor,
+    /// Positions of the chunk's reused tokens, the rows moved (`(targets,)` on the device).
+    targets: Tensor,
+    /// The moved rows as scatter indexes `(n_kv_head, targets, head_dim)`.
+    target_rows: Tensor,
+    /// RoPE tables `(cos, sin)`: undoing the picks' positions, undoing the targets', redoing
+    /// the targets'.
+    undo_at: (Tensor, Tensor),
+    undo_targets: (Tensor, Tensor),
+    redo_targets: (Tensor, Tensor),
+    /// Whether the group moves anything (it has picks and targets).
+    live: bool,
 }
 
 /// How recomputing moved one group's picks at a layer, kv-head-major `(n_kv_head, picks,
@@ -54,8 +65,8 @@ impl DeviceModel {
     }
 
     /// The device's form of a pass's shift groups ([`crate::engine::ShiftGroup`], built once
-    /// for both engines by `reuse::blend::blend_shift`): each group's picks as row indices on
-    /// the device and as positions.
+    /// for both engines by `reuse::blend::blend_shift`): each group's picks as row indices and
+    /// positions, its targets, and the RoPE tables and scatter indexes of both, uploaded once.
     pub(crate) fn shift_plan(
         &self,
         positions: &[usize],
@@ -69,22 +80,34 @@ impl DeviceModel {
                     positions.len()
                 )));
             }
+            let at: Vec<usize> = g.rows.iter().map(|&i| positions[i]).collect();
             let rows: Vec<u32> = g.rows.iter().map(|&i| i as u32).collect();
-            let n = rows.len();
+            let angles = |p: &[usize], sign: i64| -> Vec<i64> {
+                p.iter().map(|&q| sign * q as i64).collect()
+            };
             out.push(ShiftGroup {
-                rows: Tensor::from_vec(rows, n, &self.device)?,
-                at: g.rows.iter().map(|&i| positions[i]).collect(),
-                targets: g.targets.clone(),
+                rows: Tensor::from_vec(rows, g.rows.len(), &self.device)?,
+                at: self.positions_tensor(&at)?,
+                targets: self.positions_tensor(&g.targets)?,
+                target_rows: self.rows_index(&g.targets)?,
+                undo_at: self.table(&angles(&at, -1))?,
+                undo_targets: self.table(&angles(&g.targets, -1))?,
+                redo_targets: self.table(&angles(&g.targets, 1))?,
+                live: !at.is_empty() && !g.targets.is_empty(),
             });
         }
         Ok(DeviceShift { groups: out })
     }
 
-    /// `x` `(n_kv_head, n, head_dim)` rotated row by row by `angles` (one per row).
-    fn rotate_rows(&self, x: &Tensor, angles: &[i64]) -> Result<Tensor> {
-        let (cos, sin) = self.upload_table(&self.rope.table(angles), angles.len())?;
+    /// The RoPE table `(cos, sin)` of `angles` on the device.
+    fn table(&self, angles: &[i64]) -> Result<(Tensor, Tensor)> {
+        self.upload_table(&self.rope.table(angles), angles.len())
+    }
+
+    /// `x` `(n_kv_head, n, head_dim)` rotated row by row by `table` (one angle per row).
+    fn rotate_rows(&self, x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
         let t = x.transpose(0, 1)?.contiguous()?;
-        Ok(self.rotate(&t, &cos, &sin)?.transpose(0, 1)?.contiguous()?)
+        Ok(self.rotate(&t, cos, sin)?.transpose(0, 1)?.contiguous()?)
     }
 
     fn positions_tensor(&self, positions: &[usize]) -> Result<Tensor> {
@@ -104,20 +127,18 @@ impl DeviceModel {
     ) -> Result<Vec<Option<Moves>>> {
         let mut out = Vec::with_capacity(shift.groups.len());
         for g in &shift.groups {
-            if g.at.is_empty() || g.targets.is_empty() {
+            if !g.live {
                 out.push(None);
                 continue;
             }
-            let at = self.positions_tensor(&g.at)?;
-            let old_k = cache.k[layer].index_select(&at, 1)?;
-            let old_v = cache.v[layer].index_select(&at, 1)?;
+            let old_k = cache.k[layer].index_select(&g.at, 1)?;
+            let old_v = cache.v[layer].index_select(&g.at, 1)?;
             let new_k = k.index_select(&g.rows, 1)?;
             let new_v = v.index_select(&g.rows, 1)?;
-            let undo: Vec<i64> = g.at.iter().map(|&p| -(p as i64)).collect();
             out.push(Some(Moves {
-                dk: self.rotate_rows(&(new_k - &old_k)?, &undo)?,
+                dk: self.rotate_rows(&(new_k - &old_k)?, &g.undo_at)?,
                 dv: (new_v - old_v)?,
-                keys: self.rotate_rows(&old_k, &undo)?,
+                keys: self.rotate_rows(&old_k, &g.undo_at)?,
             }));
         }
         Ok(out)
@@ -142,20 +163,16 @@ impl DeviceModel {
         let scale = 1.0 / (self.config.head_dim as f64).sqrt();
         for (g, m) in shift.groups.iter().zip(moves) {
             let Some(m) = m else { continue };
-            let at = self.positions_tensor(&g.targets)?;
-            let old_k = cache.k[layer].index_select(&at, 1)?;
-            let old_v = cache.v[layer].index_select(&at, 1)?;
-            let undo: Vec<i64> = g.targets.iter().map(|&p| -(p as i64)).collect();
-            let keys = self.rotate_rows(&old_k, &undo)?;
+            let old_k = cache.k[layer].index_select(&g.targets, 1)?;
+            let old_v = cache.v[layer].index_select(&g.targets, 1)?;
+            let keys = self.rotate_rows(&old_k, &g.undo_targets)?;
             let scores = (keys.matmul(&m.keys.transpose(1, 2)?.contiguous()?)? * scale)?;
             let w = candle_nn::ops::softmax_last_dim(&scores)?;
-            let redo: Vec<i64> = g.targets.iter().map(|&p| p as i64).collect();
-            let dk = self.rotate_rows(&w.matmul(&m.dk)?, &redo)?;
+            let dk = self.rotate_rows(&w.matmul(&m.dk)?, &g.redo_targets)?;
             let dv = w.matmul(&m.dv)?;
-            let rows = self.rows_index(&g.targets)?;
             let (k, v) = (as_cached(&(old_k + dk)?)?, as_cached(&(old_v + dv)?)?);
-            cache.k[layer].scatter_set(&rows, &k.contiguous()?, 1)?;
-            cache.v[layer].scatter_set(&rows, &v.contiguous()?, 1)?;
+            cache.k[layer].scatter_set(&g.target_rows, &k.contiguous()?, 1)?;
+            cache.v[layer].scatter_set(&g.target_rows, &v.contiguous()?, 1)?;
         }
         Ok(())
     }
