@@ -37,6 +37,9 @@ def rows(gpu, torch):
             add("full prefill (ms)", s.get("full_prefill_ms"), full)
             add("target_probe TTFT (ms)", s.get("target_probe_ms"), full)
             add("target_probe_shift TTFT (ms)", s.get("target_probe_shift_ms"), full)
+            hot = s.get("chunk_kv_on_device") or {}
+            add("target_probe, KV on device (ms)", hot.get("target_probe_ms"), full)
+            add("target_probe_shift, KV on device (ms)", hot.get("target_probe_shift_ms"), full)
             add(
                 "target_probe_shift / target_probe",
                 s.get("target_probe_shift_ms"),

@@ -6,7 +6,8 @@
 //!   verified answer decoded on a ρ = 0.15 cache against greedy decoding on the full cache;
 //! - speed, per shape: 4 chunks x 512 tokens and a question, full prefill against
 //!   target_probe@ρ and target_probe_shift@ρ, the served selectors' own code on the device
-//!   engine (selection = KV load from host memory + probe + top-k, then the blend), decode
+//!   engine (selection = KV load from host memory + probe + top-k, then the blend; again with
+//!   the chunks' KV held in device memory, the hot-chunk tier), decode
 //!   alone and 1/4/16 requests decoded together, 1/4/16 closed-loop clients under continuous
 //!   batching (tokens/s, TTFT p50/p95), device memory;
 //! - long context, last, at the first shape and weights: prefill of `--long` tokens and
@@ -517,6 +518,28 @@ fn blend_runs(
     Ok((out, recomputed))
 }
 
+/// `runs` blends of target_probe and target_probe_shift with the chunks' KV in device memory
+/// (the hot-chunk tier holding them, after one blend to fill it): medians in ms, and how the
+/// tier served.
+fn hot_runs(
+    dev: &DeviceModel,
+    kv: (&Assembly, &PrefixKv, &[ChunkKv]),
+    ratio: f64,
+    runs: usize,
+) -> Result<Value> {
+    dev.set_hot_chunks(kv.2.iter().map(|c| c.bytes() as u64).sum());
+    timed_probe(dev, kv, ratio, true, 64)?;
+    let ([total, _, _, shift], _) = blend_runs(dev, kv, ratio, 64, runs)?;
+    let hot = dev.hot_chunks();
+    dev.set_hot_chunks(0);
+    Ok(json!({
+        "target_probe_ms": median(total),
+        "target_probe_shift_ms": median(shift),
+        "hits": hot.hits,
+        "misses": hot.misses,
+    }))
+}
+
 fn speed(
     path: &Path,
     device: &candle_core::Device,
@@ -552,11 +575,12 @@ fn speed(
     let peak_full = used_mib(device);
     let ([total, select, load, shift], recomputed) = blend_runs(&dev, kv, a.ratio, 64, a.runs)?;
     let prefill: Vec<f64> = total.iter().zip(&select).map(|(t, s)| t - s).collect();
+    let hot = hot_runs(&dev, kv, a.ratio, a.runs)?;
     let peak_blend = used_mib(device);
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
     let (full_ms, probe_ms, shift_ms) = (median(full), median(total), median(shift));
     log(&format!(
-        "{} ({} weights): {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms; decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        "{} ({} weights): {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms (chunk KV on the device: {:.1} and {:.1} ms); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
         path.display(),
         dev.weights().name(),
         all.len(),
@@ -565,6 +589,8 @@ fn speed(
         median(select.clone()),
         median(load.clone()),
         median(prefill.clone()),
+        hot["target_probe_ms"].as_f64().unwrap_or(f64::NAN),
+        hot["target_probe_shift_ms"].as_f64().unwrap_or(f64::NAN),
     ));
     Ok(json!({
         "prompt_tokens": all.len(),
@@ -583,6 +609,7 @@ fn speed(
         },
         "ttft_speedup": full_ms / probe_ms,
         "target_probe_shift_ms": shift_ms,
+        "chunk_kv_on_device": hot,
         "escalated_worst_ms": probe_ms + full_ms,
         "decode_tokens_per_s": decode_tps,
         "batched_decode": batched,

@@ -915,3 +915,56 @@ fn bf16_device_weights_agree_with_the_cpu_engine() {
         Some(DeviceWeights::Bf16)
     );
 }
+
+/// The hot-chunk tier: chunk KV placed once stays in device memory under its byte budget,
+/// least recently used out first; a chunk placed from there gives the cache rows an upload
+/// gives, bit for bit.
+#[test]
+fn hot_chunks_are_placed_from_device_memory_as_from_host() {
+    let (name, spec) = specs().remove(0);
+    let (_dir, cpu, dev) = load(&spec);
+    let p = prompt(cpu.tokenizer().vocab_size());
+    let (prefix, chunks) = stored(&dev, &p);
+    let refs: Vec<&ChunkKv> = chunks.iter().collect();
+    let rows = |cache: &DeviceCache| -> Vec<Vec<f32>> {
+        (0..cpu.config().n_layer)
+            .flat_map(|l| {
+                let r = 0..p.ids.len() - 9;
+                [
+                    cache.k_rows(l, r.clone()).expect("k"),
+                    cache.v_rows(l, r).expect("v"),
+                ]
+            })
+            .collect()
+    };
+    let uploaded = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    assert_eq!(dev.hot_chunks().chunks, 0, "{name}: off by default");
+    let all: u64 = chunks.iter().map(|c| c.bytes() as u64).sum();
+    dev.set_hot_chunks(all);
+    let first = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    let s = dev.hot_chunks();
+    assert_eq!((s.chunks, s.held), (3, all), "{name}: {s:?}");
+    let hits = s.hits;
+    let again = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    assert_eq!(dev.hot_chunks().hits, hits + 3, "{name}");
+    assert_eq!(first, uploaded, "{name}: placed after an upload");
+    assert_eq!(again, uploaded, "{name}: placed from device memory");
+    // Room for the two placed last: the first placed (least recently used) goes, though the
+    // last is the smallest (23, 31 and 17 tokens).
+    let sizes: Vec<u64> = chunks.iter().map(|c| c.bytes() as u64).collect();
+    dev.set_hot_chunks(sizes[1] + sizes[2]);
+    let s = dev.hot_chunks();
+    assert_eq!(
+        (s.chunks, s.held),
+        (2, sizes[1] + sizes[2]),
+        "{name}: {s:?}"
+    );
+    dev.set_hot_chunks(1);
+    assert_eq!(
+        dev.hot_chunks().held,
+        0,
+        "{name}: a chunk larger than the budget is not kept"
+    );
+    fused(&dev, &p, &prefix, &refs, 0).expect("fused");
+    assert_eq!(dev.hot_chunks().chunks, 0, "{name}");
+}

@@ -3,6 +3,7 @@
 //! a chunk's rows placed into a cache at any position with their RoPE recovered on the device.
 
 use super::cache::{as_cached, DeviceCache};
+use super::hot::{Key, Resident};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
 use crate::kv::ChunkKv;
@@ -78,18 +79,14 @@ impl DeviceModel {
         if n == 0 {
             return Ok(());
         }
-        let up = |layers: &[Vec<f16>]| -> Result<Tensor> {
-            let flat: Vec<f16> = layers.concat();
-            Ok(
-                Tensor::from_vec(flat, (c.n_layer, n, c.n_kv_head, c.head_dim), &self.device)?
-                    .to_dtype(DType::F32)?
-                    .transpose(1, 2)?
-                    .contiguous()?,
-            )
+        let resident = self.resident(chunk)?;
+        // f16 `(layer, row, kv head, head_dim)` as stored, laid out as the cache holds it.
+        let lay = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?)
         };
         let shape = (c.n_layer, c.n_kv_head, n, c.head_dim);
         let delta = at as i64 - chunk.base_pos as i64;
-        let mut k = up(&chunk.k)?;
+        let mut k = lay(&resident.k)?;
         if delta != 0 {
             // One angle for every row: one "token" whose heads are all the chunk's.
             let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
@@ -97,12 +94,32 @@ impl DeviceModel {
             let flat = k.reshape((1, heads, c.head_dim))?;
             k = as_cached(&self.rotate(&flat, &cos, &sin)?.reshape(shape)?)?;
         }
-        let v = up(&chunk.v)?;
+        let v = lay(&resident.v)?;
         for l in 0..c.n_layer {
             cache.k[l].slice_set(&k.get(l)?, 1, at)?;
             cache.v[l].slice_set(&v.get(l)?, 1, at)?;
         }
         cache.wrote(at + n);
         Ok(())
+    }
+
+    /// `chunk`'s K and V on the device, f16 `(layer, row, kv head, head_dim)`: from the
+    /// hot-chunk tier where it holds them, else uploaded (one copy each) and offered to it.
+    fn resident(&self, chunk: &ChunkKv) -> Result<Resident> {
+        let c = &self.config;
+        let key = Key::of(chunk);
+        if let Some(kv) = self.hot_lock().get(&key) {
+            return Ok(kv);
+        }
+        let shape = (c.n_layer, chunk.len(), c.n_kv_head, c.head_dim);
+        let up = |layers: &[Vec<f16>]| -> Result<Tensor> {
+            Ok(Tensor::from_vec(layers.concat(), shape, &self.device)?)
+        };
+        let kv = Resident {
+            k: up(&chunk.k)?,
+            v: up(&chunk.v)?,
+        };
+        self.hot_lock().put(key, kv.clone(), chunk.bytes() as u64);
+        Ok(kv)
     }
 }

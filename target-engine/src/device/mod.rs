@@ -26,12 +26,14 @@ mod cache;
 mod engine;
 mod forward;
 mod host_kv;
+mod hot;
 mod model;
 mod shift;
 pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
 };
 pub use cache::DeviceCache;
+pub use hot::HotStats;
 pub use model::{DeviceModel, DeviceWeights};
 
 /// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.

@@ -98,6 +98,8 @@ pub struct DeviceModel {
     pub(super) weights: DeviceWeights,
     /// The identity of the KV it writes: the file's and the device's numerics.
     pub(super) fingerprint: String,
+    /// Chunk KV kept in device memory ([`DeviceModel::set_hot_chunks`]).
+    pub(super) hot: std::sync::Mutex<super::hot::HotChunks>,
 }
 
 impl std::fmt::Debug for DeviceModel {
@@ -174,7 +176,26 @@ impl DeviceModel {
             lm_head,
             weights,
             fingerprint,
+            hot: Default::default(),
         })
+    }
+
+    /// Keeps up to `bytes` of recently placed chunk KV in device memory (f16, least recently
+    /// used out first): placing a chunk held there copies it on the device instead of
+    /// uploading it. 0 (the default) turns the tier off and empties it.
+    pub fn set_hot_chunks(&self, bytes: u64) {
+        self.hot_lock().set_budget(bytes);
+    }
+
+    /// What the hot-chunk tier holds and how it served.
+    pub fn hot_chunks(&self) -> super::hot::HotStats {
+        self.hot_lock().stats()
+    }
+
+    pub(super) fn hot_lock(&self) -> std::sync::MutexGuard<'_, super::hot::HotChunks> {
+        self.hot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// How its weight matrices are kept.
