@@ -190,7 +190,8 @@ struct Draft<C> {
 fn receive_full<E: Engine>(
     engine: &E,
     r: Option<Result<FilledCache<E::Cache>>>,
-    (prompt_len, max_tokens): (usize, usize),
+    prompt_len: usize,
+    max_tokens: usize,
     logprobs: Option<usize>,
 ) -> Result<Full<E::Cache>> {
     let FilledCache { mut cache, logits } =
@@ -345,7 +346,8 @@ impl<E: Engine> Verify for E {
                     full = Some(receive_full(
                         self,
                         Some(r),
-                        (d.prompt_len, params.max_tokens),
+                        d.prompt_len,
+                        params.max_tokens,
                         params.logprobs,
                     )?);
                     out.full_ready_ms = ms(t0);
@@ -366,7 +368,8 @@ impl<E: Engine> Verify for E {
                     let f = receive_full(
                         self,
                         rx.recv().ok(),
-                        (d.prompt_len, params.max_tokens),
+                        d.prompt_len,
+                        params.max_tokens,
                         params.logprobs,
                     )?;
                     out.full_ready_ms = ms(t0);

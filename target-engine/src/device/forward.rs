@@ -125,6 +125,24 @@ impl DeviceModel {
         fused_rms_norm(&x, &self.output_norm, c.rms_eps)
     }
 
+    /// Every layer for `ids` at `positions` with `shift` applied at each; the last row's
+    /// logits.
+    pub(crate) fn shifted_forward(
+        &self,
+        ids: &[u32],
+        positions: &[usize],
+        cache: &mut DeviceCache,
+        shift: &DeviceShift,
+    ) -> Result<Vec<f32>> {
+        let hooks = PassHooks {
+            probe: None,
+            shift: Some(shift),
+        };
+        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, hooks)?;
+        let hidden = fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
+        self.last_logits(&hidden)
+    }
+
     /// Token embeddings `(n, n_embd)` of `ids`, each checked against the vocabulary.
     fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         let vocab = self.config.vocab_size;

@@ -155,12 +155,12 @@ impl DeviceModel {
         let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
         let mut layers = Vec::with_capacity(config.n_layer);
         for l in 0..config.n_layer {
-            layers.push(load_layer(&mut f, &config, (device, weights), l)?);
+            layers.push(load_layer(&mut f, &config, device, weights, l)?);
         }
         let embed_q = Arc::new(to_device(f.tensor("token_embd.weight")?, device)?);
         let embed = embed_q.dequantize(device)?.to_dtype(DType::F32)?;
         let lm_head = if f.has_tensor("output.weight") {
-            matmul(&mut f, "output.weight", (device, weights))?
+            matmul(&mut f, "output.weight", device, weights)?
         } else {
             proj(embed_q, device, weights)?
         };
@@ -283,11 +283,7 @@ impl DeviceModel {
 }
 
 /// The file's matrix `name` on the device, kept as `weights` says.
-fn matmul(
-    f: &mut GgufFile,
-    name: &str,
-    (device, weights): (&Device, DeviceWeights),
-) -> Result<Proj> {
+fn matmul(f: &mut GgufFile, name: &str, device: &Device, weights: DeviceWeights) -> Result<Proj> {
     proj(
         Arc::new(to_device(f.tensor(name)?, device)?),
         device,
@@ -313,10 +309,10 @@ fn vector(f: &mut GgufFile, name: &str, device: &Device) -> Result<Tensor> {
 fn load_layer(
     f: &mut GgufFile,
     c: &ModelConfig,
-    (device, weights): (&Device, DeviceWeights),
+    device: &Device,
+    weights: DeviceWeights,
     l: usize,
 ) -> Result<Layer> {
-    let w = (device, weights);
     let p = |name: &str| format!("blk.{l}.{name}");
     let bias = if c.arch.qkv_bias() {
         Some([
@@ -338,15 +334,15 @@ fn load_layer(
     Ok(Layer {
         attn_norm: vector(f, &p("attn_norm.weight"), device)?,
         ffn_norm: vector(f, &p("ffn_norm.weight"), device)?,
-        wq: matmul(f, &p("attn_q.weight"), w)?,
-        wk: matmul(f, &p("attn_k.weight"), w)?,
-        wv: matmul(f, &p("attn_v.weight"), w)?,
-        wo: matmul(f, &p("attn_output.weight"), w)?,
+        wq: matmul(f, &p("attn_q.weight"), device, weights)?,
+        wk: matmul(f, &p("attn_k.weight"), device, weights)?,
+        wv: matmul(f, &p("attn_v.weight"), device, weights)?,
+        wo: matmul(f, &p("attn_output.weight"), device, weights)?,
         bias,
         q_norm,
         k_norm,
-        gate: matmul(f, &p("ffn_gate.weight"), w)?,
-        up: matmul(f, &p("ffn_up.weight"), w)?,
-        down: matmul(f, &p("ffn_down.weight"), w)?,
+        gate: matmul(f, &p("ffn_gate.weight"), device, weights)?,
+        up: matmul(f, &p("ffn_up.weight"), device, weights)?,
+        down: matmul(f, &p("ffn_down.weight"), device, weights)?,
     })
 }

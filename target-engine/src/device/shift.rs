@@ -6,7 +6,6 @@
 //! move is decided once for both engines (`reuse::blend::blend_shift`).
 
 use super::cache::{as_cached, DeviceCache};
-use super::forward::{fused_rms_norm, PassHooks};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
 use candle_core::Tensor;
@@ -28,13 +27,18 @@ pub(crate) struct ShiftGroup {
     targets: Tensor,
     /// The moved rows as scatter indexes `(n_kv_head, targets, head_dim)`.
     target_rows: Tensor,
-    /// RoPE tables `(cos, sin)`: undoing the picks' positions, undoing the targets', redoing
-    /// the targets'.
-    undo_at: (Tensor, Tensor),
-    undo_targets: (Tensor, Tensor),
-    redo_targets: (Tensor, Tensor),
+    /// RoPE tables: undoing the picks' positions, undoing the targets', redoing the targets'.
+    undo_at: Rotation,
+    undo_targets: Rotation,
+    redo_targets: Rotation,
     /// Whether the group moves anything (it has picks and targets).
     live: bool,
+}
+
+/// A RoPE table on the device, one angle per row: `cos` and `sin` `(rows, head_dim / 2)`.
+struct Rotation {
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// How recomputing moved one group's picks at a layer, kv-head-major `(n_kv_head, picks,
@@ -46,24 +50,6 @@ pub(crate) struct Moves {
 }
 
 impl DeviceModel {
-    /// Every layer for `ids` at `positions` with `shift` applied at each; the last row's
-    /// logits.
-    pub(crate) fn shifted_forward(
-        &self,
-        ids: &[u32],
-        positions: &[usize],
-        cache: &mut DeviceCache,
-        shift: &DeviceShift,
-    ) -> Result<Vec<f32>> {
-        let hooks = PassHooks {
-            probe: None,
-            shift: Some(shift),
-        };
-        let (x, _) = self.run(ids, positions, cache, 0..self.config.n_layer, hooks)?;
-        let hidden = fused_rms_norm(&x, &self.output_norm, self.config.rms_eps)?;
-        self.last_logits(&hidden)
-    }
-
     /// The device's form of a pass's shift groups ([`crate::engine::ShiftGroup`], built once
     /// for both engines by `reuse::blend::blend_shift`): each group's picks as row indices and
     /// positions, its targets, and the RoPE tables and scatter indexes of both, uploaded once.
@@ -99,15 +85,19 @@ impl DeviceModel {
         Ok(DeviceShift { groups: out })
     }
 
-    /// The RoPE table `(cos, sin)` of `angles` on the device.
-    fn table(&self, angles: &[i64]) -> Result<(Tensor, Tensor)> {
-        self.upload_table(&self.rope.table(angles), angles.len())
+    /// The RoPE table of `angles` on the device.
+    fn table(&self, angles: &[i64]) -> Result<Rotation> {
+        let (cos, sin) = self.upload_table(&self.rope.table(angles), angles.len())?;
+        Ok(Rotation { cos, sin })
     }
 
     /// `x` `(n_kv_head, n, head_dim)` rotated row by row by `table` (one angle per row).
-    fn rotate_rows(&self, x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+    fn rotate_rows(&self, x: &Tensor, table: &Rotation) -> Result<Tensor> {
         let t = x.transpose(0, 1)?.contiguous()?;
-        Ok(self.rotate(&t, cos, sin)?.transpose(0, 1)?.contiguous()?)
+        Ok(self
+            .rotate(&t, &table.cos, &table.sin)?
+            .transpose(0, 1)?
+            .contiguous()?)
     }
 
     fn positions_tensor(&self, positions: &[usize]) -> Result<Tensor> {
