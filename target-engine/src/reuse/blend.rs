@@ -432,19 +432,17 @@ impl Model {
         recomputed: Vec<usize>,
         chunk_tokens: usize,
     ) -> Result<BlendOutput> {
+        let logits = self.residual_logits(x)?;
+        Ok(BlendOutput::of(cache, logits, recomputed, chunk_tokens))
+    }
+
+    /// The logits of the last of the residual rows `x` (not normed), cut to the vocabulary.
+    pub(crate) fn residual_logits(&self, x: &Tensor) -> Result<Vec<f32>> {
         let (n, _) = x.dims2()?;
         let last = self.final_norm(&x.narrow(0, n - 1, 1)?)?;
         let mut logits = self.logits(&last)?.flatten_all()?.to_vec1::<f32>()?;
         logits.truncate(self.tokenizer().vocab_size());
-        Ok(BlendOutput {
-            cache,
-            logits,
-            recomputed,
-            chunk_tokens,
-            select_ms: 0.0,
-            signals: BlendSignals::default(),
-            reserve: Vec::new(),
-        })
+        Ok(logits)
     }
 }
 

@@ -124,10 +124,6 @@ impl Engine for Model {
             by_similarity: rule == ShiftRule::Similar,
         };
         let x = shift.forward(self, ids, positions, cache)?;
-        let (n, _) = x.dims2()?;
-        let last = self.final_norm(&x.narrow(0, n - 1, 1)?)?;
-        let mut logits = self.logits(&last)?.flatten_all()?.to_vec1::<f32>()?;
-        logits.truncate(Model::tokenizer(self).vocab_size());
-        Ok(logits)
+        self.residual_logits(&x)
     }
 }

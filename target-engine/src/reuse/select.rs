@@ -193,15 +193,8 @@ impl<E: Engine> Selector<E> for FullRecompute {
         let ids = &input.assembly.ids;
         let (cache, logits) = input.model.prefill_into(ids, ids.len() + input.room)?;
         let recomputed = input.assembly.chunk_positions();
-        Ok(BlendOutput {
-            cache,
-            logits,
-            chunk_tokens: recomputed.len(),
-            recomputed,
-            select_ms: 0.0,
-            signals: Default::default(),
-            reserve: Vec::new(),
-        })
+        let n = recomputed.len();
+        Ok(BlendOutput::of(cache, logits, recomputed, n))
     }
 }
 
