@@ -61,9 +61,12 @@ pub trait Engine: StepEngine + Send {
         cache: &mut Self::Cache,
         all: bool,
     ) -> Result<Vec<Vec<f32>>>;
-    /// Decode-path rows of `ids` fed at the end of `cache` (a token and the drafts after it),
-    /// each row's logits as the one-token decode step at its position gives them: what
-    /// verification checks drafts with. Runs alone, outside any batcher.
+    /// Decode-path rows of `ids` fed at the end of `cache` (a token and the drafts after it):
+    /// what verification checks drafts with. On the CPU engine each row's logits are, bit for
+    /// bit, those of the one-token decode step at its position; on the device engine they come
+    /// from one forward over the rows, equal to one-token steps up to the rounding of a
+    /// several-row product (a verified answer may then split from one-token greedy decoding
+    /// only at a near tie). Runs alone, outside any batcher.
     fn rows(&self, cache: &mut Self::Cache, ids: &[u32]) -> Result<Vec<Vec<f32>>>;
     /// The question's probe: the attention mass `ids` at `positions` pay to every position
     /// at `layers`, summed over rows, heads and those layers, one value per position up to

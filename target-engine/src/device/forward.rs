@@ -425,7 +425,11 @@ impl DeviceModel {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let n = h.dim(0)?;
-        let (mut q, mut k, mut v) = (w.wq.forward(h)?, w.wk.forward(h)?, w.wv.forward(h)?);
+        let [mut q, mut k, mut v]: [Tensor; 3] = w
+            .qkv
+            .forward(h)?
+            .try_into()
+            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
         if let Some([bq, bk, bv]) = &w.bias {
             q = q.broadcast_add(bq)?;
             k = k.broadcast_add(bk)?;
@@ -449,7 +453,12 @@ impl DeviceModel {
     fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
         let x = (x + w.wo.forward(attn)?)?;
         let h = fused_rms_norm(&x, &w.ffn_norm, self.config.rms_eps)?;
-        let act = (w.gate.forward(&h)?.silu()? * w.up.forward(&h)?)?;
+        let [gate, up]: [Tensor; 2] = w
+            .gate_up
+            .forward(&h)?
+            .try_into()
+            .map_err(|_| EngineError::Internal("gate and up: not two products".into()))?;
+        let act = (gate.silu()? * up)?;
         Ok((x + w.down.forward(&act)?)?)
     }
 

@@ -68,19 +68,73 @@ impl candle_core::Module for Proj {
     }
 }
 
+/// Matrices applied to the same rows: each on its own (quantized blocks), or stacked into one
+/// bf16 matrix so the rows are rounded and multiplied once (one GEMM instead of several, each
+/// with its two casts).
+pub(super) enum Stack {
+    Apart(Vec<Proj>),
+    /// bf16 `(sum of outs, in)`, and each matrix's `out`.
+    Bf16(Tensor, Vec<usize>),
+}
+
+impl Stack {
+    /// `mats` kept as `weights` says: stacked when in bf16.
+    fn of(mats: Vec<Proj>) -> Result<Self> {
+        let dense: Option<Vec<&Tensor>> = mats
+            .iter()
+            .map(|m| match m {
+                Proj::Bf16(w) => Some(w),
+                Proj::Quantized(_) => None,
+            })
+            .collect();
+        Ok(match dense {
+            Some(ws) if ws.len() > 1 => {
+                let outs = ws
+                    .iter()
+                    .map(|w| w.dim(0))
+                    .collect::<candle_core::Result<_>>()?;
+                Self::Bf16(Tensor::cat(&ws, 0)?, outs)
+            }
+            _ => Self::Apart(mats),
+        })
+    }
+
+    /// Each matrix applied to the f32 rows `x` `(n, in)`: one `(n, out)` per matrix.
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Apart(mats) => mats
+                .iter()
+                .map(|m| Ok(candle_core::Module::forward(m, x)?))
+                .collect(),
+            Self::Bf16(w, outs) => {
+                let y = x
+                    .to_dtype(DType::BF16)?
+                    .matmul(&w.t()?)?
+                    .to_dtype(DType::F32)?;
+                let mut at = 0;
+                outs.iter()
+                    .map(|&o| {
+                        at += o;
+                        Ok(y.narrow(1, at - o, o)?)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// One transformer block's weights on the device.
 pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
     pub(super) ffn_norm: Tensor,
-    pub(super) wq: Proj,
-    pub(super) wk: Proj,
-    pub(super) wv: Proj,
+    /// Q, K and V.
+    pub(super) qkv: Stack,
     pub(super) wo: Proj,
     pub(super) bias: Option<[Tensor; 3]>,
     pub(super) q_norm: Option<Tensor>,
     pub(super) k_norm: Option<Tensor>,
-    pub(super) gate: Proj,
-    pub(super) up: Proj,
+    /// The FFN's gate and up.
+    pub(super) gate_up: Stack,
     pub(super) down: Proj,
 }
 
@@ -334,15 +388,19 @@ fn load_layer(
     Ok(Layer {
         attn_norm: vector(f, &p("attn_norm.weight"), device)?,
         ffn_norm: vector(f, &p("ffn_norm.weight"), device)?,
-        wq: matmul(f, &p("attn_q.weight"), device, weights)?,
-        wk: matmul(f, &p("attn_k.weight"), device, weights)?,
-        wv: matmul(f, &p("attn_v.weight"), device, weights)?,
+        qkv: Stack::of(vec![
+            matmul(f, &p("attn_q.weight"), device, weights)?,
+            matmul(f, &p("attn_k.weight"), device, weights)?,
+            matmul(f, &p("attn_v.weight"), device, weights)?,
+        ])?,
         wo: matmul(f, &p("attn_output.weight"), device, weights)?,
         bias,
         q_norm,
         k_norm,
-        gate: matmul(f, &p("ffn_gate.weight"), device, weights)?,
-        up: matmul(f, &p("ffn_up.weight"), device, weights)?,
+        gate_up: Stack::of(vec![
+            matmul(f, &p("ffn_gate.weight"), device, weights)?,
+            matmul(f, &p("ffn_up.weight"), device, weights)?,
+        ])?,
         down: matmul(f, &p("ffn_down.weight"), device, weights)?,
     })
 }
