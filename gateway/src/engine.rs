@@ -151,13 +151,21 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs, running up
-/// to `max_batch` queries at once with their decode steps batched; a first full garbage
-/// collection is listed at once, off the engine thread.
+/// How many queries run at once (their decode steps batched) and the order their prefills
+/// take turns in.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    pub max: usize,
+    pub order: target_engine::PrefillOrder,
+}
+
+/// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs, running
+/// queries as `batching` says; a first full garbage collection is listed at once, off the
+/// engine thread.
 pub fn start(
     pipeline: Arc<Pipeline>,
     capacity: usize,
-    max_batch: usize,
+    batching: Batching,
     metrics: Arc<Metrics>,
 ) -> EngineHandle {
     let (tx, rx) = sync_channel::<(Job, Instant)>(capacity.max(1));
@@ -171,7 +179,7 @@ pub fn start(
                 pipeline: &pipeline,
                 shared: Arc::clone(&pipeline),
                 metrics: &metrics,
-                workers: Workers::new(max_batch, Arc::clone(&pipeline), Arc::clone(&metrics)),
+                workers: Workers::new(batching, Arc::clone(&pipeline), Arc::clone(&metrics)),
                 rx: &rx,
                 depth: &d,
                 deferred: VecDeque::new(),
@@ -480,9 +488,11 @@ struct Workers {
 }
 
 impl Workers {
-    fn new(max: usize, pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Self {
-        let max = max.max(1);
-        let batcher = Arc::new(target_engine::DecodeBatcher::new(max, BATCH_WINDOW));
+    fn new(batching: Batching, pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Self {
+        let max = batching.max.max(1);
+        let batcher = Arc::new(
+            target_engine::DecodeBatcher::new(max, BATCH_WINDOW).with_prefill_order(batching.order),
+        );
         metrics.set_batcher(Arc::clone(&batcher));
         Self {
             max,

@@ -655,6 +655,7 @@ fn a_bad_flag_fails_before_any_model_loads() -> TestResult {
         vec!["serve", "--max-connections", "0"],
         vec!["serve", "--header-timeout-secs", "0"],
         vec!["serve", "--max-request-tokens", "0"],
+        vec!["serve", "--prefill-order", "lifo"],
         vec!["ingest", "README.md", "--kv-codec", "zip"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_specrag"))

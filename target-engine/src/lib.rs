@@ -47,7 +47,9 @@ mod weights;
 pub use candle_core::quantized::GgmlDType;
 pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig, SlidingWindow};
-pub use decode::batch::{in_prefill_turn, with_batcher, BatchStats, DecodeBatcher};
+pub use decode::batch::{
+    in_prefill_turn, with_batcher, BatchStats, DecodeBatcher, PrefillOrder, TurnKind,
+};
 pub use decode::checked::{greedy, verified_greedy, Verified};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{

@@ -16,6 +16,8 @@ pub struct ServerConfig {
     pub queue_capacity: usize,
     /// Queries that run at once, their decode steps batched (`--max-batch`).
     pub max_batch: usize,
+    /// The order their prefills take turns in (`--prefill-order`).
+    pub prefill_order: target_engine::PrefillOrder,
     /// A request not finished within this time is answered 504 (and its work stopped).
     pub request_timeout: Duration,
     /// Most tokens one `POST /documents` may precompute (413 above).
@@ -69,6 +71,7 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             queue_capacity: 8,
             max_batch: DEFAULT_MAX_BATCH,
+            prefill_order: target_engine::PrefillOrder::default(),
             request_timeout: Duration::from_secs(300),
             max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
@@ -103,7 +106,10 @@ impl AppState {
         let engine = crate::engine::start(
             pipeline.clone(),
             config.queue_capacity,
-            config.max_batch,
+            crate::engine::Batching {
+                max: config.max_batch,
+                order: config.prefill_order,
+            },
             metrics.clone(),
         );
         Self {

@@ -21,8 +21,9 @@
 //! token per request and step).
 //!
 //! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
-//! first come first served) before its model work and gives it up when it starts decoding (or
-//! ends), so one prefill at a time shares the cores with the batched decode passes. Four
+//! in the batcher's [`PrefillOrder`]: first come first served, or first prefills before the
+//! guard's later prefill work) before its model work and gives it up when it starts decoding
+//! (or ends), so one prefill at a time shares the cores with the batched decode passes. Four
 //! prefills side by side would each take four times as long and every first token would come
 //! late; in turn, the first comes after one prefill.
 
@@ -32,6 +33,9 @@ use crate::kv::KvCache;
 use crate::model::Model;
 use std::any::Any;
 use std::cell::RefCell;
+
+use super::turns::Turns;
+pub use super::turns::{PrefillOrder, TurnKind, MAX_OVERTAKEN};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -65,6 +69,7 @@ impl StepEngine for Model {
 pub struct DecodeBatcher<E: StepEngine = Model> {
     max_steps: usize,
     window: Duration,
+    order: PrefillOrder,
     state: Mutex<State<E::Cache>>,
     wake: Condvar,
 }
@@ -95,11 +100,8 @@ struct State<C> {
     /// Steps computed, waiting for their thread to take them.
     done: Vec<Finished<C>>,
     next_ticket: u64,
-    /// Prefill turns: the next ticket to hand out, the one whose turn it is, and tickets given
-    /// up while waiting (skipped when their turn comes).
-    turn_next: u64,
-    turn_now: u64,
-    turn_dropped: Vec<u64>,
+    /// Prefill turns: who holds one, who waits.
+    turns: Turns,
     stats: BatchStats,
 }
 
@@ -111,9 +113,7 @@ impl<C> Default for State<C> {
             leading: false,
             done: Vec::new(),
             next_ticket: 0,
-            turn_next: 0,
-            turn_now: 0,
-            turn_dropped: Vec::new(),
+            turns: Turns::default(),
             stats: BatchStats::default(),
         }
     }
@@ -139,9 +139,21 @@ impl<E: StepEngine> DecodeBatcher<E> {
         Self {
             max_steps: max_steps.max(1),
             window,
+            order: PrefillOrder::default(),
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
         }
+    }
+
+    /// The batcher with prefill turns given in `order`.
+    pub fn with_prefill_order(mut self, order: PrefillOrder) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// The order prefill turns go in.
+    pub fn prefill_order(&self) -> PrefillOrder {
+        self.order
     }
 
     /// The most steps one pass carries.
@@ -251,28 +263,28 @@ impl<E: StepEngine> DecodeBatcher<E> {
 
     /// Passes the turn on to the next ticket not given up.
     fn pass_turn(&self) {
-        let mut st = self.lock();
-        st.turn_now += 1;
-        while let Some(i) = st.turn_dropped.iter().position(|&t| t == st.turn_now) {
-            st.turn_dropped.swap_remove(i);
-            st.turn_now += 1;
-        }
+        self.lock().turns.release();
         self.wake.notify_all();
     }
 }
 
 impl DecodeBatcher<Model> {
-    /// Waits for this thread's turn at work other than decoding (first come, first served),
+    /// Waits for this thread's turn at its first prefill (in the batcher's [`PrefillOrder`]),
     /// which it holds until it takes a decoding seat or [`with_batcher`]'s scope ends. Fails
     /// with [`EngineError::Stopped`] when this thread's stop condition says so while waiting
     /// (the turn is then given up).
     pub fn take_turn(self: &Arc<Self>) -> Result<()> {
+        self.take_turn_for(TurnKind::First)
+    }
+
+    /// [`DecodeBatcher::take_turn`] for work of `kind`.
+    pub fn take_turn_for(self: &Arc<Self>, kind: TurnKind) -> Result<()> {
         let mut st = self.lock();
-        let ticket = st.turn_next;
-        st.turn_next += 1;
-        while st.turn_now != ticket {
+        let ticket = st.turns.enqueue(kind);
+        while !st.turns.try_take(ticket, self.order) {
             if crate::stop::check().is_err() {
-                st.turn_dropped.push(ticket);
+                st.turns.drop_ticket(ticket);
+                self.wake.notify_all();
                 return Err(EngineError::Stopped);
             }
             st = self
@@ -440,7 +452,7 @@ pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
         Some(b) if !held => {
             let _aside =
                 (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
-            b.take_turn()?;
+            b.take_turn_for(TurnKind::Later)?;
             let out = f();
             end_turn();
             out

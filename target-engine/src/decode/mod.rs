@@ -23,4 +23,5 @@ pub mod sparse;
 pub mod specontext;
 pub mod speculative;
 pub mod stream;
+mod turns;
 pub mod verify;

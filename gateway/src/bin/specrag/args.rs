@@ -106,11 +106,17 @@ pub struct ServeArgs {
     /// Requests that may wait for the engine before new ones get 429 (1..=1024).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub queue: u32,
-    /// Queries that run at once (1..=64): their prefills take turns, first come first served,
-    /// and their decode steps share one pass over the weights (four requests decode 2.1-2.6x
-    /// the tokens/s of one on 2 cores: docs/performance.md). 1 answers one at a time.
+    /// Queries that run at once (1..=64): their prefills take turns (`--prefill-order`) and
+    /// their decode steps share one pass over the weights (four requests decode 2.1-2.6x the
+    /// tokens/s of one on 2 cores: docs/performance.md). 1 answers one at a time.
     #[arg(long, env = "SPECRAG_MAX_BATCH", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
+    /// The order prefills take turns in: `fifo` (first come, first served) or `first` (a
+    /// request's first prefill before the fidelity guard's second looks and escalations, each
+    /// overtaken at most twice: a lower median time to first token under load, a longer
+    /// tail; docs/performance.md).
+    #[arg(long, env = "SPECRAG_PREFILL_ORDER", default_value = "fifo")]
+    pub prefill_order: target_engine::PrefillOrder,
     /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_secs: u64,

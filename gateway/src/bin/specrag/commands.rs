@@ -236,6 +236,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         api_keys,
         queue_capacity: a.queue as usize,
         max_batch: a.max_batch as usize,
+        prefill_order: a.prefill_order,
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
         max_request_tokens: usize::try_from(a.max_request_tokens)?,
         max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
