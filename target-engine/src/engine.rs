@@ -6,9 +6,10 @@
 //! batched decode steps ([`StepEngine`]).
 //!
 //! What is built from these is written once, generic over [`Engine`]: the fused cache, the
-//! served selectors and the blended prefill (`reuse`), greedy and verified decoding
-//! (`decode::checked`), the decode batcher (`decode::batch`). A backend
-//! implements only the passes; where it cannot run one, it returns an error naming it.
+//! served selectors and the blended prefill (`reuse`), plain decoding (`decode::generate`),
+//! verified decoding and the guard's `continue_exact` (`decode::verify`, `decode::checked`),
+//! the decode batcher (`decode::batch`). A backend implements only the passes; where it
+//! cannot run one, it returns an error naming it.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
