@@ -4,6 +4,9 @@
 //! The model holds no cache; the engine owns these so they can be loaded, rotated, fused and
 //! stored. Row `p` of every layer holds the token at position `p`, so a forward over any subset
 //! of positions writes exactly its rows and attends to whatever the others hold.
+//!
+//! Also chunk KV as the store keeps it ([`ChunkKv`], [`PrefixKv`]): the layout both engines
+//! read and write.
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -277,6 +280,76 @@ fn round_f16(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// Where a chunk's KV was computed. `AfterPrefix` reuses better (measured in `docs/blend.md`:
+/// KL from full prefill 0.017 vs 0.145 with nothing recomputed) and is the mode to ingest with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum PrecomputeMode {
+    /// Alone, at positions `0..n`.
+    Standalone,
+    /// After the template prefix, at positions `p..p+n`, attending to it (every chunk sees the
+    /// real attention sink). `prefix_hash` names the prefix it was computed after.
+    AfterPrefix { prefix_hash: String },
+}
+
+/// A chunk's cached KV: per layer `n x kv_row` values of K (rotated for `base_pos..`) and V,
+/// stored as f16 (half the bytes of f32; the rounding is below the quantization noise of the
+/// model's own weights).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkKv {
+    /// Fingerprint of the model that computed it.
+    pub fingerprint: String,
+    pub ids: Vec<u32>,
+    /// Position of the first token when it was computed.
+    pub base_pos: usize,
+    pub mode: PrecomputeMode,
+    /// Values per row (kv heads x head dim).
+    pub row: usize,
+    pub k: Vec<Vec<f16>>,
+    pub v: Vec<Vec<f16>>,
+}
+
+impl ChunkKv {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// True for a chunk without tokens.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Payload bytes (K and V of every layer).
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|l| l.len() * 2).sum()
+    }
+}
+
+/// The exact KV of the template prefix, shared by every request (ordinary prefix caching).
+#[derive(Debug, Clone)]
+pub struct PrefixKv {
+    pub ids: Vec<u32>,
+    pub cache: KvCache,
+    /// sha256 of the model fingerprint and the prefix ids.
+    pub hash: String,
+}
+
+impl PrefixKv {
+    /// The hash a prefix's KV is named by: sha256 of the model's fingerprint and the ids.
+    pub fn hash_of(fingerprint: &str, ids: &[u32]) -> String {
+        let mut h = <sha2::Sha256 as sha2::Digest>::new();
+        sha2::Digest::update(&mut h, fingerprint.as_bytes());
+        for id in ids {
+            sha2::Digest::update(&mut h, id.to_le_bytes());
+        }
+        sha2::Digest::finalize(h)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,75 +481,5 @@ mod tests {
         check(&mut c, 49, "truncated, then written again");
         check(&mut c, 10, "a shorter call");
         check(&mut c, 49, "and longer again");
-    }
-}
-
-/// Where a chunk's KV was computed. `AfterPrefix` reuses better (measured in `docs/blend.md`:
-/// KL from full prefill 0.017 vs 0.145 with nothing recomputed) and is the mode to ingest with.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case", tag = "mode")]
-pub enum PrecomputeMode {
-    /// Alone, at positions `0..n`.
-    Standalone,
-    /// After the template prefix, at positions `p..p+n`, attending to it (every chunk sees the
-    /// real attention sink). `prefix_hash` names the prefix it was computed after.
-    AfterPrefix { prefix_hash: String },
-}
-
-/// A chunk's cached KV: per layer `n x kv_row` values of K (rotated for `base_pos..`) and V,
-/// stored as f16 (half the bytes of f32; the rounding is below the quantization noise of the
-/// model's own weights).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChunkKv {
-    /// Fingerprint of the model that computed it.
-    pub fingerprint: String,
-    pub ids: Vec<u32>,
-    /// Position of the first token when it was computed.
-    pub base_pos: usize,
-    pub mode: PrecomputeMode,
-    /// Values per row (kv heads x head dim).
-    pub row: usize,
-    pub k: Vec<Vec<f16>>,
-    pub v: Vec<Vec<f16>>,
-}
-
-impl ChunkKv {
-    /// Number of tokens.
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// True for a chunk without tokens.
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
-    /// Payload bytes (K and V of every layer).
-    pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.len() * 2).sum()
-    }
-}
-
-/// The exact KV of the template prefix, shared by every request (ordinary prefix caching).
-#[derive(Debug, Clone)]
-pub struct PrefixKv {
-    pub ids: Vec<u32>,
-    pub cache: KvCache,
-    /// sha256 of the model fingerprint and the prefix ids.
-    pub hash: String,
-}
-
-impl PrefixKv {
-    /// The hash a prefix's KV is named by: sha256 of the model's fingerprint and the ids.
-    pub fn hash_of(fingerprint: &str, ids: &[u32]) -> String {
-        let mut h = <sha2::Sha256 as sha2::Digest>::new();
-        sha2::Digest::update(&mut h, fingerprint.as_bytes());
-        for id in ids {
-            sha2::Digest::update(&mut h, id.to_le_bytes());
-        }
-        sha2::Digest::finalize(h)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
     }
 }
