@@ -579,6 +579,10 @@ pub struct ModelInfo {
     pub path: Option<String>,
     /// sha256 of the GGUF file's metadata and tensor table and of every load choice that changes the model's numbers (attention precision, re-quantization, the kernels its weights run on): stored KV is bound to it.
     pub fingerprint: String,
+    /// Where the target runs: `cpu` (the CPU engine) or `device:cuda:N` (`--device`); absent for
+    /// the speculator, which runs on the CPU engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// A collection as `/health` reports it.

@@ -61,6 +61,53 @@ pub struct ModelArgs {
         default_value = "f32"
     )]
     pub attention: Attention,
+    /// Where the target runs for serve, ingest, query and demo: `cpu` (the CPU engine, the
+    /// default: every method, the bit-exact reference), `cuda` or `cuda:N` (the device engine
+    /// on a GPU, a `--features cuda` build: docs/gpu.md), or `candle-cpu` (the device engine on
+    /// candle's CPU device: slow, for checking the device path without a GPU). The device
+    /// engine runs target_probe_shift (the default), target_probe, target_probe_span, epic,
+    /// prefix, full_reuse and full_recompute, the fidelity guard, verification and sampling;
+    /// other methods, speculative and long-context drafting are refused on it. Chunk KV is
+    /// stored per engine: ingest on the device you serve on
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_DEVICE",
+        default_value = "cpu",
+        value_name = "DEVICE",
+        value_parser = parse_device_flag
+    )]
+    pub device: String,
+    /// How the device engine keeps the target's weights: `bf16` (dequantized once at load,
+    /// dense bf16 GEMMs with f32 accumulation: prefill at the tensor cores' pace) or
+    /// `quantized` (the file's blocks: the least memory). Ignored with --device cpu
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_DEVICE_WEIGHTS",
+        default_value = "bf16",
+        value_name = "WEIGHTS",
+        value_parser = parse_device_weights
+    )]
+    pub device_weights: target_engine::device::DeviceWeights,
+}
+
+/// `--device`: `cpu`, `cuda`, `cuda:N` or `candle-cpu`.
+pub fn parse_device_flag(s: &str) -> Result<String, String> {
+    let ok = matches!(s, "cpu" | "cuda" | "candle-cpu")
+        || s.strip_prefix("cuda:")
+            .is_some_and(|n| n.parse::<usize>().is_ok());
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!("`{s}`: expected cpu, cuda, cuda:N or candle-cpu"))
+    }
+}
+
+/// `--device-weights`: `bf16` or `quantized`.
+pub fn parse_device_weights(s: &str) -> Result<target_engine::device::DeviceWeights, String> {
+    s.parse()
+        .map_err(|e: target_engine::EngineError| e.to_string())
 }
 
 /// `--attention`: the precision of the attention products.
@@ -132,9 +179,43 @@ pub fn spinner(message: String) -> ProgressBar {
     bar
 }
 
-/// The target the flags (or the default) name.
+/// The target the flags (or the default) name, on the CPU engine: for the commands that run
+/// on it only, which refuse another `--device` rather than ignore it.
 pub fn load_target(m: &ModelArgs) -> anyhow::Result<Model> {
+    if m.device != "cpu" {
+        anyhow::bail!(
+            "--device {}: this command runs on the CPU engine; --device applies to serve, \
+             ingest, query and demo",
+            m.device
+        );
+    }
     load(&m.target_path()?, m)
+}
+
+/// The target serve, ingest, query and demo answer with: on the CPU engine, or with
+/// `--device` on the device engine (its weights as `--device-weights` says).
+pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target> {
+    if m.device == "cpu" {
+        return Ok(crate::target::Target::Cpu(Arc::new(load_target(m)?)));
+    }
+    let path = m.target_path()?;
+    let spec = if m.device == "candle-cpu" {
+        "cpu"
+    } else {
+        &m.device
+    };
+    let device = target_engine::device::parse_device(spec)?;
+    let spinner = spinner(format!(
+        "loading {} onto {} ({} weights)",
+        path.display(),
+        m.device,
+        m.device_weights.name()
+    ));
+    let model = target_engine::device::DeviceModel::load_with(&path, &device, m.device_weights)
+        .with_context(|| format!("loading {} onto {}", path.display(), m.device))?;
+    crate::process::release_free_memory();
+    spinner.finish_and_clear();
+    Ok(crate::target::Target::Device(Arc::new(model)))
 }
 
 /// The speculator the flags (or defaults) name.

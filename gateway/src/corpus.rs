@@ -7,8 +7,8 @@
 //! was damaged is recomputed from the text the index holds and stored back.
 
 use crate::error::{GatewayError, Result};
-use target_engine::prelude::*;
 
+use crate::target::Target;
 use chunkstore::{ChunkKey, ChunkStore, Found, KvBlob, Reach, SpecScores, TieredStore};
 use half::f16;
 use speculator::{ChunkScores, LayerRange, SpecCache};
@@ -21,7 +21,8 @@ use target_engine::{ChunkKv, Model, PrecomputeMode, PrefixKv, RagTemplate};
 /// The target model, the optional speculator and what every request shares: the template and
 /// the exact KV of its prefix for both models.
 pub struct Engines {
-    pub target: Arc<Model>,
+    /// The target, on the CPU engine or a device (`--device`).
+    pub target: Target,
     pub spec: Option<SpecCache>,
     pub template: RagTemplate,
     /// The target's template prefix KV (exact, shared by every request).
@@ -82,11 +83,12 @@ pub struct LoadedChunk {
 
 impl Engines {
     /// Builds the shared state: computes both template prefixes once.
-    pub fn new(target: Arc<Model>, speculator: Option<Arc<Model>>) -> Result<Self> {
+    pub fn new(target: impl Into<Target>, speculator: Option<Arc<Model>>) -> Result<Self> {
+        let target = target.into();
         // The prompt in the model file's own chat format (ChatML for a file without one).
-        let template = RagTemplate::for_model(&target);
+        let template = RagTemplate::for_chat(target.chat());
         let (prefix_text, prefix_ids) = template.prefix(target.tokenizer());
-        let prefix = target.prefix_kv(&prefix_ids)?;
+        let prefix = target.prefix_of(&prefix_ids)?;
         let spec = speculator.map(SpecCache::new);
         let spec_prefix = match &spec {
             Some(s) => Some(s.prefix_state(&prefix_text)?),
@@ -147,7 +149,7 @@ impl Engines {
         segment_ids: &[u32],
         spec_kv: bool,
     ) -> Result<(KvBlob, Option<KvBlob>)> {
-        let kv = self.target.precompute(segment_ids, Some(&self.prefix))?;
+        let kv = self.target.chunk_kv(segment_ids, Some(&self.prefix))?;
         let (scores, spec) = match (&self.spec, &self.spec_prefix) {
             (Some(s), Some(p)) => {
                 let (scores, kv) = s.score_chunk_with_kv(p, segment_text, spec_kv)?;

@@ -30,5 +30,6 @@ pub mod passages;
 pub mod pipeline;
 pub mod process;
 pub mod replication;
+pub mod target;
 
 pub use error::{Fault, GatewayError, Result};

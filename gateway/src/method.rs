@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use speculator::{ScoredSpecCache, ScoredTokens, SpecCache};
 use target_engine::{
-    CacheBlend, Epic, FullRecompute, FullReuse, PrefixCaching, Selector, TargetProbe,
+    CacheBlend, Engine, Epic, FullRecompute, FullReuse, PrefixCaching, Selector, TargetProbe,
 };
 
 /// Declares [`Method`] once: each variant's doc comment is its documentation in rustdoc, in
@@ -175,6 +175,43 @@ impl Method {
                 ..TargetProbe::default()
             }),
         }
+    }
+}
+
+impl Method {
+    /// True for the methods every engine runs (the CPU engine's and the device's): those
+    /// whose selector is written once over [`target_engine::Engine`]. CacheBlend and the
+    /// SpecCache methods run on the CPU engine only.
+    pub fn on_any_engine(&self) -> bool {
+        !matches!(self, Self::Cacheblend) && !self.uses_speculator()
+    }
+
+    /// The selector of a method every engine runs ([`Method::on_any_engine`]), on engine `E`;
+    /// `None` for the others. `epic_k` as for [`Method::selector`].
+    pub fn engine_selector<'a, E: Engine + 'a>(
+        &self,
+        epic_k: Option<usize>,
+    ) -> Option<Box<dyn Selector<E> + 'a>> {
+        Some(match self {
+            Self::FullRecompute => Box::new(FullRecompute),
+            Self::FullReuse => Box::new(FullReuse),
+            Self::Prefix => Box::new(PrefixCaching),
+            Self::Epic => Box::new(Epic { k: epic_k }),
+            Self::TargetProbe => Box::new(TargetProbe::default()),
+            Self::TargetProbeSpan => Box::new(TargetProbe {
+                window: PROBE_WINDOW,
+                ..TargetProbe::default()
+            }),
+            Self::TargetProbeShift => Box::new(TargetProbe {
+                shift: true,
+                ..TargetProbe::default()
+            }),
+            Self::Cacheblend
+            | Self::Speccache
+            | Self::SpeccacheNospan
+            | Self::SpecAttn
+            | Self::SpecAttnFull => return None,
+        })
     }
 }
 

@@ -101,6 +101,27 @@ pub trait Engine: StepEngine + Send {
         })?;
         Ok((cache, last))
     }
+
+    /// The full prefill of `ids` over a `cache` whose rows `0..start` already hold the KV of
+    /// `ids[..start]` as a prefill computes it (an exact prefix kept from a blend): rows from
+    /// `start` on are dropped and computed, attending to the kept ones; the last position's
+    /// logits. The fidelity guard's escalation, which keeps the rows a full prefill computes
+    /// alike.
+    fn prefill_from(&self, cache: &mut Self::Cache, ids: &[u32], start: usize) -> Result<Vec<f32>> {
+        if start >= ids.len() || start > self.cache_len(cache) {
+            return Err(crate::error::EngineError::InvalidInput(format!(
+                "prefill after {start} kept rows: the prompt has {} tokens and the cache {} rows",
+                ids.len(),
+                self.cache_len(cache)
+            )));
+        }
+        self.truncate_cache(cache, start);
+        let positions: Vec<usize> = (start..ids.len()).collect();
+        let logits = self.pass(&ids[start..], &positions, cache, false)?;
+        logits.into_iter().next_back().ok_or_else(|| {
+            crate::error::EngineError::InvalidInput("nothing to prefill: no tokens".into())
+        })
+    }
 }
 
 /// How a reused row estimates its move from its chunk's picks.

@@ -125,7 +125,10 @@ pub fn run_case(
 ) -> anyhow::Result<(Vec<StudyRecord>, Vec<u32>)> {
     let gold = case.answers.first().map(String::as_str).unwrap_or("");
     let gold_ids = pipeline.engines.target.tokenizer().encode(gold, false).ids;
-    let target = &pipeline.engines.target;
+    let target = &**pipeline
+        .engines
+        .target
+        .cpu_for("the study's teacher forcing")?;
     let reference = ask(pipeline, ds, case, configs[0], false, true)?;
     if reference.answer.chunks.is_empty() {
         anyhow::bail!("case {} retrieved no chunk", case.id);

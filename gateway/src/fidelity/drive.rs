@@ -7,10 +7,10 @@ use crate::answer::Timings;
 use crate::error::Result;
 use crate::pipeline::generate::{finish_reason, generate_params, Decoding};
 use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
+use crate::target::{as_cache, host_cache, Backend, On};
 use std::time::Instant;
-use target_engine::prelude::*;
 use target_engine::{
-    Assembly, BlendOutput, Drafter, Flow, Generation, KvCache, Shown, SpecDecodeStats as SpecStats,
+    Assembly, BlendOutput, Drafter, Flow, Generation, Shown, SpecDecodeStats as SpecStats,
     TextStream, VerifyEvent,
 };
 
@@ -18,8 +18,8 @@ use target_engine::{
 /// full prefill computes alike (`exact_rows`), which chunk tokens a second look recomputes,
 /// the prompt, and when decoding started (for the time to first token a look or an
 /// escalation adds to).
-pub(crate) struct Reused<'a> {
-    pub(crate) out: BlendOutput,
+pub(crate) struct Reused<'a, C> {
+    pub(crate) out: BlendOutput<C>,
     pub(crate) exact_rows: usize,
     pub(crate) look: LookRows,
     pub(crate) asm: &'a Assembly,
@@ -29,23 +29,23 @@ pub(crate) struct Reused<'a> {
 /// What the fidelity guard hands to [`Pipeline::escalate`]: the prompt, the tokens decoded
 /// from the reused cache and the text of them the client holds, and the reused cache itself,
 /// whose first `exact_rows` rows the full prefill keeps.
-struct Escalation<'a> {
+struct Escalation<'a, C> {
     prompt: &'a [u32],
     generated: &'a [u32],
     shown: &'a str,
-    reused: KvCache,
+    reused: C,
     exact_rows: usize,
 }
 
 /// What the guard's second look starts from: the prompt, the chunk tokens it recomputes, the
 /// first decode (the doubted token last) and the text of it the client holds, the blended
 /// cache it recomputes them on and the drafter that goes on serving.
-struct SecondLook<'a, 'd> {
+struct SecondLook<'a, 'd, C> {
     asm: &'a Assembly,
     extra: &'a [usize],
     first: &'a Generation,
     sent: &'a str,
-    cache: &'a mut KvCache,
+    cache: &'a mut C,
     drafter: Option<&'a mut Drafter<'d>>,
 }
 
@@ -68,8 +68,8 @@ struct MustAgree<'a> {
 /// which tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the
 /// leading rows an escalation keeps, how many chunk tokens there are, and when decoding
 /// started (for the time to first token it may add to).
-struct LookAgain<'a, 'd> {
-    cache: &'a mut KvCache,
+struct LookAgain<'a, 'd, C> {
+    cache: &'a mut C,
     drafter: Option<&'a mut Drafter<'d>>,
     asm: &'a Assembly,
     look: LookRows,
@@ -89,14 +89,15 @@ impl Pipeline {
     /// (`drafter`) serves all three. Returns the answer's generation, what the guard
     /// measured and decided, and the drafts' rounds; `timings.ttft_ms` gains what a look or
     /// an escalation delayed the first token by.
-    pub(crate) fn decode_reused(
+    pub(crate) fn decode_reused<E: Backend>(
         &self,
-        q: &Query,
-        reused: Reused<'_>,
+        on: On<'_, E>,
+        reused: Reused<'_, E::Cache>,
         mut drafter: Option<&mut Drafter<'_>>,
         timings: &mut Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, GuardReport, SpecStats)> {
+        let q = on.query;
         let Reused {
             out,
             exact_rows,
@@ -114,7 +115,7 @@ impl Pipeline {
             logits: out.logits,
             drafter: drafter.as_deref_mut(),
         };
-        let (mut g, mut spec, mut sent) = self.decode_guarded(q, from, &mut report, on_piece)?;
+        let (mut g, mut spec, mut sent) = self.decode_guarded(on, from, &mut report, on_piece)?;
         self.note_margins(q, &g, &mut report);
         let look = LookAgain {
             cache: &mut cache,
@@ -133,7 +134,7 @@ impl Pipeline {
             sent: &mut sent,
             spec: &mut spec,
         };
-        let exact_rows = self.look_again_if_doubted(q, look, decoded, &mut report, on_piece)?;
+        let exact_rows = self.look_again_if_doubted(on, look, decoded, &mut report, on_piece)?;
         g.prefill_ms = timings.prefill_ms;
         if report.escalated {
             let moved = Escalation {
@@ -143,7 +144,7 @@ impl Pipeline {
                 reused: cache,
                 exact_rows,
             };
-            let (full, ready, more) = self.escalate(q, moved, drafter, &mut report, on_piece)?;
+            let (full, ready, more) = self.escalate(on, moved, drafter, &mut report, on_piece)?;
             spec.merge(&more);
             g = full;
             // Every token shown so far withdrawn: the answer's first token is the full
@@ -173,10 +174,10 @@ impl Pipeline {
     /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
     /// leading rows of `look.cache` a full prefill computes alike: `look.exact_rows`, and the
     /// look's own where it extended them ([`LookRows::Extend`]).
-    fn look_again_if_doubted(
+    fn look_again_if_doubted<E: Backend>(
         &self,
-        q: &Query,
-        look: LookAgain<'_, '_>,
+        on: On<'_, E>,
+        look: LookAgain<'_, '_, E::Cache>,
         decoded: FirstDecode<'_>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
@@ -232,7 +233,7 @@ impl Pipeline {
             cache: look.cache,
             drafter: look.drafter,
         };
-        let (g2, sent2, more, ready) = self.second_look(q, second, report, on_piece)?;
+        let (g2, sent2, more, ready) = self.second_look(on, second, report, on_piece)?;
         spec.merge(&more);
         if !report.escalated && g.ids.len() == 1 {
             // The doubted token was the first: nothing was shown before the second look.
@@ -248,7 +249,11 @@ impl Pipeline {
     /// (best first) at or after the exact rows (rows an escalation keeps as full prefill's
     /// stay as they are). [`LookRows::Extend`]: the chunk tokens from the first row not exact
     /// on, in order. None for either where the selector ranked nothing it left.
-    fn second_look_picks(&self, report: &GuardReport, look: &LookAgain<'_, '_>) -> Vec<usize> {
+    fn second_look_picks<C>(
+        &self,
+        report: &GuardReport,
+        look: &LookAgain<'_, '_, C>,
+    ) -> Vec<usize> {
         if !report.escalated || !report.uncertain || self.guard.second_look <= 0.0 {
             return Vec::new();
         }
@@ -286,13 +291,14 @@ impl Pipeline {
     /// with the first decode's tokens and text; where the guard stops the decode later, with
     /// this one's.
     /// Returns the generation and text to go on with, and when the recompute was done.
-    fn second_look(
+    fn second_look<E: Backend>(
         &self,
-        q: &Query,
-        look: SecondLook<'_, '_>,
+        on: On<'_, E>,
+        look: SecondLook<'_, '_, E::Cache>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, String, SpecStats, Instant)> {
+        let target = on.target;
         let SecondLook {
             asm,
             extra,
@@ -302,11 +308,11 @@ impl Pipeline {
             drafter,
         } = look;
         let t = Instant::now();
-        let mut blended = std::mem::replace(cache, self.engines.target.new_cache());
-        blended.truncate(asm.ids.len());
+        let mut blended = std::mem::replace(cache, target.placeholder());
+        target.truncate_cache(&mut blended, asm.ids.len());
         // Prefill work: after the prefills waiting, not beside one (`--max-batch`).
         let out = target_engine::in_prefill_turn(|| {
-            self.engines.target.blend_prefill_on(asm, blended, extra)
+            target_engine::blend_on(target, asm, blended, extra)
         })?;
         let ready = Instant::now();
         report.second_look = true;
@@ -343,7 +349,7 @@ impl Pipeline {
             ids: &first.ids,
             disagreed: &mut disagreed,
         };
-        let (g, spec, text) = self.decode_watched_as(q, from, report, agree, &mut forward)?;
+        let (g, spec, text) = self.decode_watched_as(on, from, report, agree, &mut forward)?;
         if disagreed {
             report.escalated = true;
             report.uncertain = true;
@@ -356,10 +362,10 @@ impl Pipeline {
     /// decodes from the full cache already, nor `exact`): `report` says whether it stopped
     /// the decode to escalate, and why. Also returns the text the client was sent (what it
     /// holds should the guard move the request to the full cache).
-    fn decode_guarded(
+    fn decode_guarded<E: Backend>(
         &self,
-        q: &Query,
-        from: Decoding<'_, '_>,
+        on: On<'_, E>,
+        from: Decoding<'_, '_, E::Cache>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, SpecStats, String)> {
@@ -368,21 +374,22 @@ impl Pipeline {
             ids: &[],
             disagreed: &mut disagreed,
         };
-        self.decode_watched_as(q, from, report, agree, on_piece)
+        self.decode_watched_as(on, from, report, agree, on_piece)
     }
 
     /// [`Pipeline::decode_guarded`] where the first `must.ids.len()` tokens must be those ids
     /// (a second look's; not held to the margin, the last held to the confirm gap): the
     /// decode stops at the first that is not, setting `must.disagreed`. The rest are held to
     /// the guard.
-    fn decode_watched_as(
+    fn decode_watched_as<E: Backend>(
         &self,
-        q: &Query,
-        from: Decoding<'_, '_>,
+        on: On<'_, E>,
+        from: Decoding<'_, '_, E::Cache>,
         report: &mut GuardReport,
         must: MustAgree<'_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, SpecStats, String)> {
+        let On { target, query: q } = on;
         let MustAgree {
             ids: agree,
             disagreed,
@@ -414,7 +421,7 @@ impl Pipeline {
             }
             on_piece(p)
         };
-        let (g, escalate, spec) = self.decode_from(q, from, &mut track, &mut watch)?;
+        let (g, escalate, spec) = self.decode_from(target, q, from, &mut track, &mut watch)?;
         if !agree.is_empty() {
             report.second_look_gap = look_gap;
         }
@@ -424,6 +431,57 @@ impl Pipeline {
             report.escalated = true;
         }
         Ok((g, spec, sent))
+    }
+
+    /// The full cache of `prompt` and its last logits for an escalation: the exact-context
+    /// cache's copy, else the full prefill over the `reused` cache's first `exact` rows (those
+    /// a full prefill computes alike), else a full prefill; the time it took and the rows it
+    /// kept go into `report`.
+    fn full_cache<E: Backend>(
+        &self,
+        on: On<'_, E>,
+        prompt: &[u32],
+        mut reused: E::Cache,
+        exact: usize,
+        report: &mut GuardReport,
+    ) -> Result<(E::Cache, Vec<f32>)> {
+        let On { target, query: q } = on;
+        let t = Instant::now();
+        let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
+        // A full cache over stored rows is kept apart: `exact` requests take only true ones.
+        let kept_key = ContextCache::key_after_stored(&key, exact);
+        // The exact-context cache keeps host caches: the CPU engine's.
+        let keep = |key, cache: &E::Cache, logits: &[f32]| {
+            if let Some(cache) = host_cache(cache) {
+                self.contexts.keep(key, cache, logits);
+            }
+        };
+        let hit = self
+            .contexts
+            .get(&key)
+            .or_else(|| self.contexts.get(&kept_key))
+            .and_then(|c| Some((as_cache::<E::Cache>(c.0.clone())?, c.1.clone())));
+        Ok(match hit {
+            Some(c) => c,
+            None if exact > 0 && exact < prompt.len() => {
+                let logits = target_engine::in_prefill_turn(|| {
+                    target.prefill_from(&mut reused, prompt, exact)
+                })?;
+                report.full_prefill_ms = ms(t);
+                report.full_prefill_kept_rows = exact;
+                keep(kept_key, &reused, &logits);
+                (reused, logits)
+            }
+            None => {
+                drop(reused);
+                let room = prompt.len() + q.max_tokens;
+                let (cache, logits) =
+                    target_engine::in_prefill_turn(|| target.prefill_into(prompt, room))?;
+                report.full_prefill_ms = ms(t);
+                keep(key, &cache, &logits);
+                (cache, logits)
+            }
+        })
     }
 
     /// The fidelity guard's way out: the full prefill of `prompt` (or the context cache's
@@ -437,47 +495,24 @@ impl Pipeline {
     /// cache all the same). The client, which holds `shown` of the text of `generated`, sees
     /// the kept prefix extended, or replaced where text it holds was withdrawn. Also returns
     /// when the full cache was ready.
-    fn escalate(
+    fn escalate<E: Backend>(
         &self,
-        q: &Query,
-        moved: Escalation<'_>,
+        on: On<'_, E>,
+        moved: Escalation<'_, E::Cache>,
         drafter: Option<&mut Drafter<'_>>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(Generation, Option<Instant>, SpecStats)> {
+        let On { target, query: q } = on;
         let Escalation {
             prompt,
             generated,
             shown,
-            mut reused,
+            reused,
             exact_rows: exact,
         } = moved;
-        let target = &self.engines.target;
         let tok = target.tokenizer();
-        let t = Instant::now();
-        let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
-        // A full cache over stored rows is kept apart: `exact` requests take only true ones.
-        let kept_key = ContextCache::key_after_stored(&key, exact);
-        let hit = self.contexts.get(&key);
-        let (cache, logits) = match hit.or_else(|| self.contexts.get(&kept_key)) {
-            Some(c) => (c.0.clone(), c.1.clone()),
-            None if exact > 0 && exact < prompt.len() => {
-                let logits = target_engine::in_prefill_turn(|| {
-                    target.prefill_after(&mut reused, prompt, exact)
-                })?;
-                report.full_prefill_ms = ms(t);
-                report.full_prefill_kept_rows = exact;
-                self.contexts.keep(kept_key, &reused, &logits);
-                (reused, logits)
-            }
-            None => {
-                drop(reused);
-                let (cache, logits) = target_engine::in_prefill_turn(|| target.prefill(prompt))?;
-                report.full_prefill_ms = ms(t);
-                self.contexts.keep(key, &cache, &logits);
-                (cache, logits)
-            }
-        };
+        let (cache, logits) = self.full_cache(on, prompt, reused, exact, report)?;
         let ready = Some(Instant::now());
         let checked = generated.len().min(q.max_tokens);
         let mut stream = TextStream::resume(tok, &q.stop, generated, shown);

@@ -49,6 +49,17 @@ pub(crate) fn model_info(m: &target_engine::Model, admin: bool) -> ModelInfo {
         name: m.config().name.clone(),
         path: admin.then(|| m.path().display().to_string()),
         fingerprint: m.fingerprint().to_string(),
+        device: None,
+    }
+}
+
+/// [`model_info`] of the target, with the engine it runs on.
+fn target_info(t: &crate::target::Target, admin: bool) -> ModelInfo {
+    ModelInfo {
+        name: t.config().name.clone(),
+        path: admin.then(|| t.path().display().to_string()),
+        fingerprint: t.fingerprint().to_string(),
+        device: Some(t.device()),
     }
 }
 
@@ -82,7 +93,7 @@ pub(crate) async fn health(
     Ok(Json(Health {
         status: store.status.clone(),
         store,
-        target: model_info(&p.engines.target, admin),
+        target: target_info(&p.engines.target, admin),
         speculator: p
             .engines
             .spec

@@ -8,16 +8,17 @@ use crate::answer::Timings;
 use crate::corpus::LoadedChunk;
 use crate::error::{GatewayError, Result};
 use crate::method::{Method, SelectorInputs, SpecScores};
+use crate::target::Backend;
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::time::Instant;
-use target_engine::{Assembly, BlendOutput, ChunkKv, SelectInput};
+use target_engine::{Assembly, BlendOutput, ChunkKv, Engine, SelectInput};
 
 /// The leading rows of a blended prefill's cache that a full prefill computes alike (cache
 /// rows are f16, as stored KV is): the template prefix and the first chunk, where that chunk
 /// was precomputed after the same prefix at its place and the blend left every row of it as
 /// stored (none recomputed or moved; [`SelectInput::skips_exact`]). 0 otherwise: an
 /// escalation then computes every row.
-pub(super) fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize {
+pub(super) fn exact_rows<E: Engine>(input: &SelectInput<'_, E>, recomputed: &[usize]) -> usize {
     match input.assembly.chunks().next() {
         Some(first) if input.skips_exact() && !recomputed.iter().any(|p| first.ids.contains(p)) => {
             first.ids.end
@@ -29,10 +30,17 @@ pub(super) fn exact_rows(input: &SelectInput<'_>, recomputed: &[usize]) -> usize
 /// What step 2 hands on: the blend's output, how many of its leading rows a full prefill
 /// computes alike ([`exact_rows`]), and the time the experiment's hooks took (off the
 /// query's clock).
-pub(super) struct Blended {
-    pub(super) out: BlendOutput,
+pub(super) struct Blended<C> {
+    pub(super) out: BlendOutput<C>,
     pub(super) exact_rows: usize,
     pub(super) experiment_ms: f64,
+}
+
+/// What step 1 hands to step 2: each chunk's KV, and the speculator's scores where the
+/// method asked for a query-time pass.
+pub(super) struct KvLoaded<'a> {
+    pub(super) loaded: &'a [LoadedChunk],
+    pub(super) scored: Option<ScoredTokens>,
 }
 
 impl Pipeline {
@@ -112,18 +120,18 @@ impl Pipeline {
         Ok((loaded, scored))
     }
 
-    /// Step 2: the method's selector over the loaded KV, and its blended prefill (or the full
-    /// prefill). Records `align_ms` (selection) and `prefill_ms`.
-    pub(super) fn blend(
+    /// Step 2 on `target`: the method's selector over the loaded KV, and its blended prefill
+    /// (or the full prefill). Records `align_ms` (selection) and `prefill_ms`.
+    pub(super) fn blend<E: Backend>(
         &self,
+        target: &E,
         run: Run<'_>,
         asm: &Assembly,
-        loaded: &[LoadedChunk],
-        mut scored: Option<ScoredTokens>,
+        kv: KvLoaded<'_>,
         timings: &mut Timings,
-    ) -> Result<Blended> {
+    ) -> Result<Blended<E::Cache>> {
         let Run { query: q, exp } = run;
-        let target = &self.engines.target;
+        let KvLoaded { loaded, mut scored } = kv;
         let method = if Self::reads_no_kv(q) {
             Method::FullRecompute
         } else {
@@ -139,28 +147,30 @@ impl Pipeline {
         } else {
             None
         };
-        let served = method.selector(SelectorInputs {
+        let inputs = SelectorInputs {
             spec: spec.as_ref(),
             scores: scored,
             epic_k: exp.epic_k(),
-        });
-        let selector = exp.selector(q, served);
+        };
+        let selector = target.selector(q, exp, method, inputs)?;
         let kvs: Vec<&ChunkKv> = loaded.iter().map(|l| &l.kv).collect();
-        let mut input = SelectInput::new(&**target, asm, &self.engines.prefix, &kvs, q.ratio);
+        let mut input = SelectInput::new(target, asm, &self.engines.prefix, &kvs, q.ratio);
+        // Room for the answer in the fused cache: a device cache is sized once where it can.
+        input.room = q.max_tokens;
         if self.engines.lossy_codec.is_some() {
             // Stored lossily, even the chunk precomputed after this very prefix is not exact:
             // it competes for the budget like the others.
             input.first_chunk_exact = false;
         }
         let before_ms = Instant::now();
-        let before = exp.before_blend(&input)?;
+        let before = E::before_blend(exp, &input)?;
         let mut experiment_ms = ms(before_ms);
         let t = Instant::now();
         let mut out = selector.prefill(&input)?;
         timings.align_ms = out.select_ms;
         timings.prefill_ms = ms(t) - out.select_ms;
         let after_ms = Instant::now();
-        exp.after_blend(before, &mut out);
+        E::after_blend(exp, before, &mut out);
         experiment_ms += ms(after_ms);
         let exact_rows = exact_rows(&input, &out.recomputed);
         Ok(Blended {

@@ -10,17 +10,17 @@ use crate::answer::{Timings, VerifyStats};
 use crate::error::Result;
 use crate::fidelity::drive::Reused;
 use crate::fidelity::{GuardReport, LookRows};
+use crate::target::{as_cache, host_cache, Backend, On};
 use std::sync::Arc;
 use std::time::Instant;
-use target_engine::prelude::*;
 use target_engine::{
     Assembly, BlendOutput, FilledCache, Flow, Shown, SpecDecodeStats as SpecStats, TextStream,
     VerifyEvent, VerifyMode, VerifyParams,
 };
 
 /// The full prefill of a verified request, running since the request started.
-pub(super) struct FullPrefill {
-    rx: std::sync::mpsc::Receiver<target_engine::Result<FilledCache>>,
+pub(super) struct FullPrefill<C> {
+    rx: std::sync::mpsc::Receiver<target_engine::Result<FilledCache<C>>>,
     hit: bool,
     ms: Arc<std::sync::Mutex<f64>>,
 }
@@ -28,14 +28,14 @@ pub(super) struct FullPrefill {
 /// What decoding starts from: the prefill's output, the verification's full prefill when the
 /// request verifies, and the assembled prompt (for an escalation's full prefill) with its
 /// chunks' texts (for a drafter's stored KV).
-pub(super) struct DecodeInput<'a> {
-    pub(super) out: BlendOutput,
+pub(super) struct DecodeInput<'a, C> {
+    pub(super) out: BlendOutput<C>,
     /// Leading rows of `out.cache` a full prefill computes alike
     /// ([`exact_rows`](super::blend::exact_rows)).
     pub(super) exact_rows: usize,
     /// Which chunk tokens a second look recomputes.
     pub(super) look: LookRows,
-    pub(super) full_prefill: Option<FullPrefill>,
+    pub(super) full_prefill: Option<FullPrefill<C>>,
     pub(super) asm: &'a Assembly,
     pub(super) texts: &'a [&'a str],
 }
@@ -54,10 +54,11 @@ impl Pipeline {
     /// Step 3: decoding from the prefill's cache under the fidelity guard, or drafting and
     /// verification against the full cache; with speculative decoding on, one drafter
     /// proposes tokens for the whole answer.
-    pub(super) fn decode(
+    pub(super) fn decode<E: Backend>(
         &self,
+        target: &E,
         q: &Query,
-        input: DecodeInput<'_>,
+        input: DecodeInput<'_, E::Cache>,
         timings: &mut Timings,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<Decoded> {
@@ -76,7 +77,13 @@ impl Pipeline {
         let mut drafter = self.drafter(q, asm, texts).filter(|_| !long);
         let spec_of = |d: &Option<_>, s: SpecStats| d.as_ref().map(|_: &_| s.into());
         if let Some(full) = full_prefill {
-            let (g, mut stats, spec) = self.verify(out, full, q, drafter.as_mut(), on_piece)?;
+            let (g, mut stats, spec) = self.verify(
+                On { target, query: q },
+                out,
+                full,
+                drafter.as_mut(),
+                on_piece,
+            )?;
             stats.first_commit_ms += timings.ttft_ms;
             return Ok(Decoded {
                 g,
@@ -96,8 +103,13 @@ impl Pipeline {
             asm,
             started,
         };
-        let (g, guard, spec) =
-            self.decode_reused(q, reused, drafter.as_mut(), timings, on_piece)?;
+        let (g, guard, spec) = self.decode_reused(
+            On { target, query: q },
+            reused,
+            drafter.as_mut(),
+            timings,
+            on_piece,
+        )?;
         // Verified, but sampled or under full recompute: decoded from the full prefill.
         let verify = q.verify.then(|| VerifyStats {
             full_prefill_ms: timings.prefill_ms,
@@ -117,38 +129,43 @@ impl Pipeline {
     /// full recompute decodes from a full prefill already, its answer the exact one), started
     /// now on another thread beside KV load, speculation and the blend, or taken from the
     /// exact-context cache; with none for every other request.
-    pub(super) fn with_full_prefill<R>(
+    pub(super) fn with_full_prefill<E: Backend, R>(
         &self,
+        target: &E,
         q: &Query,
         asm: &Assembly,
-        then: impl FnOnce(Option<FullPrefill>) -> R,
+        then: impl FnOnce(Option<FullPrefill<E::Cache>>) -> R,
     ) -> R {
         if !(q.verify && q.temperature == 0.0 && !q.method.is_full()) {
             return then(None);
         }
-        let target = &self.engines.target;
         let key = ContextCache::key(target.fingerprint(), &q.collection, &asm.ids);
-        let cached = self.contexts.get(&key);
+        // The exact-context cache keeps host caches: the CPU engine's.
+        let cached = self
+            .contexts
+            .get(&key)
+            .and_then(|c| Some((as_cache::<E::Cache>(c.0.clone())?, c.1.clone())));
         let hit = cached.is_some();
         let full_ms = Arc::new(std::sync::Mutex::new(0.0));
         std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel();
             match cached {
-                Some(c) => {
-                    let _ = tx.send(Ok(FilledCache {
-                        cache: c.0.clone(),
-                        logits: c.1.clone(),
-                    }));
+                Some((cache, logits)) => {
+                    let _ = tx.send(Ok(FilledCache { cache, logits }));
                 }
                 None => {
                     let (ids, ms_out, contexts) = (&asm.ids, full_ms.clone(), &self.contexts);
                     let stop = target_engine::stop::current();
                     s.spawn(move || {
                         let t = Instant::now();
-                        let r = target_engine::stop::with_stop(stop, || target.prefill(ids));
+                        let room = ids.len() + q.max_tokens;
+                        let r =
+                            target_engine::stop::with_stop(stop, || target.prefill_into(ids, room));
                         *ms_out.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
                         if let Ok((cache, logits)) = &r {
-                            contexts.keep(key, cache, logits);
+                            if let Some(cache) = host_cache(cache) {
+                                contexts.keep(key, cache, logits);
+                            }
                         }
                         let _ = tx.send(r.map(FilledCache::from));
                     });
@@ -165,16 +182,16 @@ impl Pipeline {
     /// Greedy decoding from the blended output `draft`, verified against the full cache of the
     /// same prompt, which `full` delivers (computed on another thread since the request
     /// started, or taken from the exact-context cache).
-    fn verify(
+    fn verify<E: Backend>(
         &self,
-        draft: BlendOutput,
-        full: FullPrefill,
-        q: &Query,
+        on: On<'_, E>,
+        draft: BlendOutput<E::Cache>,
+        full: FullPrefill<E::Cache>,
         drafter: Option<&mut target_engine::Drafter<'_>>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<(target_engine::Generation, VerifyStats, SpecStats)> {
+        let On { target, query: q } = on;
         let (max_tokens, stop) = (q.max_tokens, &q.stop);
-        let target = &self.engines.target;
         let tok = target.tokenizer();
         let hit = full.hit;
         let params = VerifyParams {

@@ -120,7 +120,12 @@ pub(crate) trait Outcome: Sized {
     /// What is kept of the prefill before decoding moves its cache on.
     type Kept;
     /// Keeps what the outcome needs of the prefill `out` of the prompt `asm`.
-    fn keep(p: &Pipeline, exp: &dyn Experiment, asm: &Assembly, out: &BlendOutput) -> Self::Kept;
+    fn keep<C: 'static>(
+        p: &Pipeline,
+        exp: &dyn Experiment,
+        asm: &Assembly,
+        out: &BlendOutput<C>,
+    ) -> Self::Kept;
     /// The outcome of `answer`, decoded as `g`.
     fn finish(kept: Self::Kept, answer: Answer, g: Generation) -> Self;
 }
@@ -128,7 +133,7 @@ pub(crate) trait Outcome: Sized {
 impl Outcome for Answer {
     type Kept = ();
 
-    fn keep(_: &Pipeline, _: &dyn Experiment, _: &Assembly, _: &BlendOutput) {}
+    fn keep<C: 'static>(_: &Pipeline, _: &dyn Experiment, _: &Assembly, _: &BlendOutput<C>) {}
 
     fn finish((): (), answer: Answer, _: Generation) -> Self {
         answer
@@ -147,11 +152,20 @@ pub(crate) struct PrefillTrace {
 impl Outcome for Traced {
     type Kept = PrefillTrace;
 
-    fn keep(p: &Pipeline, exp: &dyn Experiment, asm: &Assembly, out: &BlendOutput) -> PrefillTrace {
+    fn keep<C: 'static>(
+        p: &Pipeline,
+        exp: &dyn Experiment,
+        asm: &Assembly,
+        out: &BlendOutput<C>,
+    ) -> PrefillTrace {
         PrefillTrace {
             first_logits: out.logits.clone(),
             prompt_ids: asm.ids.clone(),
-            prefill: exp.keep_prefill().then(|| out.cache.clone()),
+            // Experiments run on the CPU engine only (`Pipeline::query_with`).
+            prefill: exp
+                .keep_prefill()
+                .then(|| crate::target::host_cache(&out.cache).cloned())
+                .flatten(),
             selected: p.selected(asm, &out.recomputed),
             signals: out.signals,
         }

@@ -5,6 +5,7 @@
 use super::request::{Piece, Query};
 use super::Pipeline;
 use crate::error::{GatewayError, Result};
+use crate::target::Backend;
 use target_engine::prelude::*;
 use target_engine::{
     Assembly, ChunkKv, Drafter, FinishReason, GenerateParams, Generation, KvCache, SamplingParams,
@@ -34,8 +35,8 @@ pub(crate) fn logprobs_of(mut all: Vec<TokenLogprobs>, n: usize) -> Vec<TokenLog
 
 /// Where a decode starts: the prefilled cache, its last logits, and the drafter (if any)
 /// that proposes tokens.
-pub(crate) struct Decoding<'a, 'd> {
-    pub(crate) cache: &'a mut KvCache,
+pub(crate) struct Decoding<'a, 'd, C> {
+    pub(crate) cache: &'a mut C,
     pub(crate) logits: Vec<f32>,
     pub(crate) drafter: Option<&'a mut Drafter<'d>>,
 }
@@ -58,7 +59,9 @@ impl Pipeline {
     /// view: greedy, not `verify` (which drafts from the blended cache against the full
     /// one), and the request's `long_context`, else the server's above its `min_tokens`.
     pub(super) fn long_context_for(&self, q: &Query, prompt_tokens: usize) -> bool {
-        q.temperature == 0.0
+        // The view is the CPU engine's (`Target::refuses` names it for a device target).
+        self.engines.target.cpu().is_some()
+            && q.temperature == 0.0
             && !q.verify
             && q.long_context
                 .unwrap_or(self.long_context.on && prompt_tokens >= self.long_context.min_tokens)
@@ -67,10 +70,11 @@ impl Pipeline {
     /// Greedy or sampled decoding from `from.cache` and its last `from.logits`, with
     /// `from.drafter` (if any) proposing tokens; `watch` is asked after every token (see
     /// [`Generate::decode_watched`]).
-    pub(crate) fn decode_from(
+    pub(crate) fn decode_from<E: Backend>(
         &self,
+        target: &E,
         q: &Query,
-        from: Decoding<'_, '_>,
+        from: Decoding<'_, '_, E::Cache>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
         watch: &mut dyn FnMut(&[u32], f32) -> bool,
     ) -> Result<(Generation, bool, SpecStats)> {
@@ -79,9 +83,15 @@ impl Pipeline {
             logits,
             drafter,
         } = from;
-        let target = &self.engines.target;
         let params = generate_params(q);
         let mut on_text = |t: &str| on_piece(Piece::Token(t));
+        // Long-context and speculative drafting run on the CPU engine (a device target has no
+        // drafter: `Pipeline::drafter`).
+        let cpu = target.cpu().zip(crate::target::host_cache_mut(&mut *cache));
+        let Some((target, cache)) = cpu else {
+            let (g, e) = target.decode_watched(cache, logits, &params, &mut on_text, watch)?;
+            return Ok((g, e, SpecStats::default()));
+        };
         if self.long_context_for(q, cache.len()) {
             let mut view = target_engine::TopKView::new(self.long_context.view);
             let length = target_engine::ViewParams::default().length;
@@ -122,7 +132,7 @@ impl Pipeline {
         asm: &'a Assembly,
         texts: &'a [&'a str],
     ) -> Option<Drafter<'a>> {
-        if !q.spec_decode.unwrap_or(self.spec_decode) {
+        if !q.spec_decode.unwrap_or(self.spec_decode) || self.engines.target.cpu().is_none() {
             return None;
         }
         let source = q.spec_draft.unwrap_or(self.spec_draft);

@@ -10,6 +10,7 @@ use crate::answer::{Answer, ChunkRef, Reuse, Timings, TokenLogprob};
 use crate::corpus::Tier;
 use crate::error::{GatewayError, Result};
 use crate::fidelity::Fidelity;
+use crate::target::{Backend, Target};
 use std::time::Instant;
 use target_engine::Assembly;
 
@@ -19,6 +20,10 @@ impl Pipeline {
     /// ([`EngineHandle::submit`](crate::engine::EngineHandle::submit) runs it), and
     /// [`Pipeline::query`] and [`Pipeline::query_with`] run it for callers that do not queue.
     pub fn check(&self, q: &Query) -> Result<()> {
+        // What the target's engine cannot run is refused, never run on another engine.
+        if let Some(refused) = self.engines.target.refuses(q) {
+            return Err(refused);
+        }
         // A query that would retrieve from a collection holding nothing (a name mistyped, or
         // not ingested yet) is refused, not answered from no context at all. With passages of
         // its own the collection only scopes their stored KV, and may be new.
@@ -98,14 +103,38 @@ impl Pipeline {
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
     ) -> Result<Traced> {
         self.check(q)?;
+        if self.engines.target.cpu().is_none() {
+            return Err(GatewayError::bad(
+                "device",
+                format!(
+                    "an evaluation's experiment runs on the CPU engine only; the target runs on {}",
+                    self.engines.target.device()
+                ),
+            ));
+        }
         self.road(q, exp, on_piece)
     }
 
-    /// Retrieval and assembly, the prompt held to the context limit and the request's KV to
-    /// the memory budget, then the steps: the full prefill a verified request checks against
-    /// started beside the rest, and [`Pipeline::answer`].
+    /// The road on the target's engine: [`Pipeline::road_on`] with the CPU engine or the
+    /// device's, chosen once here.
     fn road<O: Outcome>(
         &self,
+        q: &Query,
+        exp: &dyn Experiment,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
+    ) -> Result<O> {
+        match &self.engines.target {
+            Target::Cpu(m) => self.road_on(&**m, q, exp, on_piece),
+            Target::Device(d) => self.road_on(&**d, q, exp, on_piece),
+        }
+    }
+
+    /// Retrieval and assembly, the prompt held to the context limit and the request's KV to
+    /// the memory budget, then the steps on `target`: the full prefill a verified request
+    /// checks against started beside the rest, and [`Pipeline::answer`].
+    fn road_on<E: Backend, O: Outcome>(
+        &self,
+        target: &E,
         q: &Query,
         exp: &dyn Experiment,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
@@ -137,19 +166,20 @@ impl Pipeline {
             t0,
             timings,
         };
-        self.with_full_prefill(q, &asm, |full| {
-            self.answer(Run { query: q, exp }, prompt, on_piece, full)
+        self.with_full_prefill(target, q, &asm, |full| {
+            self.answer(target, Run { query: q, exp }, prompt, on_piece, full)
         })
     }
 
     /// Everything after retrieval and assembly: KV load beside the speculator's pass, the
     /// method's selector and blended prefill, then decoding (or verification).
-    fn answer<O: Outcome>(
+    fn answer<E: Backend, O: Outcome>(
         &self,
+        target: &E,
         run: Run<'_>,
         prompt: Prompt<'_>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-        full_prefill: Option<FullPrefill>,
+        full_prefill: Option<FullPrefill<E::Cache>>,
     ) -> Result<O> {
         let Run { query: q, exp } = run;
         let Prompt {
@@ -160,20 +190,21 @@ impl Pipeline {
         } = prompt;
         let texts: Vec<&str> = hits.iter().map(|h| h.record.text.as_str()).collect();
         let (loaded, scored) = self.load_and_score(run, &texts, asm, &mut timings)?;
-        let mut reuse = Reuse::default();
-        for l in &loaded {
-            match l.tier {
-                Tier::Memory => reuse.chunks_from_memory += 1,
-                Tier::Disk => reuse.chunks_from_disk += 1,
-                Tier::Remote => reuse.chunks_from_remote += 1,
-                Tier::Recomputed => reuse.chunks_recomputed += 1,
-            }
-        }
+        let mut reuse = reuse_of(&loaded);
         let super::blend::Blended {
             out,
             exact_rows,
             experiment_ms,
-        } = self.blend(run, asm, &loaded, scored, &mut timings)?;
+        } = self.blend(
+            target,
+            run,
+            asm,
+            super::blend::KvLoaded {
+                loaded: &loaded,
+                scored,
+            },
+            &mut timings,
+        )?;
         timings.ttft_ms = ms(t0) - experiment_ms;
         reuse.chunk_tokens = out.chunk_tokens;
         reuse.recomputed_tokens = out.recomputed.len();
@@ -194,7 +225,7 @@ impl Pipeline {
             guard,
             spec,
             long,
-        } = self.decode(q, input, &mut timings, on_piece)?;
+        } = self.decode(target, q, input, &mut timings, on_piece)?;
         reuse.guard = guard;
         timings.decode_ms = ms(td);
         timings.total_ms = ms(t0) - experiment_ms;
@@ -231,6 +262,20 @@ impl Pipeline {
         };
         Ok(O::finish(kept, answer, g))
     }
+}
+
+/// Where the chunks' KV came from, counted per tier.
+fn reuse_of(loaded: &[crate::corpus::LoadedChunk]) -> Reuse {
+    let mut reuse = Reuse::default();
+    for l in loaded {
+        match l.tier {
+            Tier::Memory => reuse.chunks_from_memory += 1,
+            Tier::Disk => reuse.chunks_from_disk += 1,
+            Tier::Remote => reuse.chunks_from_remote += 1,
+            Tier::Recomputed => reuse.chunks_recomputed += 1,
+        }
+    }
+    reuse
 }
 
 /// What retrieval and assembly hand to the steps after them: the chunks read, the prompt,

@@ -154,6 +154,10 @@ pub struct DeviceModel {
     pub(super) fingerprint: String,
     /// Chunk KV kept in device memory ([`DeviceModel::set_hot_chunks`]).
     pub(super) hot: std::sync::Mutex<super::hot::HotChunks>,
+    /// The chat format prompts are written in, as [`crate::Model::chat`] reads it.
+    pub(super) chat: crate::chat::ChatFormat,
+    /// The GGUF file it was loaded from.
+    pub(super) path: std::path::PathBuf,
 }
 
 impl std::fmt::Debug for DeviceModel {
@@ -200,6 +204,8 @@ impl DeviceModel {
             });
         }
         let tokenizer = Tokenizer::from_gguf(&f)?;
+        let chat =
+            crate::chat::ChatFormat::for_tokenizer(&tokenizer, f.chat_template(), config.arch);
         let numerics = format!(
             "engine=device;device={};weights={};embedding=f32;kv=f16;attention=f32",
             if device.is_cpu() { "cpu" } else { "cuda" },
@@ -231,7 +237,19 @@ impl DeviceModel {
             weights,
             fingerprint,
             hot: Default::default(),
+            chat,
+            path: path.to_path_buf(),
         })
+    }
+
+    /// The GGUF file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The chat format prompts are written in: the file's template, or ChatML.
+    pub fn chat(&self) -> &crate::chat::ChatFormat {
+        &self.chat
     }
 
     /// Keeps up to `bytes` of recently placed chunk KV in device memory (f16, least recently

@@ -127,8 +127,14 @@ impl Default for RagTemplate {
 impl RagTemplate {
     /// The template in `model`'s chat format (its file's template, or ChatML).
     pub fn for_model(model: &Model) -> Self {
+        Self::for_chat(model.chat())
+    }
+
+    /// The template in the chat format `chat` (the device engine's, which reads the file's
+    /// template as [`Model::chat`] does).
+    pub fn for_chat(chat: &crate::chat::ChatFormat) -> Self {
         Self {
-            chat: model.chat().clone(),
+            chat: chat.clone(),
             ..Self::default()
         }
     }

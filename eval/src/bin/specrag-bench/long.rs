@@ -301,7 +301,8 @@ fn context(
         asm.ids.len()
     );
     let refs: Vec<&ChunkKv> = kvs.iter().collect();
-    let input = SelectInput::new(&*engines.target, &asm, &engines.prefix, &refs, 0.0);
+    let target = engines.target.cpu_for("the long-context bench")?;
+    let input = SelectInput::new(&**target, &asm, &engines.prefix, &refs, 0.0);
     let out = FullReuse.prefill(&input)?;
     // The speculator's cache of the same prompt, its stored chunk KV reused the same way.
     let spec = match (&engines.spec, &engines.spec_prefix, engines.drafts) {

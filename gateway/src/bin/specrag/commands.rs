@@ -274,9 +274,11 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
 /// without a word. The look is advice: where it fails, serving goes on.
 fn warn_of_foreign_kv(pipeline: &gateway::pipeline::Pipeline) {
     let target = &pipeline.engines.target;
-    let attention = match target.attention() {
-        kernels::AttentionPrecision::F32 => "f32",
-        kernels::AttentionPrecision::Bf16 => "bf16",
+    let attention = match target.cpu().map(|m| m.attention()) {
+        Some(kernels::AttentionPrecision::F32) => "f32",
+        Some(kernels::AttentionPrecision::Bf16) => "bf16",
+        // KV computed on a device is its own: another --device reads none of it.
+        None => "the device engine's",
     };
     match crate::foreign_kv::look(&pipeline.corpus, target.fingerprint()) {
         Ok(found) => {

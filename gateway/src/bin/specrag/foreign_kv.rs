@@ -60,7 +60,7 @@ pub fn warning(found: &ForeignKv, fingerprint: &str, attention: &str) -> Option<
         "warning: {} of {} stored chunk KV blobs looked at were computed by a target loaded \
          otherwise than this one (fingerprint {}…, this one's {}…): at another --attention \
          precision (this run: {attention}), with another --candle-k-quants, on a CPU with \
-         other int8 kernels, or from another file. Such KV is never read: every eagerly \
+         other int8 kernels, on another --device, or from another file. Such KV is never read: every eagerly \
          ingested chunk is recomputed at its first retrieval. Serve with the settings the \
          collections were ingested with, or ingest them again.",
         found.foreign,

@@ -17,7 +17,7 @@ mod tools;
 use anyhow::Context;
 use args::{Cli, Cmd, ModelsCmd};
 use clap::Parser;
-use gateway::cli::{load_pair, load_target, ModelArgs};
+use gateway::cli::{load_served_target, load_speculator, ModelArgs};
 use gateway::corpus::{Corpus, Engines};
 use gateway::pipeline::{Pipeline, ScoreSource};
 use std::path::Path;
@@ -64,12 +64,15 @@ fn open_pipeline(
     with_speculator: bool,
     scores: ScoreSource,
 ) -> anyhow::Result<Pipeline> {
-    let engines = if with_speculator {
-        let (target, spec) = load_pair(m)?;
-        Engines::new(Arc::new(target), Some(spec))?
+    let target = load_served_target(m)?;
+    // What the speculator serves (the SpecCache methods, its drafts) runs on the CPU engine
+    // only: a device target loads none.
+    let spec = if with_speculator && target.cpu().is_some() {
+        Some(Arc::new(load_speculator(m)?))
     } else {
-        Engines::new(Arc::new(load_target(m)?), None)?
+        None
     };
+    let engines = Engines::new(target, spec)?;
     let corpus = Corpus::open_with(data, memory_bytes, store)
         .with_context(|| format!("opening data directory {}", data.display()))?;
     Ok(Pipeline::new(engines, corpus, scores))
