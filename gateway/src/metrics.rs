@@ -42,6 +42,7 @@ const BATCH_PASSES: &str = "specrag_decode_passes_total";
 const BATCH_STEPS: &str = "specrag_decode_steps_total";
 const BATCH_SEATED: &str = "specrag_decoding_requests";
 const KV_HELD: &str = "specrag_kv_bytes_held";
+const DEVICE_MEMORY: &str = "specrag_device_memory_bytes";
 
 /// The server's metrics. Cheap to update from any thread.
 pub struct Metrics {
@@ -267,6 +268,18 @@ impl Metrics {
             );
             metrics::gauge!(KV_HELD, "kind" => "held").set(held as f64);
             metrics::gauge!(KV_HELD, "kind" => "budget").set(budget as f64);
+        });
+    }
+
+    /// The target device's memory (`--device cuda`), as its driver reports it.
+    pub fn device_memory(&self, used: u64, total: u64) {
+        self.with(|| {
+            metrics::describe_gauge!(
+                DEVICE_MEMORY,
+                "Memory of the target's GPU (--device): in use by every process, and in all."
+            );
+            metrics::gauge!(DEVICE_MEMORY, "kind" => "used").set(used as f64);
+            metrics::gauge!(DEVICE_MEMORY, "kind" => "total").set(total as f64);
         });
     }
 

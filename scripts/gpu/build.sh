@@ -2,7 +2,7 @@
 # Builds specrag's CUDA binaries on a machine without a GPU or a CUDA install, from PyPI's
 # CUDA 13.0 wheels, and packs them for the GPU machine (docs/gpu.md).
 #
-#   scripts/gpu/build.sh            # build and pack into target/gpu-pack (~13 min cold on 2 cores)
+#   scripts/gpu/build.sh            # build and pack into target/gpu-pack (~25 min cold on 2 cores)
 #   scripts/gpu/build.sh --check    # only `cargo check --features cuda` (~9 min cold; .ci/run runs it)
 #   scripts/gpu/build.sh --deps     # only the CUDA dependencies (warms the cache)
 #
@@ -90,13 +90,33 @@ if [ "$MODE" = "--check" ]; then
     cargo check --release -p target-engine --features cuda --example gpu_check
     exit 0
 fi
-log "cargo build --release --features cuda --example gpu_check"
-cargo build --release -p target-engine --features cuda --example gpu_check
+log "cargo build --release --features cuda --example gpu_check --example random_model"
+cargo build --release -p target-engine --features cuda --example gpu_check --example random_model
+log "cargo build --release -p gateway --features cuda --bin specrag (serve_check.sh's server)"
+cargo build --release -p gateway --features cuda --bin specrag
 rm -rf "$PACK" && mkdir -p "$PACK"
 strip -o "$PACK/gpu_check" "$CARGO_TARGET_DIR/release/examples/gpu_check"
-cp "$ROOT/scripts/gpu/check.sh" "$ROOT/scripts/gpu/torch_anchor.py" "$ROOT/scripts/gpu/ratios.py" "$PACK/"
+strip -o "$PACK/random_model" "$CARGO_TARGET_DIR/release/examples/random_model"
+strip -o "$PACK/specrag" "$CARGO_TARGET_DIR/release/specrag"
+cp "$ROOT/scripts/gpu/check.sh" "$ROOT/scripts/gpu/libs.sh" "$ROOT/scripts/gpu/torch_anchor.py" \
+    "$ROOT/scripts/gpu/ratios.py" "$ROOT/scripts/gpu/serve_check.sh" \
+    "$ROOT/scripts/gpu/serve_client.py" "$PACK/"
 cp "$CUDA/lib/libcudart.so.13" "$PACK/"
+# serve_check.sh's data: real passages and questions, and the Qwen2.5 tokenizer its
+# random-weight models carry (the default model's, from where setup-tests.sh put it).
+python3 "$ROOT/scripts/gpu/serve_client.py" prepare --out "$PACK"
+TOKENIZER_SRC=""
+for d in "${SPECRAG_MODELS:-}" "$ROOT/models" "$CACHE/models"; do
+    f="$d/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if [ -n "$d" ] && [ -f "$f" ]; then TOKENIZER_SRC="$f"; break; fi
+done
+if [ -n "$TOKENIZER_SRC" ]; then
+    "$PACK/random_model" --extract-tokenizer "$TOKENIZER_SRC" --out "$PACK/qwen25-tokenizer.gguf"
+else
+    log "warning: no qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (scripts/setup-tests.sh fetches it):"
+    log "serve_check.sh's models will carry the tests' tiny vocabulary instead of Qwen2.5's"
+fi
 # Compressed: the transfer to the GPU machine carries at most 64 MiB.
-(cd "$PACK" && xz -T0 -6 gpu_check libcudart.so.13)
+(cd "$PACK" && xz -T0 -6 gpu_check random_model specrag libcudart.so.13)
 du -sh "$PACK" "$PACK"/*
-log "packed into $PACK: carry it to the GPU machine and run check.sh there (docs/gpu.md)"
+log "packed into $PACK: carry it to the GPU machine and run check.sh, serve_check.sh there (docs/gpu.md)"

@@ -28,27 +28,11 @@ for f in gpu_check libcudart.so.13; do
 done
 chmod +x "$WORK/bin/gpu_check"
 
-# Library folders: PyTorch's nvidia wheels (CUDA 13 ones install into nvidia/cu13), then a
-# toolkit install. cudarc opens libcublas.so.13, libcurand.so.10, libnvrtc.so.13 by name.
-LIBS="$WORK/bin"
-SITES="$(python3 -c 'import site, sys; print(" ".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>/dev/null || true)"
-for site in $SITES; do
-    for d in "$site"/nvidia/*/lib "$site"/torch/lib; do
-        [ -d "$d" ] && LIBS="$LIBS:$d"
-    done
-done
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -d "$d" ] && LIBS="$LIBS:$d"
-done
-export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-say "library path: $LD_LIBRARY_PATH"
-for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
-    found=""
-    for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
-        if [ -e "$d/$lib" ]; then found="$d/$lib"; break; fi
-    done
-    say "$lib: ${found:-not found in the folders above (ldconfig may still know it)}"
-done
+# shellcheck source=libs.sh
+source "$HERE/libs.sh"
+# Not in a pipe: the function exports LD_LIBRARY_PATH into this shell.
+cuda_library_path "$WORK/bin" >"$WORK/libs.txt"
+tee -a "$LOG" <"$WORK/libs.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1 | tee -a "$LOG" || true
 lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\))' | tee -a "$LOG" || true
 

@@ -55,6 +55,10 @@ pub struct TinySpec {
     /// The format of a real shape's matrices: Q8_0 (the default) or Q4_K, the format most
     /// of a real Q4_K_M file is in.
     pub real_format: GgmlDType,
+    /// A GGUF file whose tokenizer (every `tokenizer.*` entry: vocabulary, merges, special
+    /// ids, chat template) the model carries instead of the tiny vocabulary: a random-weight
+    /// model that reads text as the real one does ([`write_tokenizer_gguf`] keeps just those).
+    pub tokenizer_from: Option<std::path::PathBuf>,
 }
 
 impl TinySpec {
@@ -79,6 +83,7 @@ impl TinySpec {
             real_vocab: None,
             phi3_name: false,
             real_format: GgmlDType::Q8_0,
+            tokenizer_from: None,
         }
     }
 
@@ -252,6 +257,42 @@ pub fn family_specs() -> Vec<(&'static str, TinySpec)> {
     ]
 }
 
+/// A vocabulary's tokens and its `tokenizer.*` metadata entries.
+type TokenizerMeta = (Vec<String>, Vec<(String, Value)>);
+
+/// The tokens and every `tokenizer.*` entry of the GGUF file at `path`.
+fn tokenizer_of(path: &Path) -> Result<TokenizerMeta> {
+    let mut reader = std::io::BufReader::new(std::fs::File::open(path)?);
+    let content = gguf_file::Content::read(&mut reader)?;
+    let mut meta: Vec<(String, Value)> = content
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect();
+    meta.sort_by(|a, b| a.0.cmp(&b.0));
+    let tokens = meta
+        .iter()
+        .find(|(k, _)| k == "tokenizer.ggml.tokens")
+        .and_then(|(_, v)| v.to_vec().ok())
+        .map(|v| {
+            v.iter()
+                .filter_map(|t| t.to_string().ok().cloned())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok((tokens, meta))
+}
+
+/// Writes to `dst` a GGUF file holding only the tokenizer of the GGUF file at `src` (every
+/// `tokenizer.*` entry, no tensors): what [`TinySpec::tokenizer_from`] reads, a few MB.
+pub fn write_tokenizer_gguf(src: &Path, dst: &Path) -> Result<()> {
+    let (_, meta) = tokenizer_of(src)?;
+    let refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(dst)?;
+    gguf_file::write(&mut file, &refs, &[])?;
+    Ok(())
+}
+
 /// The tiny vocabulary and its `tokenizer.ggml.*` entries (but EOS and BOS use): byte-level
 /// BPE (256 byte symbols, a few merges, `words`) or SentencePiece; ChatML specials last.
 fn tiny_vocab(spec: &TinySpec) -> (Vec<String>, Vec<(String, Value)>) {
@@ -394,7 +435,10 @@ pub const TINY_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end
 pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     let dev = Device::Cpu;
     let a = spec.arch.as_str();
-    let (tokens, tokenizer_meta) = tiny_vocab(spec);
+    let (tokens, tokenizer_meta) = match &spec.tokenizer_from {
+        Some(file) => tokenizer_of(file)?,
+        None => tiny_vocab(spec),
+    };
     let vocab = tokens.len();
     let eos = (vocab - 1) as u32; // <|im_end|>
     let s = |x: &str| Value::String(x.to_string());
@@ -433,6 +477,8 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    // A borrowed tokenizer brings its own special ids.
+    meta.retain(|(k, _)| !tokenizer_meta.iter().any(|(t, _)| t == k));
     meta.extend(tokenizer_meta);
     if let Some(d) = spec.head_dim {
         meta.push((format!("{a}.attention.key_length"), u(d)));

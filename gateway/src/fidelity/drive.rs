@@ -5,9 +5,10 @@
 use super::{GuardReport, LookCost, LookRows};
 use crate::answer::Timings;
 use crate::error::Result;
+use crate::pipeline::backend::{Backend, On};
 use crate::pipeline::generate::{finish_reason, generate_params, Decoding};
 use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
-use crate::target::{as_cache, host_cache, Backend, On};
+use crate::target::{as_cache, host_cache};
 use std::time::Instant;
 use target_engine::{
     Assembly, BlendOutput, Drafter, Flow, Generation, Shown, SpecDecodeStats as SpecStats,

@@ -149,6 +149,11 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
         state.pipeline.kv_held.held(),
         state.pipeline.kv_memory_budget,
     );
+    if let crate::target::Target::Device(d) = &state.pipeline.engines.target {
+        if let Some(m) = d.memory() {
+            state.metrics.device_memory(m.used, m.total);
+        }
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(state.engine.depth(), &stats),

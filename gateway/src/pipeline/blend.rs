@@ -1,6 +1,7 @@
 //! Steps 1 and 2: each chunk's KV (memory, disk or recomputed) loaded beside the
 //! speculator's pass over the prompt, then the method's selector and the blended prefill.
 
+use super::backend::Backend;
 use super::experiment::Run;
 use super::request::{Query, ScoreSource};
 use super::{ms, Pipeline};
@@ -8,7 +9,6 @@ use crate::answer::Timings;
 use crate::corpus::LoadedChunk;
 use crate::error::{GatewayError, Result};
 use crate::method::{Method, SelectorInputs, SpecScores};
-use crate::target::Backend;
 use speculator::{ChunkScores, LayerRange, ScoredTokens};
 use std::time::Instant;
 use target_engine::{Assembly, BlendOutput, ChunkKv, Engine, SelectInput};

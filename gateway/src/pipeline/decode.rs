@@ -2,6 +2,7 @@
 //! (`crate::fidelity::drive`), or drafted from it and verified against the full prefill of
 //! the same prompt, which runs beside the earlier steps.
 
+use super::backend::{Backend, On};
 use super::context_cache::ContextCache;
 use super::generate::finish_reason;
 use super::request::{Piece, Query};
@@ -10,7 +11,7 @@ use crate::answer::{Timings, VerifyStats};
 use crate::error::Result;
 use crate::fidelity::drive::Reused;
 use crate::fidelity::{GuardReport, LookRows};
-use crate::target::{as_cache, host_cache, Backend, On};
+use crate::target::{as_cache, host_cache};
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{

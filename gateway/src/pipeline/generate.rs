@@ -2,10 +2,10 @@
 //! the drafter its request asks for (prompt lookup, the speculator or both), long-context
 //! drafting, and why an answer ended. Decoding and the fidelity guard's driving code use it.
 
+use super::backend::Backend;
 use super::request::{Piece, Query};
 use super::Pipeline;
 use crate::error::{GatewayError, Result};
-use crate::target::Backend;
 use target_engine::prelude::*;
 use target_engine::{
     Assembly, ChunkKv, Drafter, FinishReason, GenerateParams, Generation, KvCache, SamplingParams,
@@ -59,7 +59,7 @@ impl Pipeline {
     /// view: greedy, not `verify` (which drafts from the blended cache against the full
     /// one), and the request's `long_context`, else the server's above its `min_tokens`.
     pub(super) fn long_context_for(&self, q: &Query, prompt_tokens: usize) -> bool {
-        // The view is the CPU engine's (`Target::refuses` names it for a device target).
+        // The view is the CPU engine's (`backend::refused` names it for a device target).
         self.engines.target.cpu().is_some()
             && q.temperature == 0.0
             && !q.verify

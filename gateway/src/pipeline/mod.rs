@@ -10,6 +10,7 @@
 //! speculative generation from a cache, `context_cache.rs` the full caches kept for repeats,
 //! `experiment.rs` the interface an evaluation implements and the trace it gets back.
 
+pub(crate) mod backend;
 mod blend;
 mod context_cache;
 mod decode;

@@ -1,6 +1,7 @@
 //! A query's one road: checked, retrieved and assembled, admitted, then its chunk KV loaded
 //! and blended (`blend.rs`) and its answer decoded (`decode.rs`).
 
+use super::backend::Backend;
 use super::decode::{DecodeInput, Decoded, FullPrefill};
 use super::experiment::{Experiment, Outcome, Run, Served, Traced};
 use super::request::{Piece, Query};
@@ -10,7 +11,7 @@ use crate::answer::{Answer, ChunkRef, Reuse, Timings, TokenLogprob};
 use crate::corpus::Tier;
 use crate::error::{GatewayError, Result};
 use crate::fidelity::Fidelity;
-use crate::target::{Backend, Target};
+use crate::target::Target;
 use std::time::Instant;
 use target_engine::Assembly;
 
@@ -21,7 +22,7 @@ impl Pipeline {
     /// [`Pipeline::query`] and [`Pipeline::query_with`] run it for callers that do not queue.
     pub fn check(&self, q: &Query) -> Result<()> {
         // What the target's engine cannot run is refused, never run on another engine.
-        if let Some(refused) = self.engines.target.refuses(q) {
+        if let Some(refused) = super::backend::refused(&self.engines.target, q) {
             return Err(refused);
         }
         // A query that would retrieve from a collection holding nothing (a name mistyped, or

@@ -15,8 +15,8 @@
 //!
 //! By job: the weights on the device and their loading (`model.rs`), the cache (`cache.rs`),
 //! the forward passes and greedy decoding (`forward.rs`), chunk KV to and from host memory
-//! (`host_kv.rs`), the blended prefill (`blend.rs`) and its shift (`shift.rs`), and batching
-//! (`batcher.rs`).
+//! (`host_kv.rs`) and the hot chunks kept on the device (`hot.rs`), the shift's per-layer step
+//! (`shift.rs`), the engine interface (`engine.rs`), and batching (`batcher.rs`).
 
 use crate::error::{EngineError, Result};
 use candle_core::Device;
@@ -34,7 +34,7 @@ pub use batcher::{
 };
 pub use cache::DeviceCache;
 pub use hot::HotStats;
-pub use model::{DeviceModel, DeviceWeights};
+pub use model::{DeviceMemory, DeviceModel, DeviceWeights};
 
 /// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.
 pub fn parse_device(spec: &str) -> Result<Device> {

@@ -169,6 +169,28 @@ impl std::fmt::Debug for DeviceModel {
     }
 }
 
+/// A device's memory in bytes: in use and in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub used: u64,
+    pub total: u64,
+}
+
+#[cfg(feature = "cuda")]
+fn device_memory(device: &Device) -> Option<DeviceMemory> {
+    let cuda = device.as_cuda_device().ok()?;
+    let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+    Some(DeviceMemory {
+        used: total.saturating_sub(free) as u64,
+        total: total as u64,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_memory(_: &Device) -> Option<DeviceMemory> {
+    None
+}
+
 /// `q` in `device` memory, block for block.
 fn to_device(q: QTensor, device: &Device) -> Result<QTensor> {
     if device.is_cpu() {
@@ -240,6 +262,12 @@ impl DeviceModel {
             chat,
             path: path.to_path_buf(),
         })
+    }
+
+    /// The device's memory as the driver reports it (every process's use counts): `None`
+    /// where it reports none (candle's CPU device, a build without `cuda`).
+    pub fn memory(&self) -> Option<DeviceMemory> {
+        device_memory(&self.device)
     }
 
     /// The GGUF file it was loaded from.
