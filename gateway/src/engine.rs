@@ -482,7 +482,7 @@ struct Workers {
     max: usize,
     /// Queries running now.
     running: Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>,
-    batcher: Arc<target_engine::DecodeBatcher>,
+    batcher: Arc<dyn target_engine::Batching>,
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
 }
@@ -490,9 +490,20 @@ struct Workers {
 impl Workers {
     fn new(batching: Batching, pipeline: Arc<Pipeline>, metrics: Arc<Metrics>) -> Self {
         let max = batching.max.max(1);
-        let batcher = Arc::new(
-            target_engine::DecodeBatcher::new(max, BATCH_WINDOW).with_prefill_order(batching.order),
-        );
+        // The batcher of the target's engine: its requests' decode steps share passes.
+        let batcher: Arc<dyn target_engine::Batching> = match &pipeline.engines.target {
+            crate::target::Target::Cpu(_) => Arc::new(
+                target_engine::DecodeBatcher::<target_engine::Model>::new(max, BATCH_WINDOW)
+                    .with_prefill_order(batching.order),
+            ),
+            crate::target::Target::Device(_) => Arc::new(
+                target_engine::DecodeBatcher::<target_engine::device::DeviceModel>::new(
+                    max,
+                    BATCH_WINDOW,
+                )
+                .with_prefill_order(batching.order),
+            ),
+        };
         metrics.set_batcher(Arc::clone(&batcher));
         Self {
             max,
@@ -578,7 +589,7 @@ fn run_query(
     query: &Query,
     deadline: Instant,
     events: &mpsc::Sender<QueryEvent>,
-    turns: Option<&Arc<target_engine::DecodeBatcher>>,
+    turns: Option<&Arc<dyn target_engine::Batching>>,
 ) {
     if events.is_closed() {
         return;
@@ -597,7 +608,7 @@ fn run_query(
     let result = target_engine::stop::with_stop(Some(stop), || {
         // Prefills take turns; the turn passes on when this query starts decoding.
         if let Some(b) = turns {
-            b.take_turn()?;
+            target_engine::take_turn_at(b, target_engine::TurnKind::First)?;
         }
         pipeline.query_checked(query, &mut |piece| {
             if Instant::now() > deadline {

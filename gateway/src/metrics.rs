@@ -49,7 +49,7 @@ pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
     /// The engine's decode batcher, read when `/metrics` is rendered.
-    batcher: std::sync::OnceLock<std::sync::Arc<target_engine::DecodeBatcher>>,
+    batcher: std::sync::OnceLock<std::sync::Arc<dyn target_engine::Batching>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -240,7 +240,7 @@ impl Metrics {
     }
 
     /// The engine's decode batcher, whose passes `/metrics` reports from now on.
-    pub fn set_batcher(&self, batcher: std::sync::Arc<target_engine::DecodeBatcher>) {
+    pub fn set_batcher(&self, batcher: std::sync::Arc<dyn target_engine::Batching>) {
         if self.batcher.set(batcher).is_ok() {
             self.with(|| {
                 use metrics::{describe_counter, describe_gauge};

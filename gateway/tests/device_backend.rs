@@ -264,3 +264,51 @@ fn the_device_refuses_what_runs_on_the_cpu_engine_only() -> TestResult {
     assert_eq!(refused(&q, Some(&Served)).0, "device");
     Ok(())
 }
+
+/// The server's decode batcher batches the device engine's steps as it does the CPU engine's:
+/// requests decoding side by side on the device go through one [`DecodeBatcher`] of the device
+/// engine, and each answer is the one it gets alone.
+///
+/// [`DecodeBatcher`]: target_engine::DecodeBatcher
+#[test]
+fn device_answers_batched_together_equal_each_alone() -> TestResult {
+    // Long enough answers that the requests decode side by side.
+    let long = |t: &str| Query {
+        max_tokens: 48,
+        ..query(t, Method::TargetProbeShift)
+    };
+    let dir = tempfile::tempdir()?;
+    let (_cpu, dev) = both(dir.path())?;
+    let alone: Vec<Answer> = QUESTIONS
+        .iter()
+        .map(|t| dev.query(&long(t), &mut |_| true))
+        .collect::<Result<_, _>>()?;
+    let batcher = Arc::new(target_engine::DecodeBatcher::<DeviceModel>::new(
+        QUESTIONS.len(),
+        std::time::Duration::from_millis(500),
+    ));
+    let together: Vec<Answer> = std::thread::scope(|s| {
+        let runs: Vec<_> = QUESTIONS
+            .iter()
+            .map(|t| {
+                let (b, dev) = (Arc::clone(&batcher), &dev);
+                s.spawn(move || {
+                    target_engine::with_batcher(Some(b), || dev.query(&long(t), &mut |_| true))
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .map(|h| h.join().expect("a query thread"))
+            .collect::<Result<_, _>>()
+    })?;
+    for ((a, b), t) in alone.iter().zip(&together).zip(QUESTIONS) {
+        assert_eq!((tokens(a), &a.answer), (tokens(b), &b.answer), "`{t}`");
+    }
+    let stats = batcher.stats();
+    assert!(
+        stats.steps > 0,
+        "the device's decode steps went through its batcher: {stats:?}"
+    );
+    eprintln!("device batcher: {stats:?}");
+    Ok(())
+}

@@ -18,7 +18,8 @@
 //!
 //! The batcher is written once for both engines ([`StepEngine`]): the CPU engine ([`Model`],
 //! whose steps may carry drafts) and the device engine ([`crate::device::DeviceModel`], one
-//! token per request and step).
+//! token per request and step). A thread installs it as a [`Batching`], which knows no engine:
+//! a request's steps go through it where it is the batcher of that request's engine.
 //!
 //! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
 //! in the batcher's [`PrefillOrder`]: first come first served, or first prefills before the
@@ -87,6 +88,85 @@ pub struct BatchStats {
     pub max_steps: usize,
     /// Requests decoding now.
     pub seated: usize,
+}
+
+/// A batcher as a thread installs it ([`with_batcher`]), whatever its engine: seats, prefill
+/// turns and what it has done. The decode steps of a request on engine `E` go through it where
+/// it is a [`DecodeBatcher<E>`], and run alone otherwise.
+pub trait Batching: Send + Sync + std::fmt::Debug {
+    /// Itself, as the trait object a thread holds.
+    fn into_dyn(self: Arc<Self>) -> Arc<dyn Batching>;
+    /// Itself, to be found as the [`DecodeBatcher`] of an engine.
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    /// Counts one more request as decoding.
+    fn take_seat(&self);
+    /// Counts one request fewer as decoding (a pass's leader need not wait for it).
+    fn leave_seat(&self);
+    /// Waits for a prefill turn for work of `kind`; [`EngineError::Stopped`] when the thread's
+    /// stop condition says so meanwhile.
+    fn wait_turn(&self, kind: TurnKind) -> Result<()>;
+    /// Passes the turn on to the next ticket not given up.
+    fn pass_turn(&self);
+    /// What the batcher has done so far.
+    fn stats(&self) -> BatchStats;
+}
+
+impl<E: StepEngine + std::fmt::Debug + 'static> Batching for DecodeBatcher<E>
+where
+    E::Cache: 'static,
+{
+    fn into_dyn(self: Arc<Self>) -> Arc<dyn Batching> {
+        self
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+
+    fn take_seat(&self) {
+        self.lock().seated += 1;
+    }
+
+    fn leave_seat(&self) {
+        let mut st = self.lock();
+        st.seated = st.seated.saturating_sub(1);
+        self.wake.notify_all();
+    }
+
+    fn wait_turn(&self, kind: TurnKind) -> Result<()> {
+        let mut st = self.lock();
+        let ticket = st.turns.enqueue(kind);
+        while !st.turns.try_take(ticket, self.order) {
+            if crate::stop::check().is_err() {
+                st.turns.drop_ticket(ticket);
+                self.wake.notify_all();
+                return Err(EngineError::Stopped);
+            }
+            st = self
+                .wake
+                .wait_timeout(st, TURN_POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn pass_turn(&self) {
+        self.lock().turns.release();
+        self.wake.notify_all();
+    }
+
+    fn stats(&self) -> BatchStats {
+        DecodeBatcher::stats(self)
+    }
+}
+
+/// Takes a prefill turn at `batcher` for this thread (held until it starts decoding or its
+/// [`with_batcher`] scope ends).
+pub fn take_turn_at(batcher: &Arc<dyn Batching>, kind: TurnKind) -> Result<()> {
+    batcher.wait_turn(kind)?;
+    TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(batcher))));
+    Ok(())
 }
 
 #[derive(Debug)]
@@ -260,15 +340,12 @@ impl<E: StepEngine> DecodeBatcher<E> {
                 .0;
         }
     }
-
-    /// Passes the turn on to the next ticket not given up.
-    fn pass_turn(&self) {
-        self.lock().turns.release();
-        self.wake.notify_all();
-    }
 }
 
-impl DecodeBatcher<Model> {
+impl<E: StepEngine + std::fmt::Debug + 'static> DecodeBatcher<E>
+where
+    E::Cache: 'static,
+{
     /// Waits for this thread's turn at its first prefill (in the batcher's [`PrefillOrder`]),
     /// which it holds until it takes a decoding seat or [`with_batcher`]'s scope ends. Fails
     /// with [`EngineError::Stopped`] when this thread's stop condition says so while waiting
@@ -279,23 +356,7 @@ impl DecodeBatcher<Model> {
 
     /// [`DecodeBatcher::take_turn`] for work of `kind`.
     pub fn take_turn_for(self: &Arc<Self>, kind: TurnKind) -> Result<()> {
-        let mut st = self.lock();
-        let ticket = st.turns.enqueue(kind);
-        while !st.turns.try_take(ticket, self.order) {
-            if crate::stop::check().is_err() {
-                st.turns.drop_ticket(ticket);
-                self.wake.notify_all();
-                return Err(EngineError::Stopped);
-            }
-            st = self
-                .wake
-                .wait_timeout(st, TURN_POLL)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        drop(st);
-        TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(self))));
-        Ok(())
+        take_turn_at(&Arc::clone(self).into_dyn(), kind)
     }
 }
 
@@ -304,7 +365,7 @@ const TURN_POLL: Duration = Duration::from_millis(20);
 
 /// A prefill turn held by this thread; passed on when dropped.
 #[derive(Debug)]
-struct Turn(Arc<DecodeBatcher>);
+struct Turn(Arc<dyn Batching>);
 
 impl Drop for Turn {
     fn drop(&mut self) {
@@ -378,7 +439,7 @@ impl<E: StepEngine> Drop for Seat<E> {
 }
 
 thread_local! {
-    static BATCHER: RefCell<Option<Arc<DecodeBatcher>>> = const { RefCell::new(None) };
+    static BATCHER: RefCell<Option<Arc<dyn Batching>>> = const { RefCell::new(None) };
     static TURN: RefCell<Option<Turn>> = const { RefCell::new(None) };
     /// Seats this thread holds at its installed batcher.
     static SEATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -386,37 +447,35 @@ thread_local! {
 
 /// A seat this thread took at its installed batcher ([`seat`]).
 #[derive(Debug)]
-pub(crate) struct LocalSeat(#[allow(dead_code)] Seat);
+pub(crate) struct LocalSeat(Arc<dyn Batching>);
 
 impl Drop for LocalSeat {
     fn drop(&mut self) {
+        self.0.leave_seat();
         SEATED.with(|n| n.set(n.get().saturating_sub(1)));
     }
 }
 
 /// A seated request doing other work (a prefill in its turn): not counted as decoding until
 /// dropped, so the passes of the others do not wait for it.
-struct StepAside(Arc<DecodeBatcher>);
+struct StepAside(Arc<dyn Batching>);
 
 impl StepAside {
-    fn new(b: Arc<DecodeBatcher>) -> Self {
-        let mut st = b.lock();
-        st.seated = st.seated.saturating_sub(1);
-        b.wake.notify_all();
-        drop(st);
+    fn new(b: Arc<dyn Batching>) -> Self {
+        b.leave_seat();
         Self(b)
     }
 }
 
 impl Drop for StepAside {
     fn drop(&mut self) {
-        self.0.lock().seated += 1;
+        self.0.take_seat();
     }
 }
 
 /// Puts the previous batcher back when dropped (also when `f` panics), giving up a prefill
 /// turn taken in the scope.
-struct Restore(Option<Arc<DecodeBatcher>>);
+struct Restore(Option<Arc<dyn Batching>>);
 
 impl Drop for Restore {
     fn drop(&mut self) {
@@ -426,8 +485,11 @@ impl Drop for Restore {
     }
 }
 
-/// Runs `f` with `batcher` batching this thread's decode steps (`None`: each step alone).
-pub fn with_batcher<R>(batcher: Option<Arc<DecodeBatcher>>, f: impl FnOnce() -> R) -> R {
+/// Runs `f` with `batcher` batching this thread's decode steps (`None`: each step alone): the
+/// steps of requests on the engine it batches ([`DecodeBatcher<E>`]) share passes, and take
+/// its prefill turns.
+pub fn with_batcher<B: Batching + ?Sized, R>(batcher: Option<Arc<B>>, f: impl FnOnce() -> R) -> R {
+    let batcher = batcher.map(Batching::into_dyn);
     let _restore = Restore(BATCHER.with(|b| b.replace(batcher)));
     f()
 }
@@ -436,9 +498,10 @@ pub fn with_batcher<R>(batcher: Option<Arc<DecodeBatcher>>, f: impl FnOnce() -> 
 /// holds one, passes to the next request.
 pub(crate) fn seat() -> Option<LocalSeat> {
     end_turn();
-    let seat = BATCHER.with(|b| b.borrow().as_ref().map(DecodeBatcher::seat))?;
+    let b = installed()?;
+    b.take_seat();
     SEATED.with(|n| n.set(n.get() + 1));
-    Some(LocalSeat(seat))
+    Some(LocalSeat(b))
 }
 
 /// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's
@@ -452,7 +515,7 @@ pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
         Some(b) if !held => {
             let _aside =
                 (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
-            b.take_turn_for(TurnKind::Later)?;
+            take_turn_at(&b, TurnKind::Later)?;
             let out = f();
             end_turn();
             out
@@ -461,14 +524,22 @@ pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
     }
 }
 
-fn installed() -> Option<Arc<DecodeBatcher>> {
+fn installed() -> Option<Arc<dyn Batching>> {
     BATCHER.with(|b| b.borrow().clone())
+}
+
+/// This thread's batcher, where it batches engine `E`'s steps.
+fn installed_for<E: StepEngine + 'static>() -> Option<Arc<DecodeBatcher<E>>>
+where
+    E::Cache: 'static,
+{
+    installed()?.into_any().downcast::<DecodeBatcher<E>>().ok()
 }
 
 /// One decode step of token `id` at the end of `cache`: through this thread's batcher, or
 /// [`Model::forward`] alone.
 pub(crate) fn step(model: &Model, id: u32, cache: &mut KvCache) -> Result<Vec<f32>> {
-    match installed() {
+    match installed_for::<Model>() {
         Some(b) => {
             let start = cache.len();
             b.step(model, &[id], start, cache)?.pop().ok_or_else(no_row)
@@ -484,7 +555,7 @@ pub(crate) fn step(model: &Model, id: u32, cache: &mut KvCache) -> Result<Vec<f3
 /// Decode-path rows of `ids` at the end of `cache` (a token and the drafts after it): through
 /// this thread's batcher, or [`Model::rows_logits`] alone.
 pub(crate) fn rows(model: &Model, ids: &[u32], cache: &mut KvCache) -> Result<Vec<Vec<f32>>> {
-    match installed() {
+    match installed_for::<Model>() {
         Some(b) => {
             let start = cache.len();
             b.step(model, ids, start, cache)
@@ -507,18 +578,19 @@ where
     Some((model, cache))
 }
 
-/// [`seat`] for a request decoding on `engine`: a seat at this thread's batcher where the
-/// engine is the one it batches (the CPU engine), none otherwise.
-pub(crate) fn seat_on<E: Engine + 'static>(_engine: &E) -> Option<LocalSeat> {
-    if std::any::TypeId::of::<E>() == std::any::TypeId::of::<Model>() {
-        seat()
-    } else {
-        None
-    }
+/// [`seat`] for a request decoding on `engine`: a seat at this thread's batcher where it
+/// batches that engine's steps, none otherwise.
+pub(crate) fn seat_on<E: Engine + 'static>(_engine: &E) -> Option<LocalSeat>
+where
+    E::Cache: 'static,
+{
+    installed_for::<E>()?;
+    seat()
 }
 
-/// One decode step of token `id` at the end of `cache` on any engine: the CPU engine's
-/// through this thread's batcher ([`step`]), another's in a pass of its own.
+/// One decode step of token `id` at the end of `cache` on any engine: through this thread's
+/// batcher where it batches that engine (the CPU engine's as [`step`] runs it), else in a pass
+/// of its own.
 pub(crate) fn step_on<E: Engine + 'static>(
     engine: &E,
     id: u32,
@@ -529,6 +601,13 @@ where
 {
     if let Some((model, cache)) = as_cpu(engine, cache) {
         return step(model, id, cache);
+    }
+    if let Some(b) = installed_for::<E>() {
+        let start = engine.cache_len(cache);
+        return b
+            .step(engine, &[id], start, cache)?
+            .pop()
+            .ok_or_else(no_row);
     }
     engine.rows(cache, &[id])?.pop().ok_or_else(no_row)
 }
