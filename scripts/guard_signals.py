@@ -117,7 +117,18 @@ def cases(path):
             row["differs_r05"] = d["target_probe@0.50"]["answer"].strip() != tp["answer"].strip()
         if "full_reuse" in d:
             row["differs_r0"] = d["full_reuse"]["answer"].strip() != tp["answer"].strip()
+        split = tp.get("split") or {}
+        row["confident"] = row["differs"] and split.get("gap", math.inf) >= 0.15
         s = tp.get("signals")
+        if s and "copy" in s:
+            # Where the answer's first word is found in the chunks, and how much of the KV
+            # around it was recomputed; an answer copying nothing counts as fully fresh.
+            c = s.get("copy")
+            row["copy_found"] = c is not None
+            row["copy_near_max"] = c["near_max"] if c else 1.0
+            row["copy_near_min"] = c["near_min"] if c else 1.0
+            row["copy_chunk_share"] = c["chunk_share"] if c else 1.0
+            row["copy_chunks"] = c["chunks"] if c else 0
         if s:
             row["dev_k"], row["dev_v"], row["uncovered"] = s["deviation_k"], s["deviation_v"], s["uncovered"]
             p = top_dist(s)
@@ -147,11 +158,16 @@ SCORES = [
     ("blend's top-2 difference moved from ρ 0's", "pair_move", True),
     ("answer differs from ρ 0's", "differs_r0", True),
     ("answer differs from ρ 0.5's", "differs_r05", True),
+    ("answer's first word found in a chunk", "copy_found", True),
+    ("recomputed share near its best-recomputed occurrence", "copy_near_max", False),
+    ("recomputed share near its least-recomputed occurrence", "copy_near_min", False),
+    ("recomputed share of the chunk it is copied from", "copy_chunk_share", False),
+    ("chunks holding the answer's first word", "copy_chunks", True),
 ]
 
 
-def auc(rows, key, higher):
-    pos = [r[key] for r in rows if r["differs"]]
+def auc(rows, key, higher, target="differs"):
+    pos = [r[key] for r in rows if r[target]]
     neg = [r[key] for r in rows if not r["differs"]]
     if not pos or not neg:
         return float("nan")
@@ -164,12 +180,12 @@ def auc(rows, key, higher):
     return s / (len(pos) * len(neg))
 
 
-def auc_ci(rows, key, higher, resamples=1000, seed=7):
+def auc_ci(rows, key, higher, resamples=1000, seed=7, target="differs"):
     rng = random.Random(seed)
     vals = []
     for _ in range(resamples):
         sample = [rows[rng.randrange(len(rows))] for _ in rows]
-        a = auc(sample, key, higher)
+        a = auc(sample, key, higher, target)
         if not math.isnan(a):
             vals.append(a)
     vals.sort()
@@ -180,13 +196,18 @@ def auc_ci(rows, key, higher, resamples=1000, seed=7):
 
 def signals_table(name, rows):
     n, differ = len(rows), sum(r["differs"] for r in rows)
-    print(f"\n{name}: {n} cases, {differ} default answers differ from full recompute")
+    sure = sum(r["confident"] for r in rows)
+    print(f"\n{name}: {n} cases, {differ} default answers differ from full recompute "
+          f"({sure} confident splits, full recompute's gap >= 0.15 where recorded)")
+    print("  AUC: differing against identical | confident splits against identical")
     for label, key, higher in SCORES:
         if any(key not in r for r in rows):
             continue
         a = auc(rows, key, higher)
         lo, hi = auc_ci(rows, key, higher)
-        print(f"  AUC {a:5.2f} [{lo:4.2f}, {hi:4.2f}]  {label}")
+        c = auc(rows, key, higher, "confident")
+        clo, chi = auc_ci(rows, key, higher, target="confident")
+        print(f"  AUC {a:5.2f} [{lo:4.2f}, {hi:4.2f}] | {c:5.2f} [{clo:4.2f}, {chi:4.2f}]  {label}")
 
 
 def cost(r, escalate_at):

@@ -47,13 +47,27 @@ ln -sf libcudart.so.13 "$CUDA/lib/libcudart.so"
 "$CUDA/bin/nvcc" --version | tail -1
 
 log "copying the checkout to $GPU/src"
-rm -rf "$GPU/src" && mkdir -p "$GPU/src"
-# Tracked and untracked-but-not-ignored files (what a build of this checkout sees), with their
-# modification times, so cargo rebuilds only what changed since the last copy.
+mkdir -p "$GPU/src"
+# Tracked and untracked-but-not-ignored files (what a build of this checkout sees), staged,
+# then only those whose content changed copied over, with the time of the copy: cargo rebuilds
+# what changed and nothing else. (Keeping each file's own time would miss an edit made while an
+# earlier build ran: older than that build's outputs, it would be taken as built.)
+STAGE="$(mktemp -d)"
 git ls-files -z --cached --others --exclude-standard \
     | grep -zv -E '^(models/|eval/data/)' \
     | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
-    | tar --null -T - -cf - | tar -xf - -C "$GPU/src"
+    | tar --null -T - -cf - | tar -xf - -C "$STAGE"
+(cd "$STAGE" && find . -type f -print0) | while IFS= read -r -d '' f; do
+    if ! cmp -s "$STAGE/$f" "$GPU/src/$f"; then
+        mkdir -p "$(dirname "$GPU/src/$f")"
+        cp "$STAGE/$f" "$GPU/src/$f"
+    fi
+done
+# Files gone from the checkout go from the copy too.
+(cd "$GPU/src" && find . -type f -print0) | while IFS= read -r -d '' f; do
+    [ -e "$STAGE/$f" ] || rm -f "$GPU/src/$f"
+done
+rm -rf "$STAGE"
 # On a fresh machine the registry holds no sources until something fetched them: fetch first
 # (a no-op once they are there), so the candle-core copy below finds its source.
 log "cargo fetch (the registry candle-core is copied from)"
@@ -111,7 +125,9 @@ for d in "${SPECRAG_MODELS:-}" "$ROOT/models" "$CACHE/models"; do
     if [ -n "$d" ] && [ -f "$f" ]; then TOKENIZER_SRC="$f"; break; fi
 done
 if [ -n "$TOKENIZER_SRC" ]; then
-    "$PACK/random_model" --extract-tokenizer "$TOKENIZER_SRC" --out "$PACK/qwen25-tokenizer.gguf"
+    # The CUDA build links libcudart (from the runtime wheel here); it opens no GPU.
+    LD_LIBRARY_PATH="$CUDA/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$PACK/random_model" --extract-tokenizer "$TOKENIZER_SRC" --out "$PACK/qwen25-tokenizer.gguf"
 else
     log "warning: no qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (scripts/setup-tests.sh fetches it):"
     log "serve_check.sh's models will carry the tests' tiny vocabulary instead of Qwen2.5's"

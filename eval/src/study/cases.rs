@@ -199,9 +199,32 @@ pub fn run_case(
             margin_first: Some(stats::top2_margin(&t.first_logits)),
             margins: (!t.margins.is_empty()).then(|| t.margins.clone()),
             f1: Some(crate::metrics::best_f1(&t.answer.answer, &case.answers)),
-            signals: Some(RecordSignals::new(&t.signals, &t.first_logits)),
+            signals: Some(RecordSignals {
+                copy: copy_signals(tok, &t),
+                ..RecordSignals::new(&t.signals, &t.first_logits)
+            }),
             split: split_of(&reference.ids, &t.ids, &path, &eog),
         });
     }
     Ok((out, reference.prompt_ids))
+}
+
+/// [`CopySignals`] of a traced answer, the first chunk's tokens counted as recomputed.
+fn copy_signals(tok: &target_engine::Tokenizer, t: &Traced) -> Option<CopySignals> {
+    // The first chunk's rows are exact as stored (precomputed after the same prefix; the
+    // study stores KV raw): fresh, as recomputed ones are.
+    let recomputed = t
+        .selected
+        .iter()
+        .filter_map(|s| Some(t.chunks.get(s.chunk)?.start + s.offset))
+        .chain(t.chunks.first().cloned().unwrap_or_default())
+        .collect();
+    let word = |id: u32| {
+        String::from_utf8_lossy(tok.token_bytes(id))
+            .chars()
+            .filter(|c| c.is_alphabetic())
+            .count()
+            >= 3
+    };
+    CopySignals::new(&t.ids, &t.prompt_ids, &t.chunks, &recomputed, word)
 }

@@ -174,6 +174,23 @@ pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
 
 #[cfg(test)]
 mod tests {
+
+    /// The copy signals find the answer's first word in the chunks and count the recomputed
+    /// tokens around it, within its chunk.
+    #[test]
+    fn copy_signals_measure_the_recompute_around_the_copied_word() {
+        let prompt = [1, 2, 3, 10, 11, 12, 13, 14, 20, 21, 12, 23];
+        let chunks = [3..8, 8..12];
+        let recomputed: std::collections::HashSet<usize> = [4, 9].into_iter().collect();
+        let word = |t: u32| t >= 10;
+        // 5 is no word; 12 is, at positions 5 (chunk 0) and 10 (chunk 1).
+        let c = CopySignals::new(&[5, 12, 7], &prompt, &chunks, &recomputed, word)
+            .expect("12 is found");
+        assert_eq!((c.token, c.at, c.occurrences, c.chunks), (12, 1, 2, 2));
+        // Chunk 0 has 1 of 5 recomputed, chunk 1 has 1 of 4.
+        assert_eq!((c.near_max, c.near_min, c.chunk_share), (0.25, 0.2, 0.25));
+        assert!(CopySignals::new(&[5, 99], &prompt, &chunks, &recomputed, word).is_none());
+    }
     use super::*;
     use gateway::pipeline::Timings;
 

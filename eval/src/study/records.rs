@@ -117,6 +117,93 @@ pub struct RecordSignals {
     pub uncovered: f32,
     /// The first token's [`FIRST_TOP`] likeliest ids with their log-probabilities.
     pub first_top: Vec<(u32, f32)>,
+    /// Where the answer's first word is copied from ([`CopySignals`]); null where none of its
+    /// first tokens is a word found in a chunk, absent in rows written before it was.
+    #[serde(default)]
+    pub copy: Option<CopySignals>,
+}
+
+/// Where an answer's first word (the first of its first [`COPY_TOKENS`] tokens with three
+/// letters or more that a chunk holds) is found in the prompt's chunks, and how much of the
+/// KV around it the blend recomputed: the candidate signal "the answer copies from KV the
+/// blend left stale" for confident entity flips, which the top-2 gap does not see.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CopySignals {
+    /// The answer token looked up, and its index in the answer.
+    pub token: u32,
+    pub at: usize,
+    /// How many times, and in how many chunks, the prompt's chunks hold it.
+    pub occurrences: usize,
+    pub chunks: usize,
+    /// Over its occurrences, the most and the least of the chunk tokens within
+    /// [`COPY_WINDOW`] positions of one that are fresh (recomputed by the blend, or exact as
+    /// the first chunk is), the occurrence included.
+    pub near_max: f32,
+    pub near_min: f32,
+    /// The fresh share of the chunk holding the freshest occurrence.
+    pub chunk_share: f32,
+}
+
+/// How many of an answer's first tokens [`CopySignals`] looks at.
+pub const COPY_TOKENS: usize = 4;
+/// The positions on each side of an occurrence [`CopySignals`] counts.
+pub const COPY_WINDOW: usize = 8;
+
+impl CopySignals {
+    /// The signals of an answer `ids` over a prompt `prompt` whose chunks lie at `chunks`, of
+    /// which `recomputed` (absolute positions) are fresh; `word` says whether a token is a
+    /// word of three letters or more.
+    pub fn new(
+        ids: &[u32],
+        prompt: &[u32],
+        chunks: &[std::ops::Range<usize>],
+        recomputed: &std::collections::HashSet<usize>,
+        word: impl Fn(u32) -> bool,
+    ) -> Option<Self> {
+        let found = |t: u32| -> Vec<(usize, usize)> {
+            chunks
+                .iter()
+                .enumerate()
+                .flat_map(|(c, r)| {
+                    r.clone()
+                        .filter(move |&p| prompt.get(p) == Some(&t))
+                        .map(move |p| (c, p))
+                })
+                .collect()
+        };
+        let (at, token, hits) = ids
+            .iter()
+            .take(COPY_TOKENS)
+            .enumerate()
+            .filter(|(_, &t)| word(t))
+            .map(|(i, &t)| (i, t, found(t)))
+            .find(|(_, _, h)| !h.is_empty())?;
+        let share = |r: std::ops::Range<usize>| -> f32 {
+            let n = r.len().max(1);
+            r.filter(|p| recomputed.contains(p)).count() as f32 / n as f32
+        };
+        let near: Vec<(usize, f32)> = hits
+            .iter()
+            .map(|&(c, p)| {
+                let r = &chunks[c];
+                let lo = p.saturating_sub(COPY_WINDOW).max(r.start);
+                let hi = (p + COPY_WINDOW + 1).min(r.end);
+                (c, share(lo..hi))
+            })
+            .collect();
+        let best = near.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1))?;
+        let mut held: Vec<usize> = hits.iter().map(|&(c, _)| c).collect();
+        held.dedup();
+        Some(Self {
+            token,
+            at,
+            occurrences: hits.len(),
+            chunks: held.len(),
+            near_max: best.1,
+            near_min: near.iter().map(|n| n.1).fold(f32::INFINITY, f32::min),
+            chunk_share: share(chunks[best.0].clone()),
+        })
+    }
 }
 
 /// How many of the first token's likeliest choices a record keeps.
@@ -145,6 +232,7 @@ impl RecordSignals {
                 .into_iter()
                 .map(|i| (i, first_logits[i as usize] - lse))
                 .collect(),
+            copy: None,
         }
     }
 }

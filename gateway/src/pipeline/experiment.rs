@@ -96,6 +96,9 @@ pub struct Traced {
     pub prefill: Option<KvCache>,
     /// The chunk tokens the method recomputed.
     pub selected: Vec<Selected>,
+    /// Where each chunk lies among the prompt's ids, in prompt order ([`Selected::chunk`]
+    /// indexes it).
+    pub chunks: Vec<std::ops::Range<usize>>,
     /// Per generated token decoded one by one, the top-2 logit gap it was chosen with
     /// ([`target_engine::decode::generate::top2_gap`]); empty for verified or escalated answers.
     pub margins: Vec<f32>,
@@ -146,6 +149,7 @@ pub(crate) struct PrefillTrace {
     prompt_ids: Vec<u32>,
     prefill: Option<KvCache>,
     selected: Vec<Selected>,
+    chunks: Vec<std::ops::Range<usize>>,
     signals: BlendSignals,
 }
 
@@ -167,6 +171,7 @@ impl Outcome for Traced {
                 .then(|| crate::target::host_cache(&out.cache).cloned())
                 .flatten(),
             selected: p.selected(asm, &out.recomputed),
+            chunks: asm.chunks().map(|s| s.ids.clone()).collect(),
             signals: out.signals,
         }
     }
@@ -179,6 +184,7 @@ impl Outcome for Traced {
             prompt_ids: kept.prompt_ids,
             prefill: kept.prefill,
             selected: kept.selected,
+            chunks: kept.chunks,
             margins: g.margins,
             signals: kept.signals,
         }
