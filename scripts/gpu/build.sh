@@ -20,8 +20,10 @@
 #   here (candle-kernels' static kernels need it), from the runtime wheel. The copy keeps the
 #   patch, and the Cargo.lock it rewrites, out of the checkout.
 # - packs the stripped `gpu_check` binary, check.sh (with torch_anchor.py and ratios.py, the
-#   device's own PyTorch as the yardstick) and the wheel's libcudart into one folder
-#   ($SPECRAG_GPU_PACK, default target/gpu-pack), compressed to fit a 64 MiB transfer.
+#   device's own PyTorch as the yardstick), the CUDA `specrag` binary with serve_check.sh,
+#   serve_client.py, random_model, real passages and the Qwen2.5 tokenizer (the serving
+#   check), and the wheel's libcudart into one folder ($SPECRAG_GPU_PACK, default
+#   target/gpu-pack), compressed to fit a 64 MiB transfer (~24 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -133,6 +135,7 @@ else
     log "serve_check.sh's models will carry the tests' tiny vocabulary instead of Qwen2.5's"
 fi
 # Compressed: the transfer to the GPU machine carries at most 64 MiB.
-(cd "$PACK" && xz -T0 -6 gpu_check random_model specrag libcudart.so.13)
+(cd "$PACK" && xz -T0 -6 gpu_check random_model specrag libcudart.so.13 \
+    && { [ ! -f qwen25-tokenizer.gguf ] || xz -T0 -6 qwen25-tokenizer.gguf; })
 du -sh "$PACK" "$PACK"/*
 log "packed into $PACK: carry it to the GPU machine and run check.sh, serve_check.sh there (docs/gpu.md)"

@@ -61,8 +61,12 @@ DATA="$HERE"
 if [ ! -f "$DATA/passages.jsonl" ]; then
     python3 "$HERE/serve_client.py" prepare --out "$DATA" | tee -a "$LOG"
 fi
-TOKENIZER="$HERE/qwen25-tokenizer.gguf"
-[ -f "$TOKENIZER" ] || TOKENIZER="$WORK/qwen25-tokenizer.gguf"
+TOKENIZER="$WORK/qwen25-tokenizer.gguf"
+if [ -f "$HERE/qwen25-tokenizer.gguf.xz" ]; then
+    xz -dc "$HERE/qwen25-tokenizer.gguf.xz" >"$TOKENIZER"
+elif [ -f "$HERE/qwen25-tokenizer.gguf" ]; then
+    TOKENIZER="$HERE/qwen25-tokenizer.gguf"
+fi
 
 MODEL="$WORK/qwen2-$SHAPE-random.gguf"
 say "writing $MODEL (random weights; tokenizer: ${TOKENIZER})"

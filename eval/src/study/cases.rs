@@ -209,22 +209,30 @@ pub fn run_case(
     Ok((out, reference.prompt_ids))
 }
 
-/// [`CopySignals`] of a traced answer, the first chunk's tokens counted as recomputed.
+/// [`CopySignals`] of a traced answer: its first word of three letters or more that a chunk
+/// holds (spelled as after a space or as the answer spells it), the first chunk's tokens
+/// counted as fresh with the recomputed ones.
 fn copy_signals(tok: &target_engine::Tokenizer, t: &Traced) -> Option<CopySignals> {
     // The first chunk's rows are exact as stored (precomputed after the same prefix; the
     // study stores KV raw): fresh, as recomputed ones are.
-    let recomputed = t
+    let fresh = t
         .selected
         .iter()
         .filter_map(|s| Some(t.chunks.get(s.chunk)?.start + s.offset))
         .chain(t.chunks.first().cloned().unwrap_or_default())
         .collect();
-    let word = |id: u32| {
-        String::from_utf8_lossy(tok.token_bytes(id))
-            .chars()
-            .filter(|c| c.is_alphabetic())
-            .count()
-            >= 3
-    };
-    CopySignals::new(&t.ids, &t.prompt_ids, &t.chunks, &recomputed, word)
+    t.answer
+        .answer
+        .split_whitespace()
+        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()))
+        .take(COPY_WORDS)
+        .enumerate()
+        .filter(|(_, w)| w.chars().filter(|c| c.is_alphabetic()).count() >= 3)
+        .find_map(|(at, w)| {
+            let spellings = [
+                tok.encode(&format!(" {w}"), false).ids,
+                tok.encode(w, false).ids,
+            ];
+            CopySignals::new(w, at, &spellings, &t.prompt_ids, &t.chunks, &fresh)
+        })
 }

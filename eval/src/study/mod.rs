@@ -175,21 +175,25 @@ pub fn subset_configs(ratio: f64, ratios: &[f64]) -> Vec<StudyConfig> {
 #[cfg(test)]
 mod tests {
 
-    /// The copy signals find the answer's first word in the chunks and count the recomputed
-    /// tokens around it, within its chunk.
+    /// The copy signals find the answer's word in the chunks, as any of its spellings, and
+    /// count the fresh tokens around it, within its chunk.
     #[test]
-    fn copy_signals_measure_the_recompute_around_the_copied_word() {
+    fn copy_signals_measure_the_fresh_kv_around_the_copied_word() {
         let prompt = [1, 2, 3, 10, 11, 12, 13, 14, 20, 21, 12, 23];
         let chunks = [3..8, 8..12];
-        let recomputed: std::collections::HashSet<usize> = [4, 9].into_iter().collect();
-        let word = |t: u32| t >= 10;
-        // 5 is no word; 12 is, at positions 5 (chunk 0) and 10 (chunk 1).
-        let c = CopySignals::new(&[5, 12, 7], &prompt, &chunks, &recomputed, word)
-            .expect("12 is found");
-        assert_eq!((c.token, c.at, c.occurrences, c.chunks), (12, 1, 2, 2));
-        // Chunk 0 has 1 of 5 recomputed, chunk 1 has 1 of 4.
+        let fresh: std::collections::HashSet<usize> = [4, 9].into_iter().collect();
+        // Spelled [12, 13] (at 5, chunk 0) or [12] alone (also at 10, chunk 1).
+        let two = [vec![12, 13]];
+        let c = CopySignals::new("w", 1, &two, &prompt, &chunks, &fresh).expect("found");
+        assert_eq!((c.at, c.occurrences, c.chunks), (1, 1, 1));
+        // Chunk 0 has 1 of 5 fresh.
+        assert_eq!((c.near_max, c.near_min, c.chunk_share), (0.2, 0.2, 0.2));
+        let either = [vec![99], vec![12]];
+        let c = CopySignals::new("w", 0, &either, &prompt, &chunks, &fresh).expect("found");
+        assert_eq!((c.occurrences, c.chunks), (2, 2));
+        // Chunk 1 has 1 of 4 fresh.
         assert_eq!((c.near_max, c.near_min, c.chunk_share), (0.25, 0.2, 0.25));
-        assert!(CopySignals::new(&[5, 99], &prompt, &chunks, &recomputed, word).is_none());
+        assert!(CopySignals::new("w", 0, &[vec![99]], &prompt, &chunks, &fresh).is_none());
     }
     use super::*;
     use gateway::pipeline::Timings;

@@ -123,14 +123,14 @@ pub struct RecordSignals {
     pub copy: Option<CopySignals>,
 }
 
-/// Where an answer's first word (the first of its first [`COPY_TOKENS`] tokens with three
-/// letters or more that a chunk holds) is found in the prompt's chunks, and how much of the
-/// KV around it the blend recomputed: the candidate signal "the answer copies from KV the
-/// blend left stale" for confident entity flips, which the top-2 gap does not see.
+/// Where an answer's first word (the first of its first [`COPY_WORDS`] words with three
+/// letters or more that a chunk holds, as the chunk's tokens spell it) is found in the prompt's
+/// chunks, and how much of the KV around it is fresh: the candidate signal "the answer copies
+/// from KV the blend left stale" for confident entity flips, which the top-2 gap does not see.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CopySignals {
-    /// The answer token looked up, and its index in the answer.
-    pub token: u32,
+    /// The word looked up, and its index among the answer's words.
+    pub word: String,
     pub at: usize,
     /// How many times, and in how many chunks, the prompt's chunks hold it.
     pub occurrences: usize,
@@ -144,43 +144,37 @@ pub struct CopySignals {
     pub chunk_share: f32,
 }
 
-/// How many of an answer's first tokens [`CopySignals`] looks at.
-pub const COPY_TOKENS: usize = 4;
+/// How many of an answer's first words [`CopySignals`] looks at.
+pub const COPY_WORDS: usize = 3;
 /// The positions on each side of an occurrence [`CopySignals`] counts.
 pub const COPY_WINDOW: usize = 8;
 
 impl CopySignals {
-    /// The signals of an answer `ids` over a prompt `prompt` whose chunks lie at `chunks`, of
-    /// which `recomputed` (absolute positions) are fresh; `word` says whether a token is a
-    /// word of three letters or more.
+    /// The signals of `word` (the answer's word `at`), spelled in the prompt as any of
+    /// `spellings` (token id sequences), over a prompt `prompt` whose chunks lie at `chunks`,
+    /// of which the positions `fresh` are fresh; `None` where no chunk holds it.
     pub fn new(
-        ids: &[u32],
+        word: &str,
+        at: usize,
+        spellings: &[Vec<u32>],
         prompt: &[u32],
         chunks: &[std::ops::Range<usize>],
-        recomputed: &std::collections::HashSet<usize>,
-        word: impl Fn(u32) -> bool,
+        fresh: &std::collections::HashSet<usize>,
     ) -> Option<Self> {
-        let found = |t: u32| -> Vec<(usize, usize)> {
-            chunks
-                .iter()
-                .enumerate()
-                .flat_map(|(c, r)| {
-                    r.clone()
-                        .filter(move |&p| prompt.get(p) == Some(&t))
-                        .map(move |p| (c, p))
-                })
-                .collect()
-        };
-        let (at, token, hits) = ids
-            .iter()
-            .take(COPY_TOKENS)
-            .enumerate()
-            .filter(|(_, &t)| word(t))
-            .map(|(i, &t)| (i, t, found(t)))
-            .find(|(_, _, h)| !h.is_empty())?;
+        let mut hits: Vec<(usize, usize)> = Vec::new();
+        for (c, r) in chunks.iter().enumerate() {
+            for p in r.clone() {
+                let here = |s: &Vec<u32>| {
+                    !s.is_empty() && p + s.len() <= r.end && prompt.get(p..p + s.len()) == Some(s)
+                };
+                if spellings.iter().any(here) {
+                    hits.push((c, p));
+                }
+            }
+        }
         let share = |r: std::ops::Range<usize>| -> f32 {
             let n = r.len().max(1);
-            r.filter(|p| recomputed.contains(p)).count() as f32 / n as f32
+            r.filter(|p| fresh.contains(p)).count() as f32 / n as f32
         };
         let near: Vec<(usize, f32)> = hits
             .iter()
@@ -195,7 +189,7 @@ impl CopySignals {
         let mut held: Vec<usize> = hits.iter().map(|&(c, _)| c).collect();
         held.dedup();
         Some(Self {
-            token,
+            word: word.to_string(),
             at,
             occurrences: hits.len(),
             chunks: held.len(),
