@@ -149,10 +149,6 @@ impl Method {
     /// spending the budget.
     pub fn selector<'a>(&self, inputs: SelectorInputs<'a>) -> Box<dyn Selector + 'a> {
         match self {
-            Self::FullRecompute => Box::new(FullRecompute),
-            Self::FullReuse => Box::new(FullReuse),
-            Self::Prefix => Box::new(PrefixCaching),
-            Self::Epic => Box::new(Epic { k: inputs.epic_k }),
             Self::Cacheblend => Box::new(CacheBlend::default()),
             Self::Speccache | Self::SpeccacheNospan | Self::SpecAttn | Self::SpecAttnFull => {
                 match inputs.spec {
@@ -165,15 +161,10 @@ impl Method {
                     None => Box::new(FullReuse),
                 }
             }
-            Self::TargetProbe => Box::new(TargetProbe::default()),
-            Self::TargetProbeSpan => Box::new(TargetProbe {
-                window: PROBE_WINDOW,
-                ..TargetProbe::default()
-            }),
-            Self::TargetProbeShift => Box::new(TargetProbe {
-                shift: true,
-                ..TargetProbe::default()
-            }),
+            // Written once over the engine interface (never `None` for these).
+            any => any
+                .engine_selector(inputs.epic_k)
+                .unwrap_or_else(|| Box::new(FullReuse)),
         }
     }
 }
