@@ -273,6 +273,12 @@ def policies(rows):
     if all("uncovered" in r for r in rows):
         for t in (0.3, 0.4, 0.5):
             out.append((f"uncovered > {t} at token 1", at_first(lambda r, t=t: r["uncovered"] > t)))
+    if all("copy_near_max" in r for r in rows):
+        # Known once the answer's word is out (its first tokens): charged as at token 1.
+        for t in (0.1, 0.25, 0.5):
+            stale = lambda r, t=t: r["copy_found"] and r["copy_near_max"] < t
+            out.append((f"copied word's KV fresh < {t} (token 1)", at_first(stale)))
+            out.append((f"gap < 0.5 or copied word's KV fresh < {t}", either(first_doubt(0.5), at_first(stale))))
     if all("dev_k" in r for r in rows):
         ks = sorted(r["dev_k"] for r in rows)
         t = ks[int(0.75 * len(ks))]
