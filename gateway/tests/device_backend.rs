@@ -312,3 +312,25 @@ fn device_answers_batched_together_equal_each_alone() -> TestResult {
     eprintln!("device batcher: {stats:?}");
     Ok(())
 }
+
+/// Admission counts a device request's KV as it counts the CPU engine's (f32 rows: the device
+/// cache's): a request over `--kv-memory-budget` is refused before any model work with a 503
+/// naming the budget, and one that fits runs.
+#[test]
+fn a_device_request_over_the_kv_budget_is_refused_before_model_work() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (_cpu, mut dev) = both(dir.path())?;
+    let q = query(QUESTIONS[0], Method::TargetProbeShift);
+    dev.kv_memory_budget = 1 << 10;
+    match dev.query(&q, &mut |_| true) {
+        Err(e) => {
+            assert_eq!(e.fault(), gateway::Fault::Unavailable, "{e}");
+            assert!(e.to_string().contains("--kv-memory-budget"), "{e}");
+        }
+        Ok(a) => panic!("a request over the budget was answered: {:?}", a.answer),
+    }
+    assert_eq!(dev.kv_held.held(), 0, "nothing is held after a refusal");
+    dev.kv_memory_budget = 1 << 30;
+    dev.query(&q, &mut |_| true)?;
+    Ok(())
+}
