@@ -21,7 +21,8 @@
         First, `--identity` questions are asked with the default method at ρ = 1 and with
         full_recompute: the same answer, token for token, is the reuse path's identity (random
         weights make the answers meaningless, not their identity). Writes FILE.json after every
-        configuration, and /metrics' device memory at the end.
+        configuration, each method's requests/s and TTFT p50 as multiples of full_recompute's
+        at the same number of clients, and /metrics' device memory at the end.
 
 Python's standard library only: the GPU machine has no network.
 """
@@ -182,8 +183,30 @@ def run(args):
                   flush=True)
             for e in r["errors"]:
                 print(f"  error: {e}", flush=True)
+    result["ratios"] = ratios(result["runs"])
+    for r in result["ratios"]:
+        print(f"{r['method']} against full_recompute, {r['clients']} clients: requests/s "
+              f"{r['requests_per_s_x']}x, client TTFT p50 {r['ttft_p50_x']}x", flush=True)
     result["device_memory_bytes"] = device_memory(args.port)
     save()
+
+
+def ratios(runs):
+    """Each method's requests/s and client TTFT p50 as multiples of full_recompute's at the
+    same number of clients (the serving bar: >= 3x and <= 0.35x at 16 clients)."""
+    full = {r["clients"]: r for r in runs if r["method"] == "full_recompute"}
+    out = []
+    for r in runs:
+        f = full.get(r["clients"])
+        if r["method"] == "full_recompute" or not f or not f["requests_per_s"] or not f["ttft_p50_ms"]:
+            continue
+        out.append({
+            "method": r["method"],
+            "clients": r["clients"],
+            "requests_per_s_x": round(r["requests_per_s"] / f["requests_per_s"], 2),
+            "ttft_p50_x": None if r["ttft_p50_ms"] is None else round(r["ttft_p50_ms"] / f["ttft_p50_ms"], 2),
+        })
+    return out
 
 
 def main():
