@@ -151,6 +151,18 @@ pub fn default_budget() -> u64 {
         })
 }
 
+/// The share of a GPU's free memory (after the weights loaded) a device target's default
+/// budget takes: the rest is the passes' own working memory.
+pub const DEVICE_BUDGET_SHARE: f64 = 0.8;
+
+/// The default budget of a device target with `used` of `total` bytes of GPU memory in use
+/// once its weights are loaded: the host's default or [`DEVICE_BUDGET_SHARE`] of what the GPU
+/// has free, whichever is less (the device cache lives on the GPU, chunk KV on both).
+pub fn device_budget(host: u64, used: u64, total: u64) -> u64 {
+    let free = total.saturating_sub(used);
+    host.min((free as f64 * DEVICE_BUDGET_SHARE) as u64)
+}
+
 /// `MemTotal` of a `/proc/meminfo` text, in bytes.
 fn mem_total(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
@@ -161,6 +173,17 @@ fn mem_total(meminfo: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_targets_budget_is_what_its_gpu_has_free_at_most() {
+        let gib = 1u64 << 30;
+        // An H200 with a 7B model's bf16 weights loaded: 124 GiB free, 99.2 GiB of budget
+        // under a 128 GiB host's 64.
+        assert_eq!(device_budget(64 * gib, 16 * gib, 140 * gib), 64 * gib);
+        let small = device_budget(64 * gib, 70 * gib, 80 * gib);
+        assert_eq!(small, (10.0 * gib as f64 * DEVICE_BUDGET_SHARE) as u64);
+        assert_eq!(device_budget(64 * gib, 90 * gib, 80 * gib), 0);
+    }
 
     #[test]
     fn a_request_that_fits_is_admitted_and_one_that_does_not_is_refused_naming_the_budget() {

@@ -64,6 +64,18 @@ pub struct Pipeline {
     pub contexts: ContextCache,
 }
 
+/// The KV budget of a pipeline on `target`: the host's default, and on a GPU no more than
+/// its free memory allows ([`crate::admission::device_budget`]).
+fn default_budget(target: &crate::target::Target) -> u64 {
+    let host = crate::admission::default_budget();
+    match target {
+        crate::target::Target::Device(d) => d.memory().map_or(host, |m| {
+            crate::admission::device_budget(host, m.used, m.total)
+        }),
+        crate::target::Target::Cpu(_) => host,
+    }
+}
+
 /// Milliseconds since `t`.
 pub(crate) fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -76,6 +88,7 @@ impl Pipeline {
         engines.lossy_codec = codec.is_lossy().then_some(codec);
         let max_context_tokens =
             crate::admission::default_context(engines.target.config().context_length);
+        let kv_memory_budget = default_budget(&engines.target);
         Self {
             engines,
             corpus,
@@ -87,7 +100,7 @@ impl Pipeline {
             spec_draft: SpecDraft::default(),
             long_context: LongContext::default(),
             max_context_tokens,
-            kv_memory_budget: crate::admission::default_budget(),
+            kv_memory_budget,
             kv_held: crate::admission::KvLedger::default(),
             contexts: ContextCache::new(DEFAULT_CONTEXT_CACHE_BYTES),
         }

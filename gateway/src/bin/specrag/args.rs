@@ -212,7 +212,8 @@ pub struct LongContextArgs {
     /// Memory one request's KV may take at once (its reused cache, the chunk KV it is built
     /// from, the full cache of a guard's escalation or verification, the drafter's cache): a
     /// request over it is refused with 503 before any model work, instead of exhausting the
-    /// host. Default: half the host's memory. A number with an optional unit: B, KB, MB, GB,
+    /// host. Default: half the host's memory; with --device cuda also at most 80% of what the
+    /// GPU has free once the weights are loaded. A number with an optional unit: B, KB, MB, GB,
     /// TB or KiB, MiB, GiB, TiB.
     #[arg(long, env = "SPECRAG_KV_MEMORY_BUDGET", value_name = "SIZE", value_parser = parse_size)]
     pub kv_memory_budget: Option<u64>,
