@@ -90,6 +90,51 @@ pub struct ModelArgs {
         value_parser = parse_device_weights
     )]
     pub device_weights: target_engine::device::DeviceWeights,
+    /// Device memory that keeps recently placed chunk KV on the GPU (f16, least recently used
+    /// out first), so a retrieved chunk held there is copied on the device instead of
+    /// uploaded from host memory. 0 (the default) keeps none. Taken from the default
+    /// --kv-memory-budget's share of the GPU. Ignored with --device cpu. A number with an
+    /// optional unit: B, KB, MB, GB, TB or KiB, MiB, GiB, TiB
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_DEVICE_HOT_CHUNKS",
+        default_value = "0",
+        value_name = "SIZE",
+        value_parser = parse_size
+    )]
+    pub device_hot_chunks: u64,
+}
+
+/// A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        other => {
+            return Err(format!(
+                "`{other}` is not a unit: B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 0.0 && n * (scale as f64) < 1.8e19 => {
+            Ok((n * scale as f64).round() as u64)
+        }
+        _ => Err(format!("{s:?} is not a size such as 8GiB or 500MB")),
+    }
 }
 
 /// `--device`: `cpu`, `cuda`, `cuda:N` or `candle-cpu`.
@@ -213,6 +258,7 @@ pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target
     ));
     let model = target_engine::device::DeviceModel::load_with(&path, &device, m.device_weights)
         .with_context(|| format!("loading {} onto {}", path.display(), m.device))?;
+    model.set_hot_chunks(m.device_hot_chunks);
     crate::process::release_free_memory();
     spinner.finish_and_clear();
     Ok(crate::target::Target::Device(Arc::new(model)))

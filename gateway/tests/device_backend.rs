@@ -334,3 +334,37 @@ fn a_device_request_over_the_kv_budget_is_refused_before_model_work() -> TestRes
     dev.query(&q, &mut |_| true)?;
     Ok(())
 }
+
+/// `--device-hot-chunks`: chunk KV kept in device memory is placed from there on its next
+/// retrieval, and the answer is the one an upload from host memory gives.
+#[test]
+fn hot_chunks_kept_on_the_device_answer_as_uploads_do() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (_cpu, dev) = both(dir.path())?;
+    let path = dir.path().join("target.gguf");
+    let hot = DeviceModel::load(&path, &candle_core::Device::Cpu)?;
+    hot.set_hot_chunks(64 << 20);
+    std::fs::create_dir_all(dir.path().join("hot"))?;
+    let hot = pipeline(&dir.path().join("hot"), Engines::new(Arc::new(hot), None)?)?;
+    let stats = || match &hot.engines.target {
+        gateway::target::Target::Device(d) => d.hot_chunks(),
+        gateway::target::Target::Cpu(_) => unreachable!("a device pipeline"),
+    };
+    for text in QUESTIONS {
+        let q = query(text, Method::TargetProbeShift);
+        let uploaded = dev.query(&q, &mut |_| true)?;
+        for _ in 0..2 {
+            let a = hot.query(&q, &mut |_| true)?;
+            assert_eq!(
+                (tokens(&a), &a.answer),
+                (tokens(&uploaded), &uploaded.answer)
+            );
+        }
+    }
+    let s = stats();
+    assert!(
+        s.hits > 0 && s.held > 0,
+        "repeated chunks came from device memory: {s:?}"
+    );
+    Ok(())
+}

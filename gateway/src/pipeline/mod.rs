@@ -69,8 +69,10 @@ pub struct Pipeline {
 fn default_budget(target: &crate::target::Target) -> u64 {
     let host = crate::admission::default_budget();
     match target {
+        // Hot chunks kept on the device take their room from what is free.
         crate::target::Target::Device(d) => d.memory().map_or(host, |m| {
-            crate::admission::device_budget(host, m.used, m.total)
+            let hot = d.hot_chunks().budget;
+            crate::admission::device_budget(host, m.used.saturating_add(hot), m.total)
         }),
         crate::target::Target::Cpu(_) => host,
     }

@@ -1,6 +1,7 @@
 //! The command line: every command, its flags and what `--help` says about them.
 
 use clap::{Args, Parser, Subcommand};
+use gateway::cli::parse_size;
 pub use gateway::cli::ModelArgs;
 use gateway::method::Method;
 use gateway::pipeline::ScoreSource;
@@ -519,37 +520,6 @@ pub struct DataArgs {
     /// tenants whose KV must stay.
     #[arg(long, env = "SPECRAG_KV_TENANTS", default_value_t = chunkstore::shares::DEFAULT_TENANTS, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub kv_tenants: u32,
-}
-
-/// A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        other => {
-            return Err(format!(
-                "`{other}` is not a unit: B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
-            ))
-        }
-    };
-    match num.parse::<f64>() {
-        Ok(n) if n.is_finite() && n >= 0.0 && n * (scale as f64) < 1.8e19 => {
-            Ok((n * scale as f64).round() as u64)
-        }
-        _ => Err(format!("{s:?} is not a size such as 8GiB or 500MB")),
-    }
 }
 
 impl DataArgs {
