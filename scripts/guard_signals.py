@@ -263,7 +263,10 @@ def policies(rows):
     out = [("never (fast)", lambda r: None)]
     for m in (0.25, 0.5, 1.0):
         out.append((f"gap < {m} on any token (balanced at {m})", first_doubt(m)))
-    out.append(("first token's gap < 0.5 only", at_first(lambda r: r["first_gap"] < 0.5)))
+    for t in (0.5, 0.75, 1.1):
+        out.append((f"first token's gap < {t} only", at_first(lambda r, t=t: r["first_gap"] < t)))
+    out.append(("gap < 0.5, or < 1.1 at the first token",
+                either(first_doubt(0.5), at_first(lambda r: r["first_gap"] < 1.1))))
     if all("differs_r05" in r for r in rows):
         out.append(("ρ 0.5 answers differently (oracle of cost)", at_first(lambda r: r["differs_r05"])))
     if all("tv_r0" in r for r in rows):
