@@ -47,26 +47,27 @@ impl From<Arc<DeviceModel>> for Target {
 }
 
 impl Target {
-    /// The engine as the interface both implement.
-    fn engine(&self) -> &dyn EngineInfo {
+    pub fn tokenizer(&self) -> &Tokenizer {
         match self {
-            Self::Cpu(m) => &**m,
-            Self::Device(d) => &**d,
+            Self::Cpu(m) => m.tokenizer(),
+            Self::Device(d) => d.tokenizer(),
         }
     }
 
-    pub fn tokenizer(&self) -> &Tokenizer {
-        self.engine().info_tokenizer()
-    }
-
     pub fn config(&self) -> &ModelConfig {
-        self.engine().info_config()
+        match self {
+            Self::Cpu(m) => m.config(),
+            Self::Device(d) => d.config(),
+        }
     }
 
     /// The identity of the KV this engine writes: the file's and the engine's numerics, so
     /// chunk KV stored by one engine is never read by the other.
     pub fn fingerprint(&self) -> &str {
-        self.engine().info_fingerprint()
+        match self {
+            Self::Cpu(m) => m.fingerprint(),
+            Self::Device(d) => Engine::fingerprint(&**d),
+        }
     }
 
     /// The GGUF file the target was loaded from.
@@ -129,26 +130,7 @@ impl Target {
     }
 }
 
-/// The three facts [`Target`] reads of either engine without naming its cache type.
-trait EngineInfo {
-    fn info_tokenizer(&self) -> &Tokenizer;
-    fn info_config(&self) -> &ModelConfig;
-    fn info_fingerprint(&self) -> &str;
-}
-
-impl<E: Engine> EngineInfo for E {
-    fn info_tokenizer(&self) -> &Tokenizer {
-        Engine::tokenizer(self)
-    }
-    fn info_config(&self) -> &ModelConfig {
-        Engine::config(self)
-    }
-    fn info_fingerprint(&self) -> &str {
-        Engine::fingerprint(self)
-    }
-}
-
-/// `cache` as the CPU engine's, where it is one (the exact-context cache keeps only those).
+/// `cache` as the CPU engine's, where it is one (an evaluation's trace keeps only those).
 pub(crate) fn host_cache<C: 'static>(cache: &C) -> Option<&KvCache> {
     (cache as &dyn std::any::Any).downcast_ref::<KvCache>()
 }
@@ -156,10 +138,4 @@ pub(crate) fn host_cache<C: 'static>(cache: &C) -> Option<&KvCache> {
 /// [`host_cache`], mutable.
 pub(crate) fn host_cache_mut<C: 'static>(cache: &mut C) -> Option<&mut KvCache> {
     (cache as &mut dyn std::any::Any).downcast_mut::<KvCache>()
-}
-
-/// A CPU engine's cache as engine `C`'s, where `C` is the CPU engine's.
-pub(crate) fn as_cache<C: 'static>(cache: KvCache) -> Option<C> {
-    let any: Box<dyn std::any::Any> = Box::new(cache);
-    any.downcast::<C>().ok().map(|c| *c)
 }

@@ -8,7 +8,6 @@ use crate::error::Result;
 use crate::pipeline::backend::{Backend, On};
 use crate::pipeline::generate::{finish_reason, generate_params, Decoding};
 use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
-use crate::target::{as_cache, host_cache};
 use std::time::Instant;
 use target_engine::{
     Assembly, BlendOutput, Drafter, Flow, Generation, Shown, SpecDecodeStats as SpecStats,
@@ -451,17 +450,10 @@ impl Pipeline {
         let key = ContextCache::key(target.fingerprint(), &q.collection, prompt);
         // A full cache over stored rows is kept apart: `exact` requests take only true ones.
         let kept_key = ContextCache::key_after_stored(&key, exact);
-        // The exact-context cache keeps host caches: the CPU engine's.
-        let keep = |key, cache: &E::Cache, logits: &[f32]| {
-            if let Some(cache) = host_cache(cache) {
-                self.contexts.keep(key, cache, logits);
-            }
-        };
         let hit = self
             .contexts
             .get(&key)
-            .or_else(|| self.contexts.get(&kept_key))
-            .and_then(|c| Some((as_cache::<E::Cache>(c.0.clone())?, c.1.clone())));
+            .or_else(|| self.contexts.get(&kept_key));
         Ok(match hit {
             Some(c) => c,
             None if exact > 0 && exact < prompt.len() => {
@@ -470,7 +462,7 @@ impl Pipeline {
                 })?;
                 report.full_prefill_ms = ms(t);
                 report.full_prefill_kept_rows = exact;
-                keep(kept_key, &reused, &logits);
+                self.contexts.keep(kept_key, &reused, &logits);
                 (reused, logits)
             }
             None => {
@@ -479,7 +471,7 @@ impl Pipeline {
                 let (cache, logits) =
                     target_engine::in_prefill_turn(|| target.prefill_into(prompt, room))?;
                 report.full_prefill_ms = ms(t);
-                keep(key, &cache, &logits);
+                self.contexts.keep(key, &cache, &logits);
                 (cache, logits)
             }
         })

@@ -36,9 +36,12 @@ impl ContextCache {
         self.inner.entry_count()
     }
 
-    /// The full cache and last logits kept under `key`.
-    pub(crate) fn get(&self, key: &[u8; 32]) -> Option<Arc<(KvCache, Vec<f32>)>> {
-        self.inner.get(key)
+    /// A copy of the full cache and last logits kept under `key`, as a cache of engine cache
+    /// type `C`. Only the CPU engine's caches are kept, so another engine's request finds none.
+    pub(crate) fn get<C: 'static>(&self, key: &[u8; 32]) -> Option<(C, Vec<f32>)> {
+        let hit = self.inner.get(key)?;
+        let cache: Box<dyn std::any::Any> = Box::new(hit.0.clone());
+        Some((*cache.downcast::<C>().ok()?, hit.1.clone()))
     }
 
     /// A cache holding at most `bytes` of KV (f32 K and V of every layer).
@@ -61,8 +64,12 @@ impl ContextCache {
     }
 
     /// Keeps a copy of a context's full cache, unless it is larger than the whole budget (a
-    /// copy that would be dropped at once is not made: ~1.9 GB at 32k tokens of the 1.5B).
-    pub(crate) fn keep(&self, key: [u8; 32], cache: &KvCache, logits: &[f32]) {
+    /// copy that would be dropped at once is not made: ~1.9 GB at 32k tokens of the 1.5B), or
+    /// is not the CPU engine's (a device cache stays in device memory, unkept).
+    pub(crate) fn keep<C: 'static>(&self, key: [u8; 32], cache: &C, logits: &[f32]) {
+        let Some(cache) = (cache as &dyn std::any::Any).downcast_ref::<KvCache>() else {
+            return;
+        };
         if Self::weight(cache, logits) <= self.bytes.min(u64::from(u32::MAX)) {
             self.inner
                 .insert(key, Arc::new((cache.clone(), logits.to_vec())));

@@ -11,7 +11,6 @@ use crate::answer::{Timings, VerifyStats};
 use crate::error::Result;
 use crate::fidelity::drive::Reused;
 use crate::fidelity::{GuardReport, LookRows};
-use crate::target::{as_cache, host_cache};
 use std::sync::Arc;
 use std::time::Instant;
 use target_engine::{
@@ -141,11 +140,7 @@ impl Pipeline {
             return then(None);
         }
         let key = ContextCache::key(target.fingerprint(), &q.collection, &asm.ids);
-        // The exact-context cache keeps host caches: the CPU engine's.
-        let cached = self
-            .contexts
-            .get(&key)
-            .and_then(|c| Some((as_cache::<E::Cache>(c.0.clone())?, c.1.clone())));
+        let cached = self.contexts.get::<E::Cache>(&key);
         let hit = cached.is_some();
         let full_ms = Arc::new(std::sync::Mutex::new(0.0));
         std::thread::scope(|s| {
@@ -164,9 +159,7 @@ impl Pipeline {
                             target_engine::stop::with_stop(stop, || target.prefill_into(ids, room));
                         *ms_out.lock().unwrap_or_else(|p| p.into_inner()) = ms(t);
                         if let Ok((cache, logits)) = &r {
-                            if let Some(cache) = host_cache(cache) {
-                                contexts.keep(key, cache, logits);
-                            }
+                            contexts.keep(key, cache, logits);
                         }
                         let _ = tx.send(r.map(FilledCache::from));
                     });
