@@ -89,6 +89,11 @@ pub const SWEEP_SLICE: usize = 64;
 /// notices the listing's end without a job arriving.
 const LISTING_POLL: Duration = Duration::from_millis(200);
 
+/// How long the engine waits idle for the next job before it returns freed memory to the
+/// system (`process::release_free_memory`): longer than a closed-loop client takes to send
+/// its next request, short beside the time a server sits idle.
+const TRIM_AFTER_IDLE: Duration = Duration::from_millis(250);
+
 /// What a running ingestion reports to a streaming client.
 #[derive(Debug)]
 pub enum IngestProgress {
@@ -296,10 +301,18 @@ impl Engine<'_> {
                 }
             }
             // Idle: hand the last job's freed buffers back to the system (the allocator
-            // keeps them otherwise, see process::init), once, not at every poll for a listing.
+            // keeps them otherwise, see process::init), once, not at every poll for a listing,
+            // and only when no job comes within TRIM_AFTER_IDLE: the trim takes 10-20 ms after
+            // a request, which a client's next request would otherwise wait behind.
             if !released {
+                match self.rx.recv_timeout(TRIM_AFTER_IDLE) {
+                    Ok(job) => return Some(job),
+                    Err(RecvTimeoutError::Disconnected) => return None,
+                    Err(RecvTimeoutError::Timeout) => {}
+                }
                 crate::process::release_free_memory();
                 released = true;
+                continue;
             }
             if self.listing.is_none() {
                 return self.rx.recv().ok();
