@@ -17,6 +17,9 @@
 #
 # - Debian's redis-server (apt, as root), started by `chunkstore/tests/remote.rs` and the
 #   gateway's multi-node test on loopback ports.
+# - a C++20 compiler as `c++` (Debian's g++, apt, as root), which
+#   `kernels/tests/flash_attention_emulated.rs` runs the device's CUDA attention kernel with on
+#   the CPU.
 #
 # Components later tests need are added here too.
 set -euo pipefail
@@ -84,4 +87,15 @@ if [ ! -x /usr/bin/redis-server ]; then
     fi
 fi
 /usr/bin/redis-server --version
+echo "== setup: a C++20 compiler (the CUDA kernel run on the CPU)"
+if ! echo '#include <barrier>' | c++ -std=c++20 -x c++ -fsyntax-only - 2>/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+    else
+        echo "error: install a C++20 compiler as c++ (your distribution's g++ 12 or newer)" >&2
+        exit 1
+    fi
+fi
+c++ --version | head -1
 echo "== setup: done"

@@ -6,7 +6,25 @@
 //! explicit, so the same attention kernel serves full prefill, decode, and forward over an
 //! arbitrary subset of positions against a cache that already holds the others.
 //!
-//! CUDA versions will live behind the `cuda` feature; the default build needs no GPU.
+//! The GPU's own kernels are CUDA C source ([`CUDA_SOURCE`], `src/cuda/`), compiled at run
+//! time by the device engine (NVRTC) and run on the CPU by `tests/flash_attention_emulated.rs`;
+//! the default build needs no GPU and no CUDA toolkit.
+
+/// The run-time CUDA kernels as one program: `common.cuh`, then every kernel (attention of any
+/// rows against a position-indexed f16 cache; a batched decode step; RMSNorm and SwiGLU
+/// writing bf16; the Q/K/V product's epilogue into the cache), the order
+/// `scripts/gpu/nvrtc_check.py` compiles them in on the build machine.
+pub const CUDA_SOURCE: &str = concat!(
+    include_str!("cuda/common.cuh"),
+    "\n",
+    include_str!("cuda/decode_attention.cu"),
+    "\n",
+    include_str!("cuda/flash_attention.cu"),
+    "\n",
+    include_str!("cuda/norm_bf16.cu"),
+    "\n",
+    include_str!("cuda/qkv_epilogue.cu"),
+);
 
 pub mod attention;
 pub mod error;

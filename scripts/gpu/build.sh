@@ -12,6 +12,9 @@
 #   $SPECRAG_CACHE/gpu/cuda. 13.0 on purpose: the GPU machines run driver 580 (CUDA 13.0), and
 #   PTX from a newer toolkit does not load there. candle-kernels runs nvcc at build time;
 #   CUDA_COMPUTE_CAP=90 makes it build for sm_90a (H100/H200) without asking nvidia-smi.
+# - compiles the kernels the engine compiles at run time (kernels/src/cuda/*.cu) with NVRTC
+#   from the nvrtc wheel and assembles them for sm_90 (scripts/gpu/nvrtc_check.py): a compile
+#   error or a register spill fails here, not on the GPU machine.
 # - builds from a copy of this checkout (in $SPECRAG_CACHE/gpu/src) whose Cargo.toml patches
 #   candle-core to load the CUDA driver, cuBLAS, cuRAND and NVRTC at run time (cudarc's
 #   `dynamic-loading`) instead of linking them (candle forces `dynamic-linking`, which needs
@@ -47,6 +50,18 @@ fi
 # The runtime wheel ships only the versioned name; the linker asks for libcudart.so.
 ln -sf libcudart.so.13 "$CUDA/lib/libcudart.so"
 "$CUDA/bin/nvcc" --version | tail -1
+# NVRTC in a folder of its own: pip --target replaces a folder it installs into.
+NVRTC="$GPU/nvrtc/nvidia/cu13/lib"
+if [ ! -e "$NVRTC/libnvrtc.so.13" ]; then
+    log "installing NVRTC 13.0 (the run-time kernels' compiler) into $GPU/nvrtc"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+        --dest "$GPU/nvrtc-wheel" "nvidia-cuda-nvrtc==13.0.88"
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$GPU/nvrtc" \
+        "$GPU"/nvrtc-wheel/nvidia_cuda_nvrtc-*.whl
+fi
+log "NVRTC and ptxas on the run-time kernels (kernels/src/cuda), as the engine compiles them"
+LD_LIBRARY_PATH="$NVRTC${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python3 scripts/gpu/nvrtc_check.py \
+    --nvrtc "$NVRTC/libnvrtc.so.13" --ptxas "$CUDA/bin/ptxas"
 
 log "copying the checkout to $GPU/src"
 mkdir -p "$GPU/src"
