@@ -10,6 +10,9 @@
 //!   the chunks' KV held in device memory, the hot-chunk tier), decode
 //!   alone and 1/4/16 requests decoded together, 1/4/16 closed-loop clients under continuous
 //!   batching (tokens/s, TTFT p50/p95), device memory;
+//!   then the other attention (`ops` where the fused kernel attends, as it does by default on
+//!   a GPU; `SPECRAG_DEVICE_ATTENTION=ops|fused` picks the first) on the same prompt: full
+//!   prefill, target_probe, and how far the first-token logits move;
 //! - long context, last, at the first shape and weights: prefill of `--long` tokens and
 //!   full-attention decode after it.
 //!
@@ -25,7 +28,7 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use target_engine::device::{
-    closed_loop_chunked, parse_device, BatchRequest, DeviceModel, DeviceWeights,
+    closed_loop_chunked, parse_device, BatchRequest, DeviceAttention, DeviceModel, DeviceWeights,
 };
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
@@ -555,6 +558,51 @@ fn hot_runs(
     }))
 }
 
+/// The other attention (fused kernel or candle ops) on the same prompt, then back: its full
+/// prefill and target_probe blend (ms, medians of `runs`, the chunks stored again since KV is
+/// keyed by the attention that computed it) and how far the full prefill's first-token
+/// logits move.
+fn attention_compare(dev: &mut DeviceModel, p: &Assembly, cap: usize, a: &Args) -> Result<Value> {
+    let here = dev.attention();
+    let other = match here {
+        DeviceAttention::Fused => DeviceAttention::Ops,
+        DeviceAttention::Ops => DeviceAttention::Fused,
+    };
+    let (_, mine) = dev.prefill(&p.ids, cap)?;
+    if let Err(e) = dev.set_attention(other) {
+        log(&format!("{} attention is not available: {e}", other.name()));
+        return Ok(json!({ "attention": other.name(), "error": e.to_string() }));
+    }
+    let (_, theirs) = dev.prefill(&p.ids, cap)?;
+    let (prefix, chunks) = stored(dev, p)?;
+    let kv = (p, &prefix, chunks.as_slice());
+    timed_probe(dev, kv, a.ratio, false, 64)?;
+    let (mut full, mut probe) = (Vec::new(), Vec::new());
+    for _ in 0..a.runs {
+        dev.device().synchronize()?;
+        let t = Instant::now();
+        dev.prefill(&p.ids, cap)?;
+        dev.device().synchronize()?;
+        full.push(ms_since(t));
+        probe.push(timed_probe(dev, kv, a.ratio, false, 64)?.1);
+    }
+    dev.set_attention(here)?;
+    let d = max_diff(&mine, &theirs);
+    let (full, probe) = (median(full), median(probe));
+    log(&format!(
+        "{} attention instead of {}: full prefill {full:.1} ms, target_probe@{} {probe:.1} ms; first-token logits move by {d:.4}",
+        other.name(),
+        here.name(),
+        a.ratio
+    ));
+    Ok(json!({
+        "attention": other.name(),
+        "full_prefill_ms": full,
+        "target_probe_ms": probe,
+        "first_token_max_abs_diff": d,
+    }))
+}
+
 fn speed(
     path: &Path,
     device: &candle_core::Device,
@@ -563,7 +611,7 @@ fn speed(
 ) -> Result<Value> {
     let base = used_mib(device);
     let t = Instant::now();
-    let dev = DeviceModel::load_with(path, device, weights)?;
+    let mut dev = DeviceModel::load_with(path, device, weights)?;
     let load_s = t.elapsed().as_secs_f64();
     let weights = used_mib(device);
     let vocab = dev.tokenizer().vocab_size();
@@ -593,11 +641,13 @@ fn speed(
     let hot = hot_runs(&dev, kv, a.ratio, a.runs)?;
     let peak_blend = used_mib(device);
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;
+    let compare = attention_compare(&mut dev, &p, cap, a)?;
     let (full_ms, probe_ms, shift_ms) = (median(full), median(total), median(shift));
     log(&format!(
-        "{} ({} weights): {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms (chunk KV on the device: {:.1} and {:.1} ms); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
+        "{} ({} weights, {} attention): {} tokens; full prefill {full_ms:.1} ms, target_probe@{} {probe_ms:.1} ms ({:.2}x; selection {:.1} of which KV load {:.1}, prefill {:.1}), target_probe_shift {shift_ms:.1} ms (chunk KV on the device: {:.1} and {:.1} ms); decode {decode_tps:.1} tok/s; memory {peak_blend:?} MiB",
         path.display(),
         dev.weights().name(),
+        dev.attention().name(),
         all.len(),
         a.ratio,
         full_ms / probe_ms,
@@ -609,6 +659,8 @@ fn speed(
     ));
     Ok(json!({
         "prompt_tokens": all.len(),
+        "attention": dev.attention().name(),
+        "other_attention": compare,
         "chunks": a.chunks,
         "chunk_tokens": a.chunk,
         "ratio": a.ratio,

@@ -4,9 +4,9 @@ use crate::error::{EngineError, Result};
 use candle_core::{DType, Tensor};
 use std::ops::Range;
 
-/// The KV cache on the device: per layer, K and V `(n_kv_head, capacity, head_dim)`, row `p`
-/// of each head holding position `p`. Head-major, so attention reads a prefix of every head
-/// in place (no copy per step).
+/// The KV cache on the device: per layer, K and V `(n_kv_head, capacity, head_dim)` in
+/// [`CACHE_DTYPE`], row `p` of each head holding position `p`. Head-major, so attention reads a
+/// prefix of every head in place (no copy per step).
 #[derive(Debug, Clone)]
 pub struct DeviceCache {
     pub(super) k: Vec<Tensor>,
@@ -77,6 +77,7 @@ impl DeviceCache {
         Ok(self.k[layer]
             .narrow(1, range.start, range.len())?
             .transpose(0, 1)?
+            .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?)
     }
@@ -86,6 +87,7 @@ impl DeviceCache {
         Ok(self.v[layer]
             .narrow(1, range.start, range.len())?
             .transpose(0, 1)?
+            .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?)
     }
@@ -167,9 +169,18 @@ impl DeviceCache {
     }
 }
 
-/// K or V rows as a cache keeps them: every value rounded to the nearest f16, as the CPU
-/// engine's cache ([`crate::KvCache`]) and the chunk store hold them, so a GPU prefill keeps
-/// the rows a stored chunk gives back.
+/// What the device cache holds: f16, as the CPU engine's cache ([`crate::KvCache`]) rounds
+/// its rows and the chunk store keeps them, so a GPU prefill keeps the rows a stored chunk
+/// gives back; half the memory and the reads of f32.
+pub const CACHE_DTYPE: DType = DType::F16;
+
+/// K or V rows as a cache keeps them: every value rounded to the nearest f16.
 pub(crate) fn as_cached(rows: &Tensor) -> Result<Tensor> {
-    Ok(rows.to_dtype(DType::F16)?.to_dtype(DType::F32)?)
+    Ok(rows.to_dtype(CACHE_DTYPE)?)
+}
+
+/// Cache rows as f32, for the arithmetic done on them outside the fused kernel (candle ops'
+/// attention, the shift, RoPE recovery).
+pub(crate) fn as_f32(rows: &Tensor) -> Result<Tensor> {
+    Ok(rows.to_dtype(DType::F32)?)
 }

@@ -2,7 +2,12 @@
 //! in bounded blocks, several requests' decode rows in one pass, the probe's attention mass,
 //! the LM head and greedy decoding.
 
-use super::cache::{as_cached, DeviceCache};
+use super::cache::{as_cached, as_f32, DeviceCache};
+use super::fused::{
+    fused_attention, qkv_epilogue, rms_norm_bf16, swiglu_bf16, DecodeBatch, DeviceAttention,
+    Epilogue,
+};
+use super::model::DeviceWeights;
 use super::model::{DeviceModel, Layer};
 use super::shift::DeviceShift;
 use crate::error::{EngineError, Result};
@@ -22,8 +27,11 @@ struct Pass {
     rows_at: Tensor,
     /// Rows `0..rows` of the cache are read.
     rows: usize,
-    /// Attention in blocks of query rows, each reading only the cache rows below its last.
+    /// Attention in blocks of query rows, each reading only the cache rows below its last
+    /// (candle ops; none where the fused kernel attends and nothing is probed).
     blocks: Vec<Block>,
+    /// Each row's position `(n)` u32, for the fused kernel.
+    pos: Option<Tensor>,
 }
 
 /// Query rows `start..start + len` of a pass: they read cache rows `0..rows`.
@@ -101,10 +109,34 @@ impl DeviceModel {
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
         let mut x = self.embed(ids)?;
+        // On a GPU with the fused kernels, one launch a layer writes every request's row and
+        // attends; else each request attends on its own.
+        let batch = match self.attention {
+            DeviceAttention::Fused => DecodeBatch::new(caches, positions)?,
+            DeviceAttention::Ops => None,
+        };
+        let fused_pos = match (&batch, self.attention) {
+            (None, DeviceAttention::Fused) => positions
+                .iter()
+                .map(|&p| Ok(Tensor::new(&[p as u32], &self.device)?))
+                .collect::<Result<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
+        if batch.is_some() {
+            for (cache, &p) in caches.iter_mut().zip(positions) {
+                cache.wrote(p + 1);
+            }
+        }
         for l in 0..c.n_layer {
             let w = &self.layers[l];
-            let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
+            let h = self.gemm_norm(&x, &w.attn_norm)?;
             let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
+            if let Some(b) = &batch {
+                let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
+                let attn = b.attend(l, &q, &k, &v)?;
+                x = self.ffn(w, x, &attn)?;
+                continue;
+            }
             let mut outs = Vec::with_capacity(n);
             for (i, cache) in caches.iter_mut().enumerate() {
                 let p = positions[i];
@@ -115,9 +147,15 @@ impl DeviceModel {
                 let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
                 cache.v[l].slice_set(&as_cached(&row(&v)?)?, 1, p)?;
                 cache.wrote(p + 1);
+                let qi = q.narrow(0, i, 1)?;
+                if let Some(pos) = fused_pos.get(i) {
+                    let qi = qi.contiguous()?;
+                    outs.push(fused_attention(&qi, &cache.k[l], &cache.v[l], pos)?);
+                    continue;
+                }
                 let keys = cache.k[l].narrow(1, 0, p + 1)?;
                 let values = cache.v[l].narrow(1, 0, p + 1)?;
-                outs.push(self.attend_one(&q.narrow(0, i, 1)?, &keys, &values)?);
+                outs.push(self.attend_one(&qi, &keys, &values)?);
             }
             let attn = Tensor::cat(&outs, 0)?;
             x = self.ffn(w, x, &attn)?;
@@ -162,9 +200,9 @@ impl DeviceModel {
         let (_, nh, hd) = q.dims3()?;
         let nkv = self.config.n_kv_head;
         let q = q.reshape((nkv, nh / nkv, hd))?;
-        let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let s = (q.matmul(&as_f32(keys)?.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let p = candle_nn::ops::softmax_last_dim(&s)?;
-        Ok(p.matmul(values)?.reshape((1, nh * hd))?)
+        Ok(p.matmul(&as_f32(values)?)?.reshape((1, nh * hd))?)
     }
 
     /// The attention mass the rows `ids` at `positions` pay to every cache row at the layers
@@ -286,7 +324,9 @@ impl DeviceModel {
         Ok(out)
     }
 
-    fn pass(&self, positions: &[usize], cache: &DeviceCache) -> Result<Pass> {
+    /// The per-row inputs of a pass over `positions`; with `probed`, the blocks candle ops
+    /// attend in even where the fused kernel attends (the probe reads their probabilities).
+    fn pass(&self, positions: &[usize], cache: &DeviceCache, probed: bool) -> Result<Pass> {
         let n = positions.len();
         let rows = positions.iter().max().map_or(0, |&p| p + 1);
         if rows > cache.capacity {
@@ -298,12 +338,24 @@ impl DeviceModel {
         }
         let angles: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let (cos, sin) = self.upload_table(&self.rope.table(&angles), n)?;
+        let fused = self.attention == DeviceAttention::Fused;
+        let pos = if fused {
+            let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+            Some(Tensor::from_vec(pos, n, &self.device)?)
+        } else {
+            None
+        };
         Ok(Pass {
             cos,
             sin,
             rows_at: self.rows_index(positions)?,
             rows,
-            blocks: self.blocks(positions, rows)?,
+            blocks: if fused && !probed {
+                Vec::new()
+            } else {
+                self.blocks(positions, rows)?
+            },
+            pos,
         })
     }
 
@@ -360,7 +412,7 @@ impl DeviceModel {
                 "cache or layers do not fit this model".into(),
             ));
         }
-        let pass = self.pass(positions, cache)?;
+        let pass = self.pass(positions, cache, hooks.probe.is_some())?;
         let mut x = self.embed(ids)?;
         cache.wrote(positions.iter().max().map_or(0, |&p| p + 1));
         let mut mass = None;
@@ -392,26 +444,82 @@ impl DeviceModel {
         let c = &self.config;
         let w = &self.layers[l];
         let n = x.dim(0)?;
-        let h = fused_rms_norm(&x, &w.attn_norm, c.rms_eps)?;
-        let (q, k, v) = self.qkv(w, &h, &pass.cos, &pass.sin)?;
-        let head_major = |t: Tensor| -> Result<Tensor> {
-            let t = t.reshape((n, c.n_kv_head, c.head_dim))?;
-            Ok(t.transpose(0, 1)?.contiguous()?)
+        let h = self.gemm_norm(&x, &w.attn_norm)?;
+        // On a GPU with the fused attention, and nothing needing K and V apart (the shift
+        // reads them, Q/K norms come before RoPE), one launch follows the product.
+        let q = match &pass.pos {
+            Some(_)
+                if !self.device.is_cpu()
+                    && shift.is_none()
+                    && w.q_norm.is_none()
+                    && w.k_norm.is_none() =>
+            {
+                self.qkv_into_cache(w, &h, pass, cache, l)?
+            }
+            _ => {
+                let (q, k, v) = self.qkv(w, &h, &pass.cos, &pass.sin)?;
+                let head_major = |t: Tensor| -> Result<Tensor> {
+                    let t = t.reshape((n, c.n_kv_head, c.head_dim))?;
+                    Ok(t.transpose(0, 1)?.contiguous()?)
+                };
+                let (k, v) = (head_major(k)?, head_major(v)?);
+                let moves = match shift {
+                    Some(s) => Some(self.shift_moves(l, s, cache, &k, &v)?),
+                    None => None,
+                };
+                cache.k[l].scatter_set(&pass.rows_at, &as_cached(&k)?, 1)?;
+                cache.v[l].scatter_set(&pass.rows_at, &as_cached(&v)?, 1)?;
+                if let (Some(s), Some(m)) = (shift, moves) {
+                    self.apply_shift(l, s, &m, cache)?;
+                }
+                q
+            }
         };
-        let (k, v) = (head_major(k)?, head_major(v)?);
-        let moves = match shift {
-            Some(s) => Some(self.shift_moves(l, s, cache, &k, &v)?),
-            None => None,
+        let (attn, mass) = match &pass.pos {
+            Some(pos) if !probed => {
+                let q = q.contiguous()?;
+                (fused_attention(&q, &cache.k[l], &cache.v[l], pos)?, None)
+            }
+            _ => {
+                let keys = cache.k[l].narrow(1, 0, pass.rows)?;
+                let values = cache.v[l].narrow(1, 0, pass.rows)?;
+                self.attend_ops(&q, &keys, &values, pass, probed)?
+            }
         };
-        cache.k[l].scatter_set(&pass.rows_at, &as_cached(&k)?, 1)?;
-        cache.v[l].scatter_set(&pass.rows_at, &as_cached(&v)?, 1)?;
-        if let (Some(s), Some(m)) = (shift, moves) {
-            self.apply_shift(l, s, &m, cache)?;
-        }
-        let keys = cache.k[l].narrow(1, 0, pass.rows)?;
-        let values = cache.v[l].narrow(1, 0, pass.rows)?;
-        let (attn, mass) = self.attention(&q, &keys, &values, pass, probed)?;
         Ok((self.ffn(w, x, &attn)?, mass))
+    }
+
+    /// Q `(n, n_head, head_dim)` of normed rows `h`, their K and V written into layer `l` of
+    /// `cache` at the pass's positions: the Q/K/V product, then one launch for the biases,
+    /// RoPE and the cache write ([`qkv_epilogue`], on a GPU).
+    fn qkv_into_cache(
+        &self,
+        w: &Layer,
+        h: &Tensor,
+        pass: &Pass,
+        cache: &DeviceCache,
+        l: usize,
+    ) -> Result<Tensor> {
+        let pos = pass
+            .pos
+            .as_ref()
+            .ok_or_else(|| EngineError::Internal("a fused pass without positions".into()))?;
+        let [q, k, v]: [Tensor; 3] = w
+            .qkv
+            .forward(h)?
+            .try_into()
+            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
+        let e = Epilogue {
+            k_cache: &cache.k[l],
+            v_cache: &cache.v[l],
+            cos: &pass.cos,
+            sin: &pass.sin,
+            pos,
+            biases: w.bias.as_ref(),
+            n_head: self.config.n_head,
+            interleaved: self.rope.variant() == kernels::RopeVariant::Interleaved,
+        };
+        qkv_epilogue(&q, &k, &v, &e)
     }
 
     /// Q `(n, n_head, head_dim)` and K `(n, n_kv_head, head_dim)` (biased, head-normed where
@@ -448,17 +556,39 @@ impl DeviceModel {
         Ok((q, k, v))
     }
 
+    /// Whether the steps before the bf16 GEMMs write their bf16 input in one launch
+    /// (`norm_bf16.cu`): on a GPU, with bf16 weights and the fused kernels on.
+    fn bf16_inputs(&self) -> bool {
+        !self.device.is_cpu()
+            && self.weights == DeviceWeights::Bf16
+            && self.attention == DeviceAttention::Fused
+    }
+
+    /// RMSNorm of the residual rows `x` by `w` before a GEMM: bf16 where
+    /// [`DeviceModel::bf16_inputs`], else f32 (the GEMM rounds it as it multiplies).
+    fn gemm_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if self.bf16_inputs() {
+            rms_norm_bf16(x, w, self.config.rms_eps)
+        } else {
+            fused_rms_norm(x, w, self.config.rms_eps)
+        }
+    }
+
     /// The rest of a block after attention: the output projection added to the residual
     /// stream `x`, then the gated FFN the same way.
     fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
         let x = (x + w.wo.forward(attn)?)?;
-        let h = fused_rms_norm(&x, &w.ffn_norm, self.config.rms_eps)?;
+        let h = self.gemm_norm(&x, &w.ffn_norm)?;
         let [gate, up]: [Tensor; 2] = w
             .gate_up
             .forward(&h)?
             .try_into()
             .map_err(|_| EngineError::Internal("gate and up: not two products".into()))?;
-        let act = (gate.silu()? * up)?;
+        let act = if self.bf16_inputs() {
+            swiglu_bf16(&gate, &up)?
+        } else {
+            (gate.silu()? * up)?
+        };
         Ok((x + w.down.forward(&act)?)?)
     }
 
@@ -467,7 +597,7 @@ impl DeviceModel {
     /// query at position p reads rows `0..=p`. Each block of query rows reads only the rows
     /// below its last query and keeps its score matrix bounded. With `probed`, also the
     /// probabilities summed per key row `(rows)`.
-    fn attention(
+    fn attend_ops(
         &self,
         q: &Tensor,
         keys: &Tensor,
@@ -479,7 +609,7 @@ impl DeviceModel {
         let (n, nh, hd) = q.dims3()?;
         let (nkv, rows) = (c.n_kv_head, keys.dim(1)?);
         let g = nh / nkv;
-        let (k, v) = (keys, values);
+        let (k, v) = (&as_f32(keys)?, &as_f32(values)?);
         let scale = 1.0 / (hd as f64).sqrt();
         let (mut outs, mut mass) = (Vec::new(), None);
         for b in &pass.blocks {

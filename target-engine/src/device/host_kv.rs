@@ -2,7 +2,7 @@
 //! ([`ChunkKv`]: per layer, rows of kv heads x head dim in f16): a cache's rows read back, and
 //! a chunk's rows placed into a cache at any position with their RoPE recovered on the device.
 
-use super::cache::{as_cached, DeviceCache};
+use super::cache::{as_cached, as_f32, DeviceCache};
 use super::hot::{Key, Resident};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
@@ -81,9 +81,7 @@ impl DeviceModel {
         }
         let resident = self.resident(chunk)?;
         // f16 `(layer, row, kv head, head_dim)` as stored, laid out as the cache holds it.
-        let lay = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?)
-        };
+        let lay = |t: &Tensor| -> Result<Tensor> { Ok(t.transpose(1, 2)?.contiguous()?) };
         let shape = (c.n_layer, c.n_kv_head, n, c.head_dim);
         let delta = at as i64 - chunk.base_pos as i64;
         let mut k = lay(&resident.k)?;
@@ -91,7 +89,7 @@ impl DeviceModel {
             // One angle for every row: one "token" whose heads are all the chunk's.
             let (cos, sin) = self.upload_table(&self.rope.table(&[delta]), 1)?;
             let heads = c.n_layer * n * c.n_kv_head;
-            let flat = k.reshape((1, heads, c.head_dim))?;
+            let flat = as_f32(&k)?.reshape((1, heads, c.head_dim))?;
             k = as_cached(&self.rotate(&flat, &cos, &sin)?.reshape(shape)?)?;
         }
         let v = lay(&resident.v)?;

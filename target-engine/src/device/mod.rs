@@ -14,7 +14,8 @@
 //! docs/gpu.md says how to build it without a GPU and what one script checks on a GPU.
 //!
 //! By job: the weights on the device and their loading (`model.rs`), the cache (`cache.rs`),
-//! the forward passes and greedy decoding (`forward.rs`), chunk KV to and from host memory
+//! the forward passes and greedy decoding (`forward.rs`), attention as one kernel
+//! (`fused.rs`), chunk KV to and from host memory
 //! (`host_kv.rs`) and the hot chunks kept on the device (`hot.rs`), the shift's per-layer step
 //! (`shift.rs`), the engine interface (`engine.rs`), and batching (`batcher.rs`).
 
@@ -25,6 +26,7 @@ pub mod batcher;
 mod cache;
 mod engine;
 mod forward;
+mod fused;
 mod host_kv;
 mod hot;
 mod model;
@@ -32,7 +34,8 @@ mod shift;
 pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,
 };
-pub use cache::DeviceCache;
+pub use cache::{DeviceCache, CACHE_DTYPE};
+pub use fused::DeviceAttention;
 pub use hot::HotStats;
 pub use model::{DeviceMemory, DeviceModel, DeviceWeights};
 

@@ -2,6 +2,7 @@
 //! every pass uses.
 
 use super::cache::DeviceCache;
+use super::fused::DeviceAttention;
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
@@ -12,6 +13,11 @@ use kernels::{Rope, RopeVariant};
 use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
+
+/// The most the fused kernels may move this model's logits from candle ops' at load, as a
+/// share of the largest logit (at least [`FUSED_PASS_MIN_SCALE`]).
+const FUSED_PASS_SHARE: f32 = 0.05;
+const FUSED_PASS_MIN_SCALE: f32 = 10.0;
 
 /// How the device keeps the weight matrices (`--device-weights`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -152,6 +158,10 @@ pub struct DeviceModel {
     pub(super) weights: DeviceWeights,
     /// The identity of the KV it writes: the file's and the device's numerics.
     pub(super) fingerprint: String,
+    /// The file's own identity, which `fingerprint` extends.
+    pub(super) file_fingerprint: String,
+    /// How attention runs ([`DeviceModel::set_attention`]).
+    pub(super) attention: DeviceAttention,
     /// Chunk KV kept in device memory ([`DeviceModel::set_hot_chunks`]).
     pub(super) hot: std::sync::Mutex<super::hot::HotChunks>,
     /// The chat format prompts are written in, as [`crate::Model::chat`] reads it.
@@ -228,12 +238,7 @@ impl DeviceModel {
         let tokenizer = Tokenizer::from_gguf(&f)?;
         let chat =
             crate::chat::ChatFormat::for_tokenizer(&tokenizer, f.chat_template(), config.arch);
-        let numerics = format!(
-            "engine=device;device={};weights={};embedding=f32;kv=f16;attention=f32",
-            if device.is_cpu() { "cpu" } else { "cuda" },
-            weights.name()
-        );
-        let fingerprint = crate::model::identity(&f.fingerprint(), &numerics);
+        let file_fingerprint = f.fingerprint();
         let (rope, _) = crate::weights::load_rope(&mut f, &config)?;
         let mut layers = Vec::with_capacity(config.n_layer);
         for l in 0..config.n_layer {
@@ -247,7 +252,7 @@ impl DeviceModel {
             proj(embed_q, device, weights)?
         };
         let output_norm = vector(&mut f, "output_norm.weight", device)?;
-        Ok(Self {
+        let mut model = Self {
             device: device.clone(),
             config,
             tokenizer,
@@ -257,11 +262,113 @@ impl DeviceModel {
             output_norm,
             lm_head,
             weights,
-            fingerprint,
+            fingerprint: String::new(),
+            file_fingerprint,
+            attention: DeviceAttention::Ops,
             hot: Default::default(),
             chat,
             path: path.to_path_buf(),
-        })
+        };
+        model.set_default_attention()?;
+        Ok(model)
+    }
+
+    /// The attention `SPECRAG_DEVICE_ATTENTION` names (`ops` or `fused`), else (`auto` or
+    /// unset) the fused kernel on a GPU where it is built for the head size and passes its
+    /// check, else candle ops.
+    fn set_default_attention(&mut self) -> Result<()> {
+        match std::env::var("SPECRAG_DEVICE_ATTENTION") {
+            Ok(name) if name.trim() != "auto" => {
+                return self.set_attention(DeviceAttention::parse(&name)?)
+            }
+            _ => {}
+        }
+        let fits = super::fused::FUSED_HEAD_DIMS.contains(&self.config.head_dim);
+        if self.device.is_cpu() || !fits {
+            return self.set_attention(DeviceAttention::Ops);
+        }
+        if let Err(e) = self.set_attention(DeviceAttention::Fused) {
+            tracing::warn!("fused attention is off: {e}; attending with candle ops");
+            self.set_attention(DeviceAttention::Ops)?;
+        }
+        Ok(())
+    }
+
+    /// Attends as `attention` says from now on. The fused kernels are first run against their
+    /// reference on the CPU (random rows at scattered positions, this model's heads), then
+    /// this model's passes with them against candle ops, and refused where they differ. The fingerprint names the attention: chunk KV computed
+    /// with the other is refused, as any other engine's.
+    pub fn set_attention(&mut self, attention: DeviceAttention) -> Result<()> {
+        if attention == DeviceAttention::Fused {
+            super::fused::self_check(&self.device, &self.config)?;
+            self.check_fused_passes()?;
+        }
+        self.attention = attention;
+        let numerics = format!(
+            "engine=device;device={};weights={};embedding=f32;kv=f16;attention={}",
+            if self.device.is_cpu() { "cpu" } else { "cuda" },
+            self.weights.name(),
+            match attention {
+                DeviceAttention::Ops => "f32",
+                DeviceAttention::Fused => "fused-f16",
+            }
+        );
+        self.fingerprint = crate::model::identity(&self.file_fingerprint, &numerics);
+        Ok(())
+    }
+
+    /// This model's own passes with the fused kernels (attention, the Q/K/V epilogue, the
+    /// batched decode step) against candle ops: two prefills' last logits, then one decode
+    /// step of both requests side by side on the same next tokens. A wiring fault (a stride,
+    /// a bias, the RoPE layout) moves logits by a share of their scale; f16 queries and
+    /// probabilities, amplified by the rounding of activations, by far less.
+    fn check_fused_passes(&mut self) -> Result<()> {
+        let vocab = self
+            .config
+            .vocab_size
+            .min(self.tokenizer.vocab_size())
+            .max(9) as u32;
+        let ids = |seed: u32, n: u32| -> Vec<u32> {
+            (0..n)
+                .map(|i| (i * 7919 + seed * 104_729) % (vocab - 8))
+                .collect()
+        };
+        let (a, b) = (ids(1, 24), ids(2, 17));
+        let passes = |m: &Self| -> Result<Vec<Vec<f32>>> {
+            let (ca, la) = m.prefill(&a, 32)?;
+            let (cb, lb) = m.prefill(&b, 32)?;
+            let mut caches = [ca, cb];
+            // Fixed next tokens: each attention's own argmax may differ at a near tie.
+            let next = [ids(3, 1)[0], ids(4, 1)[0]];
+            let hidden = m.forward_batch(&next, &[a.len(), b.len()], &mut caches)?;
+            let mut out = vec![la, lb];
+            out.extend(m.logits(&hidden)?);
+            Ok(out)
+        };
+        let before = self.attention;
+        self.attention = DeviceAttention::Ops;
+        let want = passes(self);
+        self.attention = DeviceAttention::Fused;
+        let got = passes(self);
+        self.attention = before;
+        let (want, got) = (want?, got?);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            let scale = w.iter().fold(FUSED_PASS_MIN_SCALE, |m, x| m.max(x.abs()));
+            let diff = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            let bound = FUSED_PASS_SHARE * scale;
+            if diff.is_nan() || diff > bound {
+                return Err(EngineError::Internal(format!(
+                    "this model's passes with the fused kernels differ from candle ops' by \
+                     {diff} in logits up to {scale} (pass {i}; bound {bound})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// How attention runs.
+    pub fn attention(&self) -> DeviceAttention {
+        self.attention
     }
 
     /// The device's memory as the driver reports it (every process's use counts): `None`
@@ -324,7 +431,13 @@ impl DeviceModel {
         let shape = (c.n_kv_head, capacity, c.head_dim);
         let zeros = || -> Result<Vec<Tensor>> {
             (0..c.n_layer)
-                .map(|_| Ok(Tensor::zeros(shape, DType::F32, &self.device)?))
+                .map(|_| {
+                    Ok(Tensor::zeros(
+                        shape,
+                        super::cache::CACHE_DTYPE,
+                        &self.device,
+                    )?)
+                })
                 .collect()
         };
         Ok(DeviceCache {

@@ -2,37 +2,42 @@
 //! each chunk's reused rows move as the chunk's recomputed rows (its picks) were moved by
 //! recomputing, per kv head weighted by the softmax of the reused key's dot products with the
 //! picks' keys (RoPE undone, scaled by `1/sqrt(head_dim)`). The CPU engine's step
-//! (`reuse/shift.rs`, its reference) as batched matrix products over the kv heads; which rows
+//! (`reuse/shift.rs`, its reference) as batched matrix products over the kv heads, every
+//! chunk in the same products (a mask keeps each chunk's rows to its own picks); which rows
 //! move is decided once for both engines (`reuse::blend::blend_shift`).
 
-use super::cache::{as_cached, DeviceCache};
+use super::cache::{as_cached, as_f32, DeviceCache};
 use super::model::DeviceModel;
 use crate::error::{EngineError, Result};
 use candle_core::Tensor;
 
-/// The reused rows a device pass moves, chunk by chunk.
+/// The reused rows a device pass moves: every chunk's at once, each chunk's reused rows
+/// weighing only its own picks.
 pub(crate) struct DeviceShift {
-    pub(crate) groups: Vec<ShiftGroup>,
+    /// `None` where no chunk has both picks and reused rows.
+    pub(crate) merged: Option<ShiftRows>,
 }
 
-/// One chunk: its picks among the pass's rows and its reused positions, with everything
+/// Every live chunk's picks and reused rows, concatenated chunk after chunk, with everything
 /// the per-layer step reads made on the device once per pass (every layer has the same
-/// positions): no host work and no upload inside the layer loop.
-pub(crate) struct ShiftGroup {
-    /// Indices among the pass's rows of the chunk's recomputed tokens `(picks,)`.
-    pub(crate) rows: Tensor,
+/// positions): no host work and no upload inside the layer loop, and one set of products per
+/// layer whatever the number of chunks.
+pub(crate) struct ShiftRows {
+    /// Indices among the pass's rows of the recomputed tokens `(picks,)`.
+    rows: Tensor,
     /// The positions of those tokens (`(picks,)` on the device).
     at: Tensor,
-    /// Positions of the chunk's reused tokens, the rows moved (`(targets,)` on the device).
+    /// Positions of the reused tokens, the rows moved (`(targets,)` on the device).
     targets: Tensor,
     /// The moved rows as scatter indexes `(n_kv_head, targets, head_dim)`.
     target_rows: Tensor,
+    /// 0 where a reused row and a pick belong to the same chunk, -1e30 where not `(targets,
+    /// picks)`: the softmax gives other chunks' picks no weight.
+    same_chunk: Tensor,
     /// RoPE tables: undoing the picks' positions, undoing the targets', redoing the targets'.
     undo_at: Rotation,
     undo_targets: Rotation,
     redo_targets: Rotation,
-    /// Whether the group moves anything (it has picks and targets).
-    live: bool,
 }
 
 /// A RoPE table on the device, one angle per row: `cos` and `sin` `(rows, head_dim / 2)`.
@@ -41,8 +46,8 @@ struct Rotation {
     sin: Tensor,
 }
 
-/// How recomputing moved one group's picks at a layer, kv-head-major `(n_kv_head, picks,
-/// head_dim)`: K (RoPE undone), V, and the cached keys (RoPE undone) the weights compare with.
+/// How recomputing moved the picks at a layer, kv-head-major `(n_kv_head, picks, head_dim)`:
+/// K (RoPE undone), V, and the cached keys (RoPE undone) the weights compare with.
 pub(crate) struct Moves {
     dk: Tensor,
     dv: Tensor,
@@ -51,38 +56,60 @@ pub(crate) struct Moves {
 
 impl DeviceModel {
     /// The device's form of a pass's shift groups ([`crate::engine::ShiftGroup`], built once
-    /// for both engines by `reuse::blend::blend_shift`): each group's picks as row indices and
-    /// positions, its targets, and the RoPE tables and scatter indexes of both, uploaded once.
+    /// for both engines by `reuse::blend::blend_shift`): the live groups' picks as row indices
+    /// and positions, their targets, the chunk mask, and the RoPE tables and scatter indexes,
+    /// uploaded once.
     pub(crate) fn shift_plan(
         &self,
         positions: &[usize],
         groups: &[crate::engine::ShiftGroup],
     ) -> Result<DeviceShift> {
-        let mut out = Vec::with_capacity(groups.len());
-        for g in groups {
-            if let Some(&bad) = g.rows.iter().find(|&&i| i >= positions.len()) {
-                return Err(EngineError::InvalidInput(format!(
-                    "shift row {bad} of a pass of {} rows",
-                    positions.len()
-                )));
-            }
-            let at: Vec<usize> = g.rows.iter().map(|&i| positions[i]).collect();
-            let rows: Vec<u32> = g.rows.iter().map(|&i| i as u32).collect();
-            let angles = |p: &[usize], sign: i64| -> Vec<i64> {
-                p.iter().map(|&q| sign * q as i64).collect()
-            };
-            out.push(ShiftGroup {
-                rows: Tensor::from_vec(rows, g.rows.len(), &self.device)?,
-                at: self.positions_tensor(&at)?,
-                targets: self.positions_tensor(&g.targets)?,
-                target_rows: self.rows_index(&g.targets)?,
-                undo_at: self.table(&angles(&at, -1))?,
-                undo_targets: self.table(&angles(&g.targets, -1))?,
-                redo_targets: self.table(&angles(&g.targets, 1))?,
-                live: !at.is_empty() && !g.targets.is_empty(),
-            });
+        if let Some(&bad) = groups
+            .iter()
+            .flat_map(|g| &g.rows)
+            .find(|&&i| i >= positions.len())
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "shift row {bad} of a pass of {} rows",
+                positions.len()
+            )));
         }
-        Ok(DeviceShift { groups: out })
+        let live: Vec<_> = groups
+            .iter()
+            .filter(|g| !g.rows.is_empty() && !g.targets.is_empty())
+            .collect();
+        if live.is_empty() {
+            return Ok(DeviceShift { merged: None });
+        }
+        let rows: Vec<usize> = live.iter().flat_map(|g| g.rows.iter().copied()).collect();
+        let at: Vec<usize> = rows.iter().map(|&i| positions[i]).collect();
+        let targets: Vec<usize> = live
+            .iter()
+            .flat_map(|g| g.targets.iter().copied())
+            .collect();
+        let mut mask = vec![-1e30f32; targets.len() * rows.len()];
+        let (mut t0, mut p0) = (0, 0);
+        for g in &live {
+            for t in t0..t0 + g.targets.len() {
+                mask[t * rows.len() + p0..][..g.rows.len()].fill(0.0);
+            }
+            (t0, p0) = (t0 + g.targets.len(), p0 + g.rows.len());
+        }
+        let angles =
+            |p: &[usize], sign: i64| -> Vec<i64> { p.iter().map(|&q| sign * q as i64).collect() };
+        let index: Vec<u32> = rows.iter().map(|&i| i as u32).collect();
+        Ok(DeviceShift {
+            merged: Some(ShiftRows {
+                rows: Tensor::from_vec(index, rows.len(), &self.device)?,
+                at: self.positions_tensor(&at)?,
+                targets: self.positions_tensor(&targets)?,
+                target_rows: self.rows_index(&targets)?,
+                same_chunk: Tensor::from_vec(mask, (targets.len(), rows.len()), &self.device)?,
+                undo_at: self.table(&angles(&at, -1))?,
+                undo_targets: self.table(&angles(&targets, -1))?,
+                redo_targets: self.table(&angles(&targets, 1))?,
+            }),
+        })
     }
 
     /// The RoPE table of `angles` on the device.
@@ -105,8 +132,8 @@ impl DeviceModel {
         Ok(Tensor::from_vec(at, positions.len(), &self.device)?)
     }
 
-    /// Per group, how the pass's new rows `k` and `v` (kv-head-major, every row of the pass)
-    /// move its picks at `layer`, taken before they overwrite the cache.
+    /// How the pass's new rows `k` and `v` (kv-head-major, every row of the pass) move the
+    /// picks at `layer`, taken before they overwrite the cache.
     pub(crate) fn shift_moves(
         &self,
         layer: usize,
@@ -114,56 +141,44 @@ impl DeviceModel {
         cache: &DeviceCache,
         k: &Tensor,
         v: &Tensor,
-    ) -> Result<Vec<Option<Moves>>> {
-        let mut out = Vec::with_capacity(shift.groups.len());
-        for g in &shift.groups {
-            if !g.live {
-                out.push(None);
-                continue;
-            }
-            let old_k = cache.k[layer].index_select(&g.at, 1)?;
-            let old_v = cache.v[layer].index_select(&g.at, 1)?;
-            let new_k = k.index_select(&g.rows, 1)?;
-            let new_v = v.index_select(&g.rows, 1)?;
-            out.push(Some(Moves {
-                dk: self.rotate_rows(&(new_k - &old_k)?, &g.undo_at)?,
-                dv: (new_v - old_v)?,
-                keys: self.rotate_rows(&old_k, &g.undo_at)?,
-            }));
-        }
-        Ok(out)
+    ) -> Result<Option<Moves>> {
+        let Some(g) = &shift.merged else {
+            return Ok(None);
+        };
+        let old_k = as_f32(&cache.k[layer].index_select(&g.at, 1)?)?;
+        let old_v = as_f32(&cache.v[layer].index_select(&g.at, 1)?)?;
+        let new_k = k.index_select(&g.rows, 1)?;
+        let new_v = v.index_select(&g.rows, 1)?;
+        Ok(Some(Moves {
+            dk: self.rotate_rows(&(new_k - &old_k)?, &g.undo_at)?,
+            dv: (new_v - old_v)?,
+            keys: self.rotate_rows(&old_k, &g.undo_at)?,
+        }))
     }
 
-    /// Moves each group's reused rows at `layer` by its picks' moves weighted by key
+    /// Moves every reused row at `layer` by its own chunk's picks' moves weighted by key
     /// similarity (the K move rotated to each row's position).
     pub(crate) fn apply_shift(
         &self,
         layer: usize,
         shift: &DeviceShift,
-        moves: &[Option<Moves>],
+        moves: &Option<Moves>,
         cache: &mut DeviceCache,
     ) -> Result<()> {
-        if moves.len() != shift.groups.len() {
-            return Err(EngineError::InvalidInput(format!(
-                "{} moves for {} groups",
-                moves.len(),
-                shift.groups.len()
-            )));
-        }
+        let (Some(g), Some(m)) = (&shift.merged, moves) else {
+            return Ok(());
+        };
         let scale = 1.0 / (self.config.head_dim as f64).sqrt();
-        for (g, m) in shift.groups.iter().zip(moves) {
-            let Some(m) = m else { continue };
-            let old_k = cache.k[layer].index_select(&g.targets, 1)?;
-            let old_v = cache.v[layer].index_select(&g.targets, 1)?;
-            let keys = self.rotate_rows(&old_k, &g.undo_targets)?;
-            let scores = (keys.matmul(&m.keys.transpose(1, 2)?.contiguous()?)? * scale)?;
-            let w = candle_nn::ops::softmax_last_dim(&scores)?;
-            let dk = self.rotate_rows(&w.matmul(&m.dk)?, &g.redo_targets)?;
-            let dv = w.matmul(&m.dv)?;
-            let (k, v) = (as_cached(&(old_k + dk)?)?, as_cached(&(old_v + dv)?)?);
-            cache.k[layer].scatter_set(&g.target_rows, &k.contiguous()?, 1)?;
-            cache.v[layer].scatter_set(&g.target_rows, &v.contiguous()?, 1)?;
-        }
+        let old_k = as_f32(&cache.k[layer].index_select(&g.targets, 1)?)?;
+        let old_v = as_f32(&cache.v[layer].index_select(&g.targets, 1)?)?;
+        let keys = self.rotate_rows(&old_k, &g.undo_targets)?;
+        let scores = (keys.matmul(&m.keys.transpose(1, 2)?.contiguous()?)? * scale)?;
+        let w = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&g.same_chunk)?)?;
+        let dk = self.rotate_rows(&w.matmul(&m.dk)?, &g.redo_targets)?;
+        let dv = w.matmul(&m.dv)?;
+        let (k, v) = (as_cached(&(old_k + dk)?)?, as_cached(&(old_v + dv)?)?);
+        cache.k[layer].scatter_set(&g.target_rows, &k.contiguous()?, 1)?;
+        cache.v[layer].scatter_set(&g.target_rows, &v.contiguous()?, 1)?;
         Ok(())
     }
 }

@@ -1,0 +1,354 @@
+//! The fused ops' launches on a CUDA GPU: the kernels compiled once by NVRTC, device
+//! addresses of the caches, launch configurations.
+
+use super::super::cache::DeviceCache;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::CudaDType;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::Tensor;
+use candle_core::{CudaStorage, Layout, Shape, Storage};
+use half::f16;
+use std::sync::OnceLock;
+
+use kernels::CUDA_SOURCE as SOURCE;
+const ROWS: usize = 64;
+const THREADS: u32 = 128;
+
+/// The kernel's PTX, compiled once per process (NVRTC, for compute capability 8.0 and
+/// up: the driver JIT-compiles it for the GPU at hand).
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let ptx = PTX.get_or_init(|| {
+        let opts = CompileOptions {
+            arch: Some("compute_80"),
+            name: Some("kernels.cu".into()),
+            ..Default::default()
+        };
+        // cudarc opens libnvrtc on first use and panics where it cannot.
+        match std::panic::catch_unwind(|| compile_ptx_with_opts(SOURCE, opts)) {
+            Ok(Ok(ptx)) => Ok(ptx.to_src()),
+            Ok(Err(e)) => Err(format!(
+                "NVRTC could not compile the attention kernel: {e:?}"
+            )),
+            Err(_) => Err("NVRTC (libnvrtc.so) did not load: put its folder on \
+                           LD_LIBRARY_PATH (docs/gpu.md)"
+                .into()),
+        }
+    });
+    match ptx {
+        Ok(p) => Ok(p),
+        Err(e) => candle_core::bail!("{e}"),
+    }
+}
+
+/// The kernel's FA_SHARED_BYTES: keys and values [64][hd + 8] in f16, 64 row positions
+/// and a key count (a launch given less traps: the check at load fails loudly).
+fn shared_bytes(hd: usize) -> u32 {
+    (2 * 2 * 64 * (hd + 8) + 4 * (ROWS + 1)) as u32
+}
+
+/// The elements `layout` covers, contiguous, starting 16-byte aligned (the kernel reads
+/// 16 bytes at a time).
+fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    layout: &Layout,
+    what: &str,
+) -> candle_core::Result<CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused attention: {what} is not contiguous")
+    };
+    if start * std::mem::size_of::<T>() % 16 != 0 {
+        candle_core::bail!("fused attention: {what} does not start 16-byte aligned")
+    }
+    Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// The device address of `t`'s first element (an f16 cache tensor, contiguous).
+fn address(t: &Tensor) -> candle_core::Result<i64> {
+    Ok(address_of::<f16>(t)? as i64)
+}
+
+/// The device address of a contiguous tensor's first element of type `T`.
+pub(super) fn address_of<T: CudaDType>(t: &Tensor) -> candle_core::Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(c) = &*storage else {
+        candle_core::bail!("a tensor the kernel reads or writes in place is not on the GPU")
+    };
+    if !layout.is_contiguous() {
+        candle_core::bail!("a tensor the kernel reads or writes in place is not contiguous")
+    }
+    let slice = c.as_cuda_slice::<T>()?;
+    let stream = c.device.cuda_stream();
+    let (ptr, _record) = slice.device_ptr(&stream);
+    Ok(ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64)
+}
+
+/// Rows of a product read by row stride: the elements from the first row's start, and the
+/// stride (a column range of a wider product, or a whole contiguous matrix).
+fn rows<'a>(s: &'a CudaStorage, layout: &Layout) -> candle_core::Result<(CudaView<'a, f32>, i32)> {
+    let (dims, stride) = (layout.dims(), layout.stride());
+    if dims.len() != 2 || stride[1] != 1 {
+        candle_core::bail!("qkv epilogue: inputs must be matrices of unit column stride")
+    }
+    let slice = s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    Ok((slice, stride[0] as i32))
+}
+
+/// RMSNorm written as bf16 (`rms_norm_bf16`) over `inputs`: the f32 rows and the weight.
+pub(super) fn launch_rms_bf16(
+    eps: f32,
+    inputs: [(&CudaStorage, &Layout); 2],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [(xs, xl), (ws, wl)] = inputs;
+    let dev = xs.device.clone();
+    let (x, w) = (view::<f32>(xs, xl, "x")?, view::<f32>(ws, wl, "w")?);
+    let (rows, cols) = (xl.dims()[0], wl.dims()[0]);
+    if xl.dims() != [rows, cols] {
+        candle_core::bail!(
+            "rms_norm_bf16: x {:?} against a weight of {cols}",
+            xl.dims()
+        )
+    }
+    let func = dev.get_or_load_custom_func("rms_norm_bf16", "specrag_flash_attention", ptx()?)?;
+    // SAFETY: every element is written by the kernel (each row, once).
+    let out = unsafe { dev.alloc::<half::bf16>(rows * cols)? };
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 128,
+    };
+    let cols_i = cols as i32;
+    let mut b = func.builder();
+    b.arg(&x).arg(&w).arg(&out).arg(&cols_i).arg(&eps);
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { b.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((rows, cols))))
+}
+
+/// SwiGLU written as bf16 (`swiglu_bf16`) over `inputs`: gate and up rows.
+pub(super) fn launch_swiglu_bf16(
+    inputs: [(&CudaStorage, &Layout); 2],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [(gs, gl), (us, ul)] = inputs;
+    let dev = gs.device.clone();
+    let ((g, ld_g), (u, ld_u)) = (rows(gs, gl)?, rows(us, ul)?);
+    let (n, cols) = (gl.dims()[0], gl.dims()[1]);
+    let func = dev.get_or_load_custom_func("swiglu_bf16", "specrag_flash_attention", ptx()?)?;
+    // SAFETY: every element is written by the kernel (each row, once).
+    let out = unsafe { dev.alloc::<half::bf16>(n * cols)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cols_i = cols as i32;
+    let mut b = func.builder();
+    b.arg(&g)
+        .arg(&u)
+        .arg(&ld_g)
+        .arg(&ld_u)
+        .arg(&out)
+        .arg(&cols_i);
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { b.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((n, cols))))
+}
+
+/// Runs the Q/K/V epilogue on `inputs` (the product's Q, K and V rows) with `tables` (each
+/// row's cos, sin and position), `addresses` (the Q, K and V biases, 0 for none, and the
+/// layer's K and V cache) and `dims` (heads, kv heads, head size, the cache's rows,
+/// interleaved RoPE pairs as 0 or 1); Q `(n, heads, head size)` back.
+pub(super) fn launch_epilogue(
+    tables: [&Tensor; 3],
+    addresses: [u64; 5],
+    dims: [usize; 5],
+    inputs: [(&CudaStorage, &Layout); 3],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [n_head, n_kv_head, hd, cap, interleaved] = dims;
+    let [(qs, ql), (ks, kl), (vs, vl)] = inputs;
+    let dev = qs.device.clone();
+    let n = ql.dims()[0];
+    let ((q, ld_q), (k, ld_k), (v, ld_v)) = (rows(qs, ql)?, rows(ks, kl)?, rows(vs, vl)?);
+    let [cos, sin, pos] = tables;
+    let (cos_storage, cos_layout) = cos.storage_and_layout();
+    let cos = small::<f32>(&cos_storage, cos_layout)?;
+    let (sin_storage, sin_layout) = sin.storage_and_layout();
+    let sin = small::<f32>(&sin_storage, sin_layout)?;
+    let (pos_storage, pos_layout) = pos.storage_and_layout();
+    let pos = small::<u32>(&pos_storage, pos_layout)?;
+    let func = dev.get_or_load_custom_func("qkv_epilogue", "specrag_flash_attention", ptx()?)?;
+    // SAFETY: every element is written by the kernel (each row's heads; NaN past the cache).
+    let out = unsafe { dev.alloc::<f32>(n * n_head * hd)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let [bq, bk, bv, k_cache, v_cache] = addresses;
+    let ints = [n_head, n_kv_head, hd, cap, interleaved].map(|x| x as i32);
+    let mut b = func.builder();
+    b.arg(&q).arg(&k).arg(&v).arg(&ld_q).arg(&ld_k).arg(&ld_v);
+    b.arg(&bq)
+        .arg(&bk)
+        .arg(&bv)
+        .arg(&cos)
+        .arg(&sin)
+        .arg(&pos)
+        .arg(&out);
+    b.arg(&k_cache).arg(&v_cache);
+    for x in &ints {
+        b.arg(x);
+    }
+    // SAFETY: the arguments match the kernel's signature; the cache addresses are the
+    // layer's live f16 caches of `cap` rows, held by the caller through the launch.
+    unsafe { b.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((n, n_head, hd))))
+}
+
+/// The device side of a batched decode step: every layer's cache addresses `(layers, 2,
+/// requests)` (i64), the caches' rows and the positions (u32), in three uploads.
+pub(super) fn decode_tables(
+    caches: &[DeviceCache],
+    positions: &[usize],
+) -> crate::error::Result<[Tensor; 3]> {
+    let r = caches.len();
+    let layers = caches[0].k.len();
+    let device = caches[0].k[0].device().clone();
+    let mut ptrs = Vec::with_capacity(layers * 2 * r);
+    for l in 0..layers {
+        for c in caches {
+            ptrs.push(address(&c.k[l])?);
+        }
+        for c in caches {
+            ptrs.push(address(&c.v[l])?);
+        }
+    }
+    // Each cache's rows as its tensors hold them (every layer alike), the row inside them.
+    let mut caps = Vec::with_capacity(r);
+    for (i, (c, &p)) in caches.iter().zip(positions).enumerate() {
+        let rows = c.k[0].dims3()?.1;
+        let alike =
+            c.k.iter()
+                .chain(&c.v)
+                .all(|t| t.dims3().is_ok_and(|d| d.1 == rows));
+        if !alike || c.k.len() != layers || p >= rows {
+            return Err(crate::error::EngineError::InvalidInput(format!(
+                "batched decode: request {i}'s row {p} does not fit its cache of {rows} rows"
+            )));
+        }
+        caps.push(rows as u32);
+    }
+    let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+    Ok([
+        Tensor::from_vec(ptrs, (layers, 2, r), &device)?,
+        Tensor::from_vec(caps, r, &device)?,
+        Tensor::from_vec(pos, r, &device)?,
+    ])
+}
+
+/// A small tensor's contiguous device elements.
+fn small<'a, T: CudaDType>(
+    storage: &'a Storage,
+    layout: &Layout,
+) -> candle_core::Result<CudaView<'a, T>> {
+    let Storage::Cuda(c) = storage else {
+        candle_core::bail!("a kernel's table (positions, addresses) is not on the GPU")
+    };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("a kernel's table (positions, addresses) is not contiguous")
+    };
+    Ok(c.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// Runs the batched decode kernel on `inputs` (q, the new K and the new V rows) with
+/// `tables` (a layer's `(2, requests)` cache addresses, the caches' rows, the positions) for
+/// `dims` (heads, kv heads, head size).
+pub(super) fn launch_decode(
+    tables: [&Tensor; 3],
+    dims: [usize; 3],
+    inputs: [(&CudaStorage, &Layout); 3],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [n_head, n_kv_head, hd] = dims;
+    let [ptr_table, cap_table, pos_table] = tables;
+    let [(qs, ql), (ks, kl), (vs, vl)] = inputs;
+    let dev = qs.device.clone();
+    let q = view::<f32>(qs, ql, "q")?;
+    let (k, v) = (view::<f32>(ks, kl, "k")?, view::<f32>(vs, vl, "v")?);
+    let (ptr_storage, ptr_layout) = ptr_table.storage_and_layout();
+    let ptrs = small::<i64>(&ptr_storage, ptr_layout)?;
+    let r = ptrs.len() / 2;
+    let (k_ptrs, v_ptrs) = (ptrs.slice(..r), ptrs.slice(r..));
+    let (cap_storage, cap_layout) = cap_table.storage_and_layout();
+    let caps = small::<u32>(&cap_storage, cap_layout)?;
+    let (pos_storage, pos_layout) = pos_table.storage_and_layout();
+    let pos = small::<u32>(&pos_storage, pos_layout)?;
+    let func = dev.get_or_load_custom_func(
+        &format!("decode_attention_{hd}"),
+        "specrag_flash_attention",
+        ptx()?,
+    )?;
+    // SAFETY: every element is written by the kernel (each request's heads, once).
+    let out = unsafe { dev.alloc::<f32>(r * n_head * hd)? };
+    let cfg = LaunchConfig {
+        grid_dim: (r as u32, n_head as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (4 * 4 * (2 + hd)) as u32,
+    };
+    let (nh, nkv) = (n_head as i32, n_kv_head as i32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut b = func.builder();
+    b.arg(&q).arg(&k).arg(&v).arg(&k_ptrs).arg(&v_ptrs);
+    b.arg(&caps)
+        .arg(&pos)
+        .arg(&out)
+        .arg(&nh)
+        .arg(&nkv)
+        .arg(&scale);
+    // SAFETY: the arguments match the kernel's signature; the pointers are live caches
+    // of this step (held by the caller), each with room for its row.
+    unsafe { b.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((r, n_head, hd))))
+}
+
+/// Runs the attention kernel on `inputs` (q, k and v with their layouts) for the rows at
+/// `positions` and `dims` (heads, kv heads, head size, the cache's rows).
+pub(super) fn launch(
+    positions: &Tensor,
+    dims: [usize; 4],
+    inputs: [(&CudaStorage, &Layout); 3],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [n_head, n_kv_head, hd, cap] = dims;
+    let [(qs, ql), (ks, kl), (vs, vl)] = inputs;
+    let dev = qs.device.clone();
+    let q = view::<f32>(qs, ql, "q")?;
+    let (k, v) = (view::<f16>(ks, kl, "k")?, view::<f16>(vs, vl, "v")?);
+    let (pos_storage, pos_layout) = positions.storage_and_layout();
+    let pos = small::<u32>(&pos_storage, pos_layout)?;
+    let n = pos.len();
+    let func = dev.get_or_load_custom_func(
+        &format!("flash_attention_{hd}"),
+        "specrag_flash_attention",
+        ptx()?,
+    )?;
+    // SAFETY: every element is written by the kernel (each row of each head, once).
+    let out = unsafe { dev.alloc::<f32>(n * n_head * hd)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(ROWS) as u32, n_head as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared_bytes(hd),
+    };
+    let (n_i, nh, nkv, cap) = (n as i32, n_head as i32, n_kv_head as i32, cap as i32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut b = func.builder();
+    b.arg(&q).arg(&k).arg(&v).arg(&pos).arg(&out);
+    b.arg(&n_i).arg(&nh).arg(&nkv).arg(&cap).arg(&scale);
+    // SAFETY: the arguments match the kernel's signature, and the grid covers its rows.
+    unsafe { b.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((n, n_head, hd))))
+}
