@@ -30,10 +30,15 @@ pub const DEFAULT_BUDGET_SHARE: f64 = 0.5;
 /// The budget when the host's memory cannot be read.
 pub const FALLBACK_BUDGET_BYTES: u64 = 8 << 30;
 
-/// Bytes one token's KV takes in one cache of a model: keys and values of every layer, f32
-/// rows (the engine's cache dtype).
+/// Bytes one token's KV takes in one cache of a model on the CPU engine: keys and values of
+/// every layer, f32 rows (its cache dtype).
 pub fn kv_bytes_per_token(c: &target_engine::ModelConfig) -> u64 {
-    (c.n_layer * 2 * c.n_kv_head * c.head_dim * std::mem::size_of::<f32>()) as u64
+    kv_bytes_per_token_of(c, std::mem::size_of::<f32>())
+}
+
+/// Bytes one token's KV takes in one cache of a model whose cache holds `bytes` per value.
+pub fn kv_bytes_per_token_of(c: &target_engine::ModelConfig, bytes: usize) -> u64 {
+    (c.n_layer * 2 * c.n_kv_head * c.head_dim * bytes) as u64
 }
 
 /// What one request will hold, in the units the budget counts.

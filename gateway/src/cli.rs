@@ -90,6 +90,20 @@ pub struct ModelArgs {
         value_parser = parse_device_weights
     )]
     pub device_weights: target_engine::device::DeviceWeights,
+    /// How the device engine attends: `auto` (the fused kernels on a GPU where they pass their
+    /// check at load, else candle ops), `fused` (one kernel a layer: f16 products on tensor
+    /// cores with f32 accumulation, no score matrix in memory; an error where its check
+    /// fails) or `ops` (candle ops, f32 score matrices). Chunk KV is stored per attention:
+    /// ingest with the one you serve with. Ignored with --device cpu
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_DEVICE_ATTENTION",
+        value_enum,
+        default_value = "auto",
+        value_name = "ATTENTION"
+    )]
+    pub device_attention: DeviceAttentionFlag,
     /// Device memory that keeps recently placed chunk KV on the GPU (f16, least recently used
     /// out first), so a retrieved chunk held there is copied on the device instead of
     /// uploaded from host memory. 0 (the default) keeps none. Taken from the default
@@ -146,6 +160,29 @@ pub fn parse_device_flag(s: &str) -> Result<String, String> {
         Ok(s.to_string())
     } else {
         Err(format!("`{s}`: expected cpu, cuda, cuda:N or candle-cpu"))
+    }
+}
+
+/// `--device-attention`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceAttentionFlag {
+    /// The engine's choice: the fused kernels on a GPU where they pass their check.
+    Auto,
+    /// One kernel a layer; an error where its check fails.
+    Fused,
+    /// candle ops.
+    Ops,
+}
+
+impl DeviceAttentionFlag {
+    /// The attention it asks for; `None` leaves the engine's choice.
+    pub fn asked(self) -> Option<target_engine::device::DeviceAttention> {
+        use target_engine::device::DeviceAttention;
+        match self {
+            Self::Auto => None,
+            Self::Fused => Some(DeviceAttention::Fused),
+            Self::Ops => Some(DeviceAttention::Ops),
+        }
     }
 }
 
@@ -256,8 +293,13 @@ pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target
         m.device,
         m.device_weights.name()
     ));
-    let model = target_engine::device::DeviceModel::load_with(&path, &device, m.device_weights)
+    let mut model = target_engine::device::DeviceModel::load_with(&path, &device, m.device_weights)
         .with_context(|| format!("loading {} onto {}", path.display(), m.device))?;
+    if let Some(attention) = m.device_attention.asked() {
+        model
+            .set_attention(attention)
+            .with_context(|| format!("--device-attention {}", attention.name()))?;
+    }
     model.set_hot_chunks(m.device_hot_chunks);
     crate::process::release_free_memory();
     spinner.finish_and_clear();

@@ -61,6 +61,18 @@ impl Target {
         }
     }
 
+    /// Bytes one token's KV takes in one of this engine's caches (f32 rows on the CPU engine,
+    /// f16 on the device's).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        match self {
+            Self::Cpu(m) => crate::admission::kv_bytes_per_token(m.config()),
+            Self::Device(d) => crate::admission::kv_bytes_per_token_of(
+                d.config(),
+                target_engine::device::CACHE_DTYPE.size_in_bytes(),
+            ),
+        }
+    }
+
     /// The identity of the KV this engine writes: the file's and the engine's numerics, so
     /// chunk KV stored by one engine is never read by the other.
     pub fn fingerprint(&self) -> &str {

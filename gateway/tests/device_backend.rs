@@ -313,14 +313,16 @@ fn device_answers_batched_together_equal_each_alone() -> TestResult {
     Ok(())
 }
 
-/// Admission counts a device request's KV as it counts the CPU engine's (f32 rows: the device
-/// cache's): a request over `--kv-memory-budget` is refused before any model work with a 503
-/// naming the budget, and one that fits runs.
+/// Admission counts a device request's KV at the device cache's f16 (half the CPU engine's
+/// f32 per token): a request over `--kv-memory-budget` is refused before any model work with
+/// a 503 naming the budget, and one that fits runs.
 #[test]
 fn a_device_request_over_the_kv_budget_is_refused_before_model_work() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let (_cpu, mut dev) = both(dir.path())?;
+    let (cpu, mut dev) = both(dir.path())?;
     let q = query(QUESTIONS[0], Method::TargetProbeShift);
+    let (on_cpu, on_dev) = (cpu.kv_need(&q, 100), dev.kv_need(&q, 100));
+    assert_eq!(on_dev.target_per_token * 2, on_cpu.target_per_token);
     dev.kv_memory_budget = 1 << 10;
     match dev.query(&q, &mut |_| true) {
         Err(e) => {
@@ -332,6 +334,38 @@ fn a_device_request_over_the_kv_budget_is_refused_before_model_work() -> TestRes
     assert_eq!(dev.kv_held.held(), 0, "nothing is held after a refusal");
     dev.kv_memory_budget = 1 << 30;
     dev.query(&q, &mut |_| true)?;
+    Ok(())
+}
+
+/// `--device-attention fused` on candle's CPU device (the fused ops' f32 reference): the road
+/// answers as with candle ops, and the two attentions' chunk KV are stored apart.
+#[test]
+fn the_fused_attention_answers_as_candle_ops_on_the_road() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (_cpu, ops) = both(dir.path())?;
+    let path = dir.path().join("target.gguf");
+    let mut model = DeviceModel::load(&path, &candle_core::Device::Cpu)?;
+    model.set_attention(target_engine::device::DeviceAttention::Fused)?;
+    std::fs::create_dir_all(dir.path().join("fused"))?;
+    let fused = pipeline(
+        &dir.path().join("fused"),
+        Engines::new(Arc::new(model), None)?,
+    )?;
+    assert_ne!(
+        ops.engines.target.fingerprint(),
+        fused.engines.target.fingerprint()
+    );
+    for method in [Method::TargetProbeShift, Method::FullRecompute] {
+        for t in QUESTIONS {
+            let (a, b) = (
+                ops.query(&query(t, method), &mut |_| true)?,
+                fused.query(&query(t, method), &mut |_| true)?,
+            );
+            if let Some((i, gap)) = split(&a, &b) {
+                assert!(gap < NEAR_TIE, "`{t}` {method:?}: split at {i} by {gap}");
+            }
+        }
+    }
     Ok(())
 }
 

@@ -74,7 +74,7 @@ impl Pipeline {
         crate::admission::Need {
             tokens: (prompt + q.max_tokens) as u64,
             caches,
-            target_per_token: crate::admission::kv_bytes_per_token(self.engines.target.config()),
+            target_per_token: self.engines.target.kv_bytes_per_token(),
             drafter_per_token: drafter,
         }
     }
