@@ -63,7 +63,10 @@ fn run(n: usize, n_head: usize, n_kv_head: usize, hd: usize, cap: usize, layout:
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {text:?}"))
     };
-    let bad = if matches!(layout, "batch" | "misfit" | "epilogue") {
+    let bad = if matches!(
+        layout,
+        "batch" | "split" | "misfit" | "epilogue" | "epilogue16"
+    ) {
         field("bad_cache_values=")
     } else {
         0.0
@@ -113,29 +116,33 @@ fn a_long_prefix_of_many_key_tiles_keeps_the_online_softmax_exact() {
 /// One decode step of several requests, each its own cache of another size and its row at its
 /// own position: the new K/V rows land in each cache as f16 and nothing else in it changes;
 /// each output is f64 attention over that cache's rows up to the row (f32 arithmetic on f16
-/// values: within 1e-5).
+/// values: within 1e-5). `split` cuts each request's keys into 6 ranges, one block each,
+/// merged by `decode_merge` (with rows at small positions, some ranges are empty).
 #[test]
 fn a_batched_decode_step_writes_each_requests_row_and_attends_to_its_own_cache() {
-    for (r, heads, kv, hd, cap) in [(5, 4, 2, 64, 100), (3, 7, 1, 128, 300), (16, 8, 8, 64, 40)] {
-        let Outcome {
-            err,
-            reference,
-            bad,
-        } = run(r, heads, kv, hd, cap, "batch");
-        assert!(
-            reference > 0.05,
-            "a degenerate case: outputs up to {reference}"
-        );
-        assert_eq!(bad, 0.0, "r={r} hd={hd}: cache values left wrong");
-        assert!(
-            err <= 1e-5,
-            "r={r} heads={heads}/{kv} hd={hd}: off by {err}"
-        );
+    let cases = [(5, 4, 2, 64, 100), (3, 7, 1, 128, 300), (16, 8, 8, 64, 40)];
+    for layout in ["batch", "split"] {
+        for (r, heads, kv, hd, cap) in cases {
+            let Outcome {
+                err,
+                reference,
+                bad,
+            } = run(r, heads, kv, hd, cap, layout);
+            assert!(
+                reference > 0.05,
+                "a degenerate case: outputs up to {reference}"
+            );
+            assert_eq!(bad, 0.0, "{layout} r={r} hd={hd}: cache values left wrong");
+            assert!(
+                err <= 1e-5,
+                "{layout} r={r} heads={heads}/{kv} hd={hd}: off by {err}"
+            );
+        }
     }
 }
 
 /// A launch neither layout fits (the flash kernel with half its threads; a decode row past its
-/// cache) writes NaN outputs and no cache value: the engine's check at load sees NaN and falls
+/// cache, in one block and in three splits merged) writes NaN outputs and no cache value: the engine's check at load sees NaN and falls
 /// back, where a trap would have left the GPU context unusable.
 #[test]
 fn misfit_launches_give_nan_rows_and_write_nothing() {
@@ -157,27 +164,35 @@ fn misfit_launches_give_nan_rows_and_write_nothing() {
 /// row's angles, Q out, K and V into the f16 cache at each row's position (inputs read as
 /// column ranges of one product, by row stride); nothing else in the cache changes, and a row
 /// past the cache writes nothing and gets NaN. Within f16's rounding of the cache (relative
-/// 5e-4) and f32's of Q.
+/// 5e-4) and f32's of Q; the product in f32, and as a bf16 GEMM writes it
+/// (`qkv_epilogue_bf16`, read without a cast). Its rows mode (a batched decode's rows: Q, K
+/// and V in f32 per row) gives Q bit for bit and K and V that round to what the cache got.
 #[test]
 fn the_qkv_epilogue_biases_rotates_and_writes_each_row_at_its_position() {
-    for (n, heads, kv, hd, cap) in [(20, 4, 2, 64, 50), (9, 7, 1, 128, 300)] {
-        let Outcome {
-            err,
-            reference,
-            bad,
-        } = run(n, heads, kv, hd, cap, "epilogue");
-        assert!(reference > 1.0, "a degenerate case: Q up to {reference}");
-        assert_eq!(bad, 0.0, "n={n} hd={hd}: cache or Q values left wrong");
-        assert!(
-            err <= 1e-3,
-            "n={n} heads={heads}/{kv} hd={hd}: off by {err}"
-        );
+    for layout in ["epilogue", "epilogue16"] {
+        for (n, heads, kv, hd, cap) in [(20, 4, 2, 64, 50), (9, 7, 1, 128, 300)] {
+            let Outcome {
+                err,
+                reference,
+                bad,
+            } = run(n, heads, kv, hd, cap, layout);
+            assert!(reference > 1.0, "a degenerate case: Q up to {reference}");
+            assert_eq!(
+                bad, 0.0,
+                "{layout} n={n} hd={hd}: cache or Q values left wrong"
+            );
+            assert!(
+                err <= 1e-3,
+                "{layout} n={n} heads={heads}/{kv} hd={hd}: off by {err}"
+            );
+        }
     }
 }
 
 /// RMSNorm and SwiGLU writing the next GEMM's bf16 input (`norm_bf16.cu`): each value within
 /// one bf16 rounding of f64 (the measure is in half-units of bf16's last place; f32 sums
-/// add a little), SwiGLU's gate and up read as column ranges of one product.
+/// add a little), SwiGLU's gate and up read as column ranges of one product, in f32 and as
+/// the bf16 GEMM writes them (`swiglu_bf16_in`).
 #[test]
 fn rms_norm_and_swiglu_write_bf16_within_one_rounding() {
     for (rows, cols) in [(5, 300), (3, 1536)] {
@@ -190,5 +205,21 @@ fn rms_norm_and_swiglu_write_bf16_within_one_rounding() {
             err <= 1.5,
             "{rows} x {cols}: off by {err} half-units of bf16"
         );
+    }
+}
+
+/// A bf16 GEMM's output added to the f32 residual stream (`add_bf16`, read by row stride as a
+/// column range of a wider product) is the f32 sum, bit for bit.
+#[test]
+fn a_bf16_product_adds_to_the_residual_as_the_f32_sum() {
+    for (rows, cols) in [(5, 300), (3, 1536)] {
+        let out = Command::new(driver())
+            .args([rows, 1, 1, 64, cols].map(|x| x.to_string()))
+            .args(["norms", "7", "2.5"])
+            .output()
+            .expect("running the emulated kernel");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "driver failed: {text}");
+        assert!(text.contains("bad_sums=0"), "{rows} x {cols}: {text}");
     }
 }

@@ -32,6 +32,11 @@ __device__ __forceinline__ unsigned short bf16_bits(float x) {
     return h;
 }
 
+// The value of bf16 bits.
+__device__ __forceinline__ float bf16_value(unsigned short h) {
+    return __uint_as_float((unsigned)h << 16);
+}
+
 // The value of f16 bits.
 __device__ __forceinline__ float f16_value(unsigned short h) {
     float x;

@@ -6,7 +6,9 @@
 // LAYOUT, for flash_attention.cu: `prefill` (rows at CAP - N .. CAP), `scattered` (N distinct
 // positions in random order), `decode` (N rows all at CAP - 1); for decode_attention.cu:
 // `batch` (N requests, each its own cache of about CAP rows and its row at a random position,
-// the new K/V written by the kernel: also checks that row and that no other changed). Cache
+// the new K/V written by the kernel: also checks that row and that no other changed), `split`
+// (the same with each request's keys cut into 6 ranges, merged by decode_merge, and Q, K and V
+// read as column ranges of one row per request). Cache
 // rows past the last position read are NaN: a kernel that reads them shows it. AMP scales
 // queries and keys (larger: peakier softmax). `misfit`: launches neither kernel's layout fits
 // (flash with half its threads; decode with a row past its cache): every output must be NaN
@@ -45,8 +47,10 @@ static void reference(const float* qi, const float* k, const float* v, unsigned 
     }
 }
 
-// `batch`: decode_attention over `r` requests with caches of different sizes.
-static int run_batch(int r, int nh, int nkv, int hd, int cap0, std::mt19937& rng, float amp) {
+// `batch`: decode_attention over `r` requests with caches of different sizes, its keys in
+// `splits` ranges (more than 1: merged by decode_merge).
+static int run_batch(int r, int nh, int nkv, int hd, int cap0, int splits, std::mt19937& rng,
+                     float amp) {
     std::uniform_real_distribution<float> unit(-1.f, 1.f);
     const float scale = 1.f / std::sqrt((float)hd);
     std::vector<unsigned> caps(r), pos(r);
@@ -77,18 +81,42 @@ static int run_batch(int r, int nh, int nkv, int hd, int cap0, std::mt19937& rng
         kp[i] = (unsigned long long)kc[i].data();
         vp[i] = (unsigned long long)vc[i].data();
     }
-    std::vector<float> out(q.size(), NAN);
-    dim3 grid{(unsigned)r, (unsigned)nh, 1};
+    std::vector<float> out(q.size(), NAN), part((size_t)r * nh * splits * (hd + 2), NAN);
+    // Split launches read Q, K and V as column ranges of one row per request (as the Q/K/V
+    // epilogue's rows mode writes them); whole ones read them contiguous.
+    const int wide = (nh + 2 * nkv) * hd;
+    std::vector<float> packed((size_t)r * wide);
+    for (int i = 0; i < r; ++i) {
+        std::copy_n(&q[(size_t)i * nh * hd], nh * hd, &packed[(size_t)i * wide]);
+        std::copy_n(&kn[(size_t)i * nkv * hd], nkv * hd, &packed[(size_t)i * wide + nh * hd]);
+        std::copy_n(&vn[(size_t)i * nkv * hd], nkv * hd,
+                    &packed[(size_t)i * wide + (nh + nkv) * hd]);
+    }
+    const bool strided = splits > 1;
+    const float* qa = strided ? packed.data() : q.data();
+    const float* ka = strided ? packed.data() + nh * hd : kn.data();
+    const float* va = strided ? packed.data() + (nh + nkv) * hd : vn.data();
+    const int ld_q = strided ? wide : nh * hd, ld_kv = strided ? wide : nkv * hd;
+    dim3 grid{(unsigned)r, (unsigned)nh, (unsigned)splits};
     auto run = [&] {
         if (hd == 64) {
-            decode_attention_64(q.data(), kn.data(), vn.data(), kp.data(), vp.data(), caps.data(),
-                                pos.data(), out.data(), nh, nkv, scale);
+            decode_attention_64(qa, ka, va, kp.data(), vp.data(), caps.data(), pos.data(),
+                                out.data(), part.data(), ld_q, ld_kv, nh, nkv, splits, scale);
         } else {
-            decode_attention_128(q.data(), kn.data(), vn.data(), kp.data(), vp.data(),
-                                 caps.data(), pos.data(), out.data(), nh, nkv, scale);
+            decode_attention_128(qa, ka, va, kp.data(), vp.data(), caps.data(), pos.data(),
+                                 out.data(), part.data(), ld_q, ld_kv, nh, nkv, splits, scale);
         }
     };
     emu::launch(grid, DA_THREADS, DA_SHARED_BYTES(hd), run);
+    if (splits > 1) {
+        emu::launch(dim3{(unsigned)r, (unsigned)nh, 1}, DA_THREADS, 0, [&] {
+            if (hd == 64) {
+                decode_merge_64(part.data(), out.data(), nh, splits);
+            } else {
+                decode_merge_128(part.data(), out.data(), nh, splits);
+            }
+        });
+    }
 
     double max_err = 0, max_ref = 0;
     int bad_rows = 0;
@@ -158,10 +186,30 @@ static int run_misfit(int nh, int nkv, int hd, int cap) {
     emu::launch(dim3{1, (unsigned)nh, 1}, DA_THREADS, DA_SHARED_BYTES(hd), [&] {
         if (hd == 64) {
             decode_attention_64(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
-                                dout.data(), nh, nkv, scale);
+                                dout.data(), nullptr, nh * hd, nkv * hd, nh, nkv, 1, scale);
         } else {
             decode_attention_128(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
-                                 dout.data(), nh, nkv, scale);
+                                 dout.data(), nullptr, nh * hd, nkv * hd, nh, nkv, 1, scale);
+        }
+    });
+    for (float x : dout) finite += !std::isnan(x);
+    // The same row in three splits: every part NaN, so the merged row is too.
+    std::vector<float> part((size_t)nh * 3 * (hd + 2), 0.f);
+    std::fill(dout.begin(), dout.end(), 0.f);
+    emu::launch(dim3{1, (unsigned)nh, 3}, DA_THREADS, DA_SHARED_BYTES(hd), [&] {
+        if (hd == 64) {
+            decode_attention_64(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
+                                dout.data(), part.data(), nh * hd, nkv * hd, nh, nkv, 3, scale);
+        } else {
+            decode_attention_128(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
+                                 dout.data(), part.data(), nh * hd, nkv * hd, nh, nkv, 3, scale);
+        }
+    });
+    emu::launch(dim3{1, (unsigned)nh, 1}, DA_THREADS, 0, [&] {
+        if (hd == 64) {
+            decode_merge_64(part.data(), dout.data(), nh, 3);
+        } else {
+            decode_merge_128(part.data(), dout.data(), nh, 3);
         }
     });
     for (float x : dout) finite += !std::isnan(x);
@@ -172,10 +220,12 @@ static int run_misfit(int nh, int nkv, int hd, int cap) {
 
 // `epilogue`: qkv_epilogue over n rows at distinct positions of a cache of `cap` rows (plus
 // one row past it), inputs as column ranges of one product (row strides), biases, RoPE in both
-// pair layouts. Prints the largest difference of Q and of the cache rows from the reference
-// (f16-rounded there), and how many other cache values changed or Q values of the row past the
-// cache are not NaN.
-static int run_epilogue(int n, int nh, int nkv, int hd, int cap, std::mt19937& rng) {
+// pair layouts; `epilogue16` the same with the product in bf16 (qkv_epilogue_bf16). Prints the
+// largest difference of Q and of the cache rows from the reference (f16-rounded there), and
+// how many other cache values changed, Q values of the row past the cache are not NaN, or
+// values of the rows mode (Q, K, V in f32 per row) differ from the cache mode's.
+static int run_epilogue(int n, int nh, int nkv, int hd, int cap, bool bf16_in,
+                        std::mt19937& rng) {
     std::uniform_real_distribution<float> unit(-1.f, 1.f);
     const int half = hd / 2, total = (nh + 2 * nkv) * hd;
     double max_err = 0, max_ref = 0;
@@ -184,6 +234,12 @@ static int run_epilogue(int n, int nh, int nkv, int hd, int cap, std::mt19937& r
         std::vector<float> y((size_t)(n + 1) * total), bias(total), cs((size_t)(n + 1) * half),
             sn(cs.size());
         for (auto& x : y) x = 3.f * unit(rng);
+        // A bf16 product: the kernel reads the bits, the reference their values.
+        std::vector<unsigned short> y16(y.size());
+        for (size_t i = 0; i < y.size(); ++i) {
+            y16[i] = bf16_bits(y[i]);
+            if (bf16_in) y[i] = bf16_value(y16[i]);
+        }
         for (auto& x : bias) x = unit(rng);
         for (size_t i = 0; i < cs.size(); ++i) {
             float t = 6.f * unit(rng);
@@ -202,10 +258,45 @@ static int run_epilogue(int n, int nh, int nkv, int hd, int cap, std::mt19937& r
         const float* bk = bias.data() + nh * hd;
         const float* bv = bk + nkv * hd;
         emu::launch(dim3{(unsigned)(n + 1), 1, 1}, 96, 0, [&] {
-            qkv_epilogue(y.data(), y.data() + nh * hd, y.data() + (nh + nkv) * hd, total, total,
-                         total, bq, bk, bv, cs.data(), sn.data(), pos.data(), q.data(), kc.data(),
-                         vc.data(), nh, nkv, hd, cap, interleaved);
+            if (bf16_in) {
+                qkv_epilogue_bf16(y16.data(), y16.data() + nh * hd, y16.data() + (nh + nkv) * hd,
+                                  total, total, total, bq, bk, bv, cs.data(), sn.data(),
+                                  pos.data(), q.data(), nh * hd, 0, kc.data(), vc.data(), nh,
+                                  nkv, hd, cap, interleaved);
+            } else {
+                qkv_epilogue(y.data(), y.data() + nh * hd, y.data() + (nh + nkv) * hd, total,
+                             total, total, bq, bk, bv, cs.data(), sn.data(), pos.data(), q.data(),
+                             nh * hd, 0, kc.data(), vc.data(), nh, nkv, hd, cap, interleaved);
+            }
         });
+        // Rows mode (a batched decode's rows): Q, then K and V in f32, in each output row. Q
+        // must be the cache mode's bit for bit, and K and V what it wrote before rounding.
+        std::vector<float> rows((size_t)n * total, NAN);
+        emu::launch(dim3{(unsigned)n, 1, 1}, 96, 0, [&] {
+            if (bf16_in) {
+                qkv_epilogue_bf16(y16.data(), y16.data() + nh * hd, y16.data() + (nh + nkv) * hd,
+                                  total, total, total, bq, bk, bv, cs.data(), sn.data(),
+                                  pos.data(), rows.data(), total, 1, nullptr, nullptr, nh, nkv,
+                                  hd, 0x7fffffff, interleaved);
+            } else {
+                qkv_epilogue(y.data(), y.data() + nh * hd, y.data() + (nh + nkv) * hd, total,
+                             total, total, bq, bk, bv, cs.data(), sn.data(), pos.data(),
+                             rows.data(), total, 1, nullptr, nullptr, nh, nkv, hd, 0x7fffffff,
+                             interleaved);
+            }
+        });
+        for (int r = 0; r < n; ++r) {
+            const float* got = &rows[(size_t)r * total];
+            for (int i = 0; i < nh * hd; ++i) {
+                float want = q[(size_t)r * nh * hd + i];
+                bad += std::memcmp(&got[i], &want, 4) != 0;
+            }
+            for (int i = 0; i < nkv * hd; ++i) {
+                size_t at = ((size_t)(i / hd) * cap + pos[r]) * hd + i % hd;
+                bad += f16_bits(got[nh * hd + i]) != kc[at];
+                bad += f16_bits(got[(nh + nkv) * hd + i]) != vc[at];
+            }
+        }
         std::vector<char> k_written((size_t)nkv * cap * hd, 0), v_written(k_written);
         for (int r = 0; r <= n; ++r) {
             const float* row = &y[(size_t)r * total];
@@ -252,9 +343,10 @@ static int run_epilogue(int n, int nh, int nkv, int hd, int cap, std::mt19937& r
     return 0;
 }
 
-// `norms`: rms_norm_bf16 and swiglu_bf16 over N rows of CAP columns (SwiGLU's inputs read as
-// column ranges of one product) against f64, both rounded to bf16: prints the largest
-// difference in bf16 units of the reference's magnitude, as max_err.
+// `norms`: rms_norm_bf16, swiglu_bf16 and swiglu_bf16_in over N rows of CAP columns (SwiGLU's
+// inputs read as column ranges of one product, f32 or bf16) against f64, rounded to bf16:
+// prints the largest difference in bf16 units of the reference's magnitude, as max_err; and
+// add_bf16 against the f32 sum, which it must equal bit for bit (`bad_sums`).
 static int run_norms(int n, int cols, std::mt19937& rng) {
     std::uniform_real_distribution<float> unit(-1.f, 1.f);
     std::vector<float> x((size_t)n * cols), w(cols), prod((size_t)n * 2 * cols);
@@ -268,6 +360,18 @@ static int run_norms(int n, int cols, std::mt19937& rng) {
     emu::launch(dim3{(unsigned)n, 1, 1}, 96, 0, [&] {
         swiglu_bf16(prod.data(), prod.data() + cols, 2 * cols, 2 * cols, act.data(), cols);
     });
+    // The same product as a bf16 GEMM gives it, and the residual sum.
+    std::vector<unsigned short> prod16(prod.size()), act16(norm.size());
+    for (size_t i = 0; i < prod.size(); ++i) prod16[i] = bf16_bits(prod[i]);
+    emu::launch(dim3{(unsigned)n, 1, 1}, 96, 0, [&] {
+        swiglu_bf16_in(prod16.data(), prod16.data() + cols, 2 * cols, 2 * cols, act16.data(),
+                       cols);
+    });
+    std::vector<float> sum(x.size(), NAN);
+    emu::launch(dim3{(unsigned)n, 1, 1}, 96, 0, [&] {
+        add_bf16(x.data(), prod16.data() + cols, 2 * cols, sum.data(), cols);
+    });
+    int bad_sums = 0;
     double max_err = 0, max_ref = 0;
     // Within one bf16 rounding of the f64 value (relative 2^-8), and a little for f32 sums.
     auto check = [&](double want, unsigned short got) {
@@ -285,9 +389,14 @@ static int run_norms(int n, int cols, std::mt19937& rng) {
             check(x[(size_t)r * cols + i] * inv * w[i], norm[(size_t)r * cols + i]);
             double g = prod[(size_t)r * 2 * cols + i], u = prod[(size_t)r * 2 * cols + cols + i];
             check(g / (1 + std::exp(-g)) * u, act[(size_t)r * cols + i]);
+            double g16 = bf16_value(prod16[(size_t)r * 2 * cols + i]);
+            double u16 = bf16_value(prod16[(size_t)r * 2 * cols + cols + i]);
+            check(g16 / (1 + std::exp(-g16)) * u16, act16[(size_t)r * cols + i]);
+            float want = x[(size_t)r * cols + i] + (float)u16;
+            bad_sums += sum[(size_t)r * cols + i] != want;
         }
     }
-    std::printf("max_err=%.6g max_ref=%.6g\n", max_err, max_ref);
+    std::printf("max_err=%.6g max_ref=%.6g bad_sums=%d\n", max_err, max_ref, bad_sums);
     return 0;
 }
 
@@ -306,9 +415,11 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "head size %d: the kernels are built for 64 and 128\n", hd);
         return 2;
     }
-    if (layout == "batch") return run_batch(n, nh, nkv, hd, cap, rng, amp);
+    if (layout == "batch") return run_batch(n, nh, nkv, hd, cap, 1, rng, amp);
+    if (layout == "split") return run_batch(n, nh, nkv, hd, cap, 6, rng, amp);
     if (layout == "misfit") return run_misfit(nh, nkv, hd, cap);
-    if (layout == "epilogue") return run_epilogue(n, nh, nkv, hd, cap, rng);
+    if (layout == "epilogue") return run_epilogue(n, nh, nkv, hd, cap, false, rng);
+    if (layout == "epilogue16") return run_epilogue(n, nh, nkv, hd, cap, true, rng);
     if (layout == "norms") return run_norms(n, cap, rng);
 
     std::vector<unsigned> pos(n);

@@ -83,23 +83,22 @@ void launch(dim3 grid, unsigned threads, unsigned shared, Kernel kernel) {
     dynamic_smem = shared;
     gridDim = grid;
     blockDim = dim3{threads, 1, 1};
-    for (unsigned by = 0; by < grid.y; ++by) {
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            std::barrier<> block((std::ptrdiff_t)threads);
-            block_barrier = &block;
-            for (unsigned w = 0; w < threads / 32; ++w) {
-                warp_barriers[w] = std::make_unique<std::barrier<>>(32);
-            }
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; ++t) {
-                pool.emplace_back([=] {
-                    threadIdx = dim3{t, 0, 0};
-                    blockIdx = dim3{bx, by, 0};
-                    kernel();
-                });
-            }
-            for (auto& th : pool) th.join();
+    for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
+        const dim3 block_at{b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
+        std::barrier<> block((std::ptrdiff_t)threads);
+        block_barrier = &block;
+        for (unsigned w = 0; w < threads / 32; ++w) {
+            warp_barriers[w] = std::make_unique<std::barrier<>>(32);
         }
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t) {
+            pool.emplace_back([=] {
+                threadIdx = dim3{t, 0, 0};
+                blockIdx = block_at;
+                kernel();
+            });
+        }
+        for (auto& th : pool) th.join();
     }
 }
 }  // namespace emu

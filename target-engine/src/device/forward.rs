@@ -4,8 +4,8 @@
 
 use super::cache::{as_cached, as_f32, DeviceCache};
 use super::fused::{
-    fused_attention, qkv_epilogue, rms_norm_bf16, swiglu_bf16, DecodeBatch, DeviceAttention,
-    Epilogue,
+    add_bf16, fused_attention, qkv_epilogue, rms_norm_bf16, swiglu_bf16, DecodeBatch,
+    DeviceAttention, Epilogue,
 };
 use super::model::DeviceWeights;
 use super::model::{DeviceModel, Layer};
@@ -130,13 +130,12 @@ impl DeviceModel {
         for l in 0..c.n_layer {
             let w = &self.layers[l];
             let h = self.gemm_norm(&x, &w.attn_norm)?;
-            let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
             if let Some(b) = &batch {
-                let v = v.reshape((n, c.n_kv_head, c.head_dim))?;
-                let attn = b.attend(l, &q, &k, &v)?;
+                let attn = self.decode_attend(b, l, &h, [&cos, &sin])?;
                 x = self.ffn(w, x, &attn)?;
                 continue;
             }
+            let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
             let mut outs = Vec::with_capacity(n);
             for (i, cache) in caches.iter_mut().enumerate() {
                 let p = positions[i];
@@ -489,6 +488,57 @@ impl DeviceModel {
         Ok((self.ffn(w, x, &attn)?, mass))
     }
 
+    /// Layer `l`'s attention in a batched decode step on the GPU (`b`) for the normed rows
+    /// `h` with their RoPE tables `rope` (cos, sin): the Q/K/V product, then (no Q/K norm)
+    /// one launch for the biases and RoPE writing each row's Q, K and V, and one for the
+    /// attention that writes each request's K/V row into its cache; `(n, n_head * head_dim)`.
+    fn decode_attend(
+        &self,
+        b: &DecodeBatch,
+        l: usize,
+        h: &Tensor,
+        rope: [&Tensor; 2],
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let w = &self.layers[l];
+        if w.q_norm.is_some() || w.k_norm.is_some() {
+            let (q, k, v) = self.qkv(w, h, rope[0], rope[1])?;
+            return b.attend(
+                l,
+                &q.flatten_from(1)?,
+                &k.flatten_from(1)?,
+                &v.contiguous()?,
+            );
+        }
+        let product = if self.bf16_inputs() {
+            w.qkv.forward_bf16(h)?
+        } else {
+            w.qkv.forward(h)?
+        };
+        let [q, k, v]: [Tensor; 3] = product
+            .try_into()
+            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
+        let e = Epilogue {
+            cache: None,
+            cos: rope[0],
+            sin: rope[1],
+            pos: b.positions(),
+            biases: w.bias.as_ref(),
+            n_head: c.n_head,
+            n_kv_head: c.n_kv_head,
+            head_dim: c.head_dim,
+            interleaved: self.rope.variant() == kernels::RopeVariant::Interleaved,
+        };
+        let rows = qkv_epilogue(&q, &k, &v, &e)?;
+        let (qw, kw) = (c.n_head * c.head_dim, c.n_kv_head * c.head_dim);
+        b.attend(
+            l,
+            &rows.narrow(1, 0, qw)?,
+            &rows.narrow(1, qw, kw)?,
+            &rows.narrow(1, qw + kw, kw)?,
+        )
+    }
+
     /// Q `(n, n_head, head_dim)` of normed rows `h`, their K and V written into layer `l` of
     /// `cache` at the pass's positions: the Q/K/V product, then one launch for the biases,
     /// RoPE and the cache write ([`qkv_epilogue`], on a GPU).
@@ -504,19 +554,24 @@ impl DeviceModel {
             .pos
             .as_ref()
             .ok_or_else(|| EngineError::Internal("a fused pass without positions".into()))?;
-        let [q, k, v]: [Tensor; 3] = w
-            .qkv
-            .forward(h)?
+        // With bf16 inputs the epilogue reads the GEMM's bf16 output as it is.
+        let product = if self.bf16_inputs() {
+            w.qkv.forward_bf16(h)?
+        } else {
+            w.qkv.forward(h)?
+        };
+        let [q, k, v]: [Tensor; 3] = product
             .try_into()
             .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
         let e = Epilogue {
-            k_cache: &cache.k[l],
-            v_cache: &cache.v[l],
+            cache: Some((&cache.k[l], &cache.v[l])),
             cos: &pass.cos,
             sin: &pass.sin,
             pos,
             biases: w.bias.as_ref(),
             n_head: self.config.n_head,
+            n_kv_head: self.config.n_kv_head,
+            head_dim: self.config.head_dim,
             interleaved: self.rope.variant() == kernels::RopeVariant::Interleaved,
         };
         qkv_epilogue(&q, &k, &v, &e)
@@ -577,6 +632,9 @@ impl DeviceModel {
     /// The rest of a block after attention: the output projection added to the residual
     /// stream `x`, then the gated FFN the same way.
     fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
+        if self.bf16_inputs() {
+            return self.ffn_bf16(w, &x, attn);
+        }
         let x = (x + w.wo.forward(attn)?)?;
         let h = self.gemm_norm(&x, &w.ffn_norm)?;
         let [gate, up]: [Tensor; 2] = w
@@ -590,6 +648,21 @@ impl DeviceModel {
             (gate.silu()? * up)?
         };
         Ok((x + w.down.forward(&act)?)?)
+    }
+
+    /// [`DeviceModel::ffn`] where [`DeviceModel::bf16_inputs`]: each GEMM's bf16 output read
+    /// as it is (SwiGLU's inputs, the residual adds), no cast to f32 between: 8 launches
+    /// where candle ops take 11.
+    fn ffn_bf16(&self, w: &Layer, x: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x = add_bf16(x, &w.wo.forward_bf16(attn)?)?;
+        let h = rms_norm_bf16(&x, &w.ffn_norm, self.config.rms_eps)?;
+        let [gate, up]: [Tensor; 2] = w
+            .gate_up
+            .forward_bf16(&h)?
+            .try_into()
+            .map_err(|_| EngineError::Internal("gate and up: not two products".into()))?;
+        let act = swiglu_bf16(&gate, &up)?;
+        add_bf16(&x, &w.down.forward_bf16(&act)?)
     }
 
     /// Causal attention of `q` `(n, n_head, head_dim)` over the cache's first rows of every

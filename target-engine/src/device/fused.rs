@@ -114,12 +114,13 @@ pub(super) fn self_check(device: &Device, config: &ModelConfig) -> Result<()> {
 }
 
 /// The batched decode kernel on `device` against the reference: three requests with caches
-/// of their own sizes, each its row written and attended to; the outputs and the written rows.
+/// of their own sizes, each its row written and attended to, the longest over several key
+/// ranges merged ([`decode_splits`]); the outputs and the written rows.
 fn decode_self_check(device: &Device, config: &ModelConfig) -> Result<()> {
     let (nh, nkv, hd) = (config.n_head, config.n_kv_head, config.head_dim);
     let cpu = Device::Cpu;
     let (mut caches, mut want, mut rows) = (Vec::new(), Vec::new(), Vec::new());
-    let positions = [5usize, 70, 129];
+    let positions = [5usize, 70, 400];
     let q = Tensor::rand(-1f32, 1f32, (3, nh, hd), &cpu)?;
     let k_new = Tensor::rand(-1f32, 1f32, (3, nkv, hd), &cpu)?;
     let v_new = Tensor::rand(-1f32, 1f32, (3, nkv, hd), &cpu)?;
@@ -149,10 +150,11 @@ fn decode_self_check(device: &Device, config: &ModelConfig) -> Result<()> {
         return Ok(());
     };
     let on = |t: &Tensor| t.to_device(device);
+    let flat = |t: &Tensor| -> Result<Tensor> { Ok(on(&t.flatten_from(1)?)?) };
     let got = batch
-        .attend(0, &on(&q)?, &on(&k_new)?, &on(&v_new)?)?
+        .attend(0, &flat(&q)?, &flat(&k_new)?, &flat(&v_new)?)?
         .to_device(&cpu)?;
-    let want = Tensor::cat(&want, 0)?;
+    let want = Tensor::cat(&want, 0)?.flatten_from(1)?;
     let mut diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
     for ((cache, &p), (kr, vr)) in caches.iter().zip(&positions).zip(&rows) {
         let written = |t: &Tensor, r: &Tensor| -> Result<f32> {
@@ -193,6 +195,28 @@ pub(super) struct DecodeBatch {
     caps: Tensor,
     pos: Tensor,
     requests: usize,
+    /// The most keys a request of the step attends to (its position + 1).
+    longest: usize,
+    head_dim: usize,
+}
+
+/// Blocks a decode launch should give the GPU: about two per SM of an H100/H200 (132 SMs).
+const DECODE_TARGET_BLOCKS: usize = 256;
+/// The fewest keys worth a block of their own (below, the merge costs more than it saves).
+const DECODE_MIN_KEYS_PER_SPLIT: usize = 128;
+/// The most ranges a request's keys are cut into (the merge reads them all).
+const DECODE_MAX_SPLITS: usize = 64;
+
+/// How many ranges the batched decode cuts each request's keys into, one block each, for
+/// `requests` requests of `n_head` heads whose longest attends to `longest` keys: enough
+/// blocks to fill the GPU where few requests and heads would leave most SMs idle over a long
+/// cache (one request of the 7B shape has 28 blocks without), never a range under
+/// [`DECODE_MIN_KEYS_PER_SPLIT`] keys; 1 (no merge) where the batch fills it already.
+pub(super) fn decode_splits(requests: usize, n_head: usize, longest: usize) -> usize {
+    let blocks = (requests * n_head).max(1);
+    let for_the_gpu = DECODE_TARGET_BLOCKS.div_ceil(blocks);
+    let for_the_keys = longest / DECODE_MIN_KEYS_PER_SPLIT;
+    for_the_gpu.min(for_the_keys).clamp(1, DECODE_MAX_SPLITS)
 }
 
 impl DecodeBatch {
@@ -222,6 +246,8 @@ impl DecodeBatch {
                 caps,
                 pos,
                 requests: caches.len(),
+                longest: positions.iter().max().map_or(1, |&p| p + 1),
+                head_dim: hd,
             }))
         }
         #[cfg(not(feature = "cuda"))]
@@ -231,10 +257,16 @@ impl DecodeBatch {
         }
     }
 
+    /// Each request's row position `(requests)` u32, on the device.
+    pub(super) fn positions(&self) -> &Tensor {
+        &self.pos
+    }
+
     /// Layer `layer` of the step: each request's new K and V rows (`k`, `v` `(requests,
-    /// n_kv_head, head_dim)` f32) written into its cache as f16, and its query row (`q`
-    /// `(requests, n_head, head_dim)` f32) attending to that cache up to the row; `(requests,
-    /// n_head * head_dim)`.
+    /// n_kv_head * head_dim)` f32) written into its cache as f16, and its query row (`q`
+    /// `(requests, n_head * head_dim)` f32) attending to that cache up to the row; `(requests,
+    /// n_head * head_dim)`. Each may be a column range of wider rows (the Q/K/V epilogue's
+    /// rows mode), K and V of the same row stride.
     pub(super) fn attend(
         &self,
         layer: usize,
@@ -242,17 +274,28 @@ impl DecodeBatch {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor> {
-        let (r, n_head, hd) = q.dims3()?;
-        let (rk, n_kv_head, kd) = k.dims3()?;
-        if r != self.requests || rk != r || kd != hd || v.dims3()? != (r, n_kv_head, hd) {
+        let (r, q_width) = q.dims2()?;
+        let (rk, kv_width) = k.dims2()?;
+        let hd = self.head_dim;
+        let unit_columns = |t: &Tensor| t.stride().get(1) == Some(&1);
+        if r != self.requests
+            || rk != r
+            || q_width % hd != 0
+            || kv_width % hd != 0
+            || kv_width == 0
+            || v.dims2()? != (r, kv_width)
+            || ![q, k, v].into_iter().all(unit_columns)
+            || k.stride() != v.stride()
+        {
             return Err(EngineError::Internal(format!(
-                "batched decode: q {:?}, k {:?}, v {:?} for {} requests",
+                "batched decode: q {:?}, k {:?}, v {:?} for {} requests of head size {hd}",
                 q.dims(),
                 k.dims(),
                 v.dims(),
                 self.requests
             )));
         }
+        let (n_head, n_kv_head) = (q_width / hd, kv_width / hd);
         let op = DecodeOp {
             ptrs: self.ptrs.get(layer)?,
             caps: self.caps.clone(),
@@ -260,11 +303,9 @@ impl DecodeBatch {
             n_head,
             n_kv_head,
             head_dim: hd,
+            splits: decode_splits(r, n_head, self.longest),
         };
-        let out = q
-            .contiguous()?
-            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
-        Ok(out.reshape((r, n_head * hd))?)
+        Ok(q.apply_op3_no_bwd(k, v, &op)?.reshape((r, n_head * hd))?)
     }
 }
 
@@ -278,6 +319,8 @@ struct DecodeOp {
     n_head: usize,
     n_kv_head: usize,
     head_dim: usize,
+    /// Ranges each request's keys are cut into ([`decode_splits`]).
+    splits: usize,
 }
 
 impl CustomOp3 for DecodeOp {
@@ -308,36 +351,53 @@ impl CustomOp3 for DecodeOp {
         vl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let tables = [&self.ptrs, &self.caps, &self.pos];
-        let dims = [self.n_head, self.n_kv_head, self.head_dim];
+        let dims = [self.n_head, self.n_kv_head, self.head_dim, self.splits];
         cuda::launch_decode(tables, dims, [(qs, ql), (ks, kl), (vs, vl)])
     }
 }
 
 /// What the Q/K/V epilogue reads besides the product and where it writes (one layer of one
-/// pass): the layer's cache, each row's RoPE angles and position, the biases.
+/// pass): the layer's K and V cache (or none: a batched decode's rows, each for its own
+/// request's cache), each row's RoPE angles and position, the biases.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct Epilogue<'a> {
-    pub(super) k_cache: &'a Tensor,
-    pub(super) v_cache: &'a Tensor,
+    pub(super) cache: Option<(&'a Tensor, &'a Tensor)>,
     pub(super) cos: &'a Tensor,
     pub(super) sin: &'a Tensor,
     pub(super) pos: &'a Tensor,
     pub(super) biases: Option<&'a [Tensor; 3]>,
     pub(super) n_head: usize,
+    pub(super) n_kv_head: usize,
+    pub(super) head_dim: usize,
     /// RoPE pairs `(2m, 2m + 1)` rather than `(m, m + head_dim / 2)`.
     pub(super) interleaved: bool,
 }
 
 /// On a GPU, one launch (`kernels/src/cuda/qkv_epilogue.cu`) for what follows the Q/K/V
-/// product `q`, `k`, `v` (rows; column ranges of one product or apart): the biases, RoPE, Q
-/// back `(n, n_head, head_dim)`, K and V written into `e`'s cache at each row's position as
-/// f16, as candle ops would (`DeviceModel::qkv`, `as_cached`, the scatter). The caller keeps
-/// the cache alive and ungrown through the call.
+/// product `q`, `k`, `v` (rows, f32 or bf16; column ranges of one product or apart): the
+/// biases, RoPE, Q back `(n, n_head, head_dim)`, K and V written into `e`'s cache at each
+/// row's position as f16, as candle ops would (`DeviceModel::qkv`, `as_cached`, the
+/// scatter). The caller keeps the cache alive and ungrown through the call. Without a cache,
+/// each row back as `(n, (n_head + 2 n_kv_head) head_dim)` f32: Q, K and V, for
+/// [`DecodeBatch::attend`].
 pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>) -> Result<Tensor> {
-    let (n_kv_head, cap, hd) = e.k_cache.dims3()?;
-    if q.device().is_cpu() || e.v_cache.dims3()? != (n_kv_head, cap, hd) {
+    let (n_kv_head, hd) = (e.n_kv_head, e.head_dim);
+    let cap = match e.cache {
+        Some((kc, vc)) => {
+            let (heads, cap, d) = kc.dims3()?;
+            if (heads, d) != (n_kv_head, hd) || vc.dims3()? != (heads, cap, d) {
+                return Err(EngineError::Internal(
+                    "qkv epilogue: the caches do not fit the heads".into(),
+                ));
+            }
+            cap
+        }
+        // No cache to fit: every position is in range.
+        None => i32::MAX as usize,
+    };
+    if q.device().is_cpu() {
         return Err(EngineError::Internal(
-            "the qkv epilogue runs on a GPU, over a layer's K and V caches".into(),
+            "the qkv epilogue runs on a GPU".into(),
         ));
     }
     // The kernel reads and writes by these shapes unchecked: check them here.
@@ -381,22 +441,27 @@ pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>)
                 None => 0,
             })
         };
+        let (k_cache, v_cache) = match e.cache {
+            Some((kc, vc)) => (cuda::address_of::<f16>(kc)?, cuda::address_of::<f16>(vc)?),
+            None => (0, 0),
+        };
         let op = EpilogueOp {
             tables: [e.cos.clone(), e.sin.clone(), e.pos.clone()],
-            addresses: [
-                bias(0)?,
-                bias(1)?,
-                bias(2)?,
-                cuda::address_of::<f16>(e.k_cache)?,
-                cuda::address_of::<f16>(e.v_cache)?,
+            addresses: [bias(0)?, bias(1)?, bias(2)?, k_cache, v_cache],
+            dims: [
+                e.n_head,
+                n_kv_head,
+                hd,
+                cap,
+                usize::from(e.interleaved),
+                usize::from(e.cache.is_none()),
             ],
-            dims: [e.n_head, n_kv_head, hd, cap, usize::from(e.interleaved)],
         };
         Ok(q.apply_op3_no_bwd(k, v, &op)?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (k, v);
+        let _ = (k, v, cap);
         Err(EngineError::Internal(
             "this build has no CUDA support".into(),
         ))
@@ -408,7 +473,8 @@ pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>)
 struct EpilogueOp {
     tables: [Tensor; 3],
     addresses: [u64; 5],
-    dims: [usize; 5],
+    /// Heads, kv heads, head size, the cache's rows, interleaved pairs, rows mode (0 or 1).
+    dims: [usize; 6],
 }
 
 impl CustomOp3 for EpilogueOp {
@@ -455,8 +521,9 @@ pub(super) fn rms_norm_bf16(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(x.apply_op2_no_bwd(w, &RmsBf16 { eps: eps as f32 })?)
 }
 
-/// `silu(gate) * up` (rows of the same width, column ranges of one product or apart), written
-/// as bf16: the down projection's input in one launch on a GPU (`norm_bf16.cu`).
+/// `silu(gate) * up` (rows of the same width, column ranges of one product or apart; f32, or
+/// both the bf16 GEMM's output), written as bf16: the down projection's input in one launch
+/// on a GPU (`norm_bf16.cu`).
 pub(super) fn swiglu_bf16(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims2()? != up.dims2()? {
         return Err(EngineError::Internal(format!(
@@ -468,12 +535,71 @@ pub(super) fn swiglu_bf16(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(gate.apply_op2_no_bwd(up, &SwigluBf16)?)
 }
 
+/// `x` `(rows, cols)` f32 plus `delta` `(rows, cols)` bf16 (a bf16 GEMM's output, any row
+/// stride), f32: the residual add without the product's cast to f32, one launch on a GPU
+/// (`norm_bf16.cu`), each sum the f32 sum.
+pub(super) fn add_bf16(x: &Tensor, delta: &Tensor) -> Result<Tensor> {
+    if x.dims2()? != delta.dims2()? {
+        return Err(EngineError::Internal(format!(
+            "add_bf16: x {:?} and delta {:?}",
+            x.dims(),
+            delta.dims()
+        )));
+    }
+    Ok(x.contiguous()?.apply_op2_no_bwd(delta, &AddBf16)?)
+}
+
+struct AddBf16;
+
+impl CustomOp2 for AddBf16 {
+    fn name(&self) -> &'static str {
+        "specrag-add-bf16"
+    }
+
+    /// The reference: each f32 value plus the bf16 value, in f32.
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ds: &CpuStorage,
+        dl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(x), CpuStorage::BF16(d)) = (xs, ds) else {
+            candle_core::bail!("add_bf16: x must be f32 and delta bf16")
+        };
+        let x = contiguous(x, xl, "x")?;
+        let (rows, cols) = (xl.dims()[0], xl.dims()[1]);
+        let mut out = Vec::with_capacity(rows * cols);
+        for r in 0..rows {
+            let dr = row(d, dl, r)?;
+            out.extend(
+                x[r * cols..][..cols]
+                    .iter()
+                    .zip(dr)
+                    .map(|(a, b)| a + b.to_f32()),
+            );
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, cols))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ds: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::launch_add_bf16([(xs, xl), (ds, dl)])
+    }
+}
+
 struct RmsBf16 {
     eps: f32,
 }
 
 /// Row `r` of a matrix laid out by `layout` (any row stride, unit column stride).
-fn row<'a>(data: &'a [f32], layout: &Layout, r: usize) -> candle_core::Result<&'a [f32]> {
+fn row<'a, T>(data: &'a [T], layout: &Layout, r: usize) -> candle_core::Result<&'a [T]> {
     let (dims, stride) = (layout.dims(), layout.stride());
     if dims.len() != 2 || stride[1] != 1 {
         candle_core::bail!("expected a matrix of unit column stride")
@@ -540,16 +666,20 @@ impl CustomOp2 for SwigluBf16 {
         us: &CpuStorage,
         ul: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(g), CpuStorage::F32(u)) = (gs, us) else {
-            candle_core::bail!("swiglu_bf16: gate and up must be f32")
-        };
         let (rows, cols) = (gl.dims()[0], gl.dims()[1]);
+        let widen = |s: &CpuStorage, l: &Layout, r: usize| -> candle_core::Result<Vec<f32>> {
+            Ok(match s {
+                CpuStorage::F32(v) => row(v, l, r)?.to_vec(),
+                CpuStorage::BF16(v) => row(v, l, r)?.iter().map(|x| x.to_f32()).collect(),
+                _ => candle_core::bail!("swiglu_bf16: gate and up must be f32 or bf16"),
+            })
+        };
         let mut out = Vec::with_capacity(rows * cols);
         for r in 0..rows {
-            let (gr, ur) = (row(g, gl, r)?, row(u, ul, r)?);
+            let (gr, ur) = (widen(gs, gl, r)?, widen(us, ul, r)?);
             out.extend(
                 gr.iter()
-                    .zip(ur)
+                    .zip(&ur)
                     .map(|(a, b)| half::bf16::from_f32(a / (1.0 + (-a).exp()) * b)),
             );
         }
@@ -660,6 +790,20 @@ mod tests {
     use super::*;
     use candle_core::DType;
 
+    /// One request of the 7B shape (28 heads) over 2,096 keys gets ~256 blocks; 16 requests
+    /// fill the GPU without splitting; a short cache is never cut below 128 keys a range; a
+    /// 32k cache of the 1.5B shape (12 heads) is cut into 22 ranges, never more than 64.
+    #[test]
+    fn decode_splits_fill_the_gpu_without_ranges_too_short() {
+        assert_eq!(decode_splits(1, 28, 2096), 10);
+        assert_eq!(decode_splits(16, 28, 2096), 1);
+        assert_eq!(decode_splits(1, 28, 300), 2);
+        assert_eq!(decode_splits(1, 28, 100), 1);
+        assert_eq!(decode_splits(1, 12, 32768), 22);
+        assert_eq!(decode_splits(1, 1, 1 << 20), DECODE_MAX_SPLITS);
+        assert_eq!(decode_splits(0, 0, 0), 1);
+    }
+
     /// The largest difference in units of bf16's last place at each value.
     fn ulps(got: &Tensor, want: &Tensor) -> Result<f32> {
         let flat = |t: &Tensor| -> Result<Vec<f32>> {
@@ -672,8 +816,9 @@ mod tests {
             .fold(0f32, f32::max))
     }
 
-    /// The CPU references of the GPU's bf16-writing ops are candle's ops then a cast, within
-    /// a last-place rounding; SwiGLU reads gate and up as column ranges of one product.
+    /// The CPU references of the GPU's bf16 ops are candle's ops then a cast, within a
+    /// last-place rounding; SwiGLU reads gate and up as column ranges of one product, f32 or
+    /// bf16; a bf16 product added to the residual is candle's cast and add exactly.
     #[test]
     fn bf16_writing_ops_are_candles_ops_rounded() -> Result<()> {
         let cpu = Device::Cpu;
@@ -690,6 +835,18 @@ mod tests {
         let off = ulps(&got, &(gate.silu()? * &up)?)?;
         assert!(off <= 1.0, "swiglu: {off}");
         assert!(swiglu_bf16(&gate, &prod).is_err(), "mismatched widths");
+        let prod16 = prod.to_dtype(DType::BF16)?;
+        let (g16, u16) = (prod16.narrow(1, 0, 64)?, prod16.narrow(1, 64, 64)?);
+        let got = swiglu_bf16(&g16, &u16)?;
+        let widened = |t: &Tensor| t.to_dtype(DType::F32);
+        let off = ulps(&got, &(widened(&g16)?.silu()? * widened(&u16)?)?)?;
+        assert!(off <= 1.0, "swiglu of bf16: {off}");
+        let x = Tensor::rand(-1f32, 1f32, (4, 64), &cpu)?;
+        let got = add_bf16(&x, &u16)?;
+        let want = (&x + widened(&u16)?)?;
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "add_bf16");
+        assert!(add_bf16(&x, &prod16).is_err(), "mismatched widths");
         Ok(())
     }
 }

@@ -74,6 +74,19 @@ impl candle_core::Module for Proj {
     }
 }
 
+impl Proj {
+    /// The product of bf16 rows `x` as bf16 (no cast back to f32: [`super::fused::add_bf16`]
+    /// reads it); bf16 weights only.
+    pub(super) fn forward_bf16(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Bf16(w) => Ok(x.to_dtype(DType::BF16)?.matmul(&w.t()?)?),
+            Self::Quantized(_) => Err(EngineError::Internal(
+                "a bf16 product of quantized weights".into(),
+            )),
+        }
+    }
+}
+
 /// Matrices applied to the same rows: each on its own (quantized blocks), or stacked into one
 /// bf16 matrix so the rows are rounded and multiplied once (one GEMM instead of several, each
 /// with its two casts).
@@ -117,16 +130,33 @@ impl Stack {
                     .to_dtype(DType::BF16)?
                     .matmul(&w.t()?)?
                     .to_dtype(DType::F32)?;
-                let mut at = 0;
-                outs.iter()
-                    .map(|&o| {
-                        at += o;
-                        Ok(y.narrow(1, at - o, o)?)
-                    })
-                    .collect()
+                column_ranges(&y, outs)
             }
         }
     }
+}
+
+impl Stack {
+    /// [`Stack::forward`] as bf16 (no cast back to f32), stacked bf16 weights only.
+    pub(super) fn forward_bf16(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let Self::Bf16(w, outs) = self else {
+            return Err(EngineError::Internal(
+                "a bf16 product of matrices kept apart".into(),
+            ));
+        };
+        column_ranges(&x.to_dtype(DType::BF16)?.matmul(&w.t()?)?, outs)
+    }
+}
+
+/// The consecutive column ranges of `y` `(n, sum of outs)`, `outs` wide each (views).
+fn column_ranges(y: &Tensor, outs: &[usize]) -> Result<Vec<Tensor>> {
+    let mut at = 0;
+    outs.iter()
+        .map(|&o| {
+            at += o;
+            Ok(y.narrow(1, at - o, o)?)
+        })
+        .collect()
 }
 
 /// One transformer block's weights on the device.

@@ -87,11 +87,35 @@ pub(super) fn address_of<T: CudaDType>(t: &Tensor) -> candle_core::Result<u64> {
 /// Rows of a product read by row stride: the elements from the first row's start, and the
 /// stride (a column range of a wider product, or a whole contiguous matrix).
 fn rows<'a>(s: &'a CudaStorage, layout: &Layout) -> candle_core::Result<(CudaView<'a, f32>, i32)> {
+    rows_of::<f32>(s, layout)
+}
+
+/// A product's rows as the Q/K/V epilogue reads them, f32 or bf16 (its kernel by the dtype):
+/// the first row's device address and the row stride.
+fn product_rows(s: &CudaStorage, layout: &Layout) -> candle_core::Result<(u64, i32)> {
+    let stream = s.device.cuda_stream();
+    Ok(match s.dtype() {
+        candle_core::DType::BF16 => {
+            let (view, ld) = rows_of::<half::bf16>(s, layout)?;
+            (view.device_ptr(&stream).0, ld)
+        }
+        _ => {
+            let (view, ld) = rows(s, layout)?;
+            (view.device_ptr(&stream).0, ld)
+        }
+    })
+}
+
+/// [`rows`] of elements of type `T`.
+fn rows_of<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    layout: &Layout,
+) -> candle_core::Result<(CudaView<'a, T>, i32)> {
     let (dims, stride) = (layout.dims(), layout.stride());
     if dims.len() != 2 || stride[1] != 1 {
-        candle_core::bail!("qkv epilogue: inputs must be matrices of unit column stride")
+        candle_core::bail!("a fused op's inputs must be matrices of unit column stride")
     }
-    let slice = s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let slice = s.as_cuda_slice::<T>()?.slice(layout.start_offset()..);
     Ok((slice, stride[0] as i32))
 }
 
@@ -127,15 +151,14 @@ pub(super) fn launch_rms_bf16(
     Ok((out, Shape::from((rows, cols))))
 }
 
-/// SwiGLU written as bf16 (`swiglu_bf16`) over `inputs`: gate and up rows.
+/// SwiGLU written as bf16 over `inputs`: gate and up rows, f32 (`swiglu_bf16`) or the bf16
+/// GEMM's output (`swiglu_bf16_in`).
 pub(super) fn launch_swiglu_bf16(
     inputs: [(&CudaStorage, &Layout); 2],
 ) -> candle_core::Result<(CudaStorage, Shape)> {
     let [(gs, gl), (us, ul)] = inputs;
     let dev = gs.device.clone();
-    let ((g, ld_g), (u, ld_u)) = (rows(gs, gl)?, rows(us, ul)?);
     let (n, cols) = (gl.dims()[0], gl.dims()[1]);
-    let func = dev.get_or_load_custom_func("swiglu_bf16", "specrag_flash_attention", ptx()?)?;
     // SAFETY: every element is written by the kernel (each row, once).
     let out = unsafe { dev.alloc::<half::bf16>(n * cols)? };
     let cfg = LaunchConfig {
@@ -144,13 +167,63 @@ pub(super) fn launch_swiglu_bf16(
         shared_mem_bytes: 0,
     };
     let cols_i = cols as i32;
+    let (kernel, bf16_in) = match gs.dtype() {
+        candle_core::DType::BF16 => ("swiglu_bf16_in", true),
+        _ => ("swiglu_bf16", false),
+    };
+    let func = dev.get_or_load_custom_func(kernel, "specrag_flash_attention", ptx()?)?;
     let mut b = func.builder();
-    b.arg(&g)
-        .arg(&u)
-        .arg(&ld_g)
-        .arg(&ld_u)
-        .arg(&out)
-        .arg(&cols_i);
+    if bf16_in {
+        let ((g, ld_g), (u, ld_u)) = (
+            rows_of::<half::bf16>(gs, gl)?,
+            rows_of::<half::bf16>(us, ul)?,
+        );
+        b.arg(&g)
+            .arg(&u)
+            .arg(&ld_g)
+            .arg(&ld_u)
+            .arg(&out)
+            .arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(cfg) }.w()?;
+    } else {
+        let ((g, ld_g), (u, ld_u)) = (rows(gs, gl)?, rows(us, ul)?);
+        b.arg(&g)
+            .arg(&u)
+            .arg(&ld_g)
+            .arg(&ld_u)
+            .arg(&out)
+            .arg(&cols_i);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((n, cols))))
+}
+
+/// The f32 rows `x` plus the bf16 rows `delta` (`add_bf16`, read by row stride), f32 out.
+pub(super) fn launch_add_bf16(
+    inputs: [(&CudaStorage, &Layout); 2],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [(xs, xl), (ds, dl)] = inputs;
+    let dev = xs.device.clone();
+    let x = view::<f32>(xs, xl, "x")?;
+    let (d, ld_d) = rows_of::<half::bf16>(ds, dl)?;
+    let (n, cols) = (xl.dims()[0], xl.dims()[1]);
+    if dl.dims() != [n, cols] {
+        candle_core::bail!("add_bf16: x {:?} and delta {:?}", xl.dims(), dl.dims())
+    }
+    let func = dev.get_or_load_custom_func("add_bf16", "specrag_flash_attention", ptx()?)?;
+    // SAFETY: every element is written by the kernel (each row, once).
+    let out = unsafe { dev.alloc::<f32>(n * cols)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cols_i = cols as i32;
+    let mut b = func.builder();
+    b.arg(&x).arg(&d).arg(&ld_d).arg(&out).arg(&cols_i);
     // SAFETY: the arguments match the kernel's signature.
     unsafe { b.launch(cfg) }.w()?;
     let out = CudaStorage::wrap_cuda_slice(out, dev);
@@ -160,18 +233,23 @@ pub(super) fn launch_swiglu_bf16(
 /// Runs the Q/K/V epilogue on `inputs` (the product's Q, K and V rows) with `tables` (each
 /// row's cos, sin and position), `addresses` (the Q, K and V biases, 0 for none, and the
 /// layer's K and V cache) and `dims` (heads, kv heads, head size, the cache's rows,
-/// interleaved RoPE pairs as 0 or 1); Q `(n, heads, head size)` back.
+/// interleaved RoPE pairs as 0 or 1, rows mode as 0 or 1); Q `(n, heads, head size)` back,
+/// or in rows mode each row's Q, K and V `(n, (heads + 2 kv heads) head size)`.
 pub(super) fn launch_epilogue(
     tables: [&Tensor; 3],
     addresses: [u64; 5],
-    dims: [usize; 5],
+    dims: [usize; 6],
     inputs: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape)> {
-    let [n_head, n_kv_head, hd, cap, interleaved] = dims;
+    let [n_head, n_kv_head, hd, cap, interleaved, rows_mode] = dims;
+    let ld_out = if rows_mode == 1 {
+        (n_head + 2 * n_kv_head) * hd
+    } else {
+        n_head * hd
+    };
     let [(qs, ql), (ks, kl), (vs, vl)] = inputs;
     let dev = qs.device.clone();
     let n = ql.dims()[0];
-    let ((q, ld_q), (k, ld_k), (v, ld_v)) = (rows(qs, ql)?, rows(ks, kl)?, rows(vs, vl)?);
     let [cos, sin, pos] = tables;
     let (cos_storage, cos_layout) = cos.storage_and_layout();
     let cos = small::<f32>(&cos_storage, cos_layout)?;
@@ -179,16 +257,27 @@ pub(super) fn launch_epilogue(
     let sin = small::<f32>(&sin_storage, sin_layout)?;
     let (pos_storage, pos_layout) = pos.storage_and_layout();
     let pos = small::<u32>(&pos_storage, pos_layout)?;
-    let func = dev.get_or_load_custom_func("qkv_epilogue", "specrag_flash_attention", ptx()?)?;
+    let bf16_in = qs.dtype() == candle_core::DType::BF16;
+    let name = if bf16_in {
+        "qkv_epilogue_bf16"
+    } else {
+        "qkv_epilogue"
+    };
+    let func = dev.get_or_load_custom_func(name, "specrag_flash_attention", ptx()?)?;
     // SAFETY: every element is written by the kernel (each row's heads; NaN past the cache).
-    let out = unsafe { dev.alloc::<f32>(n * n_head * hd)? };
+    let out = unsafe { dev.alloc::<f32>(n * ld_out)? };
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     let [bq, bk, bv, k_cache, v_cache] = addresses;
+    let (ld_out, rows_mode) = (ld_out as i32, rows_mode as i32);
     let ints = [n_head, n_kv_head, hd, cap, interleaved].map(|x| x as i32);
+    let [(q, ld_q), (k, ld_k), (v, ld_v)] = [(qs, ql), (ks, kl), (vs, vl)];
+    let (q, ld_q) = product_rows(q, ld_q)?;
+    let (k, ld_k) = product_rows(k, ld_k)?;
+    let (v, ld_v) = product_rows(v, ld_v)?;
     let mut b = func.builder();
     b.arg(&q).arg(&k).arg(&v).arg(&ld_q).arg(&ld_k).arg(&ld_v);
     b.arg(&bq)
@@ -197,16 +286,23 @@ pub(super) fn launch_epilogue(
         .arg(&cos)
         .arg(&sin)
         .arg(&pos)
-        .arg(&out);
+        .arg(&out)
+        .arg(&ld_out)
+        .arg(&rows_mode);
     b.arg(&k_cache).arg(&v_cache);
     for x in &ints {
         b.arg(x);
     }
-    // SAFETY: the arguments match the kernel's signature; the cache addresses are the
-    // layer's live f16 caches of `cap` rows, held by the caller through the launch.
+    // SAFETY: the arguments match the kernel's signature; the product's and the caches'
+    // addresses are live tensors (the op's inputs, the layer's f16 caches of `cap` rows) held
+    // by the caller through the launch.
     unsafe { b.launch(cfg) }.w()?;
     let out = CudaStorage::wrap_cuda_slice(out, dev);
-    Ok((out, Shape::from((n, n_head, hd))))
+    if rows_mode == 1 {
+        Ok((out, Shape::from((n, ld_out as usize))))
+    } else {
+        Ok((out, Shape::from((n, n_head, hd))))
+    }
 }
 
 /// The device side of a batched decode step: every layer's cache addresses `(layers, 2,
@@ -266,18 +362,22 @@ fn small<'a, T: CudaDType>(
 
 /// Runs the batched decode kernel on `inputs` (q, the new K and the new V rows) with
 /// `tables` (a layer's `(2, requests)` cache addresses, the caches' rows, the positions) for
-/// `dims` (heads, kv heads, head size).
+/// `dims` (heads, kv heads, head size, the ranges each request's keys are cut into: above 1,
+/// a second launch merges them).
 pub(super) fn launch_decode(
     tables: [&Tensor; 3],
     dims: [usize; 3],
     inputs: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape)> {
-    let [n_head, n_kv_head, hd] = dims;
+    let [n_head, n_kv_head, hd, splits] = dims;
     let [ptr_table, cap_table, pos_table] = tables;
     let [(qs, ql), (ks, kl), (vs, vl)] = inputs;
     let dev = qs.device.clone();
-    let q = view::<f32>(qs, ql, "q")?;
-    let (k, v) = (view::<f32>(ks, kl, "k")?, view::<f32>(vs, vl, "v")?);
+    let (q, ld_q) = rows_of::<f32>(qs, ql)?;
+    let ((k, ld_k), (v, ld_v)) = (rows_of::<f32>(ks, kl)?, rows_of::<f32>(vs, vl)?);
+    if ld_k != ld_v {
+        candle_core::bail!("batched decode: K rows of stride {ld_k}, V rows of {ld_v}")
+    }
     let (ptr_storage, ptr_layout) = ptr_table.storage_and_layout();
     let ptrs = small::<i64>(&ptr_storage, ptr_layout)?;
     let r = ptrs.len() / 2;
@@ -291,26 +391,53 @@ pub(super) fn launch_decode(
         "specrag_flash_attention",
         ptx()?,
     )?;
-    // SAFETY: every element is written by the kernel (each request's heads, once).
+    // SAFETY: every element is written by the kernel (each request's heads, once), or by
+    // the merge from every split's part, each written by its block.
     let out = unsafe { dev.alloc::<f32>(r * n_head * hd)? };
+    let part_len = if splits > 1 {
+        r * n_head * splits * (hd + 2)
+    } else {
+        1
+    };
+    // SAFETY: with several splits every part is written by its block before the merge reads
+    // it; with one, the kernel never touches it.
+    let part = unsafe { dev.alloc::<f32>(part_len)? };
     let cfg = LaunchConfig {
-        grid_dim: (r as u32, n_head as u32, 1),
+        grid_dim: (r as u32, n_head as u32, splits as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: (4 * 4 * (2 + hd)) as u32,
     };
-    let (nh, nkv) = (n_head as i32, n_kv_head as i32);
+    let (nh, nkv, n_splits) = (n_head as i32, n_kv_head as i32, splits as i32);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut b = func.builder();
     b.arg(&q).arg(&k).arg(&v).arg(&k_ptrs).arg(&v_ptrs);
     b.arg(&caps)
         .arg(&pos)
         .arg(&out)
-        .arg(&nh)
-        .arg(&nkv)
-        .arg(&scale);
+        .arg(&part)
+        .arg(&ld_q)
+        .arg(&ld_k);
+    b.arg(&nh).arg(&nkv).arg(&n_splits).arg(&scale);
     // SAFETY: the arguments match the kernel's signature; the pointers are live caches
     // of this step (held by the caller), each with room for its row.
     unsafe { b.launch(cfg) }.w()?;
+    if splits > 1 {
+        let merge = dev.get_or_load_custom_func(
+            &format!("decode_merge_{hd}"),
+            "specrag_flash_attention",
+            ptx()?,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (r as u32, n_head as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = merge.builder();
+        b.arg(&part).arg(&out).arg(&nh).arg(&n_splits);
+        // SAFETY: `part` holds every split of every request's heads, written above on the
+        // same stream; `out` has a row for each.
+        unsafe { b.launch(cfg) }.w()?;
+    }
     let out = CudaStorage::wrap_cuda_slice(out, dev);
     Ok((out, Shape::from((r, n_head, hd))))
 }
