@@ -2,6 +2,7 @@
 //! addresses of the caches, launch configurations.
 
 use super::super::cache::DeviceCache;
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::CudaDType;
@@ -97,11 +98,13 @@ fn product_rows(s: &CudaStorage, layout: &Layout) -> candle_core::Result<(u64, i
     Ok(match s.dtype() {
         candle_core::DType::BF16 => {
             let (view, ld) = rows_of::<half::bf16>(s, layout)?;
-            (view.device_ptr(&stream).0, ld)
+            let ptr = view.device_ptr(&stream).0;
+            (ptr, ld)
         }
         _ => {
             let (view, ld) = rows(s, layout)?;
-            (view.device_ptr(&stream).0, ld)
+            let ptr = view.device_ptr(&stream).0;
+            (ptr, ld)
         }
     })
 }
@@ -366,7 +369,7 @@ fn small<'a, T: CudaDType>(
 /// a second launch merges them).
 pub(super) fn launch_decode(
     tables: [&Tensor; 3],
-    dims: [usize; 3],
+    dims: [usize; 4],
     inputs: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape)> {
     let [n_head, n_kv_head, hd, splits] = dims;
