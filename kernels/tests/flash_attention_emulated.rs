@@ -63,7 +63,7 @@ fn run(n: usize, n_head: usize, n_kv_head: usize, hd: usize, cap: usize, layout:
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {text:?}"))
     };
-    let bad = if matches!(
+    let mut bad = if matches!(
         layout,
         "batch" | "split" | "misfit" | "epilogue" | "epilogue16"
     ) {
@@ -71,6 +71,14 @@ fn run(n: usize, n_head: usize, n_kv_head: usize, hd: usize, cap: usize, layout:
     } else {
         0.0
     };
+    // The attention kernels' bf16 entry points, run beside: outputs that are not the f32
+    // outputs' rounding.
+    if matches!(
+        layout,
+        "batch" | "split" | "prefill" | "scattered" | "decode"
+    ) {
+        bad += field("bad_bf16=");
+    }
     Outcome {
         err: field("max_err="),
         reference: field("max_ref="),
@@ -79,11 +87,16 @@ fn run(n: usize, n_head: usize, n_kv_head: usize, hd: usize, cap: usize, layout:
 }
 
 fn check(n: usize, n_head: usize, n_kv_head: usize, hd: usize, cap: usize, layout: &str) {
-    let Outcome { err, reference, .. } = run(n, n_head, n_kv_head, hd, cap, layout);
+    let Outcome {
+        err,
+        reference,
+        bad,
+    } = run(n, n_head, n_kv_head, hd, cap, layout);
     assert!(
         reference > 0.05,
         "a degenerate case: outputs up to {reference}"
     );
+    assert_eq!(bad, 0.0, "{layout}: bf16 outputs not the f32 ones rounded");
     assert!(
         err <= TOLERANCE,
         "{layout} n={n} heads={n_head}/{n_kv_head} hd={hd} cap={cap}: off by {err} (outputs up to {reference})"
@@ -132,7 +145,11 @@ fn a_batched_decode_step_writes_each_requests_row_and_attends_to_its_own_cache()
                 reference > 0.05,
                 "a degenerate case: outputs up to {reference}"
             );
-            assert_eq!(bad, 0.0, "{layout} r={r} hd={hd}: cache values left wrong");
+            assert_eq!(
+                bad, 0.0,
+                "{layout} r={r} hd={hd}: cache values left wrong, or bf16 outputs not the f32 \
+                 ones rounded"
+            );
             assert!(
                 err <= 1e-5,
                 "{layout} r={r} heads={heads}/{kv} hd={hd}: off by {err}"
@@ -209,7 +226,9 @@ fn rms_norm_and_swiglu_write_bf16_within_one_rounding() {
 }
 
 /// A bf16 GEMM's output added to the f32 residual stream (`add_bf16`, read by row stride as a
-/// column range of a wider product) is the f32 sum, bit for bit.
+/// column range of a wider product) is the f32 sum, bit for bit; the add fused with the next
+/// RMSNorm (`add_rms_norm_bf16`, the norm written over the product's own elements) gives that
+/// sum and `rms_norm_bf16`'s norm of it bit for bit, and leaves the rest of the product alone.
 #[test]
 fn a_bf16_product_adds_to_the_residual_as_the_f32_sum() {
     for (rows, cols) in [(5, 300), (3, 1536)] {

@@ -69,3 +69,13 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 #endif
+
+// Elements as the kernels read and write them, in both builds (the GPU's and emu.h's): f32,
+// or bf16 as bits (a bf16 GEMM's input or output).
+struct bf16_t {
+    unsigned short bits;
+};
+__device__ __forceinline__ float value_of(float x) { return x; }
+__device__ __forceinline__ float value_of(bf16_t x) { return bf16_value(x.bits); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(bf16_t* p, float v) { p->bits = bf16_bits(v); }

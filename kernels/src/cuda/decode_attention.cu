@@ -12,7 +12,7 @@
 //                (column ranges of qkv_epilogue.cu's rows, or contiguous)
 //   k_caches[i], v_caches[i]               request i's layer cache, (n_kv_head, caps[i], HD) f16
 //   pos          (r) u32                   request i's row position (< caps[i])
-//   out          (r, n_head, HD) f32
+//   out          (r, n_head, HD) f32, or bf16 bits (the `_bf16` entry points)
 //   part         (r, n_head, splits, HD + 2) f32, with splits > 1 only: each split's running
 //                max, sum and unnormalized output, merged by decode_merge
 // Grid (r, n_head, splits), 128 threads. A request's keys 0..=pos are cut into `splits`
@@ -29,13 +29,13 @@
 #define DA_SHARED_BYTES(hd) (4 * DA_WARPS * (2 + (hd)))
 
 
-template <int HD>
+template <int HD, class Out>
 __device__ void decode_attention(const float* __restrict__ q, const float* __restrict__ k_new,
                                  const float* __restrict__ v_new,
                                  const unsigned long long* __restrict__ k_caches,
                                  const unsigned long long* __restrict__ v_caches,
                                  const unsigned* __restrict__ caps,
-                                 const unsigned* __restrict__ pos, float* __restrict__ out,
+                                 const unsigned* __restrict__ pos, Out* __restrict__ out,
                                  float* __restrict__ part, int ld_q, int ld_kv, int n_head,
                                  int n_kv_head, int splits, float scale) {
     // Each lane holds HD / 32 consecutive dimensions. Dynamic shared memory
@@ -50,11 +50,13 @@ __device__ void decode_attention(const float* __restrict__ q, const float* __res
     // With several splits the NaN goes into the split's part, which decode_merge carries on.
     if (dynamic_smem_bytes() < DA_SHARED_BYTES(HD) || blockDim.x != DA_THREADS ||
         pos[r] >= caps[r] || splits < 1 || (int)gridDim.z != splits) {
-        const float nan = __int_as_float(0x7fc00000);
         if (splits > 1 && split >= splits) return;
+        // Words whose bits are a NaN as f32 and as two bf16 halves alike.
+        const float nan = __int_as_float(0x7fc07fc0);
+        const int words = splits > 1 ? HD + 2 : HD * (int)sizeof(Out) / 4;
         float* dst = splits > 1 ? part + (((size_t)r * n_head + head) * splits + split) * (HD + 2)
-                                : out + ((size_t)r * n_head + head) * HD;
-        for (int d = threadIdx.x; d < (splits > 1 ? HD + 2 : HD); d += blockDim.x) dst[d] = nan;
+                                : (float*)(out + ((size_t)r * n_head + head) * HD);
+        for (int d = threadIdx.x; d < words; d += blockDim.x) dst[d] = nan;
         return;
     }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -124,9 +126,12 @@ __device__ void decode_attention(const float* __restrict__ q, const float* __res
 #pragma unroll
     for (int i = 0; i < PER; ++i) part_o[warp * HD + lane * PER + i] = o[i];
     __syncthreads();
+    // Unrolled, so that `weight` stays in registers.
     float top = neg_inf;
+#pragma unroll
     for (int w = 0; w < DA_WARPS; ++w) top = fmaxf(top, part_m[w]);
     float total = 0.f, weight[DA_WARPS];
+#pragma unroll
     for (int w = 0; w < DA_WARPS; ++w) {
         weight[w] = part_l[w] > 0.f ? exp2f(part_m[w] - top) : 0.f;
         total += part_l[w] * weight[w];
@@ -134,8 +139,9 @@ __device__ void decode_attention(const float* __restrict__ q, const float* __res
     if (splits == 1) {
         for (int d = tid; d < HD; d += DA_THREADS) {
             float acc = 0.f;
+#pragma unroll
             for (int w = 0; w < DA_WARPS; ++w) acc += part_o[w * HD + d] * weight[w];
-            out[((size_t)r * n_head + head) * HD + d] = acc / total;
+            store(out + ((size_t)r * n_head + head) * HD + d, acc / total);
         }
         return;
     }
@@ -147,6 +153,7 @@ __device__ void decode_attention(const float* __restrict__ q, const float* __res
     }
     for (int d = tid; d < HD; d += DA_THREADS) {
         float acc = 0.f;
+#pragma unroll
         for (int w = 0; w < DA_WARPS; ++w) acc += part_o[w * HD + d] * weight[w];
         dst[2 + d] = acc;
     }
@@ -154,8 +161,8 @@ __device__ void decode_attention(const float* __restrict__ q, const float* __res
 
 // The splits of decode_attention weighed into one output row per request and head. Grid
 // (r, n_head), 128 threads; `part` and `out` as above.
-template <int HD>
-__device__ void decode_merge(const float* __restrict__ part, float* __restrict__ out,
+template <int HD, class Out>
+__device__ void decode_merge(const float* __restrict__ part, Out* __restrict__ out,
                              int n_head, int splits) {
     const int r = blockIdx.x, head = blockIdx.y;
     const float* src = part + ((size_t)r * n_head + head) * splits * (HD + 2);
@@ -174,23 +181,26 @@ __device__ void decode_merge(const float* __restrict__ part, float* __restrict__
             const float* sp = src + (size_t)s * (HD + 2);
             if (sp[1] != 0.f || sp[1] != sp[1]) acc += sp[2 + d] * exp2f(sp[0] - top);
         }
-        out[((size_t)r * n_head + head) * HD + d] = acc / total;
+        store(out + ((size_t)r * n_head + head) * HD + d, acc / total);
     }
 }
 
-#define DA_ENTRY(HD)                                                                         \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##HD(          \
+#define DA_ENTRY(HD, SUFFIX, OUT)                                                            \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##HD##SUFFIX(  \
         const float* q, const float* k_new, const float* v_new,                              \
         const unsigned long long* k_caches, const unsigned long long* v_caches,              \
-        const unsigned* caps, const unsigned* pos, float* out, float* part, int ld_q,        \
+        const unsigned* caps, const unsigned* pos, OUT* out, float* part, int ld_q,          \
         int ld_kv, int n_head, int n_kv_head, int splits, float scale) {                     \
-        decode_attention<HD>(q, k_new, v_new, k_caches, v_caches, caps, pos, out, part,      \
-                             ld_q, ld_kv, n_head, n_kv_head, splits, scale);                 \
+        decode_attention<HD, OUT>(q, k_new, v_new, k_caches, v_caches, caps, pos, out, part, \
+                                  ld_q, ld_kv, n_head, n_kv_head, splits, scale);            \
     }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_merge_##HD(              \
-        const float* part, float* out, int n_head, int splits) {                             \
-        decode_merge<HD>(part, out, n_head, splits);                                         \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_merge_##HD##SUFFIX(      \
+        const float* part, OUT* out, int n_head, int splits) {                               \
+        decode_merge<HD, OUT>(part, out, n_head, splits);                                    \
     }
 
-DA_ENTRY(64)
-DA_ENTRY(128)
+// The output in f32, or as bf16 (the output projection's input, `_bf16`).
+DA_ENTRY(64, , float)
+DA_ENTRY(128, , float)
+DA_ENTRY(64, _bf16, bf16_t)
+DA_ENTRY(128, _bf16, bf16_t)

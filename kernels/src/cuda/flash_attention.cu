@@ -14,7 +14,7 @@
 //   q    (n, n_head, HD) f32      the pass's query rows, RoPE applied
 //   k, v (n_kv_head, cap, HD) f16 the layer's cache (IEEE half bits), row = absolute position
 //   pos  (n) u32                  each query row's position; it reads keys 0..=pos
-//   out  (n, n_head, HD)
+//   out  (n, n_head, HD) f32, or bf16 bits (the `_bf16` entry points)
 // Grid (ceil(n / 64), n_head), 128 threads: each warp owns 16 query rows of one head.
 
 #define FA_ROWS 64
@@ -35,11 +35,11 @@ __device__ __forceinline__ unsigned ld_f16x2(const unsigned short* p) {
     return (unsigned)p[0] | ((unsigned)p[1] << 16);
 }
 
-template <int HD>
+template <int HD, class Out>
 __device__ void flash_attention(const float* __restrict__ q, const unsigned short* __restrict__ k,
                                 const unsigned short* __restrict__ v,
                                 const unsigned* __restrict__ pos,
-                                float* __restrict__ out, int n, int n_head, int n_kv_head,
+                                Out* __restrict__ out, int n, int n_head, int n_kv_head,
                                 int cap, float scale) {
     // Keys (and the query staging) and values as f16, [FA_KEYS][KS] each: rows padded by 8
     // halves (16 bytes) so that a warp's fragment loads fall in distinct banks.
@@ -60,8 +60,8 @@ __device__ void flash_attention(const float* __restrict__ q, const unsigned shor
     if (dynamic_smem_bytes() < FA_SHARED_BYTES(HD) || blockDim.x != FA_THREADS) {
         for (int i = tid; i < FA_ROWS * HD; i += blockDim.x) {
             if (row0 + i / HD < n)
-                out[((size_t)(row0 + i / HD) * n_head + head) * HD + i % HD] =
-                    __int_as_float(0x7fc00000);
+                store(out + ((size_t)(row0 + i / HD) * n_head + head) * HD + i % HD,
+                      __int_as_float(0x7fc00000));
         }
         return;
     }
@@ -207,27 +207,30 @@ __device__ void flash_attention(const float* __restrict__ q, const unsigned shor
     for (int j = 0; j < HD / 8; ++j) {
         int d = j * 8 + 2 * t;
         if (r0 < n) {
-            float* dst = out + ((size_t)r0 * n_head + head) * HD + d;
-            dst[0] = o[j][0] / l0;
-            dst[1] = o[j][1] / l0;
+            Out* dst = out + ((size_t)r0 * n_head + head) * HD + d;
+            store(dst, o[j][0] / l0);
+            store(dst + 1, o[j][1] / l0);
         }
         if (r1 < n) {
-            float* dst = out + ((size_t)r1 * n_head + head) * HD + d;
-            dst[0] = o[j][2] / l1;
-            dst[1] = o[j][3] / l1;
+            Out* dst = out + ((size_t)r1 * n_head + head) * HD + d;
+            store(dst, o[j][2] / l1);
+            store(dst + 1, o[j][3] / l1);
         }
     }
 }
 
 
-#define FA_ENTRY(HD)                                                                        \
+#define FA_ENTRY(HD, SUFFIX, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                \
-        flash_attention_##HD(const float* q, const unsigned short* k,                       \
-                             const unsigned short* v,                                       \
-                             const unsigned* pos, float* out, int n, int n_head,            \
-                             int n_kv_head, int cap, float scale) {                         \
-        flash_attention<HD>(q, k, v, pos, out, n, n_head, n_kv_head, cap, scale);           \
+        flash_attention_##HD##SUFFIX(const float* q, const unsigned short* k,               \
+                                     const unsigned short* v, const unsigned* pos, OUT* out, \
+                                     int n, int n_head, int n_kv_head, int cap,             \
+                                     float scale) {                                         \
+        flash_attention<HD, OUT>(q, k, v, pos, out, n, n_head, n_kv_head, cap, scale);      \
     }
 
-FA_ENTRY(64)
-FA_ENTRY(128)
+// The output in f32, or as bf16 (the output projection's input, `_bf16`).
+FA_ENTRY(64, , float)
+FA_ENTRY(128, , float)
+FA_ENTRY(64, _bf16, bf16_t)
+FA_ENTRY(128, _bf16, bf16_t)

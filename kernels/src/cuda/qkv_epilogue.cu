@@ -30,13 +30,6 @@ __device__ __forceinline__ void rope_pair(int m, int half, int interleaved, int*
     }
 }
 
-// An element of a bf16 product, read as bits.
-struct bf16_in {
-    unsigned short bits;
-};
-__device__ __forceinline__ float value_of(float x) { return x; }
-__device__ __forceinline__ float value_of(bf16_in x) { return bf16_value(x.bits); }
-
 template <class T>
 __device__ void qkv_epilogue_rows(const T* q_in, const T* k_in, const T* v_in, int ld_q,
                                   int ld_k, int ld_v, const float* bq, const float* bk,
@@ -116,6 +109,6 @@ extern "C" __global__ void qkv_epilogue(const float* q_in, const float* k_in, co
 extern "C" __global__ void qkv_epilogue_bf16(const unsigned short* q_in,
                                              const unsigned short* k_in,
                                              const unsigned short* v_in, QKV_ARGS) {
-    qkv_epilogue_rows((const bf16_in*)q_in, (const bf16_in*)k_in, (const bf16_in*)v_in,
+    qkv_epilogue_rows((const bf16_t*)q_in, (const bf16_t*)k_in, (const bf16_t*)v_in,
                       QKV_PASS);
 }

@@ -117,6 +117,31 @@ static int run_batch(int r, int nh, int nkv, int hd, int cap0, int splits, std::
             }
         });
     }
+    // The bf16 entry points (run again: the rows they write are the same): each output the
+    // f32 one's rounding.
+    std::vector<bf16_t> out16(q.size());
+    emu::launch(grid, DA_THREADS, DA_SHARED_BYTES(hd), [&] {
+        if (hd == 64) {
+            decode_attention_64_bf16(qa, ka, va, kp.data(), vp.data(), caps.data(), pos.data(),
+                                     out16.data(), part.data(), ld_q, ld_kv, nh, nkv, splits,
+                                     scale);
+        } else {
+            decode_attention_128_bf16(qa, ka, va, kp.data(), vp.data(), caps.data(), pos.data(),
+                                      out16.data(), part.data(), ld_q, ld_kv, nh, nkv, splits,
+                                      scale);
+        }
+    });
+    if (splits > 1) {
+        emu::launch(dim3{(unsigned)r, (unsigned)nh, 1}, DA_THREADS, 0, [&] {
+            if (hd == 64) {
+                decode_merge_64_bf16(part.data(), out16.data(), nh, splits);
+            } else {
+                decode_merge_128_bf16(part.data(), out16.data(), nh, splits);
+            }
+        });
+    }
+    int bad_bf16 = 0;
+    for (size_t i = 0; i < out.size(); ++i) bad_bf16 += out16[i].bits != bf16_bits(out[i]);
 
     double max_err = 0, max_ref = 0;
     int bad_rows = 0;
@@ -155,7 +180,8 @@ static int run_batch(int r, int nh, int nkv, int hd, int cap0, int splits, std::
             }
         }
     }
-    std::printf("max_err=%.6g max_ref=%.6g bad_cache_values=%d\n", max_err, max_ref, bad_rows);
+    std::printf("max_err=%.6g max_ref=%.6g bad_cache_values=%d bad_bf16=%d\n", max_err, max_ref,
+                bad_rows, bad_bf16);
     return 0;
 }
 
@@ -193,6 +219,20 @@ static int run_misfit(int nh, int nkv, int hd, int cap) {
         }
     });
     for (float x : dout) finite += !std::isnan(x);
+    // The bf16 output: every value a NaN too.
+    std::vector<bf16_t> dout16((size_t)nh * hd, bf16_t{0});
+    emu::launch(dim3{1, (unsigned)nh, 1}, DA_THREADS, DA_SHARED_BYTES(hd), [&] {
+        if (hd == 64) {
+            decode_attention_64_bf16(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
+                                     dout16.data(), nullptr, nh * hd, nkv * hd, nh, nkv, 1,
+                                     scale);
+        } else {
+            decode_attention_128_bf16(q.data(), kn.data(), vn.data(), &kp, &vp, &caps, &row,
+                                      dout16.data(), nullptr, nh * hd, nkv * hd, nh, nkv, 1,
+                                      scale);
+        }
+    });
+    for (auto x : dout16) finite += !std::isnan(bf16_value(x.bits));
     // The same row in three splits: every part NaN, so the merged row is too.
     std::vector<float> part((size_t)nh * 3 * (hd + 2), 0.f);
     std::fill(dout.begin(), dout.end(), 0.f);
@@ -346,7 +386,8 @@ static int run_epilogue(int n, int nh, int nkv, int hd, int cap, bool bf16_in,
 // `norms`: rms_norm_bf16, swiglu_bf16 and swiglu_bf16_in over N rows of CAP columns (SwiGLU's
 // inputs read as column ranges of one product, f32 or bf16) against f64, rounded to bf16:
 // prints the largest difference in bf16 units of the reference's magnitude, as max_err; and
-// add_bf16 against the f32 sum, which it must equal bit for bit (`bad_sums`).
+// add_bf16 against the f32 sum, which it must equal bit for bit, and add_rms_norm_bf16
+// against add_bf16 then rms_norm_bf16 (`bad_sums`).
 static int run_norms(int n, int cols, std::mt19937& rng) {
     std::uniform_real_distribution<float> unit(-1.f, 1.f);
     std::vector<float> x((size_t)n * cols), w(cols), prod((size_t)n * 2 * cols);
@@ -372,6 +413,25 @@ static int run_norms(int n, int cols, std::mt19937& rng) {
         add_bf16(x.data(), prod16.data() + cols, 2 * cols, sum.data(), cols);
     });
     int bad_sums = 0;
+    // The add and the next RMSNorm in one launch, over a copy of the product (it writes the
+    // norm over the product's own elements): the sum bit for bit as add_bf16's, the norm bit
+    // for bit as rms_norm_bf16's of that sum.
+    std::vector<unsigned short> fused16(prod16), fused_norm((size_t)n * cols);
+    std::vector<float> fused_sum(x.size(), NAN);
+    emu::launch(dim3{(unsigned)n, 1, 1}, 128, 128, [&] {
+        add_rms_norm_bf16(x.data(), fused16.data() + cols, 2 * cols, w.data(), fused_sum.data(),
+                          cols, eps);
+    });
+    emu::launch(dim3{(unsigned)n, 1, 1}, 128, 128,
+                [&] { rms_norm_bf16(sum.data(), w.data(), fused_norm.data(), cols, eps); });
+    for (int r = 0; r < n; ++r) {
+        for (int i = 0; i < cols; ++i) {
+            size_t at = (size_t)r * cols + i, in_prod = (size_t)r * 2 * cols;
+            bad_sums += std::memcmp(&fused_sum[at], &sum[at], 4) != 0;
+            bad_sums += fused16[in_prod + cols + i] != fused_norm[at];
+            bad_sums += fused16[in_prod + i] != prod16[in_prod + i];  // the gate, untouched
+        }
+    }
     double max_err = 0, max_ref = 0;
     // Within one bf16 rounding of the f64 value (relative 2^-8), and a little for f32 sums.
     auto check = [&](double want, unsigned short got) {
@@ -467,6 +527,19 @@ int main(int argc, char** argv) {
         }
     };
     emu::launch(grid, FA_THREADS, FA_SHARED_BYTES(hd), run);
+    // The bf16 entry points: each output the f32 one's rounding.
+    std::vector<bf16_t> out16(q.size());
+    emu::launch(grid, FA_THREADS, FA_SHARED_BYTES(hd), [&] {
+        if (hd == 64) {
+            flash_attention_64_bf16(q.data(), k16.data(), v16.data(), pos.data(), out16.data(),
+                                    n, nh, nkv, cap, scale);
+        } else {
+            flash_attention_128_bf16(q.data(), k16.data(), v16.data(), pos.data(), out16.data(),
+                                     n, nh, nkv, cap, scale);
+        }
+    });
+    int bad_bf16 = 0;
+    for (size_t i = 0; i < out.size(); ++i) bad_bf16 += out16[i].bits != bf16_bits(out[i]);
 
     double max_err = 0, max_ref = 0;
     const int group = nh / nkv;
@@ -498,6 +571,6 @@ int main(int argc, char** argv) {
             }
         }
     }
-    std::printf("max_err=%.6g max_ref=%.6g\n", max_err, max_ref);
+    std::printf("max_err=%.6g max_ref=%.6g bad_bf16=%d\n", max_err, max_ref, bad_bf16);
     return 0;
 }

@@ -4,8 +4,8 @@
 
 use super::cache::{as_cached, as_f32, DeviceCache};
 use super::fused::{
-    add_bf16, fused_attention, qkv_epilogue, rms_norm_bf16, swiglu_bf16, DecodeBatch,
-    DeviceAttention, Epilogue,
+    add_bf16, add_rms_norm_bf16, fused_attention, qkv_epilogue, rms_norm_bf16, swiglu_bf16,
+    DecodeBatch, DeviceAttention, Epilogue,
 };
 use super::model::DeviceWeights;
 use super::model::{DeviceModel, Layer};
@@ -32,6 +32,8 @@ struct Pass {
     blocks: Vec<Block>,
     /// Each row's position `(n)` u32, for the fused kernel.
     pos: Option<Tensor>,
+    /// The layer the pass stops before.
+    end: usize,
 }
 
 /// Query rows `start..start + len` of a pass: they read cache rows `0..rows`.
@@ -54,6 +56,13 @@ const MAX_KEPT_BIAS: usize = 1 << 26;
 pub(super) struct PassHooks<'a> {
     pub(super) probe: Option<Range<usize>>,
     pub(super) shift: Option<&'a DeviceShift>,
+}
+
+/// The residual stream entering a block, and its RMSNorm by that block's attention norm
+/// where the block before computed it with its last add (the bf16 steps).
+struct Stream {
+    x: Tensor,
+    normed: Option<Tensor>,
 }
 
 impl DeviceModel {
@@ -127,12 +136,17 @@ impl DeviceModel {
                 cache.wrote(p + 1);
             }
         }
+        let mut normed = None;
         for l in 0..c.n_layer {
             let w = &self.layers[l];
-            let h = self.gemm_norm(&x, &w.attn_norm)?;
+            let h = match normed.take() {
+                Some(h) => h,
+                None => self.gemm_norm(&x, &w.attn_norm)?,
+            };
+            let next = self.layers.get(l + 1).map(|w| &w.attn_norm);
             if let Some(b) = &batch {
                 let attn = self.decode_attend(b, l, &h, [&cos, &sin])?;
-                x = self.ffn(w, x, &attn)?;
+                Stream { x, normed } = self.ffn(w, x, &attn, next)?;
                 continue;
             }
             let (q, k, v) = self.qkv(w, &h, &cos, &sin)?;
@@ -149,7 +163,8 @@ impl DeviceModel {
                 let qi = q.narrow(0, i, 1)?;
                 if let Some(pos) = fused_pos.get(i) {
                     let qi = qi.contiguous()?;
-                    outs.push(fused_attention(&qi, &cache.k[l], &cache.v[l], pos)?);
+                    let out = self.attention_out();
+                    outs.push(fused_attention(&qi, &cache.k[l], &cache.v[l], pos, out)?);
                     continue;
                 }
                 let keys = cache.k[l].narrow(1, 0, p + 1)?;
@@ -157,7 +172,7 @@ impl DeviceModel {
                 outs.push(self.attend_one(&qi, &keys, &values)?);
             }
             let attn = Tensor::cat(&outs, 0)?;
-            x = self.ffn(w, x, &attn)?;
+            Stream { x, normed } = self.ffn(w, x, &attn, next)?;
         }
         fused_rms_norm(&x, &self.output_norm, c.rms_eps)
     }
@@ -355,6 +370,7 @@ impl DeviceModel {
                 self.blocks(positions, rows)?
             },
             pos,
+            end: self.config.n_layer,
         })
     }
 
@@ -411,8 +427,12 @@ impl DeviceModel {
                 "cache or layers do not fit this model".into(),
             ));
         }
-        let pass = self.pass(positions, cache, hooks.probe.is_some())?;
-        let mut x = self.embed(ids)?;
+        let mut pass = self.pass(positions, cache, hooks.probe.is_some())?;
+        pass.end = layers.end;
+        let mut x = Stream {
+            x: self.embed(ids)?,
+            normed: None,
+        };
         cache.wrote(positions.iter().max().map_or(0, |&p| p + 1));
         let mut mass = None;
         for l in layers {
@@ -425,7 +445,7 @@ impl DeviceModel {
                 });
             }
         }
-        Ok((x, mass))
+        Ok((x.x, mass))
     }
 
     /// One block: attention (its K/V rows written to the cache first), then the FFN; the
@@ -433,17 +453,21 @@ impl DeviceModel {
     fn layer(
         &self,
         l: usize,
-        x: Tensor,
+        x: Stream,
         pass: &Pass,
         cache: &mut DeviceCache,
         hooks: &PassHooks<'_>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Stream, Option<Tensor>)> {
         let probed = hooks.probe.as_ref().is_some_and(|p| p.contains(&l));
         let shift = hooks.shift;
         let c = &self.config;
         let w = &self.layers[l];
+        let Stream { x, normed } = x;
         let n = x.dim(0)?;
-        let h = self.gemm_norm(&x, &w.attn_norm)?;
+        let h = match normed {
+            Some(h) => h,
+            None => self.gemm_norm(&x, &w.attn_norm)?,
+        };
         // On a GPU with the fused attention, and nothing needing K and V apart (the shift
         // reads them, Q/K norms come before RoPE), one launch follows the product.
         let q = match &pass.pos {
@@ -477,7 +501,11 @@ impl DeviceModel {
         let (attn, mass) = match &pass.pos {
             Some(pos) if !probed => {
                 let q = q.contiguous()?;
-                (fused_attention(&q, &cache.k[l], &cache.v[l], pos)?, None)
+                let out = self.attention_out();
+                (
+                    fused_attention(&q, &cache.k[l], &cache.v[l], pos, out)?,
+                    None,
+                )
             }
             _ => {
                 let keys = cache.k[l].narrow(1, 0, pass.rows)?;
@@ -485,7 +513,8 @@ impl DeviceModel {
                 self.attend_ops(&q, &keys, &values, pass, probed)?
             }
         };
-        Ok((self.ffn(w, x, &attn)?, mass))
+        let next = (l + 1 < pass.end).then(|| &self.layers[l + 1].attn_norm);
+        Ok((self.ffn(w, x, &attn, next)?, mass))
     }
 
     /// Layer `l`'s attention in a batched decode step on the GPU (`b`) for the normed rows
@@ -508,16 +537,10 @@ impl DeviceModel {
                 &q.flatten_from(1)?,
                 &k.flatten_from(1)?,
                 &v.contiguous()?,
+                self.attention_out(),
             );
         }
-        let product = if self.bf16_inputs() {
-            w.qkv.forward_bf16(h)?
-        } else {
-            w.qkv.forward(h)?
-        };
-        let [q, k, v]: [Tensor; 3] = product
-            .try_into()
-            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
+        let [q, k, v] = self.qkv_product(w, h)?;
         let e = Epilogue {
             cache: None,
             cos: rope[0],
@@ -536,7 +559,21 @@ impl DeviceModel {
             &rows.narrow(1, 0, qw)?,
             &rows.narrow(1, qw, kw)?,
             &rows.narrow(1, qw + kw, kw)?,
+            self.attention_out(),
         )
+    }
+
+    /// The Q/K/V product of normed rows `h` for [`qkv_epilogue`]: bf16 as the GEMM writes it
+    /// where the bf16 steps run (the epilogue reads it without a cast), else f32.
+    fn qkv_product(&self, w: &Layer, h: &Tensor) -> Result<[Tensor; 3]> {
+        let product = if self.bf16_inputs() {
+            w.qkv.forward_bf16(h)?
+        } else {
+            w.qkv.forward(h)?
+        };
+        product
+            .try_into()
+            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))
     }
 
     /// Q `(n, n_head, head_dim)` of normed rows `h`, their K and V written into layer `l` of
@@ -554,15 +591,7 @@ impl DeviceModel {
             .pos
             .as_ref()
             .ok_or_else(|| EngineError::Internal("a fused pass without positions".into()))?;
-        // With bf16 inputs the epilogue reads the GEMM's bf16 output as it is.
-        let product = if self.bf16_inputs() {
-            w.qkv.forward_bf16(h)?
-        } else {
-            w.qkv.forward(h)?
-        };
-        let [q, k, v]: [Tensor; 3] = product
-            .try_into()
-            .map_err(|_| EngineError::Internal("q, k and v: not three products".into()))?;
+        let [q, k, v] = self.qkv_product(w, h)?;
         let e = Epilogue {
             cache: Some((&cache.k[l], &cache.v[l])),
             cos: &pass.cos,
@@ -611,12 +640,31 @@ impl DeviceModel {
         Ok((q, k, v))
     }
 
-    /// Whether the steps before the bf16 GEMMs write their bf16 input in one launch
-    /// (`norm_bf16.cu`): on a GPU, with bf16 weights and the fused kernels on.
+    /// Whether the steps around the bf16 GEMMs run as bf16 kernels (`norm_bf16.cu`: their
+    /// inputs written, their outputs read, in bf16): on a GPU, with bf16 weights and the fused
+    /// kernels on; on the CPU device, their CPU references where a test asks
+    /// ([`DeviceModel::set_gpu_steps_on_cpu`]).
     fn bf16_inputs(&self) -> bool {
-        !self.device.is_cpu()
+        (!self.device.is_cpu() || self.gpu_steps_on_cpu)
             && self.weights == DeviceWeights::Bf16
             && self.attention == DeviceAttention::Fused
+    }
+
+    /// What the fused attention writes: bf16 where the output projection takes it as it is
+    /// ([`DeviceModel::bf16_inputs`]), else f32.
+    fn attention_out(&self) -> DType {
+        if self.bf16_inputs() {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Runs the GPU's bf16 steps on the CPU device, as their CPU references (tests: the
+    /// wiring a GPU runs, checked where no GPU is).
+    #[cfg(test)]
+    pub(crate) fn set_gpu_steps_on_cpu(&mut self, on: bool) {
+        self.gpu_steps_on_cpu = on;
     }
 
     /// RMSNorm of the residual rows `x` by `w` before a GEMM: bf16 where
@@ -630,10 +678,11 @@ impl DeviceModel {
     }
 
     /// The rest of a block after attention: the output projection added to the residual
-    /// stream `x`, then the gated FFN the same way.
-    fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
+    /// stream `x`, then the gated FFN the same way; where the bf16 steps run and `next` (the
+    /// next block's attention norm) is given, that block's normed input too.
+    fn ffn(&self, w: &Layer, x: Tensor, attn: &Tensor, next: Option<&Tensor>) -> Result<Stream> {
         if self.bf16_inputs() {
-            return self.ffn_bf16(w, &x, attn);
+            return self.ffn_bf16(w, &x, attn, next);
         }
         let x = (x + w.wo.forward(attn)?)?;
         let h = self.gemm_norm(&x, &w.ffn_norm)?;
@@ -642,27 +691,41 @@ impl DeviceModel {
             .forward(&h)?
             .try_into()
             .map_err(|_| EngineError::Internal("gate and up: not two products".into()))?;
-        let act = if self.bf16_inputs() {
-            swiglu_bf16(&gate, &up)?
-        } else {
-            (gate.silu()? * up)?
-        };
-        Ok((x + w.down.forward(&act)?)?)
+        Ok(Stream {
+            x: (x + w.down.forward(&(gate.silu()? * up)?)?)?,
+            normed: None,
+        })
     }
 
     /// [`DeviceModel::ffn`] where [`DeviceModel::bf16_inputs`]: each GEMM's bf16 output read
-    /// as it is (SwiGLU's inputs, the residual adds), no cast to f32 between: 8 launches
-    /// where candle ops take 11.
-    fn ffn_bf16(&self, w: &Layer, x: &Tensor, attn: &Tensor) -> Result<Tensor> {
-        let x = add_bf16(x, &w.wo.forward_bf16(attn)?)?;
-        let h = rms_norm_bf16(&x, &w.ffn_norm, self.config.rms_eps)?;
+    /// as it is, each residual add fused with the RMSNorm after it (the FFN's, and the next
+    /// block's attention norm): 7 launches, that norm included, where candle ops take 12.
+    fn ffn_bf16(
+        &self,
+        w: &Layer,
+        x: &Tensor,
+        attn: &Tensor,
+        next: Option<&Tensor>,
+    ) -> Result<Stream> {
+        let eps = self.config.rms_eps;
+        let (x, h) = add_rms_norm_bf16(x, w.wo.forward_bf16(attn)?, &w.ffn_norm, eps)?;
         let [gate, up]: [Tensor; 2] = w
             .gate_up
             .forward_bf16(&h)?
             .try_into()
             .map_err(|_| EngineError::Internal("gate and up: not two products".into()))?;
         let act = swiglu_bf16(&gate, &up)?;
-        add_bf16(&x, &w.down.forward_bf16(&act)?)
+        let down = w.down.forward_bf16(&act)?;
+        Ok(match next {
+            Some(norm) => {
+                let (x, h) = add_rms_norm_bf16(&x, down, norm, eps)?;
+                Stream { x, normed: Some(h) }
+            }
+            None => Stream {
+                x: add_bf16(&x, &down)?,
+                normed: None,
+            },
+        })
     }
 
     /// Causal attention of `q` `(n, n_head, head_dim)` over the cache's first rows of every
@@ -725,4 +788,68 @@ fn mask(kpos: &Tensor, qpos: &Tensor) -> Result<Tensor> {
 /// RMSNorm over the last dimension as one kernel (candle-nn's), for contiguous rows.
 pub(super) fn fused_rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::model::{DeviceModel, DeviceWeights};
+    use super::DeviceAttention;
+    use crate::testing::{family_specs, write_tiny_gguf};
+    use crate::Architecture;
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    /// The GPU's bf16 steps (norms and SwiGLU written in bf16, the GEMMs' bf16 output read
+    /// as it is, each residual add fused with the next block's norm, attention written in
+    /// bf16) wired as a GPU runs them, on the CPU device through their references: a prefill
+    /// and a batched decode step answer as the f32 steps on the same bf16 weights, which round
+    /// every GEMM's input to bf16 too (equal here, bounded at 1% of the logits' scale for
+    /// sums taken in another order). A norm carried with another block's weight is off by 5%.
+    #[test]
+    fn the_bf16_steps_answer_as_the_f32_steps_on_the_cpu_device() {
+        let cpu = candle_core::Device::Cpu;
+        let (name, spec) = family_specs()
+            .into_iter()
+            .find(|(_, s)| s.arch == Architecture::Qwen2 && !s.sentencepiece)
+            .expect("a Qwen2 spec");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_gguf(&path, &spec).expect("write");
+        let load = |steps: bool| {
+            let mut m = DeviceModel::load_with(&path, &cpu, DeviceWeights::Bf16).expect("load");
+            m.set_attention(DeviceAttention::Fused).expect("fused");
+            m.set_gpu_steps_on_cpu(steps);
+            m
+        };
+        let (f32_steps, bf16_steps) = (load(false), load(true));
+        let vocab = f32_steps.tokenizer().vocab_size() as u32;
+        let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 5) % (vocab - 8)).collect();
+        let (ca, la) = f32_steps.prefill(&prompt, 48).expect("prefill");
+        let (cb, lb) = bf16_steps.prefill(&prompt, 48).expect("prefill");
+        let scale = la.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.5, "{name}: degenerate logits up to {scale}");
+        let d = max_diff(&la, &lb);
+        assert!(
+            d < 0.01 * scale,
+            "{name}: prefill logits differ by {d} of {scale}"
+        );
+        // Two requests' decode rows in one forward (each attends to its own cache).
+        let (ca2, _) = f32_steps.prefill(&prompt[..20], 48).expect("prefill");
+        let (cb2, _) = bf16_steps.prefill(&prompt[..20], 48).expect("prefill");
+        let step = |m: &DeviceModel, c: &mut Vec<super::DeviceCache>| {
+            let h = m.forward_batch(&[7, 9], &[40, 20], c).expect("batch");
+            m.logits(&h).expect("logits")
+        };
+        let (mut a, mut b) = (vec![ca, ca2], vec![cb, cb2]);
+        let (sa, sb) = (step(&f32_steps, &mut a), step(&bf16_steps, &mut b));
+        for (x, y) in sa.iter().zip(&sb) {
+            let d = max_diff(x, y);
+            assert!(
+                d < 0.01 * scale,
+                "{name}: decode logits differ by {d} of {scale}"
+            );
+        }
+    }
 }

@@ -8,7 +8,7 @@
 use super::cache::{DeviceCache, CACHE_DTYPE};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 /// How the device engine attends (`SPECRAG_DEVICE_ATTENTION`, `gpu_check --attention`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,8 +46,15 @@ pub(super) const FUSED_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Causal attention of `q` `(n, n_head, head_dim)` f32 over `k`, `v` `(n_kv_head, cap,
 /// head_dim)` f16 (a layer's whole cache), row `i` reading cache rows `0..=pos[i]`; `(n,
-/// n_head * head_dim)` f32. Every tensor contiguous, `pos` u32 `(n)`, all on one device.
-pub(super) fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor) -> Result<Tensor> {
+/// n_head * head_dim)` in `out` (f32, or bf16: the output projection's bf16 input, each value
+/// the f32 one rounded). Every tensor contiguous, `pos` u32 `(n)`, all on one device.
+pub(super) fn fused_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: &Tensor,
+    out: DType,
+) -> Result<Tensor> {
     let (n, n_head, head_dim) = q.dims3()?;
     let (n_kv_head, cap, kd) = k.dims3()?;
     if kd != head_dim || v.dims3()? != (n_kv_head, cap, head_dim) || pos.dims1()? != n {
@@ -67,11 +74,7 @@ pub(super) fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor) 
         )));
     }
     if n == 0 {
-        return Ok(Tensor::zeros(
-            (0, n_head * head_dim),
-            q.dtype(),
-            q.device(),
-        )?);
+        return Ok(Tensor::zeros((0, n_head * head_dim), out, q.device())?);
     }
     let op = Fused {
         pos: pos.clone(),
@@ -79,6 +82,7 @@ pub(super) fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor) 
         n_kv_head,
         head_dim,
         cap,
+        bf16_out: out == DType::BF16,
     };
     let out = q.apply_op3_no_bwd(k, v, &op)?;
     Ok(out.reshape((n, n_head * head_dim))?)
@@ -97,13 +101,19 @@ pub(super) fn self_check(device: &Device, config: &ModelConfig) -> Result<()> {
     let q = Tensor::rand(-1f32, 1f32, (n, nh, hd), &cpu)?;
     let k = Tensor::rand(-1f32, 1f32, (nkv, cap, hd), &cpu)?.to_dtype(CACHE_DTYPE)?;
     let v = Tensor::rand(-1f32, 1f32, (nkv, cap, hd), &cpu)?.to_dtype(CACHE_DTYPE)?;
-    let want = fused_attention(&q, &k, &v, &pos)?;
+    let want = fused_attention(&q, &k, &v, &pos, DType::F32)?;
     if device.is_cpu() {
         return Ok(());
     }
     let on = |t: &Tensor| t.to_device(device);
-    let got = fused_attention(&on(&q)?, &on(&k)?, &on(&v)?, &on(&pos)?)?.to_device(&cpu)?;
-    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let mut diff = 0f32;
+    // Both outputs: f32, and bf16 (within its rounding of values under 1).
+    for out in [DType::F32, DType::BF16] {
+        let got = fused_attention(&on(&q)?, &on(&k)?, &on(&v)?, &on(&pos)?, out)?
+            .to_device(&cpu)?
+            .to_dtype(DType::F32)?;
+        diff = diff.max((got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
+    }
     if diff.is_nan() || diff > SELF_CHECK_TOLERANCE {
         return Err(EngineError::Internal(format!(
             "the fused attention kernel differs from its reference by {diff} (bound \
@@ -143,7 +153,13 @@ fn decode_self_check(device: &Device, config: &ModelConfig) -> Result<()> {
             v.slice_assign(&[0..nkv, p..p + 1, 0..hd], &vr)?,
         );
         let pos = Tensor::new(&[p as u32], &cpu)?;
-        want.push(fused_attention(&q.narrow(0, i, 1)?, &k, &v, &pos)?);
+        want.push(fused_attention(
+            &q.narrow(0, i, 1)?,
+            &k,
+            &v,
+            &pos,
+            DType::F32,
+        )?);
         rows.push((kr, vr));
     }
     let Some(batch) = DecodeBatch::new(&caches, &positions)? else {
@@ -151,11 +167,16 @@ fn decode_self_check(device: &Device, config: &ModelConfig) -> Result<()> {
     };
     let on = |t: &Tensor| t.to_device(device);
     let flat = |t: &Tensor| -> Result<Tensor> { Ok(on(&t.flatten_from(1)?)?) };
-    let got = batch
-        .attend(0, &flat(&q)?, &flat(&k_new)?, &flat(&v_new)?)?
-        .to_device(&cpu)?;
     let want = Tensor::cat(&want, 0)?.flatten_from(1)?;
-    let mut diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let mut diff = 0f32;
+    // Both outputs: f32, and bf16 (the step run again writes the same rows).
+    for out in [DType::F32, DType::BF16] {
+        let got = batch
+            .attend(0, &flat(&q)?, &flat(&k_new)?, &flat(&v_new)?, out)?
+            .to_device(&cpu)?
+            .to_dtype(DType::F32)?;
+        diff = diff.max((got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
+    }
     for ((cache, &p), (kr, vr)) in caches.iter().zip(&positions).zip(&rows) {
         let written = |t: &Tensor, r: &Tensor| -> Result<f32> {
             let t = t
@@ -266,13 +287,15 @@ impl DecodeBatch {
     /// n_kv_head * head_dim)` f32) written into its cache as f16, and its query row (`q`
     /// `(requests, n_head * head_dim)` f32) attending to that cache up to the row; `(requests,
     /// n_head * head_dim)`. Each may be a column range of wider rows (the Q/K/V epilogue's
-    /// rows mode), K and V of the same row stride.
+    /// rows mode), K and V of the same row stride. The output in `out`: f32, or bf16 (the
+    /// output projection's input, the f32 values rounded).
     pub(super) fn attend(
         &self,
         layer: usize,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        out: DType,
     ) -> Result<Tensor> {
         let (r, q_width) = q.dims2()?;
         let (rk, kv_width) = k.dims2()?;
@@ -304,6 +327,7 @@ impl DecodeBatch {
             n_kv_head,
             head_dim: hd,
             splits: decode_splits(r, n_head, self.longest),
+            bf16_out: out == DType::BF16,
         };
         Ok(q.apply_op3_no_bwd(k, v, &op)?.reshape((r, n_head * hd))?)
     }
@@ -321,6 +345,8 @@ struct DecodeOp {
     head_dim: usize,
     /// Ranges each request's keys are cut into ([`decode_splits`]).
     splits: usize,
+    /// The output as bf16 rather than f32.
+    bf16_out: bool,
 }
 
 impl CustomOp3 for DecodeOp {
@@ -352,7 +378,12 @@ impl CustomOp3 for DecodeOp {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let tables = [&self.ptrs, &self.caps, &self.pos];
         let dims = [self.n_head, self.n_kv_head, self.head_dim, self.splits];
-        cuda::launch_decode(tables, dims, [(qs, ql), (ks, kl), (vs, vl)])
+        let inputs = [(qs, ql), (ks, kl), (vs, vl)];
+        if self.bf16_out {
+            cuda::launch_decode::<half::bf16>(tables, dims, inputs)
+        } else {
+            cuda::launch_decode::<f32>(tables, dims, inputs)
+        }
     }
 }
 
@@ -373,6 +404,22 @@ pub(super) struct Epilogue<'a> {
     pub(super) interleaved: bool,
 }
 
+impl Epilogue<'_> {
+    /// The rows of the cache it writes (every position in range where it writes none).
+    fn cache_rows(&self) -> Result<usize> {
+        let Some((kc, vc)) = self.cache else {
+            return Ok(i32::MAX as usize);
+        };
+        let (heads, cap, d) = kc.dims3()?;
+        if (heads, d) != (self.n_kv_head, self.head_dim) || vc.dims3()? != (heads, cap, d) {
+            return Err(EngineError::Internal(
+                "qkv epilogue: the caches do not fit the heads".into(),
+            ));
+        }
+        Ok(cap)
+    }
+}
+
 /// On a GPU, one launch (`kernels/src/cuda/qkv_epilogue.cu`) for what follows the Q/K/V
 /// product `q`, `k`, `v` (rows, f32 or bf16; column ranges of one product or apart): the
 /// biases, RoPE, Q back `(n, n_head, head_dim)`, K and V written into `e`'s cache at each
@@ -382,19 +429,7 @@ pub(super) struct Epilogue<'a> {
 /// [`DecodeBatch::attend`].
 pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>) -> Result<Tensor> {
     let (n_kv_head, hd) = (e.n_kv_head, e.head_dim);
-    let cap = match e.cache {
-        Some((kc, vc)) => {
-            let (heads, cap, d) = kc.dims3()?;
-            if (heads, d) != (n_kv_head, hd) || vc.dims3()? != (heads, cap, d) {
-                return Err(EngineError::Internal(
-                    "qkv epilogue: the caches do not fit the heads".into(),
-                ));
-            }
-            cap
-        }
-        // No cache to fit: every position is in range.
-        None => i32::MAX as usize,
-    };
+    let cap = e.cache_rows()?;
     if q.device().is_cpu() {
         return Err(EngineError::Internal(
             "the qkv epilogue runs on a GPU".into(),
@@ -547,6 +582,87 @@ pub(super) fn add_bf16(x: &Tensor, delta: &Tensor) -> Result<Tensor> {
         )));
     }
     Ok(x.contiguous()?.apply_op2_no_bwd(delta, &AddBf16)?)
+}
+
+/// The residual add and the RMSNorm after it: `x` `(rows, cols)` f32 plus `delta` (a bf16
+/// GEMM's output, contiguous, taken: on a GPU its buffer receives the norm), then the sum's
+/// RMSNorm by `w` `(cols)` as bf16; (the sum, the norm). On a GPU one launch
+/// (`add_rms_norm_bf16`, the same values as the two ops apart); elsewhere [`add_bf16`] then
+/// [`rms_norm_bf16`].
+pub(super) fn add_rms_norm_bf16(
+    x: &Tensor,
+    delta: Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, cols) = x.dims2()?;
+    if delta.dims2()? != (rows, cols)
+        || w.dims1()? != cols
+        || delta.dtype() != candle_core::DType::BF16
+        || !delta.is_contiguous()
+    {
+        return Err(EngineError::Internal(format!(
+            "add_rms_norm_bf16: x {:?}, delta {:?} ({:?}), w {:?}",
+            x.dims(),
+            delta.dims(),
+            delta.dtype(),
+            w.dims()
+        )));
+    }
+    if x.device().is_cpu() {
+        let sum = add_bf16(x, &delta)?;
+        let norm = rms_norm_bf16(&sum, w, eps)?;
+        return Ok((sum, norm));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let op = AddRmsBf16 {
+            delta: cuda::address_of::<half::bf16>(&delta)?,
+            eps: eps as f32,
+        };
+        let sum = x.contiguous()?.apply_op2_no_bwd(w, &op)?;
+        // The kernel wrote the norm over `delta`'s own elements.
+        Ok((sum, delta))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(EngineError::Internal(
+        "this build has no CUDA support".into(),
+    ))
+}
+
+/// [`add_rms_norm_bf16`] on a GPU, as a candle op on (x, w) giving the sum; the norm is
+/// written at `delta`'s address.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct AddRmsBf16 {
+    delta: u64,
+    eps: f32,
+}
+
+impl CustomOp2 for AddRmsBf16 {
+    fn name(&self) -> &'static str {
+        "specrag-add-rms-norm-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("add_rms_norm_bf16 runs as one op on a GPU only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::launch_add_rms_bf16(self.delta, self.eps, [(xs, xl), (ws, wl)])
+    }
 }
 
 struct AddBf16;
@@ -704,6 +820,8 @@ struct Fused {
     n_kv_head: usize,
     head_dim: usize,
     cap: usize,
+    /// The output as bf16 rather than f32.
+    bf16_out: bool,
 }
 
 fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
@@ -764,7 +882,12 @@ impl CustomOp3 for Fused {
                 }
             }
         }
-        Ok((CpuStorage::F32(out), Shape::from((pos.len(), nh, hd))))
+        let shape = Shape::from((pos.len(), nh, hd));
+        if self.bf16_out {
+            let out = out.into_iter().map(half::bf16::from_f32).collect();
+            return Ok((CpuStorage::BF16(out), shape));
+        }
+        Ok((CpuStorage::F32(out), shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -778,7 +901,12 @@ impl CustomOp3 for Fused {
         vl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let dims = [self.n_head, self.n_kv_head, self.head_dim, self.cap];
-        cuda::launch(&self.pos, dims, [(qs, ql), (ks, kl), (vs, vl)])
+        let inputs = [(qs, ql), (ks, kl), (vs, vl)];
+        if self.bf16_out {
+            cuda::launch::<half::bf16>(&self.pos, dims, inputs)
+        } else {
+            cuda::launch::<f32>(&self.pos, dims, inputs)
+        }
     }
 }
 

@@ -198,6 +198,8 @@ pub struct DeviceModel {
     pub(super) chat: crate::chat::ChatFormat,
     /// The GGUF file it was loaded from.
     pub(super) path: std::path::PathBuf,
+    /// Tests only: the GPU's bf16 steps run on the CPU device as their CPU references.
+    pub(super) gpu_steps_on_cpu: bool,
 }
 
 impl std::fmt::Debug for DeviceModel {
@@ -298,6 +300,7 @@ impl DeviceModel {
             hot: Default::default(),
             chat,
             path: path.to_path_buf(),
+            gpu_steps_on_cpu: false,
         };
         model.set_default_attention()?;
         Ok(model)

@@ -43,6 +43,22 @@ fn ptx() -> candle_core::Result<&'static str> {
     }
 }
 
+/// An attention kernel's output element: f32, or bf16 (the `_bf16` entry points).
+pub(super) trait OutElement:
+    CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+{
+    /// The entry point's name after the head size.
+    const SUFFIX: &'static str;
+}
+
+impl OutElement for f32 {
+    const SUFFIX: &'static str = "";
+}
+
+impl OutElement for half::bf16 {
+    const SUFFIX: &'static str = "_bf16";
+}
+
 /// The kernel's FA_SHARED_BYTES: keys and values [64][hd + 8] in f16, 64 row positions
 /// and a key count (a launch given less traps: the check at load fails loudly).
 fn shared_bytes(hd: usize) -> u32 {
@@ -200,6 +216,48 @@ pub(super) fn launch_swiglu_bf16(
         // SAFETY: the arguments match the kernel's signature.
         unsafe { b.launch(cfg) }.w()?;
     }
+    let out = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((out, Shape::from((n, cols))))
+}
+
+/// The f32 rows `x` plus the contiguous bf16 rows at `delta`, f32 out, and the sum's RMSNorm
+/// by `w` written as bf16 over `delta` (`add_rms_norm_bf16`).
+pub(super) fn launch_add_rms_bf16(
+    delta: u64,
+    eps: f32,
+    inputs: [(&CudaStorage, &Layout); 2],
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let [(xs, xl), (ws, wl)] = inputs;
+    let dev = xs.device.clone();
+    let (x, w) = (view::<f32>(xs, xl, "x")?, view::<f32>(ws, wl, "w")?);
+    let (n, cols) = (xl.dims()[0], wl.dims()[0]);
+    if xl.dims() != [n, cols] {
+        candle_core::bail!(
+            "add_rms_norm_bf16: x {:?} against a weight of {cols}",
+            xl.dims()
+        )
+    }
+    let func =
+        dev.get_or_load_custom_func("add_rms_norm_bf16", "specrag_flash_attention", ptx()?)?;
+    // SAFETY: every element is written by the kernel (each row, once).
+    let out = unsafe { dev.alloc::<f32>(n * cols)? };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 128,
+    };
+    let (cols_i, ld_d) = (cols as i32, cols as i32);
+    let mut b = func.builder();
+    b.arg(&x)
+        .arg(&delta)
+        .arg(&ld_d)
+        .arg(&w)
+        .arg(&out)
+        .arg(&cols_i)
+        .arg(&eps);
+    // SAFETY: the arguments match the kernel's signature; `delta` is the address of a live
+    // contiguous bf16 (n, cols) tensor the caller holds through the launch and owns alone.
+    unsafe { b.launch(cfg) }.w()?;
     let out = CudaStorage::wrap_cuda_slice(out, dev);
     Ok((out, Shape::from((n, cols))))
 }
@@ -367,7 +425,7 @@ fn small<'a, T: CudaDType>(
 /// `tables` (a layer's `(2, requests)` cache addresses, the caches' rows, the positions) for
 /// `dims` (heads, kv heads, head size, the ranges each request's keys are cut into: above 1,
 /// a second launch merges them).
-pub(super) fn launch_decode(
+pub(super) fn launch_decode<T: OutElement>(
     tables: [&Tensor; 3],
     dims: [usize; 4],
     inputs: [(&CudaStorage, &Layout); 3],
@@ -390,13 +448,13 @@ pub(super) fn launch_decode(
     let (pos_storage, pos_layout) = pos_table.storage_and_layout();
     let pos = small::<u32>(&pos_storage, pos_layout)?;
     let func = dev.get_or_load_custom_func(
-        &format!("decode_attention_{hd}"),
+        &format!("decode_attention_{hd}{}", T::SUFFIX),
         "specrag_flash_attention",
         ptx()?,
     )?;
     // SAFETY: every element is written by the kernel (each request's heads, once), or by
     // the merge from every split's part, each written by its block.
-    let out = unsafe { dev.alloc::<f32>(r * n_head * hd)? };
+    let out = unsafe { dev.alloc::<T>(r * n_head * hd)? };
     let part_len = if splits > 1 {
         r * n_head * splits * (hd + 2)
     } else {
@@ -426,7 +484,7 @@ pub(super) fn launch_decode(
     unsafe { b.launch(cfg) }.w()?;
     if splits > 1 {
         let merge = dev.get_or_load_custom_func(
-            &format!("decode_merge_{hd}"),
+            &format!("decode_merge_{hd}{}", T::SUFFIX),
             "specrag_flash_attention",
             ptx()?,
         )?;
@@ -447,7 +505,7 @@ pub(super) fn launch_decode(
 
 /// Runs the attention kernel on `inputs` (q, k and v with their layouts) for the rows at
 /// `positions` and `dims` (heads, kv heads, head size, the cache's rows).
-pub(super) fn launch(
+pub(super) fn launch<T: OutElement>(
     positions: &Tensor,
     dims: [usize; 4],
     inputs: [(&CudaStorage, &Layout); 3],
@@ -461,12 +519,12 @@ pub(super) fn launch(
     let pos = small::<u32>(&pos_storage, pos_layout)?;
     let n = pos.len();
     let func = dev.get_or_load_custom_func(
-        &format!("flash_attention_{hd}"),
+        &format!("flash_attention_{hd}{}", T::SUFFIX),
         "specrag_flash_attention",
         ptx()?,
     )?;
     // SAFETY: every element is written by the kernel (each row of each head, once).
-    let out = unsafe { dev.alloc::<f32>(n * n_head * hd)? };
+    let out = unsafe { dev.alloc::<T>(n * n_head * hd)? };
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(ROWS) as u32, n_head as u32, 1),
         block_dim: (THREADS, 1, 1),
