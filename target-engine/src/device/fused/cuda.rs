@@ -138,6 +138,16 @@ fn rows_of<'a, T: CudaDType>(
     Ok((slice, stride[0] as i32))
 }
 
+/// The launch of a kernel run with one block a row: `rows` blocks of `shape` (threads, bytes
+/// of shared memory).
+fn per_row(rows: usize, shape: (u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (shape.0, 1, 1),
+        shared_mem_bytes: shape.1,
+    }
+}
+
 /// RMSNorm written as bf16 (`rms_norm_bf16`) over `inputs`: the f32 rows and the weight.
 pub(super) fn launch_rms_bf16(
     eps: f32,
@@ -154,13 +164,9 @@ pub(super) fn launch_rms_bf16(
         )
     }
     let func = dev.get_or_load_custom_func("rms_norm_bf16", "specrag_flash_attention", ptx()?)?;
+    let cfg = per_row(rows, (128, 128));
     // SAFETY: every element is written by the kernel (each row, once).
     let out = unsafe { dev.alloc::<half::bf16>(rows * cols)? };
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 128,
-    };
     let cols_i = cols as i32;
     let mut b = func.builder();
     b.arg(&x).arg(&w).arg(&out).arg(&cols_i).arg(&eps);
@@ -180,17 +186,13 @@ pub(super) fn launch_swiglu_bf16(
     let (n, cols) = (gl.dims()[0], gl.dims()[1]);
     // SAFETY: every element is written by the kernel (each row, once).
     let out = unsafe { dev.alloc::<half::bf16>(n * cols)? };
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let cols_i = cols as i32;
     let (kernel, bf16_in) = match gs.dtype() {
         candle_core::DType::BF16 => ("swiglu_bf16_in", true),
         _ => ("swiglu_bf16", false),
     };
     let func = dev.get_or_load_custom_func(kernel, "specrag_flash_attention", ptx()?)?;
+    let cfg = per_row(n, (256, 0));
     let mut b = func.builder();
     if bf16_in {
         let ((g, ld_g), (u, ld_u)) = (
@@ -239,13 +241,9 @@ pub(super) fn launch_add_rms_bf16(
     }
     let func =
         dev.get_or_load_custom_func("add_rms_norm_bf16", "specrag_flash_attention", ptx()?)?;
+    let cfg = per_row(n, (128, 128));
     // SAFETY: every element is written by the kernel (each row, once).
     let out = unsafe { dev.alloc::<f32>(n * cols)? };
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 128,
-    };
     let (cols_i, ld_d) = (cols as i32, cols as i32);
     let mut b = func.builder();
     b.arg(&x)
@@ -275,13 +273,9 @@ pub(super) fn launch_add_bf16(
         candle_core::bail!("add_bf16: x {:?} and delta {:?}", xl.dims(), dl.dims())
     }
     let func = dev.get_or_load_custom_func("add_bf16", "specrag_flash_attention", ptx()?)?;
+    let cfg = per_row(n, (256, 0));
     // SAFETY: every element is written by the kernel (each row, once).
     let out = unsafe { dev.alloc::<f32>(n * cols)? };
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let cols_i = cols as i32;
     let mut b = func.builder();
     b.arg(&x).arg(&d).arg(&ld_d).arg(&out).arg(&cols_i);
