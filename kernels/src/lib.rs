@@ -11,8 +11,9 @@
 //! the default build needs no GPU and no CUDA toolkit.
 
 /// The run-time CUDA kernels as one program: `common.cuh`, then every kernel (attention of any
-/// rows against a position-indexed f16 cache; a batched decode step; RMSNorm and SwiGLU
-/// writing bf16; the Q/K/V product's epilogue into the cache), the order
+/// rows against a position-indexed f16 cache; a batched decode step, split over long caches;
+/// each writing f32 or bf16; RMSNorm, SwiGLU and the residual adds around the bf16 GEMMs; the
+/// Q/K/V product's epilogue into the cache or into rows), the order
 /// `scripts/gpu/nvrtc_check.py` compiles them in on the build machine.
 pub const CUDA_SOURCE: &str = concat!(
     include_str!("cuda/common.cuh"),
