@@ -541,17 +541,7 @@ impl DeviceModel {
             );
         }
         let [q, k, v] = self.qkv_product(w, h)?;
-        let e = Epilogue {
-            cache: None,
-            cos: rope[0],
-            sin: rope[1],
-            pos: b.positions(),
-            biases: w.bias.as_ref(),
-            n_head: c.n_head,
-            n_kv_head: c.n_kv_head,
-            head_dim: c.head_dim,
-            interleaved: self.rope.variant() == kernels::RopeVariant::Interleaved,
-        };
+        let e = self.epilogue(w, None, rope, b.positions());
         let rows = qkv_epilogue(&q, &k, &v, &e)?;
         let (qw, kw) = (c.n_head * c.head_dim, c.n_kv_head * c.head_dim);
         b.attend(
@@ -592,18 +582,32 @@ impl DeviceModel {
             .as_ref()
             .ok_or_else(|| EngineError::Internal("a fused pass without positions".into()))?;
         let [q, k, v] = self.qkv_product(w, h)?;
-        let e = Epilogue {
-            cache: Some((&cache.k[l], &cache.v[l])),
-            cos: &pass.cos,
-            sin: &pass.sin,
+        let cache = Some((&cache.k[l], &cache.v[l]));
+        let e = self.epilogue(w, cache, [&pass.cos, &pass.sin], pos);
+        qkv_epilogue(&q, &k, &v, &e)
+    }
+
+    /// What [`qkv_epilogue`] needs of layer `w` beyond the product: the cache it writes (none:
+    /// a batched decode's rows), the rows' RoPE tables `rope` (cos, sin) and positions `pos`.
+    fn epilogue<'a>(
+        &self,
+        w: &'a Layer,
+        cache: Option<(&'a Tensor, &'a Tensor)>,
+        rope: [&'a Tensor; 2],
+        pos: &'a Tensor,
+    ) -> Epilogue<'a> {
+        let c = &self.config;
+        Epilogue {
+            cache,
+            cos: rope[0],
+            sin: rope[1],
             pos,
             biases: w.bias.as_ref(),
-            n_head: self.config.n_head,
-            n_kv_head: self.config.n_kv_head,
-            head_dim: self.config.head_dim,
+            n_head: c.n_head,
+            n_kv_head: c.n_kv_head,
+            head_dim: c.head_dim,
             interleaved: self.rope.variant() == kernels::RopeVariant::Interleaved,
-        };
-        qkv_epilogue(&q, &k, &v, &e)
+        }
     }
 
     /// Q `(n, n_head, head_dim)` and K `(n, n_kv_head, head_dim)` (biased, head-normed where
