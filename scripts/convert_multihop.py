@@ -4,10 +4,14 @@ that `specrag-eval` reads, with a seeded sample of the questions.
 
 Input: a JSON-lines file (or a JSON list) of records in the HotpotQA shape shared by the first
 two datasets: `_id`, `question`, `answer`, `context` ([[title, [sentence, ...]], ...]) and
-`supporting_facts` ([[title, sentence index], ...]); or in MuSiQue's: `id`, `question`,
+`supporting_facts` ([[title, sentence index], ...]); in MuSiQue's: `id`, `question`,
 `answer`, `answer_aliases`, `answerable` and `paragraphs` ([{title, paragraph_text,
-is_supporting}, ...]). Records without a context, with fewer than --min-passages passages,
-without an answer or marked unanswerable are left out before sampling.
+is_supporting}, ...]); or in CacheBlend's evaluation files' (`inputs/*_s.json`): `question`,
+`answers` ([[answer, alias, ...]]) and `ctxs` ([{title, text}, ...], retrieved passages of about
+400 words, often untitled), numbered by their place in the file as they carry no id and
+without supporting passages (the file names none). Records without a context, with fewer
+than --min-passages passages, without an answer or marked unanswerable are left out before
+sampling.
 
 Output, one line per question, LongBench's fields (`input`, `context`, `answers`, `length`,
 `dataset`, `language`, `all_classes`, `_id`) plus `supporting` (the titles of the passages the
@@ -23,6 +27,9 @@ tests runs it.
         --sample 150 --seed 39 --rest --out eval/data/hotpotqa.jsonl
     python3 scripts/convert_multihop.py --input musique.json --dataset musique \\
         --sample 100 --seed 39 --rest --out eval/data/musique.jsonl
+    python3 scripts/convert_multihop.py --input wikimqa_s_clean.json \\
+        --dataset cacheblend_wikimqa --sample 70 --seed 39 --rest \\
+        --out eval/data/cacheblend_wikimqa.jsonl
 """
 
 import argparse
@@ -123,6 +130,38 @@ def convert_musique(rec, dataset):
     }, len(passages)
 
 
+def convert_cacheblend(rec, dataset, number):
+    """CacheBlend's `inputs/*_s.json`: each ctx a passage, its title line empty where it has none."""
+    passages = []
+    for c in rec["ctxs"]:
+        title, body = c.get("title", "").strip(), c["text"].strip()
+        if not body:
+            continue
+        if any(PASSAGE_HEADER.match(line) for line in [title] + body.splitlines()):
+            raise ValueError(f"record {number}: a passage line looks like a passage header")
+        passages.append((title, body))
+    ctx = "\n".join(
+        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
+    )
+    answers = []
+    for group in rec["answers"]:
+        for a in group if isinstance(group, list) else [group]:
+            a = str(a).strip()
+            if a and a not in answers:
+                answers.append(a)
+    return {
+        "_id": f"{dataset}-{number}",
+        "input": rec["question"].strip(),
+        "context": ctx,
+        "answers": answers,
+        "length": len(ctx.split()),
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "supporting": [],
+    }, len(passages)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True)
@@ -140,7 +179,12 @@ def main():
     a = ap.parse_args()
 
     usable = []
-    for rec in read_records(a.input):
+    for number, rec in enumerate(read_records(a.input), 1):
+        if "ctxs" in rec:
+            line, n = convert_cacheblend(rec, a.dataset, number)
+            if n >= a.min_passages and line["answers"]:
+                usable.append(line)
+            continue
         if not str(rec.get("answer", "")).strip() or rec.get("answerable") is False:
             continue
         if "paragraphs" in rec:

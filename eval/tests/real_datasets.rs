@@ -103,3 +103,34 @@ fn repo_docs_answers_are_stated_in_the_docs() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn cacheblend_wikimqa_is_ten_untitled_passages_a_question() -> anyhow::Result<()> {
+    // CacheBlend's 2WikiMultihopQA rows in LongBench's layout (eval/data/README.md): read by
+    // `scripts/split_classes.py`, not by the study (the file names no gold passage).
+    let file = real::data_dir().join("cacheblend_wikimqa.jsonl");
+    let cases = eval::datasets::load_longbench_passages(&file)?;
+    assert_eq!(cases.len(), 102, "the 70 sampled rows, then the other 32");
+    let ids: HashSet<&str> = cases.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids.len(), cases.len(), "case ids are distinct");
+    for c in &cases {
+        assert!(c.id.starts_with("cacheblend_wikimqa-"), "{}", c.id);
+        assert!(
+            !c.answers.is_empty() && c.answers.iter().all(|a| !a.trim().is_empty()),
+            "{}: answers",
+            c.id
+        );
+        assert_eq!(c.documents.len(), 10, "{}: its ten passages", c.id);
+        for d in &c.documents {
+            let words = d.text.split_whitespace().count();
+            assert!(
+                (100..=500).contains(&words),
+                "{}: a passage of {words} words, not CacheBlend's ~400",
+                d.id
+            );
+            assert!(!d.text.contains("Passage "), "{}: passages split", d.id);
+        }
+        assert!(c.gold.is_empty(), "{}: no gold named", c.id);
+    }
+    Ok(())
+}
