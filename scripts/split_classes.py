@@ -17,9 +17,14 @@ confident otherwise. Prints identity, identity-or-near-tie and the confident spl
 Wilson 95% intervals, the escalations, the mean request and median TTFT ratios, and writes
 one line per question to --out.
 
+Each line also keeps both answers' top-2 gaps at every token, the chunk and recomputed token
+counts and full recompute's time; `--records FILE...` prints the summary of earlier runs again,
+with how well the reused side's own gaps rank the confident splits it kept (AUC).
+
 Only the Python standard library is used. Nothing is read outside the paths given.
 """
 import argparse
+import gzip
 import json
 import math
 import re
@@ -28,7 +33,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from guard_signals import wilson
+from guard_signals import auc, auc_ci, wilson
 
 INSTRUCTION = "Answer the question directly based on the given passages, within 5 words."
 NEAR_TIE = 0.15
@@ -55,11 +60,18 @@ def passages(context):
     """The passages of a LongBench context: (title, text) per "Passage N:" block."""
     out = []
     for block in re.split(r"(?m)^Passage \d+:\n", context):
-        block = block.strip()
-        if block:
+        block = block.rstrip()
+        if block.strip():
             title, _, text = block.partition("\n")
             out.append((title.strip(), text.strip() or title.strip()))
     return out
+
+
+def document(j, title, text, title_apart):
+    """A passage as a document: its title as its first line (or as metadata only), none when untitled."""
+    if not title:
+        return {"id": f"p{j + 1}", "text": text}
+    return {"id": f"p{j + 1}", "title": title, "text": text if title_apart else f"{title}\n{text}"}
 
 
 def collection_of(qid):
@@ -81,10 +93,88 @@ def split_class(full, reused):
     return (at, gap, "near_tie" if gap < NEAR_TIE else "confident")
 
 
+def gaps(response):
+    """The top-2 logprob gap at each returned token (None past the end of the alternatives)."""
+    out = []
+    for t in response.get("logprobs") or []:
+        top = t["top_logprobs"]
+        out.append(round(top[0]["logprob"] - top[1]["logprob"], 4) if len(top) > 1 else None)
+    return out
+
+
+def report(results, label):
+    """The summary: identity, near ties, confident splits, escalations, costs, and how the
+    reused side's own top-2 gaps rank the confident splits it kept (AUC, lower gap = doubt)."""
+    n = len(results)
+    same = sum(r["identical"] for r in results)
+    near = sum(r["class"] == "near_tie" for r in results)
+    conf = sum(r["class"] == "confident" for r in results)
+    esc = [r for r in results if r["escalated"]]
+    print(f"questions: {n} ({label})")
+    print(f"identical to full recompute: {share(same, n)}")
+    print(f"identical or near tie (< {NEAR_TIE} logit): {share(same + near, n)}")
+    print(f"confident splits: {share(conf, n)}")
+    print(f"escalated: {share(len(esc), n)}; worst escalation {max((r['total_ratio'] for r in esc), default=0):.2f}x")
+    print(
+        f"mean request {statistics.mean(r['total_ratio'] for r in results):.3f}x, "
+        f"median TTFT {statistics.median(r['ttft_ratio'] for r in results):.3f}x full recompute's"
+    )
+    fast = [r for r in results if "unguarded_class" in r]
+    if fast:
+        k = sum(r["unguarded_class"] == "identical" for r in fast)
+        tie = sum(r["unguarded_class"] == "near_tie" for r in fast)
+        print(f"unguarded (fidelity: fast): identical {share(k, len(fast))}, or near tie {share(k + tie, len(fast))}")
+    for r in results:
+        if r["class"] == "confident":
+            reused = f", reused side's {least_gap(r):.2f}" if r.get("default_gaps") else ""
+            print(
+                f"  confident: {r['id']}: {r['full']!r} | {r['default']!r} "
+                f"(token {r['split_at']}, gap {r['full_gap']}{reused}{', escalated' if r['escalated'] else ''})"
+            )
+    kept = [
+        {**r, "differs": r["class"] == "confident", "first": first_gap(r), "least": least_gap(r)}
+        for r in results
+        if not r["escalated"] and r["class"] != "near_tie" and r.get("default_gaps")
+    ]
+    if kept and any(r["differs"] for r in kept):
+        for name, key in (("first token", "first"), ("smallest, any token", "least")):
+            lo, hi = auc_ci(kept, key, higher=False)
+            print(
+                f"reused side's top-2 gap at the {name} ranks the confident splits it kept: "
+                f"AUC {auc(kept, key, higher=False):.2f} [{lo:.2f}, {hi:.2f}] "
+                f"({sum(r['differs'] for r in kept)} of {len(kept)} unescalated answers)"
+            )
+
+
+def unguarded_fields(full, fast):
+    """The unguarded answer (`fidelity: fast`) beside full recompute's: its class and gaps."""
+    split = split_class(full, fast)
+    return {
+        "unguarded": fast["answer"],
+        "unguarded_class": "identical" if split is None else split[2],
+        "unguarded_split_at": None if split is None else split[0],
+        "unguarded_full_gap": None if split is None or split[1] == math.inf else round(split[1], 4),
+        "unguarded_gaps": gaps(fast),
+        "unguarded_ttft_ratio": fast["timings"]["ttft_ms"] / max(full["timings"]["ttft_ms"], 1e-9),
+    }
+
+
+def first_gap(r):
+    g = r["default_gaps"]
+    return g[0] if g and g[0] is not None else math.inf
+
+
+def least_gap(r):
+    return min((g for g in r["default_gaps"] if g is not None), default=math.inf)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8080")
-    ap.add_argument("--data", required=True, help="LongBench-format JSONL")
+    ap.add_argument("--data", help="LongBench-format JSONL")
+    ap.add_argument(
+        "--records", nargs="+", help="print the summary of records an earlier run wrote (--out), asking nothing"
+    )
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=5)
@@ -95,21 +185,33 @@ def main():
         action="store_true",
         help="send each passage's title only as the document's title, not as its first line",
     )
+    ap.add_argument(
+        "--unguarded",
+        action="store_true",
+        help="also ask the default method unguarded (`fidelity: fast`) and class its split too",
+    )
+    ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
     ap.add_argument("--out", help="one JSON line per question")
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
+    if a.records:
+        for path in a.records:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                report([json.loads(line) for line in f if line.strip()], path)
+        return
+    if not a.data:
+        sys.exit("--data (a LongBench-format JSONL) or --records is required")
     with open(a.data) as f:
         rows = [json.loads(line) for line in f if line.strip()][a.offset : a.offset + a.limit]
+    rows = [r for r in rows if not a.ids or r["_id"] in a.ids]
     if not rows:
         sys.exit("no question in that slice")
     out = open(a.out, "w") if a.out else None
     results = []
     for i, row in enumerate(rows):
         coll = collection_of(row["_id"])
-        docs = [
-            {"id": f"p{j + 1}", "title": t, "text": x if a.title_apart else f"{t}\n{x}"}
-            for j, (t, x) in enumerate(passages(row["context"]))
-        ]
+        docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
         post(f"{a.url}/documents", {"collection": coll, "documents": docs}, a.timeout)
         ask = {
             "query": f"{row['input'].strip()} {a.instruction}",
@@ -121,6 +223,7 @@ def main():
         full = post(f"{a.url}/rag/query", {**ask, "method": "full_recompute"}, a.timeout)
         reused = post(f"{a.url}/rag/query", ask, a.timeout)
         split = split_class(full, reused)
+        fast = post(f"{a.url}/rag/query", {**ask, "fidelity": "fast"}, a.timeout) if a.unguarded else None
         guard = reused["reuse"]["guard"]
         r = {
             "id": row["_id"],
@@ -133,8 +236,14 @@ def main():
             "class": "identical" if split is None else split[2],
             "escalated": guard.get("escalated", False),
             "second_look": guard.get("second_look", False),
+            "default_gaps": gaps(reused),
+            "full_gaps": gaps(full),
+            "chunk_tokens": reused["reuse"]["chunk_tokens"],
+            "recomputed_tokens": reused["reuse"]["recomputed_tokens"],
+            "full_ms": full["timings"]["total_ms"],
             "total_ratio": reused["timings"]["total_ms"] / max(full["timings"]["total_ms"], 1e-9),
             "ttft_ratio": reused["timings"]["ttft_ms"] / max(full["timings"]["ttft_ms"], 1e-9),
+            **(unguarded_fields(full, fast) if fast else {}),
         }
         results.append(r)
         if out:
@@ -146,24 +255,7 @@ def main():
             file=sys.stderr,
             flush=True,
         )
-    n = len(results)
-    same = sum(r["identical"] for r in results)
-    near = sum(r["class"] == "near_tie" for r in results)
-    conf = sum(r["class"] == "confident" for r in results)
-    esc = [r for r in results if r["escalated"]]
-    print(f"questions: {n} ({a.data}, {a.offset}..{a.offset + n})")
-    print(f"identical to full recompute: {share(same, n)}")
-    print(f"identical or near tie (< {NEAR_TIE} logit): {share(same + near, n)}")
-    print(f"confident splits: {share(conf, n)}")
-    print(f"escalated: {share(len(esc), n)}; worst escalation {max((r['total_ratio'] for r in esc), default=0):.2f}x")
-    print(
-        f"mean request {statistics.mean(r['total_ratio'] for r in results):.3f}x, "
-        f"median TTFT {statistics.median(r['ttft_ratio'] for r in results):.3f}x full recompute's"
-    )
-    for r in results:
-        if r["class"] == "confident":
-            print(f"  confident: {r['id']}: {r['full']!r} | {r['default']!r} (token {r['split_at']}, gap {r['full_gap']})")
-
+    report(results, f"{a.data}, {a.offset}..{a.offset + len(results)}")
 
 if __name__ == "__main__":
     main()
