@@ -301,11 +301,13 @@ impl DecodeBatch {
         let (rk, kv_width) = k.dims2()?;
         let hd = self.head_dim;
         let unit_columns = |t: &Tensor| t.stride().get(1) == Some(&1);
+        // The kernel maps query head h to kv head h / (n_head / n_kv_head) unchecked.
+        let grouped = kv_width > 0 && q_width > 0 && (q_width / hd) % (kv_width / hd) == 0;
         if r != self.requests
             || rk != r
             || q_width % hd != 0
             || kv_width % hd != 0
-            || kv_width == 0
+            || !grouped
             || v.dims2()? != (r, kv_width)
             || ![q, k, v].into_iter().all(unit_columns)
             || k.stride() != v.stride()
@@ -446,8 +448,11 @@ pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>)
             .all(|(&w, t)| t.dims1().is_ok_and(|d| d == w))
     });
     let table = |t: &Tensor| t.dims2().is_ok_and(|d| d == (n, hd / 2));
+    // The kernel is picked by Q's element type and reads K and V as the same.
+    let one_dtype = k.dtype() == q.dtype() && v.dtype() == q.dtype();
     if n == 0
         || hd % 2 != 0
+        || !one_dtype
         || !rows_of(q, q_width)
         || !rows_of(k, kv_width)
         || !rows_of(v, kv_width)
@@ -457,11 +462,14 @@ pub(super) fn qkv_epilogue(q: &Tensor, k: &Tensor, v: &Tensor, e: &Epilogue<'_>)
         || e.pos.dims1().ok() != Some(n)
     {
         return Err(EngineError::Internal(format!(
-            "qkv epilogue: q {:?}, k {:?}, v {:?}, cos {:?}, positions {:?} for {} heads over \
-             {n_kv_head} of {hd}",
+            "qkv epilogue: q {:?} {:?}, k {:?} {:?}, v {:?} {:?}, cos {:?}, positions {:?} for {} \
+             heads over {n_kv_head} of {hd}",
             q.dims(),
+            q.dtype(),
             k.dims(),
+            k.dtype(),
             v.dims(),
+            v.dtype(),
             e.cos.dims(),
             e.pos.dims(),
             e.n_head

@@ -60,7 +60,8 @@ impl OutElement for half::bf16 {
 }
 
 /// The kernel's FA_SHARED_BYTES: keys and values [64][hd + 8] in f16, 64 row positions
-/// and a key count (a launch given less traps: the check at load fails loudly).
+/// and a key count (a launch given less writes NaN rows and returns: the check at load fails
+/// loudly).
 fn shared_bytes(hd: usize) -> u32 {
     (2 * 2 * 64 * (hd + 8) + 4 * (ROWS + 1)) as u32
 }
