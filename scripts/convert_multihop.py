@@ -67,6 +67,33 @@ def paragraph_text(sentences):
     return out.strip()
 
 
+def longbench_line(dataset, rid, question, passages, answers, supporting):
+    """One output line: LongBench's fields over `passages` ((title, body) pairs)."""
+    ctx = "\n".join(
+        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
+    )
+    return {
+        "_id": f"{dataset}-{rid}",
+        "input": question.strip(),
+        "context": ctx,
+        "answers": answers,
+        "length": len(ctx.split()),
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "supporting": supporting,
+    }
+
+
+def add_answers(answers, values):
+    """Append each non-empty, new value, stripped, to `answers`."""
+    for a in values:
+        a = str(a).strip()
+        if a and a not in answers:
+            answers.append(a)
+    return answers
+
+
 def convert(rec, dataset):
     context = as_list(rec.get("context") or [])
     passages = []
@@ -79,20 +106,15 @@ def convert(rec, dataset):
             raise ValueError(f"{rec['_id']}: a passage line looks like a passage header")
         passages.append((title.strip(), body))
     supporting = sorted({t for t, _ in as_list(rec.get("supporting_facts") or [])})
-    ctx = "\n".join(
-        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
+    line = longbench_line(
+        dataset,
+        rec["_id"],
+        rec["question"],
+        passages,
+        [str(rec["answer"]).strip()],
+        [t for t in supporting if any(t == p for p, _ in passages)],
     )
-    return {
-        "_id": f"{dataset}-{rec['_id']}",
-        "input": rec["question"].strip(),
-        "context": ctx,
-        "answers": [str(rec["answer"]).strip()],
-        "length": len(ctx.split()),
-        "dataset": dataset,
-        "language": "en",
-        "all_classes": None,
-        "supporting": [t for t in supporting if any(t == p for p, _ in passages)],
-    }, len(passages)
+    return line, len(passages)
 
 
 def convert_musique(rec, dataset):
@@ -108,26 +130,11 @@ def convert_musique(rec, dataset):
         passages.append((title, body))
         if p.get("is_supporting"):
             support.append(len(passages))
-    ctx = "\n".join(
-        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
-    )
-    answers = [str(rec["answer"]).strip()]
-    for a in as_list(rec.get("answer_aliases") or []):
-        a = str(a).strip()
-        if a and a not in answers:
-            answers.append(a)
-    return {
-        "_id": f"{dataset}-{rec['id']}",
-        "input": rec["question"].strip(),
-        "context": ctx,
-        "answers": answers,
-        "length": len(ctx.split()),
-        "dataset": dataset,
-        "language": "en",
-        "all_classes": None,
-        "supporting": sorted({passages[i - 1][0] for i in support}),
-        "supporting_passages": support,
-    }, len(passages)
+    answers = add_answers([str(rec["answer"]).strip()], as_list(rec.get("answer_aliases") or []))
+    supporting = sorted({passages[i - 1][0] for i in support})
+    line = longbench_line(dataset, rec["id"], rec["question"], passages, answers, supporting)
+    line["supporting_passages"] = support
+    return line, len(passages)
 
 
 def convert_cacheblend(rec, dataset, number):
@@ -140,26 +147,10 @@ def convert_cacheblend(rec, dataset, number):
         if any(PASSAGE_HEADER.match(line) for line in [title] + body.splitlines()):
             raise ValueError(f"record {number}: a passage line looks like a passage header")
         passages.append((title, body))
-    ctx = "\n".join(
-        f"Passage {i}:\n{title}\n{body}" for i, (title, body) in enumerate(passages, 1)
-    )
     answers = []
     for group in rec["answers"]:
-        for a in group if isinstance(group, list) else [group]:
-            a = str(a).strip()
-            if a and a not in answers:
-                answers.append(a)
-    return {
-        "_id": f"{dataset}-{number}",
-        "input": rec["question"].strip(),
-        "context": ctx,
-        "answers": answers,
-        "length": len(ctx.split()),
-        "dataset": dataset,
-        "language": "en",
-        "all_classes": None,
-        "supporting": [],
-    }, len(passages)
+        add_answers(answers, group if isinstance(group, list) else [group])
+    return longbench_line(dataset, number, rec["question"], passages, answers, []), len(passages)
 
 
 def main():
