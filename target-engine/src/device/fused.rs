@@ -302,7 +302,7 @@ impl DecodeBatch {
         let hd = self.head_dim;
         let unit_columns = |t: &Tensor| t.stride().get(1) == Some(&1);
         // The kernel maps query head h to kv head h / (n_head / n_kv_head) unchecked.
-        let grouped = kv_width > 0 && q_width > 0 && (q_width / hd) % (kv_width / hd) == 0;
+        let grouped = kv_width > 0 && q_width > 0 && (q_width / hd).is_multiple_of(kv_width / hd);
         if r != self.requests
             || rk != r
             || q_width % hd != 0
