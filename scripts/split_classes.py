@@ -24,7 +24,6 @@ with how well the reused side's own gaps rank the confident splits it kept (AUC)
 Only the Python standard library is used. Nothing is read outside the paths given.
 """
 import argparse
-import gzip
 import json
 import math
 import re
@@ -33,7 +32,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from guard_signals import auc, auc_ci, wilson
+from guard_signals import auc, auc_ci, opener, wilson
 
 INSTRUCTION = "Answer the question directly based on the given passages, within 5 words."
 NEAR_TIE = 0.15
@@ -196,8 +195,7 @@ def main():
     a = ap.parse_args()
     if a.records:
         for path in a.records:
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rt") as f:
+            with opener(path) as f:
                 report([json.loads(line) for line in f if line.strip()], path)
         return
     if not a.data:
