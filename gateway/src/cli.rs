@@ -118,6 +118,20 @@ pub struct ModelArgs {
         value_parser = parse_size
     )]
     pub device_hot_chunks: u64,
+    /// Host memory, page-locked, that keeps recently placed chunk KV (f16, least recently
+    /// used out first), so a retrieved chunk held there uploads at the bus's speed instead of
+    /// through the driver's staging of ordinary memory. 0 (the default) keeps none. Locked
+    /// host memory is not counted in --kv-memory-budget. Ignored with --device cpu. A
+    /// number with an optional unit: B, KB, MB, GB, TB or KiB, MiB, GiB, TiB
+    #[arg(
+        long,
+        global = true,
+        env = "SPECRAG_DEVICE_PINNED_CHUNKS",
+        default_value = "0",
+        value_name = "SIZE",
+        value_parser = parse_size
+    )]
+    pub device_pinned_chunks: u64,
 }
 
 /// A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
@@ -301,6 +315,7 @@ pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target
             .with_context(|| format!("--device-attention {}", attention.name()))?;
     }
     model.set_hot_chunks(m.device_hot_chunks);
+    model.set_pinned_chunks(m.device_pinned_chunks);
     crate::process::release_free_memory();
     spinner.finish_and_clear();
     Ok(crate::target::Target::Device(Arc::new(model)))

@@ -40,6 +40,13 @@ def rows(gpu, torch):
             hot = s.get("chunk_kv_on_device") or {}
             add("target_probe, KV on device (ms)", hot.get("target_probe_ms"), full)
             add("target_probe_shift, KV on device (ms)", hot.get("target_probe_shift_ms"), full)
+            pinned = s.get("chunk_kv_pinned") or {}
+            add("target_probe, KV in pinned host memory (ms)", pinned.get("target_probe_ms"), full)
+            add(
+                "target_probe_shift, KV in pinned host memory (ms)",
+                pinned.get("target_probe_shift_ms"),
+                full,
+            )
             add(
                 "target_probe_shift / target_probe",
                 s.get("target_probe_shift_ms"),

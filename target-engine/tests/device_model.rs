@@ -968,3 +968,60 @@ fn hot_chunks_are_placed_from_device_memory_as_from_host() {
     fused(&dev, &p, &prefix, &refs, 0).expect("fused");
     assert_eq!(dev.hot_chunks().chunks, 0, "{name}");
 }
+
+/// The pinned tier: chunk KV placed once stays in (on a GPU page-locked) host memory under its
+/// byte budget, least recently used out first, and placing from there gives the rows an
+/// upload gives, bit for bit; with the device-memory tier on too, that one serves first.
+#[test]
+fn pinned_chunks_are_placed_as_uploads_are() {
+    let (name, spec) = specs().remove(0);
+    let (_dir, cpu, dev) = load(&spec);
+    let p = prompt(cpu.tokenizer().vocab_size());
+    let (prefix, chunks) = stored(&dev, &p);
+    let refs: Vec<&ChunkKv> = chunks.iter().collect();
+    let rows = |cache: &DeviceCache| -> Vec<Vec<f32>> {
+        (0..cpu.config().n_layer)
+            .flat_map(|l| {
+                let r = 0..p.ids.len() - 9;
+                [
+                    cache.k_rows(l, r.clone()).expect("k"),
+                    cache.v_rows(l, r).expect("v"),
+                ]
+            })
+            .collect()
+    };
+    let uploaded = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    assert_eq!(dev.pinned_chunks().chunks, 0, "{name}: off by default");
+    let all: u64 = chunks.iter().map(|c| c.bytes() as u64).sum();
+    dev.set_pinned_chunks(all);
+    let staged = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    let s = dev.pinned_chunks();
+    assert_eq!((s.chunks, s.held, s.misses), (3, all, 3), "{name}: {s:?}");
+    let again = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    assert_eq!(dev.pinned_chunks().hits, s.hits + 3, "{name}");
+    assert_eq!(staged, uploaded, "{name}: placed after staging");
+    assert_eq!(again, uploaded, "{name}: placed from the pinned tier");
+    // The device-memory tier serves before it: its hits do not reach the pinned tier.
+    dev.set_hot_chunks(all);
+    fused(&dev, &p, &prefix, &refs, 0).expect("fused");
+    let before = dev.pinned_chunks().hits;
+    let hot = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    assert_eq!(hot, uploaded, "{name}: from device memory");
+    assert_eq!(dev.pinned_chunks().hits, before, "{name}");
+    dev.set_hot_chunks(0);
+    let sizes: Vec<u64> = chunks.iter().map(|c| c.bytes() as u64).collect();
+    dev.set_pinned_chunks(sizes[1] + sizes[2]);
+    let s = dev.pinned_chunks();
+    assert_eq!(
+        (s.chunks, s.held),
+        (2, sizes[1] + sizes[2]),
+        "{name}: {s:?}"
+    );
+    dev.set_pinned_chunks(0);
+    assert_eq!(dev.pinned_chunks().held, 0, "{name}: off empties it");
+    assert_eq!(
+        rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused")),
+        uploaded,
+        "{name}: off again"
+    );
+}

@@ -5,11 +5,13 @@
 use super::cache::{as_cached, as_f32, DeviceCache};
 use super::hot::{Key, Resident};
 use super::model::DeviceModel;
+use super::pinned::{HostKv, Staged};
 use crate::error::{EngineError, Result};
 use crate::kv::ChunkKv;
 use candle_core::{DType, Tensor};
 use half::f16;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// Per layer, rows of kv heads x head dim in f16: a chunk's K or V as the store keeps it.
 type Layers = Vec<Vec<f16>>;
@@ -102,7 +104,8 @@ impl DeviceModel {
     }
 
     /// `chunk`'s K and V on the device, f16 `(layer, row, kv head, head_dim)`: from the
-    /// hot-chunk tier where it holds them, else uploaded (one copy each) and offered to it.
+    /// hot-chunk tier where it holds them, else uploaded (one copy each, from the pinned tier
+    /// where that is on) and offered to it.
     fn resident(&self, chunk: &ChunkKv) -> Result<Resident> {
         let c = &self.config;
         let key = Key::of(chunk);
@@ -110,14 +113,43 @@ impl DeviceModel {
             return Ok(kv);
         }
         let shape = (c.n_layer, chunk.len(), c.n_kv_head, c.head_dim);
-        let up = |layers: &[Vec<f16>]| -> Result<Tensor> {
-            Ok(Tensor::from_vec(layers.concat(), shape, &self.device)?)
-        };
-        let kv = Resident {
-            k: up(&chunk.k)?,
-            v: up(&chunk.v)?,
+        let kv = match self.staged(chunk, &key)? {
+            Some(s) => Resident {
+                k: s.k.upload(shape, &self.device)?,
+                v: s.v.upload(shape, &self.device)?,
+            },
+            None => {
+                let up = |layers: &[Vec<f16>]| -> Result<Tensor> {
+                    Ok(Tensor::from_vec(layers.concat(), shape, &self.device)?)
+                };
+                Resident {
+                    k: up(&chunk.k)?,
+                    v: up(&chunk.v)?,
+                }
+            }
         };
         self.hot_lock().put(key, kv.clone(), chunk.bytes() as u64);
         Ok(kv)
+    }
+
+    /// `chunk`'s K and V in page-locked host memory where that tier is on: as it holds them,
+    /// else copied there now (the one host copy an upload makes anyway) and kept.
+    fn staged(&self, chunk: &ChunkKv, key: &Key) -> Result<Option<Arc<Staged>>> {
+        {
+            let mut tier = self.pinned_lock();
+            if tier.budget() == 0 {
+                return Ok(None);
+            }
+            if let Some(s) = tier.get(key) {
+                return Ok(Some(s));
+            }
+        }
+        let s = Arc::new(Staged {
+            k: HostKv::stage(&chunk.k, &self.device)?,
+            v: HostKv::stage(&chunk.v, &self.device)?,
+        });
+        self.pinned_lock()
+            .put(key.clone(), s.clone(), chunk.bytes() as u64);
+        Ok(Some(s))
     }
 }

@@ -1,8 +1,10 @@
-//! A device-resident tier for hot chunk KV: chunks placed recently stay in device memory (f16,
+//! Tiers for hot chunk KV: chunks placed recently stay where the device reads them fast (f16,
 //! as stored, at the position they were computed at), least recently used first out, under a
-//! byte budget. Placing a chunk found there is a device-to-device copy and its RoPE recovery,
-//! with no upload from host memory (16-20 ms for 4 x 512 tokens of a 7B's KV from pageable
-//! host memory on an H200, against ~0.06 ms device to device).
+//! byte budget. In device memory ([`HotChunks`]) placing a chunk found there is a
+//! device-to-device copy and its RoPE recovery, with no upload from host memory (16-20 ms for
+//! 4 x 512 tokens of a 7B's KV from pageable host memory on an H200, against ~0.06 ms device
+//! to device); in page-locked host memory (the pinned tier, `pinned.rs`) it is an upload at
+//! the bus's speed (~2 ms for the same bytes).
 
 use crate::kv::ChunkKv;
 use candle_core::Tensor;
@@ -36,25 +38,41 @@ pub(super) struct Resident {
     pub(super) v: Tensor,
 }
 
-struct Entry {
-    kv: Resident,
+struct Entry<V> {
+    kv: V,
     bytes: u64,
     used: u64,
 }
 
-/// The tier: at most `budget` bytes of chunk KV, evicted least recently used first.
-#[derive(Default)]
-pub(super) struct HotChunks {
+/// A tier: at most `budget` bytes of chunk KV (`V`, cheap to clone), evicted least recently
+/// used first.
+pub(super) struct Tier<V> {
     budget: u64,
     held: u64,
     clock: u64,
-    entries: HashMap<Key, Entry>,
-    /// Placements served from the tier, and those that uploaded while it was on.
+    entries: HashMap<Key, Entry<V>>,
+    /// Placements served from the tier, and those it could not serve while it was on.
     pub(super) hits: u64,
     pub(super) misses: u64,
 }
 
-/// What the tier holds and how it served.
+impl<V> Default for Tier<V> {
+    fn default() -> Self {
+        Self {
+            budget: 0,
+            held: 0,
+            clock: 0,
+            entries: HashMap::new(),
+            hits: 0,
+            misses: 0,
+        }
+    }
+}
+
+/// The tier in device memory.
+pub(super) type HotChunks = Tier<Resident>;
+
+/// What a tier holds and how it served.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HotStats {
     /// Bytes it may hold (0: off).
@@ -63,13 +81,12 @@ pub struct HotStats {
     pub held: u64,
     /// Chunks held.
     pub chunks: usize,
-    /// Placements served from device memory, and those that uploaded from host memory while
-    /// the tier was on.
+    /// Placements served from the tier, and those it could not serve while it was on.
     pub hits: u64,
     pub misses: u64,
 }
 
-impl HotChunks {
+impl<V: Clone> Tier<V> {
     /// Sets the budget, evicting what no longer fits.
     pub(super) fn set_budget(&mut self, bytes: u64) {
         self.budget = bytes;
@@ -77,7 +94,7 @@ impl HotChunks {
     }
 
     /// The chunk's KV where the tier holds it (counted as used now).
-    pub(super) fn get(&mut self, key: &Key) -> Option<Resident> {
+    pub(super) fn get(&mut self, key: &Key) -> Option<V> {
         if self.budget == 0 {
             return None;
         }
@@ -98,7 +115,7 @@ impl HotChunks {
 
     /// Keeps `kv` (of `bytes` bytes) where it fits the budget, evicting the least recently
     /// used chunks to make room; a chunk larger than the whole budget is not kept.
-    pub(super) fn put(&mut self, key: Key, kv: Resident, bytes: u64) {
+    pub(super) fn put(&mut self, key: Key, kv: V, bytes: u64) {
         if bytes > self.budget || self.entries.contains_key(&key) {
             return;
         }
@@ -123,6 +140,11 @@ impl HotChunks {
                 self.held -= e.bytes;
             }
         }
+    }
+
+    /// Bytes it may hold (0: off).
+    pub(super) fn budget(&self) -> u64 {
+        self.budget
     }
 
     pub(super) fn stats(&self) -> HotStats {

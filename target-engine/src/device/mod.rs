@@ -30,6 +30,7 @@ mod fused;
 mod host_kv;
 mod hot;
 mod model;
+mod pinned;
 mod shift;
 pub use batcher::{
     closed_loop, closed_loop_chunked, BatchOutcome, BatchRequest, ClosedLoop, ContinuousBatcher,

@@ -194,6 +194,8 @@ pub struct DeviceModel {
     pub(super) attention: DeviceAttention,
     /// Chunk KV kept in device memory ([`DeviceModel::set_hot_chunks`]).
     pub(super) hot: std::sync::Mutex<super::hot::HotChunks>,
+    /// Chunk KV kept in page-locked host memory ([`DeviceModel::set_pinned_chunks`]).
+    pub(super) pinned: std::sync::Mutex<super::pinned::PinnedChunks>,
     /// The chat format prompts are written in, as [`crate::Model::chat`] reads it.
     pub(super) chat: crate::chat::ChatFormat,
     /// The GGUF file it was loaded from.
@@ -298,6 +300,7 @@ impl DeviceModel {
             file_fingerprint,
             attention: DeviceAttention::Ops,
             hot: Default::default(),
+            pinned: Default::default(),
             chat,
             path: path.to_path_buf(),
             gpu_steps_on_cpu: false,
@@ -430,6 +433,26 @@ impl DeviceModel {
     /// What the hot-chunk tier holds and how it served.
     pub fn hot_chunks(&self) -> super::hot::HotStats {
         self.hot_lock().stats()
+    }
+
+    /// Keeps up to `bytes` of recently placed chunk KV in page-locked host memory (f16, least
+    /// recently used out first): placing a chunk held there, and not in device memory
+    /// ([`DeviceModel::set_hot_chunks`]), uploads it at the bus's speed instead of through the
+    /// driver's staging of pageable memory. Host memory, locked while held; on candle's CPU
+    /// device ordinary memory. 0 (the default) turns the tier off and empties it.
+    pub fn set_pinned_chunks(&self, bytes: u64) {
+        self.pinned_lock().set_budget(bytes);
+    }
+
+    /// What the pinned-memory tier holds and how it served.
+    pub fn pinned_chunks(&self) -> super::hot::HotStats {
+        self.pinned_lock().stats()
+    }
+
+    pub(super) fn pinned_lock(&self) -> std::sync::MutexGuard<'_, super::pinned::PinnedChunks> {
+        self.pinned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub(super) fn hot_lock(&self) -> std::sync::MutexGuard<'_, super::hot::HotChunks> {
