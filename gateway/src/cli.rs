@@ -315,7 +315,10 @@ pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target
             .with_context(|| format!("--device-attention {}", attention.name()))?;
     }
     model.set_hot_chunks(m.device_hot_chunks);
-    model.set_pinned_chunks(m.device_pinned_chunks);
+    model.set_chunk_tier(
+        target_engine::device::ChunkTier::Pinned,
+        m.device_pinned_chunks,
+    );
     crate::process::release_free_memory();
     spinner.finish_and_clear();
     Ok(crate::target::Target::Device(Arc::new(model)))

@@ -29,7 +29,8 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use target_engine::device::{
-    closed_loop_chunked, parse_device, BatchRequest, DeviceAttention, DeviceModel, DeviceWeights,
+    closed_loop_chunked, parse_device, BatchRequest, ChunkTier, DeviceAttention, DeviceModel,
+    DeviceWeights,
 };
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
@@ -537,49 +538,26 @@ fn blend_runs(
     Ok((out, recomputed))
 }
 
-/// `runs` blends of target_probe and target_probe_shift with the chunks' KV in device memory
-/// (the hot-chunk tier holding them, after one blend to fill it): medians in ms, and how the
-/// tier served.
-fn hot_runs(
+/// `runs` blends of target_probe and target_probe_shift with the chunks' KV held in `tier`
+/// (after one blend to fill it; the other tier off): medians in ms, the KV load alone, and
+/// how the tier served.
+fn tier_runs(
     dev: &DeviceModel,
     kv: (&Assembly, &PrefixKv, &[ChunkKv]),
-    ratio: f64,
-    runs: usize,
+    (ratio, runs): (f64, usize),
+    tier: ChunkTier,
 ) -> Result<Value> {
-    dev.set_hot_chunks(kv.2.iter().map(|c| c.bytes() as u64).sum());
+    dev.set_chunk_tier(tier, kv.2.iter().map(|c| c.bytes() as u64).sum());
     timed_probe(dev, kv, ratio, true, 64)?;
     let ([total, _, load, shift], _) = blend_runs(dev, kv, ratio, 64, runs)?;
-    let hot = dev.hot_chunks();
-    dev.set_hot_chunks(0);
+    let stats = dev.chunk_tier(tier);
+    dev.set_chunk_tier(tier, 0);
     Ok(json!({
         "target_probe_ms": median(total),
         "target_probe_shift_ms": median(shift),
         "kv_load_ms": median(load),
-        "hits": hot.hits,
-        "misses": hot.misses,
-    }))
-}
-
-/// `runs` blends of target_probe and target_probe_shift with the chunks' KV in page-locked
-/// host memory (the pinned tier holding them, after one blend to fill it; the device-memory
-/// tier off): medians in ms, and how the tier served.
-fn pinned_runs(
-    dev: &DeviceModel,
-    kv: (&Assembly, &PrefixKv, &[ChunkKv]),
-    ratio: f64,
-    runs: usize,
-) -> Result<Value> {
-    dev.set_pinned_chunks(kv.2.iter().map(|c| c.bytes() as u64).sum());
-    timed_probe(dev, kv, ratio, true, 64)?;
-    let ([total, _, load, shift], _) = blend_runs(dev, kv, ratio, 64, runs)?;
-    let pinned = dev.pinned_chunks();
-    dev.set_pinned_chunks(0);
-    Ok(json!({
-        "target_probe_ms": median(total),
-        "target_probe_shift_ms": median(shift),
-        "kv_load_ms": median(load),
-        "hits": pinned.hits,
-        "misses": pinned.misses,
+        "hits": stats.hits,
+        "misses": stats.misses,
     }))
 }
 
@@ -681,8 +659,8 @@ fn speed(
     let ([total, select, load, shift], recomputed) = blend_runs(&dev, kv, a.ratio, 64, a.runs)?;
     let prefill: Vec<f64> = total.iter().zip(&select).map(|(t, s)| t - s).collect();
     let (hot, pinned) = (
-        hot_runs(&dev, kv, a.ratio, a.runs)?,
-        pinned_runs(&dev, kv, a.ratio, a.runs)?,
+        tier_runs(&dev, kv, (a.ratio, a.runs), ChunkTier::Device)?,
+        tier_runs(&dev, kv, (a.ratio, a.runs), ChunkTier::Pinned)?,
     );
     let peak_blend = used_mib(device);
     let (decode_tps, batched, continuous) = decode_parts(&dev, &all, cap)?;

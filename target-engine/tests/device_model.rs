@@ -5,7 +5,8 @@
 //! for both engines ([`target_engine::Engine`]); these tests run it on both.
 
 use target_engine::device::{
-    closed_loop, closed_loop_chunked, BatchRequest, ContinuousBatcher, DeviceCache, DeviceModel,
+    closed_loop, closed_loop_chunked, BatchRequest, ChunkTier, ContinuousBatcher, DeviceCache,
+    DeviceModel,
 };
 use target_engine::testing::{family_specs, write_tiny_gguf, TinySpec};
 use target_engine::{
@@ -916,112 +917,81 @@ fn bf16_device_weights_agree_with_the_cpu_engine() {
     );
 }
 
-/// The hot-chunk tier: chunk KV placed once stays in device memory under its byte budget,
-/// least recently used out first; a chunk placed from there gives the cache rows an upload
-/// gives, bit for bit.
-#[test]
-fn hot_chunks_are_placed_from_device_memory_as_from_host() {
+/// Every layer's K and V rows `0..len` of `cache`: what placing chunk KV wrote.
+fn chunk_rows(cache: &DeviceCache, n_layer: usize, len: usize) -> Vec<Vec<f32>> {
+    (0..n_layer)
+        .flat_map(|l| {
+            [
+                cache.k_rows(l, 0..len).expect("k"),
+                cache.v_rows(l, 0..len).expect("v"),
+            ]
+        })
+        .collect()
+}
+
+/// Chunk KV placed once stays in `tier` under its byte budget, least recently used out first;
+/// a chunk placed from there gives the cache rows an upload gives, bit for bit; with both
+/// tiers on, device memory serves first.
+fn tier_places_chunks_as_uploads(tier: ChunkTier) {
     let (name, spec) = specs().remove(0);
     let (_dir, cpu, dev) = load(&spec);
     let p = prompt(cpu.tokenizer().vocab_size());
     let (prefix, chunks) = stored(&dev, &p);
     let refs: Vec<&ChunkKv> = chunks.iter().collect();
-    let rows = |cache: &DeviceCache| -> Vec<Vec<f32>> {
-        (0..cpu.config().n_layer)
-            .flat_map(|l| {
-                let r = 0..p.ids.len() - 9;
-                [
-                    cache.k_rows(l, r.clone()).expect("k"),
-                    cache.v_rows(l, r).expect("v"),
-                ]
-            })
-            .collect()
-    };
-    let uploaded = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    assert_eq!(dev.hot_chunks().chunks, 0, "{name}: off by default");
+    let rows = |cache: &DeviceCache| chunk_rows(cache, cpu.config().n_layer, p.ids.len() - 9);
+    let place = || rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
+    let uploaded = place();
+    assert_eq!(dev.chunk_tier(tier).chunks, 0, "{name}: off by default");
     let all: u64 = chunks.iter().map(|c| c.bytes() as u64).sum();
-    dev.set_hot_chunks(all);
-    let first = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    let s = dev.hot_chunks();
-    assert_eq!((s.chunks, s.held), (3, all), "{name}: {s:?}");
-    let hits = s.hits;
-    let again = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    assert_eq!(dev.hot_chunks().hits, hits + 3, "{name}");
+    dev.set_chunk_tier(tier, all);
+    let first = place();
+    let s = dev.chunk_tier(tier);
+    assert_eq!((s.chunks, s.held, s.misses), (3, all, 3), "{name}: {s:?}");
+    let again = place();
+    assert_eq!(dev.chunk_tier(tier).hits, s.hits + 3, "{name}");
     assert_eq!(first, uploaded, "{name}: placed after an upload");
-    assert_eq!(again, uploaded, "{name}: placed from device memory");
+    assert_eq!(again, uploaded, "{name}: placed from the tier");
+    if tier == ChunkTier::Pinned {
+        dev.set_hot_chunks(all);
+        place();
+        let before = dev.chunk_tier(ChunkTier::Pinned).hits;
+        assert_eq!(place(), uploaded, "{name}: from device memory");
+        assert_eq!(
+            dev.chunk_tier(ChunkTier::Pinned).hits,
+            before,
+            "{name}: device memory first"
+        );
+        dev.set_hot_chunks(0);
+    }
     // Room for the two placed last: the first placed (least recently used) goes, though the
     // last is the smallest (23, 31 and 17 tokens).
     let sizes: Vec<u64> = chunks.iter().map(|c| c.bytes() as u64).collect();
-    dev.set_hot_chunks(sizes[1] + sizes[2]);
-    let s = dev.hot_chunks();
+    dev.set_chunk_tier(tier, sizes[1] + sizes[2]);
+    let s = dev.chunk_tier(tier);
     assert_eq!(
         (s.chunks, s.held),
         (2, sizes[1] + sizes[2]),
         "{name}: {s:?}"
     );
-    dev.set_hot_chunks(1);
+    dev.set_chunk_tier(tier, 1);
     assert_eq!(
-        dev.hot_chunks().held,
+        dev.chunk_tier(tier).held,
         0,
         "{name}: a chunk larger than the budget is not kept"
     );
-    fused(&dev, &p, &prefix, &refs, 0).expect("fused");
-    assert_eq!(dev.hot_chunks().chunks, 0, "{name}");
+    assert_eq!(place(), uploaded, "{name}: nothing kept");
+    assert_eq!(dev.chunk_tier(tier).chunks, 0, "{name}");
 }
 
-/// The pinned tier: chunk KV placed once stays in (on a GPU page-locked) host memory under its
-/// byte budget, least recently used out first, and placing from there gives the rows an
-/// upload gives, bit for bit; with the device-memory tier on too, that one serves first.
+/// The hot-chunk tier, in device memory.
+#[test]
+fn hot_chunks_are_placed_from_device_memory_as_from_host() {
+    tier_places_chunks_as_uploads(ChunkTier::Device);
+}
+
+/// The pinned tier, in page-locked host memory (on the CPU device, ordinary memory: all but
+/// the copy itself is checked).
 #[test]
 fn pinned_chunks_are_placed_as_uploads_are() {
-    let (name, spec) = specs().remove(0);
-    let (_dir, cpu, dev) = load(&spec);
-    let p = prompt(cpu.tokenizer().vocab_size());
-    let (prefix, chunks) = stored(&dev, &p);
-    let refs: Vec<&ChunkKv> = chunks.iter().collect();
-    let rows = |cache: &DeviceCache| -> Vec<Vec<f32>> {
-        (0..cpu.config().n_layer)
-            .flat_map(|l| {
-                let r = 0..p.ids.len() - 9;
-                [
-                    cache.k_rows(l, r.clone()).expect("k"),
-                    cache.v_rows(l, r).expect("v"),
-                ]
-            })
-            .collect()
-    };
-    let uploaded = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    assert_eq!(dev.pinned_chunks().chunks, 0, "{name}: off by default");
-    let all: u64 = chunks.iter().map(|c| c.bytes() as u64).sum();
-    dev.set_pinned_chunks(all);
-    let staged = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    let s = dev.pinned_chunks();
-    assert_eq!((s.chunks, s.held, s.misses), (3, all, 3), "{name}: {s:?}");
-    let again = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    assert_eq!(dev.pinned_chunks().hits, s.hits + 3, "{name}");
-    assert_eq!(staged, uploaded, "{name}: placed after staging");
-    assert_eq!(again, uploaded, "{name}: placed from the pinned tier");
-    // The device-memory tier serves before it: its hits do not reach the pinned tier.
-    dev.set_hot_chunks(all);
-    fused(&dev, &p, &prefix, &refs, 0).expect("fused");
-    let before = dev.pinned_chunks().hits;
-    let hot = rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused"));
-    assert_eq!(hot, uploaded, "{name}: from device memory");
-    assert_eq!(dev.pinned_chunks().hits, before, "{name}");
-    dev.set_hot_chunks(0);
-    let sizes: Vec<u64> = chunks.iter().map(|c| c.bytes() as u64).collect();
-    dev.set_pinned_chunks(sizes[1] + sizes[2]);
-    let s = dev.pinned_chunks();
-    assert_eq!(
-        (s.chunks, s.held),
-        (2, sizes[1] + sizes[2]),
-        "{name}: {s:?}"
-    );
-    dev.set_pinned_chunks(0);
-    assert_eq!(dev.pinned_chunks().held, 0, "{name}: off empties it");
-    assert_eq!(
-        rows(&fused(&dev, &p, &prefix, &refs, 0).expect("fused")),
-        uploaded,
-        "{name}: off again"
-    );
+    tier_places_chunks_as_uploads(ChunkTier::Pinned);
 }

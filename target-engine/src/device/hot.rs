@@ -72,6 +72,17 @@ impl<V> Default for Tier<V> {
 /// The tier in device memory.
 pub(super) type HotChunks = Tier<Resident>;
 
+/// Where chunk KV waits between placements, least recently used out first under a byte budget
+/// (`DeviceModel::set_chunk_tier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkTier {
+    /// Device memory: placing a chunk held there is a copy on the device, no upload.
+    Device,
+    /// Page-locked host memory: an upload at the bus's speed, not through the driver's staging
+    /// of ordinary memory (on candle's CPU device, ordinary memory).
+    Pinned,
+}
+
 /// What a tier holds and how it served.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HotStats {

@@ -37,7 +37,7 @@ pub use batcher::{
 };
 pub use cache::{DeviceCache, CACHE_DTYPE};
 pub use fused::DeviceAttention;
-pub use hot::HotStats;
+pub use hot::{ChunkTier, HotStats};
 pub use model::{DeviceMemory, DeviceModel, DeviceWeights};
 
 /// The device `spec` names: `cpu`, `cuda` (GPU 0) or `cuda:N`.

@@ -3,6 +3,7 @@
 
 use super::cache::DeviceCache;
 use super::fused::DeviceAttention;
+use super::hot::{ChunkTier, HotStats};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
@@ -427,26 +428,30 @@ impl DeviceModel {
     /// used out first): placing a chunk held there copies it on the device instead of
     /// uploading it. 0 (the default) turns the tier off and empties it.
     pub fn set_hot_chunks(&self, bytes: u64) {
-        self.hot_lock().set_budget(bytes);
+        self.set_chunk_tier(ChunkTier::Device, bytes);
     }
 
     /// What the hot-chunk tier holds and how it served.
-    pub fn hot_chunks(&self) -> super::hot::HotStats {
-        self.hot_lock().stats()
+    pub fn hot_chunks(&self) -> HotStats {
+        self.chunk_tier(ChunkTier::Device)
     }
 
-    /// Keeps up to `bytes` of recently placed chunk KV in page-locked host memory (f16, least
-    /// recently used out first): placing a chunk held there, and not in device memory
-    /// ([`DeviceModel::set_hot_chunks`]), uploads it at the bus's speed instead of through the
-    /// driver's staging of pageable memory. Host memory, locked while held; on candle's CPU
-    /// device ordinary memory. 0 (the default) turns the tier off and empties it.
-    pub fn set_pinned_chunks(&self, bytes: u64) {
-        self.pinned_lock().set_budget(bytes);
+    /// Keeps up to `bytes` of recently placed chunk KV in `tier` (f16, least recently used
+    /// out first); 0 (the default) turns it off and empties it. [`ChunkTier`] says what each
+    /// saves; a chunk in both is placed from device memory.
+    pub fn set_chunk_tier(&self, tier: ChunkTier, bytes: u64) {
+        match tier {
+            ChunkTier::Device => self.hot_lock().set_budget(bytes),
+            ChunkTier::Pinned => self.pinned_lock().set_budget(bytes),
+        }
     }
 
-    /// What the pinned-memory tier holds and how it served.
-    pub fn pinned_chunks(&self) -> super::hot::HotStats {
-        self.pinned_lock().stats()
+    /// What `tier` holds and how it served.
+    pub fn chunk_tier(&self, tier: ChunkTier) -> HotStats {
+        match tier {
+            ChunkTier::Device => self.hot_lock().stats(),
+            ChunkTier::Pinned => self.pinned_lock().stats(),
+        }
     }
 
     pub(super) fn pinned_lock(&self) -> std::sync::MutexGuard<'_, super::pinned::PinnedChunks> {
