@@ -162,6 +162,8 @@ impl EngineHandle {
 pub struct Batching {
     pub max: usize,
     pub order: target_engine::PrefillOrder,
+    /// Rows of an escalation's full prefill run per turn (0: all in one turn).
+    pub piece: usize,
 }
 
 /// Starts the engine thread over `pipeline` with room for `capacity` waiting jobs, running
@@ -507,14 +509,16 @@ impl Workers {
         let batcher: Arc<dyn target_engine::Batching> = match &pipeline.engines.target {
             crate::target::Target::Cpu(_) => Arc::new(
                 target_engine::DecodeBatcher::<target_engine::Model>::new(max, BATCH_WINDOW)
-                    .with_prefill_order(batching.order),
+                    .with_prefill_order(batching.order)
+                    .with_prefill_piece(batching.piece),
             ),
             crate::target::Target::Device(_) => Arc::new(
                 target_engine::DecodeBatcher::<target_engine::device::DeviceModel>::new(
                     max,
                     BATCH_WINDOW,
                 )
-                .with_prefill_order(batching.order),
+                .with_prefill_order(batching.order)
+                .with_prefill_piece(batching.piece),
             ),
         };
         metrics.set_batcher(Arc::clone(&batcher));

@@ -41,6 +41,7 @@ const LONG_CONTEXT: &str = "specrag_long_context_tokens_total";
 const BATCH_PASSES: &str = "specrag_decode_passes_total";
 const BATCH_STEPS: &str = "specrag_decode_steps_total";
 const BATCH_SEATED: &str = "specrag_decoding_requests";
+const PREFILL_TURNS: &str = "specrag_prefill_turns_total";
 const KV_HELD: &str = "specrag_kv_bytes_held";
 const DEVICE_MEMORY: &str = "specrag_device_memory_bytes";
 
@@ -255,6 +256,11 @@ impl Metrics {
                      with it."
                 );
                 describe_gauge!(BATCH_SEATED, "Requests decoding now.");
+                describe_counter!(
+                    PREFILL_TURNS,
+                    "Prefill turns given: a request's first prefill, a second look, each piece \
+                     of an escalation's full prefill (--prefill-piece)."
+                );
             });
         }
     }
@@ -340,6 +346,7 @@ impl Metrics {
                 metrics::counter!(BATCH_PASSES).absolute(s.passes);
                 metrics::counter!(BATCH_STEPS).absolute(s.steps);
                 metrics::gauge!(BATCH_SEATED).set(s.seated as f64);
+                metrics::counter!(PREFILL_TURNS).absolute(s.prefill_turns);
             }
         });
         self.handle.render()

@@ -2052,6 +2052,56 @@ const LOOKED_AT: [&str; 4] = [
     "a lamp?",
 ];
 
+/// `--prefill-piece`: an escalation's full prefill computed a few rows per prefill turn
+/// answers as in one turn, token for token and with the same logprobs (the cache is the one
+/// pass's), and full recompute's answer; it takes more turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escalation_in_pieces_answers_as_in_one() -> TestResult {
+    let mut servers = Vec::new();
+    let mut dirs = Vec::new();
+    for piece in [0, 3] {
+        let dir = tempfile::tempdir()?;
+        let mut p = pipeline(dir.path())?;
+        Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+            margin: Some(100.0),
+            horizon: 1024,
+            second_look: 0.0,
+            ..Default::default()
+        };
+        let config = ServerConfig {
+            prefill_piece: piece,
+            ..ServerConfig::default()
+        };
+        servers.push(state(p, config));
+        dirs.push(dir);
+    }
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.0, "logprobs": 2});
+    for q in LOOKED_AT {
+        let mut got = Vec::new();
+        for s in &servers {
+            let (_, body, _) = send(s, ask(q, m.clone())).await;
+            got.push(serde_json::from_str::<Value>(&body)?);
+        }
+        let (whole, pieces) = (&got[0], &got[1]);
+        assert_eq!(pieces["reuse"]["guard"]["escalated"], true, "{pieces}");
+        assert_eq!(whole["answer"], pieces["answer"], "{q}");
+        assert_eq!(whole["logprobs"], pieces["logprobs"], "{q}");
+        let kept = |v: &Value| v["reuse"]["guard"]["full_prefill_kept_rows"].clone();
+        assert_eq!(kept(whole), kept(pieces), "{q}");
+        let full = json!({"method": "full_recompute"});
+        let (_, full, _) = send(&servers[1], ask(q, full)).await;
+        let full: Value = serde_json::from_str(&full)?;
+        assert_eq!(pieces["answer"], full["answer"], "{q}");
+    }
+    let mut turns = Vec::new();
+    for s in &servers {
+        let (_, text, _) = send(s, Request::get("/metrics").body(Body::empty())?).await;
+        turns.push(sample(&text, "specrag_prefill_turns_total").ok_or("no turns")?);
+    }
+    assert!(turns[1] > turns[0], "{turns:?}");
+    Ok(())
+}
+
 /// A second look that recomputes the chunk tokens after the exact rows in order (the
 /// default, `extend`) hands them, full prefill's rows, to its escalation: the full prefill
 /// keeps the first chunk and the look's tokens, where after a look at the next-ranked tokens

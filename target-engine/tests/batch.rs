@@ -422,3 +422,37 @@ fn a_decoding_request_waiting_for_a_prefill_turn_holds_no_other_request_up() {
     prefill.join().expect("no panic");
     assert_eq!(batcher.stats().seated, 0);
 }
+
+/// Prefill work begun while decoding, cut in pieces (`with_prefill_piece`, what the guard's
+/// escalation does): the rows in order, each piece a prefill turn of its own, and the cache
+/// and last logits the one pass computes, bit for bit.
+#[test]
+fn prefill_work_in_pieces_takes_a_turn_a_piece_and_computes_the_one_pass() {
+    use target_engine::{in_prefill_turn, prefill_pieces, Engine};
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let ids = prompts(&m)[2].clone();
+    let one = |r: std::ops::Range<usize>| (prefill_pieces(r.clone()), r);
+    let (got, range) = one(3..14);
+    assert_eq!(got, vec![range], "no batcher: one piece");
+    let b =
+        Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(5)).with_prefill_piece(4));
+    let room = ids.len() + 4;
+    let (whole, want) = m.prefill_into(&ids, room).expect("prefill");
+    with_batcher(Some(Arc::clone(&b)), || {
+        assert_eq!(prefill_pieces(3..14), [3..7, 7..11, 11..14]);
+        let (got, range) = one(3..7);
+        assert_eq!(got, vec![range], "as long as a piece");
+        let pieces = prefill_pieces(2..ids.len());
+        assert!(pieces.len() >= 2, "{} tokens", ids.len());
+        let (mut cache, _) = m.prefill_into(&ids[..2], room).expect("prefix");
+        let before = b.stats().prefill_turns;
+        let mut logits = Vec::new();
+        for piece in &pieces {
+            logits = in_prefill_turn(|| m.prefill_from(&mut cache, &ids[..piece.end], piece.start))
+                .expect("piece");
+        }
+        assert_eq!(b.stats().prefill_turns - before, pieces.len() as u64);
+        assert_eq!(logits, want, "the last row's logits");
+        assert!(same_rows(&cache, &whole), "every row");
+    });
+}

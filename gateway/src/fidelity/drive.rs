@@ -457,9 +457,7 @@ impl Pipeline {
         Ok(match hit {
             Some(c) => c,
             None if exact > 0 && exact < prompt.len() => {
-                let logits = target_engine::in_prefill_turn(|| {
-                    target.prefill_from(&mut reused, prompt, exact)
-                })?;
+                let logits = prefill_in_pieces(target, &mut reused, prompt, exact)?;
                 report.full_prefill_ms = ms(t);
                 report.full_prefill_kept_rows = exact;
                 self.contexts.keep(kept_key, &reused, &logits);
@@ -468,8 +466,14 @@ impl Pipeline {
             None => {
                 drop(reused);
                 let room = prompt.len() + q.max_tokens;
-                let (cache, logits) =
-                    target_engine::in_prefill_turn(|| target.prefill_into(prompt, room))?;
+                let first = target_engine::prefill_pieces(0..prompt.len())[0].end;
+                let (mut cache, logits) =
+                    target_engine::in_prefill_turn(|| target.prefill_into(&prompt[..first], room))?;
+                let logits = if first < prompt.len() {
+                    prefill_in_pieces(target, &mut cache, prompt, first)?
+                } else {
+                    logits
+                };
                 report.full_prefill_ms = ms(t);
                 self.contexts.keep(key, &cache, &logits);
                 (cache, logits)
@@ -549,4 +553,26 @@ impl Pipeline {
         };
         Ok((g, ready, vg.spec))
     }
+}
+
+/// The full prefill of `prompt` over `cache`, whose rows `0..start` hold what a prefill
+/// computes: the rows after them in the pieces the batcher asks for
+/// ([`target_engine::prefill_pieces`]), each in a prefill turn of its own, so a request
+/// waiting for its first prefill goes between them rather than after the whole. A row does
+/// not depend on where a pass began, so the cache is the one pass's (bit for bit on the CPU
+/// engine: `an_escalation_in_pieces_answers_as_in_one` in gateway/tests/server.rs). Returns
+/// the last row's logits.
+fn prefill_in_pieces<E: Backend>(
+    target: &E,
+    cache: &mut E::Cache,
+    prompt: &[u32],
+    start: usize,
+) -> Result<Vec<f32>> {
+    let mut logits = Vec::new();
+    for piece in target_engine::prefill_pieces(start..prompt.len()) {
+        logits = target_engine::in_prefill_turn(|| {
+            target.prefill_from(cache, &prompt[..piece.end], piece.start)
+        })?;
+    }
+    Ok(logits)
 }

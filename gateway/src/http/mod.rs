@@ -22,5 +22,5 @@ pub use ops::{openapi, openapi_json_text};
 pub use routes::app;
 pub use state::{
     AppState, ServerConfig, DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, DEFAULT_MAX_COLLECTION_TOKENS,
-    DEFAULT_MAX_REQUEST_TOKENS,
+    DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_PREFILL_PIECE,
 };

@@ -18,6 +18,8 @@ pub struct ServerConfig {
     pub max_batch: usize,
     /// The order their prefills take turns in (`--prefill-order`).
     pub prefill_order: target_engine::PrefillOrder,
+    /// Rows of an escalation's full prefill per prefill turn (`--prefill-piece`; 0: one turn).
+    pub prefill_piece: usize,
     /// A request not finished within this time is answered 504 (and its work stopped).
     pub request_timeout: Duration,
     /// Most tokens one `POST /documents` may precompute (413 above).
@@ -56,6 +58,8 @@ impl ServerConfig {
 /// Default of [`ServerConfig::max_batch`]: four requests decode 2.1-2.6x the tokens/s of one
 /// on 2 CPU cores (docs/performance.md, *Requests batched*).
 pub const DEFAULT_MAX_BATCH: usize = 4;
+/// Default of [`ServerConfig::prefill_piece`] (0: an escalation's full prefill in one turn).
+pub const DEFAULT_PREFILL_PIECE: usize = 0;
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
 /// Qwen-0.5B on 2 cores.
 pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;
@@ -72,6 +76,7 @@ impl Default for ServerConfig {
             queue_capacity: 8,
             max_batch: DEFAULT_MAX_BATCH,
             prefill_order: target_engine::PrefillOrder::default(),
+            prefill_piece: DEFAULT_PREFILL_PIECE,
             request_timeout: Duration::from_secs(300),
             max_request_tokens: DEFAULT_MAX_REQUEST_TOKENS,
             max_collection_tokens: DEFAULT_MAX_COLLECTION_TOKENS,
@@ -109,6 +114,7 @@ impl AppState {
             crate::engine::Batching {
                 max: config.max_batch,
                 order: config.prefill_order,
+                piece: config.prefill_piece,
             },
             metrics.clone(),
         );

@@ -71,6 +71,8 @@ pub struct DecodeBatcher<E: StepEngine = Model> {
     max_steps: usize,
     window: Duration,
     order: PrefillOrder,
+    /// Rows of prefill work begun while decoding run per turn (0: all in one).
+    piece: usize,
     state: Mutex<State<E::Cache>>,
     wake: Condvar,
 }
@@ -88,6 +90,9 @@ pub struct BatchStats {
     pub max_steps: usize,
     /// Requests decoding now.
     pub seated: usize,
+    /// Prefill turns given (a request's first prefill, a second look, each piece of an
+    /// escalation's full prefill).
+    pub prefill_turns: u64,
 }
 
 /// A batcher as a thread installs it ([`with_batcher`]), whatever its engine: seats, prefill
@@ -109,6 +114,9 @@ pub trait Batching: Send + Sync + std::fmt::Debug {
     fn pass_turn(&self);
     /// What the batcher has done so far.
     fn stats(&self) -> BatchStats;
+    /// Rows of prefill work begun while decoding that one turn runs (0: all of it):
+    /// [`prefill_pieces`].
+    fn prefill_piece(&self) -> usize;
 }
 
 impl<E: StepEngine + std::fmt::Debug + 'static> Batching for DecodeBatcher<E>
@@ -148,6 +156,7 @@ where
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        st.stats.prefill_turns += 1;
         Ok(())
     }
 
@@ -158,6 +167,10 @@ where
 
     fn stats(&self) -> BatchStats {
         DecodeBatcher::stats(self)
+    }
+
+    fn prefill_piece(&self) -> usize {
+        self.piece
     }
 }
 
@@ -220,6 +233,7 @@ impl<E: StepEngine> DecodeBatcher<E> {
             max_steps: max_steps.max(1),
             window,
             order: PrefillOrder::default(),
+            piece: 0,
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
         }
@@ -234,6 +248,14 @@ impl<E: StepEngine> DecodeBatcher<E> {
     /// The order prefill turns go in.
     pub fn prefill_order(&self) -> PrefillOrder {
         self.order
+    }
+
+    /// The batcher with prefill work begun while decoding (an escalation's full prefill) run
+    /// `rows` at a time, each piece in a turn of its own, so that prefills waiting meanwhile
+    /// go between the pieces rather than after the whole (0: in one turn).
+    pub fn with_prefill_piece(mut self, rows: usize) -> Self {
+        self.piece = rows;
+        self
     }
 
     /// The most steps one pass carries.
@@ -502,6 +524,20 @@ pub(crate) fn seat() -> Option<LocalSeat> {
     b.take_seat();
     SEATED.with(|n| n.set(n.get() + 1));
     Some(LocalSeat(b))
+}
+
+/// `rows` cut into the pieces this thread's batcher runs prefill work begun while decoding in
+/// ([`DecodeBatcher::with_prefill_piece`]), in order: each `in_prefill_turn` of its own. One
+/// piece where there is no batcher or it cuts nothing; the last piece is the shortest.
+pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize>> {
+    let piece = installed().map_or(0, |b| b.prefill_piece());
+    if piece == 0 || rows.len() <= piece {
+        return vec![rows];
+    }
+    (rows.start..rows.end)
+        .step_by(piece)
+        .map(|s| s..(s + piece).min(rows.end))
+        .collect()
 }
 
 /// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's

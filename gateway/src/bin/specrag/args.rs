@@ -118,6 +118,11 @@ pub struct ServeArgs {
     /// tail; docs/performance.md).
     #[arg(long, env = "SPECRAG_PREFILL_ORDER", default_value = "fifo")]
     pub prefill_order: target_engine::PrefillOrder,
+    /// Rows of the fidelity guard's full prefill (an escalation) computed per prefill turn:
+    /// a request waiting for its first prefill goes between two pieces instead of after the
+    /// whole. 0 computes it in one turn. The cache is the same either way
+    #[arg(long, env = "SPECRAG_PREFILL_PIECE", default_value_t = gateway::http::DEFAULT_PREFILL_PIECE)]
+    pub prefill_piece: usize,
     /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub timeout_secs: u64,

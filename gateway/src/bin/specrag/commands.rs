@@ -237,6 +237,7 @@ pub fn serve(m: &ModelArgs, a: ServeArgs) -> anyhow::Result<()> {
         queue_capacity: a.queue as usize,
         max_batch: a.max_batch as usize,
         prefill_order: a.prefill_order,
+        prefill_piece: a.prefill_piece,
         request_timeout: std::time::Duration::from_secs(a.timeout_secs),
         max_request_tokens: usize::try_from(a.max_request_tokens)?,
         max_collection_tokens: usize::try_from(a.max_collection_tokens)?,
