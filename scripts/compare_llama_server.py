@@ -22,10 +22,12 @@ specrag how many requests the guard escalated; one JSON line per request goes to
 
     python3 scripts/compare_llama_server.py \
         --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
-        [--clients 1,4] [--threads 2] [--engines specrag,llama-server] [--max-batch 4]
+        [--clients 1,4] [--threads 2] [--engines specrag,llama-server] [--max-batch 4] \
+        [--prefill-piece 0,256]
 
 `--max-batch 1,4` runs specrag once per value (`specrag serve --max-batch N`, engines named
-`specrag/bN`): batching against one request at a time in the same run. With
+`specrag/bN`): batching against one request at a time in the same run; `--prefill-piece
+0,256` likewise (`specrag/pN`): an escalation's full prefill in one turn or in pieces. With
 `--engines specrag` no llama-server is needed (`--llama-server` may be left out; the
 questions are warmed without llama.cpp's token ids).
 
@@ -139,12 +141,13 @@ class Server:
 
 
 class Specrag(Server):
-    def __init__(self, exe, data, port, threads, max_batch=None):
+    def __init__(self, exe, data, port, threads, max_batch=None, piece=None):
         self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
-        self.max_batch = max_batch
+        self.max_batch, self.piece = max_batch, piece
 
     def start(self):
         batch = [] if self.max_batch is None else ["--max-batch", str(self.max_batch)]
+        batch += [] if self.piece is None else ["--prefill-piece", str(self.piece)]
         self.launch([self.exe, "serve", "--data", self.data, "--addr", f"127.0.0.1:{self.port}"] + batch,
                     os.path.join(self.data, "..", "specrag-serve.log"),
                     dict(os.environ, RAYON_NUM_THREADS=str(self.threads)))
@@ -245,6 +248,9 @@ def main():
     ap.add_argument("--port", type=int, default=8191)
     ap.add_argument("--engines", default="specrag,llama-server")
     ap.add_argument("--max-batch", default="", help="specrag serve --max-batch values, comma-separated")
+    ap.add_argument(
+        "--prefill-piece", default="", help="specrag serve --prefill-piece values, comma-separated"
+    )
     a = ap.parse_args()
     with_llama = "llama-server" in a.engines.split(",")
     if with_llama and not a.llama_server:
@@ -285,10 +291,17 @@ def main():
     summary = []
     engines = a.engines.split(",")
     batches = [int(x) for x in a.max_batch.split(",") if x]
-    specs = ([("specrag", spec)] if len(batches) < 2 else
-             [(f"specrag/b{b}", Specrag(exe, data, a.port, a.threads, b)) for b in batches])
-    if len(batches) == 1:
-        spec.max_batch = batches[0]
+    pieces = [int(x) for x in a.prefill_piece.split(",") if x]
+    if len(batches) > 1 and len(pieces) > 1:
+        ap.error("vary --max-batch or --prefill-piece, not both")
+    specs = [("specrag", spec)]
+    if len(batches) > 1:
+        specs = [(f"specrag/b{b}", Specrag(exe, data, a.port, a.threads, b)) for b in batches]
+    elif len(pieces) > 1:
+        specs = [(f"specrag/p{p}", Specrag(exe, data, a.port, a.threads, None, p)) for p in pieces]
+    for _, s_ in specs:
+        s_.max_batch = s_.max_batch if len(batches) != 1 else batches[0]
+        s_.piece = s_.piece if len(pieces) != 1 else pieces[0]
     for ci, (max_tokens, clients) in enumerate((m, c) for m in [int(x) for x in a.answers.split(",")]
                                                 for c in [int(x) for x in a.clients.split(",")]):
         llama = LlamaServer(a.llama_server, a.port + 1, a.threads, clients)

@@ -17,9 +17,13 @@ confident otherwise. Prints identity, identity-or-near-tie and the confident spl
 Wilson 95% intervals, the escalations, the mean request and median TTFT ratios, and writes
 one line per question to --out.
 
-Each line also keeps both answers' top-2 gaps at every token, the chunk and recomputed token
-counts and full recompute's time; `--records FILE...` prints the summary of earlier runs again,
-with how well the reused side's own gaps rank the confident splits it kept (AUC).
+Each line also keeps both answers' top-2 gaps at every token, full recompute's tokens, the
+chunk and recomputed token counts, full recompute's times and what the guard reported;
+`--records FILE...` prints the summary of earlier runs again, with how well the reused side's
+own gaps rank the confident splits it kept (AUC). `--ratio R` asks the default method at
+recompute ratio R, `--unguarded-only` with `fidelity: fast` only, and `--full-from FILE` takes
+full recompute's answers from an earlier run's records instead of asking again (same server
+settings; identity only, no time ratios): a sweep over ratios costs the reused requests alone.
 
 Only the Python standard library is used. Nothing is read outside the paths given.
 """
@@ -73,6 +77,10 @@ def document(j, title, text, title_apart):
     return {"id": f"p{j + 1}", "title": title, "text": text if title_apart else f"{title}\n{text}"}
 
 
+# What each record keeps of `reuse.guard` (docs/fidelity-guard.md, *The knob*).
+GUARD_KEPT = ("min_margin", "margin", "uncertain", "loop_detected", "second_look_gap", "second_look_skipped", "withdrawn_tokens", "kept_tokens")
+
+
 def collection_of(qid):
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", qid)[:120]
     return f"split-{name}"
@@ -113,11 +121,15 @@ def report(results, label):
     print(f"identical to full recompute: {share(same, n)}")
     print(f"identical or near tie (< {NEAR_TIE} logit): {share(same + near, n)}")
     print(f"confident splits: {share(conf, n)}")
-    print(f"escalated: {share(len(esc), n)}; worst escalation {max((r['total_ratio'] for r in esc), default=0):.2f}x")
-    print(
-        f"mean request {statistics.mean(r['total_ratio'] for r in results):.3f}x, "
-        f"median TTFT {statistics.median(r['ttft_ratio'] for r in results):.3f}x full recompute's"
-    )
+    worst = max((r["total_ratio"] or 0 for r in esc), default=0)
+    print(f"escalated: {share(len(esc), n)}; worst escalation {worst:.2f}x")
+    timed = [r for r in results if r.get("total_ratio") is not None]
+    if timed:
+        print(
+            f"mean request {statistics.mean(r['total_ratio'] for r in timed):.3f}x, "
+            f"median TTFT {statistics.median(r['ttft_ratio'] for r in timed):.3f}x full recompute's"
+            + ("" if len(timed) == n else f" ({len(timed)} paired)")
+        )
     fast = [r for r in results if "unguarded_class" in r]
     if fast:
         k = sum(r["unguarded_class"] == "identical" for r in fast)
@@ -158,6 +170,10 @@ def unguarded_fields(full, fast):
     }
 
 
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
 def first_gap(r):
     g = r["default_gaps"]
     return g[0] if g and g[0] is not None else math.inf
@@ -165,6 +181,74 @@ def first_gap(r):
 
 def least_gap(r):
     return min((g for g in r["default_gaps"] if g is not None), default=math.inf)
+
+
+def earlier_fulls(path):
+    """Full recompute's responses per question id, rebuilt from records that kept its tokens
+    (`full_tokens`): its answer, each token with its top-2 gap, and its time."""
+    out = {}
+    with opener(path) as f:
+        for line in f:
+            r = json.loads(line) if line.strip() else None
+            if r and r.get("full_tokens") is not None:
+                out[r["id"]] = {
+                    "answer": r["full"],
+                    "logprobs": [
+                        {"token": t, "top_logprobs": [{"logprob": 0.0}] + ([] if g is None else [{"logprob": -g}])}
+                        for t, g in zip(r["full_tokens"], r["full_gaps"])
+                    ],
+                    "timings": {"total_ms": r["full_ms"], "ttft_ms": r.get("full_ttft_ms")},
+                }
+    return out
+
+
+def measure(a, row, full=None):
+    """One question asked as a client asks it: its record (see the module's doc). `full`, an
+    earlier full recompute of it, is used instead of asking again; then no time ratio is paired."""
+    coll = collection_of(row["_id"])
+    docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
+    post(f"{a.url}/documents", {"collection": coll, "documents": docs}, a.timeout)
+    ask = {
+        "query": f"{row['input'].strip()} {a.instruction}",
+        "collection": coll,
+        "top_k": a.top_k,
+        "max_tokens": a.max_tokens,
+        "logprobs": 2,
+    }
+    mine = {**ask, **({"recompute_ratio": a.ratio} if a.ratio is not None else {})}
+    paired = full is None
+    if paired:
+        full = post(f"{a.url}/rag/query", {**ask, "method": "full_recompute"}, a.timeout)
+    fast = post(f"{a.url}/rag/query", {**mine, "fidelity": "fast"}, a.timeout) if a.unguarded else None
+    reused = fast if a.unguarded_only else post(f"{a.url}/rag/query", mine, a.timeout)
+    split = split_class(full, reused)
+    guard = reused["reuse"]["guard"]
+    ratio = lambda key: reused["timings"][key] / max(full["timings"][key], 1e-9) if paired else None
+    return {
+        "id": row["_id"],
+        "full": full["answer"],
+        "default": reused["answer"],
+        "method": reused["method"],
+        "recompute_ratio": a.ratio,
+        "fidelity": "fast" if a.unguarded_only else "default",
+        "identical": split is None,
+        "split_at": None if split is None else split[0],
+        "full_gap": None if split is None or split[1] == math.inf else round(split[1], 4),
+        "class": "identical" if split is None else split[2],
+        "escalated": guard.get("escalated", False),
+        "second_look": guard.get("second_look", False),
+        "guard": {k: guard[k] for k in GUARD_KEPT if k in guard},
+        "default_gaps": gaps(reused),
+        "full_gaps": gaps(full),
+        "full_tokens": [t["token"] for t in full.get("logprobs") or []],
+        "chunk_tokens": reused["reuse"]["chunk_tokens"],
+        "recomputed_tokens": reused["reuse"]["recomputed_tokens"],
+        "full_ms": full["timings"]["total_ms"],
+        "full_ttft_ms": full["timings"]["ttft_ms"],
+        "total_ratio": ratio("total_ms"),
+        "ttft_ratio": ratio("ttft_ms"),
+        **(unguarded_fields(full, fast) if fast and not a.unguarded_only else {}),
+    }
 
 
 def main():
@@ -189,10 +273,22 @@ def main():
         action="store_true",
         help="also ask the default method unguarded (`fidelity: fast`) and class its split too",
     )
+    ap.add_argument(
+        "--unguarded-only",
+        action="store_true",
+        help="ask the default method unguarded (`fidelity: fast`) only, as its record's answer",
+    )
+    ap.add_argument("--ratio", type=float, help="`recompute_ratio` of the default method's requests")
+    ap.add_argument(
+        "--full-from",
+        help="records of an earlier run (kept `full_tokens`): full recompute's answers taken from "
+        "there, not asked again (identity only; no time ratios)",
+    )
     ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
     ap.add_argument("--out", help="one JSON line per question")
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
+    a.unguarded = a.unguarded or a.unguarded_only
     if a.records:
         for path in a.records:
             with opener(path) as f:
@@ -205,55 +301,23 @@ def main():
     rows = [r for r in rows if not a.ids or r["_id"] in a.ids]
     if not rows:
         sys.exit("no question in that slice")
+    fulls = earlier_fulls(a.full_from) if a.full_from else {}
     out = open(a.out, "w") if a.out else None
     results = []
     for i, row in enumerate(rows):
-        coll = collection_of(row["_id"])
-        docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
-        post(f"{a.url}/documents", {"collection": coll, "documents": docs}, a.timeout)
-        ask = {
-            "query": f"{row['input'].strip()} {a.instruction}",
-            "collection": coll,
-            "top_k": a.top_k,
-            "max_tokens": a.max_tokens,
-            "logprobs": 2,
-        }
-        full = post(f"{a.url}/rag/query", {**ask, "method": "full_recompute"}, a.timeout)
-        reused = post(f"{a.url}/rag/query", ask, a.timeout)
-        split = split_class(full, reused)
-        fast = post(f"{a.url}/rag/query", {**ask, "fidelity": "fast"}, a.timeout) if a.unguarded else None
-        guard = reused["reuse"]["guard"]
-        r = {
-            "id": row["_id"],
-            "full": full["answer"],
-            "default": reused["answer"],
-            "method": reused["method"],
-            "identical": split is None,
-            "split_at": None if split is None else split[0],
-            "full_gap": None if split is None or split[1] == math.inf else round(split[1], 4),
-            "class": "identical" if split is None else split[2],
-            "escalated": guard.get("escalated", False),
-            "second_look": guard.get("second_look", False),
-            "default_gaps": gaps(reused),
-            "full_gaps": gaps(full),
-            "chunk_tokens": reused["reuse"]["chunk_tokens"],
-            "recomputed_tokens": reused["reuse"]["recomputed_tokens"],
-            "full_ms": full["timings"]["total_ms"],
-            "total_ratio": reused["timings"]["total_ms"] / max(full["timings"]["total_ms"], 1e-9),
-            "ttft_ratio": reused["timings"]["ttft_ms"] / max(full["timings"]["ttft_ms"], 1e-9),
-            **(unguarded_fields(full, fast) if fast else {}),
-        }
+        r = measure(a, row, fulls.get(row["_id"]))
         results.append(r)
         if out:
             out.write(json.dumps(r) + "\n")
             out.flush()
         print(
             f"[{i + 1}/{len(rows)}] {r['class']:9} esc={int(r['escalated'])} "
-            f"total {r['total_ratio']:.2f} ttft {r['ttft_ratio']:.2f}  {r['full'][:40]!r} | {r['default'][:40]!r}",
+            f"total {fmt(r['total_ratio'])} ttft {fmt(r['ttft_ratio'])}  {r['full'][:40]!r} | {r['default'][:40]!r}",
             file=sys.stderr,
             flush=True,
         )
     report(results, f"{a.data}, {a.offset}..{a.offset + len(results)}")
+
 
 if __name__ == "__main__":
     main()
