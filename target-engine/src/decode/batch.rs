@@ -528,16 +528,24 @@ pub(crate) fn seat() -> Option<LocalSeat> {
 
 /// `rows` cut into the pieces this thread's batcher runs prefill work begun while decoding in
 /// ([`DecodeBatcher::with_prefill_piece`]), in order: each `in_prefill_turn` of its own. One
-/// piece where there is no batcher or it cuts nothing; the last piece is the shortest.
+/// piece where there is no batcher or it cuts nothing. A remainder under half a piece joins
+/// the piece before it: no turn is spent on a few rows, and no piece is so short that a CPU
+/// kernel chosen by row count computes it otherwise.
 pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize>> {
     let piece = installed().map_or(0, |b| b.prefill_piece());
     if piece == 0 || rows.len() <= piece {
         return vec![rows];
     }
-    (rows.start..rows.end)
+    let mut out: Vec<_> = (rows.start..rows.end)
         .step_by(piece)
         .map(|s| s..(s + piece).min(rows.end))
-        .collect()
+        .collect();
+    if out.len() > 1 && out.last().is_some_and(|r| r.len() < piece.div_ceil(2)) {
+        if let (Some(last), Some(before)) = (out.pop(), out.last_mut()) {
+            before.end = last.end;
+        }
+    }
+    out
 }
 
 /// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's
