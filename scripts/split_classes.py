@@ -45,7 +45,7 @@ NEAR_TIE = 0.15
 def share(k, n):
     lo, hi = wilson(k, n)
     pct = 100 * k / n if n else 0.0
-    return f"{k}/{n} = {pct:.1f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+    return f"{k}/{n} = {pct:.1f}% [{100 * max(lo, 0.0):.0f}, {100 * min(hi, 1.0):.0f}]"
 
 
 def post(url, body, timeout):
