@@ -2052,14 +2052,14 @@ const LOOKED_AT: [&str; 4] = [
     "a lamp?",
 ];
 
-/// `--prefill-piece`: an escalation's full prefill computed a few rows per prefill turn
+/// `--prefill-piece`: an escalation's full prefill computed 16 rows per prefill turn
 /// answers as in one turn, token for token and with the same logprobs (the cache is the one
 /// pass's), and full recompute's answer; it takes more turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_escalation_in_pieces_answers_as_in_one() -> TestResult {
     let mut servers = Vec::new();
     let mut dirs = Vec::new();
-    for piece in [0, 3] {
+    for piece in [0, 16] {
         let dir = tempfile::tempdir()?;
         let mut p = pipeline(dir.path())?;
         Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
