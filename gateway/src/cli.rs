@@ -314,11 +314,9 @@ pub fn load_served_target(m: &ModelArgs) -> anyhow::Result<crate::target::Target
             .set_attention(attention)
             .with_context(|| format!("--device-attention {}", attention.name()))?;
     }
-    model.set_hot_chunks(m.device_hot_chunks);
-    model.set_chunk_tier(
-        target_engine::device::ChunkTier::Pinned,
-        m.device_pinned_chunks,
-    );
+    use target_engine::device::ChunkTier;
+    model.set_chunk_tier(ChunkTier::Device, m.device_hot_chunks);
+    model.set_chunk_tier(ChunkTier::Pinned, m.device_pinned_chunks);
     crate::process::release_free_memory();
     spinner.finish_and_clear();
     Ok(crate::target::Target::Device(Arc::new(model)))

@@ -465,15 +465,8 @@ impl Pipeline {
             }
             None => {
                 drop(reused);
-                let room = prompt.len() + q.max_tokens;
-                let first = target_engine::prefill_pieces(0..prompt.len())[0].end;
-                let (mut cache, logits) =
-                    target_engine::in_prefill_turn(|| target.prefill_into(&prompt[..first], room))?;
-                let logits = if first < prompt.len() {
-                    prefill_in_pieces(target, &mut cache, prompt, first)?
-                } else {
-                    logits
-                };
+                let mut cache = target.empty_cache(prompt.len() + q.max_tokens)?;
+                let logits = prefill_in_pieces(target, &mut cache, prompt, 0)?;
                 report.full_prefill_ms = ms(t);
                 self.contexts.keep(key, &cache, &logits);
                 (cache, logits)
