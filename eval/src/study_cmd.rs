@@ -80,6 +80,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
         confirm_gap: args.guard_confirm_gap,
         look: args.guard_look,
         look_cost: args.guard_look_cost,
+        look_answers: None,
     };
     Ok(pipeline)
 }

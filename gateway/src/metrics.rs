@@ -167,7 +167,8 @@ fn describe_guard() {
         GUARD_SECOND_LOOK,
         "Second looks the guard took at a doubted token (more chunk tokens \
          recomputed, the answer so far decoded again), by outcome: kept (the same \
-         tokens chosen again, decoding went on from that cache) or escalated; skipped: \
+         tokens chosen again, decoding went on from that cache), answered (it chose \
+         otherwise and answered: --guard-look-answers) or escalated; skipped: \
          looks not taken because an escalation after one was estimated to cost more \
          than --guard-look-cost times full recompute's prefill."
     );
@@ -220,6 +221,7 @@ impl Metrics {
                 let outcome = match (g.second_look_skipped, g.escalated) {
                     (true, _) => "skipped",
                     (false, true) => "escalated",
+                    (false, false) if g.second_look_answered => "answered",
                     (false, false) => "kept",
                 };
                 metrics::counter!(GUARD_SECOND_LOOK, "outcome" => outcome).increment(1);

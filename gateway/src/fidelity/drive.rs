@@ -58,10 +58,12 @@ struct FirstDecode<'a> {
 }
 
 /// Tokens a decode must choose again before the guard watches the rest (a second look's),
-/// and where it records that one was not.
+/// and where it records that one was not; `look`: the decode is a second look that answers
+/// ([`GuardPolicy::look_answers`](super::GuardPolicy::look_answers)), held to that gap.
 struct MustAgree<'a> {
     ids: &'a [u32],
     disagreed: &'a mut bool,
+    look: bool,
 }
 
 /// What the guard's second look needs of the blend: its cache and the drafter, the prompt,
@@ -325,37 +327,45 @@ impl Pipeline {
             ..*report
         };
         *cache = out.cache;
-        // The client holds `sent`: the same tokens give the same text, which is not sent again.
-        let mut skip = sent.len();
-        let mut forward = |p: Piece<'_>| match p {
-            Piece::Token(t) if skip > 0 => {
-                let n = t.len().min(skip);
-                skip -= n;
-                match t.get(n..) {
-                    Some("") => true,
-                    Some(rest) => on_piece(Piece::Token(rest)),
-                    None => on_piece(Piece::Token(t)),
-                }
-            }
-            p => on_piece(p),
-        };
+        // The client holds `sent`: text the look decodes again is not sent twice, and text it
+        // decodes otherwise replaces what the client holds.
+        let mut held = Resync::new(sent);
+        let mut forward = |p: Piece<'_>| held.forward(p, on_piece);
         let mut disagreed = false;
         let from = Decoding {
             cache,
             logits: out.logits,
             drafter,
         };
+        // A look that answers is held to its own gap, not to the first decode's tokens.
+        let answers = self.guard.look_answers.is_some();
         let agree = MustAgree {
-            ids: &first.ids,
+            ids: if answers { &[] } else { &first.ids },
             disagreed: &mut disagreed,
+            look: answers,
         };
-        let (g, spec, text) = self.decode_watched_as(on, from, report, agree, &mut forward)?;
+        let (g, spec, _) = self.decode_watched_as(on, from, report, agree, &mut forward)?;
         if disagreed {
             report.escalated = true;
             report.uncertain = true;
             return Ok((first.clone(), sent.to_string(), spec, ready));
         }
-        Ok((g, text, spec, ready))
+        let parted = first
+            .ids
+            .iter()
+            .zip(&g.ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if answers && parted == first.ids.len() {
+            report.second_look_gap = g.margins.get(parted.saturating_sub(1)).copied();
+        }
+        if !report.escalated && parted < first.ids.len() {
+            report.second_look_answered = true;
+            report.withdrawn_tokens = first.ids.len() - parted;
+            // The client may hold more of the first decode's text than the look's answer.
+            held.finish(on_piece);
+        }
+        Ok((g, held.held, spec, ready))
     }
 
     /// [`Pipeline::decode_from`] under the fidelity guard (not for full recompute, which
@@ -373,6 +383,7 @@ impl Pipeline {
         let agree = MustAgree {
             ids: &[],
             disagreed: &mut disagreed,
+            look: false,
         };
         self.decode_watched_as(on, from, report, agree, on_piece)
     }
@@ -393,6 +404,7 @@ impl Pipeline {
         let MustAgree {
             ids: agree,
             disagreed,
+            look,
         } = must;
         let guarded = q.guarded();
         let detector = target_engine::LoopDetector::default();
@@ -411,7 +423,12 @@ impl Pipeline {
                 return *disagreed;
             }
             looped = guarded && detector.fires(ids);
-            uncertain = guarded && policy.doubts(q.method, ids.len(), gap);
+            uncertain = guarded
+                && if look {
+                    policy.doubts_look(ids.len(), gap)
+                } else {
+                    policy.doubts(q.method, ids.len(), gap)
+                };
             looped || uncertain
         };
         let mut sent = String::new();
@@ -548,6 +565,53 @@ impl Pipeline {
     }
 }
 
+/// The text a client holds, kept in step with a decode that says it again, or otherwise: a
+/// second look's. Text the client holds already is not sent again; text that extends it is
+/// sent as a token; text that parts from it replaces it.
+struct Resync {
+    /// What the client holds.
+    held: String,
+    /// What the decode has said so far.
+    said: String,
+}
+
+impl Resync {
+    fn new(held: &str) -> Self {
+        Self {
+            held: held.to_string(),
+            said: String::new(),
+        }
+    }
+
+    /// The decode's piece `p`, passed on as what the client lacks; false where the client
+    /// cancelled.
+    fn forward(&mut self, p: Piece<'_>, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> bool {
+        match p {
+            Piece::Token(t) => self.said.push_str(t),
+            Piece::Replace(t) => t.clone_into(&mut self.said),
+            p => return on_piece(p),
+        }
+        if self.held.starts_with(&self.said) {
+            return true;
+        }
+        self.finish(on_piece)
+    }
+
+    /// Sends what the client lacks of the decode's text, or the text itself where the client
+    /// holds other text (more of it included).
+    fn finish(&mut self, on_piece: &mut dyn FnMut(Piece<'_>) -> bool) -> bool {
+        if self.said == self.held {
+            return true;
+        }
+        let ok = match self.said.strip_prefix(self.held.as_str()) {
+            Some(rest) => on_piece(Piece::Token(rest)),
+            None => on_piece(Piece::Replace(&self.said)),
+        };
+        self.held.clone_from(&self.said);
+        ok
+    }
+}
+
 /// The full prefill of `prompt` over `cache`, whose rows `0..start` hold what a prefill
 /// computes: the rows after them in the pieces the batcher asks for
 /// ([`target_engine::prefill_pieces`]), each in a prefill turn of its own, so a request
@@ -568,4 +632,47 @@ fn prefill_in_pieces<E: Backend>(
         })?;
     }
     Ok(logits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the client is sent for each piece a look decodes, from text it holds already.
+    fn sent_for(held: &str, said: &[&str]) -> (Vec<String>, String) {
+        let mut out = Vec::new();
+        let mut r = Resync::new(held);
+        let mut record = |p: Piece<'_>| {
+            out.push(match p {
+                Piece::Token(t) => format!("token {t}"),
+                Piece::Replace(t) => format!("replace {t}"),
+                _ => "other".to_string(),
+            });
+            true
+        };
+        for t in said {
+            assert!(r.forward(Piece::Token(t), &mut record));
+        }
+        r.finish(&mut record);
+        (out, r.held)
+    }
+
+    #[test]
+    fn a_look_sends_only_what_the_client_lacks_and_replaces_what_parts() {
+        // Said again, then more: only the rest is sent.
+        let (out, held) = sent_for("The old", &["The", " old", " show"]);
+        assert_eq!(out, ["token  show"]);
+        assert_eq!(held, "The old show");
+        // Parted within the held text: the look's text replaces it, and goes on as tokens.
+        let (out, held) = sent_for("The old", &["The", " new", " one"]);
+        assert_eq!(out, ["replace The new", "token  one"]);
+        assert_eq!(held, "The new one");
+        // Ended short of what the client holds: replaced at the end.
+        let (out, held) = sent_for("The old show", &["The"]);
+        assert_eq!(out, ["replace The"]);
+        assert_eq!(held, "The");
+        // The same text: nothing sent.
+        let (out, _) = sent_for("Naples", &["N", "aples"]);
+        assert!(out.is_empty(), "{out:?}");
+    }
 }

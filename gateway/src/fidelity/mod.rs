@@ -10,7 +10,8 @@
 //! first gets a second look ([`GuardPolicy::second_look`]): a share more of the chunk tokens
 //! recomputed and the answer decoded again from that cache; where it chooses the same
 //! tokens (the doubted one by at least [`GuardPolicy::confirm_gap`]), decoding goes on from
-//! it, still guarded. When a loop is seen, or the second look chooses otherwise or doubts again,
+//! it, still guarded; with [`GuardPolicy::look_answers`] set, the look's own tokens answer,
+//! each held to that gap. When a loop is seen, or the second look chooses otherwise or doubts again,
 //! the full prefill of the same prompt is computed, the tokens decoded so far are checked
 //! against it, the agreeing prefix is kept and decoding goes on from the full cache, so the
 //! answer is the full-recompute answer and the user never sees a loop full recompute would
@@ -112,6 +113,11 @@ pub struct GuardReport {
     /// chose another token first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub second_look_gap: Option<f32>,
+    /// The second look chose other tokens than the first decode and the answer is the
+    /// look's (`--guard-look-answers`); the first decode's tokens after the two parted are
+    /// counted in `withdrawn_tokens`.
+    #[serde(default)]
+    pub second_look_answered: bool,
     /// The request moved to the full cache (its answer is full recompute's).
     pub escalated: bool,
     /// Tokens decoded from the reused cache that the full cache agreed with and were kept.
@@ -155,6 +161,14 @@ pub struct GuardPolicy {
     /// full recompute's prefill of the same prompt ([`LookCost::after_look`]); where the
     /// estimate is higher, a doubted token escalates at once instead of taking the look.
     pub look_cost: f64,
+    /// Where set, a second look answers: its decode replaces the first's (the client's text
+    /// replaced where it differs), each of its tokens held to this top-2 gap instead of
+    /// the margin, and the request escalates only where one falls under it (or loops). A
+    /// look recomputes more of the chunk tokens than the first decode had, so where the two
+    /// choose differently the look is nearer full recompute. `None` (the default): the
+    /// look must choose the first decode's tokens ([`GuardPolicy::confirm_gap`]) or the
+    /// request escalates.
+    pub look_answers: Option<f32>,
 }
 
 /// What a request has spent and would spend, in its own prefill's rate, should the guard's
@@ -284,6 +298,7 @@ impl Default for GuardPolicy {
             confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
             look: LookRows::default(),
             look_cost: DEFAULT_GUARD_LOOK_COST,
+            look_answers: None,
         }
     }
 }
@@ -298,6 +313,14 @@ impl GuardPolicy {
     /// top-2 gap `gap`, is too uncertain to keep decoding from the reused cache.
     pub fn doubts(&self, method: crate::method::Method, n: usize, gap: f32) -> bool {
         n <= self.horizon && gap < self.margin_for(method)
+    }
+
+    /// Whether the `n`th token (1-based) a second look that answers
+    /// ([`GuardPolicy::look_answers`]) decoded, chosen with top-2 gap `gap`, sends the
+    /// request to the full cache.
+    pub fn doubts_look(&self, n: usize, gap: f32) -> bool {
+        self.look_answers
+            .is_some_and(|keep| n <= self.horizon && gap < keep)
     }
 
     /// Whether a second look that chose the doubted token again, by top-2 gap `gap`, keeps
@@ -345,6 +368,7 @@ mod tests {
             confirm_gap: 0.0,
             look: LookRows::Ranked,
             look_cost: DEFAULT_GUARD_LOOK_COST,
+            look_answers: None,
         };
         assert!(p.doubts(m, 1, 1.0));
         assert!(p.doubts(m, 4, 1.49));
@@ -361,8 +385,17 @@ mod tests {
             confirm_gap: 0.0,
             look: LookRows::Ranked,
             look_cost: DEFAULT_GUARD_LOOK_COST,
+            look_answers: None,
         };
         assert!(!off.doubts(m, 1, 0.0));
+        assert!(!p.doubts_look(1, 0.0), "no look answers unless asked");
+        let answers = GuardPolicy {
+            look_answers: Some(0.1),
+            ..p
+        };
+        assert!(answers.doubts_look(1, 0.09));
+        assert!(!answers.doubts_look(1, 0.1));
+        assert!(!answers.doubts_look(5, 0.0), "beyond the horizon");
     }
 
     #[test]

@@ -411,6 +411,13 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_LOOK_COST", value_parser = parse_cost,
           default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_COST)]
     pub guard_look_cost: f64,
+    /// Let a second look answer: its decode replaces the first decode's (the text the
+    /// client holds replaced where they part), each of its tokens held to this top-2 logit
+    /// gap instead of --guard-margin; the request escalates only where one falls under it.
+    /// Unset (the default): the look must choose the first decode's tokens, else the
+    /// request escalates.
+    #[arg(long, env = "SPECRAG_GUARD_LOOK_ANSWERS", value_parser = parse_margin)]
+    pub guard_look_answers: Option<f32>,
 }
 
 impl GuardArgs {
@@ -423,6 +430,7 @@ impl GuardArgs {
             confirm_gap: self.guard_confirm_gap,
             look: self.guard_look,
             look_cost: self.guard_look_cost,
+            look_answers: self.guard_look_answers,
         }
     }
 }
