@@ -78,7 +78,8 @@ def document(j, title, text, title_apart):
 
 
 # What each record keeps of `reuse.guard` (docs/fidelity-guard.md, *The knob*).
-GUARD_KEPT = ("min_margin", "margin", "uncertain", "loop_detected", "second_look_gap", "second_look_skipped", "withdrawn_tokens", "kept_tokens")
+GUARD_KEPT = ("min_margin", "margin", "uncertain", "loop_detected", "second_look_gap", "second_look_skipped",
+              "second_look_answered", "second_look_tokens", "withdrawn_tokens", "kept_tokens")
 
 
 def collection_of(qid):
@@ -123,6 +124,10 @@ def report(results, label):
     print(f"confident splits: {share(conf, n)}")
     worst = max((r["total_ratio"] or 0 for r in esc), default=0)
     print(f"escalated: {share(len(esc), n)}; worst escalation {worst:.2f}x")
+    looks = [r for r in results if r.get("second_look")]
+    if looks:
+        answered = sum(bool(r.get("guard", {}).get("second_look_answered")) for r in looks)
+        print(f"second looks: {len(looks)} of {n}; answered by the look (parted from the first decode): {answered}")
     timed = [r for r in results if r.get("total_ratio") is not None]
     if timed:
         print(
@@ -251,6 +256,41 @@ def measure(a, row, full=None):
     }
 
 
+def replay_look(low_path, high_path, margins, keeps):
+    """A look that answers, replayed from two unguarded runs over the same questions (no
+    model runs): a question whose answer at the lower ratio (`low_path`) has a token chosen by
+    a top-2 gap under the margin is answered as at the higher ratio (`high_path`), unless a
+    token there is chosen by less than `keep`, where it escalates (full recompute's answer)."""
+
+    def load(path):
+        with opener(path) as f:
+            return {r["id"]: r for r in (json.loads(line) for line in f if line.strip())}
+
+    low, high = load(low_path), load(high_path)
+    ids = [i for i in low if i in high]
+    least = lambda r: min((g for g in r["default_gaps"] if g is not None), default=math.inf)  # noqa: E731
+    print(f"{len(ids)} questions: {low_path} looking at {high_path}")
+    for margin in margins:
+        for keep in keeps:
+            same = near = looks = esc = 0
+            for i in ids:
+                r = low[i]
+                if least(r) < margin:
+                    looks += 1
+                    r = high[i]
+                    if least(r) < keep:
+                        esc += 1
+                        same += 1
+                        continue
+                same += r["identical"]
+                near += r["class"] == "near_tie"
+            n = len(ids)
+            print(
+                f"margin {margin} keep {keep}: identical {share(same, n)}, or near tie "
+                f"{share(same + near, n)}; looks {looks}, escalated {share(esc, n)}"
+            )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8080")
@@ -287,7 +327,19 @@ def main():
     ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
     ap.add_argument("--out", help="one JSON line per question")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument(
+        "--replay-look",
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="replay a look that answers from two unguarded runs' records (--unguarded-only at two "
+        "ratios), at each --look-margin and --look-keep, asking nothing",
+    )
+    ap.add_argument("--look-margin", type=float, nargs="+", default=[0.3, 0.5, 0.75])
+    ap.add_argument("--look-keep", type=float, nargs="+", default=[0.0, 0.05, 0.1])
     a = ap.parse_args()
+    if a.replay_look:
+        replay_look(*a.replay_look, a.look_margin, a.look_keep)
+        return
     a.unguarded = a.unguarded or a.unguarded_only
     if a.records:
         for path in a.records:
