@@ -23,11 +23,13 @@ specrag how many requests the guard escalated; one JSON line per request goes to
     python3 scripts/compare_llama_server.py \
         --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
         [--clients 1,4] [--threads 2] [--engines specrag,llama-server] [--max-batch 4] \
-        [--prefill-piece 0,256]
+        [--prefill-piece 0,256] [--serve-args '' '--ratio 0.35']
 
 `--max-batch 1,4` runs specrag once per value (`specrag serve --max-batch N`, engines named
 `specrag/bN`): batching against one request at a time in the same run; `--prefill-piece
-0,256` likewise (`specrag/pN`): an escalation's full prefill in one turn or in pieces. With
+0,256` likewise (`specrag/pN`): an escalation's full prefill in one turn or in pieces;
+`--serve-args '' '--ratio 0.35'` any `specrag serve` settings (`specrag/<arguments>`,
+`specrag/defaults` for ''). With
 `--engines specrag` no llama-server is needed (`--llama-server` may be left out; the
 questions are warmed without llama.cpp's token ids).
 
@@ -141,13 +143,14 @@ class Server:
 
 
 class Specrag(Server):
-    def __init__(self, exe, data, port, threads, max_batch=None, piece=None):
+    def __init__(self, exe, data, port, threads, max_batch=None, piece=None, extra=()):
         self.exe, self.data, self.port, self.threads, self.proc = exe, data, port, threads, None
-        self.max_batch, self.piece = max_batch, piece
+        self.max_batch, self.piece, self.extra = max_batch, piece, list(extra)
 
     def start(self):
         batch = [] if self.max_batch is None else ["--max-batch", str(self.max_batch)]
         batch += [] if self.piece is None else ["--prefill-piece", str(self.piece)]
+        batch += self.extra
         self.launch([self.exe, "serve", "--data", self.data, "--addr", f"127.0.0.1:{self.port}"] + batch,
                     os.path.join(self.data, "..", "specrag-serve.log"),
                     dict(os.environ, RAYON_NUM_THREADS=str(self.threads)))
@@ -251,6 +254,13 @@ def main():
     ap.add_argument(
         "--prefill-piece", default="", help="specrag serve --prefill-piece values, comma-separated"
     )
+    ap.add_argument(
+        "--serve-args",
+        nargs="+",
+        default=[],
+        help="one specrag variant per value, each the `specrag serve` arguments it adds "
+        "(quoted; '' for none), named specrag/<arguments>",
+    )
     a = ap.parse_args()
     with_llama = "llama-server" in a.engines.split(",")
     if with_llama and not a.llama_server:
@@ -292,13 +302,18 @@ def main():
     engines = a.engines.split(",")
     batches = [int(x) for x in a.max_batch.split(",") if x]
     pieces = [int(x) for x in a.prefill_piece.split(",") if x]
-    if len(batches) > 1 and len(pieces) > 1:
-        ap.error("vary --max-batch or --prefill-piece, not both")
+    if sum(len(v) > 1 for v in (batches, pieces, a.serve_args)) > 1:
+        ap.error("vary one of --max-batch, --prefill-piece and --serve-args")
     specs = [("specrag", spec)]
     if len(batches) > 1:
         specs = [(f"specrag/b{b}", Specrag(exe, data, a.port, a.threads, b)) for b in batches]
     elif len(pieces) > 1:
         specs = [(f"specrag/p{p}", Specrag(exe, data, a.port, a.threads, None, p)) for p in pieces]
+    elif a.serve_args:
+        specs = [
+            (f"specrag/{x.strip() or 'defaults'}", Specrag(exe, data, a.port, a.threads, extra=x.split()))
+            for x in a.serve_args
+        ]
     for _, s_ in specs:
         s_.max_batch = s_.max_batch if len(batches) != 1 else batches[0]
         s_.piece = s_.piece if len(pieces) != 1 else pieces[0]
@@ -365,16 +380,15 @@ def main():
                       f"({v['requests_per_min'] / b['requests_per_min']:.2f}x), mean decode batch "
                       f"{v.get('decode_steps', 0) / max(v.get('decode_passes', 0), 1):.2f} vs "
                       f"{b.get('decode_steps', 0) / max(b.get('decode_passes', 0), 1):.2f}")
-            pair = [next((s for s in summary if s["engine"] == e and s["max_tokens"] == mt and s["clients"] == cl), None)
-                    for e in ("specrag", "llama-server")]
-            if None in pair:
-                continue
-            sp, ll = pair
-            print(f"{mt:>4} tokens, {cl} clients: TTFT p50 {sp['ttft_p50_s']:.1f} s vs {ll['ttft_p50_s']:.1f} s "
-                  f"({sp['ttft_p50_s'] / ll['ttft_p50_s']:.2f}x), requests/min {sp['requests_per_min']:.2f} vs "
-                  f"{ll['requests_per_min']:.2f} ({sp['requests_per_min'] / ll['requests_per_min']:.2f}x), "
-                  f"escalated {sp['escalated']}/{sp['requests']}")
-
+            here = [s for s in summary if s["max_tokens"] == mt and s["clients"] == cl]
+            ll = next((s for s in here if s["engine"] == "llama-server"), None)
+            for sp in (s for s in here if s["engine"].startswith("specrag") and ll):
+                print(f"{mt:>4} tokens, {cl} clients: {sp['engine']}: TTFT p50 {sp['ttft_p50_s']:.1f} s vs "
+                      f"{ll['ttft_p50_s']:.1f} s ({sp['ttft_p50_s'] / ll['ttft_p50_s']:.2f}x), p95 "
+                      f"{sp['ttft_p95_s']:.1f} vs {ll['ttft_p95_s']:.1f} s ({sp['ttft_p95_s'] / ll['ttft_p95_s']:.2f}x), "
+                      f"requests/min {sp['requests_per_min']:.2f} vs {ll['requests_per_min']:.2f} "
+                      f"({sp['requests_per_min'] / ll['requests_per_min']:.2f}x), "
+                      f"escalated {sp['escalated']}/{sp['requests']}")
 
 if __name__ == "__main__":
     main()
