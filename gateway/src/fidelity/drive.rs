@@ -291,8 +291,12 @@ impl Pipeline {
     /// (`look.sent`) is not sent twice. Where every one is chosen again, decoding goes on
     /// from there and `report.escalated` is cleared; where one is not, the request escalates
     /// with the first decode's tokens and text; where the guard stops the decode later, with
-    /// this one's.
-    /// Returns the generation and text to go on with, and when the recompute was done.
+    /// this one's. A look that answers ([`GuardPolicy::look_answers`]) is not held to the first
+    /// decode's tokens: its own go on, each held to that gap, and where they part from the
+    /// first decode's the client's text is replaced (`Resync`).
+    /// Returns the generation and the text the client holds, and when the recompute was done.
+    ///
+    /// [`GuardPolicy::look_answers`]: super::GuardPolicy::look_answers
     fn second_look<E: Backend>(
         &self,
         on: On<'_, E>,
