@@ -122,7 +122,7 @@ pub enum Piece<'a> {
     /// The last `n` drafted tokens were wrong and are withdrawn (verification).
     Retract(usize),
     /// The text streamed so far is replaced by this text, and the answer goes on from it (the
-    /// fidelity guard moved the request to the full cache).
+    /// fidelity guard moved the request to the full cache, or to a second look that answers).
     Replace(&'a str),
 }
 
