@@ -163,9 +163,10 @@ pub struct GuardPolicy {
     pub look_cost: f64,
     /// Where set, a second look answers: its decode replaces the first's (the client's text
     /// replaced where it differs), each of its tokens held to this top-2 gap instead of
-    /// the margin, and the request escalates only where one falls under it (or loops). A
-    /// look recomputes more of the chunk tokens than the first decode had, so where the two
-    /// choose differently the look is nearer full recompute. `None` (the default): the
+    /// the margin, and the request escalates only where one falls under it (or loops). The
+    /// look recomputes more chunk tokens than the first decode had, but over the cache the
+    /// first blend left: on CacheBlend's 2WikiMultihopQA it escalated half as often and kept
+    /// fewer of full recompute's answers (docs/evaluation.md). `None` (the default): the
     /// look must choose the first decode's tokens ([`GuardPolicy::confirm_gap`]) or the
     /// request escalates.
     pub look_answers: Option<f32>,
