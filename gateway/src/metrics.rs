@@ -260,8 +260,9 @@ impl Metrics {
                 describe_gauge!(BATCH_SEATED, "Requests decoding now.");
                 describe_counter!(
                     PREFILL_TURNS,
-                    "Prefill turns given: a request's first prefill, a second look, each piece \
-                     of an escalation's full prefill (--prefill-piece)."
+                    "Prefill turns given, by what they were for: a request's first prefill, \
+                     the guard's second look, or an escalation's full prefill (a turn each \
+                     piece: --prefill-piece)."
                 );
             });
         }
@@ -348,7 +349,14 @@ impl Metrics {
                 metrics::counter!(BATCH_PASSES).absolute(s.passes);
                 metrics::counter!(BATCH_STEPS).absolute(s.steps);
                 metrics::gauge!(BATCH_SEATED).set(s.seated as f64);
-                metrics::counter!(PREFILL_TURNS).absolute(s.prefill_turns);
+                let first = s.prefill_turns - s.look_turns - s.escalation_turns;
+                for (kind, n) in [
+                    ("first", first),
+                    ("look", s.look_turns),
+                    ("escalation", s.escalation_turns),
+                ] {
+                    metrics::counter!(PREFILL_TURNS, "kind" => kind).absolute(n);
+                }
             }
         });
         self.handle.render()

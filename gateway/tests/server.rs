@@ -2106,12 +2106,21 @@ async fn an_escalation_in_pieces_answers_as_in_one() -> TestResult {
         let full: Value = serde_json::from_str(&full)?;
         assert_eq!(pieces["answer"], full["answer"], "{q}");
     }
+    // No look: the turns are first prefills' and escalations', more of these in pieces.
     let mut turns = Vec::new();
     for s in &servers {
         let (_, text, _) = send(s, Request::get("/metrics").body(Body::empty())?).await;
-        turns.push(sample(&text, "specrag_prefill_turns_total").ok_or("no turns")?);
+        let kind = |k: &str| {
+            sample(
+                &text,
+                &format!("specrag_prefill_turns_total{{kind=\"{k}\"}}"),
+            )
+        };
+        assert_eq!(kind("look"), Some(0.0), "{text}");
+        assert!(kind("first").is_some_and(|n| n > 0.0), "{text}");
+        turns.push(kind("escalation").ok_or("no turns")?);
     }
-    assert!(turns[1] > turns[0], "{turns:?}");
+    assert!(turns[0] > 0.0 && turns[1] > turns[0], "{turns:?}");
     Ok(())
 }
 
@@ -2261,6 +2270,11 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
     let (_, text, _) = send(&first, Request::get("/metrics").body(Body::empty())?).await;
     let looks = "specrag_guard_second_looks_total{outcome=\"kept\"}";
     assert_eq!(sample(&text, looks), Some(f64::from(2 * kept)), "{text}");
+    // Each look took a prefill turn of its kind.
+    let n = |name: &str| sample(&text, name).unwrap_or(0.0);
+    let all = n(looks) + n("specrag_guard_second_looks_total{outcome=\"escalated\"}");
+    let turns = sample(&text, "specrag_prefill_turns_total{kind=\"look\"}");
+    assert_eq!(turns, Some(all), "{text}");
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
     argmax, with_batcher, Architecture, DecodeBatcher, EngineError, GenerateParams, KvCache,
-    LoadOptions, Model,
+    LoadOptions, Model, TurnKind,
 };
 
 /// A tiny model loaded as the server loads one (the default options: a one-row step on the
@@ -347,7 +347,7 @@ fn prefill_work_begun_while_decoding_waits_its_turn_and_gives_it_back() {
     held.wait();
     let t = std::time::Instant::now();
     let waited = with_batcher(Some(Arc::clone(&batcher)), || {
-        target_engine::in_prefill_turn(|| Ok(t.elapsed())).expect("its turn")
+        target_engine::in_prefill_turn(TurnKind::Escalation, || Ok(t.elapsed())).expect("its turn")
     });
     assert!(
         waited >= Duration::from_millis(250),
@@ -359,7 +359,10 @@ fn prefill_work_begun_while_decoding_waits_its_turn_and_gives_it_back() {
     with_batcher(Some(Arc::clone(&batcher)), || batcher.take_turn()).expect("a turn");
     assert!(t.elapsed() < Duration::from_millis(200));
     // Without a batcher it runs at once.
-    assert_eq!(target_engine::in_prefill_turn(|| Ok(7)).expect("runs"), 7);
+    assert_eq!(
+        target_engine::in_prefill_turn(TurnKind::Escalation, || Ok(7)).expect("runs"),
+        7
+    );
 }
 
 #[test]
@@ -393,7 +396,8 @@ fn a_decoding_request_waiting_for_a_prefill_turn_holds_no_other_request_up() {
                 if !waited {
                     waited = true;
                     h.wait();
-                    target_engine::in_prefill_turn(|| Ok(())).expect("its turn");
+                    target_engine::in_prefill_turn(TurnKind::Escalation, || Ok(()))
+                        .expect("its turn");
                 }
                 false
             })
@@ -456,8 +460,10 @@ fn prefill_work_in_pieces_takes_a_turn_a_piece_and_computes_the_one_pass() {
         let before = b.stats().prefill_turns;
         let mut logits = Vec::new();
         for piece in &pieces {
-            logits = in_prefill_turn(|| m.prefill_from(&mut cache, &ids[..piece.end], piece.start))
-                .expect("piece");
+            logits = in_prefill_turn(TurnKind::Escalation, || {
+                m.prefill_from(&mut cache, &ids[..piece.end], piece.start)
+            })
+            .expect("piece");
         }
         assert_eq!(b.stats().prefill_turns - before, pieces.len() as u64);
         let cuts: Vec<usize> = pieces.iter().map(|p| p.start).collect();

@@ -11,7 +11,7 @@ use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
 use std::time::Instant;
 use target_engine::{
     Assembly, BlendOutput, Drafter, Flow, Generation, Shown, SpecDecodeStats as SpecStats,
-    TextStream, VerifyEvent,
+    TextStream, TurnKind, VerifyEvent,
 };
 
 /// What the guarded decode starts from: the blend's output, the leading rows of its cache a
@@ -317,7 +317,7 @@ impl Pipeline {
         let mut blended = std::mem::replace(cache, target.placeholder());
         target.truncate_cache(&mut blended, asm.ids.len());
         // Prefill work: after the prefills waiting, not beside one (`--max-batch`).
-        let out = target_engine::in_prefill_turn(|| {
+        let out = target_engine::in_prefill_turn(TurnKind::Look, || {
             target_engine::blend_on(target, asm, blended, extra)
         })?;
         let ready = Instant::now();
@@ -631,7 +631,7 @@ fn prefill_in_pieces<E: Backend>(
 ) -> Result<Vec<f32>> {
     let mut logits = Vec::new();
     for piece in target_engine::prefill_pieces(start..prompt.len()) {
-        logits = target_engine::in_prefill_turn(|| {
+        logits = target_engine::in_prefill_turn(TurnKind::Escalation, || {
             target.prefill_from(cache, &prompt[..piece.end], piece.start)
         })?;
     }

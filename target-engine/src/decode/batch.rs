@@ -22,8 +22,8 @@
 //! a request's steps go through it where it is the batcher of that request's engine.
 //!
 //! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
-//! in the batcher's [`PrefillOrder`]: first come first served, or first prefills before the
-//! guard's later prefill work) before its model work and gives it up when it starts decoding
+//! in the batcher's [`PrefillOrder`]: by default first prefills and the guard's looks before
+//! its escalations) before its model work and gives it up when it starts decoding
 //! (or ends), so one prefill at a time shares the cores with the batched decode passes. Four
 //! prefills side by side would each take four times as long and every first token would come
 //! late; in turn, the first comes after one prefill.
@@ -93,6 +93,10 @@ pub struct BatchStats {
     /// Prefill turns given (a request's first prefill, a second look, each piece of an
     /// escalation's full prefill).
     pub prefill_turns: u64,
+    /// Of those, turns for the guard's second looks ([`TurnKind::Look`]).
+    pub look_turns: u64,
+    /// Of those, turns for escalations' full prefills ([`TurnKind::Escalation`]).
+    pub escalation_turns: u64,
 }
 
 /// A batcher as a thread installs it ([`with_batcher`]), whatever its engine: seats, prefill
@@ -157,6 +161,11 @@ where
                 .0;
         }
         st.stats.prefill_turns += 1;
+        match kind {
+            TurnKind::First => {}
+            TurnKind::Look => st.stats.look_turns += 1,
+            TurnKind::Escalation => st.stats.escalation_turns += 1,
+        }
         Ok(())
     }
 
@@ -549,17 +558,17 @@ pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize
 }
 
 /// Runs `f`, prefill work begun while decoding (the guard's second look or its escalation's
-/// full prefill), in a prefill turn of this thread's batcher, so it runs after the prefills
-/// already waiting rather than beside one; a decoding request steps aside meanwhile, so the
-/// others' passes do not wait for it. Without a batcher, or with a turn held already, runs `f`
-/// at once.
-pub fn in_prefill_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+/// full prefill), in a prefill turn of `kind` at this thread's batcher, so it runs after the
+/// prefills already waiting (as the batcher's [`PrefillOrder`] orders `kind`) rather than
+/// beside one; a decoding request steps aside meanwhile, so the others' passes do not wait
+/// for it. Without a batcher, or with a turn held already, runs `f` at once.
+pub fn in_prefill_turn<R>(kind: TurnKind, f: impl FnOnce() -> Result<R>) -> Result<R> {
     let held = TURN.with(|t| t.borrow().is_some());
     match installed() {
         Some(b) if !held => {
             let _aside =
                 (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
-            take_turn_at(&b, TurnKind::Later)?;
+            take_turn_at(&b, kind)?;
             let out = f();
             end_turn();
             out
