@@ -170,6 +170,7 @@ class Specrag(Server):
         done = next(d for n, d in events if n == "done")
         return {"ttft_s": first, "total_s": total, "tokens": done["tokens"],
                 "escalated": done["reuse"]["guard"]["escalated"], "answer": done["answer"],
+                "second_look": done["reuse"]["guard"].get("second_look", False),
                 "server_ttft_ms": done["timings"]["ttft_ms"]}
 
 
