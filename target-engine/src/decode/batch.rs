@@ -111,9 +111,10 @@ pub trait Batching: Send + Sync + std::fmt::Debug {
     fn take_seat(&self);
     /// Counts one request fewer as decoding (a pass's leader need not wait for it).
     fn leave_seat(&self);
-    /// Waits for a prefill turn for work of `kind`; [`EngineError::Stopped`] when the thread's
-    /// stop condition says so meanwhile.
-    fn wait_turn(&self, kind: TurnKind) -> Result<()>;
+    /// Waits for a prefill turn for work of `kind` whose earlier turns were overtaken
+    /// `overtaken` times; how often it was overtaken in all, once the turn is held.
+    /// [`EngineError::Stopped`] when the thread's stop condition says so meanwhile.
+    fn wait_turn(&self, kind: TurnKind, overtaken: u32) -> Result<u32>;
     /// Passes the turn on to the next ticket not given up.
     fn pass_turn(&self);
     /// What the batcher has done so far.
@@ -145,10 +146,13 @@ where
         self.wake.notify_all();
     }
 
-    fn wait_turn(&self, kind: TurnKind) -> Result<()> {
+    fn wait_turn(&self, kind: TurnKind, overtaken: u32) -> Result<u32> {
         let mut st = self.lock();
-        let ticket = st.turns.enqueue(kind);
-        while !st.turns.try_take(ticket, self.order) {
+        let ticket = st.turns.enqueue(kind, overtaken);
+        let overtaken = loop {
+            if let Some(n) = st.turns.try_take(ticket, self.order) {
+                break n;
+            }
             if crate::stop::check().is_err() {
                 st.turns.drop_ticket(ticket);
                 self.wake.notify_all();
@@ -159,14 +163,14 @@ where
                 .wait_timeout(st, TURN_POLL)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-        }
+        };
         st.stats.prefill_turns += 1;
         match kind {
             TurnKind::First => {}
             TurnKind::Look => st.stats.look_turns += 1,
             TurnKind::Escalation => st.stats.escalation_turns += 1,
         }
-        Ok(())
+        Ok(overtaken)
     }
 
     fn pass_turn(&self) {
@@ -186,9 +190,15 @@ where
 /// Takes a prefill turn at `batcher` for this thread (held until it starts decoding or its
 /// [`with_batcher`] scope ends).
 pub fn take_turn_at(batcher: &Arc<dyn Batching>, kind: TurnKind) -> Result<()> {
-    batcher.wait_turn(kind)?;
+    take_turn_after(batcher, kind, 0).map(|_| ())
+}
+
+/// [`take_turn_at`] for work whose earlier turns were overtaken `overtaken` times; how often
+/// it was overtaken in all.
+fn take_turn_after(batcher: &Arc<dyn Batching>, kind: TurnKind, overtaken: u32) -> Result<u32> {
+    let n = batcher.wait_turn(kind, overtaken)?;
     TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(batcher))));
-    Ok(())
+    Ok(n)
 }
 
 #[derive(Debug)]
@@ -563,12 +573,24 @@ pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize
 /// beside one; a decoding request steps aside meanwhile, so the others' passes do not wait
 /// for it. Without a batcher, or with a turn held already, runs `f` at once.
 pub fn in_prefill_turn<R>(kind: TurnKind, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    in_prefill_turn_of(kind, &mut 0, f)
+}
+
+/// [`in_prefill_turn`] for one of several turns of the same work (the pieces of an
+/// escalation's full prefill: [`prefill_pieces`]): `overtaken` carries how often its turns
+/// were overtaken so far, so the work in all, not each turn, is overtaken at most
+/// [`MAX_OVERTAKEN`] times.
+pub fn in_prefill_turn_of<R>(
+    kind: TurnKind,
+    overtaken: &mut u32,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
     let held = TURN.with(|t| t.borrow().is_some());
     match installed() {
         Some(b) if !held => {
             let _aside =
                 (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
-            take_turn_at(&b, kind)?;
+            *overtaken = take_turn_after(&b, kind, *overtaken)?;
             let out = f();
             end_turn();
             out

@@ -100,26 +100,26 @@ pub(crate) struct Turns {
 }
 
 impl Turns {
-    /// A ticket for a turn of `kind`, waiting.
-    pub(crate) fn enqueue(&mut self, kind: TurnKind) -> u64 {
+    /// A ticket for a turn of `kind`, waiting, counted as overtaken `overtaken` times
+    /// already (by the earlier turns of the same work).
+    pub(crate) fn enqueue(&mut self, kind: TurnKind, overtaken: u32) -> u64 {
         let ticket = self.next;
         self.next += 1;
         self.waiting.push(Waiting {
             ticket,
             kind,
-            overtaken: 0,
+            overtaken,
         });
         ticket
     }
 
-    /// Gives `ticket` the turn if nobody holds one and it is next in `order`; true once it
-    /// holds it.
-    pub(crate) fn try_take(&mut self, ticket: u64, order: PrefillOrder) -> bool {
+    /// Gives `ticket` the turn if nobody holds one and it is next in `order`; once it holds
+    /// it, how often it was overtaken in all.
+    pub(crate) fn try_take(&mut self, ticket: u64, order: PrefillOrder) -> Option<u32> {
         if self.holder.is_some() || self.next_in_line(order) != Some(ticket) {
-            return false;
+            return None;
         }
-        let at = self.waiting.iter().position(|w| w.ticket == ticket);
-        let Some(at) = at else { return false };
+        let at = self.waiting.iter().position(|w| w.ticket == ticket)?;
         let taken = self.waiting.remove(at);
         if order.urgent(taken.kind) {
             // Work it went ahead of was overtaken once more.
@@ -130,7 +130,7 @@ impl Turns {
             }
         }
         self.holder = Some(ticket);
-        true
+        Some(taken.overtaken)
     }
 
     /// The ticket whose turn comes next.
@@ -172,13 +172,13 @@ mod tests {
     /// Grants in order: each step, whoever may take the turn takes it and gives it up.
     fn grants(queue: &[TurnKind], order: PrefillOrder) -> Vec<u64> {
         let mut t = Turns::default();
-        let tickets: Vec<u64> = queue.iter().map(|&k| t.enqueue(k)).collect();
+        let tickets: Vec<u64> = queue.iter().map(|&k| t.enqueue(k, 0)).collect();
         let mut out = Vec::new();
         while out.len() < tickets.len() {
             let go = tickets
                 .iter()
                 .copied()
-                .find(|&k| !out.contains(&k) && t.try_take(k, order))
+                .find(|&k| !out.contains(&k) && t.try_take(k, order).is_some())
                 .expect("someone may go");
             out.push(go);
             t.release();
@@ -205,14 +205,15 @@ mod tests {
             [1, 2, 0, 3, 5, 4]
         );
         let mut t = Turns::default();
-        let (a, b) = (t.enqueue(F), t.enqueue(F));
-        assert!(
-            !t.try_take(b, PrefillOrder::FirstPrefillsFirst),
+        let (a, b) = (t.enqueue(F, 0), t.enqueue(F, 0));
+        assert_eq!(
+            t.try_take(b, PrefillOrder::FirstPrefillsFirst),
+            None,
             "not its turn yet"
         );
         t.drop_ticket(a);
-        assert!(t.try_take(b, PrefillOrder::FirstPrefillsFirst));
-        assert!(!t.try_take(b, PrefillOrder::Fifo), "held");
+        assert_eq!(t.try_take(b, PrefillOrder::FirstPrefillsFirst), Some(0));
+        assert_eq!(t.try_take(b, PrefillOrder::Fifo), None, "held");
         assert_eq!("fifo".parse(), Ok(PrefillOrder::Fifo));
         assert_eq!("short-first".parse(), Ok(PrefillOrder::ShortFirst));
         assert!("lifo"
@@ -244,5 +245,34 @@ mod tests {
             [2, 0, 1, 3, 4]
         );
         assert_eq!(grants(&[L, K, F], PrefillOrder::Fifo), [0, 1, 2]);
+    }
+
+    #[test]
+    fn the_turns_of_one_work_are_overtaken_at_most_twice_in_all() {
+        use TurnKind::{Escalation as L, First as F};
+        let order = PrefillOrder::ShortFirst;
+        let mut t = Turns::default();
+        // An escalation's first piece waits while two first prefills arrive: both go first.
+        let piece = t.enqueue(L, 0);
+        let (f1, f2) = (t.enqueue(F, 0), t.enqueue(F, 0));
+        assert_eq!(t.try_take(f1, order), Some(0));
+        t.release();
+        assert_eq!(t.try_take(f2, order), Some(0));
+        t.release();
+        assert_eq!(t.try_take(piece, order), Some(2), "overtaken twice");
+        t.release();
+        // Its next piece carries the count: a first prefill arriving behind it waits.
+        let next = t.enqueue(L, 2);
+        let f3 = t.enqueue(F, 0);
+        assert_eq!(t.try_take(f3, order), None, "the work was overtaken enough");
+        assert_eq!(t.try_take(next, order), Some(2));
+        t.release();
+        assert_eq!(t.try_take(f3, order), Some(0));
+        // A fresh piece would have let it go first.
+        t.release();
+        let fresh = t.enqueue(L, 0);
+        let f4 = t.enqueue(F, 0);
+        assert_eq!(t.try_take(fresh, order), None);
+        assert_eq!(t.try_take(f4, order), Some(0));
     }
 }
