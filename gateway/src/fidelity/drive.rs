@@ -620,7 +620,7 @@ impl Resync {
 /// computes: the rows after them in the pieces the batcher asks for
 /// ([`target_engine::prefill_pieces`]), each in a prefill turn of its own, so a request
 /// waiting for its first prefill goes between them rather than after the whole (twice at
-/// most, over all the pieces). A row does
+/// most, over all the pieces; an escalation begun later waits for all of them). A row does
 /// not depend on where a pass began, so the cache is the one pass's (bit for bit on the CPU
 /// engine: `an_escalation_in_pieces_answers_as_in_one` in gateway/tests/server.rs). Returns
 /// the last row's logits.
@@ -631,10 +631,10 @@ fn prefill_in_pieces<E: Backend>(
     start: usize,
 ) -> Result<Vec<f32>> {
     let mut logits = Vec::new();
-    // The pieces are overtaken at most twice in all, not each.
-    let mut overtaken = 0;
+    // The pieces are overtaken at most twice in all, not each, and keep the first's place.
+    let mut work = target_engine::WorkTurns::default();
     for piece in target_engine::prefill_pieces(start..prompt.len()) {
-        logits = target_engine::in_prefill_turn_of(TurnKind::Escalation, &mut overtaken, || {
+        logits = target_engine::in_prefill_turn_of(TurnKind::Escalation, &mut work, || {
             target.prefill_from(cache, &prompt[..piece.end], piece.start)
         })?;
     }

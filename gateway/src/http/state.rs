@@ -58,8 +58,11 @@ impl ServerConfig {
 /// Default of [`ServerConfig::max_batch`]: four requests decode 2.1-2.6x the tokens/s of one
 /// on 2 CPU cores (docs/performance.md, *Requests batched*).
 pub const DEFAULT_MAX_BATCH: usize = 4;
-/// Default of [`ServerConfig::prefill_piece`] (0: an escalation's full prefill in one turn).
-pub const DEFAULT_PREFILL_PIECE: usize = 0;
+/// Default of [`ServerConfig::prefill_piece`]: an escalation's full prefill 256 rows a turn,
+/// enough rows for the CPU engine's many-row kernels, few enough that a first prefill waits
+/// seconds, not a whole full prefill, on 2 cores (docs/performance.md, *Against
+/// llama-server*). 0 computes it in one turn.
+pub const DEFAULT_PREFILL_PIECE: usize = 256;
 /// Default of [`ServerConfig::max_request_tokens`]: about 15 minutes of precompute for
 /// Qwen-0.5B on 2 cores.
 pub const DEFAULT_MAX_REQUEST_TOKENS: usize = 64 * 1024;

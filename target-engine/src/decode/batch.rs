@@ -36,7 +36,7 @@ use std::any::Any;
 use std::cell::RefCell;
 
 use super::turns::Turns;
-pub use super::turns::{PrefillOrder, TurnKind, MAX_OVERTAKEN};
+pub use super::turns::{PrefillOrder, TurnKind, WorkTurns, MAX_OVERTAKEN};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -111,10 +111,10 @@ pub trait Batching: Send + Sync + std::fmt::Debug {
     fn take_seat(&self);
     /// Counts one request fewer as decoding (a pass's leader need not wait for it).
     fn leave_seat(&self);
-    /// Waits for a prefill turn for work of `kind` whose earlier turns were overtaken
-    /// `overtaken` times; how often it was overtaken in all, once the turn is held.
-    /// [`EngineError::Stopped`] when the thread's stop condition says so meanwhile.
-    fn wait_turn(&self, kind: TurnKind, overtaken: u32) -> Result<u32>;
+    /// Waits for a prefill turn for work of `kind` whose earlier turns left `work`; what its
+    /// next turn carries, once the turn is held. [`EngineError::Stopped`] when the thread's
+    /// stop condition says so meanwhile.
+    fn wait_turn(&self, kind: TurnKind, work: WorkTurns) -> Result<WorkTurns>;
     /// Passes the turn on to the next ticket not given up.
     fn pass_turn(&self);
     /// What the batcher has done so far.
@@ -146,10 +146,10 @@ where
         self.wake.notify_all();
     }
 
-    fn wait_turn(&self, kind: TurnKind, overtaken: u32) -> Result<u32> {
+    fn wait_turn(&self, kind: TurnKind, work: WorkTurns) -> Result<WorkTurns> {
         let mut st = self.lock();
-        let ticket = st.turns.enqueue(kind, overtaken);
-        let overtaken = loop {
+        let ticket = st.turns.enqueue(kind, work);
+        let work = loop {
             if let Some(n) = st.turns.try_take(ticket, self.order) {
                 break n;
             }
@@ -170,7 +170,7 @@ where
             TurnKind::Look => st.stats.look_turns += 1,
             TurnKind::Escalation => st.stats.escalation_turns += 1,
         }
-        Ok(overtaken)
+        Ok(work)
     }
 
     fn pass_turn(&self) {
@@ -190,15 +190,18 @@ where
 /// Takes a prefill turn at `batcher` for this thread (held until it starts decoding or its
 /// [`with_batcher`] scope ends).
 pub fn take_turn_at(batcher: &Arc<dyn Batching>, kind: TurnKind) -> Result<()> {
-    take_turn_after(batcher, kind, 0).map(|_| ())
+    take_turn_after(batcher, kind, WorkTurns::default()).map(|_| ())
 }
 
-/// [`take_turn_at`] for work whose earlier turns were overtaken `overtaken` times; how often
-/// it was overtaken in all.
-fn take_turn_after(batcher: &Arc<dyn Batching>, kind: TurnKind, overtaken: u32) -> Result<u32> {
-    let n = batcher.wait_turn(kind, overtaken)?;
+/// [`take_turn_at`] for work whose earlier turns left `work`; what its next turn carries.
+fn take_turn_after(
+    batcher: &Arc<dyn Batching>,
+    kind: TurnKind,
+    work: WorkTurns,
+) -> Result<WorkTurns> {
+    let next = batcher.wait_turn(kind, work)?;
     TURN.with(|t| t.borrow_mut().replace(Turn(Arc::clone(batcher))));
-    Ok(n)
+    Ok(next)
 }
 
 #[derive(Debug)]
@@ -573,16 +576,18 @@ pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize
 /// beside one; a decoding request steps aside meanwhile, so the others' passes do not wait
 /// for it. Without a batcher, or with a turn held already, runs `f` at once.
 pub fn in_prefill_turn<R>(kind: TurnKind, f: impl FnOnce() -> Result<R>) -> Result<R> {
-    in_prefill_turn_of(kind, &mut 0, f)
+    in_prefill_turn_of(kind, &mut WorkTurns::default(), f)
 }
 
 /// [`in_prefill_turn`] for one of several turns of the same work (the pieces of an
-/// escalation's full prefill: [`prefill_pieces`]): `overtaken` carries how often its turns
-/// were overtaken so far, so the work in all, not each turn, is overtaken at most
-/// [`MAX_OVERTAKEN`] times.
+/// escalation's full prefill: [`prefill_pieces`]): `work` carries how often its turns were
+/// overtaken so far, so the work in all, not each turn, is overtaken at most
+/// [`MAX_OVERTAKEN`] times, and the place in line of its first turn, which each later one
+/// keeps (work begun after it does not go between its pieces unless the order puts it
+/// first).
 pub fn in_prefill_turn_of<R>(
     kind: TurnKind,
-    overtaken: &mut u32,
+    work: &mut WorkTurns,
     f: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
     let held = TURN.with(|t| t.borrow().is_some());
@@ -590,7 +595,7 @@ pub fn in_prefill_turn_of<R>(
         Some(b) if !held => {
             let _aside =
                 (SEATED.with(std::cell::Cell::get) > 0).then(|| StepAside::new(Arc::clone(&b)));
-            *overtaken = take_turn_after(&b, kind, *overtaken)?;
+            *work = take_turn_after(&b, kind, *work)?;
             let out = f();
             end_turn();
             out

@@ -112,20 +112,21 @@ pub struct ServeArgs {
     /// tokens/s of one on 2 cores: docs/performance.md). 1 answers one at a time.
     #[arg(long, env = "SPECRAG_MAX_BATCH", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
-    /// The order prefills take turns in: `short-first` (a request's first prefill and the
-    /// fidelity guard's second looks before its escalations' full prefills, each overtaken at
-    /// most twice), `first` (first prefills before looks and escalations) or `fifo` (first
-    /// come, first served). With four clients on 2 cores, `short-first` and `first` had a
-    /// quarter to a third lower median time to first token than `fifo`, at the same 95th
-    /// percentile and requests/min (docs/performance.md).
-    #[arg(long, env = "SPECRAG_PREFILL_ORDER", default_value = "short-first")]
+    /// The order prefills take turns in: `first` (a request's first prefill before the
+    /// fidelity guard's second looks and escalations, each overtaken at most twice),
+    /// `short-first` (first prefills and second looks before escalations) or `fifo` (first
+    /// come, first served). With four clients on 2 cores and escalations in pieces, `first`
+    /// had the lowest median time to first token at the same 95th percentile
+    /// (docs/performance.md).
+    #[arg(long, env = "SPECRAG_PREFILL_ORDER", default_value = "first")]
     pub prefill_order: target_engine::PrefillOrder,
     /// Rows of the fidelity guard's full prefill (an escalation) computed per prefill turn:
     /// a request waiting for its first prefill goes between two pieces instead of after the
-    /// whole, twice at most over all the pieces (256 with `--prefill-order first` and four
-    /// clients on 2 cores: 0.45x llama-server's median time to first token where the default
-    /// had 0.80x, a longer tail; docs/performance.md). 0 computes it in one turn. The cache is
-    /// the same either way.
+    /// whole, twice at most over all the pieces, and the pieces keep their place ahead of
+    /// work begun after them. 0 computes it in one turn: with four clients on 2 cores, a
+    /// median time to first token 0.97x llama-server's where pieces of 256 with `first` had
+    /// 0.66x, the 95th percentiles 0.64x and 0.71x (docs/performance.md). The cache is the
+    /// same either way.
     #[arg(long, env = "SPECRAG_PREFILL_PIECE", default_value_t = gateway::http::DEFAULT_PREFILL_PIECE)]
     pub prefill_piece: usize,
     /// Seconds a request may take (waiting included) before it is answered 504 (1..=86400).
