@@ -351,11 +351,11 @@ impl Metrics {
                 metrics::gauge!(BATCH_SEATED).set(s.seated as f64);
                 let first = s.prefill_turns - s.look_turns - s.escalation_turns;
                 for (kind, n) in [
-                    ("first", first),
-                    ("look", s.look_turns),
-                    ("escalation", s.escalation_turns),
+                    (target_engine::TurnKind::First, first),
+                    (target_engine::TurnKind::Look, s.look_turns),
+                    (target_engine::TurnKind::Escalation, s.escalation_turns),
                 ] {
-                    metrics::counter!(PREFILL_TURNS, "kind" => kind).absolute(n);
+                    metrics::counter!(PREFILL_TURNS, "kind" => kind.name()).absolute(n);
                 }
             }
         });

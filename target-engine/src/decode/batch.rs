@@ -22,8 +22,8 @@
 //! a request's steps go through it where it is the batcher of that request's engine.
 //!
 //! Prefills take turns: a request thread waits for its turn ([`DecodeBatcher::take_turn`],
-//! in the batcher's [`PrefillOrder`]: by default first prefills and the guard's looks before
-//! its escalations) before its model work and gives it up when it starts decoding
+//! in the batcher's [`PrefillOrder`]: by default first prefills before the guard's looks and
+//! escalations) before its model work and gives it up when it starts decoding
 //! (or ends), so one prefill at a time shares the cores with the batched decode passes. Four
 //! prefills side by side would each take four times as long and every first token would come
 //! late; in turn, the first comes after one prefill.
