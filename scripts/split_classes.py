@@ -212,7 +212,7 @@ def measure(a, row, full=None):
     earlier full recompute of it, is used instead of asking again; then no time ratio is paired."""
     coll = collection_of(row["_id"])
     docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
-    post(f"{a.url}/documents", {"collection": coll, "documents": docs}, a.timeout)
+    post(f"{a.url}/documents", {"collection": coll, "documents": docs, "kv": a.kv}, a.timeout)
     ask = {
         "query": f"{row['input'].strip()} {a.instruction}",
         "collection": coll,
@@ -326,6 +326,13 @@ def main():
     )
     ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
     ap.add_argument("--out", help="one JSON line per question")
+    ap.add_argument(
+        "--kv",
+        choices=["eager", "lazy"],
+        default="eager",
+        help="how the passages are ingested (`lazy`: a chunk's KV is computed at its first "
+        "retrieval, the same rows, for half the ingestion with top 5 of 10)",
+    )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument(
         "--replay-look",
