@@ -7,7 +7,7 @@
 use crate::selectors::{Ablation, Oracle, Random};
 use gateway::pipeline::{Method as Served, SelectorInputs};
 use serde::{Deserialize, Serialize};
-use target_engine::Selector;
+use target_engine::{Selector, TargetProbe};
 
 /// A method the evaluation runs: a served one, or one of its own.
 #[derive(
@@ -61,6 +61,9 @@ pub enum Method {
     /// deviation its recomputed tokens showed.
     ProbeShift,
     TargetProbeShift,
+    /// `target_probe_shift` spending its budget in two rounds: half where the question
+    /// attends over the reused cache, the rest where a second probe over that blend attends.
+    ProbeShiftTwice,
     /// Upper bound from a full prefill ([`Oracle`]).
     Oracle,
     /// Seeded uniform choice ([`Random`]).
@@ -69,7 +72,7 @@ pub enum Method {
 
 impl Method {
     /// Every method, in the order reports list them.
-    pub const ALL: [Method; 22] = [
+    pub const ALL: [Method; 23] = [
         Method::FullRecompute,
         Method::FullReuse,
         Method::Prefix,
@@ -90,6 +93,7 @@ impl Method {
         Method::ProbeShallow,
         Method::ProbeShift,
         Method::TargetProbeShift,
+        Method::ProbeShiftTwice,
         Method::Oracle,
         Method::Random,
     ];
@@ -143,6 +147,11 @@ impl Method {
             Self::ProbeDeep => ablation(Ablation::Deep),
             Self::ProbeShallow => ablation(Ablation::Shallow),
             Self::ProbeShift => ablation(Ablation::Shift),
+            Self::ProbeShiftTwice => Some(Box::new(TargetProbe {
+                shift: true,
+                first_round: 0.5,
+                ..TargetProbe::default()
+            })),
             Self::Oracle => Some(Box::new(Oracle)),
             Self::Random => Some(Box::new(Random { seed })),
             _ => None,
@@ -160,7 +169,7 @@ impl Method {
 }
 
 /// Each method's name, in declaration order (the order of [`Method::ALL`]).
-const NAMES: [&str; 22] = [
+const NAMES: [&str; 23] = [
     "full_recompute",
     "full_reuse",
     "prefix",
@@ -181,6 +190,7 @@ const NAMES: [&str; 22] = [
     "probe_shallow",
     "probe_shift",
     "target_probe_shift",
+    "probe_shift_twice",
     "oracle",
     "random",
 ];

@@ -5,8 +5,9 @@ use target_engine::testing::{
     family_specs, load_tiny, prefill_in_pieces, TinyRag, TinySpec, TINY_DOCS,
 };
 use target_engine::{
-    budget, top_k, Architecture, CacheBlend, ChunkKv, Epic, FullRecompute, FullReuse, Model,
-    PrefixCaching, RagTemplate, SelectInput, Selector, ShiftRule, TargetProbe,
+    blend_shift, budget, layer_span, ranked_rest, top_k, Architecture, CacheBlend, ChunkKv, Engine,
+    Epic, FullRecompute, FullReuse, Model, PrefixCaching, RagTemplate, SelectInput, Selector,
+    ShiftRule, TargetProbe,
 };
 
 fn tiny(arch: Architecture) -> (tempfile::TempDir, Model) {
@@ -452,6 +453,14 @@ fn budgeted_selectors_spend_rho_of_all_chunk_tokens_on_inexact_rows_only() {
                 ..TargetProbe::default()
             }),
         ),
+        (
+            "target_probe_shift in two rounds",
+            Box::new(TargetProbe {
+                shift: true,
+                first_round: 0.5,
+                ..TargetProbe::default()
+            }),
+        ),
     ];
     for (name, sel) in &selectors {
         let out = sel.prefill(&input).expect(name);
@@ -487,6 +496,13 @@ fn the_probe_at_ratio_one_equals_full_prefill() {
         Box::new(TargetProbe::default()),
         Box::new(TargetProbe {
             shift: true,
+            ..TargetProbe::default()
+        }),
+        // Two rounds would leave the first round's rows computed over stale ones: at ρ = 1
+        // every row is recomputed in one.
+        Box::new(TargetProbe {
+            shift: true,
+            first_round: 0.5,
             ..TargetProbe::default()
         }),
     ];
@@ -702,4 +718,67 @@ fn a_constant_deviation_per_chunk_and_layer_is_removed_by_one_pick_per_chunk() {
     };
     let (mean, sim) = (rule(ShiftRule::Mean), rule(ShiftRule::Similar));
     assert!(max_diff(&mean.logits, &sim.logits) > 1e-4);
+}
+
+/// `target_probe_shift` in two rounds is what it says: target_probe's top half of the budget
+/// blended with the shift, then a second probe over that cache, whose top picks among the rest
+/// are blended over it; the logits are that second blend's, the look's reserve the rest in the
+/// second probe's order, and one round's picks differ from the union.
+#[test]
+fn two_rounds_spend_half_the_budget_then_probe_again_over_the_blend() {
+    let (_d, m) = tiny(Architecture::Qwen2);
+    let s = setup(&m);
+    let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
+    let input = SelectInput::new(&m, &s.asm, &s.prefix, &refs, 0.3);
+    let (k, cands) = (input.spend(), input.candidates());
+    let probe = |first_round| TargetProbe {
+        shift: true,
+        first_round,
+        ..TargetProbe::default()
+    };
+    let two = probe(0.5).prefill(&input).expect("two rounds");
+    // By hand: round one, the second probe, round two.
+    let first_probe = probe(0.5).probe(&input).expect("probe");
+    let sc = &first_probe.scores;
+    let k1 = (k as f64 * 0.5).round() as usize;
+    let first = top_k(&s.asm, &cands, |p| sc.score(p), k1, 0);
+    let one = blend_shift(
+        &m,
+        &s.asm,
+        first_probe.cache,
+        &cands,
+        &first,
+        ShiftRule::Similar,
+    )
+    .expect("round one");
+    let mut cache = one.cache;
+    let rest: Vec<usize> = cands
+        .iter()
+        .copied()
+        .filter(|p| !first.contains(p))
+        .collect();
+    let q_pos = s.asm.question_positions();
+    let q_ids: Vec<u32> = q_pos.iter().map(|&p| s.asm.ids[p]).collect();
+    let layers = layer_span(&m, 0.5, 1.0);
+    let mass = m
+        .probe(&q_ids, &q_pos, &mut cache, layers)
+        .expect("probe again");
+    let score = |p: usize| mass.get(p).copied().unwrap_or(0.0);
+    let second = top_k(&s.asm, &rest, score, k - k1, 0);
+    let by_hand =
+        blend_shift(&m, &s.asm, cache, &rest, &second, ShiftRule::Similar).expect("round two");
+    let mut union = [first.clone(), second.clone()].concat();
+    union.sort_unstable();
+    assert_eq!(two.recomputed, union);
+    assert_eq!(two.recomputed.len(), k);
+    assert_eq!(two.logits, by_hand.logits, "the second round's logits");
+    assert_eq!(
+        two.reserve,
+        ranked_rest(&rest, &second, score),
+        "the look's reserve: the rest as the second probe ranks it"
+    );
+    // The second probe moved: one round's picks are not the two rounds'.
+    let single = probe(1.0).prefill(&input).expect("one round");
+    assert_eq!(single.recomputed.len(), k);
+    assert_ne!(single.recomputed, two.recomputed);
 }

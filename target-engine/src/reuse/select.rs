@@ -151,7 +151,9 @@ pub struct CacheBlend {
 /// Query-aware selection at the cost of one question pass: the question runs over the fused
 /// (reused) cache, and the chunk tokens its deep layers attend to most are recomputed.
 /// `window` > 0 recomputes `window` tokens on each side of every pick (within its chunk)
-/// instead of scattered tokens.
+/// instead of scattered tokens. With `first_round` < 1 the budget is spent in two rounds:
+/// that share of it as above, then the question probes again over the cache those picks left
+/// and the rest goes where it attends now.
 #[derive(Debug, Clone, Copy)]
 pub struct TargetProbe {
     /// First probed layer as a fraction of the depth (0.5: the deeper half).
@@ -164,6 +166,14 @@ pub struct TargetProbe {
     /// picks whose keys they resemble were moved by recomputing
     /// ([`Blend::blend_prefill_shift`] with [`ShiftRule::Similar`]).
     pub shift: bool,
+    /// The share of the budget picked by the first probe (1: one round). The rest is picked
+    /// by a second probe over the cache the first round's blend left, and recomputed over it:
+    /// where the first picks' fresh rows move the question's attention (a second hop of a
+    /// multi-hop question), the rest follows. Costs a probe and a pass of the question rows
+    /// more than one round, the same chunk rows. Measurement-only (the evaluation's
+    /// `probe_shift_twice`): it answered as full recompute no more often than one round on
+    /// questions it was not chosen on (docs/evaluation.md), so the served methods use 1.
+    pub first_round: f64,
 }
 impl Default for CacheBlend {
     fn default() -> Self {
@@ -181,6 +191,7 @@ impl Default for TargetProbe {
             to_depth: 1.0,
             window: 0,
             shift: false,
+            first_round: 1.0,
         }
     }
 }
@@ -384,6 +395,23 @@ impl ProbeScores {
 }
 
 impl TargetProbe {
+    /// One round's blended prefill over `cache`: `picked` recomputed, and with `shift` the
+    /// rest of `candidates` moved as the picks they resemble.
+    fn blend<E: Engine>(
+        &self,
+        model: &E,
+        asm: &Assembly,
+        cache: E::Cache,
+        candidates: &[usize],
+        picked: &[usize],
+    ) -> Result<BlendOutput<E::Cache>> {
+        if self.shift {
+            blend_shift(model, asm, cache, candidates, picked, ShiftRule::Similar)
+        } else {
+            blend_on(model, asm, cache, picked)
+        }
+    }
+
     /// The fused cache of `input` and the question's attention mass over it at the probed
     /// layers (no pass when the budget is 0).
     pub fn probe<E: Engine>(&self, input: &SelectInput<'_, E>) -> Result<Probe<E::Cache>> {
@@ -419,18 +447,55 @@ impl<E: Engine> Selector<E> for TargetProbe {
         let t = Instant::now();
         let (model, asm) = (input.model, input.assembly);
         let Probe { cache, scores } = self.probe(input)?;
-        let picked = match scores.k {
-            0 => Vec::new(),
-            k => top_k(asm, &scores.candidates, |p| scores.score(p), k, self.window),
-        };
-        let select_ms = t.elapsed().as_secs_f64() * 1e3;
+        let k = scores.k;
+        let first = self.first_round.clamp(0.0, 1.0);
+        let k1 = ((k as f64) * first).round() as usize;
         let candidates = &scores.candidates;
-        let out = if self.shift {
-            blend_shift(model, asm, cache, candidates, &picked, ShiftRule::Similar)?
-        } else {
-            blend_on(model, asm, cache, &picked)?
+        // One round where every candidate is recomputed: together, each row is the full
+        // prefill's (ρ = 1), where in two rounds the first would have read stale rows.
+        if k1 == 0 || k1 >= k || k >= candidates.len() || !model.rope_recovery_ok() {
+            let picked = match k {
+                0 => Vec::new(),
+                k => top_k(asm, candidates, |p| scores.score(p), k, self.window),
+            };
+            let select_ms = t.elapsed().as_secs_f64() * 1e3;
+            let out = self.blend(model, asm, cache, candidates, &picked)?;
+            return Ok(scores.annotate(out, &picked, select_ms));
+        }
+        // Two rounds: the first share of the budget where the question attends over the
+        // reused cache, then the rest where it attends over the cache that blend left.
+        let first = top_k(asm, candidates, |p| scores.score(p), k1, self.window);
+        let mut select_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut cache = self.blend(model, asm, cache, candidates, &first)?.cache;
+        let t2 = Instant::now();
+        let mut taken = vec![false; asm.ids.len()];
+        first.iter().for_each(|&p| taken[p] = true);
+        let rest: Vec<usize> = candidates.iter().copied().filter(|&p| !taken[p]).collect();
+        let layers = layer_span(model, self.from_depth, self.to_depth);
+        let q_pos = asm.question_positions();
+        let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
+        let again = ProbeScores {
+            candidates: rest,
+            mass: model.probe(&q_ids, &q_pos, &mut cache, layers)?,
+            k: k - first.len(),
         };
-        Ok(scores.annotate(out, &picked, select_ms))
+        let second = top_k(
+            asm,
+            &again.candidates,
+            |p| again.score(p),
+            again.k,
+            self.window,
+        );
+        select_ms += t2.elapsed().as_secs_f64() * 1e3;
+        let mut out = self.blend(model, asm, cache, &again.candidates, &second)?;
+        let mut picked = first;
+        picked.extend(&second);
+        picked.sort_unstable();
+        out.recomputed.clone_from(&picked);
+        let mut out = scores.annotate(out, &picked, select_ms);
+        // A look recomputes next what the question attends to over the second round's cache.
+        out.reserve = ranked_rest(&again.candidates, &second, |p| again.score(p));
+        Ok(out)
     }
 }
 
