@@ -169,8 +169,8 @@ pub struct TargetProbe {
     /// The share of the budget picked by the first probe (1: one round). The rest is picked
     /// by a second probe over the cache the first round's blend left, and recomputed over it:
     /// where the first picks' fresh rows move the question's attention (a second hop of a
-    /// multi-hop question), the rest follows. Costs a probe and a pass of the question rows
-    /// more than one round, the same chunk rows. Measurement-only (the evaluation's
+    /// multi-hop question), the rest follows. Costs a probe, a pass of the question rows and
+    /// (with `shift`) a shift of the reused rows more than one round, the same chunk rows. Measurement-only (the evaluation's
     /// `probe_shift_twice`): it answered as full recompute no more often than one round on
     /// questions it was not chosen on (docs/evaluation.md), so the served methods use 1.
     pub first_round: f64,
