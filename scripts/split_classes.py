@@ -331,7 +331,8 @@ def main():
         choices=["eager", "lazy"],
         default="eager",
         help="how the passages are ingested (`lazy`: a chunk's KV is computed at its first "
-        "retrieval, the same rows, for half the ingestion with top 5 of 10)",
+        "retrieval, the same rows, for half the ingestion with top 5 of 10; a first run's "
+        "request times then hold that precompute, so time a second run)",
     )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument(
