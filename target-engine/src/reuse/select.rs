@@ -170,9 +170,10 @@ pub struct TargetProbe {
     /// by a second probe over the cache the first round's blend left, and recomputed over it:
     /// where the first picks' fresh rows move the question's attention (a second hop of a
     /// multi-hop question), the rest follows. Costs a probe, a pass of the question rows and
-    /// (with `shift`) a shift of the reused rows more than one round, the same chunk rows. Measurement-only (the evaluation's
-    /// `probe_shift_twice`): it answered as full recompute no more often than one round on
-    /// questions it was not chosen on (docs/evaluation.md), so the served methods use 1.
+    /// (with `shift`) a shift of the reused rows more than one round, the same chunk rows.
+    /// Measurement-only (the evaluation's `probe_shift_twice`): it answered as full recompute
+    /// no more often than one round on questions it was not chosen on (docs/evaluation.md),
+    /// so the served methods use 1.
     pub first_round: f64,
 }
 impl Default for CacheBlend {
@@ -412,6 +413,19 @@ impl TargetProbe {
         }
     }
 
+    /// The question's attention mass over `cache` at the probed layers, per position.
+    fn question_mass<E: Engine>(
+        &self,
+        model: &E,
+        asm: &Assembly,
+        cache: &mut E::Cache,
+    ) -> Result<Vec<f32>> {
+        let layers = layer_span(model, self.from_depth, self.to_depth);
+        let q_pos = asm.question_positions();
+        let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
+        model.probe(&q_ids, &q_pos, cache, layers)
+    }
+
     /// The fused cache of `input` and the question's attention mass over it at the probed
     /// layers (no pass when the budget is 0).
     pub fn probe<E: Engine>(&self, input: &SelectInput<'_, E>) -> Result<Probe<E::Cache>> {
@@ -422,10 +436,7 @@ impl TargetProbe {
         let mass = if k == 0 {
             Vec::new()
         } else {
-            let layers = layer_span(model, self.from_depth, self.to_depth);
-            let q_pos = asm.question_positions();
-            let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
-            model.probe(&q_ids, &q_pos, &mut cache, layers)?
+            self.question_mass(model, asm, &mut cache)?
         };
         Ok(Probe {
             cache,
@@ -451,8 +462,9 @@ impl<E: Engine> Selector<E> for TargetProbe {
         let first = self.first_round.clamp(0.0, 1.0);
         let k1 = ((k as f64) * first).round() as usize;
         let candidates = &scores.candidates;
-        // One round where every candidate is recomputed: together, each row is the full
-        // prefill's (ρ = 1), where in two rounds the first would have read stale rows.
+        // One round unless both rounds have picks to make, and where the budget covers every
+        // candidate (ρ = 1): recomputed together, each row is the full prefill's, where the
+        // first of two rounds would have read stale rows.
         if k1 == 0 || k1 >= k || k >= candidates.len() || !model.rope_recovery_ok() {
             let picked = match k {
                 0 => Vec::new(),
@@ -471,12 +483,9 @@ impl<E: Engine> Selector<E> for TargetProbe {
         let mut taken = vec![false; asm.ids.len()];
         first.iter().for_each(|&p| taken[p] = true);
         let rest: Vec<usize> = candidates.iter().copied().filter(|&p| !taken[p]).collect();
-        let layers = layer_span(model, self.from_depth, self.to_depth);
-        let q_pos = asm.question_positions();
-        let q_ids: Vec<u32> = q_pos.iter().map(|&p| asm.ids[p]).collect();
         let again = ProbeScores {
             candidates: rest,
-            mass: model.probe(&q_ids, &q_pos, &mut cache, layers)?,
+            mass: self.question_mass(model, asm, &mut cache)?,
             k: k - first.len(),
         };
         let second = top_k(
