@@ -48,8 +48,8 @@ pub use candle_core::quantized::GgmlDType;
 pub use chat::{ChatFormat, ChatSource};
 pub use config::{Architecture, ModelConfig, SlidingWindow};
 pub use decode::batch::{
-    in_prefill_turn, in_prefill_turn_of, prefill_pieces, take_turn_at, with_batcher, BatchStats,
-    Batching, DecodeBatcher, PrefillOrder, TurnKind, WorkTurns,
+    in_first_token_turn, in_prefill_turn, in_prefill_turn_of, prefill_pieces, take_turn_at,
+    with_batcher, BatchStats, Batching, DecodeBatcher, PrefillOrder, TurnKind, WorkTurns,
 };
 pub use decode::checked::{greedy, verified_greedy, Verified};
 pub use decode::draft::{DraftLength, SpecDecodeStats};

@@ -316,10 +316,14 @@ impl Pipeline {
         let t = Instant::now();
         let mut blended = std::mem::replace(cache, target.placeholder());
         target.truncate_cache(&mut blended, asm.ids.len());
-        // Prefill work: after the prefills waiting, not beside one (`--max-batch`).
-        let out = target_engine::in_prefill_turn(TurnKind::Look, || {
-            target_engine::blend_on(target, asm, blended, extra)
-        })?;
+        // Prefill work: after the prefills waiting, not beside one (`--max-batch`); at the
+        // first token, prefill before it, where the request's first prefill stood in line.
+        let recompute = || target_engine::blend_on(target, asm, blended, extra);
+        let out = if first.ids.len() == 1 {
+            target_engine::in_first_token_turn(recompute)
+        } else {
+            target_engine::in_prefill_turn(TurnKind::Look, recompute)
+        }?;
         let ready = Instant::now();
         report.second_look = true;
         report.second_look_tokens = extra.len();

@@ -167,7 +167,7 @@ where
         st.stats.prefill_turns += 1;
         match kind {
             TurnKind::First => {}
-            TurnKind::Look => st.stats.look_turns += 1,
+            TurnKind::Look | TurnKind::FirstLook => st.stats.look_turns += 1,
             TurnKind::Escalation => st.stats.escalation_turns += 1,
         }
         Ok(work)
@@ -190,7 +190,11 @@ where
 /// Takes a prefill turn at `batcher` for this thread (held until it starts decoding or its
 /// [`with_batcher`] scope ends).
 pub fn take_turn_at(batcher: &Arc<dyn Batching>, kind: TurnKind) -> Result<()> {
-    take_turn_after(batcher, kind, WorkTurns::default()).map(|_| ())
+    let work = take_turn_after(batcher, kind, WorkTurns::default())?;
+    if kind == TurnKind::First {
+        FIRST.with(|f| f.set(Some(work)));
+    }
+    Ok(())
 }
 
 /// [`take_turn_at`] for work whose earlier turns left `work`; what its next turn carries.
@@ -487,6 +491,9 @@ thread_local! {
     static TURN: RefCell<Option<Turn>> = const { RefCell::new(None) };
     /// Seats this thread holds at its installed batcher.
     static SEATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Where this thread's request's first prefill stood in line ([`take_turn_at`] with
+    /// [`TurnKind::First`]), which a look at its first token keeps.
+    static FIRST: std::cell::Cell<Option<WorkTurns>> = const { std::cell::Cell::new(None) };
 }
 
 /// A seat this thread took at its installed batcher ([`seat`]).
@@ -524,6 +531,7 @@ struct Restore(Option<Arc<dyn Batching>>);
 impl Drop for Restore {
     fn drop(&mut self) {
         end_turn();
+        FIRST.with(|f| f.set(None));
         let prev = self.0.take();
         BATCHER.with(|b| *b.borrow_mut() = prev);
     }
@@ -577,6 +585,19 @@ pub fn prefill_pieces(rows: std::ops::Range<usize>) -> Vec<std::ops::Range<usize
 /// for it. Without a batcher, or with a turn held already, runs `f` at once.
 pub fn in_prefill_turn<R>(kind: TurnKind, f: impl FnOnce() -> Result<R>) -> Result<R> {
     in_prefill_turn_of(kind, &mut WorkTurns::default(), f)
+}
+
+/// [`in_prefill_turn`] for the guard's second look at a request's first token: prefill work
+/// before that token, as the request's first prefill was, so it goes as a first prefill does
+/// and where that prefill stood in line ([`TurnKind::FirstLook`]), ahead of requests that
+/// came after it. With four clients on 2 cores a request whose first token was doubted waited
+/// behind the first prefills of the three others for its look (docs/performance.md). A
+/// [`TurnKind::Look`] turn where this thread took no first turn.
+pub fn in_first_token_turn<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match FIRST.with(std::cell::Cell::get) {
+        Some(mut work) => in_prefill_turn_of(TurnKind::FirstLook, &mut work, f),
+        None => in_prefill_turn(TurnKind::Look, f),
+    }
 }
 
 /// [`in_prefill_turn`] for one of several turns of the same work (the pieces of an
@@ -694,4 +715,70 @@ where
 
 fn no_row() -> EngineError {
     EngineError::Internal("a batched decode step returned no row".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order in which a request's look at its first token (or, with `first_token` false,
+    /// at a later token) and two requests that came after its first prefill get their turns,
+    /// all queued while a fourth holds the turn.
+    fn turns_after_a_look(first_token: bool) -> Vec<&'static str> {
+        let b = Arc::new(DecodeBatcher::<Model>::new(4, Duration::from_millis(20)));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let took = |name: &'static str, order: &Arc<Mutex<Vec<_>>>| {
+            order.lock().expect("order").push(name);
+            Ok(())
+        };
+        with_batcher(Some(Arc::clone(&b)), || {
+            b.take_turn().expect("a turn");
+            // Decoding begins: the turn passes on.
+            end_turn();
+            let holder = {
+                let b = Arc::clone(&b);
+                std::thread::spawn(move || {
+                    with_batcher(Some(Arc::clone(&b)), || {
+                        b.take_turn().expect("a turn");
+                        std::thread::sleep(Duration::from_millis(400));
+                    })
+                })
+            };
+            std::thread::sleep(Duration::from_millis(50));
+            let later: Vec<_> = ["second", "third"]
+                .into_iter()
+                .map(|name| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let (b, order) = (Arc::clone(&b), Arc::clone(&order));
+                    std::thread::spawn(move || {
+                        with_batcher(Some(Arc::clone(&b)), || {
+                            b.take_turn().expect("a turn");
+                            took(name, &order)
+                        })
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(100));
+            if first_token {
+                in_first_token_turn(|| took("look", &order)).expect("its turn");
+            } else {
+                in_prefill_turn(TurnKind::Look, || took("look", &order)).expect("its turn");
+            }
+            for t in later {
+                t.join().expect("no panic").expect("a turn");
+            }
+            holder.join().expect("no panic");
+        });
+        Arc::try_unwrap(order)
+            .expect("every thread joined")
+            .into_inner()
+            .expect("order")
+    }
+
+    #[test]
+    fn a_look_at_the_first_token_goes_before_requests_that_came_after() {
+        assert_eq!(turns_after_a_look(true), ["look", "second", "third"]);
+        // A look at a later token waits behind first prefills (the default order).
+        assert_eq!(turns_after_a_look(false), ["second", "third", "look"]);
+    }
 }

@@ -38,7 +38,7 @@ impl PrefillOrder {
     fn urgent(self, kind: TurnKind) -> bool {
         match self {
             Self::Fifo => false,
-            Self::FirstPrefillsFirst => kind == TurnKind::First,
+            Self::FirstPrefillsFirst => matches!(kind, TurnKind::First | TurnKind::FirstLook),
             Self::ShortFirst => kind != TurnKind::Escalation,
         }
     }
@@ -70,6 +70,10 @@ pub enum TurnKind {
     First,
     /// The guard's second look: a few more chunk tokens recomputed.
     Look,
+    /// The guard's second look at a request's first token: prefill work before its first
+    /// token, as its first prefill was, so it goes as a first prefill does, in line where
+    /// that prefill stood ([`super::batch::in_first_token_turn`]).
+    FirstLook,
     /// An escalation's full prefill (or one piece of it).
     Escalation,
 }
@@ -79,7 +83,7 @@ impl TurnKind {
     pub fn name(self) -> &'static str {
         match self {
             Self::First => "first",
-            Self::Look => "look",
+            Self::Look | Self::FirstLook => "look",
             Self::Escalation => "escalation",
         }
     }
@@ -276,6 +280,54 @@ mod tests {
             [2, 0, 1, 3, 4]
         );
         assert_eq!(grants(&[L, K, F], PrefillOrder::Fifo), [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_look_at_the_first_token_goes_where_the_first_prefill_stood() {
+        use TurnKind::{Escalation as L, First as F, FirstLook as A, Look as K};
+        let new = WorkTurns::default();
+        for order in [
+            PrefillOrder::Fifo,
+            PrefillOrder::FirstPrefillsFirst,
+            PrefillOrder::ShortFirst,
+        ] {
+            let mut t = Turns::default();
+            // A request's first prefill; then two more requests, and an escalation, arrive.
+            let first = t.enqueue(F, new);
+            let work = t.try_take(first, order).expect("alone");
+            t.release();
+            let (b, later) = (t.enqueue(F, new), t.enqueue(L, new));
+            // Its look at the first token goes before all of them, in every order.
+            let look = t.enqueue(A, work);
+            assert_eq!(t.try_take(b, order), None, "{order:?}");
+            assert_eq!(t.try_take(later, order), None, "{order:?}");
+            assert!(t.try_take(look, order).is_some(), "{order:?}");
+        }
+        // A look at a later token waits behind the first prefill under `first`.
+        let mut t = Turns::default();
+        let order = PrefillOrder::FirstPrefillsFirst;
+        let first = t.enqueue(F, new);
+        t.try_take(first, order).expect("alone");
+        t.release();
+        let b = t.enqueue(F, new);
+        let look = t.enqueue(K, new);
+        assert_eq!(t.try_take(look, order), None);
+        assert!(t.try_take(b, order).is_some());
+        // Under `first` it goes ahead of an escalation begun before the request, as first
+        // prefills do (twice at most).
+        let mut t = Turns::default();
+        let old = t.enqueue(L, new);
+        let first = t.enqueue(F, new);
+        let work = t
+            .try_take(first, order)
+            .expect("a first prefill goes first");
+        t.release();
+        let look = t.enqueue(A, work);
+        assert_eq!(t.try_take(old, order), None);
+        assert!(t.try_take(look, order).is_some());
+        t.release();
+        assert!(t.try_take(old, order).is_some(), "overtaken twice");
+        assert_eq!(TurnKind::FirstLook.name(), "look");
     }
 
     #[test]
