@@ -29,7 +29,8 @@ specrag how many requests the guard escalated; one JSON line per request goes to
 `specrag/bN`): batching against one request at a time in the same run; `--prefill-piece
 0,256` likewise (`specrag/pN`): an escalation's full prefill in one turn or in pieces;
 `--serve-args '' '--ratio 0.35'` any `specrag serve` settings (`specrag/<arguments>`,
-`specrag/defaults` for ''). With
+`specrag/defaults` for ''); `--baseline PATH` another build's defaults (`specrag/baseline`),
+say the parent commit's binary, so a change is measured against what it changes. With
 `--engines specrag` no llama-server is needed (`--llama-server` may be left out; the
 questions are warmed without llama.cpp's token ids).
 
@@ -262,6 +263,18 @@ def main():
         help="one specrag variant per value, each the `specrag serve` arguments it adds "
         "(quoted; '' for none), named specrag/<arguments>",
     )
+    ap.add_argument(
+        "--baseline",
+        help="another build of `specrag` (say, the parent commit's, copied aside) run with its "
+        "defaults beside this tree's, as specrag/baseline: a change against what it changes "
+        "in one run",
+    )
+    ap.add_argument(
+        "--reverse",
+        action="store_true",
+        help="with several clients, the engines in the reverse order (alternate it between runs "
+        "of rounds, so no engine always goes first)",
+    )
     a = ap.parse_args()
     with_llama = "llama-server" in a.engines.split(",")
     if with_llama and not a.llama_server:
@@ -315,6 +328,9 @@ def main():
             (f"specrag/{x.strip() or 'defaults'}", Specrag(exe, data, a.port, a.threads, extra=x.split()))
             for x in a.serve_args
         ]
+    if a.baseline:
+        specs = [("specrag/defaults", spec)] if specs == [("specrag", spec)] else specs
+        specs.append(("specrag/baseline", Specrag(os.path.abspath(a.baseline), data, a.port, a.threads)))
     for _, s_ in specs:
         s_.max_batch = s_.max_batch if len(batches) != 1 else batches[0]
         s_.piece = s_.piece if len(pieces) != 1 else pieces[0]
@@ -343,7 +359,7 @@ def main():
             # alternating between configurations.
             rows, walls = {}, {}
             batching = {}
-            for name, engine in (pair if ci % 2 == 0 else pair[::-1]):
+            for name, engine in (pair if (ci + a.reverse) % 2 == 0 else pair[::-1]):
                 engine.start(*([] if isinstance(engine, Specrag) else [a.out]))
                 rows[name], walls[name] = run_config(engine, questions, max_tokens, clients)
                 if isinstance(engine, Specrag):
