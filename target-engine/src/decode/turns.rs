@@ -14,7 +14,8 @@ pub enum PrefillOrder {
     /// A request's first prefill goes before prefill work begun while decoding (the guard's
     /// second look, its escalation's full prefill), which a later first prefill may overtake
     /// at most [`MAX_OVERTAKEN`] times: a request waiting for its first token does not wait
-    /// behind another's escalation.
+    /// behind another's escalation. A look at a request's first token goes as its first
+    /// prefill did ([`TurnKind::FirstLook`]).
     #[default]
     FirstPrefillsFirst,
     /// Short prefill work first: a request's first prefill and the guard's second looks go

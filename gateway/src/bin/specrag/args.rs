@@ -113,7 +113,8 @@ pub struct ServeArgs {
     #[arg(long, env = "SPECRAG_MAX_BATCH", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_batch: u32,
     /// The order prefills take turns in: `first` (a request's first prefill before the
-    /// fidelity guard's second looks and escalations, each overtaken at most twice),
+    /// fidelity guard's second looks and escalations, each overtaken at most twice; a look at
+    /// a first token waits where its request's first prefill stood),
     /// `short-first` (first prefills and second looks before escalations) or `fifo` (first
     /// come, first served). With four clients on 2 cores and escalations in pieces, `first`
     /// had the lowest median time to first token at the same 95th percentile
