@@ -188,7 +188,8 @@ where
 }
 
 /// Takes a prefill turn at `batcher` for this thread (held until it starts decoding or its
-/// [`with_batcher`] scope ends).
+/// [`with_batcher`] scope ends). A [`TurnKind::First`] turn's place in line is kept for the
+/// scope, for a look at the first token ([`in_first_token_turn`]).
 pub fn take_turn_at(batcher: &Arc<dyn Batching>, kind: TurnKind) -> Result<()> {
     let work = take_turn_after(batcher, kind, WorkTurns::default())?;
     if kind == TurnKind::First {
