@@ -18,10 +18,28 @@ pub struct Timings {
     pub align_ms: f64,
     /// Blended (or full) prefill, including a baseline's own selection.
     pub prefill_ms: f64,
-    /// From the start of the request until the first token's logits are ready.
+    /// From the request's arrival (on the server: its queueing, `queue_ms` included) until
+    /// the first token's logits are ready.
     pub ttft_ms: f64,
     pub decode_ms: f64,
+    /// From the request's arrival until its answer was complete.
     pub total_ms: f64,
+    /// On the server, how long the request waited before its work began: in the queue for
+    /// a query thread, then for its first prefill turn behind the other requests' prefills
+    /// (0 where nothing else ran, and in process).
+    #[serde(default)]
+    pub queue_ms: f64,
+}
+
+impl Timings {
+    /// Counts `waited` before the request's work began: in `queue_ms`, and in the times
+    /// measured from its arrival.
+    pub fn add_wait(&mut self, waited: std::time::Duration) {
+        let ms = waited.as_secs_f64() * 1e3;
+        self.queue_ms += ms;
+        self.ttft_ms += ms;
+        self.total_ms += ms;
+    }
 }
 
 /// How much of the prompt was reused.

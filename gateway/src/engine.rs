@@ -202,7 +202,7 @@ pub fn start(
             } {
                 d.fetch_sub(1, Ordering::SeqCst);
                 metrics.queued(queued.elapsed());
-                guarded(|| engine.run(job));
+                guarded(|| engine.run(job, queued));
             }
         })
         .map_or_else(
@@ -382,7 +382,8 @@ impl Engine<'_> {
         }
     }
 
-    fn run(&mut self, job: Job) {
+    /// Runs `job`, queued at `queued`.
+    fn run(&mut self, job: Job, queued: Instant) {
         if !matches!(job, Job::Query { .. }) {
             self.workers.drain();
         }
@@ -397,7 +398,7 @@ impl Engine<'_> {
                 query,
                 deadline,
                 events,
-            } => self.workers.dispatch(query, deadline, events),
+            } => self.workers.dispatch(query, deadline, events, queued),
             Job::Delete {
                 collection,
                 id,
@@ -433,7 +434,7 @@ impl Engine<'_> {
                 } => {
                     self.depth.fetch_sub(1, Ordering::SeqCst);
                     self.metrics.queued(queued.elapsed());
-                    self.workers.dispatch(query, deadline, events);
+                    self.workers.dispatch(query, deadline, events, queued);
                 }
                 job => self.deferred.push_back((job, queued)),
             }
@@ -552,7 +553,13 @@ impl Workers {
 
     /// Runs the query on a thread of its own once one of the `max` is free (so the queue, not
     /// the threads, holds what waits).
-    fn dispatch(&self, query: Query, deadline: Instant, events: mpsc::Sender<QueryEvent>) {
+    fn dispatch(
+        &self,
+        query: Query,
+        deadline: Instant,
+        events: mpsc::Sender<QueryEvent>,
+        queued: Instant,
+    ) {
         self.wait_for_room();
         let (count, _) = &*self.running;
         *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
@@ -566,8 +573,11 @@ impl Workers {
                     run_query(
                         &pipeline,
                         &metrics,
-                        &query,
-                        deadline,
+                        Asked {
+                            query: &query,
+                            deadline,
+                            queued,
+                        },
                         &events,
                         Some(&batcher),
                     )
@@ -597,17 +607,30 @@ impl Drop for Done {
     }
 }
 
+/// A query as the engine runs it: when it must be done by and when it was queued.
+struct Asked<'a> {
+    query: &'a Query,
+    deadline: Instant,
+    queued: Instant,
+}
+
 /// Runs one query (checked when it was queued: [`EngineHandle::submit`]), reporting through
 /// `events`; a query found past its deadline is not started, and a late or abandoned one
-/// stops within one layer.
+/// stops within one layer. Its answer's times count from when it was queued: `queue_ms` is
+/// the wait in the queue and for its first prefill turn, and `ttft_ms` and `total_ms`
+/// include it, as a client measures them.
 fn run_query(
     pipeline: &Pipeline,
     metrics: &Metrics,
-    query: &Query,
-    deadline: Instant,
+    asked: Asked<'_>,
     events: &mpsc::Sender<QueryEvent>,
     turns: Option<&Arc<dyn target_engine::Batching>>,
 ) {
+    let Asked {
+        query,
+        deadline,
+        queued,
+    } = asked;
     if events.is_closed() {
         return;
     }
@@ -617,6 +640,7 @@ fn run_query(
         return;
     }
     let mut late = false;
+    let mut waited = Duration::ZERO;
     // Checked before every layer of every forward pass this query runs (its threads
     // included), so a late or abandoned query frees the engine within one layer.
     let watched = events.clone();
@@ -627,6 +651,7 @@ fn run_query(
         if let Some(b) = turns {
             target_engine::take_turn_at(b, target_engine::TurnKind::First)?;
         }
+        waited = queued.elapsed();
         pipeline.query_checked(query, &mut |piece| {
             if Instant::now() > deadline {
                 late = true;
@@ -656,7 +681,8 @@ fn run_query(
             metrics.timeout();
             QueryEvent::Failed(JobError::Deadline)
         }
-        Ok(answer) => {
+        Ok(mut answer) => {
+            answer.timings.add_wait(waited);
             metrics.answer(&answer);
             QueryEvent::Done(Box::new(answer))
         }

@@ -161,6 +161,77 @@ async fn a_request_that_fits_only_alone_waits_for_the_kv_held() -> TestResult {
     Ok(())
 }
 
+/// A request's times count from its arrival, as its client measures them: `queue_ms` is what
+/// it waited for the engine (here behind a query that holds the one query thread), and
+/// `ttft_ms` and `total_ms` include it, on the answer and in /metrics' TTFT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_times_count_its_wait_for_the_engine() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(
+        pipeline(dir.path())?,
+        ServerConfig {
+            max_batch: 1,
+            ..Default::default()
+        },
+    );
+    let body = json!({"query": "where is the antenna?", "max_tokens": 4});
+    let timings = |text: &str| -> Result<[f64; 3], Box<dyn std::error::Error>> {
+        let v: Value = serde_json::from_str(text)?;
+        let t = |k: &str| v["timings"][k].as_f64().ok_or(format!("{k} in {text}"));
+        Ok([t("queue_ms")?, t("ttft_ms")?, t("total_ms")?])
+    };
+    let (status, text, _) = send(&s, post("/rag/query", &body)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let [alone, ..] = timings(&text)?;
+
+    // Hold the one query thread on a query whose events nobody reads.
+    let (tx, rx) = tokio::sync::mpsc::channel::<QueryEvent>(1);
+    tx.send(QueryEvent::Text(String::new())).await?;
+    let held = Query {
+        query: "ant".into(),
+        max_tokens: 64,
+        ..Default::default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    s.engine
+        .submit(Job::Query {
+            query: held,
+            deadline,
+            events: tx,
+        })
+        .map_err(|_| "held job refused")?;
+    let t = Instant::now();
+    while s.engine.depth() > 0 && t.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiting = {
+        let (s, req) = (s.clone(), post("/rag/query", &body));
+        tokio::spawn(async move { send(&s, req).await })
+    };
+    let wait = Duration::from_millis(500);
+    tokio::time::sleep(wait).await;
+    drop(rx); // the held query sees its client gone and stops
+    let (status, text, _) = waiting.await?;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let [queue, ttft, total] = timings(&text)?;
+    assert!(
+        queue >= 0.8 * wait.as_secs_f64() * 1e3 && queue > alone,
+        "{text}"
+    );
+    assert!(ttft > queue && total >= ttft, "{text}");
+    let (_, metrics, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
+    let ttft_sum = metrics
+        .lines()
+        .filter(|l| l.starts_with("specrag_ttft_seconds_sum"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert!(
+        ttft_sum * 1e3 >= ttft,
+        "{ttft} ms against {ttft_sum} s: {metrics}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -187,6 +258,7 @@ async fn a_query_answers_with_chunks_timings_and_reuse_and_echoes_its_id() -> Te
         "ttft_ms",
         "decode_ms",
         "total_ms",
+        "queue_ms",
     ] {
         assert!(v["timings"][k].is_number(), "timings.{k} in {body}");
     }
