@@ -16,7 +16,8 @@ llama-server. With one client the two engines take turns, one request each, the 
 alternating, so each question's pair runs under the same machine load (a shared 2-core VM
 slows down and speeds up by 1.5-2x over minutes); with several, each engine runs all the
 questions in turn, the order alternating between configurations. Each client streams, and
-the time to the first streamed token is taken at the client (queueing included). Prints, per configuration and engine, the median and
+the time to the first streamed text that stands is taken at the client (queueing included;
+text the fidelity guard withdraws later does not count, the text that replaced it does). Prints, per configuration and engine, the median and
 95th-percentile client TTFT, requests per minute over the configuration's wall time, and for
 specrag how many requests the guard escalated; one JSON line per request goes to OUT/requests.jsonl.
 
@@ -92,7 +93,10 @@ def post_json(port, path, body, timeout=3600):
 
 
 def sse(port, path, body, timeout=3600):
-    """(seconds to the first text, the events as (name, data)) of a streamed request."""
+    """(seconds to the first text that stands, the events as (name, data), seconds in all) of a
+    streamed request. Text stands from the moment the text the client holds (drafts aside) is a
+    non-empty beginning of the final answer and stays one: a first token the fidelity guard
+    later withdraws (`replace`) does not count, the text that replaced it does."""
     t0 = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     c.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
@@ -100,7 +104,7 @@ def sse(port, path, body, timeout=3600):
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"{path}: {r.status} {r.read()[:300]!r}")
-    first, events, name = None, [], "message"
+    events, name, held, states = [], "message", "", []
     for raw in r:
         line = raw.decode("utf-8").rstrip("\r\n")
         if line.startswith("event:"):
@@ -110,14 +114,31 @@ def sse(port, path, body, timeout=3600):
             if data == "[DONE]":
                 break
             d = json.loads(data)
-            if first is None and ((name in ("token", "replace") and d.get("text"))
-                                  or (name == "message" and d.get("content"))):
-                first = time.perf_counter() - t0
+            if name in ("token", "commit"):
+                held += d.get("text", "")
+            elif name == "replace":
+                held = d.get("text", "")
+            elif name == "message":
+                held += d.get("content", "")
+            states.append((time.perf_counter() - t0, held))
             events.append((name, d))
             if name in ("done", "error") or (name == "message" and d.get("stop")):
                 break
             name = "message"
-    return first, events, time.perf_counter() - t0
+    done = next((d for n, d in events if n == "done"), None)
+    return standing(states, done["answer"] if done else held), events, time.perf_counter() - t0
+
+
+def standing(states, answer):
+    """The first of `states` ((seconds, text held)) from which every text held is a non-empty
+    beginning of `answer`; None where there is none."""
+    first = None
+    for t, held in states:
+        if held and answer.startswith(held):
+            first = t if first is None else first
+        else:
+            first = None
+    return first
 
 
 class Server:
