@@ -52,7 +52,8 @@ try:
         tokens = re.search(r"(\d+) tokens, ", stats)
         assert tokens and int(tokens.group(1)) > 0, stats
         assert p.find_elements(By.CSS_SELECTOR, ".sources li"), "no sources"
-        assert len(p.find_elements(By.CSS_SELECTOR, ".bar div")) == 5, "no TTFT bar"
+        # queued, retrieve, KV load, speculate, align, prefill
+        assert len(p.find_elements(By.CSS_SELECTOR, ".bar div")) == 6, "no TTFT bar"
         assert "TTFT" in p.find_element(By.CSS_SELECTOR, "h2 small").text
     verdict = driver.find_element(By.ID, "verdict").text
     assert "TTFT" in verdict, verdict
