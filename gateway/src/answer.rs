@@ -31,17 +31,6 @@ pub struct Timings {
     pub queue_ms: f64,
 }
 
-impl Timings {
-    /// Counts `waited` before the request's work began: in `queue_ms`, and in the times
-    /// measured from its arrival.
-    pub fn add_wait(&mut self, waited: std::time::Duration) {
-        let ms = waited.as_secs_f64() * 1e3;
-        self.queue_ms += ms;
-        self.ttft_ms += ms;
-        self.total_ms += ms;
-    }
-}
-
 /// How much of the prompt was reused.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Reuse {
@@ -114,6 +103,21 @@ pub struct Answer {
     /// position's first alternative.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+impl Answer {
+    /// Counts `waited` before the request's work began (the server's queueing): in
+    /// `timings.queue_ms`, and in every time measured from the request's arrival (time to
+    /// first token, in all, and verification's first committed token).
+    pub fn add_wait(&mut self, waited: std::time::Duration) {
+        let ms = waited.as_secs_f64() * 1e3;
+        self.timings.queue_ms += ms;
+        self.timings.ttft_ms += ms;
+        self.timings.total_ms += ms;
+        if let Some(v) = self.verify.as_mut() {
+            v.first_commit_ms += ms;
+        }
+    }
 }
 
 /// One answer token's evidence (OpenAI's `logprobs.content[]`).
@@ -225,7 +229,7 @@ pub struct VerifyStats {
     pub rounds: usize,
     /// Mean drafted tokens accepted per pass.
     pub mean_accepted: f64,
-    /// From the request's start to the first committed (final) token.
+    /// From the request's arrival to the first committed (final) token.
     pub first_commit_ms: f64,
     /// What the full prefill took (0 when the exact-context cache had it).
     pub full_prefill_ms: f64,

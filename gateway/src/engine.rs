@@ -617,8 +617,8 @@ struct Asked<'a> {
 /// Runs one query (checked when it was queued: [`EngineHandle::submit`]), reporting through
 /// `events`; a query found past its deadline is not started, and a late or abandoned one
 /// stops within one layer. Its answer's times count from when it was queued: `queue_ms` is
-/// the wait in the queue and for its first prefill turn, and `ttft_ms` and `total_ms`
-/// include it, as a client measures them.
+/// the wait in the queue and for its first prefill turn, and `ttft_ms`, `total_ms` and
+/// verification's `first_commit_ms` include it, as a client measures them.
 fn run_query(
     pipeline: &Pipeline,
     metrics: &Metrics,
@@ -682,7 +682,7 @@ fn run_query(
             QueryEvent::Failed(JobError::Deadline)
         }
         Ok(mut answer) => {
-            answer.timings.add_wait(waited);
+            answer.add_wait(waited);
             metrics.answer(&answer);
             QueryEvent::Done(Box::new(answer))
         }

@@ -163,7 +163,8 @@ async fn a_request_that_fits_only_alone_waits_for_the_kv_held() -> TestResult {
 
 /// A request's times count from its arrival, as its client measures them: `queue_ms` is what
 /// it waited for the engine (here behind a query that holds the one query thread), and
-/// `ttft_ms` and `total_ms` include it, on the answer and in /metrics' TTFT.
+/// `ttft_ms`, `total_ms` and verification's `first_commit_ms` include it, on the answer and
+/// in /metrics' TTFT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requests_times_count_its_wait_for_the_engine() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -204,8 +205,9 @@ async fn a_requests_times_count_its_wait_for_the_engine() -> TestResult {
     while s.engine.depth() > 0 && t.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let verified = json!({"query": "where is the antenna?", "max_tokens": 4, "verify": true});
     let waiting = {
-        let (s, req) = (s.clone(), post("/rag/query", &body));
+        let (s, req) = (s.clone(), post("/rag/query", &verified));
         tokio::spawn(async move { send(&s, req).await })
     };
     let wait = Duration::from_millis(500);
@@ -219,6 +221,9 @@ async fn a_requests_times_count_its_wait_for_the_engine() -> TestResult {
         "{text}"
     );
     assert!(ttft > queue && total >= ttft, "{text}");
+    let v: Value = serde_json::from_str(&text)?;
+    let first_commit = v["verify"]["first_commit_ms"].as_f64();
+    assert!(first_commit > Some(queue), "{text}");
     let (_, metrics, _) = send(&s, Request::get("/metrics").body(Body::empty())?).await;
     let ttft_sum = metrics
         .lines()
