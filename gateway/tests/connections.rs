@@ -326,6 +326,39 @@ async fn bodies_past_the_bytes_in_flight_are_answered_503_until_released() -> Te
     Ok(())
 }
 
+/// A request without a valid key is answered 401 before its body is read, on the OpenAI route
+/// too (its key check was in the handler, after the body: a client without a key could hold
+/// the bytes in flight for the body timeout), so it holds no body bytes while its connection
+/// stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_key_is_refused_before_its_body_is_read() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = server(
+        dir.path(),
+        ServerConfig {
+            max_body_bytes_in_flight: 2500,
+            api_keys: vec!["sekrit".parse()?],
+            ..Default::default()
+        },
+    )?;
+    let addr = gateway::http::spawn_loopback(s).await?;
+    for (path, shape) in [
+        ("/v1/chat/completions", "\"code\":\"invalid_api_key\""),
+        ("/rag/query", "application/problem+json"),
+    ] {
+        let mut conn = stalled_body(addr, path, 2000).await?;
+        let mut out = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut out)).await??;
+        let answer = String::from_utf8_lossy(&out[..n]).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{path}: {answer}");
+        assert!(answer.contains(shape), "{path}: {answer}");
+        // Its bytes are back while its connection is still open: another body fits.
+        wait_in_flight(addr, 0).await?;
+        drop(conn);
+    }
+    Ok(())
+}
+
 /// A body of unknown length (chunked) is charged as it arrives: past the bytes in flight it
 /// is answered 503 mid-way; a body larger than all of them is answered 413, announced or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,14 +30,18 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             require_key,
         ));
-    // The OpenAI routes check keys themselves: their errors have OpenAI's shape.
+    // The OpenAI routes check keys with their own layer: their errors have OpenAI's shape.
     let openai = Router::new()
         .route(
             "/v1/chat/completions",
             post(crate::http::openai::chat_completions)
                 .layer(DefaultBodyLimit::max(OPENAI_BODY_LIMIT)),
         )
-        .route("/v1/models", get(crate::http::openai::list_models));
+        .route("/v1/models", get(crate::http::openai::list_models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::http::openai::require_key,
+        ));
     Router::new()
         .merge(protected)
         .merge(openai)

@@ -27,15 +27,23 @@ use crate::http::error::{ApiError, RequestId};
 use crate::http::query::{await_answer, submit_query};
 use crate::http::state::AppState;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::Response;
 use axum::{Extension, Json};
 use serde::Serialize;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<crate::auth::Grant, OaiError> {
-    crate::auth::grant(&state.config.api_keys, headers).ok_or_else(|| {
+/// The OpenAI routes' key check, in OpenAI's error shape: a layer, so a request without a
+/// valid key is answered before its body is read (a client without a key holds none of the
+/// body bytes the server accepts at once). The grant goes on as an extension.
+pub(crate) async fn require_key(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, OaiError> {
+    let grant = crate::auth::grant(&state.config.api_keys, req.headers()).ok_or_else(|| {
         OaiError::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
@@ -43,7 +51,9 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<crate::auth::Grant
             "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
         )
         .code("invalid_api_key")
-    })
+    })?;
+    req.extensions_mut().insert(grant);
+    Ok(next.run(req).await)
 }
 
 /// The model list.
@@ -76,13 +86,9 @@ pub struct ModelCard {
     ),
     security((), ("bearer" = []))
 )]
-pub(crate) async fn list_models(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-) -> Result<Json<ModelList>, OaiError> {
-    authorize(&state, &headers)?;
+pub(crate) async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
     let created = state.started_unix;
-    Ok(Json(ModelList {
+    Json(ModelList {
         object: "list".into(),
         data: model_ids(&state)
             .into_iter()
@@ -93,7 +99,7 @@ pub(crate) async fn list_models(
                 owned_by: "specrag".into(),
             })
             .collect(),
-    }))
+    })
 }
 
 fn unix_now() -> u64 {
@@ -114,7 +120,7 @@ fn unix_now() -> u64 {
         (status = 400, description = "A field is invalid or not served; `error.param` names it", body = OpenAiError),
         (status = 401, description = "Missing or wrong API key", body = OpenAiError),
         (status = 404, description = "Unknown model (`model_not_found`), or a collection that holds nothing (or is outside the key's reach) when the messages bring no passages", body = OpenAiError),
-        (status = 413, description = "Body larger than 2 MiB", body = OpenAiError),
+        (status = 413, description = "Body larger than 4 MiB", body = OpenAiError),
         (status = 429, description = "The engine queue is full; see Retry-After", body = OpenAiError),
         (status = 503, description = "The request bodies being received hold all the bytes the server accepts at once (`--max-body-bytes-in-flight`, default 256 MiB); see Retry-After. A body larger than all of them is answered 413", body = OpenAiError),
         (status = 504, description = "Not finished within the server's deadline", body = OpenAiError),
@@ -124,10 +130,9 @@ fn unix_now() -> u64 {
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
     Extension(RequestId(id)): Extension<RequestId>,
-    headers: HeaderMap,
+    Extension(grant): Extension<crate::auth::Grant>,
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, OaiError> {
-    let grant = authorize(&state, &headers)?;
     let Json(req) = body.map_err(|r| {
         if super::error::is_body_timeout(&r) {
             return OaiError::from_api(ApiError::BodyTimeout, &id);
