@@ -91,6 +91,11 @@ impl Grant {
         }
     }
 
+    /// The collections within reach; `None`: every one.
+    pub fn collections(&self) -> Option<&[String]> {
+        self.collections.as_deref()
+    }
+
     /// True when `collection` is within reach.
     pub fn allows(&self, collection: &str) -> bool {
         self.collections

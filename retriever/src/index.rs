@@ -398,28 +398,52 @@ impl Index {
 
     /// Committed documents, of one collection or of all, ordered by collection and id.
     ///
-    /// Reads every stored chunk in scope: meant for listings of modest collections.
+    /// Reads every stored chunk in scope (its text is not copied); holds a summary per document.
     pub fn documents(&self, collection: Option<&str>) -> Result<Vec<DocSummary>> {
-        let records = match collection {
+        let query: Box<dyn Query> = match collection {
             Some(c) => {
                 check_collection(c)?;
-                self.records_matching(&self.collection_query(c))?
+                Box::new(self.collection_query(c))
             }
-            None => self.records_matching(&AllQuery)?,
+            None => Box::new(AllQuery),
         };
+        let searcher = self.reader.searcher();
+        let mut addresses: Vec<DocAddress> = searcher
+            .search(&*query, &DocSetCollector)
+            .map_err(tantivy_err("list chunks"))?
+            .into_iter()
+            .collect();
+        // Reading in address order keeps store blocks in cache. Each chunk is folded into its
+        // document's summary as it is read: what is held grows with the documents, not with
+        // their text.
+        addresses.sort();
+        let f = &self.fields;
         let mut docs: BTreeMap<(String, String), DocSummary> = BTreeMap::new();
-        for r in records {
-            let summary = docs
-                .entry((r.collection.clone(), r.doc_id.clone()))
-                .or_insert_with(|| DocSummary {
-                    collection: r.collection,
-                    doc_id: r.doc_id,
-                    title: r.title,
-                    chunks: 0,
-                    tokens: 0,
-                });
+        for address in addresses {
+            let doc: TantivyDocument = searcher.doc(address).map_err(tantivy_err("read chunk"))?;
+            let key = (
+                str_field(&doc, f.collection, "collection")?,
+                str_field(&doc, f.doc_id, "doc_id")?,
+            );
+            let tokens = num_field(&doc, f.tokens, "tokens")?;
+            let summary = match docs.entry(key) {
+                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    let (collection, doc_id) = e.key().clone();
+                    e.insert(DocSummary {
+                        collection,
+                        doc_id,
+                        title: doc
+                            .get_first(f.title)
+                            .and_then(|v| v.as_str())
+                            .map(str::to_string),
+                        chunks: 0,
+                        tokens: 0,
+                    })
+                }
+            };
             summary.chunks += 1;
-            summary.tokens += r.tokens;
+            summary.tokens += tokens;
         }
         Ok(docs.into_values().collect())
     }
@@ -609,38 +633,42 @@ impl Index {
 
     fn to_record(&self, doc: &TantivyDocument) -> Result<ChunkRecord> {
         let f = &self.fields;
-        let text = |field: Field, name: &'static str| -> Result<String> {
-            doc.get_first(field)
-                .and_then(|v| v.as_str())
-                .map(str::to_string)
-                .ok_or(RetrieverError::CorruptRecord {
-                    field: name,
-                    expected: "string",
-                })
-        };
-        let number = |field: Field, name: &'static str| -> Result<usize> {
-            doc.get_first(field)
-                .and_then(|v| v.as_u64())
-                .and_then(|n| usize::try_from(n).ok())
-                .ok_or(RetrieverError::CorruptRecord {
-                    field: name,
-                    expected: "u64",
-                })
-        };
         Ok(ChunkRecord {
-            chunk_id: text(f.chunk_id, "chunk_id")?,
-            doc_id: text(f.doc_id, "doc_id")?,
-            collection: text(f.collection, "collection")?,
+            chunk_id: str_field(doc, f.chunk_id, "chunk_id")?,
+            doc_id: str_field(doc, f.doc_id, "doc_id")?,
+            collection: str_field(doc, f.collection, "collection")?,
             title: doc
                 .get_first(f.title)
                 .and_then(|v| v.as_str())
                 .map(str::to_string),
-            text: text(f.text, "text")?,
-            position: number(f.position, "position")?,
-            key: text(f.key, "key")?,
-            tokens: number(f.tokens, "tokens")?,
+            text: str_field(doc, f.text, "text")?,
+            position: num_field(doc, f.position, "position")?,
+            key: str_field(doc, f.key, "key")?,
+            tokens: num_field(doc, f.tokens, "tokens")?,
         })
     }
+}
+
+/// A stored string field of a chunk (`name` for the error where it is missing).
+fn str_field(doc: &TantivyDocument, field: Field, name: &'static str) -> Result<String> {
+    doc.get_first(field)
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .ok_or(RetrieverError::CorruptRecord {
+            field: name,
+            expected: "string",
+        })
+}
+
+/// A stored number field of a chunk (`name` for the error where it is missing).
+fn num_field(doc: &TantivyDocument, field: Field, name: &'static str) -> Result<usize> {
+    doc.get_first(field)
+        .and_then(|v| v.as_u64())
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or(RetrieverError::CorruptRecord {
+            field: name,
+            expected: "u64",
+        })
 }
 
 /// BM25 statistics (document count, field lengths, document frequencies) over the live chunks

@@ -210,9 +210,25 @@ pub(crate) async fn list_documents(
         validate_collection("collection", c)?;
         reach(&grant, c)?;
     }
+    // A key that reaches some collections lists those, each read alone (never the others').
+    let scope: Vec<Option<String>> = match (q.collection, grant.collections()) {
+        (Some(c), _) => vec![Some(c)],
+        (None, None) => vec![None],
+        (None, Some(reach)) => {
+            let mut names = reach.to_vec();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(Some).collect()
+        }
+    };
     let pipeline = state.pipeline.clone();
     let docs = tokio::task::spawn_blocking(move || {
-        pipeline.corpus.index.documents(q.collection.as_deref())
+        let index = &pipeline.corpus.index;
+        let mut docs = Vec::new();
+        for c in &scope {
+            docs.extend(index.documents(c.as_deref())?);
+        }
+        Ok::<_, retriever::RetrieverError>(docs)
     })
     .await
     .map_err(|_| engine_dropped())?
@@ -220,7 +236,6 @@ pub(crate) async fn list_documents(
     Ok(Json(DocumentList {
         documents: docs
             .into_iter()
-            .filter(|d| grant.allows(&d.collection))
             .map(|d| DocumentInfo {
                 collection: d.collection,
                 id: d.doc_id,
@@ -260,8 +275,8 @@ pub(crate) async fn delete_document(
     let collection = q.collection.unwrap_or_else(|| "default".into());
     validate_collection("collection", &collection)?;
     reach(&grant, &collection)?;
-    if id.trim().is_empty() || id.chars().count() > 512 {
-        return Err(GatewayError::bad("id", "must be 1 to 512 characters, not only spaces").into());
+    if let Some(why) = crate::api::doc_id_problem(&id) {
+        return Err(GatewayError::bad("id", why).into());
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     submit(

@@ -80,15 +80,21 @@ pub(crate) async fn health(
     let grant = crate::auth::grant(&state.config.api_keys, &headers);
     let admin = grant.as_ref().is_some_and(|g| g.admin);
     let p = &state.pipeline;
-    let pipeline = state.pipeline.clone();
-    let collections = tokio::task::spawn_blocking(move || pipeline.corpus.index.collections())
-        .await
-        .map_err(|_| engine_dropped())?
-        .map_err(GatewayError::from)?
-        .into_iter()
-        .filter(|(name, _)| grant.as_ref().is_some_and(|g| g.allows(name)))
-        .map(|(name, chunks)| CollectionInfo { name, chunks })
-        .collect();
+    // Without a key that reaches some, no collection is listed, so none is counted.
+    let collections = match grant {
+        None => Vec::new(),
+        Some(grant) => {
+            let pipeline = state.pipeline.clone();
+            tokio::task::spawn_blocking(move || pipeline.corpus.index.collections())
+                .await
+                .map_err(|_| engine_dropped())?
+                .map_err(GatewayError::from)?
+                .into_iter()
+                .filter(|(name, _)| grant.allows(name))
+                .map(|(name, chunks)| CollectionInfo { name, chunks })
+                .collect()
+        }
+    };
     let store = store_health(&state.pipeline.corpus, admin);
     Ok(Json(Health {
         status: store.status.clone(),
