@@ -83,17 +83,9 @@ pub(crate) fn rejected_field(r: &JsonRejection) -> Option<String> {
     while let Some(inner) = src {
         if let Some(p) = inner.downcast_ref::<serde_path_to_error::Error<serde_json::Error>>() {
             let path = p.path().to_string();
-            let named = |m: &str| {
-                ["unknown field `", "duplicate field `"]
-                    .iter()
-                    .find_map(|pre| {
-                        let rest = m.split_once(pre)?.1;
-                        Some(rest.split_once('`')?.0.to_string())
-                    })
-            };
             // At the top level the path is `.`: the message may still name the field.
             return if path == "." {
-                named(&p.inner().to_string())
+                named_field(&p.inner().to_string())
             } else {
                 Some(path)
             };
@@ -103,9 +95,22 @@ pub(crate) fn rejected_field(r: &JsonRejection) -> Option<String> {
     None
 }
 
+/// The field serde's message `m` names as unknown or given twice.
+fn named_field(m: &str) -> Option<String> {
+    ["unknown field `", "duplicate field `"]
+        .iter()
+        .find_map(|pre| {
+            let rest = m.split_once(pre)?.1;
+            Some(rest.split_once('`')?.0.to_string())
+        })
+}
+
+/// A query string refused: its problem's `field` names the parameter where serde does.
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
-        Self::Body(StatusCode::BAD_REQUEST, r.body_text())
+        let text = r.body_text();
+        let field = named_field(&text);
+        Self::Json(StatusCode::BAD_REQUEST, text, field)
     }
 }
 
