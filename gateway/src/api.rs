@@ -198,7 +198,11 @@ pub struct QueryRequest {
     /// Most tokens the prompt and the answer may take together (default and ceiling: the
     /// server's `--max-context-tokens`, at most the target's context length). A prompt that
     /// does not fit with `max_tokens` is refused (422, naming `top_k`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "de_opt_int"
+    )]
     #[schema(minimum = 1)]
     pub max_context_tokens: Option<u64>,
     /// Passages to answer from instead of retrieving (at most 256, 512 Ki characters in all):
@@ -394,6 +398,20 @@ pub struct DocumentIn {
 
 /// Most characters of a document title.
 pub const MAX_TITLE_CHARS: usize = 512;
+/// Longest document id, in characters, wherever a document gets one (`POST /documents`, a
+/// JSONL line, a file's path under `specrag ingest`) and wherever one is named (`DELETE
+/// /documents/{id}`): whatever is ingested can be deleted.
+pub const MAX_DOC_ID_CHARS: usize = 512;
+
+/// Why `id` cannot be a document id, if it cannot.
+pub fn doc_id_problem(id: &str) -> Option<String> {
+    if id.trim().is_empty() {
+        return Some("must not be empty or only whitespace".into());
+    }
+    let chars = id.chars().count();
+    (chars > MAX_DOC_ID_CHARS)
+        .then(|| format!("must be at most {MAX_DOC_ID_CHARS} characters, got {chars}"))
+}
 /// Most characters of all texts of one `POST /documents` together: ingestion costs engine
 /// time in proportion (a character is at most one token), and every query waits behind it.
 pub const MAX_DOCUMENTS_TEXT_CHARS: usize = 2 * 1024 * 1024;
@@ -449,10 +467,10 @@ impl DocumentIn {
                 ),
             });
         }
-        if self.id.trim().is_empty() || self.id.chars().count() > 512 {
+        if let Some(why) = doc_id_problem(&self.id) {
             return Err(GatewayError::bad(
                 "documents[].id",
-                format!("document {i}: id must be 1 to 512 bytes"),
+                format!("document {i}: id {why}"),
             ));
         }
         if self.text.trim().is_empty() {
@@ -838,6 +856,31 @@ mod tests {
             .ok(),
             Some(8192)
         );
+    }
+
+    /// Every integer field takes JSON's `32.0` as `32` (generated clients send either);
+    /// `max_context_tokens` once refused it.
+    #[test]
+    fn integer_fields_take_whole_floats() -> Result<()> {
+        let q: QueryRequest = serde_json::from_str(
+            r#"{"query":"q","top_k":4.0,"max_tokens":32.0,"seed":7.0,"logprobs":2.0,
+                "max_context_tokens":4096.0}"#,
+        )
+        .map_err(|e| GatewayError::bad("body", e.to_string()))?;
+        assert_eq!(
+            (
+                q.top_k,
+                q.max_tokens,
+                q.seed,
+                q.logprobs,
+                q.max_context_tokens
+            ),
+            (Some(4), Some(32), Some(7), Some(2), Some(4096))
+        );
+        let e = serde_json::from_str::<QueryRequest>(r#"{"query":"q","max_context_tokens":1.5}"#)
+            .expect_err("a fraction");
+        assert!(e.to_string().contains("non-negative integer"), "{e}");
+        Ok(())
     }
 
     #[test]

@@ -218,31 +218,50 @@ pub fn read_inputs(paths: &[PathBuf]) -> Inputs {
                 }
             }
         } else {
-            if text.trim().is_empty() {
-                out.problems.push(InputProblem {
-                    origin,
-                    message: "empty text".into(),
-                });
-                continue;
+            match text_document(paths, &file, origin, text) {
+                Ok(doc) => push(doc, &mut out),
+                Err(problem) => out.problems.push(problem),
             }
-            let id = doc_id_for(paths, &file);
-            let title = markdown_title(&text).or_else(|| {
-                file.file_stem()
-                    .and_then(|s| s.to_str())
-                    .map(|s| s.to_string())
-            });
-            push(
-                SourceDoc {
-                    id,
-                    title,
-                    text,
-                    origin,
-                },
-                &mut out,
-            );
         }
     }
     out
+}
+
+/// A `.txt` / `.md` file's document: its id the path under the folder given, its title the
+/// first Markdown heading or the file's stem.
+fn text_document(
+    roots: &[PathBuf],
+    file: &Path,
+    origin: String,
+    text: String,
+) -> Result<SourceDoc, InputProblem> {
+    if text.trim().is_empty() {
+        return Err(InputProblem {
+            origin,
+            message: "empty text".into(),
+        });
+    }
+    let id = doc_id_for(roots, file);
+    if let Some(why) = crate::api::doc_id_problem(&id) {
+        return Err(InputProblem {
+            origin,
+            message: format!(
+                "its document id (the path under the folder given) {why}; \
+                 ingest it from a folder nearer to it"
+            ),
+        });
+    }
+    let title = markdown_title(&text).or_else(|| {
+        file.file_stem()
+            .and_then(|s| s.to_str())
+            .map(|s| s.to_string())
+    });
+    Ok(SourceDoc {
+        id,
+        title,
+        text,
+        origin,
+    })
 }
 
 /// `file` relative to the input folder that contains it, or its file name.
@@ -270,11 +289,8 @@ fn parse_json_line(line: &str) -> Result<(String, Option<String>, String), Strin
         serde_json::Value::Number(n) => n.to_string(),
         other => return Err(format!("field `id` must be a string, got {other}")),
     };
-    if id.trim().is_empty() {
-        return Err("field `id` is empty".into());
-    }
-    if id.len() > 512 {
-        return Err("field `id` is longer than 512 bytes".into());
+    if let Some(why) = crate::api::doc_id_problem(&id) {
+        return Err(format!("field `id` {why}"));
     }
     if doc.text.trim().is_empty() {
         return Err("field `text` is empty".into());
@@ -300,6 +316,42 @@ pub fn demo_paths(root: &std::path::Path) -> Vec<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A document id is at most `MAX_DOC_ID_CHARS` characters however it is given (a JSONL
+    /// line counted bytes, a file's path was not checked), so `DELETE /documents/{id}`, which
+    /// takes that many, reaches every document ingested.
+    #[test]
+    fn document_ids_are_held_to_one_limit_in_characters() -> Result<(), Box<dyn std::error::Error>>
+    {
+        use crate::api::MAX_DOC_ID_CHARS;
+        let dir = tempfile::tempdir()?;
+        let root = dir.path().join("corpus");
+        let deep = root.join("d".repeat(200)).join("e".repeat(200));
+        std::fs::create_dir_all(&deep)?;
+        std::fs::write(deep.join(format!("{}.md", "f".repeat(120))), "Deep text.")?;
+        std::fs::write(root.join("near.md"), "Near text.")?;
+        let wide = "é".repeat(MAX_DOC_ID_CHARS); // 1024 bytes, 512 characters
+        let long = "x".repeat(MAX_DOC_ID_CHARS + 1);
+        std::fs::write(
+            root.join("ids.jsonl"),
+            format!("{{\"id\":\"{wide}\",\"text\":\"a\"}}\n{{\"id\":\"{long}\",\"text\":\"b\"}}\n"),
+        )?;
+        let inputs = read_inputs(std::slice::from_ref(&root));
+        let ids: Vec<&str> = inputs.docs.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, [wide.as_str(), "near.md"]);
+        let problems: Vec<String> = inputs.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].contains("ingest it from a folder nearer to it")
+                && problems[0].contains("at most 512 characters, got 525"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].contains("ids.jsonl:2: field `id` must be at most 512 characters, got 513"),
+            "{problems:?}"
+        );
+        Ok(())
+    }
 
     #[test]
     fn every_bad_input_is_named_and_the_rest_goes_on() -> Result<(), Box<dyn std::error::Error>> {

@@ -752,6 +752,30 @@ async fn streaming_sends_token_events_then_one_done_event() -> TestResult {
     Ok(())
 }
 
+/// A query string's unknown or repeated parameter is named in the problem's `field`, as a
+/// body's field is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_query_parameter_is_named() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let s = state(pipeline(dir.path())?, ServerConfig::default());
+    for (uri, field) in [
+        ("/documents?colection=x", "colection"),
+        ("/documents?collection=a&collection=b", "collection"),
+        ("/documents/d1?colection=x", "colection"),
+    ] {
+        let req = if uri.starts_with("/documents/") {
+            Request::delete(uri).body(Body::empty())?
+        } else {
+            Request::get(uri).body(Body::empty())?
+        };
+        let (status, text, _) = send(&s, req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {text}");
+        let v: Value = serde_json::from_str(&text)?;
+        assert_eq!(v["field"], field, "{uri}: {text}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn documents_are_added_listed_searched_and_deleted() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -1522,6 +1546,12 @@ fn openai_bad_requests() -> Vec<(Value, StatusCode, &'static str)> {
             "max_tokens",
         ),
         (json!({"seed": -1}), StatusCode::BAD_REQUEST, "seed"),
+        // The newer name of `max_tokens` is named as sent.
+        (
+            json!({"max_completion_tokens": 5000}),
+            StatusCode::BAD_REQUEST,
+            "max_completion_tokens",
+        ),
         (
             json!({"specrag": {"top_k": -1}}),
             StatusCode::BAD_REQUEST,

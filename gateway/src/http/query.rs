@@ -38,7 +38,7 @@ pub(crate) struct SseEvent {
         (status = 400, description = "The body is not JSON of this shape; `field` names the field by its path where one is to blame (a value of the wrong type, an unknown or repeated field)", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or wrong API key", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "The collection holds nothing (or is outside the key's reach) and the request sends no passages of its own", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body larger than 2 MiB", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body larger than 4 MiB", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "The body is not sent as application/json", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A field is out of range; `field` names it", body = Problem, content_type = "application/problem+json",
             example = json!({"type": "about:blank", "title": "Unprocessable Entity", "status": 422, "detail": "invalid `top_k`: must be 1 to 256, got 0", "field": "top_k"})),

@@ -644,8 +644,9 @@ pub struct GenerateArgs {
     /// Seed of the sampler (same seed, same output).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Stop when the output contains this text (repeatable).
-    #[arg(long)]
+    /// Stop when the output contains this text. Repeatable: at most 4, each 1 to 64
+    /// characters, as `query`'s.
+    #[arg(long, value_name = "TEXT", value_parser = parse_stop)]
     pub stop: Vec<String>,
     /// Print {"ids","text","prefill_ms","decode_ms_per_token","finish_reason"}.
     #[arg(long)]
@@ -703,20 +704,25 @@ fn parse_stop(s: &str) -> Result<String, String> {
     }
 }
 
+/// `--stop` strings, refused past [`MAX_STOPS`] of them (clap checked each one) before any
+/// model loads.
+pub fn stop_strings(stop: &[String]) -> gateway::Result<Vec<String>> {
+    if stop.len() > MAX_STOPS {
+        return Err(gateway::GatewayError::bad(
+            "stop",
+            format!(
+                "{} stop strings given (--stop); at most {MAX_STOPS}",
+                stop.len()
+            ),
+        ));
+    }
+    Ok(stop.to_vec())
+}
+
 impl QueryArgs {
-    /// The `--stop` strings, refused past [`MAX_STOPS`] of them (clap checked each one) before
-    /// any model loads.
+    /// The `--stop` strings ([`stop_strings`]).
     pub fn stop_strings(&self) -> gateway::Result<Vec<String>> {
-        if self.stop.len() > MAX_STOPS {
-            return Err(gateway::GatewayError::bad(
-                "stop",
-                format!(
-                    "{} stop strings given (--stop); at most {MAX_STOPS}",
-                    self.stop.len()
-                ),
-            ));
-        }
-        Ok(self.stop.clone())
+        stop_strings(&self.stop)
     }
 }
 
@@ -735,7 +741,7 @@ fn collection_name(s: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_ratio, parse_size, Cli, Cmd, MAX_STOPS, MAX_STOP_CHARS};
+    use super::{parse_ratio, parse_size, stop_strings, Cli, Cmd, MAX_STOPS, MAX_STOP_CHARS};
     use clap::{CommandFactory, Parser};
 
     #[test]
@@ -789,32 +795,45 @@ mod tests {
     }
 
     #[test]
-    fn query_takes_up_to_four_stop_strings_of_1_to_64_characters() {
-        // Issue 88: docs/api.md promised `specrag query --stop`, which did not exist.
-        let stops = |extra: &[&str]| -> Result<Vec<String>, String> {
-            let args = ["specrag", "query", "q"].iter().chain(extra);
-            match Cli::try_parse_from(args).map(|c| c.command) {
-                Ok(Cmd::Query(a)) => a.stop_strings().map_err(|e| e.to_string()),
-                Ok(_) => Err("not a query".into()),
-                Err(e) => Err(e.to_string()),
+    fn query_and_generate_take_up_to_four_stop_strings_of_1_to_64_characters() {
+        // Issue 88: docs/api.md promised `specrag query --stop`, which did not exist;
+        // `generate --stop` took any number of any length.
+        for head in [
+            &["specrag", "query", "q"][..],
+            &["specrag", "generate", "--prompt", "q"],
+        ] {
+            let stops = |extra: &[&str]| -> Result<Vec<String>, String> {
+                let args = head.iter().chain(extra);
+                match Cli::try_parse_from(args).map(|c| c.command) {
+                    Ok(Cmd::Query(a)) => a.stop_strings().map_err(|e| e.to_string()),
+                    Ok(Cmd::Generate(a)) => stop_strings(&a.stop).map_err(|e| e.to_string()),
+                    Ok(_) => Err("another command".into()),
+                    Err(e) => Err(e.to_string()),
+                }
+            };
+            assert_eq!(stops(&[]), Ok(vec![]));
+            assert_eq!(
+                stops(&["--stop", "\n\n", "--stop", "Question:"]),
+                Ok(vec!["\n\n".to_string(), "Question:".to_string()])
+            );
+            let longest = "é".repeat(MAX_STOP_CHARS);
+            assert_eq!(stops(&["--stop", &longest]), Ok(vec![longest.clone()]));
+            let four = ["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d"];
+            assert_eq!(stops(&four).map(|s| s.len()), Ok(MAX_STOPS));
+            let five = [&four[..], &["--stop", "e"]].concat();
+            let err = stops(&five).err().unwrap_or_default();
+            assert!(
+                err.contains("stop") && err.contains("at most 4"),
+                "{head:?}: {err}"
+            );
+            let too_long = format!("{longest}x");
+            for bad in ["", too_long.as_str()] {
+                let err = stops(&["--stop", bad]).err().unwrap_or_default();
+                assert!(
+                    err.contains("1 to 64 characters"),
+                    "{head:?} {bad:?}: {err}"
+                );
             }
-        };
-        assert_eq!(stops(&[]), Ok(vec![]));
-        assert_eq!(
-            stops(&["--stop", "\n\n", "--stop", "Question:"]),
-            Ok(vec!["\n\n".to_string(), "Question:".to_string()])
-        );
-        let longest = "é".repeat(MAX_STOP_CHARS);
-        assert_eq!(stops(&["--stop", &longest]), Ok(vec![longest.clone()]));
-        let four = ["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d"];
-        assert_eq!(stops(&four).map(|s| s.len()), Ok(MAX_STOPS));
-        let five = [&four[..], &["--stop", "e"]].concat();
-        let err = stops(&five).err().unwrap_or_default();
-        assert!(err.contains("stop") && err.contains("at most 4"), "{err}");
-        let too_long = format!("{longest}x");
-        for bad in ["", too_long.as_str()] {
-            let err = stops(&["--stop", bad]).err().unwrap_or_default();
-            assert!(err.contains("1 to 64 characters"), "{bad:?}: {err}");
         }
     }
 

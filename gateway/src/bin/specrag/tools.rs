@@ -64,6 +64,7 @@ pub fn list_models() -> anyhow::Result<()> {
 
 /// `specrag generate`.
 pub fn generate(m: &ModelArgs, a: GenerateArgs) -> anyhow::Result<()> {
+    let stop = crate::args::stop_strings(&a.stop)?;
     let model = load_target(m)?;
     let tok = model.tokenizer();
     let ids = if a.raw {
@@ -81,7 +82,7 @@ pub fn generate(m: &ModelArgs, a: GenerateArgs) -> anyhow::Result<()> {
             top_p: a.top_p,
             seed: a.seed,
         },
-        stop: a.stop,
+        stop,
         logprobs: None,
     };
     let g = model.generate(&ids, &params)?;

@@ -126,7 +126,7 @@ pub struct RagOptions {
     #[serde(default)]
     pub long_context: Option<bool>,
     /// As `/rag/query`'s `max_context_tokens` (default and ceiling: the server's).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::api::de_opt_int")]
     #[schema(minimum = 1)]
     pub max_context_tokens: Option<u64>,
     /// Passages to answer from instead of retrieving, as `/rag/query`'s `documents`: their
@@ -397,6 +397,24 @@ fn logprobs_asked(req: &ChatRequest) -> Result<Option<u64>, OaiError> {
     }
 }
 
+/// The answer's length limit, `max_completion_tokens` (the newer name) before `max_tokens`;
+/// the newer name is checked here so that an error names it as the client sent it (the query
+/// knows only `max_tokens`).
+fn max_tokens(req: &ChatRequest) -> Result<Option<u64>, OaiError> {
+    let Some(n) = req.max_completion_tokens else {
+        return Ok(req.max_tokens);
+    };
+    let most = u64::from(crate::api::MAX_TOKENS);
+    if (1..=most).contains(&n) {
+        Ok(Some(n))
+    } else {
+        Err(OaiError::invalid(
+            "max_completion_tokens",
+            format!("invalid `max_completion_tokens`: must be 1 to {most}, got {n}"),
+        ))
+    }
+}
+
 /// The validated query of a chat request.
 pub(super) fn to_query(
     state: &AppState,
@@ -437,6 +455,7 @@ pub(super) fn to_query(
             format!("must be above 0 and at most 1, got {top_p}"),
         ));
     }
+    let max_tokens = max_tokens(req)?;
     let seed = req.seed;
     let rag = req.specrag.clone().unwrap_or_default();
     let find = rag.documents.is_none() && rag.find_passages != Some(false);
@@ -448,7 +467,7 @@ pub(super) fn to_query(
         top_k: rag.top_k,
         method: rag.method,
         recompute_ratio: rag.recompute_ratio,
-        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        max_tokens,
         temperature: req.temperature,
         seed,
         verify: rag.verify,
