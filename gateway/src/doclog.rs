@@ -12,6 +12,7 @@ use crate::error::{GatewayError, Result};
 use crate::input::SourceDoc;
 use crate::kvmode::KvMode;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -64,6 +65,18 @@ pub struct DocLog {
     position: Mutex<String>,
     /// Where `position` is kept.
     file: PathBuf,
+    /// The id of this node's last entry for each document it wrote, `(collection, id)`,
+    /// until the position passes it: a foreign entry older than it must not undo the write
+    /// ([`DocLog::superseded`]).
+    local: Mutex<HashMap<(String, String), StreamId>>,
+}
+
+/// A stream entry id, `ms-seq`, ordered as Redis orders them.
+type StreamId = (u64, u64);
+
+fn stream_id(id: &str) -> Option<StreamId> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
 impl std::fmt::Debug for DocLog {
@@ -96,6 +109,7 @@ impl DocLog {
             node: format!("{:016x}", rand::random::<u64>()),
             position: Mutex::new(position),
             file,
+            local: Mutex::new(HashMap::new()),
         })
     }
 
@@ -109,11 +123,11 @@ impl DocLog {
         Ok(c)
     }
 
-    /// Appends `entry`; returns its id.
+    /// Appends `entry`, a write this node has just committed; returns its id.
     pub fn append(&self, entry: &LogEntry) -> Result<String> {
         let json = serde_json::to_string(entry).map_err(|e| log_err("append", e))?;
         let mut c = self.connection(Duration::from_secs(5))?;
-        redis::cmd("XADD")
+        let id: String = redis::cmd("XADD")
             .arg(&self.stream)
             .arg("*")
             .arg("node")
@@ -121,7 +135,39 @@ impl DocLog {
             .arg("entry")
             .arg(json)
             .query(&mut c)
-            .map_err(|e| log_err("append", e))
+            .map_err(|e| log_err("append", e))?;
+        self.record_local(entry, &id);
+        Ok(id)
+    }
+
+    /// Notes that this node wrote `entry`'s documents as log entry `id` ([`DocLog::append`]
+    /// does, for what it appends).
+    pub fn record_local(&self, entry: &LogEntry, id: &str) {
+        let Some(at) = stream_id(id) else { return };
+        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let mut note = |collection: &str, doc: &str| {
+            local.insert((collection.to_string(), doc.to_string()), at);
+        };
+        match entry {
+            LogEntry::Put {
+                collection, docs, ..
+            } => docs.iter().for_each(|d| note(collection, &d.id)),
+            LogEntry::Delete { collection, id } => note(collection, id),
+        }
+    }
+
+    /// True when this node wrote document `doc` of `collection` after log entry `entry` was
+    /// appended: applying that older entry now would undo the newer write here, while every
+    /// other node applies both in log order. Local writes are committed before they are
+    /// appended, so a follower may meet an older foreign entry after them.
+    pub fn superseded(&self, collection: &str, doc: &str, entry: &str) -> bool {
+        let Some(entry) = stream_id(entry) else {
+            return false;
+        };
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local
+            .get(&(collection.to_string(), doc.to_string()))
+            .is_some_and(|&mine| mine > entry)
     }
 
     /// Entries after the applied position, waiting up to `block` for one: `(id, node,
@@ -142,16 +188,28 @@ impl DocLog {
         Ok(parse_xread(reply))
     }
 
-    /// Records that entry `id` is applied here (kept across restarts).
+    /// Records that entry `id` is applied here (kept across restarts, synced: a power loss
+    /// must not send the node back to the start of the stream).
     pub fn applied(&self, id: &str) -> Result<()> {
+        use std::io::Write;
         let tmp = self.file.with_extension("tmp");
-        std::fs::write(&tmp, id)
+        std::fs::File::create(&tmp)
+            .and_then(|mut f| {
+                f.write_all(id.as_bytes())?;
+                f.sync_all()
+            })
             .and_then(|()| std::fs::rename(&tmp, &self.file))
             .map_err(|source| GatewayError::Io {
                 context: format!("writing {}", self.file.display()),
                 source,
             })?;
         *self.position.lock().unwrap_or_else(|p| p.into_inner()) = id.to_string();
+        // Entries still to come are later than `id`: a local write no later than it can no
+        // longer be undone by one.
+        if let Some(at) = stream_id(id) {
+            let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+            local.retain(|_, mine| *mine > at);
+        }
         Ok(())
     }
 
@@ -213,4 +271,73 @@ fn parse_xread(v: redis::Value) -> Vec<(String, String, Option<LogEntry>)> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(collection: &str, ids: &[&str]) -> LogEntry {
+        LogEntry::Put {
+            collection: collection.into(),
+            chunk_tokens: 64,
+            kv: KvMode::Eager,
+            docs: ids
+                .iter()
+                .map(|id| LogDoc {
+                    id: (*id).into(),
+                    title: None,
+                    text: "t".into(),
+                })
+                .collect(),
+        }
+    }
+
+    /// An entry is older than a local write by Redis' id order (milliseconds, then sequence),
+    /// per document and collection; once the applied position passes a local write, it is
+    /// forgotten (no older entry can come after the position).
+    #[test]
+    fn only_entries_older_than_a_local_write_of_the_same_document_are_superseded() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| log_err("test", e))?;
+        // Never connected: the client connects at the first command.
+        let log = DocLog::open("redis://127.0.0.1:1", "t", dir.path())?;
+        log.record_local(&put("c", &["a", "b"]), "20-3");
+        log.record_local(
+            &LogEntry::Delete {
+                collection: "c".into(),
+                id: "z".into(),
+            },
+            "30-0",
+        );
+        assert!(log.superseded("c", "a", "20-2"));
+        assert!(log.superseded("c", "b", "9-99"));
+        assert!(log.superseded("c", "z", "29-9"));
+        assert!(!log.superseded("c", "a", "20-4"), "a later entry applies");
+        assert!(!log.superseded("c", "a", "100-0"));
+        assert!(
+            !log.superseded("other", "a", "1-0"),
+            "another collection's document"
+        );
+        assert!(
+            !log.superseded("c", "x", "1-0"),
+            "a document not written here"
+        );
+        assert!(!log.superseded("c", "a", "garbage"));
+        log.applied("25-0")?;
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("doclog-position"))
+                .ok()
+                .as_deref(),
+            Some("25-0")
+        );
+        assert!(
+            !log.superseded("c", "a", "20-2"),
+            "forgotten past the position"
+        );
+        assert!(
+            log.superseded("c", "z", "29-9"),
+            "still ahead of the position"
+        );
+        Ok(())
+    }
 }

@@ -71,8 +71,9 @@ pub enum Job {
     Delete {
         collection: String,
         id: String,
-        /// Append the deletion to the shared document log (off when applying one from it).
-        log: bool,
+        /// The document log entry of another node this applies (`None`: a local deletion,
+        /// appended to the shared document log where there is one).
+        applying: Option<String>,
         reply: oneshot::Sender<Result<usize, JobError>>,
     },
 }
@@ -402,7 +403,7 @@ impl Engine<'_> {
             Job::Delete {
                 collection,
                 id,
-                log,
+                applying,
                 reply,
             } => {
                 let out = crate::ingest::delete_document(
@@ -410,7 +411,7 @@ impl Engine<'_> {
                     &self.pipeline.engines,
                     &collection,
                     &id,
-                    log,
+                    applying.as_deref(),
                 )
                 .map_err(JobError::from);
                 let _ = reply.send(out);

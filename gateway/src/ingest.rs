@@ -35,6 +35,9 @@ pub struct IngestConfig {
     pub log: bool,
     /// When chunk KV is computed: now (`eager`) or at a chunk's first retrieval (`lazy`).
     pub kv: KvMode,
+    /// The document log entry this run applies (another node's), if any: a document this
+    /// node wrote after that entry is left as it is ([`crate::doclog::DocLog::superseded`]).
+    pub applying: Option<String>,
 }
 
 pub use crate::kvmode::KvMode;
@@ -49,6 +52,7 @@ impl Default for IngestConfig {
             max_collection_tokens: None,
             speculator_kv: false,
             log: true,
+            applying: None,
             kv: KvMode::Eager,
         }
     }
@@ -140,6 +144,7 @@ pub fn ingest_until(
     on_event: impl FnMut(IngestEvent),
     between_chunks: &mut dyn FnMut() -> bool,
 ) -> Result<IngestReport> {
+    let docs = not_superseded(corpus, cfg, docs);
     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         ingest_inner(corpus, engines, docs, cfg, on_event, between_chunks)
     }));
@@ -155,6 +160,27 @@ pub fn ingest_until(
         Ok(out) => out,
         Err(panic) => std::panic::resume_unwind(panic),
     }
+}
+
+/// `docs` less those this node wrote after the log entry `cfg` applies, if it applies one.
+fn not_superseded(corpus: &Corpus, cfg: &IngestConfig, docs: Vec<SourceDoc>) -> Vec<SourceDoc> {
+    let (Some(entry), Some(log)) = (&cfg.applying, &corpus.doclog) else {
+        return docs;
+    };
+    docs.into_iter()
+        .filter(|d| {
+            let newer = log.superseded(&cfg.collection, &d.id, entry);
+            if newer {
+                tracing::info!(
+                    entry = entry.as_str(),
+                    document = d.id.as_str(),
+                    "document log entry older than this node's own write of the document: \
+                     not applied to it"
+                );
+            }
+            !newer
+        })
+        .collect()
 }
 
 /// Refuses a run over the request's or the collection's token budget, before model work.
@@ -446,15 +472,28 @@ fn share(corpus: &Corpus, cfg: &IngestConfig, batch: &[Planned], keys: &[ChunkKe
 }
 
 /// Removes a document: its chunks leave the index (committed), then blobs no other document
-/// uses leave the store; with a document log and `log`, the deletion is appended to it for
-/// the other nodes. Returns how many chunks the document had.
+/// uses leave the store. A local deletion (`applying` None) is appended to the document log,
+/// where there is one, for the other nodes; one that applies another node's log entry is
+/// not, and leaves a document this node wrote after that entry as it is (0 chunks removed).
+/// Returns how many chunks the document had.
 pub fn delete_document(
     corpus: &Corpus,
     engines: &Engines,
     collection: &str,
     doc_id: &str,
-    log: bool,
+    applying: Option<&str>,
 ) -> Result<usize> {
+    if let (Some(entry), Some(log)) = (applying, &corpus.doclog) {
+        if log.superseded(collection, doc_id, entry) {
+            tracing::info!(
+                entry,
+                document = doc_id,
+                "document log deletion older than this node's own write of the document: \
+                 not applied"
+            );
+            return Ok(0);
+        }
+    }
     let removed = corpus.index.delete_document(collection, doc_id)?;
     if removed.is_empty() {
         corpus.index.rollback()?;
@@ -468,7 +507,7 @@ pub fn delete_document(
     }
     let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
     corpus.collect_left(engines, &keys)?;
-    if let Some(l) = corpus.doclog.as_ref().filter(|_| log) {
+    if let Some(l) = corpus.doclog.as_ref().filter(|_| applying.is_none()) {
         l.append(&crate::doclog::LogEntry::Delete {
             collection: collection.to_string(),
             id: doc_id.to_string(),

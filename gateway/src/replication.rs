@@ -54,18 +54,21 @@ fn submit(
     }
 }
 
-/// How a follower ingests another node's batch: as that node did (same collection, chunk
-/// size and KV mode: a lazily ingested batch stays lazy), without logging it again.
+/// How a follower ingests another node's batch, log entry `entry`: as that node did (same
+/// collection, chunk size and KV mode: a lazily ingested batch stays lazy), without logging
+/// it again, and leaving the documents this node wrote since as they are.
 fn follower_config(
     collection: &str,
     chunk_tokens: usize,
     kv: crate::kvmode::KvMode,
+    entry: &str,
 ) -> crate::ingest::IngestConfig {
     crate::ingest::IngestConfig {
         collection: collection.to_string(),
         chunk_tokens,
         kv,
         log: false,
+        applying: Some(entry.to_string()),
         ..Default::default()
     }
 }
@@ -87,7 +90,7 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                 reply = Some(rx);
                 Job::Ingest {
                     docs: docs.iter().map(|d| d.source(id)).collect(),
-                    cfg: follower_config(&collection, chunk_tokens, kv),
+                    cfg: follower_config(&collection, chunk_tokens, kv, id),
                     reply: tx,
                     progress: None,
                 }
@@ -119,7 +122,7 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                 Job::Delete {
                     collection: collection.clone(),
                     id: doc.clone(),
-                    log: false,
+                    applying: Some(id.to_string()),
                     reply: tx,
                 }
             });
@@ -154,7 +157,7 @@ mod tests {
         else {
             panic!("a put");
         };
-        let cfg = follower_config(&collection, chunk_tokens, kv);
+        let cfg = follower_config(&collection, chunk_tokens, kv, "1-0");
         assert_eq!(
             (cfg.kv, cfg.log, cfg.chunk_tokens),
             (KvMode::Lazy, false, 64)

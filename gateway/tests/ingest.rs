@@ -565,6 +565,92 @@ fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next(
     check_consistent(&dir.path().join("data"), true).map(|_| ())
 }
 
+/// Replication: a node commits its own write before appending it to the document log, so its
+/// follower, behind, could meet another node's older entry for the same document after it and
+/// apply it, leaving this node with the older text (or none) while every other node, applying
+/// both in log order, holds the newer. Such an entry now leaves the document as it is here;
+/// the rest of the entry, and later entries, apply.
+#[test]
+fn an_older_log_entry_does_not_undo_a_newer_local_write() -> TestResult {
+    use gateway::doclog::{DocLog, LogDoc, LogEntry};
+    use gateway::ingest::{delete_document, ingest, IngestConfig};
+    let dir = tempfile::tempdir()?;
+    let (engines, mut corpus, docs) = tiny_setup(dir.path(), 2)?;
+    // Never connected: nothing here appends (`log: false`), writes are noted as appended.
+    corpus.doclog = Some(Arc::new(DocLog::open(
+        "redis://127.0.0.1:1",
+        "t",
+        dir.path(),
+    )?));
+    let log = corpus.doclog.clone().ok_or("a log")?;
+    let local = IngestConfig {
+        collection: "c".into(),
+        log: false,
+        ..Default::default()
+    };
+    let applying = |entry: &str| IngestConfig {
+        applying: Some(entry.into()),
+        ..local.clone()
+    };
+    let text = |id: &str| -> Result<String, Box<dyn std::error::Error>> {
+        Ok(corpus
+            .index
+            .chunks_of("c", id)?
+            .iter()
+            .map(|c| c.text.clone())
+            .collect())
+    };
+    let as_log = |d: &gateway::input::SourceDoc| LogDoc {
+        id: d.id.clone(),
+        title: None,
+        text: d.text.clone(),
+    };
+    let mut newer = docs[0].clone();
+    newer.text = "document 0, the newer text: an owl in the barn".into();
+    ingest(&corpus, &engines, vec![newer.clone()], &local, |_| {})?;
+    log.record_local(
+        &LogEntry::Put {
+            collection: "c".into(),
+            chunk_tokens: 512,
+            kv: Default::default(),
+            docs: vec![as_log(&newer)],
+        },
+        "20-0",
+    );
+    // Another node's entry 10-0 (d0's older text and d1) arrives now.
+    ingest(&corpus, &engines, docs.clone(), &applying("10-0"), |_| {})?;
+    assert!(text("d0")?.contains("the newer text"), "{}", text("d0")?);
+    assert!(
+        text("d1")?.contains("document 1"),
+        "the rest of the entry applies"
+    );
+    // An older deletion of d0 is passed over; one of d1 applies.
+    assert_eq!(
+        delete_document(&corpus, &engines, "c", "d0", Some("15-0"))?,
+        0
+    );
+    assert!(text("d0")?.contains("the newer text"));
+    assert_eq!(
+        delete_document(&corpus, &engines, "c", "d1", Some("16-0"))?,
+        1
+    );
+    assert!(text("d1")?.is_empty());
+    // A later entry applies over the local write.
+    ingest(
+        &corpus,
+        &engines,
+        vec![docs[0].clone()],
+        &applying("21-0"),
+        |_| {},
+    )?;
+    assert!(
+        text("d0")?.contains("document 0: the thin ant"),
+        "{}",
+        text("d0")?
+    );
+    Ok(())
+}
+
 /// What [`with_an_orphan`] leaves: the models, the corpus, its documents and their config.
 type Orphaned = (
     Engines,
@@ -611,7 +697,7 @@ fn an_ingestion_or_deletion_collects_what_it_touched_not_the_whole_store() -> Te
         3,
         "the orphan waits for a full collection"
     );
-    delete_document(&corpus, &engines, "c", "d1", true)?;
+    delete_document(&corpus, &engines, "c", "d1", None)?;
     assert_eq!(corpus.store.keys()?.len(), 2, "d1's chunk went with it");
     assert_eq!(corpus.collect_garbage(&engines)?, 1, "the orphan");
     assert_eq!(corpus.store.keys()?.len(), 1);
@@ -815,7 +901,7 @@ fn speculator_kv_is_stored_with_its_chunk_collected_with_it_and_computed_when_mi
     assert_eq!(corpus.collect_garbage(&engines)?, 0);
     assert_eq!(corpus.store.keys()?.len(), 6);
     // ... and removes it with the chunk.
-    delete_document(&corpus, &engines, "c", "d0", true)?;
+    delete_document(&corpus, &engines, "c", "d0", None)?;
     assert!(!corpus.store.contains(&spec_key_of(0)?)?);
     assert!(corpus.store.contains(&spec_key_of(1)?)?);
     assert_eq!(corpus.store.keys()?.len(), 4);

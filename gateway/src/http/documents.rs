@@ -284,7 +284,7 @@ pub(crate) async fn delete_document(
         Job::Delete {
             collection: collection.clone(),
             id: id.clone(),
-            log: true,
+            applying: None,
             reply: tx,
         },
     )?;
