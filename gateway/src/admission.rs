@@ -36,6 +36,24 @@ pub fn kv_bytes_per_token(c: &target_engine::ModelConfig) -> u64 {
     kv_bytes_per_token_of(c, std::mem::size_of::<f32>())
 }
 
+/// Bytes one token's KV takes in one cache of a model on the CPU engine attending at
+/// `attention`: f32 rows, and under bf16 attention their bf16 copy beside them (`KvCache`
+/// keeps both, the copy filled by the first bf16 forward over the cache).
+pub fn cpu_kv_bytes_per_token(
+    c: &target_engine::ModelConfig,
+    attention: kernels::AttentionPrecision,
+) -> u64 {
+    with_attention_copy(kv_bytes_per_token(c), attention)
+}
+
+/// `f32_bytes` of f32 rows and, under bf16 attention, their bf16 copy (half as many bytes).
+fn with_attention_copy(f32_bytes: u64, attention: kernels::AttentionPrecision) -> u64 {
+    match attention {
+        kernels::AttentionPrecision::F32 => f32_bytes,
+        kernels::AttentionPrecision::Bf16 => f32_bytes + f32_bytes / 2,
+    }
+}
+
 /// Bytes one token's KV takes in one cache of a model whose cache holds `bytes` per value.
 pub fn kv_bytes_per_token_of(c: &target_engine::ModelConfig, bytes: usize) -> u64 {
     (c.n_layer * 2 * c.n_kv_head * c.head_dim * bytes) as u64
@@ -188,6 +206,16 @@ mod tests {
         let small = device_budget(64 * gib, 70 * gib, 80 * gib);
         assert_eq!(small, (10.0 * gib as f64 * DEVICE_BUDGET_SHARE) as u64);
         assert_eq!(device_budget(64 * gib, 90 * gib, 80 * gib), 0);
+    }
+
+    /// Under `--attention bf16` a CPU cache holds a bf16 copy of its f32 rows: admission
+    /// counted the f32 rows only, so the KV held was 1.5x what was reserved.
+    #[test]
+    fn bf16_attention_counts_the_copy_of_the_rows() {
+        use kernels::AttentionPrecision::{Bf16, F32};
+        let per = (16 * 2 * 8 * 64 * 4) as u64;
+        assert_eq!(with_attention_copy(per, F32), per);
+        assert_eq!(with_attention_copy(per, Bf16), per * 3 / 2);
     }
 
     #[test]

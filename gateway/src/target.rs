@@ -62,10 +62,10 @@ impl Target {
     }
 
     /// Bytes one token's KV takes in one of this engine's caches (f32 rows on the CPU engine,
-    /// f16 on the device's).
+    /// and their bf16 copy under `--attention bf16`; f16 on the device's).
     pub fn kv_bytes_per_token(&self) -> u64 {
         match self {
-            Self::Cpu(m) => crate::admission::kv_bytes_per_token(m.config()),
+            Self::Cpu(m) => crate::admission::cpu_kv_bytes_per_token(m.config(), m.attention()),
             Self::Device(d) => crate::admission::kv_bytes_per_token_of(
                 d.config(),
                 target_engine::device::CACHE_DTYPE.size_in_bytes(),
