@@ -270,6 +270,9 @@ impl DiskStore {
             .path
             .join(TMP_DIR)
             .join(format!("{key}.{:016x}", rand_suffix()));
+        // A shard made now is an entry of the store's directory: that directory is synced
+        // too, or a power loss could take the shard, and the blob in it, away.
+        let new_shard = !shard.is_dir();
         let result = (|| -> std::io::Result<()> {
             std::fs::create_dir_all(&shard)?;
             // `tmp/` deleted behind the store's back is made again, not a failed write.
@@ -280,10 +283,11 @@ impl DiskStore {
         match result {
             Ok(()) => {
                 self.sizes().insert(*key, bytes.len() as u64);
-                self.dirty
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(shard);
+                let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+                if new_shard {
+                    dirty.insert(self.path.clone());
+                }
+                dirty.insert(shard);
                 Ok(())
             }
             Err(e) => {

@@ -349,3 +349,55 @@ fn dir_size(path: &std::path::Path) -> std::io::Result<u64> {
     }
     Ok(total)
 }
+
+/// Records the directories a store syncs.
+#[derive(Default)]
+struct SyncLog(Mutex<Vec<std::path::PathBuf>>);
+
+impl chunkstore::BlobWriter for SyncLog {
+    fn write_new(&self, path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+        chunkstore::FsWriter.write_new(path, bytes)
+    }
+
+    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .push(dir.to_path_buf());
+        std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+/// A blob in a shard directory made by its put survives a power loss only when the store's
+/// own directory, which holds the new shard's entry, is synced too: the flush syncs it then,
+/// and only then.
+#[test]
+fn a_new_shard_is_synced_into_the_store_directory() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let log = Arc::new(SyncLog::default());
+    let store = DiskStore::open(dir.path())?.with_writer(log.clone());
+    let root = std::fs::canonicalize(dir.path())?;
+    let synced = |log: &SyncLog| -> Result<Vec<std::path::PathBuf>, Box<dyn std::error::Error>> {
+        let mut out = Vec::new();
+        for d in std::mem::take(&mut *log.0.lock().map_err(|_| "poisoned")?) {
+            out.push(std::fs::canonicalize(d)?);
+        }
+        Ok(out)
+    };
+    synced(&log)?;
+    store.put(&key(1), Arc::new(small(1)))?;
+    store.flush()?;
+    let shard = std::fs::canonicalize(store.file_of(&key(1)).parent().ok_or("a shard")?)?;
+    let first = synced(&log)?;
+    assert!(first.contains(&root) && first.contains(&shard), "{first:?}");
+    // Another blob in the same shard: the shard is synced, the store's directory is not.
+    let mut same = (2..10_000)
+        .map(key)
+        .filter(|k| store.file_of(k).parent() == store.file_of(&key(1)).parent());
+    let other = same.next().ok_or("a key in the same shard")?;
+    store.put(&other, Arc::new(small(2)))?;
+    store.flush()?;
+    let second = synced(&log)?;
+    assert_eq!(second, vec![shard]);
+    Ok(())
+}
