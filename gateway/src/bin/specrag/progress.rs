@@ -100,6 +100,8 @@ pub struct IngestProgress {
     last_chunk: Option<Instant>,
     estimated: bool,
     lazy: bool,
+    /// Documents committed so far (their batches survive whatever happens next).
+    committed: usize,
 }
 
 impl IngestProgress {
@@ -118,6 +120,7 @@ impl IngestProgress {
             last_chunk: None,
             estimated: false,
             lazy,
+            committed: 0,
         }
     }
 
@@ -185,11 +188,12 @@ impl IngestProgress {
                 }
             }
             IngestEvent::Committed { documents } => {
+                self.committed += documents.len();
                 if self.json {
                     println!("{}", json!({"event": "committed", "documents": documents}));
                 } else {
                     self.bar
-                        .set_message(format!("{} documents committed", documents.len()));
+                        .set_message(format!("{} documents committed", self.committed));
                 }
             }
             IngestEvent::Problem(p) => self.problem(&p.origin, &p.message),
@@ -251,6 +255,11 @@ impl IngestProgress {
     /// One plain line: where the run is, its rate and what is left.
     fn line(&self, state: &str) {
         let Some(clock) = &self.lines else { return };
+        eprintln!("{}", self.line_text(state, clock.seconds()));
+    }
+
+    /// [`IngestProgress::line`]'s text, `secs` into the run.
+    fn line_text(&self, state: &str, secs: f64) -> String {
         let pct = if self.tokens.1 > 0 {
             100.0 * self.tokens.0 as f64 / self.tokens.1 as f64
         } else {
@@ -265,14 +274,16 @@ impl IngestProgress {
             ),
             s => format!(" ({s})"),
         };
-        eprintln!(
-            "ingest: {}/{} chunks, {}/{} tokens ({pct:.0}%), {} elapsed{tail}",
+        format!(
+            "ingest: {}/{} chunks, {}/{} tokens ({pct:.0}%), {} documents committed, {} \
+             elapsed{tail}",
             self.chunks.0,
             self.chunks.1,
             self.tokens.0,
             self.tokens.1,
-            duration_text(clock.seconds()),
-        );
+            self.committed,
+            duration_text(secs),
+        )
     }
 
     pub fn finish(&self) {
@@ -395,6 +406,31 @@ mod tests {
         assert!(
             text.starts_with("ingest: 200 tokens in 2 chunks to precompute (8 chunks of 800 tokens have their KV stored already)"),
             "{text}"
+        );
+    }
+
+    /// The committed count is the run's, not the last batch's (the bar showed "16 documents
+    /// committed" all run long), and plain lines carry it.
+    #[test]
+    fn committed_documents_add_up_over_the_batches() {
+        use gateway::ingest::IngestEvent::{Committed, Planned};
+        let mut p = IngestProgress::new(false, true);
+        p.on_event(Planned {
+            chunks: 40,
+            tokens: 4000,
+            stored_chunks: 0,
+            stored_tokens: 0,
+        });
+        for batch in [16, 16, 3] {
+            p.on_event(Committed {
+                documents: (0..batch).map(|i| format!("d{i}")).collect(),
+            });
+        }
+        assert_eq!(p.committed, 35);
+        let line = p.line_text("", 75.0);
+        assert!(
+            line.contains(", 35 documents committed, 1m 15s elapsed"),
+            "{line}"
         );
     }
 
