@@ -221,6 +221,8 @@ def measure(a, row, full=None):
         "logprobs": 2,
     }
     mine = {**ask, **({"recompute_ratio": a.ratio} if a.ratio is not None else {})}
+    if a.method:
+        mine["method"] = a.method
     paired = full is None
     if paired:
         full = post(f"{a.url}/rag/query", {**ask, "method": "full_recompute"}, a.timeout)
@@ -319,6 +321,10 @@ def main():
         help="ask the default method unguarded (`fidelity: fast`) only, as its record's answer",
     )
     ap.add_argument("--ratio", type=float, help="`recompute_ratio` of the default method's requests")
+    ap.add_argument(
+        "--method",
+        help="ask this method in the default method's place (its record's `method` says which)",
+    )
     ap.add_argument(
         "--full-from",
         help="records of an earlier run (kept `full_tokens`): full recompute's answers taken from "
