@@ -628,6 +628,10 @@ pub struct Health {
     /// With `--kv-remote`: the last document log entry this node has applied (`0-0`: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_position: Option<String>,
+    /// With `--kv-remote`: entries of other nodes this process passed over after failing
+    /// every try (their documents are missing here until written again; the log says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_failed: Option<u64>,
 }
 
 /// How long after a chunk store failure `/health` says `degraded`.

@@ -14,6 +14,7 @@ use crate::kvmode::KvMode;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -69,6 +70,8 @@ pub struct DocLog {
     /// until the position passes it: a foreign entry older than it must not undo the write
     /// ([`DocLog::superseded`]).
     local: Mutex<HashMap<(String, String), StreamId>>,
+    /// Entries of other nodes passed over after failing every try.
+    failed: AtomicU64,
 }
 
 /// A stream entry id, `ms-seq`, ordered as Redis orders them.
@@ -110,6 +113,7 @@ impl DocLog {
             position: Mutex::new(position),
             file,
             local: Mutex::new(HashMap::new()),
+            failed: AtomicU64::new(0),
         })
     }
 
@@ -219,6 +223,17 @@ impl DocLog {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Counts an entry of another node passed over after failing every try.
+    pub fn note_failed(&self) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Entries of other nodes this process passed over after failing every try: their
+    /// documents are missing here until written again.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// This process' node id (in the entries it appends).

@@ -8,7 +8,10 @@ use std::time::Duration;
 
 /// Follows the log in a thread of its own: every entry another node appended is applied
 /// through the engine (an ingestion that finds its KV in the remote tier, or a deletion), then
-/// recorded as applied. Redis being away is retried every second.
+/// recorded as applied. Redis being away is retried every second; an entry that fails is
+/// tried [`TRIES`] times in all, then passed over and counted ([`DocLog::failed`], on
+/// `/health`); when the engine stops the thread ends without recording the entry in hand, so
+/// the next start applies it.
 pub fn follow(engine: crate::engine::EngineHandle, log: std::sync::Arc<DocLog>) {
     let spawned = std::thread::Builder::new()
         .name("specrag-doclog".into())
@@ -22,7 +25,23 @@ pub fn follow(engine: crate::engine::EngineHandle, log: std::sync::Arc<DocLog>) 
                     for (id, node, entry) in entries {
                         if node != log.node() {
                             if let Some(entry) = entry {
-                                apply(&engine, &id, entry);
+                                let outcome = with_retries(
+                                    || apply(&engine, &id, entry.clone()),
+                                    std::thread::sleep,
+                                );
+                                match outcome {
+                                    Applied::Done => {}
+                                    Applied::Stopped => return,
+                                    Applied::Failed(e) => {
+                                        log.note_failed();
+                                        tracing::error!(
+                                            entry = id,
+                                            "document log entry not applied after {TRIES} \
+                                             tries, passed over (its documents are missing \
+                                             here until written again): {e}"
+                                        );
+                                    }
+                                }
                             }
                         }
                         if let Err(e) = log.applied(&id) {
@@ -35,6 +54,36 @@ pub fn follow(engine: crate::engine::EngineHandle, log: std::sync::Arc<DocLog>) 
     if let Err(e) = spawned {
         tracing::error!("cannot start the document log follower: {e}");
     }
+}
+
+/// How many times an entry is tried before it is passed over (waiting 1, 2, 4 s between).
+pub const TRIES: u32 = 4;
+
+/// What applying an entry came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Applied {
+    Done,
+    /// It failed; why.
+    Failed(String),
+    /// The engine stopped (the server is shutting down).
+    Stopped,
+}
+
+/// `attempt` until it is done or the engine stops, at most [`TRIES`] times, `sleep`ing 1, 2,
+/// 4 s between (a full disk or a busy store may clear meanwhile).
+fn with_retries(mut attempt: impl FnMut() -> Applied, mut sleep: impl FnMut(Duration)) -> Applied {
+    let mut wait = Duration::from_secs(1);
+    for tried in 1..=TRIES {
+        match attempt() {
+            Applied::Failed(e) if tried < TRIES => {
+                tracing::warn!("document log entry failed (try {tried} of {TRIES}): {e}");
+                sleep(wait);
+                wait *= 2;
+            }
+            out => return out,
+        }
+    }
+    Applied::Failed("no try made".into())
 }
 
 /// Submits `job` to the engine, waiting while its queue is full.
@@ -73,9 +122,8 @@ fn follower_config(
     }
 }
 
-/// Applies one entry of another node; a failure is logged and the entry passed over (the log
-/// must not stall on one bad entry).
-fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
+/// Applies one entry of another node.
+fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) -> Applied {
     use crate::engine::Job;
     match entry {
         LogEntry::Put {
@@ -96,19 +144,17 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                 }
             });
             match reply.filter(|_| sent).map(|r| r.blocking_recv()) {
-                Some(Ok(Ok((report, _)))) => tracing::info!(
-                    entry = id,
-                    documents = report.documents,
-                    reused = report.reused_chunks,
-                    "applied a document log entry"
-                ),
-                Some(Ok(Err(e))) => {
-                    tracing::warn!(entry = id, "document log entry not applied: {e}")
+                Some(Ok(Ok((report, _)))) => {
+                    tracing::info!(
+                        entry = id,
+                        documents = report.documents,
+                        reused = report.reused_chunks,
+                        "applied a document log entry"
+                    );
+                    Applied::Done
                 }
-                _ => tracing::warn!(
-                    entry = id,
-                    "document log entry not applied: the engine stopped"
-                ),
+                Some(Ok(Err(e))) => Applied::Failed(e.to_string()),
+                _ => Applied::Stopped,
             }
         }
         LogEntry::Delete {
@@ -126,8 +172,13 @@ fn apply(engine: &crate::engine::EngineHandle, id: &str, entry: LogEntry) {
                     reply: tx,
                 }
             });
-            if let Some(Ok(Err(e))) = reply.filter(|_| sent).map(|r| r.blocking_recv()) {
-                tracing::warn!(entry = id, "document log deletion not applied: {e}");
+            match reply.filter(|_| sent).map(|r| r.blocking_recv()) {
+                // Already gone here (deleted twice, or never applied) is what was asked.
+                Some(Ok(
+                    Ok(_) | Err(crate::engine::JobError::Gateway(crate::GatewayError::NotFound(_))),
+                )) => Applied::Done,
+                Some(Ok(Err(e))) => Applied::Failed(e.to_string()),
+                _ => Applied::Stopped,
             }
         }
     }
@@ -140,6 +191,40 @@ mod tests {
 
     /// Regression (issue 57): the log's `Put` carried no KV mode, so followers precomputed
     /// and pinned every chunk of a collection the ingesting node had ingested lazily.
+    /// A failing entry is tried again after 1, 2 and 4 s, then passed over as failed; one that
+    /// succeeds on a later try is done; a stopped engine ends at once (the entry is then not
+    /// recorded as applied: it was recorded as applied whatever happened).
+    #[test]
+    fn an_entry_is_retried_then_passed_over_and_a_stop_is_not_a_failure() {
+        let run = |mut outcomes: Vec<Applied>| {
+            outcomes.reverse();
+            let mut tries = 0;
+            let mut slept = Vec::new();
+            let out = with_retries(
+                || {
+                    tries += 1;
+                    outcomes.pop().unwrap_or(Applied::Done)
+                },
+                |d| slept.push(d.as_secs()),
+            );
+            (out, tries, slept)
+        };
+        let failed = || Applied::Failed("disk full".into());
+        assert_eq!(
+            run(vec![failed(), failed(), Applied::Done]),
+            (Applied::Done, 3, vec![1, 2])
+        );
+        assert_eq!(
+            run(vec![failed(), failed(), failed(), failed(), Applied::Done]),
+            (failed(), 4, vec![1, 2, 4])
+        );
+        assert_eq!(run(vec![Applied::Stopped]), (Applied::Stopped, 1, vec![]));
+        assert_eq!(
+            run(vec![failed(), Applied::Stopped]),
+            (Applied::Stopped, 2, vec![1])
+        );
+    }
+
     #[test]
     fn a_lazy_batch_is_applied_lazily() -> Result<(), serde_json::Error> {
         let entry = LogEntry::Put {

@@ -214,4 +214,9 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
         Some(1),
         "{list}"
     );
+    // Every entry applied, none passed over.
+    for port in [port_b, port_c] {
+        let (_, h) = http(port, "GET", "/health", None);
+        assert_eq!(h["log_failed"], 0, "{h}");
+    }
 }

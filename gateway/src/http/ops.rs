@@ -109,6 +109,7 @@ pub(crate) async fn health(
         queue_depth: state.engine.depth(),
         queue_capacity: state.engine.capacity(),
         log_position: state.pipeline.corpus.doclog.as_ref().map(|l| l.position()),
+        log_failed: state.pipeline.corpus.doclog.as_ref().map(|l| l.failed()),
     }))
 }
 
