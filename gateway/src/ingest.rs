@@ -495,8 +495,21 @@ pub fn delete_document(
         }
     }
     let removed = corpus.index.delete_document(collection, doc_id)?;
+    let log = corpus.doclog.as_ref().filter(|_| applying.is_none());
     if removed.is_empty() {
         corpus.index.rollback()?;
+        // Logged all the same (best effort: the answer is 404 either way), so a deletion
+        // committed here whose append failed (the client was told so) reaches the other nodes
+        // when the client asks again. Followers take a document already gone as deleted.
+        if let Some(l) = log {
+            let entry = crate::doclog::LogEntry::Delete {
+                collection: collection.to_string(),
+                id: doc_id.to_string(),
+            };
+            if let Err(e) = l.append(&entry) {
+                tracing::warn!(document = doc_id, "document log: {e}");
+            }
+        }
         return Err(crate::GatewayError::NotFound(format!(
             "document `{doc_id}` is not in collection `{collection}`"
         )));
@@ -507,7 +520,7 @@ pub fn delete_document(
     }
     let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
     corpus.collect_left(engines, &keys)?;
-    if let Some(l) = corpus.doclog.as_ref().filter(|_| applying.is_none()) {
+    if let Some(l) = log {
         l.append(&crate::doclog::LogEntry::Delete {
             collection: collection.to_string(),
             id: doc_id.to_string(),

@@ -29,6 +29,8 @@ pub fn ingest(m: &ModelArgs, a: IngestArgs) -> anyhow::Result<()> {
     for problem in &inputs.problems {
         progress.problem(&problem.origin, &problem.message);
     }
+    let chars = inputs.docs.iter().map(|d| d.text.chars().count()).sum();
+    progress.started(inputs.docs.len(), chars);
     let cfg = IngestConfig {
         collection: a.collection.clone(),
         chunk_tokens: a.chunk_tokens as usize,

@@ -78,6 +78,14 @@ pub fn eta(remaining: f64, rate: f64) -> String {
     duration_text(remaining / rate)
 }
 
+/// The line an ingestion starts with.
+fn started_text(documents: usize, chars: usize) -> String {
+    format!(
+        "ingest: {documents} documents read ({:.1} M characters); chunking and tokenizing them",
+        chars as f64 / 1e6
+    )
+}
+
 /// Above this estimate, ingestion suggests `--kv lazy`.
 const LONG_INGEST_SECS: f64 = 300.0;
 
@@ -121,6 +129,15 @@ impl IngestProgress {
             estimated: false,
             lazy,
             committed: 0,
+        }
+    }
+
+    /// Says what was read, before the documents are chunked and tokenized (which takes a
+    /// while on a large corpus, before the first chunk line).
+    pub fn started(&self, documents: usize, chars: usize) {
+        if !self.json {
+            let text = started_text(documents, chars);
+            self.bar.suspend(|| eprintln!("{text}"));
         }
     }
 
@@ -431,6 +448,14 @@ mod tests {
         assert!(
             line.contains(", 35 documents committed, 1m 15s elapsed"),
             "{line}"
+        );
+    }
+
+    #[test]
+    fn the_first_line_says_what_was_read() {
+        assert_eq!(
+            started_text(1200, 3_456_789),
+            "ingest: 1200 documents read (3.5 M characters); chunking and tokenizing them"
         );
     }
 
