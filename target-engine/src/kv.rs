@@ -86,6 +86,36 @@ impl KvCache {
         self.rows == 0
     }
 
+    /// Rows the buffers have room for without growing (at least [`KvCache::len`]; more after
+    /// [`KvCache::reserve`]): what the cache holds in memory, with its bf16 mirror's bytes
+    /// beside ([`KvCache::mirror_bytes`]).
+    pub fn capacity_rows(&self) -> usize {
+        let row = self.row.max(1);
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|b| b.capacity() / row)
+            .max()
+            .unwrap_or(0)
+            .max(self.rows)
+    }
+
+    /// Bytes of the rows packed for bf16 attention (0 until a bf16 forward asks for them).
+    pub fn mirror_bytes(&self) -> usize {
+        if self.bf16.is_empty() {
+            0
+        } else {
+            // bf16 K and V of every row the f32 buffers hold.
+            2 * 2 * self.n_layer * self.row * self.rows
+        }
+    }
+
+    /// Drops the bf16 mirror (a bf16 forward packs it again from the f32 rows when it needs
+    /// it): for a copy kept for later, so it holds the rows once.
+    pub fn drop_mirror(&mut self) {
+        self.bf16 = Vec::new();
+    }
+
     /// True when every row below `len()` holds a computed token.
     pub fn is_complete(&self) -> bool {
         self.filled.iter().all(|&f| f)

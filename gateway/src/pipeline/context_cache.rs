@@ -57,10 +57,12 @@ impl ContextCache {
         }
     }
 
-    /// What an entry counts against the budget: f32 K and V of every layer, and the logits.
+    /// What an entry counts against the budget: f32 K and V of every layer for every row its
+    /// buffers have room for (a kept copy keeps the room reserved for the answer), its bf16
+    /// mirror where it has one (a kept copy has none), and the logits.
     fn weight(cache: &KvCache, logits: &[f32]) -> u64 {
-        let kv = 2 * 4 * cache.n_layer() * cache.row_len() * cache.len();
-        (kv + 4 * logits.len()) as u64
+        let kv = 2 * 4 * cache.n_layer() * cache.row_len() * cache.capacity_rows();
+        (kv + cache.mirror_bytes() + 4 * logits.len()) as u64
     }
 
     /// Keeps a copy of a context's full cache, unless it is larger than the whole budget (a
@@ -70,9 +72,12 @@ impl ContextCache {
         let Some(cache) = (cache as &dyn std::any::Any).downcast_ref::<KvCache>() else {
             return;
         };
-        if Self::weight(cache, logits) <= self.bytes.min(u64::from(u32::MAX)) {
-            self.inner
-                .insert(key, Arc::new((cache.clone(), logits.to_vec())));
+        let weight = Self::weight(cache, logits) - cache.mirror_bytes() as u64;
+        if weight <= self.bytes.min(u64::from(u32::MAX)) {
+            let mut copy = cache.clone();
+            // Kept once, in f32: a bf16 forward over a hit packs its mirror again.
+            copy.drop_mirror();
+            self.inner.insert(key, Arc::new((copy, logits.to_vec())));
         }
     }
 
@@ -101,5 +106,29 @@ impl ContextCache {
             h.update(id.to_le_bytes());
         }
         h.finalize().into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept copy keeps the room reserved for the answer's rows, so that room counts: an
+    /// entry was weighed by its written rows only.
+    #[test]
+    fn an_entry_weighs_the_room_it_keeps() {
+        let mut c = KvCache::with_shape(2, 4);
+        c.reserve(100);
+        let rows = c.capacity_rows();
+        assert!(rows >= 100, "{rows}");
+        assert_eq!(c.mirror_bytes(), 0);
+        let weight = (2 * 4 * 2 * 4 * rows + 4 * 10) as u64;
+        assert_eq!(ContextCache::weight(&c, &[0.0; 10]), weight);
+        let under = ContextCache::new(weight - 1);
+        under.keep([1; 32], &c, &[0.0; 10]);
+        assert_eq!(under.entries(), 0, "over the budget by its room");
+        let fits = ContextCache::new(weight);
+        fits.keep([1; 32], &c, &[0.0; 10]);
+        assert_eq!(fits.entries(), 1);
     }
 }
