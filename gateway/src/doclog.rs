@@ -72,6 +72,9 @@ pub struct DocLog {
     local: Mutex<HashMap<(String, String), StreamId>>,
     /// Entries of other nodes passed over after failing every try.
     failed: AtomicU64,
+    /// Deletions committed here whose append failed, `(collection, id)`: appended when the
+    /// client asks again, though the document is gone here by then.
+    unappended: Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 /// A stream entry id, `ms-seq`, ordered as Redis orders them.
@@ -114,6 +117,7 @@ impl DocLog {
             file,
             local: Mutex::new(HashMap::new()),
             failed: AtomicU64::new(0),
+            unappended: Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -127,11 +131,32 @@ impl DocLog {
         Ok(c)
     }
 
-    /// Appends `entry`, a write this node has just committed; returns its id.
+    /// Appends `entry`, a write this node has just committed; returns its id. A deletion
+    /// that cannot be appended is remembered ([`DocLog::unlogged`]).
     pub fn append(&self, entry: &LogEntry) -> Result<String> {
+        let id = self.xadd(entry);
+        if let LogEntry::Delete {
+            collection,
+            id: doc,
+        } = entry
+        {
+            let mut unappended = self.unappended.lock().unwrap_or_else(|p| p.into_inner());
+            let key = (collection.clone(), doc.clone());
+            if id.is_ok() {
+                unappended.remove(&key);
+            } else {
+                unappended.insert(key);
+            }
+        }
+        let id = id?;
+        self.record_local(entry, &id);
+        Ok(id)
+    }
+
+    fn xadd(&self, entry: &LogEntry) -> Result<String> {
         let json = serde_json::to_string(entry).map_err(|e| log_err("append", e))?;
         let mut c = self.connection(Duration::from_secs(5))?;
-        let id: String = redis::cmd("XADD")
+        redis::cmd("XADD")
             .arg(&self.stream)
             .arg("*")
             .arg("node")
@@ -139,9 +164,15 @@ impl DocLog {
             .arg("entry")
             .arg(json)
             .query(&mut c)
-            .map_err(|e| log_err("append", e))?;
-        self.record_local(entry, &id);
-        Ok(id)
+            .map_err(|e| log_err("append", e))
+    }
+
+    /// True when this node deleted `doc` of `collection` but could not append the deletion.
+    pub fn unlogged(&self, collection: &str, doc: &str) -> bool {
+        self.unappended
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(collection.to_string(), doc.to_string()))
     }
 
     /// Notes that this node wrote `entry`'s documents as log entry `id` ([`DocLog::append`]
@@ -194,8 +225,17 @@ impl DocLog {
 
     /// Records that entry `id` is applied here (kept across restarts, synced: a power loss
     /// must not send the node back to the start of the stream).
+    /// The position moves on in memory even where the file cannot be written (the follower
+    /// would otherwise read and apply the same entries again and again); the error says so.
     pub fn applied(&self, id: &str) -> Result<()> {
         use std::io::Write;
+        *self.position.lock().unwrap_or_else(|p| p.into_inner()) = id.to_string();
+        // Entries still to come are later than `id`: a local write no later than it can no
+        // longer be undone by one.
+        if let Some(at) = stream_id(id) {
+            let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+            local.retain(|_, mine| *mine > at);
+        }
         let tmp = self.file.with_extension("tmp");
         std::fs::File::create(&tmp)
             .and_then(|mut f| {
@@ -206,15 +246,7 @@ impl DocLog {
             .map_err(|source| GatewayError::Io {
                 context: format!("writing {}", self.file.display()),
                 source,
-            })?;
-        *self.position.lock().unwrap_or_else(|p| p.into_inner()) = id.to_string();
-        // Entries still to come are later than `id`: a local write no later than it can no
-        // longer be undone by one.
-        if let Some(at) = stream_id(id) {
-            let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-            local.retain(|_, mine| *mine > at);
-        }
-        Ok(())
+            })
     }
 
     /// The last entry id applied here.
@@ -352,6 +384,28 @@ mod tests {
         assert!(
             log.superseded("c", "z", "29-9"),
             "still ahead of the position"
+        );
+        Ok(())
+    }
+
+    /// A deletion committed here whose append failed is remembered, so the client's next
+    /// DELETE (answered 404: the document is gone here) appends it; nothing else is.
+    #[test]
+    fn a_deletion_that_could_not_be_appended_is_remembered() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| log_err("test", e))?;
+        // Nothing listens on port 1: every append fails.
+        let log = DocLog::open("redis://127.0.0.1:1", "t", dir.path())?;
+        let delete = LogEntry::Delete {
+            collection: "c".into(),
+            id: "d".into(),
+        };
+        assert!(log.append(&delete).is_err());
+        assert!(log.unlogged("c", "d"));
+        assert!(!log.unlogged("c", "e") && !log.unlogged("other", "d"));
+        assert!(log.append(&put("c", &["p"])).is_err());
+        assert!(
+            !log.unlogged("c", "p"),
+            "a put is appended again by its ingestion"
         );
         Ok(())
     }

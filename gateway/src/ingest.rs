@@ -496,16 +496,15 @@ pub fn delete_document(
     }
     let removed = corpus.index.delete_document(collection, doc_id)?;
     let log = corpus.doclog.as_ref().filter(|_| applying.is_none());
+    let entry = crate::doclog::LogEntry::Delete {
+        collection: collection.to_string(),
+        id: doc_id.to_string(),
+    };
     if removed.is_empty() {
         corpus.index.rollback()?;
-        // Logged all the same (best effort: the answer is 404 either way), so a deletion
-        // committed here whose append failed (the client was told so) reaches the other nodes
-        // when the client asks again. Followers take a document already gone as deleted.
-        if let Some(l) = log {
-            let entry = crate::doclog::LogEntry::Delete {
-                collection: collection.to_string(),
-                id: doc_id.to_string(),
-            };
+        // A deletion committed here whose append failed (the client was told so) is appended
+        // when the client asks again (best effort: the answer is 404 either way).
+        if let Some(l) = log.filter(|l| l.unlogged(collection, doc_id)) {
             if let Err(e) = l.append(&entry) {
                 tracing::warn!(document = doc_id, "document log: {e}");
             }
@@ -521,10 +520,7 @@ pub fn delete_document(
     let keys: Vec<String> = removed.iter().map(|r| r.key.clone()).collect();
     corpus.collect_left(engines, &keys)?;
     if let Some(l) = log {
-        l.append(&crate::doclog::LogEntry::Delete {
-            collection: collection.to_string(),
-            id: doc_id.to_string(),
-        })?;
+        l.append(&entry)?;
     }
     Ok(removed.len())
 }
