@@ -31,7 +31,14 @@ pub fn follow(engine: crate::engine::EngineHandle, log: std::sync::Arc<DocLog>) 
                                 );
                                 match outcome {
                                     Applied::Done => {}
-                                    Applied::Stopped => return,
+                                    Applied::Stopped => {
+                                        tracing::error!(
+                                            entry = id,
+                                            "the engine stopped: the document log follower \
+                                             ends; the next start applies this entry"
+                                        );
+                                        return;
+                                    }
                                     Applied::Failed(e) => {
                                         log.note_failed();
                                         tracing::error!(
@@ -189,11 +196,9 @@ mod tests {
     use super::*;
     use crate::kvmode::KvMode;
 
-    /// Regression (issue 57): the log's `Put` carried no KV mode, so followers precomputed
-    /// and pinned every chunk of a collection the ingesting node had ingested lazily.
     /// A failing entry is tried again after 1, 2 and 4 s, then passed over as failed; one that
     /// succeeds on a later try is done; a stopped engine ends at once (the entry is then not
-    /// recorded as applied: it was recorded as applied whatever happened).
+    /// recorded as applied, so the next start applies it).
     #[test]
     fn an_entry_is_retried_then_passed_over_and_a_stop_is_not_a_failure() {
         let run = |mut outcomes: Vec<Applied>| {
@@ -225,6 +230,8 @@ mod tests {
         );
     }
 
+    /// Regression (issue 57): the log's `Put` carried no KV mode, so followers precomputed
+    /// and pinned every chunk of a collection the ingesting node had ingested lazily.
     #[test]
     fn a_lazy_batch_is_applied_lazily() -> Result<(), serde_json::Error> {
         let entry = LogEntry::Put {
