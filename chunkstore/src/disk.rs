@@ -270,9 +270,6 @@ impl DiskStore {
             .path
             .join(TMP_DIR)
             .join(format!("{key}.{:016x}", rand_suffix()));
-        // A shard made now is an entry of the store's directory: that directory is synced
-        // too, or a power loss could take the shard, and the blob in it, away.
-        let new_shard = !shard.is_dir();
         let result = (|| -> std::io::Result<()> {
             std::fs::create_dir_all(&shard)?;
             // `tmp/` deleted behind the store's back is made again, not a failed write.
@@ -283,11 +280,10 @@ impl DiskStore {
         match result {
             Ok(()) => {
                 self.sizes().insert(*key, bytes.len() as u64);
-                let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
-                if new_shard {
-                    dirty.insert(self.path.clone());
-                }
-                dirty.insert(shard);
+                self.dirty
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(shard);
                 Ok(())
             }
             Err(e) => {
@@ -409,7 +405,13 @@ impl ChunkStore for DiskStore {
     /// sync, with those after it, at the next flush; one deleted behind the store's back has
     /// nothing left to sync.
     fn flush(&self) -> Result<()> {
-        let dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        // A shard may be new since the last flush (made by any put, or by one that failed
+        // after making it): the store's directory holds its entry, so it is synced too, or a
+        // power loss could take the shard, and the blobs in it, away.
+        if !dirty.is_empty() {
+            dirty.insert(self.path.clone());
+        }
         let mut left = dirty.into_iter();
         while let Some(dir) = left.next() {
             match self.writer.sync_dir(&dir) {
