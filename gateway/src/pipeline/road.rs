@@ -67,7 +67,10 @@ impl Pipeline {
         let caches = if q.method.is_full() { 1 } else { 2 } + u64::from(full_too);
         let drafter = match &self.engines.spec {
             Some(spec) if q.spec_decode.unwrap_or(self.spec_decode) => {
-                crate::admission::kv_bytes_per_token(spec.speculator.config())
+                crate::admission::cpu_kv_bytes_per_token(
+                    spec.speculator.config(),
+                    spec.speculator.attention(),
+                )
             }
             _ => 0,
         };
