@@ -862,8 +862,8 @@ mod tests {
         );
     }
 
-    /// Every integer field takes JSON's `32.0` as `32` (generated clients send either);
-    /// `max_context_tokens` once refused it.
+    /// Every integer field takes JSON's `32.0` as `32` (generated clients send either),
+    /// `max_context_tokens` too.
     #[test]
     fn integer_fields_take_whole_floats() -> Result<()> {
         let q: QueryRequest = serde_json::from_str(

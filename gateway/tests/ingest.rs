@@ -568,7 +568,7 @@ fn blobs_an_interrupted_run_left_are_reused_or_collected_at_the_end_of_the_next(
 /// Replication: a node commits its own write before appending it to the document log, so its
 /// follower, behind, could meet another node's older entry for the same document after it and
 /// apply it, leaving this node with the older text (or none) while every other node, applying
-/// both in log order, holds the newer. Such an entry now leaves the document as it is here;
+/// both in log order, holds the newer. Such an entry leaves the document as it is here;
 /// the rest of the entry, and later entries, apply.
 #[test]
 fn an_older_log_entry_does_not_undo_a_newer_local_write() -> TestResult {

@@ -398,7 +398,8 @@ impl Index {
 
     /// Committed documents, of one collection or of all, ordered by collection and id.
     ///
-    /// Reads every stored chunk in scope (its text is not copied); holds a summary per document.
+    /// Reads every stored chunk in scope (its text is dropped as it is read); holds a summary
+    /// per document.
     pub fn documents(&self, collection: Option<&str>) -> Result<Vec<DocSummary>> {
         let query: Box<dyn Query> = match collection {
             Some(c) => {

@@ -113,8 +113,8 @@ impl ContextCache {
 mod tests {
     use super::*;
 
-    /// A kept copy keeps the room reserved for the answer's rows, so that room counts: an
-    /// entry was weighed by its written rows only.
+    /// A kept copy keeps the room reserved for the answer's rows, so that room counts, not
+    /// only the rows written.
     #[test]
     fn an_entry_weighs_the_room_it_keeps() {
         let mut c = KvCache::with_shape(2, 4);
