@@ -398,20 +398,7 @@ pub struct DocumentIn {
 
 /// Most characters of a document title.
 pub const MAX_TITLE_CHARS: usize = 512;
-/// Longest document id, in characters, wherever a document gets one (`POST /documents`, a
-/// JSONL line, a file's path under `specrag ingest`) and wherever one is named (`DELETE
-/// /documents/{id}`): whatever is ingested can be deleted.
-pub const MAX_DOC_ID_CHARS: usize = 512;
-
-/// Why `id` cannot be a document id, if it cannot.
-pub fn doc_id_problem(id: &str) -> Option<String> {
-    if id.trim().is_empty() {
-        return Some("must not be empty or only whitespace".into());
-    }
-    let chars = id.chars().count();
-    (chars > MAX_DOC_ID_CHARS)
-        .then(|| format!("must be at most {MAX_DOC_ID_CHARS} characters, got {chars}"))
-}
+pub use crate::input::{doc_id_problem, MAX_DOC_ID_CHARS};
 /// Most characters of all texts of one `POST /documents` together: ingestion costs engine
 /// time in proportion (a character is at most one token), and every query waits behind it.
 pub const MAX_DOCUMENTS_TEXT_CHARS: usize = 2 * 1024 * 1024;

@@ -242,7 +242,7 @@ fn text_document(
         });
     }
     let id = doc_id_for(roots, file);
-    if let Some(why) = crate::api::doc_id_problem(&id) {
+    if let Some(why) = doc_id_problem(&id) {
         return Err(InputProblem {
             origin,
             message: format!(
@@ -262,6 +262,21 @@ fn text_document(
         text,
         origin,
     })
+}
+
+/// Longest document id, in characters, wherever a document gets one (`POST /documents`, a
+/// JSONL line, a file's path under `specrag ingest`) and wherever one is named (`DELETE
+/// /documents/{id}`): whatever is ingested can be deleted.
+pub const MAX_DOC_ID_CHARS: usize = 512;
+
+/// Why `id` cannot be a document id, if it cannot.
+pub fn doc_id_problem(id: &str) -> Option<String> {
+    if id.trim().is_empty() {
+        return Some("must not be empty or only whitespace".into());
+    }
+    let chars = id.chars().count();
+    (chars > MAX_DOC_ID_CHARS)
+        .then(|| format!("must be at most {MAX_DOC_ID_CHARS} characters, got {chars}"))
 }
 
 /// `file` relative to the input folder that contains it, or its file name.
@@ -289,7 +304,7 @@ fn parse_json_line(line: &str) -> Result<(String, Option<String>, String), Strin
         serde_json::Value::Number(n) => n.to_string(),
         other => return Err(format!("field `id` must be a string, got {other}")),
     };
-    if let Some(why) = crate::api::doc_id_problem(&id) {
+    if let Some(why) = doc_id_problem(&id) {
         return Err(format!("field `id` {why}"));
     }
     if doc.text.trim().is_empty() {
@@ -323,7 +338,6 @@ mod tests {
     #[test]
     fn document_ids_are_held_to_one_limit_in_characters() -> Result<(), Box<dyn std::error::Error>>
     {
-        use crate::api::MAX_DOC_ID_CHARS;
         let dir = tempfile::tempdir()?;
         let root = dir.path().join("corpus");
         let deep = root.join("d".repeat(200)).join("e".repeat(200));
