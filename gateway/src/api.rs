@@ -79,17 +79,14 @@ pub fn validate_passages(
             if d.text.trim().is_empty() {
                 return Err(GatewayError::bad(
                     field,
-                    format!("passage {} has no text", i + 1),
+                    format!("{field}[{i}] has no text"),
                 ));
             }
             let id = d.id.clone().unwrap_or_else(|| format!("passage-{}", i + 1));
             if id.is_empty() || id.chars().count() > MAX_PASSAGE_ID_CHARS {
                 return Err(GatewayError::bad(
                     field,
-                    format!(
-                        "passage {}'s id must be 1 to {MAX_PASSAGE_ID_CHARS} characters",
-                        i + 1
-                    ),
+                    format!("{field}[{i}].id must be 1 to {MAX_PASSAGE_ID_CHARS} characters"),
                 ));
             }
             Ok(crate::pipeline::Passage {
@@ -441,7 +438,7 @@ impl DocumentIn {
         {
             return Err(GatewayError::bad(
                 "documents[].title",
-                format!("document {i}: title is longer than {MAX_TITLE_CHARS} characters"),
+                format!("documents[{i}].title is longer than {MAX_TITLE_CHARS} characters"),
             ));
         }
         let chars = self.text.chars().count();
@@ -449,7 +446,7 @@ impl DocumentIn {
             return Err(GatewayError::TooLarge {
                 field: "documents[].text",
                 message: format!(
-                    "document {i} holds {chars} characters; at most \
+                    "documents[{i}].text holds {chars} characters; at most \
                      {MAX_DOCUMENT_TEXT_CHARS} per document (split it, or use `specrag ingest`)"
                 ),
             });
@@ -457,13 +454,13 @@ impl DocumentIn {
         if let Some(why) = doc_id_problem(&self.id) {
             return Err(GatewayError::bad(
                 "documents[].id",
-                format!("document {i}: id {why}"),
+                format!("documents[{i}].id {why}"),
             ));
         }
         if self.text.trim().is_empty() {
             return Err(GatewayError::bad(
                 "documents[].text",
-                format!("document {i} (`{}`): text is empty", self.id),
+                format!("documents[{i}].text (id `{}`) is empty", self.id),
             ));
         }
         Ok(chars)
@@ -504,7 +501,7 @@ impl DocumentsRequest {
                     field: "documents[].text",
                     message: format!(
                         "the texts hold more than {MAX_DOCUMENTS_TEXT_CHARS} characters together \
-                         (reached at document {i}); send fewer per request or use `specrag ingest`"
+                         (reached at documents[{i}]); send fewer per request or use `specrag ingest`"
                     ),
                 });
             }
@@ -619,6 +616,11 @@ pub struct Health {
     /// every try (their documents are missing here until written again; the log says why).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_failed: Option<u64>,
+    /// With `--kv-remote`: what in the Redis' configuration, read at start, can lose the
+    /// document log or refuse its appends (an eviction policy that can evict it, no
+    /// append-only file); absent when nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_warnings: Option<Vec<String>>,
 }
 
 /// How long after a chunk store failure `/health` says `degraded`.

@@ -825,15 +825,19 @@ async fn documents_are_added_listed_searched_and_deleted() -> TestResult {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{text}");
-    let (status, _, _) = send(
+    let (status, text, _) = send(
         &s,
         post(
             "/documents",
-            &json!({"documents": [{"id": "x", "text": "  "}]}),
+            &json!({"documents": [{"id": "w", "text": "an ant"}, {"id": "x", "text": "  "}]}),
         ),
     )
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        text.contains("documents[1].text (id `x`) is empty"),
+        "{text}"
+    );
     Ok(())
 }
 
@@ -2025,6 +2029,22 @@ async fn bad_passage_lists_are_refused_naming_the_field() -> TestResult {
         let (got, body, _) = send(&s, ask("q?", json!({"documents": docs}))).await;
         assert_eq!(got, status, "{body}");
         assert!(body.contains("\"field\":\"documents\""), "{body}");
+    }
+    // The passage at fault is named by its place in the list, as a JSON path (from 0), as
+    // `POST /documents` names a document.
+    for (docs, says) in [
+        (
+            json!([{"text": "x"}, {"text": "  "}]),
+            "documents[1] has no text",
+        ),
+        (
+            json!([{"text": "x"}, {"text": "y"}, {"id": "", "text": "z"}]),
+            "documents[2].id must be",
+        ),
+    ] {
+        let (got, body, _) = send(&s, ask("q?", json!({"documents": docs}))).await;
+        assert_eq!(got, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body.contains(says), "{body}");
     }
     Ok(())
 }

@@ -55,7 +55,7 @@ impl Pipeline {
         let mut hits = Vec::new();
         for (i, p) in q.documents.iter().enumerate() {
             let chunks = retriever::chunk_document(&p.id, &p.text, &encode, &params)
-                .map_err(|e| GatewayError::bad("documents", format!("passage {}: {e}", i + 1)))?;
+                .map_err(|e| GatewayError::bad("documents", format!("documents[{i}]: {e}")))?;
             for (position, c) in chunks.into_iter().enumerate() {
                 let (_, ids) = self.engines.segment(&c.text);
                 let key = self.engines.key(&q.collection, &ids);
