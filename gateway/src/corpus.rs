@@ -454,9 +454,9 @@ impl Corpus {
             .with_budget(opts.disk_budget, opts.eviction)?;
         let mut doclog = None;
         if let Some(r) = &opts.remote {
-            doclog = Some(Arc::new(crate::doclog::DocLog::open(
-                &r.url, &r.prefix, dir,
-            )?));
+            let log = crate::doclog::DocLog::open(&r.url, &r.prefix, dir)?;
+            log.check_config(r.ttl);
+            doclog = Some(Arc::new(log));
             let remote = chunkstore::RemoteStore::new(&r.url, &r.prefix, r.ttl)
                 .map_err(|e| GatewayError::bad("kv_remote", e.to_string()))?
                 .with_codec(opts.codec);

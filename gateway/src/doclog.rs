@@ -75,6 +75,8 @@ pub struct DocLog {
     /// Deletions committed here whose append failed, `(collection, id)`: appended when the
     /// client asks again, though the document is gone here by then.
     unappended: Mutex<std::collections::HashSet<(String, String)>>,
+    /// What [`DocLog::check_config`] found, for `/health`.
+    warnings: std::sync::OnceLock<Vec<String>>,
 }
 
 /// A stream entry id, `ms-seq`, ordered as Redis orders them.
@@ -118,6 +120,7 @@ impl DocLog {
             local: Mutex::new(HashMap::new()),
             failed: AtomicU64::new(0),
             unappended: Mutex::new(std::collections::HashSet::new()),
+            warnings: std::sync::OnceLock::new(),
         })
     }
 
@@ -272,6 +275,83 @@ impl DocLog {
     pub fn node(&self) -> &str {
         &self.node
     }
+
+    /// Reads the Redis' configuration once ([`DocLog::config_warnings`]), logs what can lose
+    /// the log and keeps it for [`DocLog::warnings`].
+    pub fn check_config(&self, ttl: Option<Duration>) {
+        let found = self.config_warnings(ttl);
+        for w in &found {
+            tracing::warn!("--kv-remote: {w}");
+        }
+        let _ = self.warnings.set(found);
+    }
+
+    /// What [`DocLog::check_config`] found (none before it ran).
+    pub fn warnings(&self) -> Vec<String> {
+        self.warnings.get().cloned().unwrap_or_default()
+    }
+
+    /// What in the Redis' configuration can lose the log or refuse its appends, read with
+    /// `CONFIG GET` (`ttl`: the chunk KV's TTL, `--kv-remote-ttl-secs`). Empty when nothing
+    /// does, or when the Redis does not answer `CONFIG` (managed ones may refuse it).
+    pub fn config_warnings(&self, ttl: Option<Duration>) -> Vec<String> {
+        let Ok(mut c) = self.connection(Duration::from_secs(5)) else {
+            return Vec::new();
+        };
+        let mut get = |name: &str| -> Option<String> {
+            redis::cmd("CONFIG")
+                .arg("GET")
+                .arg(name)
+                .query::<HashMap<String, String>>(&mut c)
+                .ok()?
+                .remove(name)
+        };
+        let (Some(maxmemory), Some(policy)) = (get("maxmemory"), get("maxmemory-policy")) else {
+            return Vec::new();
+        };
+        let appendonly = get("appendonly");
+        redis_warnings(
+            &self.stream,
+            &maxmemory,
+            &policy,
+            appendonly.as_deref(),
+            ttl,
+        )
+    }
+}
+
+/// [`DocLog::config_warnings`] from the values read.
+fn redis_warnings(
+    stream: &str,
+    maxmemory: &str,
+    policy: &str,
+    appendonly: Option<&str>,
+    ttl: Option<Duration>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let limited = maxmemory.trim().parse::<u64>().map_or(true, |m| m > 0);
+    if limited && policy.starts_with("allkeys-") {
+        out.push(format!(
+            "Redis evicts any key when full (maxmemory-policy {policy}): the document log \
+             `{stream}` can be evicted with chunk KV, and nodes then miss documents; set \
+             maxmemory-policy volatile-lru and --kv-remote-ttl-secs, so that only chunk KV (which \
+             then has a TTL) is evicted"
+        ));
+    } else if limited && ttl.is_none() {
+        out.push(format!(
+            "Redis evicts only keys with a TTL (maxmemory-policy {policy}) and chunk KV has none \
+             (--kv-remote-ttl-secs 0): once Redis is full it refuses writes, chunk KV is no \
+             longer shared and new documents' log entries fail; set --kv-remote-ttl-secs"
+        ));
+    }
+    if appendonly == Some("no") {
+        out.push(format!(
+            "Redis keeps no append-only file (appendonly no): a Redis restart loses the document \
+             log `{stream}`, and a node started after it misses every document ingested before; \
+             set appendonly yes"
+        ));
+    }
+    out
 }
 
 /// `XREAD`'s reply: `[[stream, [[id, [field, value, ...]], ...]]]`, or nil on timeout.
@@ -323,6 +403,28 @@ fn parse_xread(v: redis::Value) -> Vec<(String, String, Option<LogEntry>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redis_settings_that_lose_the_log_are_named() {
+        let day = Some(Duration::from_secs(86_400));
+        let w = redis_warnings("s:docs", "1000000", "allkeys-lru", Some("yes"), day);
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].contains("allkeys-lru") && w[0].contains("`s:docs`"),
+            "{w:?}"
+        );
+        // No memory limit: nothing is evicted, whatever the policy.
+        assert!(redis_warnings("s:docs", "0", "allkeys-lru", Some("yes"), None).is_empty());
+        // Evicting only keys with a TTL keeps the log; chunk KV needs one then.
+        assert!(redis_warnings("s:docs", "1000000", "volatile-lru", Some("yes"), day).is_empty());
+        let w = redis_warnings("s:docs", "1000000", "volatile-lru", Some("yes"), None);
+        assert!(
+            w.len() == 1 && w[0].contains("--kv-remote-ttl-secs"),
+            "{w:?}"
+        );
+        let w = redis_warnings("s:docs", "0", "noeviction", Some("no"), None);
+        assert!(w.len() == 1 && w[0].contains("appendonly yes"), "{w:?}");
+    }
 
     fn put(collection: &str, ids: &[&str]) -> LogEntry {
         LogEntry::Put {

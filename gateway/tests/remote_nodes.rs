@@ -140,7 +140,30 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
     let data_args = ["--kv-remote", url.as_str()];
     let models = common::tiny_models(tmp.path());
     let (_a, port_a, _) = common::serve(&tmp.path().join("a"), &models, &data_args, &[]);
+    // Redis made to evict any key when full before B starts: B reads that and says so; both
+    // say the log does not survive a Redis restart (the test's Redis keeps no AOF).
+    let mut redis = redis::Client::open(url.as_str())
+        .and_then(|c| c.get_connection())
+        .expect("redis");
+    for (name, value) in [("maxmemory", "256mb"), ("maxmemory-policy", "allkeys-lru")] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut redis)
+            .expect("CONFIG SET");
+    }
     let (_b, port_b, _) = common::serve(&tmp.path().join("b"), &models, &data_args, &[]);
+    let warnings = |port| http(port, "GET", "/health", None).1["log_warnings"].to_string();
+    let (on_a, on_b) = (warnings(port_a), warnings(port_b));
+    assert!(
+        on_a.contains("appendonly yes") && !on_a.contains("allkeys"),
+        "{on_a}"
+    );
+    assert!(
+        on_b.contains("allkeys-lru") && on_b.contains("appendonly yes"),
+        "{on_b}"
+    );
     let docs = json!({"documents": [
         {"id": "ants", "text": "The thin ant ran in the sand and then the ant sat in the tent."},
         {"id": "attic", "text": "A hint: the antenna is in the attic near the tent, behind the tin."},

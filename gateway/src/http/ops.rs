@@ -110,6 +110,13 @@ pub(crate) async fn health(
         queue_capacity: state.engine.capacity(),
         log_position: state.pipeline.corpus.doclog.as_ref().map(|l| l.position()),
         log_failed: state.pipeline.corpus.doclog.as_ref().map(|l| l.failed()),
+        log_warnings: state
+            .pipeline
+            .corpus
+            .doclog
+            .as_ref()
+            .map(|l| l.warnings())
+            .filter(|w| !w.is_empty()),
     }))
 }
 

@@ -498,7 +498,9 @@ pub struct DataArgs {
     /// Prefix of the remote tier's keys.
     #[arg(long, env = "SPECRAG_KV_REMOTE_PREFIX", default_value = "specrag:kv:")]
     pub kv_remote_prefix: String,
-    /// Remote entries expire after this many seconds (0: never; Redis' eviction policy decides).
+    /// Chunk KV in the remote tier expires after this many seconds (0: never). With a Redis
+    /// `maxmemory`, set it and `maxmemory-policy volatile-lru`: Redis then evicts only chunk
+    /// KV, never the document log, which has no TTL.
     #[arg(long, env = "SPECRAG_KV_REMOTE_TTL_SECS", default_value_t = 0)]
     pub kv_remote_ttl_secs: u64,
     /// What to do with a chunk KV store (DIR/kv) that is damaged (its STORE file unreadable,
