@@ -132,17 +132,9 @@ fn wait_position(port: u16, want: &str) {
     }
 }
 
-#[test]
-fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
-    let tmp = tempfile::tempdir().expect("temp dir");
-    let (_redis, rport) = redis_server(tmp.path());
-    let url = format!("redis://127.0.0.1:{rport}");
-    let data_args = ["--kv-remote", url.as_str()];
-    let models = common::tiny_models(tmp.path());
-    let (_a, port_a, _) = common::serve(&tmp.path().join("a"), &models, &data_args, &[]);
-    // Redis made to evict any key when full before B starts: B reads that and says so; both
-    // say the log does not survive a Redis restart (the test's Redis keeps no AOF).
-    let mut redis = redis::Client::open(url.as_str())
+/// Makes the Redis at `url` evict any key when full.
+fn evict_any_key(url: &str) {
+    let mut redis = redis::Client::open(url)
         .and_then(|c| c.get_connection())
         .expect("redis");
     for (name, value) in [("maxmemory", "256mb"), ("maxmemory-policy", "allkeys-lru")] {
@@ -153,7 +145,11 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
             .query(&mut redis)
             .expect("CONFIG SET");
     }
-    let (_b, port_b, _) = common::serve(&tmp.path().join("b"), &models, &data_args, &[]);
+}
+
+/// Node B started after [`evict_any_key`], node A before: B reads that and says so; both say
+/// the log does not survive a Redis restart (the test's Redis keeps no AOF).
+fn log_warnings_name_the_settings(port_a: u16, port_b: u16) {
     let warnings = |port| http(port, "GET", "/health", None).1["log_warnings"].to_string();
     let (on_a, on_b) = (warnings(port_a), warnings(port_b));
     assert!(
@@ -164,6 +160,19 @@ fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
         on_b.contains("allkeys-lru") && on_b.contains("appendonly yes"),
         "{on_b}"
     );
+}
+
+#[test]
+fn documents_ingested_on_one_node_reach_every_node_through_the_log() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let (_redis, rport) = redis_server(tmp.path());
+    let url = format!("redis://127.0.0.1:{rport}");
+    let data_args = ["--kv-remote", url.as_str()];
+    let models = common::tiny_models(tmp.path());
+    let (_a, port_a, _) = common::serve(&tmp.path().join("a"), &models, &data_args, &[]);
+    evict_any_key(&url);
+    let (_b, port_b, _) = common::serve(&tmp.path().join("b"), &models, &data_args, &[]);
+    log_warnings_name_the_settings(port_a, port_b);
     let docs = json!({"documents": [
         {"id": "ants", "text": "The thin ant ran in the sand and then the ant sat in the tent."},
         {"id": "attic", "text": "A hint: the antenna is in the attic near the tent, behind the tin."},
