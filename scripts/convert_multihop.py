@@ -11,7 +11,11 @@ is_supporting}, ...]); or in CacheBlend's evaluation files' (`inputs/*_s.json`):
 400 words, often untitled), numbered by their place in the file as they carry no id and
 without supporting passages (the file names none). Records without a context, with fewer
 than --min-passages passages, without an answer or marked unanswerable are left out before
-sampling.
+sampling. Or SAMSum's dialogues (`split`, `question`: the dialogue, `answer`: its summary),
+made into CacheBlend's `inputs/samsum.json` setting, summaries with few-shot examples: each
+`test` dialogue is a question whose passages are --examples dialogues of the `train` and
+`validation` splits with their summaries ("Dialogue: ...\nSummary: ..."), drawn per question
+with the seed; its id is its place among the `test` records.
 
 Output, one line per question, LongBench's fields (`input`, `context`, `answers`, `length`,
 `dataset`, `language`, `all_classes`, `_id`) plus `supporting` (the titles of the passages the
@@ -30,6 +34,8 @@ tests runs it.
     python3 scripts/convert_multihop.py --input wikimqa_s_clean.json \\
         --dataset cacheblend_wikimqa --sample 70 --seed 39 --rest \\
         --out eval/data/cacheblend_wikimqa.jsonl
+    python3 scripts/convert_multihop.py --input samsum.jsonl --dataset samsum_fewshot \\
+        --sample 70 --seed 39 --rest --out samsum_fewshot.jsonl
 """
 
 import argparse
@@ -153,6 +159,33 @@ def convert_cacheblend(rec, dataset, number):
     return longbench_line(dataset, number, rec["question"], passages, answers, []), len(passages)
 
 
+def samsum_dialogue(text):
+    """A SAMSum dialogue with its line ends made "\\n" (the source mixes "\\r\\n" and "\\n")."""
+    return "\n".join(line.strip() for line in text.replace("\r\n", "\n").split("\n") if line.strip())
+
+
+def convert_samsum(records, dataset, examples, seed):
+    """SAMSum as few-shot summaries: one line per `test` dialogue (see the module's doc)."""
+    pool = [r for r in records if r.get("split") in ("train", "validation")]
+    tests = [r for r in records if r.get("split") == "test"]
+    if len(pool) < examples:
+        sys.exit(f"{len(pool)} train and validation dialogues, fewer than --examples {examples}")
+    rng = random.Random(seed)
+    lines = []
+    for number, rec in enumerate(tests, 1):
+        shots = rng.sample(pool, examples)
+        passages = [
+            ("", f"Dialogue: {samsum_dialogue(r['question'])}\nSummary: {r['answer'].strip()}")
+            for r in shots
+        ]
+        for _, body in passages:
+            if any(PASSAGE_HEADER.match(line) for line in body.splitlines()):
+                raise ValueError(f"test dialogue {number}: a line looks like a passage header")
+        question = f"Dialogue: {samsum_dialogue(rec['question'])}"
+        lines.append(longbench_line(dataset, number, question, passages, [rec["answer"].strip()], []))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True)
@@ -160,6 +193,9 @@ def main():
     ap.add_argument("--sample", type=int, default=150)
     ap.add_argument("--seed", type=int, default=39)
     ap.add_argument("--min-passages", type=int, default=5)
+    ap.add_argument(
+        "--examples", type=int, default=10, help="SAMSum: few-shot examples (passages) per dialogue"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--rest",
@@ -169,8 +205,10 @@ def main():
     )
     a = ap.parse_args()
 
-    usable = []
-    for number, rec in enumerate(read_records(a.input), 1):
+    records = read_records(a.input)
+    samsum = bool(records) and all("split" in r and "answer" in r for r in records)
+    usable = convert_samsum(records, a.dataset, a.examples, a.seed) if samsum else []
+    for number, rec in enumerate([] if samsum else records, 1):
         if "ctxs" in rec:
             line, n = convert_cacheblend(rec, a.dataset, number)
             if n >= a.min_passages and line["answers"]:
