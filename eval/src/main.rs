@@ -175,6 +175,10 @@ struct Args {
     /// configurations (as `specrag serve --guard-confirm-gap`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
     guard_confirm_gap: f32,
+    /// The most a second look may narrow the doubted token's gap and keep it for `:balanced`
+    /// study configurations (as `specrag serve --guard-look-narrowing`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_NARROWING)]
+    guard_look_narrowing: f32,
     /// Which chunk tokens the second look recomputes for `:balanced` study configurations
     /// that do not name one (as `specrag serve --guard-look`).
     #[arg(long, value_enum, default_value_t = gateway::fidelity::LookRows::default())]

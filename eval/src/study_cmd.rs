@@ -78,6 +78,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
         horizon: args.guard_horizon,
         second_look: args.guard_second_look,
         confirm_gap: args.guard_confirm_gap,
+        look_narrowing: args.guard_look_narrowing,
         look: args.guard_look,
         look_cost: args.guard_look_cost,
         look_answers: None,

@@ -2153,11 +2153,23 @@ async fn the_fidelity_guard_escalates_an_uncertain_token_to_full_recompute() -> 
 }
 
 /// A server whose guard doubts every token it watches (the first `horizon`), taking second
-/// looks at `share` more of the chunk tokens that keep a doubted token chosen by `confirm`.
+/// looks at `share` more of the chunk tokens that keep a doubted token chosen by `confirm`,
+/// however much they narrowed its gap.
 fn doubting(
     dir: &std::path::Path,
     horizon: usize,
     (share, confirm): (f64, f32),
+) -> Result<AppState, Box<dyn std::error::Error>> {
+    doubting_narrowed(dir, horizon, (share, confirm), 100.0)
+}
+
+/// [`doubting`], its looks keeping a token only where they narrowed its gap by at most
+/// `narrowing`.
+fn doubting_narrowed(
+    dir: &std::path::Path,
+    horizon: usize,
+    (share, confirm): (f64, f32),
+    narrowing: f32,
 ) -> Result<AppState, Box<dyn std::error::Error>> {
     let mut p = pipeline(dir)?;
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
@@ -2165,6 +2177,7 @@ fn doubting(
         horizon,
         second_look: share,
         confirm_gap: confirm,
+        look_narrowing: narrowing,
         look_cost: f64::INFINITY,
         ..Default::default()
     };
@@ -2267,6 +2280,7 @@ async fn an_escalation_after_an_extending_look_keeps_the_looks_rows() -> TestRes
         horizon: 1,
         second_look: 0.5,
         confirm_gap: 100.0,
+        look_narrowing: 100.0,
         look: gateway::fidelity::LookRows::Ranked,
         look_cost: f64::INFINITY,
         look_answers: None,
@@ -2402,6 +2416,55 @@ async fn a_second_look_goes_on_where_more_recompute_agrees_and_escalates_elsewhe
     let all = n(looks) + n("specrag_guard_second_looks_total{outcome=\"escalated\"}");
     let turns = sample(&text, "specrag_prefill_turns_total{kind=\"look\"}");
     assert_eq!(turns, Some(all), "{text}");
+    Ok(())
+}
+
+/// `--guard-look-narrowing`: a look that chose the doubted token again, but by a smaller gap
+/// than the first decode's by more than the bound, escalates; by less, or by a wider gap, it
+/// is kept. Only the first token watched, so the first decode's smallest gap is the doubted
+/// token's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_that_narrows_the_doubted_gap_escalates() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let strict = doubting_narrowed(dir.path(), 1, (0.5, 0.0), 0.0)?;
+    let dir2 = tempfile::tempdir()?;
+    let lax = doubting(dir2.path(), 1, (0.5, 0.0))?;
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 4});
+    let (mut narrowed, mut widened) = (0, 0);
+    for q in PARTING {
+        let (_, got, _) = send(&strict, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let guard = &got["reuse"]["guard"];
+        assert_eq!(guard["second_look"], true, "{got}");
+        // Only looks that chose the doubted token again report its gap.
+        let (Some(first), Some(look)) = (
+            guard["min_margin"].as_f64(),
+            guard["second_look_gap"].as_f64(),
+        ) else {
+            continue;
+        };
+        let (_, again, _) = send(&lax, ask(q, m.clone())).await;
+        let again: Value = serde_json::from_str(&again)?;
+        assert_eq!(
+            again["reuse"]["guard"]["second_look_gap"], guard["second_look_gap"],
+            "{q}: the same look on both servers: {again}"
+        );
+        if look < first {
+            narrowed += 1;
+            assert_eq!(guard["escalated"], true, "{q}: a narrowed look kept: {got}");
+            assert_eq!(again["reuse"]["guard"]["escalated"], false, "{q}: {again}");
+        } else {
+            widened += 1;
+            assert_eq!(
+                guard["escalated"], false,
+                "{q}: a wider look escalated: {got}"
+            );
+        }
+    }
+    assert!(
+        narrowed > 0 && widened > 0,
+        "{narrowed} narrowed, {widened} widened"
+    );
     Ok(())
 }
 

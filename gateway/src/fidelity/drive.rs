@@ -62,6 +62,8 @@ struct FirstDecode<'a> {
 /// ([`GuardPolicy::look_answers`](super::GuardPolicy::look_answers)), held to that gap.
 struct MustAgree<'a> {
     ids: &'a [u32],
+    /// The top-2 gap the first decode chose the last of `ids` (the doubted token) by.
+    doubted_gap: Option<f32>,
     disagreed: &'a mut bool,
     look: bool,
 }
@@ -349,6 +351,10 @@ impl Pipeline {
         let answers = self.guard.look_answers.is_some();
         let agree = MustAgree {
             ids: if answers { &[] } else { &first.ids },
+            // Only where every token was decoded one by one (the gaps line up with the ids).
+            doubted_gap: (first.margins.len() == first.ids.len())
+                .then(|| first.margins.last().copied())
+                .flatten(),
             disagreed: &mut disagreed,
             look: answers,
         };
@@ -390,6 +396,7 @@ impl Pipeline {
         let mut disagreed = false;
         let agree = MustAgree {
             ids: &[],
+            doubted_gap: None,
             disagreed: &mut disagreed,
             look: false,
         };
@@ -411,6 +418,7 @@ impl Pipeline {
         let On { target, query: q } = on;
         let MustAgree {
             ids: agree,
+            doubted_gap,
             disagreed,
             look,
         } = must;
@@ -427,7 +435,7 @@ impl Pipeline {
                 if doubted && same {
                     look_gap = Some(gap);
                 }
-                *disagreed = !same || (doubted && !policy.confirms(gap));
+                *disagreed = !same || (doubted && !policy.confirms(doubted_gap, gap));
                 return *disagreed;
             }
             looped = guarded && detector.fires(ids);

@@ -402,6 +402,13 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_CONFIRM_GAP", value_parser = parse_margin,
           default_value_t = gateway::fidelity::DEFAULT_GUARD_CONFIRM_GAP)]
     pub guard_confirm_gap: f32,
+    /// Escalate where a second look chose the doubted token again but by a top-2 logit gap
+    /// this much smaller than the first decode's: recomputing more moved the choice toward
+    /// the other token, which full recompute may then choose (a large value: only
+    /// --guard-confirm-gap decides).
+    #[arg(long, env = "SPECRAG_GUARD_LOOK_NARROWING", value_parser = parse_margin,
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_NARROWING)]
+    pub guard_look_narrowing: f32,
     /// Which chunk tokens a second look recomputes: `ranked`, the next the method ranked
     /// anywhere; `extend`, the chunk tokens right after the rows already exact (the first
     /// chunk's), in order, which an escalation after the look then keeps as full prefill's.
@@ -435,6 +442,7 @@ impl GuardArgs {
             horizon: self.guard_horizon,
             second_look: self.guard_second_look,
             confirm_gap: self.guard_confirm_gap,
+            look_narrowing: self.guard_look_narrowing,
             look: self.guard_look,
             look_cost: self.guard_look_cost,
             look_answers: self.guard_look_answers,
