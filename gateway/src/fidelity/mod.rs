@@ -282,8 +282,8 @@ pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
 /// The default [`GuardPolicy::look_narrowing`]: over the recorded looks the confirm gap kept
 /// (docs/fidelity-guard.md, *Why each default*), the two that kept a confident split had
-/// narrowed the gap by 0.024 and 0.032 (the demo's question); 0.02 escalates both, and 8
-/// needless ones in about 400 requests.
+/// narrowed the gap by 0.024 and 0.032 (the demo's question); 0.02 escalates both, one near
+/// tie and six needless ones in 413 requests.
 pub const DEFAULT_GUARD_LOOK_NARROWING: f32 = 0.02;
 /// The default [`GuardPolicy::look_cost`]: none (every look runs). The estimate read
 /// 0.01-0.11 below the measured cost of look-then-escalate on 223 recorded requests, and on
