@@ -12,7 +12,7 @@ each costs an escalation (a full prefill after the look's rows).
 Only requests the guard finished without escalating are counted: one that escalated later
 anyway (a second doubt, a loop) answers as full recompute whatever the bound.
 
-    python3 scripts/look_narrowing.py [--bound 0.02] eval/study/guard/*.jsonl.gz
+    python3 scripts/look_narrowing.py [--bound 0.01] eval/study/guard/*.jsonl.gz
 
 Reads `specrag-eval --study` rows (label ending `:balanced`) and `scripts/split_classes.py`
 records (the guarded run's `guard`, `escalated`, `class`).
@@ -66,7 +66,7 @@ def replay(path, bound):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bound", type=float, default=0.02, help="the narrowing bound")
+    ap.add_argument("--bound", type=float, default=0.01, help="the narrowing bound")
     ap.add_argument("records", nargs="+")
     a = ap.parse_args()
     print(f"| records | guarded | kept looks | escalated at {a.bound} | their kept answers |")
