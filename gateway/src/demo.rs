@@ -48,23 +48,69 @@ pub fn lazy_pipeline(
     ))
 }
 
+/// The top-2 gap under which a split is a near tie of full recompute's own: numerics treated
+/// as equal (bf16 against f32 attention, f16 against f32 cache rows) flip full recompute's
+/// answer only at such gaps (shared/DESIGN.md's fidelity target; docs/fidelity-guard.md).
+pub const NEAR_TIE_GAP: f64 = 0.15;
+
+/// Where two `/rag/query` answers asked with `logprobs` of at least 2 first chose different
+/// tokens: the token's index, the reused answer's token, full recompute's, and full
+/// recompute's top-2 logprob gap there (None where either lacks the logprobs or they never
+/// part).
+fn first_split(
+    reused: &serde_json::Value,
+    full: &serde_json::Value,
+) -> Option<(usize, String, String, f64)> {
+    let (a, b) = (reused["logprobs"].as_array()?, full["logprobs"].as_array()?);
+    let i = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x["token"] != y["token"])?;
+    let top = b[i]["top_logprobs"].as_array()?;
+    let gap = top.first()?["logprob"].as_f64()? - top.get(1)?["logprob"].as_f64()?;
+    let tok = |v: &serde_json::Value| format!("{:?}", v["token"].as_str().unwrap_or_default());
+    Some((i, tok(&a[i]), tok(&b[i]), gap))
+}
+
 /// The demo's verdict on the answer from stored KV against full recompute's (two `/rag/query`
 /// answers): it compares the exact text, untrimmed, and the token counts the server reported,
-/// and says only that (equal text and counts do not prove equal token ids).
+/// and says only that (equal text and counts do not prove equal token ids). Where the answers
+/// differ and carry their logprobs, it names the first token they part at and classes the
+/// split by full recompute's own top-2 gap there: a near tie (under [`NEAR_TIE_GAP`]) or a
+/// confident split (a miss of the fidelity guard).
 pub fn agreement(reused: &serde_json::Value, full: &serde_json::Value) -> String {
     let text = |v: &serde_json::Value| v["answer"].as_str().unwrap_or_default().to_string();
     let tokens = |v: &serde_json::Value| v["tokens"].as_u64().unwrap_or_default();
     let (a, b) = (text(reused), text(full));
     let (n, m) = (tokens(reused), tokens(full));
     if a == b && n == m {
-        format!("  the answers are the same text, character for character, and both are {n} tokens")
+        return format!(
+            "  the answers are the same text, character for character, and both are {n} tokens"
+        );
     } else if a == b {
-        format!("  the answers are the same text, but {n} tokens against full recompute's {m}")
+        return format!(
+            "  the answers are the same text, but {n} tokens against full recompute's {m}"
+        );
     } else if a.trim() == b.trim() {
-        "  the answers differ only in white space at their ends".to_string()
-    } else {
-        format!("  full recompute answered differently: {}", b.trim())
+        return "  the answers differ only in white space at their ends".to_string();
     }
+    let mut said = format!("  full recompute answered differently: {}", b.trim());
+    if let Some((i, ours, theirs, gap)) = first_split(reused, full) {
+        let class = if gap < NEAR_TIE_GAP {
+            format!(
+                "a near tie of full recompute's own (under {NEAR_TIE_GAP}: numerics treated as \
+                 equal choose either way there)"
+            )
+        } else {
+            "a confident split, which the fidelity guard missed (docs/fidelity-guard.md)".into()
+        };
+        said.push_str(&format!(
+            "\n  they part at token {}: {ours} from the stored KV, {theirs} by full recompute, \
+             which chose it by {gap:.3} logit over the next: {class}",
+            i + 1
+        ));
+    }
+    said
 }
 
 #[cfg(test)]
@@ -91,5 +137,49 @@ mod tests {
         );
         let other = agreement(&a("The cat.", 3), &a("A dog.", 3));
         assert_eq!(other, "  full recompute answered differently: A dog.");
+    }
+
+    /// Answers that carry their logprobs: the verdict names the first token they part at and
+    /// classes the split by full recompute's own top-2 gap there.
+    #[test]
+    fn the_demo_classes_a_split_by_full_recomputes_own_gap() {
+        let lp = |tok: &str, alt: &str, gap: f64| {
+            json!({"token": tok, "logprob": -0.1,
+                   "top_logprobs": [{"token": tok, "logprob": -0.1},
+                                    {"token": alt, "logprob": -0.1 - gap}]})
+        };
+        let answer = |text: &str, lps: Vec<serde_json::Value>| json!({"answer": text, "tokens": lps.len(), "logprobs": lps});
+        let reused = answer(
+            " It ran.",
+            vec![lp(" It", " The", 0.29), lp(" ran", ".", 3.0)],
+        );
+        let confident = answer(
+            " The cat.",
+            vec![lp(" The", " It", 0.366), lp(" cat", ".", 2.0)],
+        );
+        let said = agreement(&reused, &confident);
+        assert!(
+            said.contains(
+                "part at token 1: \" It\" from the stored KV, \" The\" by full recompute"
+            ) && said.contains("by 0.366 logit")
+                && said.contains("a confident split"),
+            "{said}"
+        );
+        let tie = answer(
+            " The cat.",
+            vec![lp(" The", " It", 0.05), lp(" cat", ".", 2.0)],
+        );
+        let said = agreement(&reused, &tie);
+        assert!(
+            said.contains("a near tie of full recompute's own"),
+            "{said}"
+        );
+        // The same tokens throughout but other text: no split to name.
+        let same_tokens = answer(
+            " It ran!",
+            vec![lp(" It", " The", 0.29), lp(" ran", ".", 3.0)],
+        );
+        let said = agreement(&reused, &same_tokens);
+        assert_eq!(said, "  full recompute answered differently: It ran!");
     }
 }

@@ -44,7 +44,10 @@ pub enum Cmd {
     Openapi,
     /// The whole job on the default models: ingest the demo corpus (this repository's own
     /// documentation), start the server, ask a question over HTTP and print the answer with
-    /// its timings and reuse statistics. Run it from the repository root.
+    /// its timings and reuse statistics, then ask again from the stored KV and by full
+    /// recompute and say whether the answers agree (where they part: at which token, and
+    /// whether full recompute itself chose there by a near tie, under 0.15 logit). Run it
+    /// from the repository root.
     Demo(DemoArgs),
     /// Write tiny random-weight models (target.gguf, speculator.gguf) into DIR, for fast smoke
     /// tests of the server (CI's API fuzzing runs against them).

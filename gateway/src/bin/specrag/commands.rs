@@ -354,13 +354,20 @@ pub fn demo(m: &ModelArgs, a: DemoArgs) -> anyhow::Result<()> {
     gateway::http::runtime()?.block_on(ask_demo_question(state, a))
 }
 
-/// One demo request over HTTP; the answer's JSON.
+/// One demo request over HTTP; the answer's JSON. `compared`: the answer is compared with
+/// another, so it carries each token's logprob and the next most likely token's (where two
+/// answers part, full recompute's own top-2 gap classes the split).
 async fn demo_ask(
     addr: std::net::SocketAddr,
     a: &DemoArgs,
     method: &str,
+    compared: bool,
 ) -> anyhow::Result<serde_json::Value> {
-    let body = gateway::demo::demo_request(&a.question, method, a.max_tokens).to_string();
+    let mut body = gateway::demo::demo_request(&a.question, method, a.max_tokens);
+    if compared {
+        body["logprobs"] = serde_json::json!(2);
+    }
+    let body = body.to_string();
     let (status, text) = gateway::client::request(addr, "POST", "/rag/query", Some(&body)).await?;
     if status != 200 {
         anyhow::bail!("the server answered {status}: {text}");
@@ -404,7 +411,7 @@ async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyho
     eprintln!(
         "[3/4] curl -s http://{addr}/rag/query -H 'content-type: application/json' -d '{body}'"
     );
-    let first = demo_ask(addr, &a, method).await?;
+    let first = demo_ask(addr, &a, method, false).await?;
     println!("Q: {}", a.question);
     println!("A: {}", first["answer"].as_str().unwrap_or_default().trim());
     println!("sources:");
@@ -417,8 +424,8 @@ async fn ask_demo_question(state: gateway::http::AppState, a: DemoArgs) -> anyho
         );
     }
     eprintln!("[4/4] the same question from the stored KV, and by full recompute");
-    let again = demo_ask(addr, &a, method).await?;
-    let full = demo_ask(addr, &a, "full_recompute").await?;
+    let again = demo_ask(addr, &a, method, true).await?;
+    let full = demo_ask(addr, &a, "full_recompute", true).await?;
     println!(
         "what reuse bought ({method}, ρ {}):",
         gateway::pipeline::DEFAULT_RATIO
