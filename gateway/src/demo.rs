@@ -48,11 +48,6 @@ pub fn lazy_pipeline(
     ))
 }
 
-/// The top-2 gap under which a split is a near tie of full recompute's own: numerics treated
-/// as equal (bf16 against f32 attention, f16 against f32 cache rows) flip full recompute's
-/// answer only at such gaps (shared/DESIGN.md's fidelity target; docs/fidelity-guard.md).
-pub const NEAR_TIE_GAP: f64 = 0.15;
-
 /// Where two `/rag/query` answers asked with `logprobs` of at least 2 first chose different
 /// tokens: the token's index, the reused answer's token, full recompute's, and full
 /// recompute's top-2 logprob gap there (None where either lacks the logprobs or they never
@@ -76,7 +71,8 @@ fn first_split(
 /// answers): it compares the exact text, untrimmed, and the token counts the server reported,
 /// and says only that (equal text and counts do not prove equal token ids). Where the answers
 /// differ and carry their logprobs, it names the first token they part at and classes the
-/// split by full recompute's own top-2 gap there: a near tie (under [`NEAR_TIE_GAP`]) or a
+/// split by full recompute's own top-2 gap there: a near tie (under
+/// [`crate::fidelity::NEAR_TIE_GAP`]) or a
 /// confident split (a miss of the fidelity guard).
 pub fn agreement(reused: &serde_json::Value, full: &serde_json::Value) -> String {
     let text = |v: &serde_json::Value| v["answer"].as_str().unwrap_or_default().to_string();
@@ -96,9 +92,10 @@ pub fn agreement(reused: &serde_json::Value, full: &serde_json::Value) -> String
     }
     let mut said = format!("  full recompute answered differently: {}", b.trim());
     if let Some((i, ours, theirs, gap)) = first_split(reused, full) {
-        let class = if gap < NEAR_TIE_GAP {
+        let near = crate::fidelity::NEAR_TIE_GAP;
+        let class = if gap < f64::from(near) {
             format!(
-                "a near tie of full recompute's own (under {NEAR_TIE_GAP}: numerics treated as \
+                "a near tie of full recompute's own (under {near}: numerics treated as \
                  equal choose either way there)"
             )
         } else {

@@ -98,7 +98,7 @@ pub struct Split {
 
 /// The logit gap under which two engines' greedy answers may split and still count as the
 /// same computation: the bound the family fixtures and the GPU parity checks use.
-pub const NEAR_TIE: f32 = 0.15;
+pub const NEAR_TIE: f32 = gateway::fidelity::NEAR_TIE_GAP;
 
 impl StudyRecord {
     /// Identical to full recompute's answer, or split from it only where full recompute's own

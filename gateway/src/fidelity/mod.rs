@@ -280,6 +280,11 @@ pub const DEFAULT_GUARD_SECOND_LOOK: f64 = 0.10;
 /// give (its look chose the doubted token by 0.099), at two needless escalations in 40
 /// (docs/fidelity-guard.md, *Why each default*).
 pub const DEFAULT_GUARD_CONFIRM_GAP: f32 = 0.1;
+/// The logit gap under which two engines' greedy answers may split and still count as the
+/// same computation (shared/DESIGN.md's fidelity target): numerics treated as equal (bf16
+/// against f32 attention, f16 against f32 cache rows) flip full recompute's answer only at
+/// such gaps; the family fixtures and the GPU parity checks use the same bound.
+pub const NEAR_TIE_GAP: f32 = 0.15;
 /// The default [`GuardPolicy::look_narrowing`]: the recorded looks the confirm gap kept that
 /// kept a confident split had narrowed the gap by 0.024, 0.032 (the demo's question) and
 /// 0.013 (held-out 2WikiMultihopQA, seen before this value was set); 0.01 escalates all
