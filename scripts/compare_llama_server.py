@@ -193,6 +193,8 @@ class Specrag(Server):
         return {"ttft_s": first, "total_s": total, "tokens": done["tokens"],
                 "escalated": done["reuse"]["guard"]["escalated"], "answer": done["answer"],
                 "second_look": done["reuse"]["guard"].get("second_look", False),
+                "second_looks": done["reuse"]["guard"].get("second_looks", 0),
+                "min_margin": done["reuse"]["guard"].get("min_margin"),
                 "server_ttft_ms": done["timings"]["ttft_ms"]}
 
 

@@ -79,7 +79,8 @@ def document(j, title, text, title_apart):
 
 # What each record keeps of `reuse.guard` (docs/fidelity-guard.md, *The knob*).
 GUARD_KEPT = ("min_margin", "margin", "uncertain", "loop_detected", "second_look_gap", "second_look_skipped",
-              "second_look_answered", "second_look_tokens", "withdrawn_tokens", "kept_tokens")
+              "second_look_answered", "second_looks", "second_look_tokens", "second_look_ms",
+              "withdrawn_tokens", "kept_tokens", "full_prefill_ms")
 
 
 def collection_of(qid):
@@ -230,7 +231,9 @@ def measure(a, row, full=None):
     reused = fast if a.unguarded_only else post(f"{a.url}/rag/query", mine, a.timeout)
     split = split_class(full, reused)
     guard = reused["reuse"]["guard"]
-    ratio = lambda key: reused["timings"][key] / max(full["timings"][key], 1e-9) if paired else None
+    # Full recompute's times from earlier records are paired only with --full-times.
+    timed = paired or a.full_times
+    ratio = lambda key: reused["timings"][key] / max(full["timings"][key] or 0, 1e-9) if timed else None
     return {
         "id": row["_id"],
         "full": full["answer"],
@@ -250,6 +253,8 @@ def measure(a, row, full=None):
         "full_tokens": [t["token"] for t in full.get("logprobs") or []],
         "chunk_tokens": reused["reuse"]["chunk_tokens"],
         "recomputed_tokens": reused["reuse"]["recomputed_tokens"],
+        "default_ms": reused["timings"]["total_ms"],
+        "default_ttft_ms": reused["timings"]["ttft_ms"],
         "full_ms": full["timings"]["total_ms"],
         "full_ttft_ms": full["timings"]["ttft_ms"],
         "total_ratio": ratio("total_ms"),
@@ -329,6 +334,12 @@ def main():
         "--full-from",
         help="records of an earlier run (kept `full_tokens`): full recompute's answers taken from "
         "there, not asked again (identity only; no time ratios)",
+    )
+    ap.add_argument(
+        "--full-times",
+        action="store_true",
+        help="with --full-from, pair the time ratios with the earlier run's full recompute times "
+        "(the same machine otherwise idle: a comparison across runs, noisier than one run's)",
     )
     ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
     ap.add_argument("--out", help="one JSON line per question")

@@ -179,6 +179,11 @@ struct Args {
     /// study configurations (as `specrag serve --guard-look-narrowing`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_NARROWING)]
     guard_look_narrowing: f32,
+    /// The most second looks a request takes under the guard (`:balanced`) in study
+    /// configurations (as `specrag serve --guard-looks`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOKS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    guard_looks: u32,
     /// Which chunk tokens the second look recomputes for `:balanced` study configurations
     /// that do not name one (as `specrag serve --guard-look`).
     #[arg(long, value_enum, default_value_t = gateway::fidelity::LookRows::default())]

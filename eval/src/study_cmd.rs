@@ -79,6 +79,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
         second_look: args.guard_second_look,
         confirm_gap: args.guard_confirm_gap,
         look_narrowing: args.guard_look_narrowing,
+        looks: args.guard_looks,
         look: args.guard_look,
         look_cost: args.guard_look_cost,
         look_answers: None,

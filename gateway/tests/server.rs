@@ -2281,6 +2281,7 @@ async fn an_escalation_after_an_extending_look_keeps_the_looks_rows() -> TestRes
         second_look: 0.5,
         confirm_gap: 100.0,
         look_narrowing: 100.0,
+        looks: 1,
         look: gateway::fidelity::LookRows::Ranked,
         look_cost: f64::INFINITY,
         look_answers: None,
@@ -2903,5 +2904,65 @@ async fn long_context_drafting_answers_as_plain_decoding() -> TestResult {
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
     assert!(body.contains("\"field\":\"max_context_tokens\""), "{body}");
+    Ok(())
+}
+
+/// `--guard-looks`: after a look kept its doubted token, a later doubt takes another look
+/// (the next share of the chunk tokens after the rows exact by then) instead of escalating,
+/// up to the bound. Every token doubted: each look that confirms meets a doubt at its first
+/// new token, so a request takes looks until one does not confirm or the bound is reached,
+/// then escalates; the escalation keeps every look's rows, and the answer, whole and
+/// streamed, is full recompute's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_doubts_take_further_looks_up_to_the_bound() -> TestResult {
+    let mut servers = Vec::new();
+    let mut dirs = Vec::new();
+    for looks in [1, 3] {
+        let dir = tempfile::tempdir()?;
+        let mut p = pipeline(dir.path())?;
+        Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+            margin: Some(100.0),
+            horizon: 1024,
+            second_look: 0.1,
+            confirm_gap: 0.0,
+            look_narrowing: 100.0,
+            looks,
+            look_cost: f64::INFINITY,
+            ..Default::default()
+        };
+        servers.push(state(p, ServerConfig::default()));
+        dirs.push(dir);
+    }
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
+    let mut looked_again = 0;
+    for q in LOOKED_AT {
+        let f = json!({"method": "full_recompute", "max_tokens": 8});
+        let (_, full, _) = send(&servers[0], ask(q, f)).await;
+        let full: Value = serde_json::from_str(&full)?;
+        let mut first_chunk = Vec::new();
+        for (s, bound) in servers.iter().zip([1, 3]) {
+            let (_, got, _) = send(s, ask(q, m.clone())).await;
+            let got: Value = serde_json::from_str(&got)?;
+            let guard = &got["reuse"]["guard"];
+            let looks = guard["second_looks"].as_u64().unwrap_or(0);
+            assert!((1..=bound).contains(&looks), "{q}: {looks} looks: {got}");
+            assert_eq!(guard["escalated"], true, "{q}: {got}");
+            assert_eq!(got["answer"], full["answer"], "{q}: {got}");
+            looked_again += usize::from(looks > 1);
+            let kept = guard["full_prefill_kept_rows"].as_u64().unwrap_or(0);
+            let looked = guard["second_look_tokens"].as_u64().unwrap_or(0);
+            if kept > 0 {
+                first_chunk.push(kept - looked);
+            }
+            let (_, sse, _) = send(s, ask(q, with(&m, "stream", json!(true)))).await;
+            let shown = shown_text(&sse);
+            assert_eq!(shown, full["answer"].as_str().unwrap_or(""), "{q}");
+        }
+        // Both escalations kept the first chunk and each look's rows, no more, no less.
+        if let [one, three] = first_chunk[..] {
+            assert_eq!(one, three, "{q}");
+        }
+    }
+    assert!(looked_again > 0, "no request took a second look twice");
     Ok(())
 }

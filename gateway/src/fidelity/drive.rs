@@ -86,6 +86,28 @@ struct LookAgain<'a, 'd, C> {
     timings: &'a mut Timings,
 }
 
+impl<C> LookAgain<'_, '_, C> {
+    /// What the request has spent so far and would spend, should a look recomputing
+    /// `look_rows` chunk tokens run and the request escalate after it.
+    fn cost(&self, look_rows: usize) -> LookCost {
+        let t = &self.timings;
+        LookCost {
+            spent_ms: t.kv_load_ms
+                + t.speculate_ms
+                + t.align_ms
+                + t.prefill_ms
+                + self.started.elapsed().as_secs_f64() * 1e3,
+            blend_ms: t.prefill_ms,
+            blend_rows: self.blend_rows,
+            prompt_rows: self.asm.ids.len(),
+            exact_rows: self.exact_rows,
+            question_rows: self.asm.question_positions().len(),
+            look_rows,
+            look_kept: self.look == LookRows::Extend && self.exact_rows > 0,
+        }
+    }
+}
+
 impl Pipeline {
     /// Decoding from the blended cache of `reused`, watched by the fidelity guard where `q` is
     /// guarded ([`Query::guarded`]): where it doubts a token, a second look; where it sees a
@@ -172,16 +194,19 @@ impl Pipeline {
     }
 
     /// The guard's second look ([`Pipeline::second_look`]) where it doubted a token of the
-    /// first decode (`decoded`), on `look.cache`:
+    /// first decode (`decoded`), on `look.cache`, and another for each later doubt after a
+    /// look that kept its doubted token, while [`GuardPolicy::looks_again`] allows:
     /// `decoded` becomes what decoding goes on with, and the time to first token gains the
     /// recompute where the doubted token was the first and the look kept it. Nothing where
     /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
     /// leading rows of `look.cache` a full prefill computes alike: `look.exact_rows`, and the
-    /// look's own where it extended them ([`LookRows::Extend`]).
+    /// looks' own where they extended them ([`LookRows::Extend`]).
+    ///
+    /// [`GuardPolicy::looks_again`]: super::GuardPolicy::looks_again
     fn look_again_if_doubted<E: Backend>(
         &self,
         on: On<'_, E>,
-        look: LookAgain<'_, '_, E::Cache>,
+        mut look: LookAgain<'_, '_, E::Cache>,
         decoded: FirstDecode<'_>,
         report: &mut GuardReport,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
@@ -191,60 +216,58 @@ impl Pipeline {
             sent,
             spec,
         } = decoded;
-        let extra = self.second_look_picks(report, &look);
-        if extra.is_empty() {
-            return Ok(look.exact_rows);
-        }
-        let t = &look.timings;
-        let cost = LookCost {
-            spent_ms: t.kv_load_ms
-                + t.speculate_ms
-                + t.align_ms
-                + t.prefill_ms
-                + look.started.elapsed().as_secs_f64() * 1e3,
-            blend_ms: t.prefill_ms,
-            blend_rows: look.blend_rows,
-            prompt_rows: look.asm.ids.len(),
-            exact_rows: look.exact_rows,
-            question_rows: look.asm.question_positions().len(),
-            look_rows: extra.len(),
-            look_kept: look.look == LookRows::Extend && look.exact_rows > 0,
-        };
-        if !self.guard.affords_look(&cost) {
-            // An escalation after the look would cost more than the bound allows: escalate
-            // now, from the rows already exact.
-            report.second_look_skipped = true;
-            return Ok(look.exact_rows);
-        }
-        let exact_rows = match look.look {
-            LookRows::Extend if look.exact_rows > 0 => {
-                // The picks run in order from the first row not exact: each is computed over
-                // rows that are.
-                let run = extra
-                    .iter()
-                    .zip(look.exact_rows..)
-                    .take_while(|(p, want)| **p == *want)
-                    .count();
-                look.exact_rows + run
+        loop {
+            let extra = self.second_look_picks(report, &look);
+            if extra.is_empty() {
+                return Ok(look.exact_rows);
             }
-            _ => look.exact_rows,
-        };
-        let second = SecondLook {
-            asm: look.asm,
-            extra: &extra,
-            first: g,
-            sent,
-            cache: look.cache,
-            drafter: look.drafter,
-        };
-        let (g2, sent2, more, ready) = self.second_look(on, second, report, on_piece)?;
-        spec.merge(&more);
-        if !report.escalated && g.ids.len() == 1 {
-            // The doubted token was the first: nothing was shown before the second look.
-            look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
+            if !self.guard.affords_look(&look.cost(extra.len())) {
+                // An escalation after the look would cost more than the bound allows:
+                // escalate now, from the rows already exact.
+                report.second_look_skipped |= report.second_looks == 0;
+                return Ok(look.exact_rows);
+            }
+            let exact_rows = match look.look {
+                LookRows::Extend if look.exact_rows > 0 => {
+                    // The picks run in order from the first row not exact: each is computed
+                    // over rows that are.
+                    let run = extra
+                        .iter()
+                        .zip(look.exact_rows..)
+                        .take_while(|(p, want)| **p == *want)
+                        .count();
+                    look.exact_rows + run
+                }
+                _ => look.exact_rows,
+            };
+            let second = SecondLook {
+                asm: look.asm,
+                extra: &extra,
+                first: g,
+                sent,
+                cache: &mut *look.cache,
+                drafter: look.drafter.as_deref_mut(),
+            };
+            let (g2, sent2, more, ready) = self.second_look(on, second, report, on_piece)?;
+            spec.merge(&more);
+            if !report.escalated && g.ids.len() == 1 {
+                // The doubted token was the first: nothing was shown before the second look.
+                look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
+            }
+            // The look kept the doubted token and doubted a later one (a loop, or a look
+            // that chose otherwise, leaves the first decode's tokens as they were).
+            let later_doubt = report.escalated
+                && report.uncertain
+                && !report.second_look_answered
+                && g2.ids.len() > g.ids.len();
+            (*g, *sent) = (g2, sent2);
+            look.exact_rows = exact_rows;
+            // Another look extends the exact rows again; where none are, it would recompute
+            // the same chunk tokens.
+            if !(later_doubt && exact_rows > 0 && self.guard.looks_again(report.second_looks)) {
+                return Ok(exact_rows);
+            }
         }
-        (*g, *sent) = (g2, sent2);
-        Ok(exact_rows)
     }
 
     /// The chunk tokens a second look recomputes for a request the guard just stopped
@@ -328,8 +351,9 @@ impl Pipeline {
         }?;
         let ready = Instant::now();
         report.second_look = true;
-        report.second_look_tokens = extra.len();
-        report.second_look_ms = ms(t);
+        report.second_looks += 1;
+        report.second_look_tokens += extra.len();
+        report.second_look_ms += ms(t);
         *report = GuardReport {
             loop_detected: false,
             uncertain: false,

@@ -97,10 +97,13 @@ pub struct GuardReport {
     /// escalated).
     #[serde(default)]
     pub second_look: bool,
-    /// Chunk tokens the second look recomputed on top of the method's.
+    /// Second looks that ran (`--guard-looks` bounds them; 0 without one).
+    #[serde(default)]
+    pub second_looks: u32,
+    /// Chunk tokens the second looks recomputed on top of the method's, all looks together.
     #[serde(default)]
     pub second_look_tokens: usize,
-    /// Time of the second look's recompute (0 without one).
+    /// Time of the second looks' recompute, all together (0 without one).
     #[serde(default)]
     pub second_look_ms: f64,
     /// The guard doubted a token but ran no second look: an escalation after one was
@@ -108,9 +111,9 @@ pub struct GuardReport {
     /// ([`LookCost`]), so the request escalated at once.
     #[serde(default)]
     pub second_look_skipped: bool,
-    /// The top-2 logit gap by which the second look chose the doubted token again: it kept
-    /// the token where this reached `--guard-confirm-gap` (absent where no look ran, or it
-    /// chose another token first).
+    /// The top-2 logit gap by which the last second look chose its doubted token again: it
+    /// kept the token where this reached `--guard-confirm-gap` (absent where no look ran, or
+    /// it chose another token first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub second_look_gap: Option<f32>,
     /// The second look chose other tokens than the first decode and the answer is the
@@ -160,6 +163,11 @@ pub struct GuardPolicy {
     /// other token, so full recompute, which recomputes them all, may choose it (a large
     /// value: [`GuardPolicy::confirm_gap`] alone decides).
     pub look_narrowing: f32,
+    /// The most second looks one request may take. After a look kept the doubted token,
+    /// a later doubt takes another look (the next share of the chunk tokens after the rows
+    /// exact by then; [`LookRows::Extend`] only) instead of escalating, until this many
+    /// have run; a look that does not confirm escalates whatever is left (1: one look).
+    pub looks: u32,
     /// Which chunk tokens the second look recomputes.
     pub look: LookRows,
     /// The most an escalation after a second look may be estimated to cost, as a multiple of
@@ -291,6 +299,8 @@ pub const NEAR_TIE_GAP: f32 = 0.15;
 /// three, one near tie and seven needless ones in 470 requests (docs/fidelity-guard.md,
 /// *Why each default*).
 pub const DEFAULT_GUARD_LOOK_NARROWING: f32 = 0.01;
+/// The default [`GuardPolicy::looks`].
+pub const DEFAULT_GUARD_LOOKS: u32 = 1;
 /// The default [`GuardPolicy::look_cost`]: none (every look runs). The estimate read
 /// 0.01-0.11 below the measured cost of look-then-escalate on 223 recorded requests, and on
 /// 50 held-out MuSiQue questions a bound of 1.05 still let a 1.28x escalation through while
@@ -314,6 +324,7 @@ impl Default for GuardPolicy {
             second_look: DEFAULT_GUARD_SECOND_LOOK,
             confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
             look_narrowing: DEFAULT_GUARD_LOOK_NARROWING,
+            looks: DEFAULT_GUARD_LOOKS,
             look: LookRows::default(),
             look_cost: DEFAULT_GUARD_LOOK_COST,
             look_answers: None,
@@ -346,6 +357,14 @@ impl GuardPolicy {
     /// narrowed by at most [`GuardPolicy::look_narrowing`].
     pub fn confirms(&self, first: Option<f32>, gap: f32) -> bool {
         gap >= self.confirm_gap && first.is_none_or(|f| gap >= f - self.look_narrowing)
+    }
+
+    /// Whether a request that took `taken` second looks, the last of which kept its doubted
+    /// token, takes another where the guard doubts a later one (instead of escalating):
+    /// while fewer than [`GuardPolicy::looks`] ran, for looks that extend the exact rows and
+    /// must choose the first decode's tokens.
+    pub fn looks_again(&self, taken: u32) -> bool {
+        taken < self.looks && self.look == LookRows::Extend && self.look_answers.is_none()
     }
 
     /// Whether a second look may run for a request whose costs are `cost`: where the
@@ -386,6 +405,7 @@ mod tests {
             second_look: 0.0,
             confirm_gap: 0.0,
             look_narrowing: 100.0,
+            looks: 1,
             look: LookRows::Ranked,
             look_cost: DEFAULT_GUARD_LOOK_COST,
             look_answers: None,
@@ -404,6 +424,7 @@ mod tests {
             second_look: 0.0,
             confirm_gap: 0.0,
             look_narrowing: 100.0,
+            looks: 1,
             look: LookRows::Ranked,
             look_cost: DEFAULT_GUARD_LOOK_COST,
             look_answers: None,
@@ -440,6 +461,26 @@ mod tests {
             !p.confirms(Some(0.05), 0.09),
             "widened, under the confirm gap"
         );
+    }
+
+    #[test]
+    fn later_doubts_look_again_only_within_the_bound_and_for_extending_looks() {
+        let one = GuardPolicy::default();
+        assert_eq!(one.looks, DEFAULT_GUARD_LOOKS);
+        assert!(!one.looks_again(1), "one look: a later doubt escalates");
+        let three = GuardPolicy { looks: 3, ..one };
+        assert!(three.looks_again(1) && three.looks_again(2));
+        assert!(!three.looks_again(3));
+        let ranked = GuardPolicy {
+            look: LookRows::Ranked,
+            ..three
+        };
+        assert!(!ranked.looks_again(1), "ranked looks run once");
+        let answers = GuardPolicy {
+            look_answers: Some(0.05),
+            ..three
+        };
+        assert!(!answers.looks_again(1), "a look that answers runs once");
     }
 
     #[test]

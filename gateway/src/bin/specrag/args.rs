@@ -412,6 +412,13 @@ pub struct GuardArgs {
     #[arg(long, env = "SPECRAG_GUARD_LOOK_NARROWING", value_parser = parse_margin,
           default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOK_NARROWING)]
     pub guard_look_narrowing: f32,
+    /// The most second looks one request takes: after a look kept its doubted token, a
+    /// later doubt takes another (the next --guard-second-look share of the chunk tokens
+    /// after the rows exact by then, `extend` looks only) instead of escalating. A look
+    /// that does not confirm escalates, whatever is left. At least 1.
+    #[arg(long, env = "SPECRAG_GUARD_LOOKS", value_parser = clap::value_parser!(u32).range(1..),
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_LOOKS)]
+    pub guard_looks: u32,
     /// Which chunk tokens a second look recomputes: `ranked`, the next the method ranked
     /// anywhere; `extend`, the chunk tokens right after the rows already exact (the first
     /// chunk's), in order, which an escalation after the look then keeps as full prefill's.
@@ -446,6 +453,7 @@ impl GuardArgs {
             second_look: self.guard_second_look,
             confirm_gap: self.guard_confirm_gap,
             look_narrowing: self.guard_look_narrowing,
+            looks: self.guard_looks,
             look: self.guard_look,
             look_cost: self.guard_look_cost,
             look_answers: self.guard_look_answers,
