@@ -2171,8 +2171,7 @@ fn doubting_narrowed(
     (share, confirm): (f64, f32),
     narrowing: f32,
 ) -> Result<AppState, Box<dyn std::error::Error>> {
-    let mut p = pipeline(dir)?;
-    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+    let guard = gateway::fidelity::GuardPolicy {
         margin: Some(100.0),
         horizon,
         second_look: share,
@@ -2181,7 +2180,18 @@ fn doubting_narrowed(
         look_cost: f64::INFINITY,
         ..Default::default()
     };
-    Ok(state(p, ServerConfig::default()))
+    guarded(dir, guard, ServerConfig::default())
+}
+
+/// A server over a fresh pipeline in `dir` whose guard is `guard`.
+fn guarded(
+    dir: &std::path::Path,
+    guard: gateway::fidelity::GuardPolicy,
+    config: ServerConfig,
+) -> Result<AppState, Box<dyn std::error::Error>> {
+    let mut p = pipeline(dir)?;
+    Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = guard;
+    Ok(state(p, config))
 }
 
 /// The questions the second-look tests ask the tiny models.
@@ -2201,8 +2211,7 @@ async fn an_escalation_in_pieces_answers_as_in_one() -> TestResult {
     let mut dirs = Vec::new();
     for piece in [0, 16] {
         let dir = tempfile::tempdir()?;
-        let mut p = pipeline(dir.path())?;
-        Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        let guard = gateway::fidelity::GuardPolicy {
             margin: Some(100.0),
             horizon: 1024,
             second_look: 0.0,
@@ -2212,7 +2221,7 @@ async fn an_escalation_in_pieces_answers_as_in_one() -> TestResult {
             prefill_piece: piece,
             ..ServerConfig::default()
         };
-        servers.push(state(p, config));
+        servers.push(guarded(dir.path(), guard, config)?);
         dirs.push(dir);
     }
     let m = json!({"method": "target_probe", "recompute_ratio": 0.0, "logprobs": 2});
@@ -2919,8 +2928,7 @@ async fn later_doubts_take_further_looks_up_to_the_bound() -> TestResult {
     let mut dirs = Vec::new();
     for looks in [1, 3] {
         let dir = tempfile::tempdir()?;
-        let mut p = pipeline(dir.path())?;
-        Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
+        let guard = gateway::fidelity::GuardPolicy {
             margin: Some(100.0),
             horizon: 1024,
             second_look: 0.1,
@@ -2930,7 +2938,7 @@ async fn later_doubts_take_further_looks_up_to_the_bound() -> TestResult {
             look_cost: f64::INFINITY,
             ..Default::default()
         };
-        servers.push(state(p, ServerConfig::default()));
+        servers.push(guarded(dir.path(), guard, ServerConfig::default())?);
         dirs.push(dir);
     }
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
