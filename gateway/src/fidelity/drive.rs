@@ -50,11 +50,13 @@ struct SecondLook<'a, 'd, C> {
 }
 
 /// The first decode from the reused cache as it stands: the generation, the text the client
-/// was sent and the drafts' rounds; a second look replaces the first two.
+/// was sent and the drafts' rounds; a second look replaces the first two, and sets
+/// `first_shown` where the first token waited for it.
 struct FirstDecode<'a> {
     generation: &'a mut Generation,
     sent: &'a mut String,
     spec: &'a mut SpecStats,
+    first_shown: &'a mut Option<Instant>,
 }
 
 /// Tokens a decode must choose again before the guard watches the rest (a second look's),
@@ -71,7 +73,7 @@ struct MustAgree<'a> {
 /// What the guard's second look needs of the blend: its cache and the drafter, the prompt,
 /// which tokens it recomputes (`look`), the chunk tokens the selector ranked but left, the
 /// leading rows an escalation keeps, how many chunk tokens there are, and when decoding
-/// started (for the time to first token it may add to).
+/// started (for what the request has spent when a look is costed).
 struct LookAgain<'a, 'd, C> {
     cache: &'a mut C,
     drafter: Option<&'a mut Drafter<'d>>,
@@ -155,14 +157,19 @@ impl Pipeline {
             started,
             timings: &mut *timings,
         };
+        // When the answer's first token that stands was shown, where a look or an escalation
+        // held it back past the first decode.
+        let mut first_shown = None;
         let decoded = FirstDecode {
             generation: &mut g,
             sent: &mut sent,
             spec: &mut spec,
+            first_shown: &mut first_shown,
         };
         let exact_rows = self.look_again_if_doubted(on, look, decoded, &mut report, on_piece)?;
         g.prefill_ms = timings.prefill_ms;
         if report.escalated {
+            let nothing_shown = sent.is_empty();
             let moved = Escalation {
                 prompt: &asm.ids,
                 generated: &g.ids,
@@ -173,11 +180,14 @@ impl Pipeline {
             let (full, ready, more) = self.escalate(on, moved, drafter, &mut report, on_piece)?;
             spec.merge(&more);
             g = full;
-            // Every token shown so far withdrawn: the answer's first token is the full
-            // cache's, so time to first token runs until that cache was ready.
-            if let Some(r) = ready.filter(|_| report.kept_tokens == 0) {
-                timings.ttft_ms += r.duration_since(started).as_secs_f64() * 1e3;
+            // Nothing shown yet, or every token shown withdrawn: the answer's first token
+            // stands once the full cache has checked or chosen it.
+            if let Some(r) = ready.filter(|_| nothing_shown || report.kept_tokens == 0) {
+                first_shown = Some(r);
             }
+        }
+        if let Some(at) = first_shown {
+            timings.ttft_ms += at.duration_since(started).as_secs_f64() * 1e3;
         }
         Ok((g, report, spec))
     }
@@ -196,8 +206,8 @@ impl Pipeline {
     /// The guard's second look ([`Pipeline::second_look`]) where it doubted a token of the
     /// first decode (`decoded`), on `look.cache`, and another for each later doubt after a
     /// look that kept its doubted token, while [`GuardPolicy::looks_again`] allows:
-    /// `decoded` becomes what decoding goes on with, and the time to first token gains the
-    /// recompute where the doubted token was the first and the look kept it. Nothing where
+    /// `decoded` becomes what decoding goes on with, its `first_shown` the look's end where
+    /// the doubted token was the first and the look kept it. Nothing where
     /// the guard did not doubt a token or the look has nothing left to recompute. Returns the
     /// leading rows of `look.cache` a full prefill computes alike: `look.exact_rows`, and the
     /// looks' own where they extended them ([`LookRows::Extend`]).
@@ -215,6 +225,7 @@ impl Pipeline {
             generation: g,
             sent,
             spec,
+            first_shown,
         } = decoded;
         loop {
             let extra = self.second_look_picks(report, &look);
@@ -250,9 +261,10 @@ impl Pipeline {
             };
             let (g2, sent2, more, ready) = self.second_look(on, second, report, on_piece)?;
             spec.merge(&more);
-            if !report.escalated && g.ids.len() == 1 {
-                // The doubted token was the first: nothing was shown before the second look.
-                look.timings.ttft_ms += ready.duration_since(look.started).as_secs_f64() * 1e3;
+            if g.ids.len() == 1 && (!report.escalated || g2.ids.len() > 1) {
+                // The doubted token was the first and the look kept it (or answered): it was
+                // shown after the look, whatever a later doubt does.
+                *first_shown = Some(ready);
             }
             // The look kept the doubted token and doubted a later one (a loop, or a look
             // that chose otherwise, leaves the first decode's tokens as they were).
