@@ -24,6 +24,8 @@ own gaps rank the confident splits it kept (AUC). `--ratio R` asks the default m
 recompute ratio R, `--unguarded-only` with `fidelity: fast` only, and `--full-from FILE` takes
 full recompute's answers from an earlier run's records instead of asking again (same server
 settings; identity only, no time ratios): a sweep over ratios costs the reused requests alone.
+`--collection NAME` asks over a collection already served instead (questions without
+`context`, e.g. eval/data/repo_docs.jsonl over this repository's docs; `--instruction ''`).
 
 Only the Python standard library is used. Nothing is read outside the paths given.
 """
@@ -211,11 +213,12 @@ def earlier_fulls(path):
 def measure(a, row, full=None):
     """One question asked as a client asks it: its record (see the module's doc). `full`, an
     earlier full recompute of it, is used instead of asking again; then no time ratio is paired."""
-    coll = collection_of(row["_id"])
-    docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
-    post(f"{a.url}/documents", {"collection": coll, "documents": docs, "kv": a.kv}, a.timeout)
+    coll = a.collection or collection_of(row["_id"])
+    if not a.collection:
+        docs = [document(j, t, x, a.title_apart) for j, (t, x) in enumerate(passages(row["context"]))]
+        post(f"{a.url}/documents", {"collection": coll, "documents": docs, "kv": a.kv}, a.timeout)
     ask = {
-        "query": f"{row['input'].strip()} {a.instruction}",
+        "query": f"{row['input'].strip()} {a.instruction}".strip(),
         "collection": coll,
         "top_k": a.top_k,
         "max_tokens": a.max_tokens,
@@ -342,6 +345,12 @@ def main():
         "(the same machine otherwise idle: a comparison across runs, noisier than one run's)",
     )
     ap.add_argument("--ids", nargs="+", help="only the questions of the slice with these `_id`s")
+    ap.add_argument(
+        "--collection",
+        help="ask over this collection as it stands, ingesting nothing (the questions need no "
+        "`context`): eval/data/repo_docs.jsonl over this repository's docs, ingested with "
+        "`specrag ingest README.md ARCHITECTURE.md docs/ --collection docs`",
+    )
     ap.add_argument("--out", help="one JSON line per question")
     ap.add_argument(
         "--kv",
