@@ -17,14 +17,16 @@ confident otherwise. Prints identity, identity-or-near-tie and the confident spl
 Wilson 95% intervals, the escalations, the mean request and median TTFT ratios, and writes
 one line per question to --out.
 
-Each line also keeps both answers' top-2 gaps at every token, full recompute's tokens, the
+Each line also keeps both answers' top-2 gaps, tokens and runners-up at every token, the
 chunk and recomputed token counts, full recompute's times and what the guard reported;
 `--records FILE...` prints the summary of earlier runs again, with how well the reused side's
 own gaps rank the confident splits it kept (AUC). `--ratio R` asks the default method at
 recompute ratio R, `--unguarded-only` with `fidelity: fast` only, and `--full-from FILE` takes
 full recompute's answers from an earlier run's records instead of asking again (same server
 settings; identity only, no time ratios): a sweep over ratios costs the reused requests alone.
-`--collection NAME` asks over a collection already served instead (questions without
+`--records FILE... --replay-horizon H...` replays the guard watching only each unguarded
+answer's first H tokens (`--look-margin` the margins). `--collection NAME` asks over a
+collection already served instead (questions without
 `context`, e.g. eval/data/repo_docs.jsonl over this repository's docs; `--instruction ''`).
 
 Only the Python standard library is used. Nothing is read outside the paths given.
@@ -174,8 +176,20 @@ def unguarded_fields(full, fast):
         "unguarded_split_at": None if split is None else split[0],
         "unguarded_full_gap": None if split is None or split[1] == math.inf else round(split[1], 4),
         "unguarded_gaps": gaps(fast),
+        "unguarded_tokens": [t["token"] for t in fast.get("logprobs") or []],
+        "unguarded_runners_up": runners_up(fast),
         "unguarded_ttft_ratio": fast["timings"]["ttft_ms"] / max(full["timings"]["ttft_ms"], 1e-9),
     }
+
+
+def runners_up(response):
+    """The second likeliest token at each returned token (None where none was returned): with
+    the chosen tokens, what a near tie was between."""
+    out = []
+    for t in response.get("logprobs") or []:
+        top = t["top_logprobs"]
+        out.append(top[1]["token"] if len(top) > 1 else None)
+    return out
 
 
 def fmt(x):
@@ -254,6 +268,9 @@ def measure(a, row, full=None):
         "default_gaps": gaps(reused),
         "full_gaps": gaps(full),
         "full_tokens": [t["token"] for t in full.get("logprobs") or []],
+        "full_runners_up": runners_up(full),
+        "default_tokens": [t["token"] for t in reused.get("logprobs") or []],
+        "default_runners_up": runners_up(reused),
         "chunk_tokens": reused["reuse"]["chunk_tokens"],
         "recomputed_tokens": reused["reuse"]["recomputed_tokens"],
         "default_ms": reused["timings"]["total_ms"],
@@ -264,6 +281,41 @@ def measure(a, row, full=None):
         "ttft_ratio": ratio("ttft_ms"),
         **(unguarded_fields(full, fast) if fast and not a.unguarded_only else {}),
     }
+
+
+def unguarded_answers(r):
+    """An unguarded answer of a record: (its top-2 gaps, its class, where it split), from the
+    `--unguarded` fields or from a `--unguarded-only` record's own; None for neither."""
+    if "unguarded_class" in r:
+        return r["unguarded_gaps"], r["unguarded_class"], r.get("unguarded_split_at")
+    if r.get("fidelity") == "fast":
+        return r["default_gaps"], r["class"], r.get("split_at")
+    return None
+
+
+def replay_horizon(paths, margins, horizons):
+    """The guard's horizon replayed from unguarded answers (no model runs): a request escalates
+    where a token among its first H has a top-2 gap under the margin, and an escalated answer
+    counts as full recompute's (no look: the looks' rescues are not replayed). Per file, each
+    (margin, H): answers identical or split at a near tie, and escalations; then where the
+    confident splits stand in the answer."""
+    for path in paths:
+        with opener(path) as f:
+            rows = [u for u in (unguarded_answers(json.loads(line)) for line in f if line.strip()) if u]
+        if not rows:
+            print(f"{path}: no unguarded answers")
+            continue
+        n = len(rows)
+        at = sorted(split for _, c, split in rows if c == "confident")
+        print(f"{path}: {n} unguarded answers, confident splits at tokens {at}")
+        for margin in margins:
+            for h in horizons:
+                doubted = [any(g is not None and g < margin for g in gs[:h]) for gs, _, _ in rows]
+                ok = sum(d or c != "confident" for d, (_, c, _) in zip(doubted, rows))
+                print(
+                    f"  margin {margin} horizon {h}: identical or near tie {share(ok, n)}; "
+                    f"escalated {share(sum(doubted), n)}"
+                )
 
 
 def replay_look(low_path, high_path, margins, keeps):
@@ -368,6 +420,14 @@ def main():
         help="replay a look that answers from two unguarded runs' records (--unguarded-only at two "
         "ratios), at each --look-margin and --look-keep, asking nothing",
     )
+    ap.add_argument(
+        "--replay-horizon",
+        type=int,
+        nargs="+",
+        metavar="H",
+        help="with --records: replay the guard watching only the first H tokens of each "
+        "unguarded answer, at each --look-margin, asking nothing",
+    )
     ap.add_argument("--look-margin", type=float, nargs="+", default=[0.3, 0.5, 0.75])
     ap.add_argument("--look-keep", type=float, nargs="+", default=[0.0, 0.05, 0.1])
     a = ap.parse_args()
@@ -375,6 +435,11 @@ def main():
         replay_look(*a.replay_look, a.look_margin, a.look_keep)
         return
     a.unguarded = a.unguarded or a.unguarded_only
+    if a.replay_horizon:
+        if not a.records:
+            ap.error("--replay-horizon replays --records")
+        replay_horizon(a.records, a.look_margin, a.replay_horizon)
+        return
     if a.records:
         for path in a.records:
             with opener(path) as f:
