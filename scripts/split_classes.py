@@ -24,8 +24,10 @@ own gaps rank the confident splits it kept (AUC). `--ratio R` asks the default m
 recompute ratio R, `--unguarded-only` with `fidelity: fast` only, and `--full-from FILE` takes
 full recompute's answers from an earlier run's records instead of asking again (same server
 settings; identity only, no time ratios): a sweep over ratios costs the reused requests alone.
-`--records FILE... --replay-horizon H...` replays the guard watching only each unguarded
-answer's first H tokens (`--look-margin` the margins). `--collection NAME` asks over a
+`--records FILE... --replay-horizon H...` replays the guard's phrasing horizon on each
+unguarded answer (any token among the first H doubted, later only tokens with a digit or a
+capital letter; `--look-margin` the margins; `--specrag PATH` tokenizes answers recorded
+without their tokens). `--collection NAME` asks over a
 collection already served instead (questions without
 `context`, e.g. eval/data/repo_docs.jsonl over this repository's docs; `--instruction ''`).
 
@@ -34,6 +36,7 @@ Only the Python standard library is used. Nothing is read outside the paths give
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -283,37 +286,73 @@ def measure(a, row, full=None):
     }
 
 
-def unguarded_answers(r):
-    """An unguarded answer of a record: (its top-2 gaps, its class, where it split), from the
-    `--unguarded` fields or from a `--unguarded-only` record's own; None for neither."""
+def unguarded_answers(r, tokenize):
+    """An unguarded answer of a record: (its top-2 gaps, its tokens where known, its class,
+    where it split), from the `--unguarded` fields or from a `--unguarded-only` record's own;
+    None for neither. Tokens: as recorded; else full recompute's where the answer is
+    identical; else `tokenize(answer)` where given (None: unknown)."""
     if "unguarded_class" in r:
-        return r["unguarded_gaps"], r["unguarded_class"], r.get("unguarded_split_at")
-    if r.get("fidelity") == "fast":
-        return r["default_gaps"], r["class"], r.get("split_at")
-    return None
+        gaps, cls, at, text, toks = (r["unguarded_gaps"], r["unguarded_class"], r.get("unguarded_split_at"),
+                                     r["unguarded"], r.get("unguarded_tokens"))
+    elif r.get("fidelity") == "fast":
+        gaps, cls, at, text, toks = r["default_gaps"], r["class"], r.get("split_at"), r["default"], r.get("default_tokens")
+    else:
+        return None
+    if toks is None and cls == "identical":
+        toks = r.get("full_tokens")
+    if toks is None and tokenize:
+        toks = tokenize(text)
+    return gaps, toks, cls, at
 
 
-def replay_horizon(paths, margins, horizons):
-    """The guard's horizon replayed from unguarded answers (no model runs): a request escalates
-    where a token among its first H has a top-2 gap under the margin, and an escalated answer
-    counts as full recompute's (no look: the looks' rescues are not replayed). Per file, each
-    (margin, H): answers identical or split at a near tie, and escalations; then where the
-    confident splits stand in the answer."""
+def specrag_tokenizer(exe):
+    """`specrag tokenize TEXT` as a function: the token strings of TEXT."""
+    import subprocess
+
+    def tokenize(text):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the models are
+        out = subprocess.run([exe, "tokenize", "--", text], capture_output=True, text=True, check=True,
+                             cwd=root).stdout
+        return [json.loads(m.group(1)) for m in re.finditer(r'^\s*\d+\s+\[\d+, \d+\)\s+(".*")$', out, re.M)]
+
+    return tokenize
+
+
+def holds_substance(token):
+    """As the guard's `holds_substance`: a digit or an uppercase letter in the token."""
+    return any(c.isdigit() or c.isupper() for c in token or "")
+
+
+def replay_horizon(paths, margins, horizons, tokenize=None):
+    """The guard's phrasing horizon replayed from unguarded answers (no model runs): a request
+    escalates where a token has a top-2 gap under the margin and is among its first H or holds
+    a digit or a capital letter, and an escalated answer counts as full recompute's (no look:
+    the looks' rescues are not replayed). A token not known counts as holding one (a doubt
+    more, never an answer less). Per file, each (margin, H): answers identical or split at a
+    near tie, and escalations; then where the confident splits stand in the answer."""
     for path in paths:
         with opener(path) as f:
-            rows = [u for u in (unguarded_answers(json.loads(line)) for line in f if line.strip()) if u]
+            rows = [u for u in (unguarded_answers(json.loads(line), tokenize) for line in f if line.strip()) if u]
         if not rows:
             print(f"{path}: no unguarded answers")
             continue
         n = len(rows)
-        at = sorted(split for _, c, split in rows if c == "confident")
+        at = sorted(split for _, _, c, split in rows if c == "confident")
         print(f"{path}: {n} unguarded answers, confident splits at tokens {at}")
         for margin in margins:
             for h in horizons:
-                doubted = [any(g is not None and g < margin for g in gs[:h]) for gs, _, _ in rows]
-                ok = sum(d or c != "confident" for d, (_, c, _) in zip(doubted, rows))
+                doubted = [
+                    any(
+                        g is not None
+                        and g < margin
+                        and (i < h or toks is None or i >= len(toks) or holds_substance(toks[i]))
+                        for i, g in enumerate(gs)
+                    )
+                    for gs, toks, _, _ in rows
+                ]
+                ok = sum(d or c != "confident" for d, (_, _, c, _) in zip(doubted, rows))
                 print(
-                    f"  margin {margin} horizon {h}: identical or near tie {share(ok, n)}; "
+                    f"  margin {margin} phrasing horizon {h}: identical or near tie {share(ok, n)}; "
                     f"escalated {share(sum(doubted), n)}"
                 )
 
@@ -425,8 +464,14 @@ def main():
         type=int,
         nargs="+",
         metavar="H",
-        help="with --records: replay the guard watching only the first H tokens of each "
-        "unguarded answer, at each --look-margin, asking nothing",
+        help="with --records: replay the guard doubting any token among each unguarded answer's "
+        "first H and, after them, only tokens with a digit or a capital letter, at each "
+        "--look-margin, asking nothing",
+    )
+    ap.add_argument(
+        "--specrag",
+        help="with --replay-horizon: the specrag binary, to tokenize answers whose records lack "
+        "their tokens (`specrag tokenize`)",
     )
     ap.add_argument("--look-margin", type=float, nargs="+", default=[0.3, 0.5, 0.75])
     ap.add_argument("--look-keep", type=float, nargs="+", default=[0.0, 0.05, 0.1])
@@ -438,7 +483,7 @@ def main():
     if a.replay_horizon:
         if not a.records:
             ap.error("--replay-horizon replays --records")
-        replay_horizon(a.records, a.look_margin, a.replay_horizon)
+        replay_horizon(a.records, a.look_margin, a.replay_horizon, a.specrag and specrag_tokenizer(a.specrag))
         return
     if a.records:
         for path in a.records:

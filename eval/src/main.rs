@@ -167,6 +167,10 @@ struct Args {
     /// --guard-horizon`).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
     guard_horizon: usize,
+    /// The fidelity guard's phrasing horizon for `:balanced` study configurations (as
+    /// `specrag serve --guard-phrasing-horizon`).
+    #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_PHRASING_HORIZON)]
+    guard_phrasing_horizon: usize,
     /// The fidelity guard's second look for `:balanced` study configurations (as `specrag
     /// serve --guard-second-look`; 0: escalate at once).
     #[arg(long, default_value_t = gateway::fidelity::DEFAULT_GUARD_SECOND_LOOK)]

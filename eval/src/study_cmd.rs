@@ -76,6 +76,7 @@ fn study_pipeline(args: &Args, target: &Path, spec: &Path, dir: &Path) -> anyhow
     pipeline.guard = gateway::fidelity::GuardPolicy {
         margin: args.guard_margin,
         horizon: args.guard_horizon,
+        phrasing_horizon: args.guard_phrasing_horizon,
         second_look: args.guard_second_look,
         confirm_gap: args.guard_confirm_gap,
         look_narrowing: args.guard_look_narrowing,

@@ -2281,6 +2281,7 @@ async fn an_escalation_after_an_extending_look_keeps_the_looks_rows() -> TestRes
     Arc::get_mut(&mut p).ok_or("pipeline shared")?.guard = gateway::fidelity::GuardPolicy {
         margin: Some(100.0),
         horizon: 1,
+        phrasing_horizon: 1,
         second_look: 0.5,
         confirm_gap: 100.0,
         look_narrowing: 100.0,
@@ -2469,6 +2470,70 @@ async fn a_look_that_narrows_the_doubted_gap_escalates() -> TestResult {
         narrowed > 0 && widened > 0,
         "{narrowed} narrowed, {widened} widened"
     );
+    Ok(())
+}
+
+/// Past the phrasing horizon only a token holding a digit or a capital letter is doubted
+/// (`holds_substance`, unit-tested in `fidelity`). Every gap doubted and no look: where the
+/// tiny model's answer holds no such token, a phrasing horizon of 0 watches none of it and the
+/// answer is the unguarded one, while the default horizon escalates it at its first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_phrasing_horizon_only_names_and_numbers_are_doubted() -> TestResult {
+    let policy = |phrasing_horizon| gateway::fidelity::GuardPolicy {
+        margin: Some(100.0),
+        horizon: 1024,
+        phrasing_horizon,
+        second_look: 0.0,
+        ..Default::default()
+    };
+    let (dir, dir2) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let plain = guarded(dir.path(), policy(0), ServerConfig::default())?;
+    let every = guarded(
+        dir2.path(),
+        policy(gateway::fidelity::DEFAULT_GUARD_PHRASING_HORIZON),
+        ServerConfig::default(),
+    )?;
+    let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
+    let mut spared = 0;
+    for q in PARTING {
+        let fast = with(&with(&m, "fidelity", json!("fast")), "logprobs", json!(1));
+        let (_, fast, _) = send(&plain, ask(q, fast)).await;
+        let fast: Value = serde_json::from_str(&fast)?;
+        let substance = fast["logprobs"]
+            .as_array()
+            .ok_or("logprobs")?
+            .iter()
+            .any(|t| {
+                let b: Vec<u8> = t["bytes"]
+                    .as_array()
+                    .map(|b| {
+                        b.iter()
+                            .filter_map(Value::as_u64)
+                            .map(|x| x as u8)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                gateway::fidelity::holds_substance(&b)
+            });
+        if substance {
+            continue;
+        }
+        let (_, got, _) = send(&plain, ask(q, m.clone())).await;
+        let got: Value = serde_json::from_str(&got)?;
+        let g = &got["reuse"]["guard"];
+        assert_eq!(g["escalated"], false, "{q}: {got}");
+        assert!(
+            g["min_margin"].as_f64() < Some(100.0),
+            "under the margin: {got}"
+        );
+        assert_eq!(got["answer"], fast["answer"], "{q}");
+        let (_, all, _) = send(&every, ask(q, m.clone())).await;
+        let all: Value = serde_json::from_str(&all)?;
+        assert_eq!(all["reuse"]["guard"]["escalated"], true, "{q}: {all}");
+        assert_eq!(all["reuse"]["guard"]["uncertain"], true, "{q}: {all}");
+        spared += 1;
+    }
+    assert!(spared > 0, "no answer of plain tokens to spare");
     Ok(())
 }
 

@@ -459,6 +459,7 @@ impl Pipeline {
             look,
         } = must;
         let guarded = q.guarded();
+        let tok = target.tokenizer();
         let detector = target_engine::LoopDetector::default();
         let policy = self.guard;
         let (mut looped, mut uncertain) = (false, false);
@@ -480,7 +481,10 @@ impl Pipeline {
                     policy.doubts_look(ids.len(), gap)
                 } else {
                     policy.doubts(q.method, ids.len(), gap)
-                };
+                }
+                && ids
+                    .last()
+                    .is_some_and(|&id| policy.watches(ids.len(), tok.token_bytes(id)));
             looped || uncertain
         };
         let mut sent = String::new();

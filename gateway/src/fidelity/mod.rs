@@ -147,6 +147,12 @@ pub struct GuardPolicy {
     pub margin: Option<f32>,
     /// How many of the answer's first tokens are watched for it.
     pub horizon: usize,
+    /// How many of the answer's first tokens are doubted at any near tie; after them (up to
+    /// `horizon`) only a token that holds a digit or an uppercase letter is ([`holds_substance`]:
+    /// a name, a number, a date). Later in an answer a near tie between two phrasings is
+    /// full recompute's own as often as reuse's, and escalating it changes nothing the
+    /// fidelity target counts (docs/fidelity-guard.md, *Why each default*).
+    pub phrasing_horizon: usize,
     /// Where a token's gap fell below the margin (not a loop), the share of the chunk tokens
     /// a second look recomputes on top of the method's picks (which ones: [`GuardPolicy::look`]),
     /// before anything escalates: decoding restarts from that cache, and where it chooses the
@@ -279,6 +285,10 @@ pub const DEFAULT_GUARD_MARGIN: f32 = 0.5;
 pub const SHIFT_GUARD_MARGIN: f32 = 0.3;
 /// The default [`GuardPolicy::horizon`].
 pub const DEFAULT_GUARD_HORIZON: usize = 1024;
+/// The default [`GuardPolicy::phrasing_horizon`]: every confident split of the recorded
+/// unguarded answers stands within the first 8 tokens or at a token with a digit or a
+/// capital letter (docs/fidelity-guard.md, *Why each default*).
+pub const DEFAULT_GUARD_PHRASING_HORIZON: usize = 8;
 /// The default [`GuardPolicy::second_look`]: at ρ 0.25 + 0.10 the answers that reuse changes
 /// differ from the default's own, so agreement there says the doubted token was the model's
 /// own uncertainty rather than reuse's (docs/fidelity-guard.md, *Why each default*).
@@ -308,6 +318,14 @@ pub const DEFAULT_GUARD_LOOKS: u32 = 1;
 /// (docs/fidelity-guard.md, *The look's cost bound*).
 pub const DEFAULT_GUARD_LOOK_COST: f64 = f64::INFINITY;
 
+/// Whether a token's bytes hold a digit or an uppercase letter: part of a name, a number or
+/// a date, where a split changes what an answer says rather than how it says it.
+pub fn holds_substance(token: &[u8]) -> bool {
+    String::from_utf8_lossy(token)
+        .chars()
+        .any(|c| c.is_numeric() || c.is_uppercase())
+}
+
 /// The margin a `balanced` request under `method` escalates at unless the server sets one.
 pub fn default_margin(method: crate::method::Method) -> f32 {
     match method {
@@ -321,6 +339,7 @@ impl Default for GuardPolicy {
         Self {
             margin: None,
             horizon: DEFAULT_GUARD_HORIZON,
+            phrasing_horizon: DEFAULT_GUARD_PHRASING_HORIZON,
             second_look: DEFAULT_GUARD_SECOND_LOOK,
             confirm_gap: DEFAULT_GUARD_CONFIRM_GAP,
             look_narrowing: DEFAULT_GUARD_LOOK_NARROWING,
@@ -342,6 +361,13 @@ impl GuardPolicy {
     /// top-2 gap `gap`, is too uncertain to keep decoding from the reused cache.
     pub fn doubts(&self, method: crate::method::Method, n: usize, gap: f32) -> bool {
         n <= self.horizon && gap < self.margin_for(method)
+    }
+
+    /// Whether the guard watches the `n`th generated token (1-based), whose bytes are
+    /// `token`, for a near tie: any of the first [`GuardPolicy::phrasing_horizon`], and after
+    /// them one that [`holds_substance`].
+    pub fn watches(&self, n: usize, token: &[u8]) -> bool {
+        n <= self.phrasing_horizon || holds_substance(token)
     }
 
     /// Whether the `n`th token (1-based) a second look that answers
@@ -396,12 +422,41 @@ mod tests {
     }
 
     #[test]
+    fn after_the_phrasing_horizon_only_names_numbers_and_dates_are_watched() {
+        for t in ["1", " 1808", " Jennings", "Le", " December", "É", "٣"] {
+            assert!(holds_substance(t.as_bytes()), "{t:?}");
+        }
+        for t in [" discuss", " are", ",", " the", " é", "", "\n"] {
+            assert!(!holds_substance(t.as_bytes()), "{t:?}");
+        }
+        // A token cut inside a character still reads what it holds.
+        assert!(!holds_substance(&[0xC3]));
+        let p = GuardPolicy {
+            phrasing_horizon: 2,
+            ..GuardPolicy::default()
+        };
+        assert!(p.watches(1, b" are") && p.watches(2, b" are"));
+        assert!(!p.watches(3, b" are"), "a phrasing token past the horizon");
+        assert!(p.watches(3, b" Paula") && p.watches(300, b"17"));
+        let every = GuardPolicy {
+            phrasing_horizon: usize::MAX,
+            ..GuardPolicy::default()
+        };
+        assert!(every.watches(1000, b" are"));
+        assert_eq!(
+            GuardPolicy::default().phrasing_horizon,
+            DEFAULT_GUARD_PHRASING_HORIZON
+        );
+    }
+
+    #[test]
     fn the_policy_doubts_only_small_gaps_within_its_horizon() {
         use crate::method::Method;
         let m = Method::TargetProbe;
         let p = GuardPolicy {
             margin: Some(1.5),
             horizon: 4,
+            phrasing_horizon: 4,
             second_look: 0.0,
             confirm_gap: 0.0,
             look_narrowing: 100.0,
@@ -421,6 +476,7 @@ mod tests {
         let off = GuardPolicy {
             margin: Some(0.0),
             horizon: usize::MAX,
+            phrasing_horizon: usize::MAX,
             second_look: 0.0,
             confirm_gap: 0.0,
             look_narrowing: 100.0,

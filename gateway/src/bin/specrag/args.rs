@@ -392,6 +392,13 @@ pub struct GuardArgs {
     /// throughout).
     #[arg(long, env = "SPECRAG_GUARD_HORIZON", default_value_t = gateway::fidelity::DEFAULT_GUARD_HORIZON)]
     pub guard_horizon: usize,
+    /// Doubt a near tie at any of the answer's first N tokens; after them, only at a token
+    /// holding a digit or a capital letter (a name, a number, a date): later near ties
+    /// between two phrasings are full recompute's own as often as reuse's. A large value
+    /// (1024) doubts every token up to --guard-horizon.
+    #[arg(long, env = "SPECRAG_GUARD_PHRASING_HORIZON",
+          default_value_t = gateway::fidelity::DEFAULT_GUARD_PHRASING_HORIZON)]
+    pub guard_phrasing_horizon: usize,
     /// Before escalating for a doubted token, recompute this share of the chunk tokens more
     /// (which ones: --guard-look) and decode again: where that cache chooses the same
     /// tokens, the answer goes on from it, still guarded; where not, the request escalates
@@ -450,6 +457,7 @@ impl GuardArgs {
         gateway::fidelity::GuardPolicy {
             margin: self.guard_margin,
             horizon: self.guard_horizon,
+            phrasing_horizon: self.guard_phrasing_horizon,
             second_look: self.guard_second_look,
             confirm_gap: self.guard_confirm_gap,
             look_narrowing: self.guard_look_narrowing,
