@@ -191,7 +191,7 @@ def runners_up(response):
     out = []
     for t in response.get("logprobs") or []:
         top = t["top_logprobs"]
-        out.append(top[1]["token"] if len(top) > 1 else None)
+        out.append(top[1].get("token") if len(top) > 1 else None)
     return out
 
 
@@ -216,11 +216,16 @@ def earlier_fulls(path):
         for line in f:
             r = json.loads(line) if line.strip() else None
             if r and r.get("full_tokens") is not None:
+                runners = r.get("full_runners_up") or [None] * len(r["full_tokens"])
                 out[r["id"]] = {
                     "answer": r["full"],
                     "logprobs": [
-                        {"token": t, "top_logprobs": [{"logprob": 0.0}] + ([] if g is None else [{"logprob": -g}])}
-                        for t, g in zip(r["full_tokens"], r["full_gaps"])
+                        {
+                            "token": t,
+                            "top_logprobs": [{"logprob": 0.0, "token": t}]
+                            + ([] if g is None else [{"logprob": -g, "token": u}]),
+                        }
+                        for t, g, u in zip(r["full_tokens"], r["full_gaps"], runners)
                     ],
                     "timings": {"total_ms": r["full_ms"], "ttft_ms": r.get("full_ttft_ms")},
                 }
