@@ -74,7 +74,7 @@ fn every_own_selector_spends_rho_of_all_chunk_tokens_on_inexact_rows_only() {
 }
 
 #[test]
-fn ablations_that_change_only_the_recompute_keep_the_probes_picks_and_change_the_answer() {
+fn ablations_that_change_only_the_recompute_keep_the_probes_picks() {
     let (_d, m) = four_layers();
     let s = TinyRag::new(&m).expect("setup");
     let refs: Vec<&ChunkKv> = s.standalone.iter().collect();
@@ -89,7 +89,16 @@ fn ablations_that_change_only_the_recompute_keep_the_probes_picks_and_change_the
     for a in [Ablation::Deep, Ablation::Shallow, Ablation::Shift] {
         let out = a.prefill(&input).expect("ablation");
         assert_eq!(out.recomputed, probe.recomputed, "{a:?}");
-        assert!(max_diff(&out.logits, &probe.logits) > 1e-4, "{a:?}");
+        let moved = max_diff(&out.logits, &probe.logits);
+        if a == Ablation::Shallow {
+            // Four layers: "every candidate through the first seventh of the layers" is layer
+            // 0 alone, where a stored chunk's rotated rows are the rows computed in place, so
+            // only rounding parts it from the probe (4e-5 on an AVX2 EPYC, over 1e-4 on
+            // AVX-512 CPUs): the probe's answer.
+            assert!(moved < 1e-3, "{a:?}: {moved}");
+        } else {
+            assert!(moved > 1e-4, "{a:?}: {moved}");
+        }
         // Same picks, same uncovered mass and reserve: the probe's.
         assert_eq!(out.signals.uncovered, probe.signals.uncovered, "{a:?}");
         assert_eq!(out.reserve, probe.reserve, "{a:?}");
