@@ -318,12 +318,13 @@ fn default_pairing() -> Result<Models, Box<dyn std::error::Error>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_pairing_keeps_every_promise_over_the_defaults_paths() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let state = server(
-        dir.path(),
-        default_pairing()?,
-        &REAL_DOCS,
-        GuardPolicy::default(),
-    )?;
+    // Every token watched (past the 8th the default watches names and numbers only), so that
+    // these 24-token answers cross the escalation path too.
+    let guard = GuardPolicy {
+        phrasing_horizon: gateway::fidelity::DEFAULT_GUARD_HORIZON,
+        ..GuardPolicy::default()
+    };
+    let state = server(dir.path(), default_pairing()?, &REAL_DOCS, guard)?;
     let m = Matrix {
         questions: REAL_QUESTIONS.len(),
         routes: vec![Route::Rag, Route::OpenAi],
