@@ -325,7 +325,7 @@ def specrag_tokenizer(exe):
 
 def holds_substance(token):
     """As the guard's `holds_substance`: a digit or an uppercase letter in the token."""
-    return any(c.isdigit() or c.isupper() for c in token or "")
+    return any(c.isnumeric() or c.isupper() for c in token or "")
 
 
 def replay_horizon(paths, margins, horizons, tokenize=None):
