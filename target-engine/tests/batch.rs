@@ -478,7 +478,10 @@ fn prefill_work_in_pieces_takes_a_turn_a_piece_and_computes_the_one_pass() {
                 .iter()
                 .zip(&want)
                 .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-            assert!(d < 2e-3 * scale, "{d} of {scale}");
+            // Measured: 2.1e-3 of the scale on a Zen 3 (AVX2, no AVX-512) for this random
+            // tiny model, whose logits amplify rounding; a piece that missed rows is off by
+            // the scale itself.
+            assert!(d < 1e-2 * scale, "{d} of {scale}");
         }
     });
 }

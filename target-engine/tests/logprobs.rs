@@ -6,22 +6,24 @@
 //! the top-2 gap the guard reads.
 
 use target_engine::prelude::*;
-use target_engine::testing::{load_tiny, TinyRag, TinySpec};
+use target_engine::testing::{write_tiny_gguf, TinyRag, TinySpec};
 use target_engine::{
-    Architecture, ChunkKv, Continuation, Drafter, FilledCache, FullReuse, GenerateParams, Model,
-    Prefilled, PromptLookup, Sampler, SelectInput, Selector, VerifyMode, VerifyParams,
+    Architecture, ChunkKv, Continuation, Drafter, FilledCache, FullReuse, GenerateParams,
+    LoadOptions, Model, Prefilled, PromptLookup, Sampler, SelectInput, Selector, VerifyMode,
+    VerifyParams,
 };
 
 const MAX: usize = 12;
 const TOP: usize = 3;
 
+/// The tiny model as served: decode steps and checking rows on the same int8 kernels on
+/// every CPU (off AVX-512 VNNI a model loaded with `dense_min_rows: 1` would run its one-row
+/// steps on f32 panels and its checking rows on int8, a different rounding).
 fn tiny() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let m = load_tiny(
-        &dir.path().join("tiny.gguf"),
-        &TinySpec::new(Architecture::Qwen2),
-    )
-    .expect("load");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Architecture::Qwen2)).expect("write");
+    let m = Model::load(&path, &LoadOptions::default()).expect("load");
     (dir, m)
 }
 

@@ -77,9 +77,22 @@ fn recomputing_a_subset_against_a_filled_cache_changes_nothing() {
         let out = m
             .forward(&sub, &pos, &mut cache, false)
             .expect("subset forward");
-        assert!(max_diff(&m.last_logits(&out).expect("logits"), &full) < 1e-4);
+        let d = max_diff(&m.last_logits(&out).expect("logits"), &full);
+        assert!(d < 1e-4, "{arch:?}: logits {d}");
         for l in 0..m.config().n_layer {
-            assert!(max_diff(cache.k(l), before.k(l)) < 1e-4);
+            // Cache rows are f16: where the f32 panels (off AVX-512 VNNI) round a row's last
+            // bit by its batch, a stored value may land one f16 step away (2.4e-4 at 0.5-1
+            // measured on a Zen 3), never more.
+            let within = cache
+                .k(l)
+                .iter()
+                .zip(before.k(l))
+                .all(|(x, y)| (x - y).abs() <= x.abs().max(y.abs()) / 1024.0 + 1e-7);
+            assert!(
+                within,
+                "{arch:?}: layer {l} K {}",
+                max_diff(cache.k(l), before.k(l))
+            );
         }
     }
 }
