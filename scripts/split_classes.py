@@ -293,21 +293,24 @@ def measure(a, row, full=None):
 
 def unguarded_answers(r, tokenize):
     """An unguarded answer of a record: (its top-2 gaps, its tokens where known, its class,
-    where it split), from the `--unguarded` fields or from a `--unguarded-only` record's own;
-    None for neither. Tokens: as recorded; else full recompute's where the answer is
-    identical; else `tokenize(answer)` where given (None: unknown)."""
+    where it split, each token's rival where known), from the `--unguarded` fields or from a
+    `--unguarded-only` record's own; None for neither. Tokens: as recorded; else full
+    recompute's where the answer is identical; else `tokenize(answer)` where given (None:
+    unknown). Rivals (the runner-up of each token's row): as recorded, else None."""
     if "unguarded_class" in r:
         gaps, cls, at, text, toks = (r["unguarded_gaps"], r["unguarded_class"], r.get("unguarded_split_at"),
                                      r["unguarded"], r.get("unguarded_tokens"))
+        rivals = r.get("unguarded_runners_up")
     elif r.get("fidelity") == "fast":
         gaps, cls, at, text, toks = r["default_gaps"], r["class"], r.get("split_at"), r["default"], r.get("default_tokens")
+        rivals = r.get("default_runners_up")
     else:
         return None
     if toks is None and cls == "identical":
         toks = r.get("full_tokens")
     if toks is None and tokenize:
         toks = tokenize(text)
-    return gaps, toks, cls, at
+    return gaps, toks, cls, at, rivals
 
 
 def specrag_tokenizer(exe):
@@ -338,28 +341,31 @@ def replay_horizon(paths, margins, horizons, tokenize=None):
     for path in paths:
         with opener(path) as f:
             rows = [u for u in (unguarded_answers(json.loads(line), tokenize) for line in f if line.strip()) if u]
+        rivaled = sum(rv is not None for *_, rv in rows)
         if not rows:
             print(f"{path}: no unguarded answers")
             continue
         n = len(rows)
-        at = sorted(split for _, _, c, split in rows if c == "confident")
-        print(f"{path}: {n} unguarded answers, confident splits at tokens {at}")
+        at = sorted(split for _, _, c, split, _ in rows if c == "confident")
+        print(f"{path}: {n} unguarded answers ({rivaled} with rivals), confident splits at tokens {at}")
+
+        def watched(i, toks, rivals, h, by_rival):
+            if i < h or toks is None or i >= len(toks) or holds_substance(toks[i]):
+                return True
+            return by_rival and rivals is not None and i < len(rivals) and holds_substance(rivals[i])
+
         for margin in margins:
             for h in horizons:
-                doubted = [
-                    any(
-                        g is not None
-                        and g < margin
-                        and (i < h or toks is None or i >= len(toks) or holds_substance(toks[i]))
-                        for i, g in enumerate(gs)
+                for by_rival in (False, True):
+                    doubted = [
+                        any(g is not None and g < margin and watched(i, toks, rv, h, by_rival) for i, g in enumerate(gs))
+                        for gs, toks, _, _, rv in rows
+                    ]
+                    ok = sum(d or c != "confident" for d, (_, _, c, _, _) in zip(doubted, rows))
+                    print(
+                        f"  margin {margin} phrasing horizon {h}, {'a token or its rival' if by_rival else 'the token'}"
+                        f" watched: identical or near tie {share(ok, n)}; escalated {share(sum(doubted), n)}"
                     )
-                    for gs, toks, _, _ in rows
-                ]
-                ok = sum(d or c != "confident" for d, (_, _, c, _) in zip(doubted, rows))
-                print(
-                    f"  margin {margin} phrasing horizon {h}: identical or near tie {share(ok, n)}; "
-                    f"escalated {share(sum(doubted), n)}"
-                )
 
 
 def replay_look(low_path, high_path, margins, keeps):

@@ -2473,8 +2473,8 @@ async fn a_look_that_narrows_the_doubted_gap_escalates() -> TestResult {
     Ok(())
 }
 
-/// Past the phrasing horizon only a token holding a digit or a capital letter is doubted
-/// (`holds_substance`, unit-tested in `fidelity`). Every gap doubted and no look: where the
+/// Past the phrasing horizon only a token holding a digit or a capital letter, or chosen over
+/// one, is doubted (`holds_substance`, unit-tested in `fidelity`). Every gap doubted and no look: where the
 /// tiny model's answer holds no such token, a phrasing horizon of 0 watches none of it and the
 /// answer is the unguarded one, while the default horizon escalates it at its first token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2494,28 +2494,42 @@ async fn past_the_phrasing_horizon_only_names_and_numbers_are_doubted() -> TestR
         ServerConfig::default(),
     )?;
     let m = json!({"method": "target_probe", "recompute_ratio": 0.25, "max_tokens": 8});
-    let mut spared = 0;
+    let (mut spared, mut rivals) = (0, 0);
     for q in PARTING {
-        let fast = with(&with(&m, "fidelity", json!("fast")), "logprobs", json!(1));
+        let fast = with(&with(&m, "fidelity", json!("fast")), "logprobs", json!(2));
         let (_, fast, _) = send(&plain, ask(q, fast)).await;
         let fast: Value = serde_json::from_str(&fast)?;
-        let substance = fast["logprobs"]
-            .as_array()
-            .ok_or("logprobs")?
+        let bytes = |t: &Value| -> Vec<u8> {
+            t["bytes"]
+                .as_array()
+                .map(|b| {
+                    b.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as u8)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        // A token past the horizon is watched where it or its rival (the other of its row's
+        // top two) names something.
+        let tokens = fast["logprobs"].as_array().ok_or("logprobs")?;
+        let watched = |t: &Value| {
+            let top = t["top_logprobs"].as_array().into_iter().flatten();
+            std::iter::once(t)
+                .chain(top)
+                .any(|x| gateway::fidelity::holds_substance(&bytes(x)))
+        };
+        let chosen = tokens
             .iter()
-            .any(|t| {
-                let b: Vec<u8> = t["bytes"]
-                    .as_array()
-                    .map(|b| {
-                        b.iter()
-                            .filter_map(Value::as_u64)
-                            .map(|x| x as u8)
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                gateway::fidelity::holds_substance(&b)
-            });
-        if substance {
+            .any(|t| gateway::fidelity::holds_substance(&bytes(t)));
+        if tokens.iter().any(watched) {
+            if !chosen {
+                // Only a rival names something: the tie is doubted all the same.
+                let (_, got, _) = send(&plain, ask(q, m.clone())).await;
+                let got: Value = serde_json::from_str(&got)?;
+                assert_eq!(got["reuse"]["guard"]["uncertain"], true, "{q}: {got}");
+                rivals += 1;
+            }
             continue;
         }
         let (_, got, _) = send(&plain, ask(q, m.clone())).await;
@@ -2534,6 +2548,7 @@ async fn past_the_phrasing_horizon_only_names_and_numbers_are_doubted() -> TestR
         spared += 1;
     }
     assert!(spared > 0, "no answer of plain tokens to spare");
+    eprintln!("{spared} spared, {rivals} doubted for a rival");
     Ok(())
 }
 

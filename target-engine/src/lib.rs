@@ -54,8 +54,8 @@ pub use decode::batch::{
 pub use decode::checked::{greedy, verified_greedy, Verified};
 pub use decode::draft::{DraftLength, SpecDecodeStats};
 pub use decode::generate::{
-    chat_prompt, raw_prompt, FilledCache, FinishReason, GenerateParams, Generation, Prefilled,
-    DEFAULT_SYSTEM,
+    chat_prompt, raw_prompt, FilledCache, FinishReason, GenerateParams, Generation, Pick,
+    Prefilled, DEFAULT_SYSTEM,
 };
 pub use decode::logprobs::{Logprob, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use decode::repetition::LoopDetector;

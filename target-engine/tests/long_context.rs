@@ -10,7 +10,7 @@ use target_engine::decode::sparse::{kl, log_softmax};
 use target_engine::prelude::*;
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    kivi_cache, Architecture, AttentionView, ContextHead, LoadOptions, Model, RetrievalHead,
+    kivi_cache, Architecture, AttentionView, ContextHead, LoadOptions, Model, Pick, RetrievalHead,
     SpeContextConfig, SpeContextView, TopKConfig, TopKView, ViewParams,
 };
 
@@ -245,8 +245,13 @@ fn streamed_view_decoding_hands_out_what_plain_decoding_does() {
                 text.push_str(t);
                 true
             };
-            let mut watch = |ids: &[u32], gap: f32| {
-                seen.push((ids.len(), gap));
+            let mut watch = |ids: &[u32], pick: Pick| {
+                assert_ne!(
+                    pick.rival,
+                    ids.last().copied(),
+                    "the rival is another token"
+                );
+                seen.push((ids.len(), pick.gap));
                 ids.len() == stop_at
             };
             let (g, stopped) = match view {

@@ -12,7 +12,7 @@ use target_engine::prelude::*;
 
 use target_engine::testing::{write_tiny_gguf, TinySpec};
 use target_engine::{
-    Architecture, ChunkKv, Drafter, GenerateParams, Generation, KvCache, LoadOptions, Model,
+    Architecture, ChunkKv, Drafter, GenerateParams, Generation, KvCache, LoadOptions, Model, Pick,
     PromptLookup, RagTemplate, SamplingParams, SelectInput, Selector, SpecDecodeStats, TargetProbe,
 };
 
@@ -37,8 +37,8 @@ fn tiny(spec: TinySpec) -> (tempfile::TempDir, Model) {
 }
 
 /// What a decode handed out: the generation, whether the watch stopped it, the text pieces
-/// and every (ids so far, gap) the watch saw.
-type Decoded = (Generation, bool, String, Vec<(usize, f32)>);
+/// and every (ids so far, pick) the watch saw.
+type Decoded = (Generation, bool, String, Vec<(usize, Pick)>);
 
 /// The text callback and the watch a decode is given, recording what they are shown (the watch
 /// stops the decode at `stop_at` tokens; 0: never); returns `decode`'s result with the records.
@@ -46,17 +46,17 @@ fn recorded<R>(
     stop_at: usize,
     decode: impl FnOnce(
         &mut dyn FnMut(&str) -> bool,
-        &mut dyn FnMut(&[u32], f32) -> bool,
+        &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> target_engine::Result<R>,
-) -> (R, String, Vec<(usize, f32)>) {
+) -> (R, String, Vec<(usize, Pick)>) {
     let (mut text, mut seen) = (String::new(), Vec::new());
     let r = decode(
         &mut |t| {
             text.push_str(t);
             true
         },
-        &mut |ids, gap| {
-            seen.push((ids.len(), gap));
+        &mut |ids, pick| {
+            seen.push((ids.len(), pick));
             ids.len() == stop_at
         },
     )

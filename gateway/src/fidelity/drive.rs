@@ -10,7 +10,7 @@ use crate::pipeline::generate::{finish_reason, generate_params, Decoding};
 use crate::pipeline::{ms, ContextCache, Piece, Pipeline, Query};
 use std::time::Instant;
 use target_engine::{
-    Assembly, BlendOutput, Drafter, Flow, Generation, Shown, SpecDecodeStats as SpecStats,
+    Assembly, BlendOutput, Drafter, Flow, Generation, Pick, Shown, SpecDecodeStats as SpecStats,
     TextStream, TurnKind, VerifyEvent,
 };
 
@@ -464,7 +464,8 @@ impl Pipeline {
         let policy = self.guard;
         let (mut looped, mut uncertain) = (false, false);
         let mut look_gap = None;
-        let mut watch = |ids: &[u32], gap: f32| {
+        let mut watch = |ids: &[u32], pick: Pick| {
+            let gap = pick.gap;
             if let Some(&want) = agree.get(ids.len() - 1) {
                 // The doubted token (the last to agree on) must be chosen decidedly.
                 let doubted = ids.len() == agree.len();
@@ -482,9 +483,10 @@ impl Pipeline {
                 } else {
                     policy.doubts(q.method, ids.len(), gap)
                 }
-                && ids
-                    .last()
-                    .is_some_and(|&id| policy.watches(ids.len(), tok.token_bytes(id)));
+                && ids.last().is_some_and(|&id| {
+                    let rival = pick.rival.map(|r| tok.token_bytes(r));
+                    policy.watches(ids.len(), tok.token_bytes(id), rival)
+                });
             looped || uncertain
         };
         let mut sent = String::new();

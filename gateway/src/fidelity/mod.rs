@@ -148,8 +148,8 @@ pub struct GuardPolicy {
     /// How many of the answer's first tokens are watched for it.
     pub horizon: usize,
     /// How many of the answer's first tokens are doubted at any near tie; after them (up to
-    /// `horizon`) only a token that holds a digit or an uppercase letter is ([`holds_substance`]:
-    /// a name, a number, a date). Later in an answer a near tie between two phrasings is
+    /// `horizon`) only a tie either side of which holds a digit or an uppercase letter is
+    /// ([`holds_substance`]: a name, a number, a date, chosen or lost to a plain word). Later in an answer a near tie between two phrasings is
     /// full recompute's own as often as reuse's, and escalating it changes nothing the
     /// fidelity target counts (docs/fidelity-guard.md, *Why each default*).
     pub phrasing_horizon: usize,
@@ -364,10 +364,11 @@ impl GuardPolicy {
     }
 
     /// Whether the guard watches the `n`th generated token (1-based), whose bytes are
-    /// `token`, for a near tie: any of the first [`GuardPolicy::phrasing_horizon`], and after
-    /// them one that [`holds_substance`].
-    pub fn watches(&self, n: usize, token: &[u8]) -> bool {
-        n <= self.phrasing_horizon || holds_substance(token)
+    /// `token`, for a near tie with `rival` (the bytes of the other of its row's two most
+    /// likely tokens): any of the first [`GuardPolicy::phrasing_horizon`], and after them a
+    /// tie either side of which [`holds_substance`] (a name chosen, or lost to a plain word).
+    pub fn watches(&self, n: usize, token: &[u8], rival: Option<&[u8]>) -> bool {
+        n <= self.phrasing_horizon || holds_substance(token) || rival.is_some_and(holds_substance)
     }
 
     /// Whether the `n`th token (1-based) a second look that answers
@@ -435,14 +436,22 @@ mod tests {
             phrasing_horizon: 2,
             ..GuardPolicy::default()
         };
-        assert!(p.watches(1, b" are") && p.watches(2, b" are"));
-        assert!(!p.watches(3, b" are"), "a phrasing token past the horizon");
-        assert!(p.watches(3, b" Paula") && p.watches(300, b"17"));
+        let plain = Some(&b" were"[..]);
+        assert!(p.watches(1, b" are", plain) && p.watches(2, b" are", None));
+        assert!(
+            !p.watches(3, b" are", plain) && !p.watches(3, b" are", None),
+            "a phrasing tie past the horizon"
+        );
+        assert!(p.watches(3, b" Paula", plain) && p.watches(300, b"17", None));
+        assert!(
+            p.watches(3, b" the", Some(b" Paula")) && p.watches(9, b" in", Some(b" 1758")),
+            "a name or a number lost to a plain word"
+        );
         let every = GuardPolicy {
             phrasing_horizon: usize::MAX,
             ..GuardPolicy::default()
         };
-        assert!(every.watches(1000, b" are"));
+        assert!(every.watches(1000, b" are", plain));
         assert_eq!(
             GuardPolicy::default().phrasing_horizon,
             DEFAULT_GUARD_PHRASING_HORIZON

@@ -8,8 +8,8 @@ use super::Pipeline;
 use crate::error::{GatewayError, Result};
 use target_engine::prelude::*;
 use target_engine::{
-    Assembly, ChunkKv, Drafter, FinishReason, GenerateParams, Generation, KvCache, SamplingParams,
-    SpecDecodeStats as SpecStats, TextStream, TokenLogprobs,
+    Assembly, ChunkKv, Drafter, FinishReason, GenerateParams, Generation, KvCache, Pick,
+    SamplingParams, SpecDecodeStats as SpecStats, TextStream, TokenLogprobs,
 };
 
 /// How `q` samples and stops.
@@ -76,7 +76,7 @@ impl Pipeline {
         q: &Query,
         from: Decoding<'_, '_, E::Cache>,
         on_piece: &mut dyn FnMut(Piece<'_>) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool, SpecStats)> {
         let Decoding {
             cache,

@@ -97,12 +97,44 @@ pub struct Generation {
     pub logprobs: Vec<TokenLogprobs>,
 }
 
-/// A token on its way out and what it was chosen from: the row's top-2 gap and, where asked,
-/// the token's logprobs.
+/// What a watched token was chosen from (see [`Generate::decode_watched`]): the row's
+/// [`top2_gap`], and its rival, the one of the row's two most likely tokens that was not
+/// chosen (the runner-up under greedy decoding; `None` in a row of fewer than two).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    pub gap: f32,
+    pub rival: Option<u32>,
+}
+
+impl Pick {
+    /// The pick of `id` from `row`.
+    pub fn of(id: u32, row: &[f32]) -> Self {
+        let (mut first, mut second) = (None::<(usize, f32)>, None::<(usize, f32)>);
+        for (i, &x) in row.iter().enumerate() {
+            if first.is_none_or(|(_, f)| x > f) {
+                second = first;
+                first = Some((i, x));
+            } else if second.is_none_or(|(_, s)| x > s) {
+                second = Some((i, x));
+            }
+        }
+        let rival = match (first, second) {
+            (Some((f, _)), Some((s, _))) => Some(if f as u32 == id { s } else { f } as u32),
+            _ => None,
+        };
+        Self {
+            gap: top2_gap(row),
+            rival,
+        }
+    }
+}
+
+/// A token on its way out and what it was chosen from: the row's top-2 gap and rival and,
+/// where asked, the token's logprobs.
 #[derive(Debug, Clone)]
 pub(crate) struct Chosen {
     pub(crate) id: u32,
-    pub(crate) gap: f32,
+    pub(crate) pick: Pick,
     pub(crate) logprobs: Option<TokenLogprobs>,
 }
 
@@ -111,7 +143,7 @@ impl Chosen {
     pub(crate) fn from_row(id: u32, row: &[f32], k: Option<usize>) -> Self {
         Self {
             id,
-            gap: top2_gap(row),
+            pick: Pick::of(id, row),
             logprobs: k.map(|k| TokenLogprobs::of(row, id, k)),
         }
     }
@@ -183,8 +215,8 @@ pub trait Generate: Engine {
     ) -> Result<Generation>;
 
     /// [`Generate::decode_stream`] that asks `watch` after every generated token whether to stop
-    /// there, showing it the ids so far and the [`top2_gap`] of the distribution the last one
-    /// was chosen from; when it says so, generation ends before that token's text is handed
+    /// there, showing it the ids so far and the [`Pick`] the last one was (the [`top2_gap`] of
+    /// its distribution and the rival it beat); when it says so, generation ends before that token's text is handed
     /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard
     /// moving to the full cache). The ids include the token that made `watch` stop. The
     /// generation's `prefill_ms` is 0: the caller timed its prefill.
@@ -194,7 +226,7 @@ pub trait Generate: Engine {
         logits: Vec<f32>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool)>;
 }
 
@@ -241,7 +273,7 @@ where
         mut logits: Vec<f32>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool)> {
         let sampler = Sampler::new(params.sampling);
         let mut emit = Emit::new(Engine::tokenizer(self), params, on_text, watch);
@@ -269,7 +301,7 @@ pub(crate) struct Emit<'a> {
     tok: &'a Tokenizer,
     params: &'a GenerateParams,
     on_text: &'a mut dyn FnMut(&str) -> bool,
-    watch: &'a mut dyn FnMut(&[u32], f32) -> bool,
+    watch: &'a mut dyn FnMut(&[u32], Pick) -> bool,
     ids: Vec<u32>,
     margins: Vec<f32>,
     logprobs: Vec<TokenLogprobs>,
@@ -284,7 +316,7 @@ impl<'a> Emit<'a> {
         tok: &'a Tokenizer,
         params: &'a GenerateParams,
         on_text: &'a mut dyn FnMut(&str) -> bool,
-        watch: &'a mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &'a mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Self {
         Self {
             tok,
@@ -322,12 +354,12 @@ impl<'a> Emit<'a> {
         if self.done {
             return true;
         }
-        let Chosen { id, gap, logprobs } = chosen;
+        let Chosen { id, pick, logprobs } = chosen;
         self.ids.push(id);
-        self.margins.push(gap);
+        self.margins.push(pick.gap);
         self.logprobs.extend(logprobs);
         // Asked before the end is taken: ending the answer is a choice like any other.
-        self.done = if (self.watch)(&self.ids, gap) {
+        self.done = if (self.watch)(&self.ids, pick) {
             self.watched = true;
             true
         } else {
@@ -417,5 +449,37 @@ mod tests {
         assert_eq!(top2_gap(&[2.0, 2.0]), 0.0);
         assert_eq!(top2_gap(&[5.0]), 0.0);
         assert_eq!(top2_gap(&[]), 0.0);
+    }
+
+    #[test]
+    fn a_picks_rival_is_the_other_of_its_rows_top_two() {
+        let row = [1.0, 3.5, -2.0, 3.0];
+        assert_eq!(
+            Pick::of(1, &row),
+            Pick {
+                gap: 0.5,
+                rival: Some(3)
+            },
+            "greedy"
+        );
+        assert_eq!(
+            Pick::of(3, &row).rival,
+            Some(1),
+            "sampled: the runner-up chosen"
+        );
+        assert_eq!(
+            Pick::of(0, &row).rival,
+            Some(1),
+            "sampled outside the top two"
+        );
+        // A tie keeps the first of the two as the most likely, as greedy decoding does.
+        assert_eq!(Pick::of(0, &[2.0, 2.0]).rival, Some(1));
+        assert_eq!(
+            Pick::of(0, &[5.0]),
+            Pick {
+                gap: 0.0,
+                rival: None
+            }
+        );
     }
 }

@@ -21,7 +21,9 @@
 //! cache's token, the drafted rows rewritten exactly. The draft length adapts to acceptance.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MAX_DRAFT};
-use crate::decode::generate::{Chosen, Emit, FinishReason, GenerateParams, Generation, Prefilled};
+use crate::decode::generate::{
+    Chosen, Emit, FinishReason, GenerateParams, Generation, Pick, Prefilled,
+};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -375,7 +377,7 @@ pub trait ViewDecode {
         view: &mut (dyn AttentionView + Send),
         draft: ViewDraft<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)>;
 
     /// Greedy decoding with every step from `view` (`None`: full attention), unverified: the
@@ -453,7 +455,7 @@ impl ViewDecode for Model {
         view: &mut (dyn AttentionView + Send),
         draft: ViewDraft<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)> {
         let Prefilled { cache, logits } = from;
         let ViewDraft {

@@ -18,7 +18,7 @@
 //! top-2 gaps the fidelity guard watches, are the ones plain decoding would have computed.
 
 use crate::decode::draft::{top_probability, DraftLength, SpecDecodeStats, MIN_DRAFT_PROB};
-use crate::decode::generate::{Chosen, Emit, GenerateParams, Generation, Prefilled};
+use crate::decode::generate::{Chosen, Emit, GenerateParams, Generation, Pick, Prefilled};
 use crate::decode::ms;
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -511,7 +511,7 @@ pub trait Speculate {
         drafter: &mut Drafter<'_>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)>;
 }
 
@@ -522,7 +522,7 @@ impl Speculate for Model {
         drafter: &mut Drafter<'_>,
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
-        watch: &mut dyn FnMut(&[u32], f32) -> bool,
+        watch: &mut dyn FnMut(&[u32], Pick) -> bool,
     ) -> Result<(Generation, bool, SpecDecodeStats)> {
         let Prefilled { cache, logits } = from;
         let vocab = self.tokenizer().vocab_size();
