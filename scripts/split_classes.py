@@ -26,7 +26,8 @@ full recompute's answers from an earlier run's records instead of asking again (
 settings; identity only, no time ratios): a sweep over ratios costs the reused requests alone.
 `--records FILE... --replay-horizon H...` replays the guard's phrasing horizon on each
 unguarded answer (any token among the first H doubted, later only tokens with a digit or a
-capital letter; `--look-margin` the margins; `--specrag PATH` tokenizes answers recorded
+capital letter, and also, where the records keep runners-up, tokens whose runner-up has one;
+`--look-margin` the margins; `--specrag PATH` tokenizes answers recorded
 without their tokens). `--collection NAME` asks over a
 collection already served instead (questions without
 `context`, e.g. eval/data/repo_docs.jsonl over this repository's docs; `--instruction ''`).

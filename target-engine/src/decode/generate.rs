@@ -441,7 +441,7 @@ pub fn cut_at_stop(text: &mut String, stop: &[String]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::top2_gap;
+    use super::{top2_gap, Pick};
 
     #[test]
     fn the_top2_gap_is_what_separates_greedy_from_the_runner_up() {
