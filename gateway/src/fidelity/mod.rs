@@ -149,9 +149,10 @@ pub struct GuardPolicy {
     pub horizon: usize,
     /// How many of the answer's first tokens are doubted at any near tie; after them (up to
     /// `horizon`) only a tie either side of which holds a digit or an uppercase letter is
-    /// ([`holds_substance`]: a name, a number, a date, chosen or lost to a plain word). Later in an answer a near tie between two phrasings is
-    /// full recompute's own as often as reuse's, and escalating it changes nothing the
-    /// fidelity target counts (docs/fidelity-guard.md, *Why each default*).
+    /// ([`holds_substance`]: a name, a number, a date, chosen or lost to a plain word). Later
+    /// in an answer a near tie between two phrasings is full recompute's own as often as
+    /// reuse's, and escalating it changes nothing the fidelity target counts
+    /// (docs/fidelity-guard.md, *Why each default*).
     pub phrasing_horizon: usize,
     /// Where a token's gap fell below the margin (not a loop), the share of the chunk tokens
     /// a second look recomputes on top of the method's picks (which ones: [`GuardPolicy::look`]),

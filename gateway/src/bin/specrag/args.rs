@@ -394,9 +394,8 @@ pub struct GuardArgs {
     pub guard_horizon: usize,
     /// Doubt a near tie at any of the answer's first N tokens; after them, only one where the
     /// token or its runner-up holds a digit or a capital letter (a name, a number, a date):
-    /// later near ties
-    /// between two phrasings are full recompute's own as often as reuse's. A large value
-    /// (1024) doubts every token up to --guard-horizon.
+    /// later near ties between two phrasings are full recompute's own as often as reuse's. A
+    /// large value (1024) doubts every token up to --guard-horizon.
     #[arg(long, env = "SPECRAG_GUARD_PHRASING_HORIZON",
           default_value_t = gateway::fidelity::DEFAULT_GUARD_PHRASING_HORIZON)]
     pub guard_phrasing_horizon: usize,
