@@ -52,7 +52,7 @@ pub fn lazy_pipeline(
 /// tokens: the token's index, the reused answer's token, full recompute's, and full
 /// recompute's top-2 logprob gap there (None where either lacks the logprobs or they never
 /// part).
-fn first_split(
+pub fn first_split(
     reused: &serde_json::Value,
     full: &serde_json::Value,
 ) -> Option<(usize, String, String, f64)> {

@@ -38,12 +38,14 @@ fn default_target() -> Result<Arc<Model>, Box<dyn std::error::Error>> {
     Ok(Arc::new(Model::load(&path, &LoadOptions::default())?))
 }
 
-/// Out of the default run because its outcome depends on the CPU: over the docs of 2026-11-29
-/// it passes on a 2-core AVX-512 VNNI EPYC because the guard escalates at the third token (its
-/// top-2 gap 0.18 against the default method's 0.3 margin), and CPUs without VNNI multiply the
-/// target's weights on other int8 kernels, so the gap may fall on the other side there
-/// (eval/study/guard/demo-question.md). Run it after a docs edit: `cargo test --release -p gateway
-/// --test demo_question -- --ignored`.
+/// The demo's question over today's docs meets the fidelity target: the default's answer is
+/// full recompute's, or parts from it only where full recompute chose by a near tie (its own
+/// top-2 gap under `NEAR_TIE_GAP`; over the docs of 2026-12-07 on a Zen 3, `using` for `based`
+/// at the 13th token, past the guard's phrasing horizon, by 0.014). Out of the default run
+/// because its outcome depends on the CPU: CPUs without VNNI multiply the target's weights on
+/// other int8 kernels, so a gap may fall on the other side of the guard's margin there
+/// (eval/study/guard/demo-question.md). Run it after a docs edit: `cargo test --release -p
+/// gateway --test demo_question -- --ignored`.
 #[test]
 #[ignore = "depends on the CPU's kernel path; run after a docs edit (issue 59)"]
 fn the_demo_question_over_the_current_docs_is_answered_as_full_recompute_answers_it() -> TestResult
@@ -63,6 +65,8 @@ fn the_demo_question_over_the_current_docs_is_answered_as_full_recompute_answers
                 method,
                 gateway::demo::DEMO_MAX_TOKENS,
             );
+            let mut body = body;
+            body["logprobs"] = serde_json::json!(2);
             let (status, text) =
                 gateway::client::request(addr, "POST", "/rag/query", Some(&body.to_string()))
                     .await?;
@@ -89,10 +93,18 @@ fn the_demo_question_over_the_current_docs_is_answered_as_full_recompute_answers
         default["chunks"], full["chunks"],
         "both asks retrieve the same chunks"
     );
-    assert_eq!(
-        default["answer"], full["answer"],
-        "the demo's default answer differs from full recompute's over today's docs"
-    );
+    // The fidelity target: the same answer, or a split where full recompute itself chose by
+    // a near tie (numerics treated as equal choose either way there).
+    if default["answer"] != full["answer"] {
+        let (at, ours, theirs, gap) =
+            gateway::demo::first_split(default, full).ok_or("answers without logprobs")?;
+        assert!(
+            gap < f64::from(gateway::fidelity::NEAR_TIE_GAP),
+            "the demo's default answer parts from full recompute's at token {} ({ours} for \
+             {theirs}), which full recompute chose by {gap:.3} logit: a confident split",
+            at + 1
+        );
+    }
     Ok(())
 }
 
