@@ -395,14 +395,6 @@ fn same_rows(m: &Model, a: &[f32], b: &[f32]) -> bool {
         })
 }
 
-/// The largest difference between `a` and `b`.
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
-
 #[test]
 fn logits_match_candle_transformers_qwen2() {
     check_against_candle(common::QWEN_05B);
@@ -471,8 +463,11 @@ fn prefill_then_decode_equals_longer_prefill() {
             for l in layers {
                 let a = &cache.k(l)[..(n - 1) * row];
                 let b = &full_cache.k(l)[..(n - 1) * row];
-                let dk = max_abs(a, b);
-                assert!(same_rows(&m, a, b), "layer {l} K rows differ by {dk}");
+                assert!(
+                    same_rows(&m, a, b),
+                    "layer {l} K rows differ by {}",
+                    diff(a, b).max
+                );
             }
         }
     }
@@ -519,17 +514,20 @@ fn subset_forward_against_filled_cache_equals_full_forward() {
     assert!(d.max < same_logits_bound(&m), "{}", d.max);
     assert_eq!(argmax(&logits), argmax(&full_logits));
     let l = m.config().n_layer - 1;
-    let dv = max_abs(cache.v(l), full_cache.v(l));
     assert!(
         same_rows(&m, cache.v(l), full_cache.v(l)),
-        "last-layer V differs by {dv}"
+        "last-layer V differs by {}",
+        diff(cache.v(l), full_cache.v(l)).max
     );
     // Overwriting a row with the same token at the same position changes nothing.
     let before = cache.k(0).to_vec();
     m.forward(&ids[2..3], &[2], &mut cache, false)
         .expect("recompute one row");
-    let dk = max_abs(cache.k(0), &before);
-    assert!(same_rows(&m, cache.k(0), &before), "{dk}");
+    assert!(
+        same_rows(&m, cache.k(0), &before),
+        "{}",
+        diff(cache.k(0), &before).max
+    );
 }
 
 #[test]
@@ -591,10 +589,10 @@ fn blended_prefill_invariants_on_the_default_target() {
     );
     assert_eq!(argmax(&out.logits), argmax(&full));
     let l = m.config().n_layer - 1;
-    let dk = max_abs(out.cache.k(l), full_cache.k(l));
     assert!(
         same_rows(&m, out.cache.k(l), full_cache.k(l)),
-        "last-layer K differs by {dk}"
+        "last-layer K differs by {}",
+        diff(out.cache.k(l), full_cache.k(l)).max
     );
 
     // Positional recovery on the real model: every reused row's layer-0 key (standalone chunks

@@ -109,21 +109,13 @@ pub struct Pick {
 impl Pick {
     /// The pick of `id` from `row`.
     pub fn of(id: u32, row: &[f32]) -> Self {
-        let (mut first, mut second) = (None::<(usize, f32)>, None::<(usize, f32)>);
-        for (i, &x) in row.iter().enumerate() {
-            if first.is_none_or(|(_, f)| x > f) {
-                second = first;
-                first = Some((i, x));
-            } else if second.is_none_or(|(_, s)| x > s) {
-                second = Some((i, x));
-            }
-        }
+        let [(first, a), (second, b)] = top2(row);
         let rival = match (first, second) {
-            (Some((f, _)), Some((s, _))) => Some(if f as u32 == id { s } else { f } as u32),
+            (Some(f), Some(s)) => Some(if f as u32 == id { s } else { f } as u32),
             _ => None,
         };
         Self {
-            gap: top2_gap(row),
+            gap: gap_between(a, b),
             rival,
         }
     }
@@ -152,15 +144,27 @@ impl Chosen {
 /// The gap between the largest and second largest logit (0 with fewer than two): the
 /// smallest change to the logits that would make greedy decoding choose another token.
 pub fn top2_gap(logits: &[f32]) -> f32 {
-    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in logits {
-        if x > first {
+    let [(_, first), (_, second)] = top2(logits);
+    gap_between(first, second)
+}
+
+/// The row's two largest logits, largest first, each with its index (`None` and -inf where
+/// the row has no finite one; the first of equal logits comes first, as greedy chooses it).
+fn top2(row: &[f32]) -> [(Option<usize>, f32); 2] {
+    let (mut first, mut second) = ((None, f32::NEG_INFINITY), (None, f32::NEG_INFINITY));
+    for (i, &x) in row.iter().enumerate() {
+        if x > first.1 {
             second = first;
-            first = x;
-        } else if x > second {
-            second = x;
+            first = (Some(i), x);
+        } else if x > second.1 {
+            second = (Some(i), x);
         }
     }
+    [first, second]
+}
+
+/// `first - second`, or 0 unless both are finite.
+fn gap_between(first: f32, second: f32) -> f32 {
     if second.is_finite() && first.is_finite() {
         first - second
     } else {
@@ -216,9 +220,9 @@ pub trait Generate: Engine {
 
     /// [`Generate::decode_stream`] that asks `watch` after every generated token whether to stop
     /// there, showing it the ids so far and the [`Pick`] the last one was (the [`top2_gap`] of
-    /// its distribution and the rival it beat); when it says so, generation ends before that token's text is handed
-    /// out and the second value is `true` (the caller takes over, e.g. the fidelity guard
-    /// moving to the full cache). The ids include the token that made `watch` stop. The
+    /// its distribution and the rival it beat); when it says so, generation ends before that
+    /// token's text is handed out and the second value is `true` (the caller takes over, e.g.
+    /// the fidelity guard moving to the full cache). The ids include the token that made `watch` stop. The
     /// generation's `prefill_ms` is 0: the caller timed its prefill.
     fn decode_watched(
         &self,
