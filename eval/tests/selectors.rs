@@ -93,9 +93,11 @@ fn ablations_that_change_only_the_recompute_keep_the_probes_picks() {
         if a == Ablation::Shallow {
             // Four layers: "every candidate through the first seventh of the layers" is layer
             // 0 alone, where a stored chunk's rotated rows are the rows computed in place, so
-            // only rounding parts it from the probe (4e-5 on an AVX2 EPYC, over 1e-4 on
-            // AVX-512 CPUs): the probe's answer.
-            assert!(moved < 1e-3, "{a:?}: {moved}");
+            // only rounding parts it from the probe: the probe's answer. The int8 activations
+            // of the layers after it can turn a rounding into a quantization step: 0.014 on a
+            // Zen 3 (AVX2) where the ablations that change the recompute move the logits by
+            // 0.3.
+            assert!(moved < 0.05, "{a:?}: {moved}");
         } else {
             assert!(moved > 1e-4, "{a:?}: {moved}");
         }

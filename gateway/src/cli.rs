@@ -40,7 +40,7 @@ pub struct ModelArgs {
     #[arg(long, global = true, env = "SPECRAG_SPECULATOR", value_name = "PATH")]
     pub speculator: Option<PathBuf>,
     /// Run Q4_K/Q6_K weights on candle's kernels instead of specrag's packed int8 GEMM (the
-    /// default with AVX-512 VNNI). candle keeps its own repacked copy beside the file's bytes:
+    /// default with AVX-512 VNNI or AVX2). candle keeps its own repacked copy beside the file's bytes:
     /// 2.89 instead of 1.57 GB peak for the 1.5B target, decode ~1.4x the time, prefill within
     /// noise (docs/performance.md)
     #[arg(long, global = true, env = "SPECRAG_CANDLE_K_QUANTS")]

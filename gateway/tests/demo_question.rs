@@ -42,8 +42,8 @@ fn default_target() -> Result<Arc<Model>, Box<dyn std::error::Error>> {
 /// full recompute's, or parts from it only where full recompute chose by a near tie (its own
 /// top-2 gap under `NEAR_TIE_GAP`; over the docs of 2026-12-07 on a Zen 3, `using` for `based`
 /// at the 13th token, past the guard's phrasing horizon, by 0.014). Out of the default run
-/// because its outcome depends on the CPU: CPUs without VNNI multiply the target's weights on
-/// other int8 kernels, so a gap may fall on the other side of the guard's margin there
+/// because its outcome depends on the CPU: CPUs without AVX-512 VNNI or AVX2 multiply the
+/// target's weights on other kernels, so a gap may fall on the other side of the guard's margin there
 /// (eval/study/guard/demo-question.md). Run it after a docs edit: `cargo test --release -p
 /// gateway --test demo_question -- --ignored`.
 #[test]

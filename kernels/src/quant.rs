@@ -80,6 +80,9 @@ pub enum Isa {
     Portable,
     /// AVX-512 VNNI + VL + BW with FMA and F16C (Ice Lake / Sapphire Rapids / Zen 4 and later).
     Avx512Vnni,
+    /// AVX2 with FMA and F16C, no AVX-512 VNNI (Haswell to Comet Lake, Zen 1-3): the int8
+    /// products as `vpmaddubsw` pairs, giving the same values as the other two.
+    Avx2,
 }
 
 impl Isa {
@@ -95,6 +98,12 @@ impl Isa {
                 && std::arch::is_x86_feature_detected!("f16c")
             {
                 return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
             }
         }
         Isa::Portable

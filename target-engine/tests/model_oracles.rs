@@ -103,7 +103,7 @@ fn check_fixture_model(name: &str) {
     let m = model(common::file_for(name));
     let quant = quantized_only(common::file_for(name));
     // `--candle-k-quants`: the k-quants on candle's kernels rather than the packed int8 GEMM
-    // (with VNNI; otherwise the same model as `m`).
+    // (with VNNI or AVX2; otherwise the same model as `m`).
     let candle_k = Model::load(
         &common::model_path(common::file_for(name)),
         &LoadOptions {
@@ -370,10 +370,11 @@ fn check_against_candle(file: &'static str) {
 }
 
 /// How far two computations of the same logits by `m` may drift: float rounding where every
-/// forward runs the int8 kernels, which are exact per row (AVX-512 VNNI). Off VNNI, many-row
-/// products run f32 panels whose last bit depends on the batch, and the LM head's int8
-/// rounding of the last hidden row can turn that bit into a quantization step: up to 0.042
-/// measured on a Zen 3 (AVX2), against gaps of 0.15 that the engine's parity bar allows.
+/// forward runs the int8 kernels, which are exact per row (AVX-512 VNNI or AVX2). Without
+/// them (a CPU with neither), many-row products run f32 panels whose last bit depends on the
+/// batch, and the LM head's int8 rounding of the last hidden row can turn that bit into a
+/// quantization step: up to 0.042 measured on a Zen 3 before its AVX2 kernel packed the
+/// weights, against gaps of 0.15 that the engine's parity bar allows.
 fn same_logits_bound(m: &Model) -> f32 {
     if m.dense_forwards() {
         0.1
@@ -383,7 +384,7 @@ fn same_logits_bound(m: &Model) -> f32 {
 }
 
 /// Whether cache rows `a` and `b` computed by `m` in different batches agree: within float
-/// rounding (1e-3) where every forward runs the int8 kernels. Off VNNI the f32 panels' last
+/// rounding (1e-3) where every forward runs the int8 kernels. On f32 panels the last
 /// bit depends on the batch; most values then land one f16 step apart (0.1%), and a few, where
 /// an int8 product (candle's k-quants) rounds that bit into a quantization step, up to 0.45%
 /// (0.2407 against 0.2418, SmolLM2, measured on a Zen 3): within 0.5%.

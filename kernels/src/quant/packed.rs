@@ -4,9 +4,11 @@
 //! Lane `f` of a 512-bit register holds 4 quants of output feature `f`, so one AVX-512 VNNI
 //! `vpdpbusd` multiplies 4 inputs of 16 features with the activation's 4 bytes broadcast; the
 //! float work (convert, scale, offset) happens once per block of 32 per feature. A tile is
-//! [`TILE_M`] activation rows x 16 features. Every (feature, row) value is one fixed sequence
+//! [`TILE_M`] activation rows x 16 features. On AVX2 the same layout is read as two 256-bit
+//! halves of 8 features, `vpmaddubsw` + `vpmaddwd` standing for `vpdpbusd` (`avx2` below: the
+//! same integer dot products). Every (feature, row) value is one fixed sequence
 //! over the blocks, `acc = fma(dot, d_w·d_x, acc); acc = fma(o_w, d_x·Σq_x, acc)`, whatever
-//! rows share the call and on either ISA (the portable path performs the same IEEE operations),
+//! rows share the call and on every ISA (the portable path performs the same IEEE operations),
 //! so a row is bit-identical alone, in a verification batch or in a 2048-row prefill: the
 //! property the ρ = 1 identity and verification rest on. One kernel for every row count ends
 //! the split between few-row int8 and many-row f32 panels (docs/performance.md).
@@ -43,13 +45,21 @@ enum Planes {
     NibblesHigh,
     /// [`Planes::NibblesHigh`] plus a sixth bit: masks `8..16` of the block hold it (Q6_K).
     Nibbles6,
+    /// [`Planes::Nibbles`] plus the fifth and sixth bits as 2-bit fields, for AVX2, which has
+    /// no mask registers to add [`Planes::Nibbles6`]'s masks with: per pair `p` 32 bytes of the
+    /// block's 128 (stored in its 16 `u64`s, little end first), byte `k` holding for the pair's
+    /// byte `k` (bits 0-3) and `k + 32` (bits 4-7) the two high bits of chunk `2p`'s quant
+    /// (bits 0-1 of the nibble) and chunk `2p + 1`'s (bits 2-3). Q6_K packed on AVX2.
+    Nibbles6Fields,
 }
 
 impl Planes {
     fn quant_bytes(self) -> usize {
         match self {
             Planes::Bytes => 8 * CHUNK,
-            Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => 4 * CHUNK,
+            Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 | Planes::Nibbles6Fields => {
+                4 * CHUNK
+            }
         }
     }
 
@@ -58,7 +68,7 @@ impl Planes {
         match self {
             Planes::Bytes | Planes::Nibbles => 0,
             Planes::NibblesHigh => 8,
-            Planes::Nibbles6 => 16,
+            Planes::Nibbles6 | Planes::Nibbles6Fields => 16,
         }
     }
 }
@@ -146,6 +156,8 @@ struct Acts {
     d: Vec<f32>,
     ds: Vec<f32>,
     ds2: Vec<f32>,
+    /// `Σ q` per block (the AVX2 kernel's Q8_0 correction).
+    sum: Vec<i32>,
 }
 
 impl Acts {
@@ -155,25 +167,29 @@ impl Acts {
         let mut d = vec![0f32; nb];
         let mut ds = vec![0f32; nb];
         let mut ds2 = vec![0f32; 2 * nb];
+        let mut sums = vec![0i32; nb];
         // Rows in parallel; each block's numbers depend on that block alone.
         q.par_chunks_mut(cols)
             .zip(d.par_chunks_mut(cols / 32))
             .zip(ds.par_chunks_mut(cols / 32))
             .zip(ds2.par_chunks_mut(cols / 16))
+            .zip(sums.par_chunks_mut(cols / 32))
             .zip(x.par_chunks(cols))
-            .for_each(|((((q, d), ds), ds2), x)| {
-                for ((((xb, qb), d), ds), ds2) in x
+            .for_each(|(((((q, d), ds), ds2), sums), x)| {
+                for (((((xb, qb), d), ds), ds2), total) in x
                     .chunks_exact(32)
                     .zip(q.chunks_exact_mut(32))
                     .zip(d.iter_mut())
                     .zip(ds.iter_mut())
                     .zip(ds2.chunks_exact_mut(2))
+                    .zip(sums.iter_mut())
                 {
                     let scale = super::quantize_block(xb, qb);
                     let sum: [i32; 2] = std::array::from_fn(|h| {
                         qb[h * 16..h * 16 + 16].iter().map(|&v| i32::from(v)).sum()
                     });
                     *d = scale;
+                    *total = sum[0] + sum[1];
                     *ds = scale * (sum[0] + sum[1]) as f32;
                     ds2[0] = scale * sum[0] as f32;
                     ds2[1] = scale * sum[1] as f32;
@@ -185,6 +201,7 @@ impl Acts {
             d,
             ds,
             ds2,
+            sum: sums,
         }
     }
 }
@@ -193,15 +210,23 @@ impl QMatrix {
     /// The matrix repacked for [`PackedMatrix::matmul`]; `None` for a block whose scale or
     /// offset the packed encoding cannot hold exactly (a Q8_0/Q5_0/Q4_1 offset that overflows
     /// f16).
+    pub fn pack(&self) -> Option<PackedMatrix> {
+        self.pack_for(Isa::best())
+    }
+
+    /// [`QMatrix::pack`] in the layout `isa`'s kernel reads fastest (Q6_K's high bits as masks
+    /// for AVX-512, as 2-bit fields for AVX2); any ISA multiplies either layout, to the same
+    /// values.
     #[allow(
         clippy::too_many_lines,
         reason = "one match over the block formats, each arm a short unpack into the same planes"
     )]
-    pub fn pack(&self) -> Option<PackedMatrix> {
+    pub fn pack_for(&self, isa: Isa) -> Option<PackedMatrix> {
         let planes = match self.ty {
             QType::Q8_0 => Planes::Bytes,
             QType::Q5_0 => Planes::NibblesHigh,
             QType::Q4_1 | QType::Q4K => Planes::Nibbles,
+            QType::Q6K if isa == Isa::Avx2 => Planes::Nibbles6Fields,
             QType::Q6K => Planes::Nibbles6,
         };
         let (rows, cols) = (self.rows, self.cols);
@@ -270,6 +295,12 @@ impl QMatrix {
                     let (c, byte) = (k / 4, lane * 4 + k % 4);
                     match planes {
                         Planes::Bytes => q[base + c * CHUNK + byte] = u,
+                        Planes::Nibbles6Fields => {
+                            q[base + (c / 2) * CHUNK + byte] |= (u & 0xF) << (4 * (c % 2));
+                            let at = (c / 2) * 32 + byte % 32;
+                            let field = u64::from(u >> 4 & 3) << (4 * (byte / 32) + 2 * (c % 2));
+                            hi[(g * nb + b) * masks + at / 8] |= field << (8 * (at % 8));
+                        }
                         Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
                             q[base + (c / 2) * CHUNK + byte] |= (u & 0xF) << (4 * (c % 2));
                             for bit in 0..masks / 8 {
@@ -325,6 +356,13 @@ impl PackedMatrix {
         let base = (g * nb + b) * self.planes.quant_bytes();
         match self.planes {
             Planes::Bytes => self.q[base + c * CHUNK + byte],
+            Planes::Nibbles6Fields => {
+                let nib = (self.q[base + (c / 2) * CHUNK + byte] >> (4 * (c % 2))) & 0xF;
+                let at = (c / 2) * 32 + byte % 32;
+                let word = self.hi[(g * nb + b) * self.planes.masks() + at / 8];
+                let field = (word >> (8 * (at % 8) + 4 * (byte / 32) + 2 * (c % 2))) & 3;
+                nib | (field as u8) << 4
+            }
             Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
                 let nib = (self.q[base + (c / 2) * CHUNK + byte] >> (4 * (c % 2))) & 0xF;
                 let masks = self.planes.masks();
@@ -394,10 +432,12 @@ impl PackedMatrix {
             ));
         }
         super::check_rows("packed matmul", x, n, cols)?;
-        let isa = if Isa::best() == Isa::Avx512Vnni {
-            isa
-        } else {
-            Isa::Portable
+        // The ISA asked for where this CPU has it; the portable loop otherwise.
+        let isa = match isa {
+            Isa::Avx512Vnni if Isa::best() == Isa::Avx512Vnni => isa,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if avx2::available() => isa,
+            _ => Isa::Portable,
         };
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
         if n == 0 {
@@ -434,6 +474,12 @@ impl PackedMatrix {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
                     Isa::Avx512Vnni => unsafe { vnni::group::<1>(p, &a, g, n, width, out) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `avx2::available()` confirmed the CPU features; as above.
+                    Isa::Avx2 if halves => unsafe { avx2::group::<2>(p, &a, g, n, width, out) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Isa::Avx2 => unsafe { avx2::group::<1>(p, &a, g, n, width, out) },
                     // SAFETY: as above.
                     _ => unsafe { group_portable(p, &a, g, n, width, out) },
                 }
@@ -599,6 +645,25 @@ mod vnni {
         }
     }
 
+    /// `w0` and `w1` (chunks `2p` and `2p + 1`) with the fifth and sixth bits of the AVX2
+    /// layout added ([`Planes::Nibbles6Fields`]: a matrix packed there, multiplied here).
+    ///
+    /// # Safety
+    /// AVX-512F must be enabled in the caller; `fields` is the pair's 32 bytes.
+    #[inline(always)]
+    unsafe fn add_fields(w0: __m512i, w1: __m512i, fields: &[u64]) -> (__m512i, __m512i) {
+        // SAFETY: the caller's features; the slice holds 4 `u64`s (32 bytes).
+        unsafe {
+            let all = _mm256_loadu_si256(fields[..4].as_ptr().cast());
+            // Positions 0-31 from the low nibbles, 32-63 from the high ones.
+            let f = _mm512_inserti64x4(_mm512_castsi256_si512(all), _mm256_srli_epi16(all, 4), 1);
+            let f = _mm512_and_si512(f, _mm512_set1_epi8(0x0F));
+            let b0 = _mm512_slli_epi16(_mm512_and_si512(f, _mm512_set1_epi8(3)), 4);
+            let b1 = _mm512_slli_epi16(_mm512_and_si512(f, _mm512_set1_epi8(12)), 2);
+            (_mm512_or_si512(w0, b0), _mm512_or_si512(w1, b1))
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     unsafe fn tile<const M: usize, const H: usize>(
         p: &PackedMatrix,
@@ -652,18 +717,24 @@ mod vnni {
                             }
                         }
                     }
-                    Planes::Nibbles | Planes::NibblesHigh | Planes::Nibbles6 => {
+                    Planes::Nibbles
+                    | Planes::NibblesHigh
+                    | Planes::Nibbles6
+                    | Planes::Nibbles6Fields => {
                         for pair in parts {
                             // SAFETY: 64 bytes at `pair * 64` lie inside the block's 256.
                             let raw =
                                 unsafe { _mm512_loadu_si512(wb.as_ptr().add(pair * CHUNK).cast()) };
                             let mut w0 = _mm512_and_si512(raw, low);
                             let mut w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                            if masks >= 8 {
+                            if p.planes == Planes::Nibbles6Fields {
+                                // SAFETY: the pair's fields lie inside the block's 128 bytes.
+                                (w0, w1) = unsafe { add_fields(w0, w1, &hi[4 * pair..][..4]) };
+                            } else if masks >= 8 {
                                 w0 = _mm512_mask_add_epi8(w0, hi[2 * pair], w0, sixteen);
                                 w1 = _mm512_mask_add_epi8(w1, hi[2 * pair + 1], w1, sixteen);
                             }
-                            if masks == 16 {
+                            if masks == 16 && p.planes == Planes::Nibbles6 {
                                 w0 = _mm512_mask_add_epi8(w0, hi[8 + 2 * pair], w0, thirty_two);
                                 w1 = _mm512_mask_add_epi8(w1, hi[9 + 2 * pair], w1, thirty_two);
                             }
@@ -694,6 +765,345 @@ mod vnni {
         for (m, v) in acc.iter().enumerate() {
             // SAFETY: the caller's contract: `width` columns of row `m0 + m` are this group's.
             unsafe { _mm512_mask_storeu_ps(out.0.add((m0 + m) * p.rows + g * GROUP), mask, *v) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The packed GEMM on AVX2 (no AVX-512): a 64-byte chunk of a group is two 256-bit halves,
+    //! features 0-7 and 8-15, each multiplied as `vpdpbusd` would by `vpmaddubsw` pairs summed
+    //! by `vpmaddwd`. The quants below 64 (4, 5 and 6 bits) keep every 16-bit sum exact (two
+    //! pairs of `63 · 127`); Q8_0's unsigned quants `u = w + 128` go through their signed `w`
+    //! (`|w| · sign(w)·x`, pairs below `2 · 128 · 127`) and add `128 Σ x` after. So every
+    //! integer dot product is the VNNI kernel's and the float operations per (feature, row)
+    //! are the same sequence: a row's values equal the other ISAs' bit for bit.
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Activation rows per register tile: each keeps two 8-lane dot products live.
+    const TILE_M: usize = 4;
+
+    /// Whether this CPU runs these kernels (AVX2, FMA and F16C), computed once.
+    pub(super) fn available() -> bool {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// [`group_portable`] on AVX2, [`TILE_M`] rows at a time, for blocks with `H` scales.
+    ///
+    /// # Safety
+    /// The CPU must have the features of [`available`], and `out` as for [`group_portable`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group<const H: usize>(
+        p: &PackedMatrix,
+        a: &Acts,
+        g: usize,
+        n: usize,
+        width: usize,
+        out: Out,
+    ) {
+        let mut m0 = 0;
+        while m0 < n {
+            let t = (n - m0).min(TILE_M);
+            // SAFETY (all): the caller's contract. Rows never mix, so the tiling only decides
+            // how often the group's weights are unpacked.
+            unsafe {
+                match t {
+                    4 => tile::<4, H>(p, a, g, m0, width, out),
+                    3 => tile::<3, H>(p, a, g, m0, width, out),
+                    2 => tile::<2, H>(p, a, g, m0, width, out),
+                    _ => tile::<1, H>(p, a, g, m0, width, out),
+                }
+            }
+            m0 += t;
+        }
+    }
+
+    /// The 4 activation bytes at `row + at`, in every lane.
+    ///
+    /// # Safety
+    /// `row + at .. row + at + 4` must lie inside the activation quants.
+    #[inline(always)]
+    unsafe fn x4(row: *const i8, at: usize) -> __m256i {
+        // SAFETY: the caller's bounds; AVX is enabled in every caller.
+        unsafe { _mm256_set1_epi32(row.add(at).cast::<i32>().read_unaligned()) }
+    }
+
+    /// 8 f16 values at `at`, as f32.
+    #[inline(always)]
+    unsafe fn f16x8(v: &[u16], at: usize) -> __m256 {
+        // SAFETY: the slice bounds are checked; F16C is enabled in every caller.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v[at..at + 8].as_ptr().cast())) }
+    }
+
+    /// 8 bytes at `at`, as f32 (signed or not).
+    #[inline(always)]
+    unsafe fn u8x8(v: &[u8], at: usize, signed: bool) -> __m256 {
+        // SAFETY: the slice bounds are checked; AVX2 is enabled in every caller.
+        unsafe {
+            let b = _mm_loadl_epi64(v[at..at + 8].as_ptr().cast());
+            let i = if signed {
+                _mm256_cvtepi8_epi32(b)
+            } else {
+                _mm256_cvtepu8_epi32(b)
+            };
+            _mm256_cvtepi32_ps(i)
+        }
+    }
+
+    /// `(s, o)` per half block of lanes `8f..8f + 8` of block `b` of group `g`: [`Scales::get`]'s
+    /// IEEE operations.
+    #[inline(always)]
+    unsafe fn scales_of(
+        sc: &Scales,
+        nb: usize,
+        g: usize,
+        b: usize,
+        f: usize,
+    ) -> [(__m256, __m256); 2] {
+        let at = (g * nb + b) * GROUP + 8 * f;
+        let sup = (g * nb.div_ceil(8) + b / 8) * GROUP + 8 * f;
+        // SAFETY: the caller's features; slices are bounds-checked.
+        unsafe {
+            match sc {
+                Scales::Block { d, o } => {
+                    let v = (f16x8(d, at), f16x8(o, at));
+                    [v, v]
+                }
+                Scales::Super { d, dmin, sc, m } => {
+                    let s = _mm256_mul_ps(f16x8(d, sup), u8x8(sc, at, false));
+                    let o = _mm256_mul_ps(f16x8(dmin, sup), u8x8(m, at, false));
+                    let neg = _mm256_xor_ps(o, _mm256_set1_ps(-0.0));
+                    [(s, neg), (s, neg)]
+                }
+                Scales::Halves { d, sc } => {
+                    let (d, m32) = (f16x8(d, sup), _mm256_set1_ps(-32.0));
+                    let base = 2 * (g * nb + b) * GROUP + 8 * f;
+                    let s0 = _mm256_mul_ps(d, u8x8(sc, base, true));
+                    let s1 = _mm256_mul_ps(d, u8x8(sc, base + GROUP, true));
+                    [(s0, _mm256_mul_ps(s0, m32)), (s1, _mm256_mul_ps(s1, m32))]
+                }
+            }
+        }
+    }
+
+    /// 0xFF in byte `j` where bit `j` of `bits` is set.
+    #[inline(always)]
+    unsafe fn bytes_of(bits: u32) -> __m256i {
+        // SAFETY: AVX2 is enabled in every caller.
+        unsafe {
+            let v = _mm256_set1_epi32(bits as i32);
+            // Byte j takes byte j / 8 of `bits` (each 128-bit lane holds all four).
+            let spread = _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            );
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let b = _mm256_and_si256(_mm256_shuffle_epi8(v, spread), bit);
+            _mm256_cmpeq_epi8(b, bit)
+        }
+    }
+
+    /// The quants of chunks `2 pair` and `2 pair + 1` of a block, per feature half:
+    /// the nibbles plus the fifth and sixth bits where the format has them.
+    ///
+    /// # Safety
+    /// AVX2 must be enabled in the caller; `wb` holds the block's quant bytes and `hi` its
+    /// `masks` high-bit masks.
+    #[inline(always)]
+    unsafe fn unpack_pair(
+        wb: &[u8],
+        hi: &[u64],
+        pair: usize,
+        planes: Planes,
+    ) -> ([__m256i; 2], [__m256i; 2]) {
+        let masks = planes.masks();
+        // SAFETY (all): the caller's features; 64 bytes at `pair * 64` lie inside the block,
+        // and its high bits inside `hi`.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            let mut w0 = [_mm256_setzero_si256(); 2];
+            let mut w1 = [_mm256_setzero_si256(); 2];
+            for (f, half) in (0..2).zip([0, 32]) {
+                let raw = _mm256_loadu_si256(wb[pair * CHUNK + half..][..32].as_ptr().cast());
+                w0[f] = _mm256_and_si256(raw, low);
+                w1[f] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if planes == Planes::Nibbles6Fields {
+                    // The pair's 32 bytes of fields: half 0 in the low nibbles, half 1 in the
+                    // high ones (x86 is little-endian: byte `k` of the `u64`s is byte `k`).
+                    let fields = &hi[4 * pair..][..4];
+                    let all = _mm256_loadu_si256(fields.as_ptr().cast());
+                    let nibbles = if f == 0 {
+                        all
+                    } else {
+                        _mm256_srli_epi16(all, 4)
+                    };
+                    let mine = _mm256_and_si256(nibbles, low);
+                    let (three, twelve) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
+                    let b0 = _mm256_slli_epi16(_mm256_and_si256(mine, three), 4);
+                    let b1 = _mm256_slli_epi16(_mm256_and_si256(mine, twelve), 2);
+                    w0[f] = _mm256_or_si256(w0[f], b0);
+                    w1[f] = _mm256_or_si256(w1[f], b1);
+                    continue;
+                }
+                if masks >= 8 {
+                    w0[f] = _mm256_or_si256(w0[f], bit_bytes(hi[2 * pair], half, 0x10));
+                    w1[f] = _mm256_or_si256(w1[f], bit_bytes(hi[2 * pair + 1], half, 0x10));
+                }
+                if masks == 16 {
+                    w0[f] = _mm256_or_si256(w0[f], bit_bytes(hi[8 + 2 * pair], half, 0x20));
+                    w1[f] = _mm256_or_si256(w1[f], bit_bytes(hi[9 + 2 * pair], half, 0x20));
+                }
+            }
+            (w0, w1)
+        }
+    }
+
+    /// Chunk `c` of a Q8_0 block per feature half, as signed quants `w = u - 128` and their
+    /// magnitudes.
+    ///
+    /// # Safety
+    /// AVX2 must be enabled in the caller; `wb` holds the block's quant bytes.
+    #[inline(always)]
+    unsafe fn signed_chunk(wb: &[u8], c: usize) -> ([__m256i; 2], [__m256i; 2]) {
+        // SAFETY: the caller's features; the slice bounds are checked. (No closures here: a
+        // closure does not inherit its caller's target features, and the intrinsics in it
+        // would become calls.)
+        unsafe {
+            let flip = _mm256_set1_epi8(-128);
+            let lo = _mm256_loadu_si256(wb[c * CHUNK..][..32].as_ptr().cast());
+            let hi = _mm256_loadu_si256(wb[c * CHUNK + 32..][..32].as_ptr().cast());
+            let w = [_mm256_xor_si256(lo, flip), _mm256_xor_si256(hi, flip)];
+            (w, [_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])])
+        }
+    }
+
+    /// `value` in byte `j` where bit `half + j` of `mask` is set.
+    #[inline(always)]
+    unsafe fn bit_bytes(mask: u64, half: usize, value: i8) -> __m256i {
+        // SAFETY: AVX2 is enabled in every caller.
+        unsafe { _mm256_and_si256(bytes_of((mask >> half) as u32), _mm256_set1_epi8(value)) }
+    }
+
+    /// The first `width` of a group's 16 sums to `dst`.
+    ///
+    /// # Safety
+    /// AVX must be enabled in the caller; `dst` must take `width` values.
+    #[inline(always)]
+    unsafe fn store(v: &[__m256; 2], dst: *mut f32, width: usize) {
+        let mut vals = [0f32; GROUP];
+        // SAFETY: 16 floats of local destination, then the caller's `width` values.
+        unsafe {
+            _mm256_storeu_ps(vals.as_mut_ptr(), v[0]);
+            _mm256_storeu_ps(vals.as_mut_ptr().add(8), v[1]);
+            std::ptr::copy_nonoverlapping(vals.as_ptr(), dst, width);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const M: usize, const H: usize>(
+        p: &PackedMatrix,
+        a: &Acts,
+        g: usize,
+        m0: usize,
+        width: usize,
+        out: Out,
+    ) {
+        let nb = p.cols / 32;
+        let qb = p.planes.quant_bytes();
+        let masks = p.planes.masks();
+        let halves = H == 2;
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; M];
+        assert!((m0 + M) * a.cols <= a.q.len() && nb * 32 <= a.cols);
+        // SAFETY: rows `m0..m0 + M` of the activations are in bounds (asserted above).
+        let rows: [*const i8; M] =
+            std::array::from_fn(|m| unsafe { a.q.as_ptr().add((m0 + m) * a.cols) });
+        for b in 0..nb {
+            let wb = &p.q[(g * nb + b) * qb..][..qb];
+            let hi = &p.hi[(g * nb + b) * masks..][..masks];
+            // Ahead of use, as the VNNI kernel does (a prefetch never faults).
+            for c in (0..qb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().wrapping_add(PREFETCH + c).cast());
+            }
+            // SAFETY: the scales of the group's block lie inside the vectors.
+            let (lo, hi8) = unsafe {
+                (
+                    scales_of(&p.scales, nb, g, b, 0),
+                    scales_of(&p.scales, nb, g, b, 1),
+                )
+            };
+            let sw = [[lo[0], hi8[0]], [lo[1], hi8[1]]];
+            for (h, sw) in sw.iter().enumerate().take(H) {
+                let mut dot = [[_mm256_setzero_si256(); 2]; M];
+                let parts = if halves { h * 2..h * 2 + 2 } else { 0..4 };
+                // Both feature halves of a chunk per pass, so each row's activation bytes are
+                // broadcast once for the 16 features.
+                match p.planes {
+                    Planes::Bytes => {
+                        for c in parts.start * 2..parts.end * 2 {
+                            // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
+                            let (w, aw) = unsafe { signed_chunk(wb, c) };
+                            for (dm, row) in dot.iter_mut().zip(rows) {
+                                // SAFETY: chunk `c` of block `b` of a row of `a`.
+                                let x = unsafe { x4(row, b * 32 + c * 4) };
+                                for f in 0..2 {
+                                    let pairs =
+                                        _mm256_maddubs_epi16(aw[f], _mm256_sign_epi8(x, w[f]));
+                                    dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
+                                }
+                            }
+                        }
+                    }
+                    Planes::Nibbles
+                    | Planes::NibblesHigh
+                    | Planes::Nibbles6
+                    | Planes::Nibbles6Fields => {
+                        for pair in parts {
+                            // SAFETY: the pair's 64 bytes and masks lie inside the block's.
+                            let (w0, w1) = unsafe { unpack_pair(wb, hi, pair, p.planes) };
+                            let at = b * 32 + pair * 8;
+                            for (dm, row) in dot.iter_mut().zip(rows) {
+                                // SAFETY: chunks `2 pair` and `2 pair + 1` of block `b`.
+                                let (x0, x1) = unsafe { (x4(row, at), x4(row, at + 4)) };
+                                for f in 0..2 {
+                                    // Quants below 64: four products stay below 2^15.
+                                    let pairs = _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(w0[f], x0),
+                                        _mm256_maddubs_epi16(w1[f], x1),
+                                    );
+                                    dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
+                                }
+                            }
+                        }
+                    }
+                }
+                for (m, (acc, dot)) in acc.iter_mut().zip(dot).enumerate() {
+                    let i = (m0 + m) * nb + b;
+                    let ds = if halves { a.ds2[2 * i + h] } else { a.ds[i] };
+                    // Q8_0's signed quants: Σ u·x = Σ w·x + 128 Σ x.
+                    let shift = if p.planes == Planes::Bytes {
+                        _mm256_set1_epi32(a.sum[i] << 7)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for ((acc, dot), (s, o)) in acc.iter_mut().zip(dot).zip(sw) {
+                        let dot = _mm256_add_epi32(dot, shift);
+                        let scale = _mm256_mul_ps(*s, _mm256_set1_ps(a.d[i]));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+                        *acc = _mm256_fmadd_ps(*o, _mm256_set1_ps(ds), *acc);
+                    }
+                }
+            }
+        }
+        for (m, v) in acc.iter().enumerate() {
+            // SAFETY: the caller's contract: `width` columns of row `m0 + m` are this group's.
+            unsafe { store(v, out.0.add((m0 + m) * p.rows + g * GROUP), width) };
         }
     }
 }
@@ -739,9 +1149,14 @@ mod tests {
         ];
         // 40 rows: two whole groups and a padded one.
         let rows = 40;
-        for (ty, g, cols) in formats {
+        // Each layout (Q6_K's high bits as masks, or as the AVX2 kernel's 2-bit fields)
+        // multiplied on every ISA.
+        let layouts = formats
+            .iter()
+            .flat_map(|&f| [(f, Isa::Avx512Vnni), (f, Isa::Avx2)]);
+        for ((ty, g, cols), layout) in layouts {
             let (m, w) = matrix(ty, g, rows, cols);
-            let p = m.pack().expect("packs");
+            let p = m.pack_for(layout).expect("packs");
             // The same weights, bit for bit, in about the file's bytes.
             assert_eq!(
                 p.dequantize_rows(3..rows).expect("dequantize"),
@@ -770,7 +1185,8 @@ mod tests {
                     })
                     .collect();
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-                for isa in [Isa::Portable, Isa::Avx512Vnni] {
+                // An ISA this CPU lacks runs the portable loop (`Isa::best()` says which ran).
+                for isa in [Isa::Portable, Isa::Avx512Vnni, Isa::Avx2] {
                     let got = p.matmul_on(isa, &x, n).expect("matmul");
                     let err = want
                         .iter()
@@ -793,11 +1209,61 @@ mod tests {
                         );
                     }
                 }
-                // Both ISAs perform the same operations.
-                assert_eq!(
-                    p.matmul_on(Isa::Portable, &x, n).expect("portable"),
-                    p.matmul_on(Isa::Avx512Vnni, &x, n).expect("vnni"),
-                    "{ty:?} n={n}"
+                // Every ISA performs the same operations.
+                let portable = p.matmul_on(Isa::Portable, &x, n).expect("portable");
+                for isa in [Isa::Avx512Vnni, Isa::Avx2] {
+                    let got = p.matmul_on(isa, &x, n).expect("simd");
+                    assert_eq!(portable, got, "{ty:?} n={n} {isa:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_quants_against_the_largest_activations_stay_exact_on_every_isa() {
+        // Weights of ±1 quantize to the format's extreme quants, and activations of ±1 with
+        // the weights' signs make every product its largest: where the SIMD kernels sum
+        // quant pairs in 16 bits, a sum past 2^15 would saturate and differ from the portable
+        // loop's 32-bit sums.
+        for (ty, g) in [
+            (QType::Q8_0, GgmlDType::Q8_0),
+            (QType::Q5_0, GgmlDType::Q5_0),
+            (QType::Q4_1, GgmlDType::Q4_1),
+            (QType::Q4K, GgmlDType::Q4K),
+            (QType::Q6K, GgmlDType::Q6K),
+        ] {
+            let (rows, cols) = (24, 512);
+            let sign = |j: usize, k: usize| if (j * 7 + k * 3) % 5 < 2 { -1.0 } else { 1.0 };
+            let w: Vec<f32> = (0..rows * cols).map(|i| sign(i / cols, i % cols)).collect();
+            let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).expect("tensor");
+            let q = QTensor::quantize(&t, g).expect("quantize");
+            let bytes = q.data().expect("data").into_owned();
+            let m = QMatrix::new(ty, rows, cols, Arc::new(bytes)).expect("qmatrix");
+            for (p, flip) in [Isa::Avx512Vnni, Isa::Avx2]
+                .map(|layout| m.pack_for(layout).expect("packs"))
+                .into_iter()
+                .flat_map(|p| [(p.clone(), 1.0f32), (p, -1.0)])
+            {
+                let x: Vec<f32> = (0..2 * cols)
+                    .map(|k| flip * sign(k / cols, k % cols))
+                    .collect();
+                let portable = p.matmul_on(Isa::Portable, &x, 2).expect("portable");
+                for isa in [Isa::Avx512Vnni, Isa::Avx2] {
+                    let got = p.matmul_on(isa, &x, 2).expect("simd");
+                    assert_eq!(portable, got, "{ty:?} {isa:?} flip {flip}");
+                }
+                // Row 0 against weight row 0 is every product at its largest: the dot equals
+                // the sum of the absolute weights.
+                let want: f32 = m
+                    .dequantize_rows(0..1)
+                    .expect("row")
+                    .iter()
+                    .map(|v| v.abs())
+                    .sum();
+                assert!(
+                    (portable[0] * flip - want).abs() <= 0.02 * want,
+                    "{ty:?}: {}",
+                    portable[0]
                 );
             }
         }
@@ -818,7 +1284,7 @@ mod tests {
         let refs: Vec<&PackedMatrix> = mats.iter().collect();
         for n in [1, 5, 9] {
             let x = input(n, cols);
-            for isa in [Isa::Portable, Isa::Avx512Vnni] {
+            for isa in [Isa::Portable, Isa::Avx512Vnni, Isa::Avx2] {
                 let many = PackedMatrix::matmul_many_on(isa, &refs, &x, n).expect("many");
                 assert_eq!(many.len(), mats.len());
                 for (p, y) in mats.iter().zip(&many) {

@@ -3,11 +3,12 @@
 //! rotary embedding the file declares. How they are loaded is [`LoadOptions`].
 //!
 //! Every linear layer keeps only its quantized weights at the file's bit width (`Quant`). With
-//! AVX-512 VNNI they are repacked for one int8 GEMM that serves every row count
-//! ([`kernels::PackedMatrix`]; q/k/v and gate/up share one activation quantization). Without
-//! it, few rows multiply the file's blocks with int8 activations ([`kernels::QMatrix`], or
-//! candle's k-quant kernels), and many rows stay on int8 when every layer is a k-quant and
-//! otherwise run dense f32 GEMM on weight panels dequantized into cache. Dense f32 copies of
+//! AVX-512 VNNI or AVX2 they are repacked for one int8 GEMM that serves every row count
+//! ([`kernels::PackedMatrix`]; q/k/v and gate/up share one activation quantization; both ISAs
+//! give the same values). Without either (or with `packed` off), few rows multiply the file's
+//! blocks with int8 activations ([`kernels::QMatrix`], or candle's k-quant kernels), and many
+//! rows stay on int8 when every layer is a k-quant and otherwise run dense f32 GEMM on weight
+//! panels dequantized into cache. Dense f32 copies of
 //! the weights (`LoadOptions::dense_copies`, ≈4x the file in RAM) are optional and no longer
 //! faster. See docs/performance.md.
 

@@ -21,7 +21,7 @@ pub struct LoadOptions {
     /// original quantization step.
     pub decode_q8: bool,
     /// Repack Q8_0, Q5_0 and Q4_1 weights at load for the int8 GEMM when the CPU has AVX-512
-    /// VNNI ([`kernels::PackedMatrix`]); every product on them then runs on it.
+    /// VNNI or AVX2 ([`kernels::PackedMatrix`]); every product on them then runs on it.
     pub packed: bool,
     /// Also repack Q4_K and Q6_K weights (with `packed`) instead of running candle's k-quant
     /// kernels, which keep their own repacked copy beside the file's bytes: ~0.55x the 1.5B

@@ -40,11 +40,12 @@ impl AsRef<[u8]> for TensorBytes {
 
 /// Quantized weights and the ways of multiplying them.
 ///
-/// With AVX-512 VNNI, Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights are repacked at load into a
+/// With AVX-512 VNNI or AVX2, Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights are repacked at load into a
 /// [`PackedMatrix`] (the file's bit width, the original bytes dropped; the k-quants only with
 /// `LoadOptions::pack_k_quants`): one int8 GEMM for every row count, each row's result
-/// independent of the batch, 2-4x QMatrix for few rows and ~2x the f32 panels for many, on
-/// a par with candle's k-quant GEMM (docs/performance.md). Otherwise few rows (decode, blended
+/// independent of the batch, the same values on both ISAs; on VNNI 2-4x QMatrix for few rows
+/// and ~2x the f32 panels for many, on a par with candle's k-quant GEMM; on AVX2 it decodes the
+/// 1.5B target in about half candle's time (docs/performance.md). Otherwise few rows (decode, blended
 /// prefill's small recompute, verification) multiply the blocks with int8 activations:
 /// [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop for the last two),
 /// candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes 1.3x faster on them
@@ -111,7 +112,7 @@ impl Quant {
             None => None,
         };
         let k_quant = matches!(ty, Some(QType::Q4K | QType::Q6K));
-        if pack && (pack_k_quants || !k_quant) && Isa::best() == Isa::Avx512Vnni {
+        if pack && (pack_k_quants || !k_quant) && Isa::best() != Isa::Portable {
             if let Some(p) = blocks.as_ref().and_then(QMatrix::pack) {
                 return Ok(Self {
                     dims: (rows, cols),
