@@ -1225,13 +1225,14 @@ mod tests {
         // the weights' signs make every product its largest: where the SIMD kernels sum
         // quant pairs in 16 bits, a sum past 2^15 would saturate and differ from the portable
         // loop's 32-bit sums.
-        for (ty, g) in [
-            (QType::Q8_0, GgmlDType::Q8_0),
-            (QType::Q5_0, GgmlDType::Q5_0),
-            (QType::Q4_1, GgmlDType::Q4_1),
-            (QType::Q4K, GgmlDType::Q4K),
-            (QType::Q6K, GgmlDType::Q6K),
-        ] {
+        for ty in QType::ALL {
+            let g = match ty {
+                QType::Q8_0 => GgmlDType::Q8_0,
+                QType::Q5_0 => GgmlDType::Q5_0,
+                QType::Q4_1 => GgmlDType::Q4_1,
+                QType::Q4K => GgmlDType::Q4K,
+                QType::Q6K => GgmlDType::Q6K,
+            };
             let (rows, cols) = (24, 512);
             let sign = |j: usize, k: usize| if (j * 7 + k * 3) % 5 < 2 { -1.0 } else { 1.0 };
             let w: Vec<f32> = (0..rows * cols).map(|i| sign(i / cols, i % cols)).collect();
