@@ -436,7 +436,8 @@ impl PackedMatrix {
         let isa = match isa {
             Isa::Avx512Vnni if Isa::best() == Isa::Avx512Vnni => isa,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if avx2::available() => isa,
+            // Either detected ISA implies AVX2, FMA and F16C (`Isa::detect`).
+            Isa::Avx2 if Isa::best() != Isa::Portable => isa,
             _ => Isa::Portable,
         };
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
@@ -475,7 +476,7 @@ impl PackedMatrix {
                     // SAFETY: as above.
                     Isa::Avx512Vnni => unsafe { vnni::group::<1>(p, &a, g, n, width, out) },
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `avx2::available()` confirmed the CPU features; as above.
+                    // SAFETY: `Isa::best()` confirmed AVX2, FMA and F16C; as above.
                     Isa::Avx2 if halves => unsafe { avx2::group::<2>(p, &a, g, n, width, out) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
@@ -784,20 +785,10 @@ mod avx2 {
     /// Activation rows per register tile: each keeps two 8-lane dot products live.
     const TILE_M: usize = 4;
 
-    /// Whether this CPU runs these kernels (AVX2, FMA and F16C), computed once.
-    pub(super) fn available() -> bool {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-        })
-    }
-
     /// [`group_portable`] on AVX2, [`TILE_M`] rows at a time, for blocks with `H` scales.
     ///
     /// # Safety
-    /// The CPU must have the features of [`available`], and `out` as for [`group_portable`].
+    /// The CPU must have AVX2, FMA and F16C, and `out` as for [`group_portable`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group<const H: usize>(
         p: &PackedMatrix,
