@@ -45,8 +45,8 @@ impl AsRef<[u8]> for TensorBytes {
 /// `LoadOptions::pack_k_quants`): one int8 GEMM for every row count, each row's result
 /// independent of the batch, the same values on both ISAs; on VNNI 2-4x QMatrix for few rows
 /// and ~2x the f32 panels for many, on a par with candle's k-quant GEMM; on AVX2 the 1.5B target
-/// decodes in ~0.7x the time it took on candle's k-quants and QMatrix (docs/performance.md). Otherwise few rows (decode, blended
-/// prefill's small recompute, verification) multiply the blocks with int8 activations:
+/// decodes in ~0.7x the time it took on candle's k-quants and QMatrix (docs/performance.md).
+/// Otherwise few rows (decode, blended prefill's small recompute, verification) multiply the blocks with int8 activations:
 /// [`QMatrix`] for Q8_0, Q5_0 and Q4_1 (candle has only a scalar loop for the last two),
 /// candle's kernels for the k-quants (Q4_K, Q6_K: the 1.5B target decodes 1.3x faster on them
 /// than on QMatrix). Many rows run either the same int8 kernels (a model made only of packed
