@@ -798,6 +798,128 @@ mod avx2 {
         width: usize,
         out: Out,
     ) {
+        let job = Job {
+            p,
+            a,
+            g,
+            width,
+            out,
+            pre: None,
+        };
+        if n <= TILE_M {
+            // SAFETY: the caller's contract; one tile, nothing to share between tiles.
+            unsafe { tiles::<H>(job, n) };
+            return;
+        }
+        // Over more than one tile, the group's scales and unpacked quants are computed once
+        // (the same operations, so the same values) and read by every tile, from this
+        // thread's scratch (no allocation per group; nothing here calls back into rayon, so
+        // the borrow is never taken twice).
+        SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            let Scratch { scales, quants } = &mut *scratch;
+            // SAFETY: the caller's features and contract.
+            let pre = unsafe { prepare(p, g, scales, quants) };
+            // SAFETY: as above.
+            let job = Job {
+                pre: Some(pre),
+                ..job
+            };
+            // SAFETY: as above.
+            unsafe { tiles::<H>(job, n) };
+        });
+    }
+
+    /// What every tile of a group shares: the matrix, the activations, the group, its width
+    /// and output, and its prepared tables.
+    #[derive(Clone, Copy)]
+    struct Job<'a> {
+        p: &'a PackedMatrix,
+        a: &'a Acts,
+        g: usize,
+        width: usize,
+        out: Out,
+        pre: Option<Pre<'a>>,
+    }
+
+    /// A thread's buffers for [`group`]'s tables.
+    #[derive(Default)]
+    struct Scratch {
+        scales: Vec<f32>,
+        quants: Vec<u8>,
+    }
+
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+    }
+
+    /// A group's scales and, for the nibble layouts, its quants as bytes, prepared once for
+    /// all its tiles.
+    #[derive(Clone, Copy)]
+    struct Pre<'a> {
+        /// [`SCALES_PER_BLOCK`] floats a block ([`scales_from`]).
+        scales: &'a [f32],
+        /// Per block its 8 chunks of 64 bytes, the quants [`unpack_pair`] returns (chunk `2p`
+        /// from `w0`, `2p + 1` from `w1`, 32 bytes a feature half); empty for Q8_0's bytes.
+        quants: &'a [u8],
+    }
+
+    /// Fills `scales` and `quants` for group `g` ([`Pre`]).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prepare<'a>(
+        p: &PackedMatrix,
+        g: usize,
+        scales: &'a mut Vec<f32>,
+        quants: &'a mut Vec<u8>,
+    ) -> Pre<'a> {
+        let nb = p.cols / 32;
+        let qb = p.planes.quant_bytes();
+        let masks = p.planes.masks();
+        scales.resize(nb * SCALES_PER_BLOCK, 0.0);
+        let nibbles = p.planes != Planes::Bytes;
+        quants.resize(if nibbles { nb * 8 * CHUNK } else { 0 }, 0);
+        for b in 0..nb {
+            // SAFETY: the caller's features; the group's block lies inside the matrix, and
+            // the destinations inside the buffers just sized.
+            unsafe {
+                let sc = [
+                    scales_of(&p.scales, nb, g, b, 0),
+                    scales_of(&p.scales, nb, g, b, 1),
+                ];
+                let dst = scales[b * SCALES_PER_BLOCK..][..SCALES_PER_BLOCK].as_mut_ptr();
+                for (f, sc) in sc.iter().enumerate() {
+                    for (h, (s, o)) in sc.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add(32 * f + 16 * h), *s);
+                        _mm256_storeu_ps(dst.add(32 * f + 16 * h + 8), *o);
+                    }
+                }
+                if nibbles {
+                    let wb = &p.q[(g * nb + b) * qb..][..qb];
+                    let hi = &p.hi[(g * nb + b) * masks..][..masks];
+                    let dst = quants[b * 8 * CHUNK..][..8 * CHUNK].as_mut_ptr();
+                    for pair in 0..4 {
+                        let (w0, w1) = unpack_pair(wb, hi, pair, p.planes);
+                        for f in 0..2 {
+                            let at = 2 * pair * CHUNK + 32 * f;
+                            _mm256_storeu_si256(dst.add(at).cast(), w0[f]);
+                            _mm256_storeu_si256(dst.add(at + CHUNK).cast(), w1[f]);
+                        }
+                    }
+                }
+            }
+        }
+        Pre { scales, quants }
+    }
+
+    /// Every tile of the group's `n` rows.
+    ///
+    /// # Safety
+    /// As [`group`]; `job.pre`, where given, prepared for the group.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tiles<const H: usize>(job: Job<'_>, n: usize) {
         let mut m0 = 0;
         while m0 < n {
             let t = (n - m0).min(TILE_M);
@@ -805,13 +927,41 @@ mod avx2 {
             // how often the group's weights are unpacked.
             unsafe {
                 match t {
-                    4 => tile::<4, H>(p, a, g, m0, width, out),
-                    3 => tile::<3, H>(p, a, g, m0, width, out),
-                    2 => tile::<2, H>(p, a, g, m0, width, out),
-                    _ => tile::<1, H>(p, a, g, m0, width, out),
+                    4 => tile::<4, H>(job, m0),
+                    3 => tile::<3, H>(job, m0),
+                    2 => tile::<2, H>(job, m0),
+                    _ => tile::<1, H>(job, m0),
                 }
             }
             m0 += t;
+        }
+    }
+
+    /// Floats of a block's scales in [`group`]'s table: per feature half, per scale half,
+    /// 8 lanes of `s` then 8 of `o`.
+    const SCALES_PER_BLOCK: usize = 64;
+
+    /// The scales of block `b` stored by [`group`] in `table`, as [`scales_of`] returns them
+    /// for feature halves 0 and 1.
+    ///
+    /// # Safety
+    /// AVX must be enabled in the caller.
+    #[inline(always)]
+    unsafe fn scales_from(table: &[f32], b: usize) -> [[(__m256, __m256); 2]; 2] {
+        let t = &table[b * SCALES_PER_BLOCK..][..SCALES_PER_BLOCK];
+        // SAFETY: 64 floats checked above; the caller's features.
+        unsafe {
+            let p = t.as_ptr();
+            [
+                [
+                    (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))),
+                    (_mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))),
+                ],
+                [
+                    (_mm256_loadu_ps(p.add(32)), _mm256_loadu_ps(p.add(40))),
+                    (_mm256_loadu_ps(p.add(48)), _mm256_loadu_ps(p.add(56))),
+                ],
+            ]
         }
     }
 
@@ -955,6 +1105,38 @@ mod avx2 {
         }
     }
 
+    /// [`unpack_pair`]'s quants, from the group's prepared bytes where there are some.
+    ///
+    /// # Safety
+    /// As [`unpack_pair`]; `pre` prepared for this block's group.
+    #[inline(always)]
+    unsafe fn pair_of(
+        pre: Option<Pre<'_>>,
+        wb: &[u8],
+        hi: &[u64],
+        b: usize,
+        pair: usize,
+        planes: Planes,
+    ) -> ([__m256i; 2], [__m256i; 2]) {
+        // SAFETY: the caller's features; the slice bounds are checked.
+        unsafe {
+            match pre {
+                Some(pre) => {
+                    let q = &pre.quants[b * 8 * CHUNK + 2 * pair * CHUNK..][..2 * CHUNK];
+                    let at = |o: usize| q[o..o + 32].as_ptr().cast::<__m256i>();
+                    (
+                        [_mm256_loadu_si256(at(0)), _mm256_loadu_si256(at(32))],
+                        [
+                            _mm256_loadu_si256(at(CHUNK)),
+                            _mm256_loadu_si256(at(CHUNK + 32)),
+                        ],
+                    )
+                }
+                None => unpack_pair(wb, hi, pair, planes),
+            }
+        }
+    }
+
     /// Chunk `c` of a Q8_0 block per feature half, as signed quants `w = u - 128` and their
     /// magnitudes.
     ///
@@ -996,20 +1178,106 @@ mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const M: usize, const H: usize>(
-        p: &PackedMatrix,
-        a: &Acts,
-        g: usize,
+    /// The integer dot products of part `h` of block `b` (its 32 columns, or with two
+    /// scales a block the half `h`) for `M` activation rows, per feature half; Q8_0's include
+    /// the `128 Σ x` of its unsigned quants.
+    ///
+    /// # Safety
+    /// AVX2 must be enabled in the caller; `rows` point at `M` activation rows of the job's.
+    #[inline(always)]
+    unsafe fn dots<const M: usize, const H: usize>(
+        job: Job<'_>,
+        rows: [*const i8; M],
         m0: usize,
-        width: usize,
-        out: Out,
-    ) {
+        b: usize,
+        h: usize,
+    ) -> [[__m256i; 2]; M] {
+        let (p, a) = (job.p, job.a);
+        let nb = p.cols / 32;
+        let (qb, masks) = (p.planes.quant_bytes(), p.planes.masks());
+        let wb = &p.q[(job.g * nb + b) * qb..][..qb];
+        let hi = &p.hi[(job.g * nb + b) * masks..][..masks];
+        let parts = if H == 2 { h * 2..h * 2 + 2 } else { 0..4 };
+        // Both feature halves of a chunk per pass, so each row's activation bytes are
+        // broadcast once for the 16 features.
+        // SAFETY (all): the caller's features; chunks of block `b` of the group and of the
+        // rows, inside both.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let mut dot = [[_mm256_setzero_si256(); 2]; M];
+            match p.planes {
+                Planes::Bytes => {
+                    for c in parts.start * 2..parts.end * 2 {
+                        let (w, aw) = signed_chunk(wb, c);
+                        for (dm, row) in dot.iter_mut().zip(rows) {
+                            let x = x4(row, b * 32 + c * 4);
+                            for f in 0..2 {
+                                let pairs = _mm256_maddubs_epi16(aw[f], _mm256_sign_epi8(x, w[f]));
+                                dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
+                            }
+                        }
+                    }
+                    // Q8_0's signed quants: Σ u·x = Σ w·x + 128 Σ x.
+                    for (m, dm) in dot.iter_mut().enumerate() {
+                        let shift = _mm256_set1_epi32(a.sum[(m0 + m) * nb + b] << 7);
+                        for d in dm.iter_mut() {
+                            *d = _mm256_add_epi32(*d, shift);
+                        }
+                    }
+                }
+                Planes::Nibbles => {
+                    // 4-bit quants (at most 15): a lane sums at most 8 `vpmaddubsw` pairs over
+                    // a block, 16 products of at most 15 · 127, 30,480 < 2^15, so the pairs
+                    // add in 16 bits and widen once per block (the same integer).
+                    let mut d16 = [[_mm256_setzero_si256(); 2]; M];
+                    for pair in parts {
+                        let (w0, w1) = pair_of(job.pre, wb, hi, b, pair, p.planes);
+                        let at = b * 32 + pair * 8;
+                        for (d, row) in d16.iter_mut().zip(rows) {
+                            let (x0, x1) = (x4(row, at), x4(row, at + 4));
+                            for f in 0..2 {
+                                let pairs = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(w0[f], x0),
+                                    _mm256_maddubs_epi16(w1[f], x1),
+                                );
+                                d[f] = _mm256_add_epi16(d[f], pairs);
+                            }
+                        }
+                    }
+                    for (dm, d) in dot.iter_mut().zip(d16) {
+                        for f in 0..2 {
+                            dm[f] = _mm256_madd_epi16(d[f], ones);
+                        }
+                    }
+                }
+                Planes::NibblesHigh | Planes::Nibbles6 | Planes::Nibbles6Fields => {
+                    for pair in parts {
+                        let (w0, w1) = pair_of(job.pre, wb, hi, b, pair, p.planes);
+                        let at = b * 32 + pair * 8;
+                        for (dm, row) in dot.iter_mut().zip(rows) {
+                            let (x0, x1) = (x4(row, at), x4(row, at + 4));
+                            for f in 0..2 {
+                                // Quants below 64: four products stay below 2^15.
+                                let pairs = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(w0[f], x0),
+                                    _mm256_maddubs_epi16(w1[f], x1),
+                                );
+                                dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
+                            }
+                        }
+                    }
+                }
+            }
+            dot
+        }
+    }
+
+    /// Rows `m0..m0 + M` of the job's group.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const M: usize, const H: usize>(job: Job<'_>, m0: usize) {
+        let (p, a, g) = (job.p, job.a, job.g);
         let nb = p.cols / 32;
         let qb = p.planes.quant_bytes();
-        let masks = p.planes.masks();
-        let halves = H == 2;
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; M];
         assert!((m0 + M) * a.cols <= a.q.len() && nb * 32 <= a.cols);
         // SAFETY: rows `m0..m0 + M` of the activations are in bounds (asserted above).
@@ -1017,74 +1285,28 @@ mod avx2 {
             std::array::from_fn(|m| unsafe { a.q.as_ptr().add((m0 + m) * a.cols) });
         for b in 0..nb {
             let wb = &p.q[(g * nb + b) * qb..][..qb];
-            let hi = &p.hi[(g * nb + b) * masks..][..masks];
             // Ahead of use, as the VNNI kernel does (a prefetch never faults).
             for c in (0..qb).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().wrapping_add(PREFETCH + c).cast());
             }
-            // SAFETY: the scales of the group's block lie inside the vectors.
-            let (lo, hi8) = unsafe {
-                (
-                    scales_of(&p.scales, nb, g, b, 0),
-                    scales_of(&p.scales, nb, g, b, 1),
-                )
+            // SAFETY: the scales of the group's block lie inside the vectors or the table.
+            let [lo, hi8] = unsafe {
+                match job.pre {
+                    Some(pre) => scales_from(pre.scales, b),
+                    None => [
+                        scales_of(&p.scales, nb, g, b, 0),
+                        scales_of(&p.scales, nb, g, b, 1),
+                    ],
+                }
             };
             let sw = [[lo[0], hi8[0]], [lo[1], hi8[1]]];
             for (h, sw) in sw.iter().enumerate().take(H) {
-                let mut dot = [[_mm256_setzero_si256(); 2]; M];
-                let parts = if halves { h * 2..h * 2 + 2 } else { 0..4 };
-                // Both feature halves of a chunk per pass, so each row's activation bytes are
-                // broadcast once for the 16 features.
-                match p.planes {
-                    Planes::Bytes => {
-                        for c in parts.start * 2..parts.end * 2 {
-                            // SAFETY: 64 bytes at `c * 64` lie inside the block's 512.
-                            let (w, aw) = unsafe { signed_chunk(wb, c) };
-                            for (dm, row) in dot.iter_mut().zip(rows) {
-                                // SAFETY: chunk `c` of block `b` of a row of `a`.
-                                let x = unsafe { x4(row, b * 32 + c * 4) };
-                                for f in 0..2 {
-                                    let pairs =
-                                        _mm256_maddubs_epi16(aw[f], _mm256_sign_epi8(x, w[f]));
-                                    dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
-                                }
-                            }
-                        }
-                    }
-                    Planes::Nibbles
-                    | Planes::NibblesHigh
-                    | Planes::Nibbles6
-                    | Planes::Nibbles6Fields => {
-                        for pair in parts {
-                            // SAFETY: the pair's 64 bytes and masks lie inside the block's.
-                            let (w0, w1) = unsafe { unpack_pair(wb, hi, pair, p.planes) };
-                            let at = b * 32 + pair * 8;
-                            for (dm, row) in dot.iter_mut().zip(rows) {
-                                // SAFETY: chunks `2 pair` and `2 pair + 1` of block `b`.
-                                let (x0, x1) = unsafe { (x4(row, at), x4(row, at + 4)) };
-                                for f in 0..2 {
-                                    // Quants below 64: four products stay below 2^15.
-                                    let pairs = _mm256_add_epi16(
-                                        _mm256_maddubs_epi16(w0[f], x0),
-                                        _mm256_maddubs_epi16(w1[f], x1),
-                                    );
-                                    dm[f] = _mm256_add_epi32(dm[f], _mm256_madd_epi16(pairs, ones));
-                                }
-                            }
-                        }
-                    }
-                }
+                // SAFETY: `rows` are the tile's, inside the activations.
+                let dot = unsafe { dots::<M, H>(job, rows, m0, b, h) };
                 for (m, (acc, dot)) in acc.iter_mut().zip(dot).enumerate() {
                     let i = (m0 + m) * nb + b;
-                    let ds = if halves { a.ds2[2 * i + h] } else { a.ds[i] };
-                    // Q8_0's signed quants: Σ u·x = Σ w·x + 128 Σ x.
-                    let shift = if p.planes == Planes::Bytes {
-                        _mm256_set1_epi32(a.sum[i] << 7)
-                    } else {
-                        _mm256_setzero_si256()
-                    };
+                    let ds = if H == 2 { a.ds2[2 * i + h] } else { a.ds[i] };
                     for ((acc, dot), (s, o)) in acc.iter_mut().zip(dot).zip(sw) {
-                        let dot = _mm256_add_epi32(dot, shift);
                         let scale = _mm256_mul_ps(*s, _mm256_set1_ps(a.d[i]));
                         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
                         *acc = _mm256_fmadd_ps(*o, _mm256_set1_ps(ds), *acc);
@@ -1094,7 +1316,7 @@ mod avx2 {
         }
         for (m, v) in acc.iter().enumerate() {
             // SAFETY: the caller's contract: `width` columns of row `m0 + m` are this group's.
-            unsafe { store(v, out.0.add((m0 + m) * p.rows + g * GROUP), width) };
+            unsafe { store(v, job.out.0.add((m0 + m) * p.rows + g * GROUP), job.width) };
         }
     }
 }
@@ -1214,9 +1436,18 @@ mod tests {
     fn the_largest_quants_against_the_largest_activations_stay_exact_on_every_isa() {
         // Weights of ±1 quantize to the format's extreme quants, and activations of ±1 with
         // the weights' signs make every product its largest: where the SIMD kernels sum
-        // quant pairs in 16 bits, a sum past 2^15 would saturate and differ from the portable
-        // loop's 32-bit sums.
-        for ty in QType::ALL {
+        // quant pairs in 16 bits, a sum past 2^15 would saturate or wrap and differ from the
+        // portable loop's 32-bit sums. Two sign patterns: mixed, and all +1 but one weight a
+        // block (the largest quant nearly everywhere, so a lane's 16-bit sum over a block is
+        // its largest); 2 rows (one tile) and 6 (the tiles of AVX2's prepared group).
+        let mixed = |j: usize, k: usize| if (j * 7 + k * 3) % 5 < 2 { -1.0 } else { 1.0 };
+        let high = |j: usize, k: usize| if k % 32 == j % 32 { -1.0 } else { 1.0 };
+        let patterns: [&dyn Fn(usize, usize) -> f32; 2] = [&mixed, &high];
+        for (ty, sign, n) in QType::ALL
+            .into_iter()
+            .flat_map(|ty| patterns.map(|s| (ty, s)))
+            .flat_map(|(ty, s)| [(ty, s, 2), (ty, s, 6)])
+        {
             let g = match ty {
                 QType::Q8_0 => GgmlDType::Q8_0,
                 QType::Q5_0 => GgmlDType::Q5_0,
@@ -1225,7 +1456,6 @@ mod tests {
                 QType::Q6K => GgmlDType::Q6K,
             };
             let (rows, cols) = (24, 512);
-            let sign = |j: usize, k: usize| if (j * 7 + k * 3) % 5 < 2 { -1.0 } else { 1.0 };
             let w: Vec<f32> = (0..rows * cols).map(|i| sign(i / cols, i % cols)).collect();
             let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).expect("tensor");
             let q = QTensor::quantize(&t, g).expect("quantize");
@@ -1236,13 +1466,13 @@ mod tests {
                 .into_iter()
                 .flat_map(|p| [(p.clone(), 1.0f32), (p, -1.0)])
             {
-                let x: Vec<f32> = (0..2 * cols)
+                let x: Vec<f32> = (0..n * cols)
                     .map(|k| flip * sign(k / cols, k % cols))
                     .collect();
-                let portable = p.matmul_on(Isa::Portable, &x, 2).expect("portable");
+                let portable = p.matmul_on(Isa::Portable, &x, n).expect("portable");
                 for isa in [Isa::Avx512Vnni, Isa::Avx2] {
-                    let got = p.matmul_on(isa, &x, 2).expect("simd");
-                    assert_eq!(portable, got, "{ty:?} {isa:?} flip {flip}");
+                    let got = p.matmul_on(isa, &x, n).expect("simd");
+                    assert_eq!(portable, got, "{ty:?} {isa:?} flip {flip} n={n}");
                 }
                 // Row 0 against weight row 0 is every product at its largest: the dot equals
                 // the sum of the absolute weights.
