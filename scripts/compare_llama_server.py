@@ -19,7 +19,9 @@ questions in turn, the order alternating between configurations. Each client str
 the time to the first streamed text that stands is taken at the client (queueing included;
 text the fidelity guard withdraws later does not count, the text that replaced it does). Prints, per configuration and engine, the median and
 95th-percentile client TTFT, requests per minute over the configuration's wall time, and for
-specrag how many requests the guard escalated; one JSON line per request goes to OUT/requests.jsonl.
+specrag how many requests the guard escalated, and how many failed (an `error` event, a 503 or
+504, a dropped connection: counted, logged with the server's reason, left out of the TTFT
+percentiles); one JSON line per request goes to OUT/requests.jsonl.
 
     python3 scripts/compare_llama_server.py \
         --llama-server PATH/llama-server --out DIR [--questions 8] [--answers 32,256] \
@@ -189,7 +191,13 @@ class Specrag(Server):
     def ask(self, q, max_tokens):
         first, events, total = sse(self.port, "/rag/query", {"query": q["question"], "max_tokens": max_tokens,
                                                             "stream": True})
-        done = next(d for n, d in events if n == "done")
+        done = next((d for n, d in events if n == "done"), None)
+        if done is None:
+            # A request the server stopped (its deadline, an internal error) is a failed request
+            # in the results, not a worker that dies.
+            err = next((d for n, d in events if n == "error"), {})
+            return {"ttft_s": None, "total_s": total, "tokens": 0, "escalated": False,
+                    "answer": None, "failed": err.get("title") or err.get("detail") or "no done event"}
         return {"ttft_s": first, "total_s": total, "tokens": done["tokens"],
                 "escalated": done["reuse"]["guard"]["escalated"], "answer": done["answer"],
                 "second_look": done["reuse"]["guard"].get("second_look", False),
@@ -231,7 +239,12 @@ def run_config(engine, questions, max_tokens, clients):
                 q = todo.get_nowait()
             except queue.Empty:
                 return
-            row = engine.ask(q, max_tokens)
+            try:
+                row = engine.ask(q, max_tokens)
+            except (OSError, RuntimeError) as e:
+                # A refused or dropped request (a 503, a 504, a reset): counted as failed.
+                row = {"ttft_s": None, "total_s": None, "tokens": 0, "escalated": False,
+                       "answer": None, "failed": str(e)[:300]}
             row["id"] = q["id"]
             with lock:
                 rows.append(row)
@@ -374,7 +387,7 @@ def main():
                     r = engine.ask(q, max_tokens)
                     r["id"] = q["id"]
                     rows[name].append(r)
-            walls = {n: sum(r["total_s"] for r in rs) for n, rs in rows.items()}
+            walls = {n: sum(r["total_s"] or 0 for r in rs) for n, rs in rows.items()}
             for _, engine in pair:
                 engine.stop()
         else:
@@ -393,7 +406,13 @@ def main():
                 out.write(json.dumps(dict(r, engine=name, max_tokens=max_tokens, clients=clients)) + "\n")
             out.flush()
             ttfts = [r["ttft_s"] for r in rows[name] if r["ttft_s"] is not None]
+            failed = [r for r in rows[name] if r.get("failed")]
+            for r in failed:
+                log(f"{name}: {r['id']} failed: {r['failed']}")
+            if not ttfts:
+                ttfts = [float("nan")]
             s_ = {"engine": name, "max_tokens": max_tokens, "clients": clients, "requests": len(rows[name]),
+                  "failed": len(failed),
                   "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": pct(ttfts, 95),
                   "requests_per_min": 60 * len(rows[name]) / walls[name], "wall_s": walls[name]}
             if name.startswith("specrag"):
@@ -428,7 +447,8 @@ def main():
                       f"{sp['ttft_p95_s']:.1f} vs {ll['ttft_p95_s']:.1f} s ({sp['ttft_p95_s'] / ll['ttft_p95_s']:.2f}x), "
                       f"requests/min {sp['requests_per_min']:.2f} vs {ll['requests_per_min']:.2f} "
                       f"({sp['requests_per_min'] / ll['requests_per_min']:.2f}x), "
-                      f"escalated {sp['escalated']}/{sp['requests']}")
+                      f"escalated {sp['escalated']}/{sp['requests']}, failed {sp['failed']} and "
+                      f"{ll['failed']}")
 
 if __name__ == "__main__":
     main()
