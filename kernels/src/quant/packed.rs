@@ -820,7 +820,6 @@ mod avx2 {
             let Scratch { scales, quants } = &mut *scratch;
             // SAFETY: the caller's features and contract.
             let pre = unsafe { prepare(p, g, scales, quants) };
-            // SAFETY: as above.
             let job = Job {
                 pre: Some(pre),
                 ..job
@@ -1285,9 +1284,12 @@ mod avx2 {
             std::array::from_fn(|m| unsafe { a.q.as_ptr().add((m0 + m) * a.cols) });
         for b in 0..nb {
             let wb = &p.q[(g * nb + b) * qb..][..qb];
-            // Ahead of use, as the VNNI kernel does (a prefetch never faults).
-            for c in (0..qb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().wrapping_add(PREFETCH + c).cast());
+            // Ahead of use, as the VNNI kernel does (a prefetch never faults); quants
+            // prepared in the scratch are read from there instead.
+            if job.pre.is_none_or(|pre| pre.quants.is_empty()) {
+                for c in (0..qb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().wrapping_add(PREFETCH + c).cast());
+                }
             }
             // SAFETY: the scales of the group's block lie inside the vectors or the table.
             let [lo, hi8] = unsafe {
